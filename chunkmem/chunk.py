@@ -1,0 +1,244 @@
+"""A chunk: one fixed-size flat buffer per state family, holding a run of whole parameters.
+
+Every state family of a chunk (16-bit or fp32 ``param``, ``grad``, fp32 ``master``, ``exp_avg``,
+``exp_avg_sq``) has the same length and layout, so a parameter's slot is one (chunk, offset, numel) for
+all of them and the optimizer updates a chunk with one call over flat buffers.
+
+The ``param`` family is special: parameters are views (``param.data``) into its device-tier buffer,
+whose storage is freed (resized to 0 bytes) when the chunk is not resident and re-allocated in place
+when it is fetched again. Views made by autograd during forward stay valid through such a round trip.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from .ledger import TierLedger
+from .tiers import Tier, device_of_tier, empty_on_tier
+
+PARAM = "param"
+GRAD = "grad"
+GRAD_STAGING = "grad_staging"
+MASTER = "master"
+EXP_AVG = "exp_avg"
+EXP_AVG_SQ = "exp_avg_sq"
+OPTIM_FAMILIES = (MASTER, EXP_AVG, EXP_AVG_SQ)
+
+
+@dataclass(frozen=True)
+class ChunkKey:
+    """What all parameters of one chunk share: trainability and optimizer param-group index."""
+
+    trainable: bool
+    group: int = 0
+
+
+@dataclass(eq=False)
+class ParamSlot:
+    """Where one parameter lives: ``numel`` elements from ``offset`` (elements) in ``chunk``."""
+
+    param: nn.Parameter
+    name: str
+    chunk: "Chunk"
+    offset: int
+    numel: int
+    shape: torch.Size
+    index_in_chunk: int = 0
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        """This parameter's slice of a flat buffer of the chunk, shaped like the parameter."""
+        return flat[self.offset:self.offset + self.numel].view(self.shape)
+
+
+class FlatBuffer:
+    """One state family of one chunk: a flat buffer on one tier at a time, its bytes on the ledger."""
+
+    def __init__(self, family: str, numel: int, dtype: torch.dtype, ledger: TierLedger, owner: str) -> None:
+        self.family = family
+        self.numel = numel
+        self.dtype = dtype
+        self.ledger = ledger
+        self.owner = owner
+        self.tensor: torch.Tensor | None = None
+        self.tier: Tier | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffer when allocated."""
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def allocated(self) -> bool:
+        return self.tensor is not None
+
+    def allocate(self, tier: Tier, zero: bool = False) -> torch.Tensor:
+        """Allocate the buffer on ``tier`` (zero-filled if ``zero``); it must not be allocated yet."""
+        assert self.tensor is None, f"{self.owner}.{self.family} already allocated"
+        self.ledger.reserve(tier, self.family, self.nbytes, f"{self.owner}.{self.family}")
+        self.tensor = empty_on_tier(tier, self.numel, self.dtype)
+        if zero:
+            self.tensor.zero_()
+        self.tier = tier
+        return self.tensor
+
+    def move_to(self, tier: Tier) -> None:
+        """Copy the buffer into a new buffer on ``tier`` and free the old one."""
+        assert self.tensor is not None
+        if tier is self.tier:
+            return
+        old, old_tier = self.tensor, self.tier
+        self.ledger.reserve(tier, self.family, self.nbytes, f"{self.owner}.{self.family}")
+        new = empty_on_tier(tier, self.numel, self.dtype)
+        new.copy_(old)
+        self.tensor, self.tier = new, tier
+        self.ledger.release(old_tier, self.family, self.nbytes)
+
+    def free(self) -> None:
+        if self.tensor is not None:
+            self.ledger.release(self.tier, self.family, self.nbytes)
+            self.tensor, self.tier = None, None
+
+
+class ParamBuffer:
+    """The ``param`` family of a chunk: a device-tier copy that parameters view, and a host-tier copy.
+
+    Either copy may be missing. ``device_valid`` / ``host_valid`` say which copies hold the current
+    contents; ``holds_grads`` says the contents are gradients (``reuse_fp16_shard``), not values.
+    """
+
+    def __init__(self, numel: int, dtype: torch.dtype, ledger: TierLedger, owner: str) -> None:
+        self.numel = numel
+        self.dtype = dtype
+        self.ledger = ledger
+        self.owner = owner
+        self.nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        self.device = torch.empty(numel, dtype=dtype, device=device_of_tier(Tier.DEVICE))
+        self.device.untyped_storage().resize_(0)
+        self.device_valid = False
+        self.host = FlatBuffer(PARAM, numel, dtype, ledger, owner)
+        self.host_valid = False
+        self.holds_grads = False
+
+    @property
+    def device_allocated(self) -> bool:
+        return self.device.untyped_storage().nbytes() > 0
+
+    def allocate_device(self) -> None:
+        """Give the device copy its memory back (contents undefined until written)."""
+        if not self.device_allocated:
+            self.ledger.reserve(Tier.DEVICE, PARAM, self.nbytes, f"{self.owner}.{PARAM}")
+            self.device.untyped_storage().resize_(self.nbytes)
+
+    def fetch_to_device(self) -> None:
+        """Make the device copy current, copying from the host copy if needed."""
+        if self.device_valid:
+            return
+        assert self.host_valid, f"{self.owner}: no valid copy of the parameters"
+        self.allocate_device()
+        self.device.copy_(self.host.tensor, non_blocking=True)
+        self.device_valid = True
+
+    def free_device(self) -> None:
+        """Free the device copy, first copying it to the host if the host copy is not current."""
+        if not self.device_allocated:
+            return
+        if self.device_valid and not self.host_valid:
+            self.write_back_to_host()
+        self.device.untyped_storage().resize_(0)
+        self.ledger.release(Tier.DEVICE, PARAM, self.nbytes)
+        self.device_valid = False
+
+    def write_back_to_host(self) -> None:
+        """Copy the device copy into the host copy (allocating it) and mark the host copy current."""
+        if not self.host.allocated:
+            self.host.allocate(Tier.HOST)
+        self.host.tensor.copy_(self.device)
+        self.host_valid = True
+
+    def free_host(self) -> None:
+        """Free the host copy, first making the device copy current if it is the only one."""
+        if not self.host.allocated:
+            return
+        if self.host_valid and not self.device_valid:
+            self.fetch_to_device()
+        self.host.free()
+        self.host_valid = False
+
+    def current(self) -> torch.Tensor:
+        """A tensor holding the current contents: the device copy if current, else the host copy."""
+        if self.device_valid:
+            return self.device
+        assert self.host_valid, f"{self.owner}: no valid copy of the parameters"
+        return self.host.tensor
+
+    def resting_tier(self) -> Tier:
+        return Tier.DEVICE if self.device_valid and not self.host.allocated else Tier.HOST
+
+
+class Chunk:
+    """A fixed number of elements (``numel``) holding whole parameters of one :class:`ChunkKey`."""
+
+    def __init__(self, index: int, numel: int, dtype: torch.dtype, key: ChunkKey, ledger: TierLedger) -> None:
+        self.index = index
+        self.numel = numel
+        self.dtype = dtype
+        self.key = key
+        self.ledger = ledger
+        self.name = f"chunk{index}"
+        self.slots: list[ParamSlot] = []
+        self.used_numel = 0
+        self.size_was_given = False
+        self.param = ParamBuffer(numel, dtype, ledger, self.name)
+        self.grad = FlatBuffer(GRAD, numel, dtype, ledger, self.name)
+        self.grad_staging = FlatBuffer(GRAD_STAGING, numel, dtype, ledger, self.name)
+        self.optim: dict[str, FlatBuffer] = {
+            family: FlatBuffer(family, numel, torch.float32, ledger, self.name) for family in OPTIM_FAMILIES}
+        # Per-backward bookkeeping, reset by the manager.
+        self.grad_slots_received: set[int] = set()
+        self.grads_finished = False
+        self.users = 0
+        self.held_for_backward = False
+        self.step = 0
+
+    @property
+    def trainable(self) -> bool:
+        return self.key.trainable
+
+    @property
+    def has_master(self) -> bool:
+        """Whether the fp32 master is a separate family (16-bit params) or the params themselves (fp32)."""
+        return self.trainable and self.dtype != torch.float32
+
+    @property
+    def element_size(self) -> int:
+        return self.param.nbytes // self.numel
+
+    def fits(self, numel: int) -> bool:
+        return self.used_numel + numel <= self.numel
+
+    def add_slot(self, param: nn.Parameter, name: str) -> ParamSlot:
+        slot = ParamSlot(param, name, self, self.used_numel, param.numel(), param.shape, len(self.slots))
+        self.slots.append(slot)
+        self.used_numel += slot.numel
+        return slot
+
+    def bind_views(self, flat: torch.Tensor) -> None:
+        """Point every parameter's ``.data`` at its slice of ``flat``. A view can only be cut from
+        allocated storage, so storage freed to 0 bytes is given its size for the moment of cutting."""
+        storage = flat.untyped_storage()
+        freed = storage.nbytes() == 0
+        if freed:
+            storage.resize_(flat.numel() * flat.element_size())
+        for slot in self.slots:
+            slot.param.data = slot.view(flat)
+        if freed:
+            storage.resize_(0)
+
+    def trainable_slots(self) -> list[ParamSlot]:
+        return [s for s in self.slots if s.param.requires_grad]
+
+    def __repr__(self) -> str:
+        return (f"Chunk({self.index}, numel={self.numel}, used={self.used_numel}, dtype={self.dtype}, "
+                f"key={self.key}, params={len(self.slots)})")

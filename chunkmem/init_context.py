@@ -1,0 +1,170 @@
+"""ZeroInitContext: parameters created inside go straight into chunk storage in the training dtype."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .chunk import Chunk, ChunkKey
+from .errors import InvalidArgumentError, check_type
+from .layout import ALIGN_ELEMENTS
+from .ledger import TierLedger
+from .manager import SLOT_ATTR, slot_of
+from .shard_strategy import BaseShardStrategy
+from .tiers import Tier, device_memory_capacity, device_of_tier, tier_of_device
+
+DEFAULT_INIT_CHUNK_BYTES = 64 * 2**20
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_dtype(argument: str, dtype: Any) -> None:
+    if dtype not in SUPPORTED_DTYPES:
+        raise InvalidArgumentError(argument, dtype, "torch.float16, torch.bfloat16 or torch.float32")
+
+
+def check_chunk_size(chunk_size: Any) -> None:
+    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
+                                   or chunk_size <= 0):
+        raise InvalidArgumentError("chunk_size", chunk_size, "None (searched) or a positive byte count")
+
+
+class ZeroInitContext:
+    """Build a model whose parameters go straight into chunks of ``dtype`` on ``target_device``.
+
+    Each module's parameters are converted as soon as the module's ``__init__`` returns (so its own
+    initialisation ran in fp32), which keeps at most one module's parameters in fp32 at a time. Later
+    ``nn.init`` calls write into the chunk storage and work as usual. Floating-point buffers are cast to
+    ``dtype`` and moved to ``target_device``.
+
+    Args:
+        target_device: where the chunks are created: a CUDA device (device tier) or the CPU (host tier).
+        shard_strategy: a :class:`~chunkmem.BaseShardStrategy`.
+        shard_param: shard each chunk over the data-parallel ranks at creation (one rank: no effect).
+        dtype: parameter storage and compute dtype: torch.float16, torch.bfloat16 or torch.float32.
+        chunk_size: bytes per chunk while building (a parameter larger than that gets a chunk of its
+            own size); ``ShardedModelV2`` keeps it, or re-packs with the searched size if ``None``.
+        model_numel_tensor: if given, a one-element tensor that receives the number of parameter
+            elements created.
+    """
+
+    def __init__(self, target_device: torch.device | str | int, shard_strategy: BaseShardStrategy,
+                 shard_param: bool = False, dtype: torch.dtype = torch.float16, chunk_size: int | None = None,
+                 model_numel_tensor: torch.Tensor | None = None) -> None:
+        self.tier = tier_of_device(target_device, "target_device")
+        check_type("shard_strategy", shard_strategy, BaseShardStrategy,
+                   "an instance of TensorShardStrategy or BucketTensorShardStrategy")
+        check_type("shard_param", shard_param, bool, "True or False")
+        check_dtype("dtype", dtype)
+        check_chunk_size(chunk_size)
+        if model_numel_tensor is not None and (not isinstance(model_numel_tensor, torch.Tensor)
+                                               or model_numel_tensor.numel() != 1):
+            raise InvalidArgumentError("model_numel_tensor", model_numel_tensor, "None or a one-element tensor")
+        self.shard_strategy = shard_strategy
+        self.shard_param = shard_param
+        self.dtype = dtype
+        self.chunk_size = chunk_size
+        self.model_numel_tensor = model_numel_tensor
+        element_size = torch.empty((), dtype=dtype).element_size()
+        self.chunk_numel = (chunk_size or DEFAULT_INIT_CHUNK_BYTES) // element_size
+        self.ledger = TierLedger(device_memory_capacity())
+        self.chunks: list[Chunk] = []
+        self._open: dict[ChunkKey, Chunk] = {}
+        self._init_depth: dict[int, int] = {}
+        self._patched: dict[type, Any] = {}
+        self._numel = 0
+
+    # ---- patching module constructors --------------------------------------------------------------
+
+    def __enter__(self) -> "ZeroInitContext":
+        for cls in _all_module_classes():
+            self._wrap_init(cls)
+        context = self
+
+        def init_subclass(cls: type, **kwargs: Any) -> None:
+            super(nn.Module, cls).__init_subclass__(**kwargs)
+            context._wrap_init(cls)
+
+        self._saved_init_subclass = nn.Module.__dict__.get("__init_subclass__")
+        nn.Module.__init_subclass__ = classmethod(init_subclass)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for cls, original in self._patched.items():
+            cls.__init__ = original
+        self._patched.clear()
+        if self._saved_init_subclass is None:
+            del nn.Module.__init_subclass__
+        else:
+            nn.Module.__init_subclass__ = self._saved_init_subclass
+        if self.model_numel_tensor is not None:
+            self.model_numel_tensor.fill_(self._numel)
+
+    def _wrap_init(self, cls: type) -> None:
+        if "__init__" not in cls.__dict__ or cls in self._patched:
+            return
+        original = cls.__dict__["__init__"]
+        context = self
+
+        def init(module: nn.Module, *args: Any, **kwargs: Any) -> None:
+            key = id(module)
+            context._init_depth[key] = context._init_depth.get(key, 0) + 1
+            try:
+                original(module, *args, **kwargs)
+            finally:
+                context._init_depth[key] -= 1
+            if context._init_depth[key] == 0:
+                del context._init_depth[key]
+                context._convert(module)
+
+        init.__wrapped__ = original  # type: ignore[attr-defined]
+        self._patched[cls] = original
+        cls.__init__ = init
+
+    # ---- moving a finished module into chunks ------------------------------------------------------
+
+    def _convert(self, module: nn.Module) -> None:
+        for name, param in module._parameters.items():
+            if param is not None and slot_of(param) is None:
+                self._add_param(f"{type(module).__name__}.{name}", param)
+        device = device_of_tier(self.tier)
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                dtype = self.dtype if buf.is_floating_point() else buf.dtype
+                module._buffers[name] = buf.to(device=device, dtype=dtype)
+
+    def _add_param(self, name: str, param: nn.Parameter) -> None:
+        key = ChunkKey(param.requires_grad, 0)
+        chunk = self._open.get(key)
+        if chunk is None or not chunk.fits(param.numel()):
+            numel = max(self.chunk_numel, -(-param.numel() // ALIGN_ELEMENTS) * ALIGN_ELEMENTS)
+            chunk = Chunk(len(self.chunks), numel, self.dtype, key, self.ledger)
+            chunk.size_was_given = self.chunk_size is not None and numel == self.chunk_numel
+            if self.tier is Tier.DEVICE:
+                chunk.param.allocate_device()
+                chunk.param.device_valid = True
+                chunk.param.device.zero_()
+            else:
+                chunk.param.host.allocate(Tier.HOST, zero=True)
+                chunk.param.host_valid = True
+            self.chunks.append(chunk)
+            self._open[key] = chunk
+        flat = chunk.param.device if self.tier is Tier.DEVICE else chunk.param.host.tensor
+        slot = chunk.add_slot(param, name)
+        with torch.no_grad():
+            slot.view(flat).copy_(param.data)
+        param.data = slot.view(flat)
+        setattr(param, SLOT_ATTR, slot)
+        self._numel += slot.numel
+
+
+def _all_module_classes() -> list[type]:
+    seen: list[type] = []
+    todo = [nn.Module]
+    while todo:
+        cls = todo.pop()
+        for sub in cls.__subclasses__():
+            if sub not in seen:
+                seen.append(sub)
+                todo.append(sub)
+    return seen

@@ -1,0 +1,65 @@
+"""Packing parameters into chunks, and the search for a chunk size that wastes little padding.
+
+Pure functions over element counts: no tensors, so they are cheap to test and to reason about.
+"""
+from __future__ import annotations
+
+from typing import Hashable, Sequence
+
+ALIGN_ELEMENTS = 64
+DEFAULT_MIN_CHUNK_BYTES = 4 * 2**20
+SEARCH_CANDIDATES = 64
+
+
+def pack(numels: Sequence[int], keys: Sequence[Hashable], chunk_numel: int) -> list[list[int]]:
+    """Assign parameters (given in packing order) to chunks of ``chunk_numel`` elements.
+
+    Greedy in order: a parameter goes into the open chunk if it fits there and has the same key,
+    otherwise it opens a new chunk. Parameters never straddle chunks and chunks never mix keys.
+    Returns the parameter indices of each chunk.
+    """
+    chunks: list[list[int]] = []
+    used = chunk_numel + 1
+    open_key: Hashable = object()
+    for i, (numel, key) in enumerate(zip(numels, keys)):
+        if numel > chunk_numel:
+            raise ValueError(f"parameter {i} has {numel} elements, more than a chunk's {chunk_numel}")
+        if key != open_key or used + numel > chunk_numel:
+            chunks.append([])
+            used, open_key = 0, key
+        chunks[-1].append(i)
+        used += numel
+    return chunks
+
+
+def padding_elements(numels: Sequence[int], keys: Sequence[Hashable], chunk_numel: int) -> int:
+    """Elements of all chunks not occupied by a parameter when packed with :func:`pack`."""
+    chunks = pack(numels, keys, chunk_numel)
+    return len(chunks) * chunk_numel - sum(numels)
+
+
+def search_chunk_numel(numels: Sequence[int], keys: Sequence[Hashable], element_size: int,
+                       min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES) -> int:
+    """The chunk size (elements) that wastes the fewest padding elements.
+
+    Candidates run from the smallest size allowed (the largest parameter, and at least
+    ``min_chunk_bytes`` unless the whole model is smaller) up to twice that, in 64 steps, each a
+    multiple of 64 elements. Ties go to the smaller size, which gives the placement finer grain.
+    """
+    if not numels:
+        return ALIGN_ELEMENTS
+    largest = max(numels)
+    floor_numel = min(max(min_chunk_bytes // element_size, 1), sum(numels))
+    lower = _align(max(largest, floor_numel))
+    step = _align(max(lower // SEARCH_CANDIDATES, 1))
+    best, best_waste = lower, None
+    for k in range(SEARCH_CANDIDATES + 1):
+        candidate = lower + k * step
+        waste = padding_elements(numels, keys, candidate)
+        if best_waste is None or waste < best_waste:
+            best, best_waste = candidate, waste
+    return best
+
+
+def _align(numel: int) -> int:
+    return -(-numel // ALIGN_ELEMENTS) * ALIGN_ELEMENTS

@@ -1,0 +1,49 @@
+"""Exact byte accounting per tier and per state family, with the device tier's capacity enforced."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from .errors import DeviceCapacityError
+from .tiers import Tier
+
+
+class TierLedger:
+    """Counts the bytes of every chunk buffer allocated on each tier, per state family.
+
+    ``capacity`` (bytes) bounds what chunk buffers may occupy on the device tier; an allocation past it
+    raises :class:`DeviceCapacityError` before anything is allocated.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._bytes: dict[tuple[Tier, str], int] = defaultdict(int)
+        self.peak_device_bytes = 0
+
+    def reserve(self, tier: Tier, family: str, nbytes: int, what: str) -> None:
+        """Account ``nbytes`` more on ``tier`` for ``family``; refuse past the device capacity."""
+        if tier is Tier.DEVICE:
+            after = self.tier_bytes(Tier.DEVICE) + nbytes
+            if after > self.capacity:
+                raise DeviceCapacityError(
+                    f"device tier full: {what} needs {nbytes} bytes, {self.tier_bytes(Tier.DEVICE)} of the "
+                    f"capacity of {self.capacity} bytes are in use (set chunkmem.set_device_memory_capacity "
+                    f"or CHUNKMEM_DEVICE_MEMORY higher, or rest more state on the host)")
+            self.peak_device_bytes = max(self.peak_device_bytes, after)
+        self._bytes[(tier, family)] += nbytes
+
+    def release(self, tier: Tier, family: str, nbytes: int) -> None:
+        """Account ``nbytes`` fewer on ``tier`` for ``family``."""
+        self._bytes[(tier, family)] -= nbytes
+        assert self._bytes[(tier, family)] >= 0, (tier, family)
+
+    def tier_bytes(self, tier: Tier, families: tuple[str, ...] | None = None) -> int:
+        """Bytes on ``tier``, over all families or only those named."""
+        return sum(n for (t, f), n in self._bytes.items() if t is tier and (families is None or f in families))
+
+    def breakdown(self) -> dict[str, dict[str, int]]:
+        """``{tier: {family: bytes}}`` for every family with bytes on a tier."""
+        out: dict[str, dict[str, int]] = {t.value: {} for t in Tier}
+        for (tier, family), n in sorted(self._bytes.items(), key=lambda kv: (kv[0][0].value, kv[0][1])):
+            if n:
+                out[tier.value][family] = n
+        return out

@@ -1,0 +1,309 @@
+"""ShardedModelV2: wraps a module so that its parameters live in chunks placed by a policy."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils._pytree import tree_map
+
+from .chunk import MASTER, Chunk, ChunkKey
+from .errors import DeviceCapacityError, GradientAccumulationError, InvalidArgumentError, check_number, check_type
+from .hooks import ChunkHooks, ForeignParamDiscovery
+from .init_context import check_chunk_size, check_dtype
+from .layout import pack, search_chunk_numel
+from .ledger import TierLedger
+from .manager import ChunkManager, build_chunks, slot_of
+from .placement import make_policy
+from .shard_strategy import BaseShardStrategy
+from .tiers import Tier, device_memory_capacity, device_of_tier
+
+
+class ShardedModelV2(nn.Module):
+    """A module whose parameters (and gradients) live in chunks that move between the device and host.
+
+    Build the module inside :class:`~chunkmem.ZeroInitContext` (parameters go straight into chunks in
+    the context's dtype), or pass an ordinary module: its parameters are then packed into chunks here,
+    cast to ``dtype``. Either way the chunk size is searched to waste little padding unless
+    ``chunk_size`` is given, and parameters are packed in ``named_parameters()`` order.
+
+    In 16-bit mode, floating-point inputs are cast to ``dtype`` and floating-point outputs to fp32,
+    and floating-point buffers are kept in ``dtype``. Parameters are views into chunk memory that is
+    present only while a module computes; read weights through :meth:`state_dict`. ``param.grad``
+    stays ``None``: gradients are collected into chunks for :class:`~chunkmem.ShardedOptimizerV2`.
+
+    Args:
+        module: the model.
+        shard_strategy: a :class:`~chunkmem.BaseShardStrategy`.
+        process_group: data-parallel group (``None``: the default group if initialised, else one rank).
+        reduce_scatter_process_group: group for gradient reduce-scatter (``None``: ``process_group``).
+        reduce_scatter_bucket_size_mb: reduce-scatter bucket size in MB (> 0).
+        fp32_reduce_scatter: reduce gradients in fp32.
+        tensor_placement_policy: ``"cuda"`` (everything on the device tier), ``"cpu"`` (everything rests
+            on the host; parameters visit the device for compute) or ``"auto"`` (not built yet).
+        gradient_predivide_factor: gradients are divided by this before reduction (> 0).
+        reuse_fp16_shard: store each gradient in its 16-bit parameter's memory (no grad buffer; needs a
+            16-bit dtype; no gradient accumulation).
+        dtype: compute/storage dtype for a module built outside ZeroInitContext (default
+            torch.float16); for a module built inside, ``None`` or the context's dtype.
+        chunk_size: bytes per chunk (``None``: searched; a chunk holds at least the largest parameter).
+    """
+
+    def __init__(self, module: nn.Module, shard_strategy: BaseShardStrategy, process_group: Any = None,
+                 reduce_scatter_process_group: Any = None, reduce_scatter_bucket_size_mb: int = 25,
+                 fp32_reduce_scatter: bool = False, tensor_placement_policy: str = "cuda",
+                 gradient_predivide_factor: float = 1.0, reuse_fp16_shard: bool = False, *,
+                 dtype: torch.dtype | None = None, chunk_size: int | None = None) -> None:
+        super().__init__()
+        check_type("module", module, nn.Module, "a torch.nn.Module")
+        if isinstance(module, ShardedModelV2):
+            raise InvalidArgumentError("module", type(module).__name__, "a module that is not already wrapped")
+        check_type("shard_strategy", shard_strategy, BaseShardStrategy,
+                   "an instance of TensorShardStrategy or BucketTensorShardStrategy")
+        _check_process_group("process_group", process_group)
+        _check_process_group("reduce_scatter_process_group", reduce_scatter_process_group)
+        check_number("reduce_scatter_bucket_size_mb", reduce_scatter_bucket_size_mb, low=0, low_open=True)
+        check_type("fp32_reduce_scatter", fp32_reduce_scatter, bool, "True or False")
+        check_number("gradient_predivide_factor", gradient_predivide_factor, low=0.0, low_open=True)
+        check_type("reuse_fp16_shard", reuse_fp16_shard, bool, "True or False")
+        check_chunk_size(chunk_size)
+        if dtype is not None:
+            check_dtype("dtype", dtype)
+        policy = make_policy(tensor_placement_policy)
+
+        named = list(module.named_parameters())
+        slots = [slot_of(p) for _, p in named]
+        from_context = bool(named) and all(s is not None for s in slots)
+        if not from_context and any(s is not None for s in slots):
+            raise InvalidArgumentError("module", type(module).__name__,
+                                       "a module built wholly inside or wholly outside ZeroInitContext")
+        if from_context:
+            context_dtype = slots[0].chunk.dtype
+            if dtype is not None and dtype != context_dtype:
+                raise InvalidArgumentError("dtype", dtype, f"None or {context_dtype} (the ZeroInitContext dtype)")
+            dtype = context_dtype
+            ledger = slots[0].chunk.ledger
+            ledger.capacity = device_memory_capacity()
+        else:
+            dtype = dtype or torch.float16
+            ledger = TierLedger(device_memory_capacity())
+        if reuse_fp16_shard and dtype == torch.float32:
+            raise InvalidArgumentError("reuse_fp16_shard", True,
+                                       "False with dtype torch.float32 (the fp32 parameters are the masters)")
+
+        self.module = module
+        self.shard_strategy = shard_strategy
+        self.process_group = process_group
+        self.reduce_scatter_process_group = reduce_scatter_process_group or process_group
+        self.reduce_scatter_bucket_size_mb = reduce_scatter_bucket_size_mb
+        self.fp32_reduce_scatter = fp32_reduce_scatter
+        self.tensor_placement_policy = tensor_placement_policy
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.reuse_fp16_shard = reuse_fp16_shard
+        self.dtype = dtype
+        self.compute_device = device_of_tier(Tier.DEVICE)
+        self._element_size = torch.empty((), dtype=dtype).element_size()
+        self._param_names = {id(p): name for name, p in named}
+        numels = [p.numel() for _, p in named]
+        keys = [ChunkKey(p.requires_grad, 0) for _, p in named]
+        if chunk_size is not None:
+            chunk_numel = chunk_size // self._element_size
+            largest = max(numels, default=0)
+            if chunk_numel < largest:
+                name = named[numels.index(largest)][0]
+                raise InvalidArgumentError("chunk_size", chunk_size,
+                                           f">= {largest * self._element_size} bytes (parameter {name!r} "
+                                           f"has {largest} elements of {self._element_size} bytes)")
+        elif from_context and all(s.chunk.size_was_given for s in slots):
+            chunk_numel = slots[0].chunk.numel
+        else:
+            chunk_numel = search_chunk_numel(numels, keys, self._element_size)
+        self.chunk_numel = chunk_numel
+
+        current = [] if not from_context else _unique_chunks(slots)
+        chunks = self._layout(named, keys, current, ledger)
+        self._check_capacity(chunks, policy, ledger)
+        self._cast_buffers()
+        self.chunk_manager = ChunkManager(chunks, ledger, policy, reuse_fp16_shard)
+        self.chunk_manager.settle_all()
+        self.chunk_manager.bind_views_to_device()
+        self._hooks = ChunkHooks(module, self.chunk_manager)
+        self._discover_foreign_params = True
+        self.optimizer_attached = False
+
+    # ---- layout ------------------------------------------------------------------------------------
+
+    def _layout(self, named: list[tuple[str, nn.Parameter]], keys: list[ChunkKey], current: list[Chunk],
+                ledger: TierLedger) -> list[Chunk]:
+        """The chunks for ``keys`` (parameters grouped by key, in order), re-packing if ``current``
+        differs from that layout."""
+        rank = _first_seen_rank(keys)
+        order = sorted(range(len(named)), key=lambda i: rank[keys[i]])
+        entries = [(named[i][0], named[i][1], keys[i]) for i in order]
+        wanted = pack([p.numel() for _, p, _ in entries], [k for _, _, k in entries], self.chunk_numel)
+        wanted_ids = [[id(entries[i][1]) for i in group] for group in wanted]
+        current_ids = [[id(s.param) for s in c.slots] for c in current]
+        same_keys = all(c.key == entries[g[0]][2] for c, g in zip(current, wanted))
+        if current and current_ids == wanted_ids and same_keys and all(c.numel == self.chunk_numel for c in current):
+            for chunk in current:
+                for slot in chunk.slots:
+                    slot.name = self._param_names[id(slot.param)]
+            return current
+
+        def value_of(param: nn.Parameter) -> torch.Tensor:
+            slot = slot_of(param)
+            return param.data if slot is None else slot.view(slot.chunk.param.current())
+
+        chunks = build_chunks(entries, self.chunk_numel, self.dtype, ledger, Tier.HOST, value_of=value_of)
+        for chunk in current:
+            chunk.param.free_device()
+            chunk.param.host.free()
+            for buf in (chunk.grad, chunk.grad_staging, *chunk.optim.values()):
+                buf.free()
+        return chunks
+
+    def _repack_for_groups(self, group_of: dict[int, int]) -> None:
+        """Re-pack so that no chunk mixes optimizer param groups (called once, by the optimizer)."""
+        named = list(self.module.named_parameters())
+        keys = [ChunkKey(p.requires_grad, group_of.get(id(p), 0) if p.requires_grad else 0) for _, p in named]
+        chunks = self._layout(named, keys, self.chunk_manager.chunks, self.chunk_manager.ledger)
+        if chunks is self.chunk_manager.chunks:
+            return
+        self.chunk_manager.chunks = chunks
+        self.chunk_manager.settle_all()
+        self.chunk_manager.bind_views_to_device()
+        self._hooks.refresh_chunks()
+
+    def _check_capacity(self, chunks: list[Chunk], policy: Any, ledger: TierLedger) -> None:
+        """Refuse a capacity that cannot hold what the policy needs on the device at one time: every
+        chunk (placement 'cuda'), or the chunks of the largest module with their gradient staging."""
+        def need_of(group: list[Chunk]) -> int:
+            grads = 0 if self.reuse_fp16_shard else sum(c.param.nbytes for c in group if c.trainable)
+            return sum(c.param.nbytes for c in group) + grads
+
+        if chunks and policy.param_tier(chunks[0]) is Tier.DEVICE:
+            need, what = need_of(chunks), "all parameter and gradient chunks (placement 'cuda')"
+        else:
+            need, what = 0, ""
+            for name, module in self.module.named_modules():
+                own = _unique_chunks([slot_of(p) for p in module.parameters(recurse=False)])
+                if need_of(own) > need:
+                    need, what = need_of(own), f"the chunks of module {name or type(module).__name__!r} with their gradients"
+        if need > ledger.capacity:
+            raise DeviceCapacityError(
+                f"the device tier capacity of {ledger.capacity} bytes is smaller than the {need} bytes of {what}; "
+                f"raise it with chunkmem.set_device_memory_capacity or CHUNKMEM_DEVICE_MEMORY, or use smaller "
+                f"chunks (chunk_size=) or placement 'cpu'")
+
+    def _cast_buffers(self) -> None:
+        for module in self.module.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None:
+                    dtype = self.dtype if buf.is_floating_point() else buf.dtype
+                    module._buffers[name] = buf.to(device=self.compute_device, dtype=dtype)
+
+    # ---- forward -----------------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.reuse_fp16_shard and any(c.param.holds_grads for c in self.chunk_manager.chunks):
+            raise GradientAccumulationError(
+                "forward called while gradients from the last backward are still in the parameters' memory "
+                "(reuse_fp16_shard=True): call optim.step() or optim.zero_grad() first; gradient "
+                "accumulation needs reuse_fp16_shard=False")
+        self._recover_from_interrupted_forward()
+        args, kwargs = tree_map(self._cast_input, (args, kwargs))
+        if self._discover_foreign_params:
+            with ForeignParamDiscovery(self._hooks):
+                output = self.module(*args, **kwargs)
+            self._discover_foreign_params = False
+        else:
+            output = self.module(*args, **kwargs)
+        if self.dtype != torch.float32:
+            output = tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                              output)
+        return output
+
+    def _cast_input(self, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        if value.is_floating_point() and self.dtype != torch.float32:
+            return value.to(device=self.compute_device, dtype=self.dtype)
+        return value.to(self.compute_device)
+
+    def _recover_from_interrupted_forward(self) -> None:
+        while self._hooks.stack:
+            _module, chunks = self._hooks.stack.pop()
+            self.chunk_manager.release(chunks)
+
+    # ---- inspection --------------------------------------------------------------------------------
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        """The chunks, in packing order."""
+        return self.chunk_manager.chunks
+
+    def tier_bytes(self) -> dict[str, dict[str, int]]:
+        """Exact bytes of chunk memory per tier and family: ``{"device": {"param": n, ...}, "host": ...}``."""
+        return self.chunk_manager.ledger.breakdown()
+
+    def full_parameter(self, param: nn.Parameter) -> torch.Tensor:
+        """A CPU fp32 copy of ``param``'s current value: from the fp32 master where one exists."""
+        slot = slot_of(param)
+        if slot is None:
+            raise InvalidArgumentError("param", tuple(param.shape), "a parameter of this model")
+        chunk = slot.chunk
+        if chunk.optim[MASTER].allocated:
+            source = chunk.optim[MASTER].tensor
+        else:
+            if chunk.param.holds_grads:
+                raise RuntimeError(f"{slot.name}: the parameter memory holds gradients and there is no master")
+            source = chunk.param.current()
+        return slot.view(source).detach().to(device="cpu", dtype=torch.float32, copy=True)
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        """The wrapped module's full state under its own keys, on the CPU: parameters in fp32 (from the
+        masters where masters exist), buffers as stored. Loadable by the plain module."""
+        raw = self.module.state_dict(keep_vars=True)
+        out = OrderedDict() if destination is None else destination
+        for key, value in raw.items():
+            if isinstance(value, nn.Parameter) and slot_of(value) is not None:
+                out[prefix + key] = self.full_parameter(value)
+            else:
+                out[prefix + key] = value.detach().to("cpu", copy=True)
+        return out
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        raise NotImplementedError("ShardedModelV2.load_state_dict arrives with the checkpoint work; "
+                                  "load the state into the plain module before wrapping it")
+
+
+def _check_process_group(argument: str, group: Any) -> None:
+    if group is None:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise InvalidArgumentError(argument, None, "a single-process run (sharding over several ranks "
+                                                       "is not built yet)")
+        return
+    if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise InvalidArgumentError(argument, group, "None or a torch.distributed ProcessGroup")
+    if group.size() != 1:
+        raise InvalidArgumentError(argument, f"ProcessGroup of size {group.size()}",
+                                   "a group of one rank (sharding over several ranks is not built yet)")
+
+
+def _unique_chunks(slots: list[Any]) -> list[Chunk]:
+    chunks: list[Chunk] = []
+    seen: set[int] = set()
+    for slot in slots:
+        if slot is not None and id(slot.chunk) not in seen:
+            seen.add(id(slot.chunk))
+            chunks.append(slot.chunk)
+    return sorted(chunks, key=lambda c: c.index)
+
+
+def _first_seen_rank(keys: list[ChunkKey]) -> dict[ChunkKey, int]:
+    rank: dict[ChunkKey, int] = {}
+    for key in keys:
+        rank.setdefault(key, len(rank))
+    return rank

@@ -1,0 +1,239 @@
+"""ShardedOptimizerV2: mixed-precision Adam over the chunks of a ShardedModelV2."""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .adam import check_supported_optimizer, hyper_of_group
+from .adam_kernels import adam_update_
+from .chunk import EXP_AVG, EXP_AVG_SQ, MASTER, Chunk
+from .errors import DeviceCapacityError, GradientAccumulationError, InvalidArgumentError, check_number, check_type
+from .loss_scaler import DynamicGradScaler
+from .manager import slot_of
+from .model import ShardedModelV2
+from .tiers import Tier
+
+
+class ShardedOptimizerV2:
+    """Runs Adam over whole chunks where each chunk's optimizer state lives, with loss scaling.
+
+    fp16 models get a :class:`~chunkmem.DynamicGradScaler` configured by the scaler arguments; bf16 and
+    fp32 models train unscaled (``loss_scale`` stays 1) and, as in plain PyTorch, do not skip steps.
+    A separate fp32 master exists only for 16-bit models; fp32 parameters are their own masters.
+    Every step reads each param group's current hyper-parameters from ``optimizer.param_groups``, so an
+    LR scheduler built on ``optimizer`` (this object's ``optim``) works.
+
+    Args:
+        sharded_model: the :class:`~chunkmem.ShardedModelV2` whose parameters ``optimizer`` holds.
+        optimizer: a :class:`~chunkmem.HybridAdam` / :class:`~chunkmem.CPUAdam`, or ``torch.optim.Adam``
+            / ``AdamW`` (plain options only) over ``sharded_model.parameters()``.
+        gpu_margin_mem_ratio: share in [0, 1] of the device memory left after the traced peak that may
+            hold optimizer state; only meaningful with placement ``"auto"`` (a warning otherwise).
+        initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale:
+            the loss scaler's rules (see :class:`~chunkmem.DynamicGradScaler`).
+        dp_process_group, mp_process_group: data- and model-parallel groups (one rank so far).
+        verbose: log skipped steps and scale changes.
+    """
+
+    def __init__(self, sharded_model: ShardedModelV2, optimizer: Any, gpu_margin_mem_ratio: float = 0.0,
+                 initial_scale: float = 2**32, min_scale: float = 1, growth_factor: float = 2,
+                 backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2,
+                 max_scale: float = 2**32, dp_process_group: Any = None, mp_process_group: Any = None,
+                 verbose: bool = False) -> None:
+        if not isinstance(sharded_model, ShardedModelV2):
+            raise InvalidArgumentError("sharded_model", type(sharded_model).__name__, "a chunkmem.ShardedModelV2")
+        check_supported_optimizer(optimizer)
+        check_number("gpu_margin_mem_ratio", gpu_margin_mem_ratio, low=0.0, high=1.0)
+        if gpu_margin_mem_ratio > 0 and sharded_model.tensor_placement_policy != "auto":
+            warnings.warn(f"gpu_margin_mem_ratio={gpu_margin_mem_ratio} has no effect with "
+                          f"tensor_placement_policy={sharded_model.tensor_placement_policy!r}; it is used only "
+                          f"with 'auto'", stacklevel=2)
+        for name, group in (("dp_process_group", dp_process_group), ("mp_process_group", mp_process_group)):
+            if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)
+                                          and group.size() == 1):
+                raise InvalidArgumentError(name, group, "None or a ProcessGroup of one rank (several ranks: "
+                                                        "not built yet)")
+        check_type("verbose", verbose, bool, "True or False")
+        if sharded_model.optimizer_attached:
+            raise InvalidArgumentError("sharded_model", "a model that already has a ShardedOptimizerV2",
+                                       "a ShardedModelV2 without an optimizer")
+        scaler = DynamicGradScaler(initial_scale, min_scale, growth_factor, backoff_factor, growth_interval,
+                                   hysteresis, max_scale) if sharded_model.dtype == torch.float16 else None
+        group_of = self._groups_of(sharded_model, optimizer)
+
+        self.model = sharded_model
+        self.optim = optimizer
+        self.gpu_margin_mem_ratio = gpu_margin_mem_ratio
+        self.grad_scaler = scaler
+        self.dp_process_group = dp_process_group
+        self.mp_process_group = mp_process_group
+        self.verbose = verbose
+        self.manager = sharded_model.chunk_manager
+        self._clip_coef = 1.0
+        self._grad_norm: float | None = None
+
+        sharded_model._repack_for_groups(group_of)
+        self._check_capacity()
+        for chunk in self._trainable_chunks():
+            self.manager.place_optimizer_state(chunk)
+        sharded_model.optimizer_attached = True
+
+    @staticmethod
+    def _groups_of(model: ShardedModelV2, optimizer: Any) -> dict[int, int]:
+        group_of: dict[int, int] = {}
+        for index, group in enumerate(optimizer.param_groups):
+            for param in group["params"]:
+                if slot_of(param) is None or model._param_names.get(id(param)) is None:
+                    raise InvalidArgumentError("optimizer", f"a parameter of shape {tuple(param.shape)}",
+                                               "an optimizer over the ShardedModelV2's own parameters only")
+                group_of[id(param)] = index
+        missing = [name for name, p in model.module.named_parameters() if p.requires_grad and id(p) not in group_of]
+        if missing:
+            raise InvalidArgumentError("optimizer", f"param_groups without {missing[:5]}",
+                                       "param_groups holding every parameter that requires grad "
+                                       "(freeze the others with requires_grad_(False))")
+        return group_of
+
+    def _check_capacity(self) -> None:
+        need = sum(chunk.optim[family].nbytes for chunk in self._trainable_chunks()
+                   if self.manager.policy.optim_tier(chunk) is Tier.DEVICE
+                   for family in ((MASTER, EXP_AVG, EXP_AVG_SQ) if chunk.has_master else (EXP_AVG, EXP_AVG_SQ)))
+        ledger = self.manager.ledger
+        free = ledger.capacity - ledger.tier_bytes(Tier.DEVICE)
+        if need > free:
+            raise DeviceCapacityError(
+                f"the optimizer state placed on the device needs {need} bytes, but only {free} of the device "
+                f"tier's capacity of {ledger.capacity} bytes are free; use placement 'cpu' or raise the capacity")
+
+    def _trainable_chunks(self) -> list[Chunk]:
+        return [c for c in self.manager.chunks if c.trainable]
+
+    # ---- the training step -------------------------------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's param groups (hyper-parameters are read from here at every step)."""
+        return self.optim.param_groups
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without a scaler)."""
+        return self.grad_scaler.scale if self.grad_scaler else 1.0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss`` times the loss scale; gradients land in the chunks."""
+        self._check_can_accumulate()
+        (loss * self.loss_scale if self.grad_scaler else loss).backward()
+
+    def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
+        """Backward from ``tensor`` with the upstream gradient ``grad`` (not scaled)."""
+        self._check_can_accumulate()
+        torch.autograd.backward(tensor, grad)
+
+    def _check_can_accumulate(self) -> None:
+        if self.model.reuse_fp16_shard and self.manager.grads_pending:
+            raise GradientAccumulationError(
+                "reuse_fp16_shard=True cannot accumulate gradients over two backward passes: call "
+                "optim.step() or optim.zero_grad() between them, or use reuse_fp16_shard=False")
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Clip the gradients of the coming step to total norm ``max_norm``; returns the total norm of the
+        unscaled gradients (inf or NaN if they overflowed). Clipping is folded into the update."""
+        check_number("max_norm", max_norm, low=0.0, low_open=True)
+        check_number("norm_type", norm_type, low=0.0, low_open=True)
+        norm = self._total_norm(float(norm_type))
+        self._grad_norm = norm
+        self._clip_coef = min(1.0, max_norm / (norm + 1e-6)) if math.isfinite(norm) else 1.0
+        return norm
+
+    def _total_norm(self, norm_type: float = 2.0) -> float:
+        """Norm of all unscaled gradients, with one host synchronisation per tier holding gradients."""
+        per_chunk = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
+                     for g in (self.manager.grad_of(c) for c in self._trainable_chunks()) if g is not None]
+        if not per_chunk:
+            return 0.0
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for n in per_chunk:
+            by_device.setdefault(n.device, []).append(n)
+        if math.isinf(norm_type):
+            total = max(torch.stack(ns).max().item() for ns in by_device.values())
+        else:
+            total = sum(torch.stack(ns).pow(norm_type).sum().item() for ns in by_device.values()) ** (1 / norm_type)
+        return total / self.loss_scale
+
+    def step(self) -> bool:
+        """Unscale, check for overflow, clip, and update every chunk where its optimizer state lives.
+
+        Returns ``True`` if the parameters were updated, ``False`` if the step was skipped (overflow,
+        or no gradients since the last step). A skipped step leaves masters and optimizer state
+        untouched and discards the gradients.
+        """
+        if not self.manager.grads_pending:
+            return False
+        if self.grad_scaler is not None:
+            norm = self._grad_norm if self._grad_norm is not None else self._total_norm()
+            if not math.isfinite(norm):
+                if self.verbose:
+                    print(f"chunkmem: gradient overflow, step skipped (loss scale {self.loss_scale})")
+                self.grad_scaler.update(overflow=True)
+                self._discard_grads()
+                return False
+        multiplier = self._clip_coef / self.loss_scale
+        for chunk in self._trainable_chunks():
+            self._update_chunk(chunk, multiplier)
+        if self.grad_scaler is not None:
+            self.grad_scaler.update(overflow=False)
+        if self.model.reuse_fp16_shard:
+            self.manager.grads_pending = False
+        self._clip_coef, self._grad_norm = 1.0, None
+        return True
+
+    def _update_chunk(self, chunk: Chunk, multiplier: float) -> None:
+        tier = self.manager.policy.optim_tier(chunk)
+        hyper = hyper_of_group(self.optim.param_groups[chunk.key.group])
+        grad = self.manager.grad_of(chunk)
+        target = self.manager.param_update_target(chunk, tier)
+        if grad.device != target.device:
+            grad = grad.to(target.device)
+        chunk.step += 1
+        master = chunk.optim[MASTER].tensor if chunk.has_master else target
+        adam_update_(master, grad, chunk.optim[EXP_AVG].tensor, chunk.optim[EXP_AVG_SQ].tensor, chunk.step, hyper,
+                     grad_multiplier=multiplier, param_out=target if chunk.has_master else None)
+        self.manager.params_updated(chunk, tier)
+
+    def _discard_grads(self) -> None:
+        if self.model.reuse_fp16_shard:
+            for chunk in self._trainable_chunks():
+                if chunk.param.holds_grads:
+                    tier = self.manager.policy.optim_tier(chunk)
+                    self.manager.param_update_target(chunk, tier).copy_(chunk.optim[MASTER].tensor)
+                    self.manager.params_updated(chunk, tier)
+        self.manager.zero_grad(set_to_none=True)
+        self._clip_coef, self._grad_norm = 1.0, None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients (``set_to_none``) or zero them. With ``reuse_fp16_shard`` and no step since
+        the backward, the parameters are restored from the masters."""
+        if self.model.reuse_fp16_shard:
+            self._discard_grads()
+        else:
+            self.manager.zero_grad(set_to_none)
+            self._clip_coef, self._grad_norm = 1.0, None
+
+    def get_memory_usage(self) -> tuple[int, int]:
+        """``(device_bytes, host_bytes)`` of the fp32 masters (the fp32 parameters when there is no
+        separate master), exp_avg and exp_avg_sq."""
+        usage = {Tier.DEVICE: 0, Tier.HOST: 0}
+        for chunk in self._trainable_chunks():
+            tier = self.manager.policy.optim_tier(chunk)
+            for family in (EXP_AVG, EXP_AVG_SQ) + ((MASTER,) if chunk.has_master else ()):
+                buf = chunk.optim[family]
+                if buf.allocated:
+                    usage[buf.tier] += buf.nbytes
+            if not chunk.has_master:
+                usage[tier] += chunk.param.nbytes
+        return usage[Tier.DEVICE], usage[Tier.HOST]

@@ -1,0 +1,115 @@
+"""Memory tiers: the logical places a chunk can live, and what they map to physically.
+
+A chunk's buffers live in a :class:`Tier`. ``Tier.DEVICE`` is the compute device: the current CUDA
+device when CUDA is available, otherwise the CPU under an explicit capacity. ``Tier.HOST`` is CPU
+memory (pinned when CUDA is available). Moving a buffer between tiers is always a copy into a newly
+allocated buffer, also when both tiers are the CPU, so the same code path runs with and without a GPU.
+"""
+from __future__ import annotations
+
+import enum
+import os
+import re
+
+import psutil
+import torch
+
+from .errors import InvalidArgumentError
+
+DEVICE_MEMORY_ENV = "CHUNKMEM_DEVICE_MEMORY"
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+_capacity_override: int | None = None
+
+
+class Tier(str, enum.Enum):
+    """A logical memory tier. ``DEVICE`` computes; ``HOST`` holds what does not fit."""
+
+    DEVICE = "device"
+    HOST = "host"
+
+
+def parse_size(text: str | int, argument: str = "size") -> int:
+    """Parse a byte count such as ``1048576``, ``"512MiB"`` or ``"2GB"`` into bytes.
+
+    Units: B, KB/MB/GB/TB (powers of 1000) and KiB/MiB/GiB/TiB (powers of 1024), case-insensitive.
+    Raises :class:`InvalidArgumentError` naming ``argument`` when the text does not parse.
+    """
+    if isinstance(text, bool):
+        raise InvalidArgumentError(argument, text, "a non-negative byte count or a size such as '2GiB'")
+    if isinstance(text, int):
+        if text < 0:
+            raise InvalidArgumentError(argument, text, "a non-negative byte count")
+        return text
+    match = _SIZE_RE.match(str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise InvalidArgumentError(
+            argument, text, "a byte count or a number with a unit among B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def set_device_memory_capacity(nbytes: int | str | None) -> None:
+    """Set the capacity of the device tier in bytes (an int, or a size such as ``"2GiB"``).
+
+    ``None`` restores the default: the environment variable ``CHUNKMEM_DEVICE_MEMORY`` if set, else
+    the free CUDA memory when CUDA is available, else the available host memory psutil reports.
+    Takes effect for models wrapped afterwards.
+    """
+    global _capacity_override
+    _capacity_override = None if nbytes is None else parse_size(nbytes, "nbytes")
+
+
+def device_memory_capacity() -> int:
+    """The capacity of the device tier in bytes, as set by :func:`set_device_memory_capacity`."""
+    if _capacity_override is not None:
+        return _capacity_override
+    env = os.environ.get(DEVICE_MEMORY_ENV)
+    if env:
+        return parse_size(env, DEVICE_MEMORY_ENV)
+    if torch.cuda.is_available():
+        free, _total = torch.cuda.mem_get_info()
+        return int(free)
+    return int(psutil.virtual_memory().available)
+
+
+def device_of_tier(tier: Tier) -> torch.device:
+    """The ``torch.device`` a tier maps to on this machine."""
+    if tier is Tier.DEVICE and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def tier_of_device(device: torch.device | str | int | None, argument: str = "target_device") -> Tier:
+    """The tier a user-facing ``torch.device`` names: CUDA devices are the device tier, the CPU the host."""
+    if device is None:
+        return Tier.DEVICE
+    try:
+        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidArgumentError(argument, device, "a torch.device, 'cpu', 'cuda' or a CUDA index") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidArgumentError(argument, device, "'cpu' (CUDA is not available on this machine)")
+        return Tier.DEVICE
+    if dev.type == "cpu":
+        return Tier.HOST
+    raise InvalidArgumentError(argument, device, "a CPU or CUDA device")
+
+
+def pin_host_memory() -> bool:
+    """Whether host-tier buffers are allocated in pinned memory (only when CUDA is available)."""
+    return torch.cuda.is_available()
+
+
+def empty_on_tier(tier: Tier, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A new uninitialised flat buffer of ``numel`` elements on ``tier``."""
+    if tier is Tier.HOST:
+        return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pin_host_memory())
+    return torch.empty(numel, dtype=dtype, device=device_of_tier(Tier.DEVICE))

@@ -1,0 +1,58 @@
+"""Small models shared by the tests."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, use_checkpoint: bool = False) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+        self.use_checkpoint = use_checkpoint
+
+    def _inner(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_checkpoint and torch.is_grad_enabled():
+            return x + checkpoint(self._inner, x, use_reentrant=False)
+        return x + self._inner(x)
+
+
+class TinyGPT(nn.Module):
+    """Tied embedding and lm head, LayerNorm, biases, and ``proj`` used functionally by ``Mixer``."""
+
+    def __init__(self, vocab: int = 64, d: int = 32, layers: int = 2, seq: int = 16,
+                 use_checkpoint: bool = False, unused_param: bool = False) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, use_checkpoint) for _ in range(layers))
+        self.side = nn.Linear(d, d, bias=False)
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+        self.unused = nn.Linear(d, d) if unused_param else None
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        # a parameter of another module used functionally
+        x = x + 0.5 * F.linear(x, self.side.weight)
+        return self.lm_head(self.ln_f(x))
+
+
+def lm_loss(logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), idx[:, 1:].reshape(-1))
+
+
+def batches(n: int, batch: int = 2, seq: int = 16, vocab: int = 64, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(n)]
