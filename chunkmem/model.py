@@ -122,9 +122,10 @@ class ShardedModelV2(nn.Module):
             chunk_numel = search_chunk_numel(numels, keys, self._element_size)
         self.chunk_numel = chunk_numel
 
-        current = [] if not from_context else _unique_chunks(slots)
-        chunks = self._layout(named, keys, current, ledger)
-        self._check_capacity(chunks, policy, ledger)
+        self.policy = policy
+        plan = self._plan(named, keys)
+        self._check_capacity(plan, ledger.capacity)
+        chunks = self._build(plan, _unique_chunks(slots) if from_context else [], ledger)
         self._cast_buffers()
         self.chunk_manager = ChunkManager(chunks, ledger, policy, reuse_fp16_shard)
         self.chunk_manager.settle_all()
@@ -135,18 +136,21 @@ class ShardedModelV2(nn.Module):
 
     # ---- layout ------------------------------------------------------------------------------------
 
-    def _layout(self, named: list[tuple[str, nn.Parameter]], keys: list[ChunkKey], current: list[Chunk],
-                ledger: TierLedger) -> list[Chunk]:
-        """The chunks for ``keys`` (parameters grouped by key, in order), re-packing if ``current``
-        differs from that layout."""
+    def _plan(self, named: list[tuple[str, nn.Parameter]], keys: list[ChunkKey]) -> "_LayoutPlan":
+        """Parameters grouped by key (keys in order of first appearance), then packed in order."""
         rank = _first_seen_rank(keys)
         order = sorted(range(len(named)), key=lambda i: rank[keys[i]])
         entries = [(named[i][0], named[i][1], keys[i]) for i in order]
-        wanted = pack([p.numel() for _, p, _ in entries], [k for _, _, k in entries], self.chunk_numel)
-        wanted_ids = [[id(entries[i][1]) for i in group] for group in wanted]
+        groups = pack([p.numel() for _, p, _ in entries], [k for _, _, k in entries], self.chunk_numel)
+        return _LayoutPlan(entries, groups, self.chunk_numel * self._element_size)
+
+    def _build(self, plan: "_LayoutPlan", current: list[Chunk], ledger: TierLedger) -> list[Chunk]:
+        """Chunks laid out as ``plan`` says: ``current`` if it already is, else new chunks (the current
+        ones are freed)."""
+        wanted_ids = [[id(plan.entries[i][1]) for i in group] for group in plan.groups]
         current_ids = [[id(s.param) for s in c.slots] for c in current]
-        same_keys = all(c.key == entries[g[0]][2] for c, g in zip(current, wanted))
-        if current and current_ids == wanted_ids and same_keys and all(c.numel == self.chunk_numel for c in current):
+        if (current and current_ids == wanted_ids and all(c.numel == self.chunk_numel for c in current)
+                and all(c.key == plan.entries[g[0]][2] for c, g in zip(current, plan.groups))):
             for chunk in current:
                 for slot in chunk.slots:
                     slot.name = self._param_names[id(slot.param)]
@@ -156,7 +160,7 @@ class ShardedModelV2(nn.Module):
             slot = slot_of(param)
             return param.data if slot is None else slot.view(slot.chunk.param.current())
 
-        chunks = build_chunks(entries, self.chunk_numel, self.dtype, ledger, Tier.HOST, value_of=value_of)
+        chunks = build_chunks(plan.entries, self.chunk_numel, self.dtype, ledger, Tier.HOST, value_of=value_of)
         for chunk in current:
             chunk.param.free_device()
             chunk.param.host.free()
@@ -164,11 +168,15 @@ class ShardedModelV2(nn.Module):
                 buf.free()
         return chunks
 
-    def _repack_for_groups(self, group_of: dict[int, int]) -> None:
-        """Re-pack so that no chunk mixes optimizer param groups (called once, by the optimizer)."""
+    def _plan_for_groups(self, group_of: dict[int, int]) -> "_LayoutPlan":
+        """The layout in which no chunk mixes optimizer param groups."""
         named = list(self.module.named_parameters())
         keys = [ChunkKey(p.requires_grad, group_of.get(id(p), 0) if p.requires_grad else 0) for _, p in named]
-        chunks = self._layout(named, keys, self.chunk_manager.chunks, self.chunk_manager.ledger)
+        return self._plan(named, keys)
+
+    def _repack(self, plan: "_LayoutPlan") -> None:
+        """Adopt ``plan`` (called once, by the optimizer, before any optimizer state exists)."""
+        chunks = self._build(plan, self.chunk_manager.chunks, self.chunk_manager.ledger)
         if chunks is self.chunk_manager.chunks:
             return
         self.chunk_manager.chunks = chunks
@@ -176,24 +184,26 @@ class ShardedModelV2(nn.Module):
         self.chunk_manager.bind_views_to_device()
         self._hooks.refresh_chunks()
 
-    def _check_capacity(self, chunks: list[Chunk], policy: Any, ledger: TierLedger) -> None:
+    def _check_capacity(self, plan: "_LayoutPlan", capacity: int) -> None:
         """Refuse a capacity that cannot hold what the policy needs on the device at one time: every
         chunk (placement 'cuda'), or the chunks of the largest module with their gradient staging."""
-        def need_of(group: list[Chunk]) -> int:
-            grads = 0 if self.reuse_fp16_shard else sum(c.param.nbytes for c in group if c.trainable)
-            return sum(c.param.nbytes for c in group) + grads
+        def need_of(chunk_indices: set[int]) -> int:
+            trainable = sum(1 for i in chunk_indices if plan.key_of(i).trainable)
+            grads = 0 if self.reuse_fp16_shard else trainable
+            return (len(chunk_indices) + grads) * plan.chunk_bytes
 
-        if chunks and policy.param_tier(chunks[0]) is Tier.DEVICE:
-            need, what = need_of(chunks), "all parameter and gradient chunks (placement 'cuda')"
+        if self.policy.resting_tier is Tier.DEVICE:
+            need, what = need_of(set(range(len(plan.groups)))), "all parameter and gradient chunks (placement 'cuda')"
         else:
             need, what = 0, ""
+            chunk_of = plan.chunk_of_param()
             for name, module in self.module.named_modules():
-                own = _unique_chunks([slot_of(p) for p in module.parameters(recurse=False)])
+                own = {chunk_of[id(p)] for p in module.parameters(recurse=False)}
                 if need_of(own) > need:
                     need, what = need_of(own), f"the chunks of module {name or type(module).__name__!r} with their gradients"
-        if need > ledger.capacity:
+        if need > capacity:
             raise DeviceCapacityError(
-                f"the device tier capacity of {ledger.capacity} bytes is smaller than the {need} bytes of {what}; "
+                f"the device tier capacity of {capacity} bytes is smaller than the {need} bytes of {what}; "
                 f"raise it with chunkmem.set_device_memory_capacity or CHUNKMEM_DEVICE_MEMORY, or use smaller "
                 f"chunks (chunk_size=) or placement 'cpu'")
 
@@ -277,6 +287,23 @@ class ShardedModelV2(nn.Module):
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         raise NotImplementedError("ShardedModelV2.load_state_dict arrives with the checkpoint work; "
                                   "load the state into the plain module before wrapping it")
+
+
+class _LayoutPlan:
+    """Which parameters go into which chunk: ``entries`` (name, param, key) in packing order and
+    ``groups``, the entry indices of each chunk; every chunk has ``chunk_bytes`` bytes of parameters."""
+
+    def __init__(self, entries: list[tuple[str, nn.Parameter, ChunkKey]], groups: list[list[int]],
+                 chunk_bytes: int) -> None:
+        self.entries = entries
+        self.groups = groups
+        self.chunk_bytes = chunk_bytes
+
+    def key_of(self, chunk_index: int) -> ChunkKey:
+        return self.entries[self.groups[chunk_index][0]][2]
+
+    def chunk_of_param(self) -> dict[int, int]:
+        return {id(self.entries[i][1]): c for c, group in enumerate(self.groups) for i in group}
 
 
 def _check_process_group(argument: str, group: Any) -> None:

@@ -76,8 +76,9 @@ class ShardedOptimizerV2:
         self._clip_coef = 1.0
         self._grad_norm: float | None = None
 
-        sharded_model._repack_for_groups(group_of)
-        self._check_capacity()
+        plan = sharded_model._plan_for_groups(group_of)
+        self._check_capacity(plan)
+        sharded_model._repack(plan)
         for chunk in self._trainable_chunks():
             self.manager.place_optimizer_state(chunk)
         sharded_model.optimizer_attached = True
@@ -98,10 +99,13 @@ class ShardedOptimizerV2:
                                        "(freeze the others with requires_grad_(False))")
         return group_of
 
-    def _check_capacity(self) -> None:
-        need = sum(chunk.optim[family].nbytes for chunk in self._trainable_chunks()
-                   if self.manager.policy.optim_tier(chunk) is Tier.DEVICE
-                   for family in ((MASTER, EXP_AVG, EXP_AVG_SQ) if chunk.has_master else (EXP_AVG, EXP_AVG_SQ)))
+    def _check_capacity(self, plan: Any) -> None:
+        """Refuse before any change if the optimizer state the policy puts on the device cannot fit."""
+        fp32_families = 3 if self.model.dtype != torch.float32 else 2
+        chunk_numel = plan.chunk_bytes // self.model._element_size
+        trainable = sum(1 for i in range(len(plan.groups)) if plan.key_of(i).trainable)
+        on_device = trainable if self.manager.policy.resting_tier is Tier.DEVICE else 0
+        need = on_device * fp32_families * chunk_numel * 4
         ledger = self.manager.ledger
         free = ledger.capacity - ledger.tier_bytes(Tier.DEVICE)
         if need > free:

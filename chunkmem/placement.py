@@ -12,36 +12,33 @@ POLICY_NAMES = ("cuda", "cpu", "auto")
 
 
 class PlacementPolicy:
-    """Where a chunk's families rest. Subclasses override the three ``*_tier`` methods."""
+    """Where a chunk's families rest. A static policy rests everything on ``resting_tier``; a dynamic
+    one (``resting_tier = None``) overrides the three ``*_tier`` methods."""
 
     name = "base"
+    resting_tier: Tier | None = None
 
     def param_tier(self, chunk: Chunk) -> Tier:
         """Tier where the chunk's parameters rest between forward/backward uses."""
-        raise NotImplementedError
+        assert self.resting_tier is not None
+        return self.resting_tier
 
     def grad_tier(self, chunk: Chunk) -> Tier:
         """Tier where the chunk's finished gradients rest until the optimizer step."""
-        raise NotImplementedError
+        assert self.resting_tier is not None
+        return self.resting_tier
 
     def optim_tier(self, chunk: Chunk) -> Tier:
         """Tier of the chunk's optimizer families (fp32 master, exp_avg, exp_avg_sq); Adam runs there."""
-        raise NotImplementedError
+        assert self.resting_tier is not None
+        return self.resting_tier
 
 
 class DevicePlacement(PlacementPolicy):
     """``tensor_placement_policy="cuda"``: everything rests on the device tier; Adam runs there."""
 
     name = "cuda"
-
-    def param_tier(self, chunk: Chunk) -> Tier:
-        return Tier.DEVICE
-
-    def grad_tier(self, chunk: Chunk) -> Tier:
-        return Tier.DEVICE
-
-    def optim_tier(self, chunk: Chunk) -> Tier:
-        return Tier.DEVICE
+    resting_tier = Tier.DEVICE
 
 
 class HostPlacement(PlacementPolicy):
@@ -49,15 +46,7 @@ class HostPlacement(PlacementPolicy):
     for compute, gradients go to the host as each chunk's backward completes, Adam runs on the host."""
 
     name = "cpu"
-
-    def param_tier(self, chunk: Chunk) -> Tier:
-        return Tier.HOST
-
-    def grad_tier(self, chunk: Chunk) -> Tier:
-        return Tier.HOST
-
-    def optim_tier(self, chunk: Chunk) -> Tier:
-        return Tier.HOST
+    resting_tier = Tier.HOST
 
 
 def make_policy(name: str) -> PlacementPolicy:

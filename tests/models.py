@@ -56,3 +56,30 @@ def lm_loss(logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 def batches(n: int, batch: int = 2, seq: int = 16, vocab: int = 64, seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(n)]
+
+
+def build_sharded(reference: nn.Module, policy: str, dtype: torch.dtype, *, chunk_size: int | None = 16384,
+                  reuse: bool = False, lr: float = 1e-2, weight_decay: float = 0.01, initial_scale: float = 2**10,
+                  **optim_kwargs):
+    """A ShardedModelV2 + ShardedOptimizerV2 over a deep copy of ``reference`` (built outside the context)."""
+    import copy
+
+    import chunkmem as cm
+
+    model = cm.ShardedModelV2(copy.deepcopy(reference), cm.TensorShardStrategy(), tensor_placement_policy=policy,
+                              reuse_fp16_shard=reuse, dtype=dtype, chunk_size=chunk_size)
+    optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=lr, weight_decay=weight_decay),
+                                  initial_scale=initial_scale, **optim_kwargs)
+    return model, optim
+
+
+def train(model, optim, data, loss_fn=None) -> list[float]:
+    loss_fn = loss_fn or lm_loss
+    losses = []
+    for x in data:
+        loss = loss_fn(model(x), x)
+        optim.backward(loss)
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses
