@@ -45,7 +45,8 @@ class ZeroInitContext:
         chunk_size: bytes per chunk while building (a parameter larger than that gets a chunk of its
             own size); ``ShardedModelV2`` keeps it, or re-packs with the searched size if ``None``.
         model_numel_tensor: if given, a one-element tensor that receives the number of parameter
-            elements created.
+            elements created inside the context (a parameter later replaced, such as the original
+            weight of a tied lm head, counts too).
     """
 
     def __init__(self, target_device: torch.device | str | int, shard_strategy: BaseShardStrategy,

@@ -202,10 +202,10 @@ class ShardedModelV2(nn.Module):
                 if need_of(own) > need:
                     need, what = need_of(own), f"the chunks of module {name or type(module).__name__!r} with their gradients"
         if need > capacity:
+            remedy = "use placement 'cpu'" if self.policy.resting_tier is Tier.DEVICE else "use smaller chunks (chunk_size=)"
             raise DeviceCapacityError(
                 f"the device tier capacity of {capacity} bytes is smaller than the {need} bytes of {what}; "
-                f"raise it with chunkmem.set_device_memory_capacity or CHUNKMEM_DEVICE_MEMORY, or use smaller "
-                f"chunks (chunk_size=) or placement 'cpu'")
+                f"raise it with chunkmem.set_device_memory_capacity or CHUNKMEM_DEVICE_MEMORY, or {remedy}")
 
     def _cast_buffers(self) -> None:
         for module in self.module.modules():

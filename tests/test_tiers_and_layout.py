@@ -1,0 +1,46 @@
+"""Capacity parsing and setting; packing and the chunk-size search against brute force."""
+import random
+
+import pytest
+
+import chunkmem as cm
+from chunkmem.layout import ALIGN_ELEMENTS, pack, padding_elements, search_chunk_numel
+
+
+@pytest.mark.parametrize("text,nbytes", [("1048576", 2**20), ("2GiB", 2 * 2**30), ("512 MiB", 512 * 2**20),
+                                         ("1.5KB", 1500), ("3gb", 3 * 10**9), ("7B", 7), (123, 123)])
+def test_parse_size(text, nbytes):
+    assert cm.parse_size(text) == nbytes
+
+
+def test_capacity_setting_and_environment(monkeypatch):
+    monkeypatch.setenv("CHUNKMEM_DEVICE_MEMORY", "3MiB")
+    assert cm.device_memory_capacity() == 3 * 2**20
+    cm.set_device_memory_capacity("1KiB")
+    assert cm.device_memory_capacity() == 1024
+    cm.set_device_memory_capacity(None)
+    assert cm.device_memory_capacity() == 3 * 2**20
+    monkeypatch.delenv("CHUNKMEM_DEVICE_MEMORY")
+    assert cm.device_memory_capacity() > 0
+
+
+def test_pack_never_straddles_or_mixes_keys():
+    numels = [5, 3, 4, 8, 1, 1, 6]
+    keys = ["a", "a", "a", "b", "b", "a", "a"]
+    assert pack(numels, keys, 8) == [[0, 1], [2], [3], [4], [5, 6]]
+    assert padding_elements(numels, keys, 8) == 5 * 8 - sum(numels)
+    with pytest.raises(ValueError):
+        pack([9], ["a"], 8)
+
+
+def test_search_finds_least_padding_among_candidates():
+    rng = random.Random(0)
+    numels = [rng.choice([768 * 768, 768, 3072 * 768, 3072, 768]) for _ in range(60)]
+    keys = [0] * len(numels)
+    best = search_chunk_numel(numels, keys, element_size=2, min_chunk_bytes=0)
+    assert best % ALIGN_ELEMENTS == 0 and best >= max(numels)
+    lower = -(-max(numels) // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+    step = -(-max(lower // 64, 1) // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+    brute = min((padding_elements(numels, keys, lower + k * step), lower + k * step) for k in range(65))
+    assert (padding_elements(numels, keys, best), best) == brute
+    assert padding_elements(numels, keys, best) <= padding_elements(numels, keys, lower)
