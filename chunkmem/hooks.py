@@ -31,24 +31,18 @@ class ChunkHooks:
         self.end_of_backward_queued = False
         self.handles: list[Any] = []
         self.foreign_params: dict[nn.Module, list[nn.Parameter]] = {}
-        seen_params: set[int] = set()
         for module in root.modules():
-            chunks = []
-            for param in module.parameters(recurse=False):
-                slot = slot_of(param)
-                if slot is not None and slot.chunk not in chunks:
-                    chunks.append(slot.chunk)
-            self.module_chunks[module] = chunks
+            self.module_chunks[module] = []
             self.handles.append(module.register_forward_pre_hook(self._pre_forward))
             self.handles.append(module.register_forward_hook(self._post_forward))
         for param in root.parameters():
-            if param.requires_grad and id(param) not in seen_params and slot_of(param) is not None:
-                seen_params.add(id(param))
+            if param.requires_grad and slot_of(param) is not None:
                 self.handles.append(param.register_post_accumulate_grad_hook(self._on_grad))
+        self.refresh_chunks()
 
     def refresh_chunks(self) -> None:
-        """Re-read which chunk each module's parameters are in (after the chunks were re-packed)."""
-        for module, chunks in self.module_chunks.items():
+        """(Re-)read which chunks each module's own and foreign parameters are in (after a re-pack)."""
+        for module in self.module_chunks:
             fresh = []
             for param in module.parameters(recurse=False):
                 slot = slot_of(param)

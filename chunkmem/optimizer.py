@@ -62,13 +62,13 @@ class ShardedOptimizerV2:
             raise InvalidArgumentError("sharded_model", "a model that already has a ShardedOptimizerV2",
                                        "a ShardedModelV2 without an optimizer")
         scaler = DynamicGradScaler(initial_scale, min_scale, growth_factor, backoff_factor, growth_interval,
-                                   hysteresis, max_scale) if sharded_model.dtype == torch.float16 else None
+                                   hysteresis, max_scale)  # validates the arguments whatever the dtype
         group_of = self._groups_of(sharded_model, optimizer)
 
         self.model = sharded_model
         self.optim = optimizer
         self.gpu_margin_mem_ratio = gpu_margin_mem_ratio
-        self.grad_scaler = scaler
+        self.grad_scaler = scaler if sharded_model.dtype == torch.float16 else None
         self.dp_process_group = dp_process_group
         self.mp_process_group = mp_process_group
         self.verbose = verbose
