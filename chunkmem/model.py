@@ -84,11 +84,8 @@ class ShardedModelV2(nn.Module):
             if dtype is not None and dtype != context_dtype:
                 raise InvalidArgumentError("dtype", dtype, f"None or {context_dtype} (the ZeroInitContext dtype)")
             dtype = context_dtype
-            ledger = slots[0].chunk.ledger
-            ledger.capacity = device_memory_capacity()
         else:
             dtype = dtype or torch.float16
-            ledger = TierLedger(device_memory_capacity())
         if reuse_fp16_shard and dtype == torch.float32:
             raise InvalidArgumentError("reuse_fp16_shard", True,
                                        "False with dtype torch.float32 (the fp32 parameters are the masters)")
@@ -124,7 +121,10 @@ class ShardedModelV2(nn.Module):
 
         self.policy = policy
         plan = self._plan(named, keys)
-        self._check_capacity(plan, ledger.capacity)
+        capacity = device_memory_capacity()
+        self._check_capacity(plan, capacity)
+        ledger = slots[0].chunk.ledger if from_context else TierLedger(capacity)
+        ledger.capacity = capacity
         chunks = self._build(plan, _unique_chunks(slots) if from_context else [], ledger)
         self._cast_buffers()
         self.chunk_manager = ChunkManager(chunks, ledger, policy, reuse_fp16_shard)
