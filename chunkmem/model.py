@@ -229,7 +229,17 @@ class ShardedModelV2(nn.Module):
                 output = self.module(*args, **kwargs)
             self._discover_foreign_params = False
         else:
-            output = self.module(*args, **kwargs)
+            try:
+                output = self.module(*args, **kwargs)
+            except RuntimeError as exc:
+                if "storage of size 0" not in str(exc):
+                    raise
+                self._discover_foreign_params = True
+                raise RuntimeError(
+                    "a parameter was used while its chunk was not on the device: a module used a parameter "
+                    "of another module for the first time after the first forward (parameters used outside "
+                    "their module are found during the first forward). The next forward looks again; "
+                    "call it again.") from exc
         if self.dtype != torch.float32:
             output = tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
                               output)

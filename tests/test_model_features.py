@@ -135,3 +135,30 @@ def test_buffers_follow_dtype_and_device():
     assert model.module.offset.dtype == torch.bfloat16 and model.module.count.dtype == torch.long
     out = model(torch.randn(2, 4))
     assert out.dtype == torch.float32
+
+
+def test_foreign_parameter_used_first_after_warm_up_gives_clear_error_then_works():
+    class Branchy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+            self.b = torch.nn.Linear(4, 4)
+
+        def forward(self, x, use_b_weight=False):
+            y = self.a(x)
+            if use_b_weight:
+                y = y + torch.nn.functional.linear(x, self.b.weight)
+            return y
+
+    torch.manual_seed(0)
+    plain = Branchy()
+    model = cm.ShardedModelV2(copy.deepcopy(plain), cm.TensorShardStrategy(), tensor_placement_policy="cpu",
+                              dtype=torch.float32, chunk_size=128)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        model(x)
+        with pytest.raises(RuntimeError, match="used a parameter of another module"):
+            model(x, use_b_weight=True)
+        assert torch.equal(model(x, use_b_weight=True), plain(x, use_b_weight=True))
+        assert torch.equal(model(x, use_b_weight=True), plain(x, use_b_weight=True))
+    assert model.tier_bytes()["device"] == {}
