@@ -92,6 +92,7 @@ class FlatBuffer:
         self.ledger.reserve(tier, self.family, self.nbytes, f"{self.owner}.{self.family}")
         new = empty_on_tier(tier, self.numel, self.dtype)
         new.copy_(old)
+        self.ledger.count_move(tier, self.nbytes)
         self.tensor, self.tier = new, tier
         self.ledger.release(old_tier, self.family, self.nbytes)
 
@@ -138,6 +139,7 @@ class ParamBuffer:
         assert self.host_valid, f"{self.owner}: no valid copy of the parameters"
         self.allocate_device()
         self.device.copy_(self.host.tensor, non_blocking=True)
+        self.ledger.count_move(Tier.DEVICE, self.nbytes)
         self.device_valid = True
 
     def free_device(self) -> None:
@@ -155,6 +157,7 @@ class ParamBuffer:
         if not self.host.allocated:
             self.host.allocate(Tier.HOST)
         self.host.tensor.copy_(self.device)
+        self.ledger.count_move(Tier.HOST, self.nbytes)
         self.host_valid = True
 
     def free_host(self) -> None:

@@ -31,6 +31,7 @@ class ChunkHooks:
         self.end_of_backward_queued = False
         self.handles: list[Any] = []
         self.foreign_params: dict[nn.Module, list[nn.Parameter]] = {}
+        self.module_names = {module: name or type(module).__name__ for name, module in root.named_modules()}
         for module in root.modules():
             self.module_chunks[module] = []
             self.handles.append(module.register_forward_pre_hook(self._pre_forward))
@@ -64,6 +65,8 @@ class ChunkHooks:
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         chunks = list(self.module_chunks[module])
+        if chunks:
+            self.manager.scheduler.begin_period(self.module_names[module], "forward", chunks)
         self.manager.acquire(chunks)
         self.stack.append((module, chunks))
 
@@ -72,9 +75,10 @@ class ChunkHooks:
         assert popped is module
         self.manager.release(chunks)
         if torch.is_grad_enabled():
+            pre_backward = self._make_pre_backward(module)
             for tensor in tree_leaves(output):
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                    tensor.register_hook(self._make_pre_backward(module))
+                    tensor.register_hook(pre_backward)
 
     def use_foreign(self, param: nn.Parameter) -> None:
         """A parameter was used while the top module does not hold its chunk: fetch it for that module
@@ -89,15 +93,27 @@ class ChunkHooks:
         self.foreign_params.setdefault(module, []).append(param)
         if chunk not in self.module_chunks[module]:
             self.module_chunks[module].append(chunk)
+            self.manager.scheduler.module_chunks_changed()
 
     # ---- backward ----------------------------------------------------------------------------------
 
     def _make_pre_backward(self, module: nn.Module):
+        """A hook for the gradients of one forward call's outputs: the call's backward begins with the
+        first of them (a period boundary when the module has chunks)."""
+        fired = False
+
         def pre_backward(grad: torch.Tensor) -> None:
+            nonlocal fired
             if module is self.root and not self.end_of_backward_queued:
                 self.end_of_backward_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self.manager.hold_for_backward(self.module_chunks[module])
+            if fired:
+                return
+            fired = True
+            chunks = self.module_chunks[module]
+            if chunks:
+                self.manager.scheduler.begin_period(self.module_names[module], "backward", chunks)
+            self.manager.hold_for_backward(chunks)
         return pre_backward
 
     def _on_grad(self, param: nn.Parameter) -> None:

@@ -18,18 +18,29 @@ class TierLedger:
         self.capacity = capacity
         self._bytes: dict[tuple[Tier, str], int] = defaultdict(int)
         self.peak_device_bytes = 0
+        self.moved_to_device = 0
+        self.moved_to_host = 0
+        self.context = ""
 
     def reserve(self, tier: Tier, family: str, nbytes: int, what: str) -> None:
         """Account ``nbytes`` more on ``tier`` for ``family``; refuse past the device capacity."""
         if tier is Tier.DEVICE:
             after = self.tier_bytes(Tier.DEVICE) + nbytes
             if after > self.capacity:
+                where = f" during {self.context}" if self.context else ""
                 raise DeviceCapacityError(
-                    f"device tier full: {what} needs {nbytes} bytes, {self.tier_bytes(Tier.DEVICE)} of the "
+                    f"device tier full{where}: {what} needs {nbytes} bytes, {self.tier_bytes(Tier.DEVICE)} of the "
                     f"capacity of {self.capacity} bytes are in use (set chunkmem.set_device_memory_capacity "
                     f"or CHUNKMEM_DEVICE_MEMORY higher, or rest more state on the host)")
             self.peak_device_bytes = max(self.peak_device_bytes, after)
         self._bytes[(tier, family)] += nbytes
+
+    def count_move(self, destination: Tier, nbytes: int) -> None:
+        """Count ``nbytes`` copied between tiers, towards ``destination``."""
+        if destination is Tier.DEVICE:
+            self.moved_to_device += nbytes
+        else:
+            self.moved_to_host += nbytes
 
     def release(self, tier: Tier, family: str, nbytes: int) -> None:
         """Account ``nbytes`` fewer on ``tier`` for ``family``."""

@@ -15,7 +15,8 @@ from .errors import GradientAccumulationError
 from .layout import pack
 from .ledger import TierLedger
 from .placement import PlacementPolicy
-from .tiers import Tier
+from .schedule import Scheduler
+from .tiers import Tier, device_of_tier
 
 SLOT_ATTR = "_chunkmem_slot"
 
@@ -70,11 +71,22 @@ class ChunkManager:
 
     def __init__(self, chunks: list[Chunk], ledger: TierLedger, policy: PlacementPolicy,
                  reuse_param_memory_for_grads: bool) -> None:
-        self.chunks = chunks
         self.ledger = ledger
         self.policy = policy
         self.reuse_grads = reuse_param_memory_for_grads
         self.grads_pending = False
+        self.optimizer_state_exists = False
+        self.scheduler = Scheduler(self, device_of_tier(Tier.DEVICE))
+        self.chunks = chunks
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        return self._chunks
+
+    @chunks.setter
+    def chunks(self, chunks: list[Chunk]) -> None:
+        self._chunks = chunks
+        self.policy.configure(chunks)
 
     # ---- placement at rest -------------------------------------------------------------------------
 
@@ -85,15 +97,22 @@ class ChunkManager:
             chunk.bind_views(chunk.param.device)
 
     def settle(self, chunk: Chunk) -> None:
-        """Put the chunk's parameters where the policy rests them (no-op for parts already there)."""
+        """Put an unused chunk's parameters where the policy rests them. Gradients held in parameter
+        memory go to the host when the chunk's Adam runs there."""
+        if chunk.users or chunk.held_for_backward:
+            return
         buf = chunk.param
-        if self.policy.param_tier(chunk) is Tier.DEVICE:
-            buf.fetch_to_device()
-            buf.free_host()
-        elif chunk.users == 0 and not chunk.held_for_backward:
-            if not buf.host_valid:
-                buf.write_back_to_host()
-            buf.free_device()
+        tier = self.policy.param_rest_tier(chunk)
+        if buf.holds_grads and self.policy.grad_tier(chunk) is Tier.HOST:
+            tier = Tier.HOST
+        with self.scheduler.paused():
+            if tier is Tier.DEVICE:
+                buf.fetch_to_device()
+                buf.free_host()
+            elif tier is Tier.HOST:
+                if not buf.host_valid:
+                    buf.write_back_to_host()
+                buf.free_device()
 
     def settle_all(self) -> None:
         for chunk in self.chunks:
@@ -108,10 +127,14 @@ class ChunkManager:
             master.copy_(chunk.param.current())
         for family in OPTIM_FAMILIES[1:]:
             chunk.optim[family].allocate(tier, zero=True)
+        self.optimizer_state_exists = True
 
-    def free_optimizer_state(self, chunk: Chunk) -> None:
-        for family in OPTIM_FAMILIES:
-            chunk.optim[family].free()
+    def move_optimizer_state(self, chunk: Chunk, tier: Tier) -> None:
+        """Move the chunk's optimizer families (and a separate gradient buffer) to ``tier``."""
+        with self.scheduler.paused():
+            for buf in (*chunk.optim.values(), chunk.grad):
+                if buf.allocated:
+                    buf.move_to(tier)
 
     # ---- forward and backward use ------------------------------------------------------------------
 
@@ -119,7 +142,9 @@ class ChunkManager:
         """Make the chunks' parameters current on the device and count one more user of each."""
         for chunk in chunks:
             self._check_not_holding_grads(chunk)
-            chunk.param.fetch_to_device()
+            self.scheduler.need(chunk)
+            with self.scheduler.paused():
+                chunk.param.fetch_to_device()
             chunk.users += 1
 
     def release(self, chunks: Iterable[Chunk]) -> None:
@@ -127,8 +152,7 @@ class ChunkManager:
         for chunk in chunks:
             chunk.users -= 1
             assert chunk.users >= 0, chunk
-            if chunk.users == 0 and not chunk.held_for_backward:
-                self.settle(chunk)
+            self.settle(chunk)
 
     def hold_for_backward(self, chunks: Iterable[Chunk]) -> None:
         """Fetch the chunks and keep them on the device until their gradients are finished."""
@@ -136,7 +160,9 @@ class ChunkManager:
             if chunk.held_for_backward:
                 continue
             self._check_not_holding_grads(chunk)
-            chunk.param.fetch_to_device()
+            self.scheduler.need(chunk)
+            with self.scheduler.paused():
+                chunk.param.fetch_to_device()
             chunk.held_for_backward = True
 
     def _check_not_holding_grads(self, chunk: Chunk) -> None:
@@ -151,6 +177,8 @@ class ChunkManager:
     def accumulate_grad(self, slot: ParamSlot, grad: torch.Tensor) -> None:
         """Take one parameter's gradient (from autograd) into its chunk."""
         chunk = slot.chunk
+        if not chunk.grad_slots_received:
+            self.scheduler.grads_started(chunk)
         if self.reuse_grads:
             if slot.index_in_chunk in chunk.grad_slots_received:
                 raise GradientAccumulationError(
@@ -159,7 +187,8 @@ class ChunkManager:
             self.hold_for_backward([chunk])
             slot.view(chunk.param.device).copy_(grad)
         else:
-            staging = self._grad_accumulator(chunk)
+            with self.scheduler.paused():
+                staging = self._grad_accumulator(chunk)
             slot.view(staging).add_(grad)
         chunk.grad_slots_received.add(slot.index_in_chunk)
         if len(chunk.grad_slots_received) == len(chunk.trainable_slots()):
@@ -178,39 +207,41 @@ class ChunkManager:
     def finish_grads(self, chunk: Chunk) -> None:
         """The chunk's gradients of this backward are complete: move them where they rest, and let the
         parameters go back to their resting tier. Parameters that got no gradient get zero."""
-        if self.reuse_grads:
-            self.hold_for_backward([chunk])
-            for slot in chunk.trainable_slots():
-                if slot.index_in_chunk not in chunk.grad_slots_received:
-                    slot.view(chunk.param.device).zero_()
-            chunk.param.host_valid = False
-            chunk.param.holds_grads = True
-        else:
-            accumulator = self._grad_accumulator(chunk)
-            if chunk.grad_staging.allocated:
-                if chunk.grad.allocated:
-                    chunk.grad.tensor.add_(accumulator.to(chunk.grad.tensor.device))
-                else:
-                    chunk.grad.allocate(self.policy.grad_tier(chunk)).copy_(accumulator)
-                chunk.grad_staging.free()
+        with self.scheduler.paused():
+            if self.reuse_grads:
+                self.hold_for_backward([chunk])
+                for slot in chunk.trainable_slots():
+                    if slot.index_in_chunk not in chunk.grad_slots_received:
+                        slot.view(chunk.param.device).zero_()
+                chunk.param.host_valid = False
+                chunk.param.holds_grads = True
+            else:
+                accumulator = self._grad_accumulator(chunk)
+                if chunk.grad_staging.allocated:
+                    if chunk.grad.allocated:
+                        chunk.grad.tensor.add_(accumulator.to(chunk.grad.tensor.device))
+                    else:
+                        chunk.grad.allocate(self.policy.grad_tier(chunk)).copy_(accumulator)
+                    self.ledger.count_move(chunk.grad.tier, chunk.grad.nbytes)
+                    chunk.grad_staging.free()
         chunk.grad_slots_received.clear()
         chunk.grads_finished = True
         chunk.held_for_backward = False
         self.grads_pending = True
-        if chunk.users == 0:
-            self.settle(chunk)
+        self.scheduler.grads_finished(chunk)
+        self.settle(chunk)
 
     def end_backward(self) -> None:
         """After autograd finished: finish every trainable chunk not finished yet (parameters that got no
-        gradient get zero) and release what backward held."""
+        gradient get zero), release what backward held, and close the iteration."""
         for chunk in self.chunks:
             if chunk.trainable and not chunk.grads_finished:
                 self.finish_grads(chunk)
             elif chunk.held_for_backward:
                 chunk.held_for_backward = False
-                if chunk.users == 0:
-                    self.settle(chunk)
+                self.settle(chunk)
             chunk.grads_finished = False
+        self.scheduler.end_iteration()
 
     def grad_of(self, chunk: Chunk) -> torch.Tensor | None:
         """The chunk's finished gradient buffer (where it rests), or ``None`` if there is none."""
@@ -231,14 +262,21 @@ class ChunkManager:
     # ---- optimizer updates -------------------------------------------------------------------------
 
     def param_update_target(self, chunk: Chunk, tier: Tier) -> torch.Tensor:
-        """The copy of the chunk's parameters on ``tier`` that an update running there writes."""
+        """The copy of the chunk's parameters on ``tier`` that an update running there writes. Without a
+        separate master (fp32) the update also reads it, so it is made current first."""
         buf = chunk.param
-        if tier is Tier.DEVICE:
-            buf.allocate_device()
-            return buf.device
-        if not buf.host.allocated:
-            buf.host.allocate(Tier.HOST)
-        return buf.host.tensor
+        with self.scheduler.paused():
+            if tier is Tier.DEVICE:
+                if chunk.has_master:
+                    buf.allocate_device()
+                else:
+                    buf.fetch_to_device()
+                return buf.device
+            if not buf.host.allocated:
+                buf.host.allocate(Tier.HOST)
+            if not chunk.has_master and not buf.host_valid:
+                buf.write_back_to_host()
+            return buf.host.tensor
 
     def params_updated(self, chunk: Chunk, tier: Tier) -> None:
         """The copy on ``tier`` now holds the new parameter values; drop the other copy."""

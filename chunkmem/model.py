@@ -1,6 +1,8 @@
 """ShardedModelV2: wraps a module so that its parameters live in chunks placed by a policy."""
 from __future__ import annotations
 
+import logging
+import os
 from collections import OrderedDict
 from typing import Any
 
@@ -9,6 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
+from . import memstats
 from .chunk import MASTER, Chunk, ChunkKey
 from .errors import DeviceCapacityError, GradientAccumulationError, InvalidArgumentError, check_number, check_type
 from .hooks import ChunkHooks, ForeignParamDiscovery
@@ -19,6 +22,8 @@ from .manager import ChunkManager, build_chunks, slot_of
 from .placement import make_policy
 from .shard_strategy import BaseShardStrategy
 from .tiers import Tier, device_memory_capacity, device_of_tier
+
+logger = logging.getLogger("chunkmem")
 
 
 class ShardedModelV2(nn.Module):
@@ -42,20 +47,25 @@ class ShardedModelV2(nn.Module):
         reduce_scatter_bucket_size_mb: reduce-scatter bucket size in MB (> 0).
         fp32_reduce_scatter: reduce gradients in fp32.
         tensor_placement_policy: ``"cuda"`` (everything on the device tier), ``"cpu"`` (everything rests
-            on the host; parameters visit the device for compute) or ``"auto"`` (not built yet).
+            on the host; parameters visit the device for compute), ``"auto"`` (traced first iteration,
+            then Belady's eviction within the capacity) or ``"static"`` (fixed fractions offloaded);
+            see :mod:`chunkmem.placement`.
         gradient_predivide_factor: gradients are divided by this before reduction (> 0).
         reuse_fp16_shard: store each gradient in its 16-bit parameter's memory (no grad buffer; needs a
             16-bit dtype; no gradient accumulation).
         dtype: compute/storage dtype for a module built outside ZeroInitContext (default
             torch.float16); for a module built inside, ``None`` or the context's dtype.
         chunk_size: bytes per chunk (``None``: searched; a chunk holds at least the largest parameter).
+        offload_param_frac, offload_optim_frac: with ``"static"``, the fractions in [0, 1] of parameter
+            chunks and of optimizer chunk groups that rest on the host.
     """
 
     def __init__(self, module: nn.Module, shard_strategy: BaseShardStrategy, process_group: Any = None,
                  reduce_scatter_process_group: Any = None, reduce_scatter_bucket_size_mb: int = 25,
                  fp32_reduce_scatter: bool = False, tensor_placement_policy: str = "cuda",
                  gradient_predivide_factor: float = 1.0, reuse_fp16_shard: bool = False, *,
-                 dtype: torch.dtype | None = None, chunk_size: int | None = None) -> None:
+                 dtype: torch.dtype | None = None, chunk_size: int | None = None,
+                 offload_param_frac: float = 0.0, offload_optim_frac: float = 0.0) -> None:
         super().__init__()
         check_type("module", module, nn.Module, "a torch.nn.Module")
         if isinstance(module, ShardedModelV2):
@@ -71,7 +81,7 @@ class ShardedModelV2(nn.Module):
         check_chunk_size(chunk_size)
         if dtype is not None:
             check_dtype("dtype", dtype)
-        policy = make_policy(tensor_placement_policy)
+        policy = make_policy(tensor_placement_policy, offload_param_frac, offload_optim_frac)
 
         named = list(module.named_parameters())
         slots = [slot_of(p) for _, p in named]
@@ -185,24 +195,30 @@ class ShardedModelV2(nn.Module):
         self._hooks.refresh_chunks()
 
     def _check_capacity(self, plan: "_LayoutPlan", capacity: int) -> None:
-        """Refuse a capacity that cannot hold what the policy needs on the device at one time: every
-        chunk (placement 'cuda'), or the chunks of the largest module with their gradient staging."""
+        """Refuse a capacity that cannot hold what the policy needs on the device at one time: the chunks
+        resting there (with their gradients), plus the other chunks of the largest module with their
+        gradient staging."""
+        count = len(plan.groups)
+        grads_per_chunk = 0 if self.reuse_fp16_shard else 1
+
         def need_of(chunk_indices: set[int]) -> int:
             trainable = sum(1 for i in chunk_indices if plan.key_of(i).trainable)
-            grads = 0 if self.reuse_fp16_shard else trainable
-            return (len(chunk_indices) + grads) * plan.chunk_bytes
+            return (len(chunk_indices) + grads_per_chunk * trainable) * plan.chunk_bytes
 
-        if self.policy.resting_tier is Tier.DEVICE:
-            need, what = need_of(set(range(len(plan.groups)))), "all parameter and gradient chunks (placement 'cuda')"
-        else:
-            need, what = 0, ""
-            chunk_of = plan.chunk_of_param()
-            for name, module in self.module.named_modules():
-                own = {chunk_of[id(p)] for p in module.parameters(recurse=False)}
-                if need_of(own) > need:
-                    need, what = need_of(own), f"the chunks of module {name or type(module).__name__!r} with their gradients"
+        resting = {i for i in range(count) if self.policy.params_on_device_at_rest(i, count)}
+        need = need_of(resting)
+        what = f"the {len(resting)} chunks resting on the device with their gradients" if resting else ""
+        chunk_of = plan.chunk_of_param()
+        visiting_need, visiting_what = 0, ""
+        for name, module in self.module.named_modules():
+            visiting = {chunk_of[id(p)] for p in module.parameters(recurse=False)} - resting
+            if need_of(visiting) > visiting_need:
+                visiting_need = need_of(visiting)
+                visiting_what = f"the chunks of module {name or type(module).__name__!r} with their gradients"
+        need += visiting_need
+        what = " and ".join(w for w in (what, visiting_what) if w)
         if need > capacity:
-            remedy = "use placement 'cpu'" if self.policy.resting_tier is Tier.DEVICE else "use smaller chunks (chunk_size=)"
+            remedy = "use placement 'cpu'" if resting else "use smaller chunks (chunk_size=)"
             raise DeviceCapacityError(
                 f"the device tier capacity of {capacity} bytes is smaller than the {need} bytes of {what}; "
                 f"raise it with chunkmem.set_device_memory_capacity or CHUNKMEM_DEVICE_MEMORY, or {remedy}")
@@ -224,6 +240,7 @@ class ShardedModelV2(nn.Module):
                 "accumulation needs reuse_fp16_shard=False")
         self._recover_from_interrupted_forward()
         args, kwargs = tree_map(self._cast_input, (args, kwargs))
+        self.chunk_manager.scheduler.begin_iteration(_shapes_of((args, kwargs)), torch.is_grad_enabled())
         if self._discover_foreign_params:
             with ForeignParamDiscovery(self._hooks):
                 output = self.module(*args, **kwargs)
@@ -267,6 +284,23 @@ class ShardedModelV2(nn.Module):
     def tier_bytes(self) -> dict[str, dict[str, int]]:
         """Exact bytes of chunk memory per tier and family: ``{"device": {"param": n, ...}, "host": ...}``."""
         return self.chunk_manager.ledger.breakdown()
+
+    def memory_stats(self) -> dict[str, Any]:
+        """The memory statistics document (schema in :mod:`chunkmem.memstats`)."""
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+        return memstats.collect(self.chunk_manager, rank, world)
+
+    def dump_memory_stats(self, filename: str = "memstats.json") -> str:
+        """Write :meth:`memory_stats` as JSON to ``filename`` (with ``.rank{N}`` before the extension when
+        running distributed), log a text summary, and return the path written. Safe to call in an
+        ``except`` handler after an out-of-memory error: it reads what was recorded so far."""
+        doc = self.memory_stats()
+        if doc["world_size"] > 1:
+            root, ext = os.path.splitext(filename)
+            filename = f"{root}.rank{doc['rank']}{ext}"
+        memstats.write_json_atomically(doc, filename)
+        logger.info("%s\n  written to %s", memstats.summary(doc), filename)
+        return filename
 
     def full_parameter(self, param: nn.Parameter) -> torch.Tensor:
         """A CPU fp32 copy of ``param``'s current value: from the fp32 master where one exists."""
@@ -314,6 +348,14 @@ class _LayoutPlan:
 
     def chunk_of_param(self) -> dict[int, int]:
         return {id(self.entries[i][1]): c for c, group in enumerate(self.groups) for i in group}
+
+
+def _shapes_of(tree: Any) -> tuple:
+    """What must stay the same for a recorded schedule to apply: the shapes and dtypes of the inputs."""
+    from torch.utils._pytree import tree_leaves
+
+    return tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
+                 for t in tree_leaves(tree))
 
 
 def _check_process_group(argument: str, group: Any) -> None:

@@ -15,6 +15,7 @@ from .errors import DeviceCapacityError, GradientAccumulationError, InvalidArgum
 from .loss_scaler import DynamicGradScaler
 from .manager import slot_of
 from .model import ShardedModelV2
+from .placement import AutoPlacement
 from .tiers import Tier
 
 
@@ -81,6 +82,8 @@ class ShardedOptimizerV2:
         sharded_model._repack(plan)
         for chunk in self._trainable_chunks():
             self.manager.place_optimizer_state(chunk)
+        if isinstance(self.manager.policy, AutoPlacement):
+            self.manager.policy.gpu_margin_mem_ratio = gpu_margin_mem_ratio
         sharded_model.optimizer_attached = True
 
     @staticmethod
@@ -104,7 +107,7 @@ class ShardedOptimizerV2:
         fp32_families = 3 if self.model.dtype != torch.float32 else 2
         chunk_numel = plan.chunk_bytes // self.model._element_size
         trainable = sum(1 for i in range(len(plan.groups)) if plan.key_of(i).trainable)
-        on_device = trainable if self.manager.policy.resting_tier is Tier.DEVICE else 0
+        on_device = sum(1 for k in range(trainable) if self.manager.policy.optim_on_device(k, trainable))
         need = on_device * fp32_families * chunk_numel * 4
         ledger = self.manager.ledger
         free = ledger.capacity - ledger.tier_bytes(Tier.DEVICE)
@@ -132,11 +135,13 @@ class ShardedOptimizerV2:
         """Backward of ``loss`` times the loss scale; gradients land in the chunks."""
         self._check_can_accumulate()
         (loss * self.loss_scale if self.grad_scaler else loss).backward()
+        self.manager.scheduler.close_finished_traces()
 
     def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
         """Backward from ``tensor`` with the upstream gradient ``grad`` (not scaled)."""
         self._check_can_accumulate()
         torch.autograd.backward(tensor, grad)
+        self.manager.scheduler.close_finished_traces()
 
     def _check_can_accumulate(self) -> None:
         if self.model.reuse_fp16_shard and self.manager.grads_pending:
@@ -176,6 +181,7 @@ class ShardedOptimizerV2:
         or no gradients since the last step). A skipped step leaves masters and optimizer state
         untouched and discards the gradients.
         """
+        self.manager.scheduler.close_finished_traces()
         if not self.manager.grads_pending:
             return False
         if self.grad_scaler is not None:

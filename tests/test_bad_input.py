@@ -16,7 +16,7 @@ def linear_model(**kwargs):
 
 def test_unknown_placement_policy_leaves_module_untouched():
     module = nn.Linear(4, 4)
-    with pytest.raises(cm.InvalidArgumentError, match=r"tensor_placement_policy='gpu'.*'cuda', 'cpu', 'auto'"):
+    with pytest.raises(cm.InvalidArgumentError, match=r"tensor_placement_policy='gpu'.*'cuda', 'cpu', 'auto', 'static'"):
         cm.ShardedModelV2(module, cm.TensorShardStrategy(), tensor_placement_policy="gpu")
     assert module.weight.dtype == torch.float32 and not hasattr(module.weight, "_chunkmem_slot")
 
@@ -70,11 +70,12 @@ def test_second_optimizer_refused():
     (dict(gradient_predivide_factor=0.0), "gradient_predivide_factor=0.0"),
     (dict(fp32_reduce_scatter="yes"), "fp32_reduce_scatter='yes'"),
     (dict(process_group="world"), "process_group='world'"),
-    (dict(tensor_placement_policy="auto"), "auto"),
+    (dict(offload_param_frac=0.5), "offload_param_frac"),
+    (dict(tensor_placement_policy="static", offload_optim_frac=1.5), "offload_optim_frac=1.5"),
 ])
 def test_sharded_model_arguments(kwargs, pattern):
     module = nn.Linear(4, 4)
-    with pytest.raises((cm.InvalidArgumentError, NotImplementedError), match=pattern):
+    with pytest.raises(cm.InvalidArgumentError, match=pattern):
         cm.ShardedModelV2(module, cm.TensorShardStrategy(), **{"tensor_placement_policy": "cpu", **kwargs})
     assert not hasattr(module.weight, "_chunkmem_slot")
 
