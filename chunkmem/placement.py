@@ -19,7 +19,7 @@ from typing import Sequence
 
 from .belady import MovePlan, plan_moves
 from .chunk import Chunk
-from .errors import InvalidArgumentError, check_choice, check_number
+from .errors import DeviceCapacityError, InvalidArgumentError, check_choice, check_number
 from .tiers import Tier
 from .tracer import Period
 
@@ -161,6 +161,15 @@ class AutoPlacement(PlacementPolicy):
         needed = [[c for c in p.needed if c not in self.margin_chunks] for p in periods]
         slots = [max(capacity - pinned_bytes - p.non_model_peak - s * chunk_param_bytes, 0) // chunk_param_bytes
                  for p, s in zip(periods, staging)]
+        for i, (p, s) in enumerate(zip(periods, staging)):
+            if len(needed[i]) > slots[i]:
+                need = len(needed[i]) * chunk_param_bytes
+                raise DeviceCapacityError(
+                    f"period {i} ({p.name} {p.phase}) needs {len(needed[i])} chunks ({need} bytes), "
+                    f"{s * chunk_param_bytes} bytes of gradient staging and {p.non_model_peak} bytes of non-model "
+                    f"memory on the device at once: {need + s * chunk_param_bytes + p.non_model_peak} bytes, more "
+                    f"than the device capacity of {capacity} bytes less {pinned_bytes} bytes of optimizer state "
+                    f"kept there; raise the capacity, lower gpu_margin_mem_ratio, or use smaller chunks or batches")
         self.plan = plan_moves(needed, forced_out, slots, [f"{p.name} {p.phase}" for p in periods])
         return self.plan
 

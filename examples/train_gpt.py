@@ -21,6 +21,7 @@ Without a GPU the "device" tier is the CPU under a capacity (``--device-memory``
 option runs on a laptop as well.
 """
 import argparse
+import logging
 import math
 import time
 
@@ -134,8 +135,13 @@ def ideal_loss(vocab, noise=NOISE):
 def parse_args():
     has_cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--placement", choices=["cpu", "cuda"], default="cuda" if has_cuda else "cpu",
-                   help="'cuda': all chunks and Adam state on the device tier; 'cpu': they rest on the host")
+    p.add_argument("--placement", choices=["cpu", "cuda", "auto"], default="cuda" if has_cuda else "cpu",
+                   help="'cuda': all chunks and Adam state on the device tier; 'cpu': they rest on the host; "
+                        "'auto': traced first step, then chunks stay on the device until evicted (Belady)")
+    p.add_argument("--gpu-margin-mem-ratio", type=float, default=0.0,
+                   help="with 'auto': share of the device margin that holds optimizer state")
+    p.add_argument("--memstats", default=None,
+                   help="write the memory statistics (JSON) here at the end; draw with tools/memstats_view.py")
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default=None,
                    help="compute/storage dtype (default: fp16 with CUDA, fp32 without)")
     p.add_argument("--steps", type=int, default=30)
@@ -182,7 +188,7 @@ def main():
     # 3. Wrap the optimizer: fp32 masters and Adam moments live in chunks too. Only fp16 uses the loss
     #    scale; bf16 and fp32 train unscaled.
     optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=args.lr),
-                                  initial_scale=2**16)
+                                  initial_scale=2**16, gpu_margin_mem_ratio=args.gpu_margin_mem_ratio)
 
     print(f"GPT: {n_params / 1e6:.2f}M parameters in {len(model.chunks)} chunks of "
           f"{model.chunk_numel * torch.finfo(dtype).bits / 8 / 2**20:.2f} MiB, "
@@ -217,6 +223,9 @@ def main():
     print(f"optimizer state (masters + exp_avg + exp_avg_sq): device {device_bytes / 2**20:.2f} MiB, "
           f"host {host_bytes / 2**20:.2f} MiB")
     print(f"final loss {losses[-1]:.4f}")
+    if args.memstats:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        model.dump_memory_stats(args.memstats)
     print(f"loss: first {losses[0]:.4f} -> last {losses[-1]:.4f}")
 
 
