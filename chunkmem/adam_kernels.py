@@ -1,9 +1,15 @@
 """Adam update kernels over flat buffers: one call updates a whole chunk.
 
-``adam_update_`` is the reference formulation (the same arithmetic, in the same order, as
+``adam_update_torch_`` is the reference formulation (the same arithmetic, in the same order, as
 ``torch.optim.Adam``/``AdamW`` with ``foreach=False``), written with torch operators so that it runs
 on any device. It reads a 16-bit or fp32 gradient, updates the fp32 master and both moments in place,
 and writes the 16-bit parameter copy when one is given.
+
+``adam_update_`` is what callers use: on contiguous CPU buffers it runs the one-pass C++ kernel of
+:mod:`chunkmem.host_adam_ext` (built on first use; the same operations and roundings except for a
+correctly rounded square root, one pass over memory instead of about ten; fp32 gradients only where
+that makes it bitwise equal to this formulation, see there), and everywhere else, or when that kernel
+is unavailable or disabled with ``CHUNKMEM_DISABLE_CPP_ADAM=1``, the torch-op formulation.
 """
 from __future__ import annotations
 
@@ -11,6 +17,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from . import host_adam_ext
 
 
 @dataclass(frozen=True)
@@ -29,7 +37,16 @@ class AdamHyper:
 def adam_update_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                  step: int, hyper: AdamHyper, grad_multiplier: float = 1.0,
                  param_out: torch.Tensor | None = None) -> None:
-    """One Adam step on flat buffers, in place.
+    """One Adam step on flat buffers, in place (arguments as for :func:`adam_update_torch_`): the host
+    kernel where it applies, else the torch-op formulation."""
+    if not host_adam_ext.try_update(master, grad, exp_avg, exp_avg_sq, step, hyper, grad_multiplier, param_out):
+        adam_update_torch_(master, grad, exp_avg, exp_avg_sq, step, hyper, grad_multiplier, param_out)
+
+
+def adam_update_torch_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                       exp_avg_sq: torch.Tensor, step: int, hyper: AdamHyper, grad_multiplier: float = 1.0,
+                       param_out: torch.Tensor | None = None) -> None:
+    """One Adam step on flat buffers, in place, with torch operators (any device).
 
     ``master``, ``exp_avg``, ``exp_avg_sq``: fp32, same length. ``grad``: fp32, fp16 or bf16, not
     modified. ``step``: the step number after this update (1 for the first). ``grad_multiplier``

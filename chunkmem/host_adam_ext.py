@@ -1,0 +1,329 @@
+"""The one-pass host Adam kernel (``csrc/host_adam.cpp``): built on first use, loaded with ctypes.
+
+:func:`try_update` runs one Adam step over flat CPU buffers in a single pass over memory (read the
+gradient once, update master and both moments in registers, write them and the 16-bit parameter copy)
+and returns ``True``, or returns ``False`` when the kernel does not apply (CUDA or non-contiguous
+tensors, another dtype, overlapping buffers, the kernel unavailable or disabled), leaving everything
+untouched so that the caller runs the torch-op formulation instead.
+
+The kernel is a plain C ABI library compiled from one source file by the C++ compiler (``$CXX``, else
+``g++``, ``c++`` or ``clang++``) with no torch headers, no pybind11 and no ninja, so it builds in a few
+seconds wherever a compiler is installed. Nothing happens at ``import chunkmem``: the first host update
+builds it into a cache folder (``$CHUNKMEM_CACHE_DIR``, else ``$XDG_CACHE_HOME/chunkmem``, else
+``~/.cache/chunkmem``; the file name carries a hash of the source, the flags and the compiler, so a
+changed source rebuilds), later processes load the cached library. A failed build (no compiler, not
+x86-64, a CPU without AVX2/FMA/F16C, ...) is remembered for the process, reported once with a warning,
+and every update then takes the torch-op path. ``CHUNKMEM_DISABLE_CPP_ADAM=1`` disables the kernel
+(checked at every update).
+
+Rounding. The kernel performs the torch-op path's operations in the same order with the same fp32
+roundings, with one exception: its square root is IEEE (correctly rounded, as in torch's own fused
+AdamW), while torch's CPU ``Tensor.sqrt`` in the MKL builds (the PyPI x86-64 wheels) goes through MKL
+VML in its high-accuracy mode, which is one ulp off for about a fifth of the inputs. A denominator one
+ulp off changes the updated master only where it tips the rounding of ``p + step``: in about 1 element
+in 400 to 2,000 of a random sample, by one fp32 ulp. So on such a torch the moments are bitwise equal
+to ``torch.optim.AdamW``'s and the masters and 16-bit copies differ in those few elements by one ulp. At load the kernel is compared with
+the torch-op path on a sample: torch's AVX2 / AVX-512 kernels round the lerp, addcmul and add-with-alpha
+as fused multiply-adds, its DEFAULT build does not; the kernel takes whichever rounding gives equal
+moments, and notes whether everything was equal (``exact``). Where it is not, fp32 gradients keep the
+torch-op path, so fp32 training stays bitwise equal to ``torch.optim.AdamW``, unless
+``CHUNKMEM_CPP_ADAM_FP32=1`` asks for the kernel (speed over bitwise equality); 16-bit gradients, whose
+reference tests compare to a tolerance, always use the kernel.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+DISABLE_ENV = "CHUNKMEM_DISABLE_CPP_ADAM"
+FP32_ENV = "CHUNKMEM_CPP_ADAM_FP32"
+CACHE_ENV = "CHUNKMEM_CACHE_DIR"
+SOURCE = Path(__file__).with_name("csrc") / "host_adam.cpp"
+CXXFLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-math-errno")
+ABI_VERSION = 1
+# The 16-bit parameter copy is written with streaming (non-temporal) stores from this many elements
+# on: it is not read back by the update, and streaming stores spare the read-for-ownership of its
+# cache lines (2 of the 30 bytes per parameter an ordinary store moves). Below it, it may stay in cache.
+NT_MIN_ELEMENTS = 1 << 20
+
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_APPLY_MULT, _DECOUPLED, _L2 = 1, 2, 4
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def disabled() -> bool:
+    """Whether ``CHUNKMEM_DISABLE_CPP_ADAM`` turns the kernel off."""
+    return _env_flag(DISABLE_ENV)
+
+
+class HostAdamKernel:
+    """The loaded library. ``fma``: whether it rounds like torch's FMA kernels; ``exact``: whether it
+    matched the torch-op path bit for bit at load; ``build_seconds``: compile time (``None`` if the
+    library came from the cache); ``path``: the library file."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path, build_seconds: float | None) -> None:
+        self.lib, self.path, self.build_seconds = lib, path, build_seconds
+        self.fma, self.exact = True, False
+        f, i, i64, ptr = ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+        lib.chunkmem_host_adam.argtypes = [ptr, ptr, i, ptr, ptr, ptr, i, i64] + [f] * 9 + [i, i, i, i64]
+        lib.chunkmem_host_adam.restype = i
+        lib.chunkmem_stream_4r3w.argtypes = [ptr, ptr, ptr, ptr, i64, f, i]
+        lib.chunkmem_stream_4r3w.restype = None
+        lib.chunkmem_stream_mixed.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, f, i]
+        lib.chunkmem_stream_mixed.restype = None
+        self._update = lib.chunkmem_host_adam
+
+    def update(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+               step: int, hyper, grad_multiplier: float = 1.0, param_out: torch.Tensor | None = None, *,
+               fma: bool | None = None, nt_min: int | None = None, nthreads: int | None = None) -> None:
+        """The update on already validated buffers (see :func:`try_update`); ``hyper`` an AdamHyper."""
+        flags, decay, wd = 0, 1.0, 0.0
+        if grad_multiplier != 1.0:
+            flags |= _APPLY_MULT
+        if hyper.weight_decay != 0:
+            if hyper.adamw_mode:
+                flags, decay = flags | _DECOUPLED, 1 - hyper.lr * hyper.weight_decay
+            else:
+                flags, wd = flags | _L2, hyper.weight_decay
+        if hyper.bias_correction:
+            bias_correction1 = 1 - hyper.beta1 ** step
+            bias_correction2 = 1 - hyper.beta2 ** step
+        else:
+            bias_correction1 = bias_correction2 = 1.0
+        step_size = hyper.lr / bias_correction1
+        out_ptr, out_code = None, -1
+        if param_out is not None:
+            out_ptr, out_code = param_out.data_ptr(), _DTYPE_CODES[param_out.dtype]
+        if out_ptr is not None and out_ptr == grad.data_ptr():
+            nt_min = 1 << 62  # the copy overwrites the gradient it has just read: cached stores
+        rc = self._update(master.data_ptr(), grad.data_ptr(), _DTYPE_CODES[grad.dtype], exp_avg.data_ptr(),
+                          exp_avg_sq.data_ptr(), out_ptr, out_code, master.numel(), grad_multiplier, decay, wd,
+                          1 - hyper.beta1, hyper.beta2, 1 - hyper.beta2, math.sqrt(bias_correction2), hyper.eps,
+                          -step_size, flags, int(self.fma if fma is None else fma),
+                          torch.get_num_threads() if nthreads is None else nthreads,
+                          NT_MIN_ELEMENTS if nt_min is None else nt_min)
+        if rc != 0:
+            raise RuntimeError(f"chunkmem host Adam kernel refused dtypes {grad.dtype} -> "
+                               f"{None if param_out is None else param_out.dtype}")
+
+    def stream_4r3w(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor,
+                    nthreads: int | None = None) -> None:
+        """The bandwidth reference: ``a, b, c = (a, b, c) * 0.5 + d`` in place, fp32 (28 bytes/element)."""
+        for t in (a, b, c, d):
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" or t.numel() != a.numel():
+                raise ValueError("stream_4r3w takes four contiguous fp32 CPU tensors of one size")
+        self.lib.chunkmem_stream_4r3w(a.data_ptr(), b.data_ptr(), c.data_ptr(), d.data_ptr(), a.numel(), 0.5,
+                                      torch.get_num_threads() if nthreads is None else nthreads)
+
+    def stream_mixed(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, g: torch.Tensor, out: torch.Tensor,
+                     nthreads: int | None = None) -> None:
+        """The memory traffic of a mixed-precision update with trivial arithmetic: ``a, b, c = (a, b, c) *
+        0.5 + g`` in place (fp32), ``out = half(a)`` (``g``, ``out``: fp16; streaming stores for ``out``)."""
+        for t, dtype in ((a, torch.float32), (b, torch.float32), (c, torch.float32), (g, torch.float16),
+                         (out, torch.float16)):
+            if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu" or t.numel() != a.numel():
+                raise ValueError("stream_mixed takes contiguous CPU tensors of one size: 3 fp32, 2 fp16")
+        self.lib.chunkmem_stream_mixed(a.data_ptr(), b.data_ptr(), c.data_ptr(), g.data_ptr(), out.data_ptr(),
+                                       a.numel(), 0.5, torch.get_num_threads() if nthreads is None else nthreads)
+
+
+_lock = threading.Lock()
+_kernel: HostAdamKernel | None = None
+_error: str | None = None
+_tried = False
+
+
+def kernel() -> HostAdamKernel | None:
+    """The kernel, building or loading it on the first call; ``None`` if it is unavailable (the reason:
+    :func:`load_error`). Ignores ``CHUNKMEM_DISABLE_CPP_ADAM``; :func:`try_update` honours it."""
+    global _kernel, _error, _tried
+    if _tried:
+        return _kernel
+    with _lock:
+        if not _tried:
+            try:
+                _kernel = _load()
+            except Exception as exc:  # noqa: BLE001 - any failure means: use the torch-op path
+                _error = f"{type(exc).__name__}: {exc}"
+                warnings.warn(f"chunkmem: the C++ host Adam kernel is unavailable, using torch ops instead "
+                              f"({_error})", RuntimeWarning, stacklevel=3)
+            _tried = True
+    return _kernel
+
+
+def load_error() -> str | None:
+    """Why :func:`kernel` returned ``None`` (after it was called), else ``None``."""
+    return _error
+
+
+def _compiler() -> list[str]:
+    requested = os.environ.get("CXX", "").strip()
+    for cmd in [shlex.split(requested)] if requested else [["g++"], ["c++"], ["clang++"]]:
+        path = shutil.which(cmd[0])
+        if path:
+            return [path, *cmd[1:]]
+    raise RuntimeError(f"C++ compiler {requested!r} (CXX) not found" if requested
+                       else "no C++ compiler found (install g++, or set CXX)")
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get(CACHE_ENV)
+    if base:
+        candidates = [Path(base)]
+    else:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        candidates = [Path(xdg) / "chunkmem" if xdg else Path.home() / ".cache" / "chunkmem"]
+    candidates.append(Path(tempfile.gettempdir()) / f"chunkmem-{os.getuid() if hasattr(os, 'getuid') else 0}")
+    for path in candidates:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            if os.access(path, os.W_OK):
+                return path
+        except OSError:
+            continue
+    raise RuntimeError(f"no writable cache folder among {candidates}")
+
+
+def _load() -> HostAdamKernel:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise RuntimeError(f"the host kernel is for x86-64, not {platform.machine()}")
+    if not sys.platform.startswith(("linux", "darwin")):
+        raise RuntimeError(f"the host kernel is built for Linux and macOS only, not {sys.platform}")
+    source = SOURCE.read_bytes()
+    cxx = _compiler()
+    version = subprocess.run([*cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    parts = [source, " ".join(cxx).encode(), version.encode(), " ".join(CXXFLAGS).encode(), platform.machine().encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    folder = _cache_dir()
+    path = folder / f"host_adam_{key}.so"
+    build_seconds = None
+    if path.exists():
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError:  # a damaged cache entry: build it again
+            path.unlink(missing_ok=True)
+    if not path.exists():
+        build_seconds = _compile(cxx, folder, path)
+        lib = ctypes.CDLL(str(path))
+    if lib.chunkmem_host_adam_abi() != ABI_VERSION:
+        raise RuntimeError(f"{path} has another ABI version")
+    if not lib.chunkmem_host_adam_cpu_ok():
+        raise RuntimeError("the CPU lacks AVX2, FMA or F16C")
+    k = HostAdamKernel(lib, path, build_seconds)
+    k.fma, k.exact = _pick_rounding(k)
+    return k
+
+
+def _compile(cxx: list[str], folder: Path, path: Path) -> float:
+    """Compile the source into ``path`` (through a temporary file and an atomic rename, so that a
+    concurrent process sees no file or the whole file); returns the seconds it took."""
+    tmp = folder / f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp"
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run([*cxx, *CXXFLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
+                              timeout=600)
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
+            raise RuntimeError(f"compiling {SOURCE.name} with {' '.join(cxx)} failed (exit {proc.returncode}):\n"
+                               + "\n".join(tail))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return time.perf_counter() - start
+
+
+def _pick_rounding(k: HostAdamKernel) -> tuple[bool, bool]:
+    """``(fma, exact)``: the rounding (FMA or not) with which the kernel's moments equal the torch-op
+    path's bit for bit on a sample, and whether everything (masters, 16-bit copies) did too."""
+    from .adam_kernels import AdamHyper, adam_update_torch_
+
+    gen = torch.Generator().manual_seed(20240605)
+    n = 4099  # vector body, tails, and a size that is no multiple of the vector width
+    base = (torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 0.01,
+            torch.rand(n, generator=gen) * 1e-4, torch.randn(n, generator=gen) * 64)
+    cases = [(AdamHyper(1e-3, 0.9, 0.999, 1e-8, wd, adamw, bc), mult, dtype)
+             for wd, adamw, bc, mult, dtype in [(0.01, True, True, 1.0, torch.float32),
+                                                (0.01, False, True, 1 / 64, torch.float32),
+                                                (0.1, False, False, 1.0, torch.float32),
+                                                (0.01, True, True, 1 / 3, torch.bfloat16),
+                                                (0.0, False, True, 0.5, torch.float16)]]
+
+    def compare(fma: bool) -> tuple[bool, bool]:
+        moments = everything = True
+        for hyper, mult, dtype in cases:
+            ref = [t.clone() for t in base[:3]]
+            ours = [t.clone() for t in base[:3]]
+            grad = base[3].to(dtype)
+            ref_out, our_out = (None, None) if dtype == torch.float32 else (torch.empty(n, dtype=dtype),
+                                                                         torch.empty(n, dtype=dtype))
+            adam_update_torch_(ref[0], grad, ref[1], ref[2], 7, hyper, mult, ref_out)
+            k.update(ours[0], grad, ours[1], ours[2], 7, hyper, mult, our_out, fma=fma, nt_min=0)
+            moments &= torch.equal(ref[1], ours[1]) and torch.equal(ref[2], ours[2])
+            everything &= moments and torch.equal(ref[0], ours[0]) and (
+                ref_out is None or torch.equal(ref_out, our_out))
+        return moments, everything
+
+    results = {fma: compare(fma) for fma in (True, False)}
+    for fma in (True, False):
+        if results[fma][1]:
+            return fma, True
+    return (False if results[False][0] and not results[True][0] else True), False
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def try_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+               step: int, hyper, grad_multiplier: float, param_out: torch.Tensor | None) -> bool:
+    """Run the update with the kernel if it applies (see the module docstring); ``False``: not done."""
+    if master.device.type != "cpu" or disabled():
+        return False
+    n = master.numel()
+    states = (master, exp_avg, exp_avg_sq)
+    for t in states:
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or t.numel() != n:
+            return False
+    if (grad.dtype not in _DTYPE_CODES or grad.device.type != "cpu" or not grad.is_contiguous()
+            or grad.numel() != n):
+        return False
+    if param_out is not None and (param_out.dtype not in (torch.float16, torch.bfloat16)
+                                  or param_out.device.type != "cpu" or not param_out.is_contiguous()
+                                  or param_out.numel() != n):
+        return False
+    k = kernel()
+    if k is None or (grad.dtype == torch.float32 and not k.exact and not _env_flag(FP32_ENV)):
+        return False
+    if n == 0:
+        return True
+    written = states if param_out is None else states + (param_out,)
+    for i, a in enumerate(written):  # the kernel streams each buffer once: no two may share memory,
+        for b in written[i + 1:]:    # except the 16-bit copy written over the gradient it was read from
+            if _overlaps(a, b):
+                return False
+        if a is not param_out and _overlaps(a, grad):
+            return False
+    if param_out is not None and _overlaps(param_out, grad) and (
+            param_out.data_ptr() != grad.data_ptr() or param_out.dtype != grad.dtype):
+        return False
+    k.update(master, grad, exp_avg, exp_avg_sq, step, hyper, grad_multiplier, param_out)
+    torch.autograd.graph.increment_version(list(written))
+    return True

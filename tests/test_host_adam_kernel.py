@@ -1,0 +1,259 @@
+"""The one-pass C++ host Adam kernel (chunkmem.host_adam_ext) against an fp64 oracle and against the
+torch-op formulation, and the fallback to torch ops when it is disabled or cannot be built.
+
+Nothing here skips: on a machine where the kernel cannot be built, test_kernel_builds and every test
+that uses the kernel fail (the fallback has tests of its own below)."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from chunkmem import host_adam_ext
+from chunkmem.adam_kernels import AdamHyper, adam_update_, adam_update_torch_
+
+ULP = 2.0**-24
+N = 10_007  # no multiple of the vector width (8) or of the loop step (16)
+
+
+@pytest.fixture(autouse=True)
+def _kernel_enabled(monkeypatch):
+    monkeypatch.delenv(host_adam_ext.DISABLE_ENV, raising=False)
+    monkeypatch.delenv(host_adam_ext.FP32_ENV, raising=False)
+
+
+def get_kernel():
+    k = host_adam_ext.kernel()
+    assert k is not None, f"the host Adam kernel did not build: {host_adam_ext.load_error()}"
+    return k
+
+
+def make_state(n, grad_dtype, seed=1, grad_scale=64.0):
+    gen = torch.Generator().manual_seed(seed)
+    master = torch.randn(n, generator=gen)
+    m = torch.randn(n, generator=gen) * 0.01
+    v = torch.rand(n, generator=gen) * 1e-4
+    grad = (torch.randn(n, generator=gen) * grad_scale).to(grad_dtype)
+    return master, grad, m, v
+
+
+def adam_fp64(master, grad, m, v, step, h, multiplier):
+    g = grad.double() * multiplier
+    p = master.double()
+    if h.weight_decay != 0:
+        if h.adamw_mode:
+            p = p * (1 - h.lr * h.weight_decay)
+        else:
+            g = g + h.weight_decay * p
+    m = h.beta1 * m.double() + (1 - h.beta1) * g
+    v = h.beta2 * v.double() + (1 - h.beta2) * g * g
+    bc1 = 1 - h.beta1 ** step if h.bias_correction else 1
+    bc2 = 1 - h.beta2 ** step if h.bias_correction else 1
+    p = p - h.lr / bc1 * m / ((v / bc2).sqrt() + h.eps)
+    return p, m, v
+
+
+def test_kernel_builds():
+    k = get_kernel()
+    assert k.path.exists()
+    assert host_adam_ext.load_error() is None
+
+
+@pytest.mark.parametrize("grad_dtype,out_dtype", [
+    (torch.float32, None), (torch.float32, torch.float16), (torch.float32, torch.bfloat16),
+    (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16), (torch.float16, None),
+    (torch.bfloat16, torch.float16)])
+@pytest.mark.parametrize("adamw_mode", [True, False])
+@pytest.mark.parametrize("bias_correction", [True, False])
+@pytest.mark.parametrize("multiplier", [1.0, 1 / 64])
+def test_kernel_against_fp64(grad_dtype, out_dtype, adamw_mode, bias_correction, multiplier):
+    k = get_kernel()
+    h = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw_mode=adamw_mode,
+                  bias_correction=bias_correction)
+    master, grad, m, v = make_state(N, grad_dtype, grad_scale=64.0 if multiplier != 1 else 1.0)
+    want_p, want_m, want_v = adam_fp64(master, grad, m, v, 3, h, multiplier)
+    g = grad.double() * multiplier
+    m_terms = h.beta1 * m.double().abs() + (1 - h.beta1) * g.abs()
+    v_terms = h.beta2 * v.double() + (1 - h.beta2) * g * g
+    p_terms = master.double().abs() + h.lr * 10
+    out = None if out_dtype is None else torch.full((N,), float("nan"), dtype=out_dtype)
+    grad_before = grad.clone()
+    k.update(master, grad, m, v, 3, h, multiplier, out)
+    assert torch.equal(grad, grad_before)
+    assert ((m.double() - want_m).abs() <= 8 * ULP * m_terms).all()
+    assert ((v.double() - want_v).abs() <= 8 * ULP * v_terms).all()
+    assert ((master.double() - want_p).abs() <= 16 * ULP * p_terms).all()
+    if out is not None:
+        assert torch.equal(out, master.to(out_dtype))
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 15, 16, 17, 33, N, (1 << 20) + 37])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("adamw_mode", [True, False])
+def test_kernel_against_torch_ops(n, grad_dtype, adamw_mode):
+    """The same operations and roundings as the torch-op path. The moments are bitwise equal; the
+    masters differ by at most one ulp (torch's MKL sqrt is not always correctly rounded, the kernel's
+    is), and only in a small fraction of the elements."""
+    k = get_kernel()
+    h = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05, adamw_mode=adamw_mode,
+                  bias_correction=True)
+    ref = make_state(n, grad_dtype, seed=n)
+    ours = [t.clone() for t in ref]
+    out_dtype = torch.float16 if grad_dtype == torch.float32 else grad_dtype
+    ref_out, our_out = torch.empty(n, dtype=out_dtype), torch.empty(n, dtype=out_dtype)
+    for step in (1, 2, 3):  # three steps on the same state, so that differences could compound
+        size = ref[0].abs() + 10 * h.lr  # the master and the step (at most about lr / (1 - beta1))
+        adam_update_torch_(ref[0], ref[1], ref[2], ref[3], step, h, 1 / 8, ref_out)
+        k.update(ours[0], ours[1], ours[2], ours[3], step, h, 1 / 8, our_out)
+        assert torch.equal(ours[2], ref[2]) and torch.equal(ours[3], ref[3]), "moments differ"
+        diff = (ours[0] - ref[0]).abs()
+        assert (diff <= 4 * ULP * size).all()
+        assert (diff != 0).sum() <= max(2, n // 100)
+        same = ours[0] == ref[0]
+        assert torch.equal(our_out[same], ref_out[same])
+        assert torch.equal(our_out, ours[0].to(out_dtype))
+        ref[0].copy_(ours[0])  # continue both from the same master
+
+
+def test_large_lerp_weight_and_no_decay():
+    """beta1 < 0.5 takes the other branch of torch's lerp; weight decay 0 skips both decays."""
+    k = get_kernel()
+    for beta1, wd in ((0.3, 0.0), (0.3, 0.1), (0.5, 0.0), (0.9, 0.0)):
+        h = AdamHyper(lr=1e-2, beta1=beta1, beta2=0.99, eps=1e-6, weight_decay=wd, adamw_mode=False,
+                      bias_correction=True)
+        ref = make_state(N, torch.float32)
+        ours = [t.clone() for t in ref]
+        size = ref[0].abs() + 10 * h.lr
+        adam_update_torch_(*ref[:4], 2, h)
+        k.update(*ours[:4], 2, h)
+        assert torch.equal(ours[2], ref[2]) and torch.equal(ours[3], ref[3])
+        assert ((ours[0] - ref[0]).abs() <= 4 * ULP * size).all()
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
+def test_threads_and_streaming_stores_change_nothing(out_dtype):
+    k = get_kernel()
+    h = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw_mode=True,
+                  bias_correction=True)
+    n = (1 << 18) + 3
+    results = []
+    for nthreads, nt_min in ((1, 1 << 62), (2, 0), (3, 0), (4, 1 << 62)):
+        state = make_state(n, out_dtype, seed=5)
+        out = torch.empty(n + 1, dtype=out_dtype)[1:]  # misaligned: streaming stores need a head
+        k.update(state[0], state[1], state[2], state[3], 4, h, 0.5, out, nthreads=nthreads, nt_min=nt_min)
+        results.append((state[0], state[2], state[3], out))
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_copy_over_its_own_gradient(dtype):
+    """reuse_fp16_shard: the 16-bit copy is written into the memory the gradient was read from."""
+    h = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw_mode=True,
+                  bias_correction=True)
+    n = (1 << 20) + 9
+    ref = make_state(n, dtype, seed=7)
+    ours = [t.clone() for t in ref]
+    ref_out = torch.empty(n, dtype=dtype)
+    get_kernel().update(ref[0], ref[1], ref[2], ref[3], 2, h, 1 / 64, ref_out)
+    assert host_adam_ext.try_update(ours[0], ours[1], ours[2], ours[3], 2, h, 1 / 64, ours[1])
+    assert torch.equal(ours[0], ref[0]) and torch.equal(ours[2], ref[2]) and torch.equal(ours[1], ref_out)
+
+
+def test_adam_update_dispatch():
+    """adam_update_ takes the kernel for 16-bit gradients on the host, keeps fp32 gradients bitwise equal
+    to the torch-op path, and leaves other tensors to torch ops."""
+    k = get_kernel()
+    h = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw_mode=True,
+                  bias_correction=True)
+    master, grad, m, v = make_state(N, torch.float16)
+    out = torch.empty(N, dtype=torch.float16)
+    assert host_adam_ext.try_update(master, grad, m, v, 1, h, 1.0, out)
+    # fp32 gradients: bitwise the torch-op path, whichever way they go
+    ref = make_state(N, torch.float32)
+    ours = [t.clone() for t in ref]
+    adam_update_torch_(*ref, 5, h)
+    adam_update_(*ours, 5, h)
+    assert all(torch.equal(a, b) for a, b in zip(ref, ours))
+    assert host_adam_ext.try_update(*make_state(N, torch.float32), 5, h, 1.0, None) is k.exact
+    # not for the kernel: strided, fp64, mismatched sizes, overlapping buffers, fp32 copy out
+    master, grad, m, v = make_state(2 * N, torch.float16)
+    assert not host_adam_ext.try_update(master[::2], grad[::2], m[::2], v[::2], 1, h, 1.0, None)
+    assert not host_adam_ext.try_update(master, grad.double(), m, v, 1, h, 1.0, None)
+    assert not host_adam_ext.try_update(master, grad[:N], m, v, 1, h, 1.0, None)
+    assert not host_adam_ext.try_update(master, grad, master, v, 1, h, 1.0, None)
+    assert not host_adam_ext.try_update(master, grad, m, v, 1, h, 1.0, torch.empty(2 * N))
+    assert not host_adam_ext.try_update(master, grad, m, v, 1, h, 1.0, master.view(torch.float16)[:2 * N])
+
+
+def test_disabled_by_env_uses_torch_ops(monkeypatch):
+    monkeypatch.setenv(host_adam_ext.DISABLE_ENV, "1")
+
+    def must_not_load():
+        raise AssertionError("kernel loaded although disabled")
+
+    monkeypatch.setattr(host_adam_ext, "kernel", must_not_load)
+    h = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw_mode=False,
+                  bias_correction=True)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        ref = make_state(N, dtype)
+        ours = [t.clone() for t in ref]
+        ref_out, our_out = torch.empty(N, dtype=torch.bfloat16), torch.empty(N, dtype=torch.bfloat16)
+        adam_update_torch_(*ref, 3, h, 0.25, ref_out)
+        adam_update_(*ours, 3, h, 0.25, our_out)
+        assert all(torch.equal(a, b) for a, b in zip(ref, ours)) and torch.equal(ref_out, our_out)
+
+
+def test_build_failure_falls_back(monkeypatch, tmp_path):
+    """No compiler: the failure is reported once (a warning), remembered, and updates use torch ops."""
+    saved = host_adam_ext._kernel, host_adam_ext._error, host_adam_ext._tried
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv(host_adam_ext.CACHE_ENV, str(tmp_path / "cache"))
+    host_adam_ext._kernel, host_adam_ext._error, host_adam_ext._tried = None, None, False
+    try:
+        h = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw_mode=True,
+                      bias_correction=True)
+        ref = make_state(N, torch.float16)
+        ours = [t.clone() for t in ref]
+        ref_out, our_out = torch.empty(N, dtype=torch.float16), torch.empty(N, dtype=torch.float16)
+        adam_update_torch_(*ref, 1, h, 1 / 8, ref_out)
+        with pytest.warns(RuntimeWarning, match="unavailable"):
+            adam_update_(*ours, 1, h, 1 / 8, our_out)
+        assert all(torch.equal(a, b) for a, b in zip(ref, ours)) and torch.equal(ref_out, our_out)
+        assert host_adam_ext.kernel() is None and "no-such-compiler" in host_adam_ext.load_error()
+        adam_update_(*ours, 2, h, 1 / 8, our_out)  # no second attempt, no second warning
+    finally:
+        host_adam_ext._kernel, host_adam_ext._error, host_adam_ext._tried = saved
+
+
+def test_no_build_at_import():
+    code = ("import chunkmem, chunkmem.host_adam_ext as h, chunkmem.adam_kernels; "
+            "assert not h._tried and h._kernel is None; print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_bandwidth_reference_kernel():
+    k = get_kernel()
+    a, b, c, d = (torch.rand(1003) for _ in range(4))
+    want = [x * 0.5 + d for x in (a, b, c)]
+    k.stream_4r3w(a, b, c, d)
+    assert all(torch.allclose(x, y, rtol=1e-6, atol=0) for x, y in zip((a, b, c), want))
+
+
+@pytest.mark.parametrize("step", [17_000, 50_000])
+def test_late_steps_where_bias_correction_rounds_to_one(step):
+    """sqrt(1 - beta2^step) rounds to 1 in fp32 from about step 17,000 on (the kernel then skips that
+    division, which cannot change a result)."""
+    k = get_kernel()
+    h = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw_mode=True,
+                  bias_correction=True)
+    ref = make_state(N, torch.bfloat16, grad_scale=4.0)
+    ours = [t.clone() for t in ref]
+    ref_out, our_out = torch.empty(N, dtype=torch.bfloat16), torch.empty(N, dtype=torch.bfloat16)
+    size = ref[0].abs() + 10 * h.lr
+    adam_update_torch_(*ref, step, h, 0.25, ref_out)
+    k.update(*ours, step, h, 0.25, our_out)
+    assert torch.equal(ours[2], ref[2]) and torch.equal(ours[3], ref[3])
+    assert ((ours[0] - ref[0]).abs() <= 4 * ULP * size).all()
+    assert torch.equal(our_out, ours[0].to(torch.bfloat16))
