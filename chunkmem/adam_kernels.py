@@ -33,6 +33,12 @@ class AdamHyper:
     adamw_mode: bool
     bias_correction: bool
 
+    def bias_corrections(self, step: int) -> tuple[float, float]:
+        """``(1 - beta1**step, 1 - beta2**step)``, or ``(1, 1)`` without bias correction."""
+        if not self.bias_correction:
+            return 1.0, 1.0
+        return 1 - self.beta1 ** step, 1 - self.beta2 ** step
+
 
 def adam_update_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                  step: int, hyper: AdamHyper, grad_multiplier: float = 1.0,
@@ -63,11 +69,7 @@ def adam_update_torch_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.
             g = g.add(master, alpha=hyper.weight_decay)
     exp_avg.lerp_(g, 1 - hyper.beta1)
     exp_avg_sq.mul_(hyper.beta2).addcmul_(g, g, value=1 - hyper.beta2)
-    if hyper.bias_correction:
-        bias_correction1 = 1 - hyper.beta1 ** step
-        bias_correction2 = 1 - hyper.beta2 ** step
-    else:
-        bias_correction1 = bias_correction2 = 1.0
+    bias_correction1, bias_correction2 = hyper.bias_corrections(step)
     step_size = hyper.lr / bias_correction1
     denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(hyper.eps)
     master.addcdiv_(exp_avg, denom, value=-step_size)

@@ -102,11 +102,7 @@ class HostAdamKernel:
                 flags, decay = flags | _DECOUPLED, 1 - hyper.lr * hyper.weight_decay
             else:
                 flags, wd = flags | _L2, hyper.weight_decay
-        if hyper.bias_correction:
-            bias_correction1 = 1 - hyper.beta1 ** step
-            bias_correction2 = 1 - hyper.beta2 ** step
-        else:
-            bias_correction1 = bias_correction2 = 1.0
+        bias_correction1, bias_correction2 = hyper.bias_corrections(step)
         step_size = hyper.lr / bias_correction1
         out_ptr, out_code = None, -1
         if param_out is not None:

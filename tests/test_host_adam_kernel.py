@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from adam_oracle import adam_fp64
 from chunkmem import host_adam_ext
 from chunkmem.adam_kernels import AdamHyper, adam_update_, adam_update_torch_
 
@@ -37,20 +38,6 @@ def make_state(n, grad_dtype, seed=1, grad_scale=64.0):
     return master, grad, m, v
 
 
-def adam_fp64(master, grad, m, v, step, h, multiplier):
-    g = grad.double() * multiplier
-    p = master.double()
-    if h.weight_decay != 0:
-        if h.adamw_mode:
-            p = p * (1 - h.lr * h.weight_decay)
-        else:
-            g = g + h.weight_decay * p
-    m = h.beta1 * m.double() + (1 - h.beta1) * g
-    v = h.beta2 * v.double() + (1 - h.beta2) * g * g
-    bc1 = 1 - h.beta1 ** step if h.bias_correction else 1
-    bc2 = 1 - h.beta2 ** step if h.bias_correction else 1
-    p = p - h.lr / bc1 * m / ((v / bc2).sqrt() + h.eps)
-    return p, m, v
 
 
 def test_kernel_builds():

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import chunkmem as cm
+from adam_oracle import adam_fp64
 from chunkmem.adam_kernels import AdamHyper, adam_update_
 
 
@@ -26,19 +27,6 @@ def test_alone_matches_torch(cls, adamw_mode, torch_cls):
         assert torch.equal(a, b)
 
 
-def adam_fp64(master, grad, m, v, step, h, multiplier):
-    g = grad.double() * multiplier
-    p = master.double()
-    if h.adamw_mode:
-        p = p * (1 - h.lr * h.weight_decay)
-    else:
-        g = g + h.weight_decay * p
-    m = h.beta1 * m.double() + (1 - h.beta1) * g
-    v = h.beta2 * v.double() + (1 - h.beta2) * g * g
-    bc1 = 1 - h.beta1 ** step if h.bias_correction else 1
-    bc2 = 1 - h.beta2 ** step if h.bias_correction else 1
-    p = p - h.lr / bc1 * m / ((v / bc2).sqrt() + h.eps)
-    return p, m, v
 
 
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.float16, torch.bfloat16])
