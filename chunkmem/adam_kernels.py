@@ -42,10 +42,12 @@ class AdamHyper:
 
 def adam_update_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                  step: int, hyper: AdamHyper, grad_multiplier: float = 1.0,
-                 param_out: torch.Tensor | None = None) -> None:
+                 param_out: torch.Tensor | None = None, fp32_within_ulp: bool = False) -> None:
     """One Adam step on flat buffers, in place (arguments as for :func:`adam_update_torch_`): the host
-    kernel where it applies, else the torch-op formulation."""
-    if not host_adam_ext.try_update(master, grad, exp_avg, exp_avg_sq, step, hyper, grad_multiplier, param_out):
+    kernel where it applies, else the torch-op formulation. ``fp32_within_ulp``: see
+    :func:`chunkmem.host_adam_ext.try_update`."""
+    if not host_adam_ext.try_update(master, grad, exp_avg, exp_avg_sq, step, hyper, grad_multiplier, param_out,
+                                    fp32_within_ulp):
         adam_update_torch_(master, grad, exp_avg, exp_avg_sq, step, hyper, grad_multiplier, param_out)
 
 

@@ -289,8 +289,11 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def try_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-               step: int, hyper, grad_multiplier: float, param_out: torch.Tensor | None) -> bool:
-    """Run the update with the kernel if it applies (see the module docstring); ``False``: not done."""
+               step: int, hyper, grad_multiplier: float, param_out: torch.Tensor | None,
+               fp32_within_ulp: bool = False) -> bool:
+    """Run the update with the kernel if it applies (see the module docstring); ``False``: not done.
+    ``fp32_within_ulp``: use it for fp32 gradients too where it is only within an ulp of the torch-op
+    path (the chunked optimizer's choice: speed; ``HybridAdam`` alone keeps torch's exact results)."""
     if master.device.type != "cpu" or disabled():
         return False
     n = master.numel()
@@ -306,7 +309,8 @@ def try_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
                                   or param_out.numel() != n):
         return False
     k = kernel()
-    if k is None or (grad.dtype == torch.float32 and not k.exact and not _env_flag(FP32_ENV)):
+    if k is None or (grad.dtype == torch.float32 and not k.exact and not fp32_within_ulp
+                     and not _env_flag(FP32_ENV)):
         return False
     if n == 0:
         return True

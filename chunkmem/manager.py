@@ -76,6 +76,7 @@ class ChunkManager:
         self.reuse_grads = reuse_param_memory_for_grads
         self.grads_pending = False
         self.optimizer_state_exists = False
+        self.stale: dict[Chunk, None] = {}
         self.scheduler = Scheduler(self, device_of_tier(Tier.DEVICE))
         self.chunks = chunks
 
@@ -98,7 +99,9 @@ class ChunkManager:
 
     def settle(self, chunk: Chunk) -> None:
         """Put an unused chunk's parameters where the policy rests them. Gradients held in parameter
-        memory go to the host when the chunk's Adam runs there."""
+        memory go to the host when the chunk's Adam runs there. A clean device copy of a chunk that
+        rests on the host is only marked stale: it is freed at the next period boundary unless that
+        period needs it (consecutive modules in one chunk then share one fetch)."""
         if chunk.users or chunk.held_for_backward:
             return
         buf = chunk.param
@@ -112,7 +115,21 @@ class ChunkManager:
             elif tier is Tier.HOST:
                 if not buf.host_valid:
                     buf.write_back_to_host()
-                buf.free_device()
+                if buf.device_valid and not buf.holds_grads:
+                    self.stale[chunk] = None
+                else:
+                    buf.free_device()
+
+    def flush_stale(self, keep: Iterable[Chunk] = ()) -> None:
+        """Free the device copies of stale chunks, except those in ``keep`` or in use again."""
+        keep = set(keep)
+        for chunk in list(self.stale):
+            if chunk in keep:
+                continue
+            del self.stale[chunk]
+            if chunk.users == 0 and not chunk.held_for_backward and self.policy.param_rest_tier(chunk) is not Tier.DEVICE:
+                with self.scheduler.paused():
+                    chunk.param.free_device()
 
     def settle_all(self) -> None:
         for chunk in self.chunks:
@@ -241,6 +258,7 @@ class ChunkManager:
                 chunk.held_for_backward = False
                 self.settle(chunk)
             chunk.grads_finished = False
+        self.flush_stale()
         self.scheduler.end_iteration()
 
     def grad_of(self, chunk: Chunk) -> torch.Tensor | None:

@@ -257,6 +257,8 @@ class ShardedModelV2(nn.Module):
                     "of another module for the first time after the first forward (parameters used outside "
                     "their module are found during the first forward). The next forward looks again; "
                     "call it again.") from exc
+        if not torch.is_grad_enabled():
+            self.chunk_manager.flush_stale()
         if self.dtype != torch.float32:
             output = tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
                               output)

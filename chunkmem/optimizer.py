@@ -195,6 +195,7 @@ class ShardedOptimizerV2:
         multiplier = self._clip_coef / self.loss_scale
         for chunk in self._trainable_chunks():
             self._update_chunk(chunk, multiplier)
+        self.manager.flush_stale()
         if self.grad_scaler is not None:
             self.grad_scaler.update(overflow=False)
         if self.model.reuse_fp16_shard:
@@ -212,7 +213,8 @@ class ShardedOptimizerV2:
         chunk.step += 1
         master = chunk.optim[MASTER].tensor if chunk.has_master else target
         adam_update_(master, grad, chunk.optim[EXP_AVG].tensor, chunk.optim[EXP_AVG_SQ].tensor, chunk.step, hyper,
-                     grad_multiplier=multiplier, param_out=target if chunk.has_master else None)
+                     grad_multiplier=multiplier, param_out=target if chunk.has_master else None,
+                     fp32_within_ulp=True)
         self.manager.params_updated(chunk, tier)
 
     def _discard_grads(self) -> None:

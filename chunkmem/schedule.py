@@ -116,6 +116,7 @@ class Scheduler:
     # ---- periods -----------------------------------------------------------------------------------
 
     def begin_period(self, name: str, phase: str, chunks: list[Chunk]) -> None:
+        self.manager.flush_stale(keep=chunks)
         self._close_stats()
         self.manager.ledger.context = f"period {self.index} ({name} {phase})"
         if self.mode == "tracing":
