@@ -201,6 +201,7 @@ class Chunk:
         # Per-backward bookkeeping, reset by the manager.
         self.grad_slots_received: set[int] = set()
         self.grads_finished = False
+        self.accumulator_fresh = False
         self.users = 0
         self.held_for_backward = False
         self.step = 0

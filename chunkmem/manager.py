@@ -206,20 +206,30 @@ class ChunkManager:
         else:
             with self.scheduler.paused():
                 staging = self._grad_accumulator(chunk)
-            slot.view(staging).add_(grad)
+            if chunk.accumulator_fresh and slot.index_in_chunk not in chunk.grad_slots_received:
+                slot.view(staging).copy_(grad)
+            else:
+                slot.view(staging).add_(grad)
         chunk.grad_slots_received.add(slot.index_in_chunk)
         if len(chunk.grad_slots_received) == len(chunk.trainable_slots()):
             self.finish_grads(chunk)
 
     def _grad_accumulator(self, chunk: Chunk) -> torch.Tensor:
-        """The device-tier buffer gradients of this backward are added into."""
-        if self.policy.grad_tier(chunk) is Tier.DEVICE:
-            if not chunk.grad.allocated:
-                chunk.grad.allocate(Tier.DEVICE, zero=True)
-            return chunk.grad.tensor
-        if not chunk.grad_staging.allocated:
-            chunk.grad_staging.allocate(Tier.DEVICE, zero=True)
-        return chunk.grad_staging.tensor
+        """The device-tier buffer gradients of this backward go into. A buffer allocated in this backward
+        is not zero-filled (``accumulator_fresh``): each slot's first gradient is copied in, and slots
+        that get none are zeroed when the chunk finishes."""
+        buf = chunk.grad if self.policy.grad_tier(chunk) is Tier.DEVICE else chunk.grad_staging
+        if not buf.allocated:
+            buf.allocate(Tier.DEVICE)
+            chunk.accumulator_fresh = True
+        return buf.tensor
+
+    def _zero_unwritten(self, chunk: Chunk, flat: torch.Tensor) -> None:
+        """Zero the slots of trainable parameters that received no gradient, and the padding."""
+        for slot in chunk.trainable_slots():
+            if slot.index_in_chunk not in chunk.grad_slots_received:
+                slot.view(flat).zero_()
+        flat[chunk.used_numel:].zero_()
 
     def finish_grads(self, chunk: Chunk) -> None:
         """The chunk's gradients of this backward are complete: move them where they rest, and let the
@@ -227,13 +237,14 @@ class ChunkManager:
         with self.scheduler.paused():
             if self.reuse_grads:
                 self.hold_for_backward([chunk])
-                for slot in chunk.trainable_slots():
-                    if slot.index_in_chunk not in chunk.grad_slots_received:
-                        slot.view(chunk.param.device).zero_()
+                self._zero_unwritten(chunk, chunk.param.device)
                 chunk.param.host_valid = False
                 chunk.param.holds_grads = True
             else:
                 accumulator = self._grad_accumulator(chunk)
+                if chunk.accumulator_fresh:
+                    self._zero_unwritten(chunk, accumulator)
+                    chunk.accumulator_fresh = False
                 if chunk.grad_staging.allocated:
                     if chunk.grad.allocated:
                         chunk.grad.tensor.add_(accumulator.to(chunk.grad.tensor.device))
