@@ -56,11 +56,6 @@ class ChunkHooks:
                 if chunk not in self.module_chunks[module]:
                     self.module_chunks[module].append(chunk)
 
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-
     # ---- forward -----------------------------------------------------------------------------------
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
