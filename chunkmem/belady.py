@@ -37,7 +37,7 @@ def plan_moves(needed: Sequence[Sequence[int]], forced_out: Sequence[Sequence[in
     ``needed[i]``: chunks that must be on the device during period ``i``. ``forced_out[i]``: chunks
     that leave the device at the end of period ``i`` whatever the plan says. ``slots[i]``: how many
     chunks the device can hold during period ``i``. The device starts empty. Costs O(A log A) for A
-    chunk accesses in all. Raises :class:`DeviceCapacityError` if a period needs more chunks than it
+    chunk accesses in all (each period costs its accesses and evictions, each a heap operation). Raises :class:`DeviceCapacityError` if a period needs more chunks than it
     has slots.
     """
     uses: dict[int, list[int]] = {}
@@ -63,16 +63,17 @@ def plan_moves(needed: Sequence[Sequence[int]], forced_out: Sequence[Sequence[in
                 f"period {i} ({names[i]}) needs {len(need)} chunks on the device at once but only {slots[i]} "
                 f"fit there with its non-model memory; raise the device capacity or use smaller chunks")
         plan = PeriodPlan(slots=slots[i])
-        while len(resident | need) > slots[i]:
+        missing = need - resident
+        occupied = len(resident) + len(missing)
+        while occupied > slots[i]:
             while True:
                 neg_next, c = heapq.heappop(heap)
                 if c in resident and stamp[c] == -neg_next and c not in need:
                     break
-                if c in resident and c in need:
-                    continue
             resident.discard(c)
             plan.evict.append(c)
-        for c in sorted(need - resident):
+            occupied -= 1
+        for c in sorted(missing):
             plan.fetch.append(c)
             fetched += 1
         for c in need:

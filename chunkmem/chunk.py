@@ -193,6 +193,7 @@ class Chunk:
         self.slots: list[ParamSlot] = []
         self.used_numel = 0
         self.size_was_given = False
+        self.built_with: list["Chunk"] = [self]  # the chunks built together with this one
         self.param = ParamBuffer(numel, dtype, ledger, self.name)
         self.grad = FlatBuffer(GRAD, numel, dtype, ledger, self.name)
         self.grad_staging = FlatBuffer(GRAD_STAGING, numel, dtype, ledger, self.name)

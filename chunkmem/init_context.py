@@ -141,6 +141,7 @@ class ZeroInitContext:
             numel = max(self.chunk_numel, -(-param.numel() // ALIGN_ELEMENTS) * ALIGN_ELEMENTS)
             chunk = Chunk(len(self.chunks), numel, self.dtype, key, self.ledger)
             chunk.size_was_given = self.chunk_size is not None and numel == self.chunk_numel
+            chunk.built_with = self.chunks
             if self.tier is Tier.DEVICE:
                 chunk.param.allocate_device()
                 chunk.param.device_valid = True

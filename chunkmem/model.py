@@ -18,7 +18,7 @@ from .hooks import ChunkHooks, ForeignParamDiscovery
 from .init_context import check_chunk_size, check_dtype
 from .layout import pack, search_chunk_numel
 from .ledger import TierLedger
-from .manager import ChunkManager, build_chunks, slot_of
+from .manager import SLOT_ATTR, ChunkManager, build_chunks, slot_of
 from .placement import make_policy
 from .shard_strategy import BaseShardStrategy
 from .tiers import Tier, device_memory_capacity, device_of_tier
@@ -136,6 +136,10 @@ class ShardedModelV2(nn.Module):
         ledger = slots[0].chunk.ledger if from_context else TierLedger(capacity)
         ledger.capacity = capacity
         chunks = self._build(plan, _unique_chunks(slots) if from_context else [], ledger)
+        if from_context:  # chunks of parameters replaced after creation (the original weight of a tied head)
+            for chunk in slots[0].chunk.built_with:
+                if chunk not in chunks:
+                    _free_chunk(chunk)
         self._cast_buffers()
         self.chunk_manager = ChunkManager(chunks, ledger, policy, reuse_fp16_shard)
         self.chunk_manager.settle_all()
@@ -172,10 +176,7 @@ class ShardedModelV2(nn.Module):
 
         chunks = build_chunks(plan.entries, self.chunk_numel, self.dtype, ledger, Tier.HOST, value_of=value_of)
         for chunk in current:
-            chunk.param.free_device()
-            chunk.param.host.free()
-            for buf in (chunk.grad, chunk.grad_staging, *chunk.optim.values()):
-                buf.free()
+            _free_chunk(chunk)
         return chunks
 
     def _plan_for_groups(self, group_of: dict[int, int]) -> "_LayoutPlan":
@@ -371,6 +372,21 @@ def _check_process_group(argument: str, group: Any) -> None:
     if group.size() != 1:
         raise InvalidArgumentError(argument, f"ProcessGroup of size {group.size()}",
                                    "a group of one rank (sharding over several ranks is not built yet)")
+
+
+def _free_chunk(chunk: Chunk) -> None:
+    """Free every buffer of a chunk that no longer holds the model's parameters; parameters still
+    viewing it (ones the model no longer uses) are emptied so the memory goes now, not at the next
+    garbage collection."""
+    chunk.param.free_device()
+    chunk.param.host.free()
+    chunk.param.host_valid = False
+    for buf in (chunk.grad, chunk.grad_staging, *chunk.optim.values()):
+        buf.free()
+    for slot in chunk.slots:
+        if slot_of(slot.param) is slot:
+            slot.param.data = torch.empty(0, dtype=slot.param.dtype)
+            delattr(slot.param, SLOT_ATTR)
 
 
 def _unique_chunks(slots: list[Any]) -> list[Chunk]:

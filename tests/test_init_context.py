@@ -61,3 +61,24 @@ def test_classes_defined_inside_the_context_are_converted():
                 self.w = nn.Parameter(torch.zeros(5))
         late = Late()
     assert late.w.dtype == torch.float16 and slot_of(late.w) is not None
+
+
+def test_chunk_of_a_replaced_parameter_is_freed_by_the_wrap():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(64, 32)
+            self.head = nn.Linear(32, 64, bias=False)  # its own weight fills a chunk of its own ...
+            self.head.weight = self.emb.weight          # ... and is then replaced by the tie
+
+        def forward(self, idx):
+            return self.head(self.emb(idx))
+
+    with cm.ZeroInitContext(target_device="cpu", shard_strategy=cm.TensorShardStrategy(), dtype=torch.float16,
+                            chunk_size=64 * 32 * 2):
+        model = Tied()
+    replaced = [c for c in slot_of(model.emb.weight).chunk.built_with if c is not slot_of(model.emb.weight).chunk]
+    assert len(replaced) == 1 and replaced[0].param.host.allocated
+    wrapped = cm.ShardedModelV2(model, cm.TensorShardStrategy(), tensor_placement_policy="cpu")
+    assert wrapped.tier_bytes()["host"] == {"param": sum(c.param.nbytes for c in wrapped.chunks)}
+    assert not replaced[0].param.host.allocated

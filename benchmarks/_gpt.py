@@ -1,0 +1,182 @@
+"""Shared pieces of the memory and scaling benchmarks: the GPT they train, its parameter count, the
+machine header, RSS helpers and a log-log fit.
+
+The GPT: token + position embedding, pre-LayerNorm blocks (causal ``scaled_dot_product_attention``,
+GELU MLP of width 4d), ``nn.Linear`` layers with biases, a final LayerNorm, and an lm head tied to the
+token embedding; ``self.apply`` initialises every Linear / Embedding weight from N(0, 0.02) and every
+Linear bias to zero. Built inside ``chunkmem.ZeroInitContext`` its parameters go into chunks module by
+module; built under ``torch.device("meta")`` it costs no memory and gives the exact parameter list.
+"""
+from __future__ import annotations
+
+import math
+import os
+import platform
+import resource
+import sys
+from dataclasses import dataclass
+
+import psutil
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab: int
+    d_model: int
+    layers: int
+    heads: int
+    seq: int  # positions of the position embedding (the longest sequence the model takes)
+
+    def describe(self) -> str:
+        return (f"GPT vocab {self.vocab}, d_model {self.d_model}, {self.layers} layers, {self.heads} heads, "
+                f"{self.seq} positions")
+
+
+def count_params(cfg: GPTConfig) -> int:
+    """Parameters of :class:`GPT` (the tied lm head counted once): embeddings, 12 d^2 + 13 d per block
+    (qkv 3d^2+3d, proj d^2+d, fc 4d^2+4d, proj 4d^2+d, two LayerNorms 4d), final LayerNorm 2d."""
+    d = cfg.d_model
+    return cfg.vocab * d + cfg.seq * d + cfg.layers * (12 * d * d + 13 * d) + 2 * d
+
+
+def params_per_layer(d_model: int) -> int:
+    return 12 * d_model * d_model + 13 * d_model
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, heads: int) -> None:
+        super().__init__()
+        assert d_model % heads == 0, "d_model must be divisible by heads"
+        self.heads = heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d_model, 4 * d_model)
+        self.proj = nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, heads: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, heads)
+        self.ln_2 = nn.LayerNorm(d_model)
+        self.mlp = MLP(d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.seq, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg.d_model, cfg.heads) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def param_numels(cfg: GPTConfig) -> list[int]:
+    """Element counts of the GPT's parameters in ``named_parameters()`` order (the packing order),
+    from a model built on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+    return [p.numel() for _, p in model.named_parameters()]
+
+
+def chunk_layout(cfg: GPTConfig, element_size: int) -> tuple[int, int, int]:
+    """``(chunk_numel, n_chunks, padding_elements)`` that ``ShardedModelV2`` will choose for this GPT
+    (one param group, every parameter trainable), computed from the element counts alone."""
+    from chunkmem.layout import pack, search_chunk_numel
+
+    numels = param_numels(cfg)
+    keys = [0] * len(numels)
+    chunk_numel = search_chunk_numel(numels, keys, element_size)
+    n_chunks = len(pack(numels, keys, chunk_numel))
+    return chunk_numel, n_chunks, n_chunks * chunk_numel - sum(numels)
+
+
+# ---- measurements --------------------------------------------------------------------------------------
+
+def rss_bytes() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def peak_rss_bytes() -> int:
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kilobytes on Linux
+    return kb * 1024 if sys.platform != "darwin" else kb
+
+
+def loglog_slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of log(y) against log(x)."""
+    lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
+    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+# ---- the header ------------------------------------------------------------------------------------------
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def machine_header() -> str:
+    vm = psutil.virtual_memory()
+    load = os.getloadavg()
+    cuda = torch.cuda.is_available()
+    return (f"machine: {cpu_model()}, {os.cpu_count()} cores, {vm.total / 2**30:.1f} GiB RAM "
+            f"({vm.available / 2**30:.1f} GiB available), torch {torch.__version__}, "
+            f"{torch.get_num_threads()} torch threads, "
+            f"CUDA {'available' if cuda else 'not available (the device tier is the CPU under a capacity)'}, "
+            f"1-min load average {load[0]:.2f}")

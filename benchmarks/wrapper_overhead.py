@@ -1,0 +1,259 @@
+"""Overhead of the chunkmem wrapper against plain PyTorch on the same GPT: step time and peak RSS.
+
+Three configurations, each in its own subprocess so that peak RSS (``ru_maxrss``) is measured alone:
+
+1. ``plain``: the GPT below with ``torch.optim.AdamW(fused=True)``, fp32;
+2. ``cm-cuda``: ``ShardedModelV2(..., tensor_placement_policy="cuda")`` + ``ShardedOptimizerV2(HybridAdam)``, fp32;
+3. ``cm-cpu``: the same with ``tensor_placement_policy="cpu"``, fp32.
+
+On a machine without a GPU the "device tier" is the CPU: placement "cuda" keeps every chunk there, and
+placement "cpu" rests every chunk on the host tier and copies each module's parameter chunks to the
+device tier for its compute (real copies), so the CPU figure measures the wrapper's own overhead.
+
+The configurations run in rounds, the order rotating from round to round, so that slow phases of a
+shared machine fall on all of them; each child runs warm-up steps, then timed steps. The table gives
+the median step time of each configuration's least disturbed round (other jobs only ever add time; every
+round's median and the pooled median are shown too), its ratio to plain, and peak RSS (median over
+rounds) with its ratio to plain, then PASS/MISS against the targets of the issue:
+
+* cm-cuda step time <= 1.05x plain
+* cm-cpu step time <= 1.25x plain
+* cm-cpu peak RSS <= 1.15x plain
+
+Exit status 1 if a target is missed (``--no-fail``: always 0).
+
+Usage::
+
+    python benchmarks/wrapper_overhead.py                 # ~23M-parameter GPT, about 2-3 minutes on 2 cores
+    python benchmarks/wrapper_overhead.py --size 50m      # ~49M parameters: the issue's official figure
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import _gpt
+
+CONFIGS = ("plain", "cm-cuda", "cm-cpu")
+SIZES = {
+    # vocab, d_model, layers, heads, seq, batch
+    "small": dict(vocab=8192, d=512, layers=6, heads=8, seq=128, batch=2),
+    "50m": dict(vocab=8192, d=768, layers=6, heads=12, seq=128, batch=2),
+}
+# (config, what, limit) -- what is "time" or "rss"; the ratio to plain must be <= limit.
+TARGETS = (("cm-cuda", "time", 1.05), ("cm-cpu", "time", 1.25), ("cm-cpu", "rss", 1.15))
+RESULT_TAG = "WRAPPER_OVERHEAD_RESULT "
+LR, WEIGHT_DECAY = 1e-3, 0.01
+
+
+# ---- the model and memory readings: benchmarks/_gpt.py -----------------------------------------------
+
+def rss_mb() -> float:
+    return _gpt.rss_bytes() / 2**20
+
+
+def peak_rss_mb() -> float:
+    return _gpt.peak_rss_bytes() / 2**20
+
+
+def child(config: str, size: str, warmup: int, steps: int, threads: int | None) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    if threads:
+        torch.set_num_threads(threads)
+    spec = SIZES[size]
+    baseline_rss = rss_mb()  # after importing torch, before any model memory
+    torch.manual_seed(0)
+    net = _gpt.GPT(_gpt.GPTConfig(spec["vocab"], spec["d"], spec["layers"], spec["heads"], spec["seq"]))
+    n_params = sum(p.numel() for p in net.parameters())
+
+    if config == "plain":
+        model = net
+        optim = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+        backward, step = (lambda loss: loss.backward()), optim.step
+        zero_grad = lambda: optim.zero_grad(set_to_none=True)  # noqa: E731
+    else:
+        import chunkmem as cm
+        placement = {"cm-cuda": "cuda", "cm-cpu": "cpu"}[config]
+        model = cm.ShardedModelV2(net, cm.TensorShardStrategy(), tensor_placement_policy=placement,
+                                  dtype=torch.float32)
+        optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY))
+        backward, step = optim.backward, optim.step
+        zero_grad = lambda: optim.zero_grad(set_to_none=True)  # noqa: E731
+
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"] + 1), generator=g) for _ in range(4)]
+    vocab = spec["vocab"]
+    times, cpu_times, phases = [], [], []
+    after_backward = None
+    for i in range(warmup + steps):
+        tokens = data[i % len(data)]
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        c0, t0 = time.process_time(), time.perf_counter()
+        loss = F.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
+        t1 = time.perf_counter()
+        backward(loss)
+        t2 = time.perf_counter()
+        if config != "plain" and i == warmup + steps - 1:
+            after_backward = model.tier_bytes()  # a dict walk: microseconds, inside the step phase
+        step()
+        zero_grad()
+        t3, c3 = time.perf_counter(), time.process_time()
+        if i >= warmup:
+            times.append(t3 - t0)
+            cpu_times.append(c3 - c0)
+            phases.append((t1 - t0, t2 - t1, t3 - t2))
+    out = dict(config=config, n_params=n_params, times=times, cpu_times=cpu_times, phases=phases, loss=loss.item(),
+               peak_rss_mb=peak_rss_mb(), baseline_rss_mb=baseline_rss, threads=torch.get_num_threads(),
+               torch=torch.__version__)
+    if config != "plain":
+        out["n_chunks"] = len(model.chunks)
+        out["chunk_bytes"] = model.chunk_numel * model._element_size
+        out["tier_bytes"] = model.tier_bytes()
+        out["tier_bytes_after_backward"] = after_backward
+        out["ledger_peak_device_bytes"] = model.chunk_manager.ledger.peak_device_bytes
+    return out
+
+
+# ---- the driver (parent side) -----------------------------------------------------------------------
+
+def run_child(config: str, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", config, "--size", args.size,
+           "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout + proc.stderr)
+        raise SystemExit(f"child {config} failed with status {proc.returncode}")
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_TAG):
+            return json.loads(line[len(RESULT_TAG):])
+    raise SystemExit(f"child {config} printed no result:\n{proc.stdout}{proc.stderr}")
+
+
+def fmt_bytes(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="small",
+                        help="small: ~23M parameters (default); 50m: ~49M parameters (the issue's figure)")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds; each runs every configuration once")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per child")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per child")
+    parser.add_argument("--time-budget", type=float, default=170.0,
+                        help="seconds; start no further round that would end past it (default 170)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
+    parser.add_argument("--no-fail", action="store_true", help="exit 0 even if a target is missed")
+    parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.child:
+        result = child(args.child, args.size, args.warmup, args.steps, args.threads)
+        print(RESULT_TAG + json.dumps(result), flush=True)
+        return 0
+
+    start = time.perf_counter()
+    load_before = os.getloadavg()
+    runs: dict[str, list[dict]] = {c: [] for c in CONFIGS}
+    rounds_done = 0
+    for r in range(args.rounds):
+        round_start = time.perf_counter()
+        order = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]
+        for config in order:
+            runs[config].append(run_child(config, args))
+        rounds_done += 1
+        now = time.perf_counter()
+        print(f"round {r + 1}/{args.rounds} done ({now - start:.0f} s)", file=sys.stderr, flush=True)
+        if r + 1 < args.rounds and now - start + (now - round_start) > args.time_budget:
+            print(f"stopping after {rounds_done} rounds: another would pass --time-budget {args.time_budget:.0f} s "
+                  f"(a busy machine?)", file=sys.stderr, flush=True)
+            break
+    load_after = os.getloadavg()
+
+    first = runs["plain"][0]
+    spec = SIZES[args.size]
+    stats = {}
+    for config, results in runs.items():
+        times = [t for res in results for t in res["times"]]
+        phases = [p for res in results for p in res["phases"]]
+        best = min(results, key=lambda res: statistics.median(res["times"]))  # the least disturbed round
+        stats[config] = dict(
+            step_ms=statistics.median(best["times"]) * 1e3,
+            pooled_ms=statistics.median(times) * 1e3,
+            round_ms=[statistics.median(res["times"]) * 1e3 for res in results],
+            cpu_ms=min(statistics.median(res["cpu_times"]) for res in results) * 1e3,
+            phase_ms=[statistics.median(p[i] for p in best["phases"]) * 1e3 for i in range(3)],
+            rss=statistics.median(res["peak_rss_mb"] for res in results),
+            base=statistics.median(res["baseline_rss_mb"] for res in results),
+        )
+    plain = stats["plain"]
+
+    print(f"machine: {os.cpu_count()} CPUs, torch {first['torch']}, {first['threads']} torch threads, "
+          f"CUDA {'available' if _cuda_available() else 'not available (device tier = CPU)'}")
+    print(f"model: GPT vocab {spec['vocab']}, d {spec['d']}, {spec['layers']} layers, {spec['heads']} heads, "
+          f"seq {spec['seq']}, batch {spec['batch']}: {first['n_params'] / 1e6:.2f}M parameters (tied lm head)")
+    print("dtype: fp32 (the wrapper's overhead does not depend on the dtype, and 16-bit matmul is 10-50x "
+          "slower than fp32 on this CPU, which would hide it)")
+    print(f"timing: {rounds_done} round(s) x ({args.warmup} warm-up + {args.steps} timed steps) per configuration, "
+          f"order rotating per round; step ms = median of the timed steps of the least disturbed round (other "
+          f"jobs only add time); 1-min load average "
+          f"{load_before[0]:.2f} before, {load_after[0]:.2f} after (other jobs on the machine inflate and blur "
+          f"the times)")
+    print()
+    header = (f"{'config':<9} {'step ms':>9} {'x plain':>8} {'CPU ms':>8} {'x plain':>8} {'fwd ms':>8} {'bwd ms':>8} {'step+zg':>8} "
+              f"{'peak RSS MB':>12} {'x plain':>8} {'RSS-base MB':>12}  per-round step ms")
+    print(header)
+    print("-" * len(header))
+    for config in CONFIGS:
+        s = stats[config]
+        print(f"{config:<9} {s['step_ms']:9.1f} {s['step_ms'] / plain['step_ms']:8.3f} "
+              f"{s['cpu_ms']:8.1f} {s['cpu_ms'] / plain['cpu_ms']:8.3f} "
+              f"{s['phase_ms'][0]:8.1f} {s['phase_ms'][1]:8.1f} {s['phase_ms'][2]:8.1f} "
+              f"{s['rss']:12.1f} {s['rss'] / plain['rss']:8.3f} {s['rss'] - s['base']:12.1f}  "
+              + " ".join(f"{m:.1f}" for m in s["round_ms"]) + f" (pooled median {s['pooled_ms']:.1f})")
+    print("(step ms: wall time, the figure the targets use; CPU ms: process CPU time of all threads per step "
+          "(least of the rounds' medians), a cross-check on a busy machine; fwd = forward + loss, bwd = backward, step+zg = optimizer step + "
+          "zero_grad, wall-time medians of each phase; RSS-base = peak RSS minus RSS after importing torch)")
+    print()
+    for config in CONFIGS[1:]:
+        last = runs[config][-1]
+        print(f"{config}: {last['n_chunks']} chunks of {fmt_bytes(last['chunk_bytes'])}, device-tier ledger peak "
+              f"{fmt_bytes(last['ledger_peak_device_bytes'])}; model.tier_bytes()")
+        for when, key in (("after the last backward", "tier_bytes_after_backward"),
+                          ("after the last step+zero_grad", "tier_bytes")):
+            tiers = "; ".join(f"{tier}: " + (", ".join(f"{fam} {fmt_bytes(n)}" for fam, n in fams.items()) or "-")
+                              + f" (total {fmt_bytes(sum(fams.values()))})"
+                              for tier, fams in last[key].items())
+            print(f"    {when + ':':<31} {tiers}")
+    print()
+    missed = False
+    for config, what, limit in TARGETS:
+        key = "step_ms" if what == "time" else "rss"
+        ratio = stats[config][key] / plain[key]
+        ok = ratio <= limit
+        missed |= not ok
+        label = "step time" if what == "time" else "peak RSS"
+        print(f"{'PASS' if ok else 'MISS'}  {config} {label} {ratio:.3f}x plain (target <= {limit:.2f}x)")
+    print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")
+    return 1 if missed and not args.no_fail else 0
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())
