@@ -117,8 +117,8 @@ def main() -> int:
     model = cm.ShardedModelV2(net, cm.TensorShardStrategy(), tensor_placement_policy="cpu", reuse_fp16_shard=True)
     # The wrap re-packs the context's chunks into chunks of the searched size and frees the old ones;
     # note any context chunk it left allocated (they stay on the ledger), then drop the context.
-    left = [(c.index, c.param.host.nbytes, [s.name for s in c.slots]) for c in ctx.chunks
-            if c.param.host.allocated and c not in model.chunks]
+    left = [(c.index, c.param.shard.nbytes, [s.name for s in c.slots]) for c in ctx.chunks
+            if c.param.shard.allocated and c not in model.chunks]
     del ctx
     optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-4), initial_scale=2**16)
     build_s = time.perf_counter() - t0
@@ -148,8 +148,8 @@ def main() -> int:
     exact = host_total / n_params
     walk = {"host": 0, "device": 0}  # the buffers of the model's own chunks
     for c in chunks:
-        if c.param.host.allocated:
-            walk["host"] += c.param.host.nbytes
+        if c.param.shard.allocated:
+            walk["host"] += c.param.shard.nbytes
         if c.param.device_allocated:
             walk["device"] += c.param.nbytes
         for buf in (c.grad, c.grad_staging, *c.optim.values()):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from .collectives import SINGLE_PROCESS, ShardGroup
 from .ledger import TierLedger
 from .tiers import Tier, device_of_tier, empty_on_tier
 
@@ -103,28 +104,46 @@ class FlatBuffer:
 
 
 class ParamBuffer:
-    """The ``param`` family of a chunk: a device-tier copy that parameters view, and a host-tier copy.
+    """The ``param`` family of a chunk: a full device-tier copy that parameters view, and this rank's shard.
 
-    Either copy may be missing. ``device_valid`` / ``host_valid`` say which copies hold the current
-    contents; ``holds_grads`` says the contents are gradients (``reuse_fp16_shard``), not values.
+    ``device`` holds all ``numel`` elements (gathered from every rank's shard when the chunk is
+    sharded); its storage is freed (0 bytes) when the chunk is not resident. ``shard`` holds this rank's
+    ``shard_numel`` elements on the host tier, or on the device tier when the chunk is sharded and rests
+    there (with one rank the shard is the whole chunk, and a chunk resting on the device keeps only its
+    full copy). ``device_valid`` / ``shard_valid`` say which copies hold the current contents;
+    ``holds_grads`` says the contents are gradients (``reuse_fp16_shard``), not values. When sharded,
+    parameters change only through the shard, so the shard is always current and the full copy is
+    either a gathered copy of it or invalid.
     """
 
-    def __init__(self, numel: int, dtype: torch.dtype, ledger: TierLedger, owner: str) -> None:
+    def __init__(self, numel: int, dtype: torch.dtype, ledger: TierLedger, owner: str,
+                 shards: ShardGroup = SINGLE_PROCESS) -> None:
         self.numel = numel
         self.dtype = dtype
         self.ledger = ledger
         self.owner = owner
+        self.shards = shards
+        self.shard_numel = numel // shards.world
+        self.shard_offset = shards.rank * self.shard_numel
         self.nbytes = numel * torch.empty((), dtype=dtype).element_size()
         self.device = torch.empty(numel, dtype=dtype, device=device_of_tier(Tier.DEVICE))
         self.device.untyped_storage().resize_(0)
         self.device_valid = False
-        self.host = FlatBuffer(PARAM, numel, dtype, ledger, owner)
-        self.host_valid = False
+        self.shard = FlatBuffer(PARAM, self.shard_numel, dtype, ledger, owner)
+        self.shard_valid = False
         self.holds_grads = False
+
+    @property
+    def sharded(self) -> bool:
+        return self.shards.sharded
 
     @property
     def device_allocated(self) -> bool:
         return self.device.untyped_storage().nbytes() > 0
+
+    def own_slice(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's elements of a full-length flat tensor."""
+        return full[self.shard_offset:self.shard_offset + self.shard_numel]
 
     def allocate_device(self) -> None:
         """Give the device copy its memory back (contents undefined until written)."""
@@ -133,59 +152,79 @@ class ParamBuffer:
             self.device.untyped_storage().resize_(self.nbytes)
 
     def fetch_to_device(self) -> None:
-        """Make the device copy current, copying from the host copy if needed."""
+        """Make the full device copy current: a copy of the shard, or a gather of every rank's shard."""
         if self.device_valid:
             return
-        assert self.host_valid, f"{self.owner}: no valid copy of the parameters"
+        assert self.shard_valid, f"{self.owner}: no valid copy of the parameters"
         self.allocate_device()
-        self.device.copy_(self.host.tensor, non_blocking=True)
-        self.ledger.count_move(Tier.DEVICE, self.nbytes)
+        if self.sharded:
+            self.shards.all_gather(self.device, self.shard.tensor)
+        else:
+            self.device.copy_(self.shard.tensor, non_blocking=True)
+        if self.shard.tier is Tier.HOST:
+            self.ledger.count_move(Tier.DEVICE, self.shard.nbytes)
         self.device_valid = True
 
     def free_device(self) -> None:
-        """Free the device copy, first copying it to the host if the host copy is not current."""
+        """Free the device copy, first copying it to the shard if the shard is not current."""
         if not self.device_allocated:
             return
-        if self.device_valid and not self.host_valid:
-            self.write_back_to_host()
+        if self.device_valid and not self.shard_valid:
+            self.write_back_shard()
         self.device.untyped_storage().resize_(0)
         self.ledger.release(Tier.DEVICE, PARAM, self.nbytes)
         self.device_valid = False
 
-    def write_back_to_host(self) -> None:
-        """Copy the device copy into the host copy (allocating it) and mark the host copy current."""
-        if not self.host.allocated:
-            self.host.allocate(Tier.HOST)
-        self.host.tensor.copy_(self.device)
-        self.ledger.count_move(Tier.HOST, self.nbytes)
-        self.host_valid = True
+    def write_back_shard(self) -> None:
+        """Copy this rank's part of the device copy into the shard (allocated on the host if missing)
+        and mark the shard current."""
+        if not self.shard.allocated:
+            self.shard.allocate(Tier.HOST)
+        self.shard.tensor.copy_(self.own_slice(self.device))
+        if self.shard.tier is Tier.HOST:
+            self.ledger.count_move(Tier.HOST, self.shard.nbytes)
+        self.shard_valid = True
 
-    def free_host(self) -> None:
-        """Free the host copy, first making the device copy current if it is the only one."""
-        if not self.host.allocated:
+    def free_shard(self) -> None:
+        """Free the shard, first making the device copy current if the shard is the only current copy
+        (one rank only: a sharded chunk always keeps its shard)."""
+        if not self.shard.allocated:
             return
-        if self.host_valid and not self.device_valid:
+        assert not self.sharded, f"{self.owner}: a sharded chunk keeps its shard"
+        if self.shard_valid and not self.device_valid:
             self.fetch_to_device()
-        self.host.free()
-        self.host_valid = False
+        self.shard.free()
+        self.shard_valid = False
 
     def current(self) -> torch.Tensor:
-        """A tensor holding the current contents: the device copy if current, else the host copy."""
+        """A full-length tensor holding the current contents (one rank only): the device copy if current,
+        else the shard."""
+        assert not self.sharded, f"{self.owner}: the full contents of a sharded chunk need a gather"
         if self.device_valid:
             return self.device
-        assert self.host_valid, f"{self.owner}: no valid copy of the parameters"
-        return self.host.tensor
+        assert self.shard_valid, f"{self.owner}: no valid copy of the parameters"
+        return self.shard.tensor
 
-    def resting_tier(self) -> Tier:
-        return Tier.DEVICE if self.device_valid and not self.host.allocated else Tier.HOST
+    def local(self) -> torch.Tensor:
+        """This rank's ``shard_numel`` elements of the current contents (the whole chunk with one rank)."""
+        if self.shard_valid:
+            return self.shard.tensor
+        assert self.device_valid, f"{self.owner}: no valid copy of the parameters"
+        return self.own_slice(self.device)
 
 
 class Chunk:
     """A fixed number of elements (``numel``) holding whole parameters of one :class:`ChunkKey`."""
 
-    def __init__(self, index: int, numel: int, dtype: torch.dtype, key: ChunkKey, ledger: TierLedger) -> None:
+    def __init__(self, index: int, numel: int, dtype: torch.dtype, key: ChunkKey, ledger: TierLedger,
+                 shards: ShardGroup = SINGLE_PROCESS) -> None:
+        if numel % shards.world:
+            raise ValueError(f"chunk of {numel} elements cannot be split into {shards.world} equal shards")
         self.index = index
         self.numel = numel
+        self.shards = shards
+        self.shard_numel = numel // shards.world
+        self.shard_offset = shards.rank * self.shard_numel
         self.dtype = dtype
         self.key = key
         self.ledger = ledger
@@ -194,11 +233,14 @@ class Chunk:
         self.used_numel = 0
         self.size_was_given = False
         self.built_with: list["Chunk"] = [self]  # the chunks built together with this one
-        self.param = ParamBuffer(numel, dtype, ledger, self.name)
-        self.grad = FlatBuffer(GRAD, numel, dtype, ledger, self.name)
+        self.param = ParamBuffer(numel, dtype, ledger, self.name, shards)
+        # Finished gradients and optimizer state are per shard; the staging buffer the backward writes
+        # into is full-length (reduce-scattered into ``grad`` when sharded).
+        self.grad = FlatBuffer(GRAD, self.shard_numel, dtype, ledger, self.name)
         self.grad_staging = FlatBuffer(GRAD_STAGING, numel, dtype, ledger, self.name)
         self.optim: dict[str, FlatBuffer] = {
-            family: FlatBuffer(family, numel, torch.float32, ledger, self.name) for family in OPTIM_FAMILIES}
+            family: FlatBuffer(family, self.shard_numel, torch.float32, ledger, self.name)
+            for family in OPTIM_FAMILIES}
         # Per-backward bookkeeping, reset by the manager.
         self.grad_slots_received: set[int] = set()
         self.grads_finished = False
@@ -229,20 +271,44 @@ class Chunk:
         self.used_numel += slot.numel
         return slot
 
-    def bind_views(self, flat: torch.Tensor) -> None:
-        """Point every parameter's ``.data`` at its slice of ``flat``. A view can only be cut from
-        allocated storage, so storage freed to 0 bytes is given its size for the moment of cutting."""
+    def bind_views(self, flat: torch.Tensor, slots: list[ParamSlot] | None = None) -> None:
+        """Point the ``.data`` of every parameter (or of those in ``slots``) at its slice of ``flat``. A
+        view can only be cut from allocated storage, so storage freed to 0 bytes is given its size for
+        the moment of cutting."""
         storage = flat.untyped_storage()
         freed = storage.nbytes() == 0
         if freed:
             storage.resize_(flat.numel() * flat.element_size())
-        for slot in self.slots:
+        for slot in self.slots if slots is None else slots:
             slot.param.data = slot.view(flat)
         if freed:
             storage.resize_(0)
 
     def trainable_slots(self) -> list[ParamSlot]:
         return [s for s in self.slots if s.param.requires_grad]
+
+    def own_range(self, slot: ParamSlot) -> tuple[int, int] | None:
+        """The elements ``(start, end)`` of ``slot``'s parameter (0 = its first element) that lie in this
+        rank's shard, or ``None`` when none do."""
+        start = max(slot.offset, self.shard_offset)
+        end = min(slot.offset + slot.numel, self.shard_offset + self.shard_numel)
+        return (start - slot.offset, end - slot.offset) if start < end else None
+
+    def write_own_part(self, slot: ParamSlot, local: torch.Tensor, value: torch.Tensor) -> None:
+        """Copy this rank's part of ``value`` (``slot``'s whole parameter) into ``local``, a buffer of
+        ``shard_numel`` elements of this chunk."""
+        part = self.own_range(slot)
+        if part is not None:
+            begin, end = part
+            start = slot.offset + begin - self.shard_offset
+            local[start:start + end - begin].copy_(value.reshape(-1)[begin:end])
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """A new full-length tensor from every rank's ``local`` shard (a collective when sharded: every
+        rank calls it for the same chunks in the same order)."""
+        full = torch.empty(self.numel, dtype=local.dtype, device=local.device)
+        self.shards.all_gather(full, local)
+        return full
 
     def __repr__(self) -> str:
         return (f"Chunk({self.index}, numel={self.numel}, used={self.used_numel}, dtype={self.dtype}, "

@@ -10,7 +10,8 @@ from .chunk import Chunk, ChunkKey
 from .errors import InvalidArgumentError, check_type
 from .layout import ALIGN_ELEMENTS
 from .ledger import TierLedger
-from .manager import SLOT_ATTR, slot_of
+from .collectives import SINGLE_PROCESS, ShardGroup
+from .manager import SLOT_ATTR, allocate_param_copy, slot_of
 from .shard_strategy import BaseShardStrategy
 from .tiers import Tier, device_memory_capacity, device_of_tier, tier_of_device
 
@@ -40,7 +41,10 @@ class ZeroInitContext:
     Args:
         target_device: where the chunks are created: a CUDA device (device tier) or the CPU (host tier).
         shard_strategy: a :class:`~chunkmem.BaseShardStrategy`.
-        shard_param: shard each chunk over the data-parallel ranks at creation (one rank: no effect).
+        shard_param: keep only this rank's shard of each chunk from creation on, so no rank ever holds
+            the whole model (the ranks of ``torch.distributed``'s default group; one rank: no effect).
+            Every rank must build the same model with the same seed: each computes a module's initial
+            values in full (one module at a time) and keeps its part.
         dtype: parameter storage and compute dtype: torch.float16, torch.bfloat16 or torch.float32.
         chunk_size: bytes per chunk while building (a parameter larger than that gets a chunk of its
             own size); ``ShardedModelV2`` keeps it, or re-packs with the searched size if ``None``.
@@ -66,8 +70,9 @@ class ZeroInitContext:
         self.dtype = dtype
         self.chunk_size = chunk_size
         self.model_numel_tensor = model_numel_tensor
+        self.shards = ShardGroup.of(None) if shard_param else SINGLE_PROCESS
         element_size = torch.empty((), dtype=dtype).element_size()
-        self.chunk_numel = (chunk_size or DEFAULT_INIT_CHUNK_BYTES) // element_size
+        self.chunk_numel = self._aligned((chunk_size or DEFAULT_INIT_CHUNK_BYTES) // element_size)
         self.ledger = TierLedger(device_memory_capacity())
         self.chunks: list[Chunk] = []
         self._open: dict[ChunkKey, Chunk] = {}
@@ -138,26 +143,25 @@ class ZeroInitContext:
         key = ChunkKey(param.requires_grad, 0)
         chunk = self._open.get(key)
         if chunk is None or not chunk.fits(param.numel()):
-            numel = max(self.chunk_numel, -(-param.numel() // ALIGN_ELEMENTS) * ALIGN_ELEMENTS)
-            chunk = Chunk(len(self.chunks), numel, self.dtype, key, self.ledger)
+            numel = max(self.chunk_numel, self._aligned(param.numel()))
+            chunk = Chunk(len(self.chunks), numel, self.dtype, key, self.ledger, self.shards)
             chunk.size_was_given = self.chunk_size is not None and numel == self.chunk_numel
             chunk.built_with = self.chunks
-            if self.tier is Tier.DEVICE:
-                chunk.param.allocate_device()
-                chunk.param.device_valid = True
-                chunk.param.device.zero_()
-            else:
-                chunk.param.host.allocate(Tier.HOST, zero=True)
-                chunk.param.host_valid = True
+            allocate_param_copy(chunk, self.tier).zero_()
             self.chunks.append(chunk)
             self._open[key] = chunk
-        flat = chunk.param.device if self.tier is Tier.DEVICE else chunk.param.host.tensor
+        local = chunk.param.shard.tensor if chunk.param.shard_valid else chunk.param.device
         slot = chunk.add_slot(param, name)
         with torch.no_grad():
-            slot.view(flat).copy_(param.data)
-        param.data = slot.view(flat)
+            chunk.write_own_part(slot, local, param.data)
+        chunk.bind_views(chunk.param.device if chunk.param.sharded else local, [slot])
         setattr(param, SLOT_ATTR, slot)
         self._numel += slot.numel
+
+    def _aligned(self, numel: int) -> int:
+        """``numel`` rounded up to whole 64-element groups in every rank's shard."""
+        unit = ALIGN_ELEMENTS * self.shards.world
+        return -(-numel // unit) * unit
 
 
 def _all_module_classes() -> list[type]:

@@ -5,7 +5,8 @@ Schema ``chunkmem.memstats/1`` (every size in bytes, chunk ids are chunk indices
 * ``schema``, ``rank``, ``world_size``, ``policy`` (placement name), ``capacity_bytes`` (device tier),
   ``iterations`` (training iterations begun), ``traces`` (of them traced), ``last_iteration_mode``
   (``tracing``, ``following``, ``diverged``, ``untraced`` or ``idle``).
-* ``chunks``: ``count``, ``numel`` (elements per chunk), ``param_bytes`` (one chunk's parameters),
+* ``chunks``: ``count``, ``numel`` (elements per chunk), ``shard_numel`` (elements of each chunk this rank
+  keeps: ``numel / world_size``), ``param_bytes`` (one chunk's full parameters),
   ``dtype``, ``trainable`` (ids of chunks with trainable parameters).
 * ``periods``: one per period of the traced schedule, in order: ``index``, ``name`` (module),
   ``phase`` (``forward``/``backward``), ``chunks`` (ids that had to be on the device),
@@ -80,6 +81,7 @@ def collect(manager: Any, rank: int = 0, world_size: int = 1) -> dict[str, Any]:
         "chunks": {
             "count": len(chunks),
             "numel": chunks[0].numel if chunks else 0,
+            "shard_numel": chunks[0].shard_numel if chunks else 0,
             "param_bytes": chunks[0].param.nbytes if chunks else 0,
             "dtype": str(chunks[0].dtype).replace("torch.", "") if chunks else None,
             "trainable": [c.index for c in chunks if c.trainable],

@@ -16,9 +16,10 @@ from .chunk import MASTER, Chunk, ChunkKey
 from .errors import DeviceCapacityError, GradientAccumulationError, InvalidArgumentError, check_number, check_type
 from .hooks import ChunkHooks, ForeignParamDiscovery
 from .init_context import check_chunk_size, check_dtype
-from .layout import pack, search_chunk_numel
+from .collectives import ShardGroup
+from .layout import ALIGN_ELEMENTS, pack, search_chunk_numel
 from .ledger import TierLedger
-from .manager import SLOT_ATTR, ChunkManager, build_chunks, slot_of
+from .manager import SLOT_ATTR, ChunkManager, GradientReduction, build_chunks, slot_of
 from .placement import make_policy
 from .shard_strategy import BaseShardStrategy
 from .tiers import Tier, device_memory_capacity, device_of_tier
@@ -72,8 +73,15 @@ class ShardedModelV2(nn.Module):
             raise InvalidArgumentError("module", type(module).__name__, "a module that is not already wrapped")
         check_type("shard_strategy", shard_strategy, BaseShardStrategy,
                    "an instance of TensorShardStrategy or BucketTensorShardStrategy")
-        _check_process_group("process_group", process_group)
-        _check_process_group("reduce_scatter_process_group", reduce_scatter_process_group)
+        shards = ShardGroup.of(process_group, "process_group")
+        reduce_shards = shards
+        if reduce_scatter_process_group is not None:
+            reduce_shards = ShardGroup.of(reduce_scatter_process_group, "reduce_scatter_process_group")
+            if not reduce_shards.same_ranks(shards):
+                raise InvalidArgumentError(
+                    "reduce_scatter_process_group", f"a group of {reduce_shards.world} ranks (this rank "
+                    f"{reduce_shards.rank})", f"a group of the same ranks as process_group ({shards.world} "
+                    f"ranks, this rank {shards.rank}) or None")
         check_number("reduce_scatter_bucket_size_mb", reduce_scatter_bucket_size_mb, low=0, low_open=True)
         check_type("fp32_reduce_scatter", fp32_reduce_scatter, bool, "True or False")
         check_number("gradient_predivide_factor", gradient_predivide_factor, low=0.0, low_open=True)
@@ -104,6 +112,7 @@ class ShardedModelV2(nn.Module):
         self.shard_strategy = shard_strategy
         self.process_group = process_group
         self.reduce_scatter_process_group = reduce_scatter_process_group or process_group
+        self.shards = shards
         self.reduce_scatter_bucket_size_mb = reduce_scatter_bucket_size_mb
         self.fp32_reduce_scatter = fp32_reduce_scatter
         self.tensor_placement_policy = tensor_placement_policy
@@ -127,6 +136,8 @@ class ShardedModelV2(nn.Module):
             chunk_numel = slots[0].chunk.numel
         else:
             chunk_numel = search_chunk_numel(numels, keys, self._element_size)
+        if shards.sharded:  # equal shards of whole 64-element groups
+            chunk_numel = -(-chunk_numel // (ALIGN_ELEMENTS * shards.world)) * ALIGN_ELEMENTS * shards.world
         self.chunk_numel = chunk_numel
 
         self.policy = policy
@@ -141,7 +152,9 @@ class ShardedModelV2(nn.Module):
                 if chunk not in chunks:
                     _free_chunk(chunk)
         self._cast_buffers()
-        self.chunk_manager = ChunkManager(chunks, ledger, policy, reuse_fp16_shard)
+        reduction = GradientReduction(reduce_shards, int(reduce_scatter_bucket_size_mb * 2**20), fp32_reduce_scatter,
+                                      gradient_predivide_factor)
+        self.chunk_manager = ChunkManager(chunks, ledger, policy, reuse_fp16_shard, reduction)
         self.chunk_manager.settle_all()
         self.chunk_manager.bind_views_to_device()
         self._hooks = ChunkHooks(module, self.chunk_manager)
@@ -164,17 +177,29 @@ class ShardedModelV2(nn.Module):
         wanted_ids = [[id(plan.entries[i][1]) for i in group] for group in plan.groups]
         current_ids = [[id(s.param) for s in c.slots] for c in current]
         if (current and current_ids == wanted_ids and all(c.numel == self.chunk_numel for c in current)
+                and all(_same_sharding(c.shards, self.shards) for c in current)
                 and all(c.key == plan.entries[g[0]][2] for c, g in zip(current, plan.groups))):
             for chunk in current:
                 for slot in chunk.slots:
                     slot.name = self._param_names[id(slot.param)]
             return current
 
+        gathered: dict[Chunk, torch.Tensor] = {}
+
         def value_of(param: nn.Parameter) -> torch.Tensor:
             slot = slot_of(param)
-            return param.data if slot is None else slot.view(slot.chunk.param.current())
+            if slot is None:
+                return param.data
+            if not slot.chunk.param.sharded:
+                return slot.view(slot.chunk.param.current())
+            if slot.chunk not in gathered:  # the same gathers in the same order on every rank
+                gathered.clear()
+                gathered[slot.chunk] = slot.chunk.gather(slot.chunk.param.local())
+            return slot.view(gathered[slot.chunk])
 
-        chunks = build_chunks(plan.entries, self.chunk_numel, self.dtype, ledger, Tier.HOST, value_of=value_of)
+        chunks = build_chunks(plan.entries, self.chunk_numel, self.dtype, ledger, Tier.HOST, self.shards,
+                              value_of=value_of)
+        gathered.clear()
         for chunk in current:
             _free_chunk(chunk)
         return chunks
@@ -202,19 +227,22 @@ class ShardedModelV2(nn.Module):
         count = len(plan.groups)
         grads_per_chunk = 0 if self.reuse_fp16_shard else 1
 
-        def need_of(chunk_indices: set[int]) -> int:
+        def need_of(chunk_indices: set[int], chunk_bytes: int) -> int:
             trainable = sum(1 for i in chunk_indices if plan.key_of(i).trainable)
-            return (len(chunk_indices) + grads_per_chunk * trainable) * plan.chunk_bytes
+            return (len(chunk_indices) + grads_per_chunk * trainable) * chunk_bytes
 
+        # Sharded, what rests is one shard of each chunk, and every chunk a module uses is gathered.
         resting = {i for i in range(count) if self.policy.params_on_device_at_rest(i, count)}
-        need = need_of(resting)
+        need = need_of(resting, plan.chunk_bytes // self.shards.world)
         what = f"the {len(resting)} chunks resting on the device with their gradients" if resting else ""
         chunk_of = plan.chunk_of_param()
         visiting_need, visiting_what = 0, ""
         for name, module in self.module.named_modules():
-            visiting = {chunk_of[id(p)] for p in module.parameters(recurse=False)} - resting
-            if need_of(visiting) > visiting_need:
-                visiting_need = need_of(visiting)
+            visiting = {chunk_of[id(p)] for p in module.parameters(recurse=False)}
+            if not self.shards.sharded:
+                visiting -= resting
+            if need_of(visiting, plan.chunk_bytes) > visiting_need:
+                visiting_need = need_of(visiting, plan.chunk_bytes)
                 visiting_what = f"the chunks of module {name or type(module).__name__!r} with their gradients"
         need += visiting_need
         what = " and ".join(w for w in (what, visiting_what) if w)
@@ -305,28 +333,45 @@ class ShardedModelV2(nn.Module):
         logger.info("%s\n  written to %s", memstats.summary(doc), filename)
         return filename
 
-    def full_parameter(self, param: nn.Parameter) -> torch.Tensor:
-        """A CPU fp32 copy of ``param``'s current value: from the fp32 master where one exists."""
-        slot = slot_of(param)
-        if slot is None:
-            raise InvalidArgumentError("param", tuple(param.shape), "a parameter of this model")
-        chunk = slot.chunk
+    def _full_values(self, chunk: Chunk) -> torch.Tensor:
+        """The chunk's whole current parameter values in fp32 on the CPU: from the fp32 masters where they
+        exist. Gathers the shards when sharded (a collective: every rank calls it in the same order)."""
         if chunk.optim[MASTER].allocated:
-            source = chunk.optim[MASTER].tensor
+            local = chunk.optim[MASTER].tensor
+        elif chunk.param.holds_grads:
+            raise RuntimeError(f"{chunk.name}: the parameter memory holds gradients and there is no master")
         else:
-            if chunk.param.holds_grads:
-                raise RuntimeError(f"{slot.name}: the parameter memory holds gradients and there is no master")
-            source = chunk.param.current()
-        return slot.view(source).detach().to(device="cpu", dtype=torch.float32, copy=True)
+            local = chunk.param.local()
+        return chunk.gather(local.detach()).to(device="cpu", dtype=torch.float32)
 
-    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+    def full_parameter(self, param: nn.Parameter) -> torch.Tensor:
+        """A CPU fp32 copy of ``param``'s current value: from the fp32 master where one exists. When the
+        chunks are sharded this gathers the parameter's chunk: every rank must call it."""
+        slot = slot_of(param)
+        if slot is None or slot.chunk not in self.chunks:
+            raise InvalidArgumentError("param", tuple(param.shape), "a parameter of this model")
+        return slot.view(self._full_values(slot.chunk)).clone()
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False,
+                   rank0_only: bool = False) -> Any:
         """The wrapped module's full state under its own keys, on the CPU: parameters in fp32 (from the
-        masters where masters exist), buffers as stored. Loadable by the plain module."""
-        raw = self.module.state_dict(keep_vars=True)
+        masters where masters exist), buffers as stored. Loadable by the plain module.
+
+        Sharded, the chunks are gathered one at a time, so every rank must call it; with
+        ``rank0_only=True`` the other ranks receive an empty dict (and keep no copy)."""
+        keep = not rank0_only or self.shards.rank == 0
+        values: dict[int, torch.Tensor] = {}
+        for chunk in self.chunks:
+            full = self._full_values(chunk)
+            if keep:
+                for slot in chunk.slots:
+                    values[id(slot.param)] = slot.view(full).clone()
         out = OrderedDict() if destination is None else destination
-        for key, value in raw.items():
-            if isinstance(value, nn.Parameter) and slot_of(value) is not None:
-                out[prefix + key] = self.full_parameter(value)
+        if not keep:
+            return out
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            if isinstance(value, nn.Parameter) and id(value) in values:
+                out[prefix + key] = values[id(value)]
             else:
                 out[prefix + key] = value.detach().to("cpu", copy=True)
         return out
@@ -361,17 +406,8 @@ def _shapes_of(tree: Any) -> tuple:
                  for t in tree_leaves(tree))
 
 
-def _check_process_group(argument: str, group: Any) -> None:
-    if group is None:
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            raise InvalidArgumentError(argument, None, "a single-process run (sharding over several ranks "
-                                                       "is not built yet)")
-        return
-    if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
-        raise InvalidArgumentError(argument, group, "None or a torch.distributed ProcessGroup")
-    if group.size() != 1:
-        raise InvalidArgumentError(argument, f"ProcessGroup of size {group.size()}",
-                                   "a group of one rank (sharding over several ranks is not built yet)")
+def _same_sharding(a: ShardGroup, b: ShardGroup) -> bool:
+    return a.same_ranks(b) and (not a.sharded or a.group == b.group)
 
 
 def _free_chunk(chunk: Chunk) -> None:
@@ -379,8 +415,8 @@ def _free_chunk(chunk: Chunk) -> None:
     viewing it (ones the model no longer uses) are emptied so the memory goes now, not at the next
     garbage collection."""
     chunk.param.free_device()
-    chunk.param.host.free()
-    chunk.param.host_valid = False
+    chunk.param.shard.free()
+    chunk.param.shard_valid = False
     for buf in (chunk.grad, chunk.grad_staging, *chunk.optim.values()):
         buf.free()
     for slot in chunk.slots:

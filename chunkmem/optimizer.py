@@ -11,6 +11,7 @@ import torch.distributed as dist
 from .adam import check_supported_optimizer, hyper_of_group
 from .adam_kernels import adam_update_
 from .chunk import EXP_AVG, EXP_AVG_SQ, MASTER, Chunk
+from .collectives import ShardGroup, all_reduce_over
 from .errors import DeviceCapacityError, GradientAccumulationError, InvalidArgumentError, check_number, check_type
 from .loss_scaler import DynamicGradScaler
 from .manager import slot_of
@@ -36,7 +37,10 @@ class ShardedOptimizerV2:
             hold optimizer state; only meaningful with placement ``"auto"`` (a warning otherwise).
         initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale:
             the loss scaler's rules (see :class:`~chunkmem.DynamicGradScaler`).
-        dp_process_group, mp_process_group: data- and model-parallel groups (one rank so far).
+        dp_process_group: the data-parallel group the overflow flag and gradient norm are reduced over
+            (``None``: the model's ``process_group``; otherwise a group of the same ranks).
+        mp_process_group: a model-parallel group whose ranks hold different parts of the model: the
+            overflow flag and the gradient norm are reduced over it too (``None``: no model parallelism).
         verbose: log skipped steps and scale changes.
     """
 
@@ -53,11 +57,16 @@ class ShardedOptimizerV2:
             warnings.warn(f"gpu_margin_mem_ratio={gpu_margin_mem_ratio} has no effect with "
                           f"tensor_placement_policy={sharded_model.tensor_placement_policy!r}; it is used only "
                           f"with 'auto'", stacklevel=2)
-        for name, group in (("dp_process_group", dp_process_group), ("mp_process_group", mp_process_group)):
-            if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)
-                                          and group.size() == 1):
-                raise InvalidArgumentError(name, group, "None or a ProcessGroup of one rank (several ranks: "
-                                                        "not built yet)")
+        dp_shards = sharded_model.shards
+        if dp_process_group is not None:
+            dp_shards = ShardGroup.of(dp_process_group, "dp_process_group")
+            if not dp_shards.same_ranks(sharded_model.shards):
+                raise InvalidArgumentError(
+                    "dp_process_group", f"a group of {dp_shards.world} ranks (this rank {dp_shards.rank})",
+                    f"None or a group of the model's data-parallel ranks ({sharded_model.shards.world} ranks, "
+                    f"this rank {sharded_model.shards.rank})")
+        if mp_process_group is not None:
+            ShardGroup.of(mp_process_group, "mp_process_group")
         check_type("verbose", verbose, bool, "True or False")
         if sharded_model.optimizer_attached:
             raise InvalidArgumentError("sharded_model", "a model that already has a ShardedOptimizerV2",
@@ -72,6 +81,7 @@ class ShardedOptimizerV2:
         self.grad_scaler = scaler if sharded_model.dtype == torch.float16 else None
         self.dp_process_group = dp_process_group
         self.mp_process_group = mp_process_group
+        self._dp_shards = dp_shards
         self.verbose = verbose
         self.manager = sharded_model.chunk_manager
         self._clip_coef = 1.0
@@ -105,7 +115,7 @@ class ShardedOptimizerV2:
     def _check_capacity(self, plan: Any) -> None:
         """Refuse before any change if the optimizer state the policy puts on the device cannot fit."""
         fp32_families = 3 if self.model.dtype != torch.float32 else 2
-        chunk_numel = plan.chunk_bytes // self.model._element_size
+        chunk_numel = plan.chunk_bytes // self.model._element_size // self.model.shards.world
         trainable = sum(1 for i in range(len(plan.groups)) if plan.key_of(i).trainable)
         on_device = sum(1 for k in range(trainable) if self.manager.policy.optim_on_device(k, trainable))
         need = on_device * fp32_families * chunk_numel * 4
@@ -160,19 +170,34 @@ class ShardedOptimizerV2:
         return norm
 
     def _total_norm(self, norm_type: float = 2.0) -> float:
-        """Norm of all unscaled gradients, with one host synchronisation per tier holding gradients."""
+        """Norm of all unscaled gradients, with one host synchronisation per tier holding gradients and,
+        over several ranks, one all-reduce over the data-parallel group (and ``mp_process_group``)."""
         per_chunk = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
                      for g in (self.manager.grad_of(c) for c in self._trainable_chunks()) if g is not None]
-        if not per_chunk:
-            return 0.0
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for n in per_chunk:
             by_device.setdefault(n.device, []).append(n)
         if math.isinf(norm_type):
-            total = max(torch.stack(ns).max().item() for ns in by_device.values())
+            local = max((torch.stack(ns).max().item() for ns in by_device.values()), default=0.0)
         else:
-            total = sum(torch.stack(ns).pow(norm_type).sum().item() for ns in by_device.values()) ** (1 / norm_type)
+            local = sum(torch.stack(ns).pow(norm_type).sum().item() for ns in by_device.values())
+        total = self._reduce_over_ranks(local, maximum=math.isinf(norm_type))
+        if not math.isinf(norm_type):
+            total = total ** (1 / norm_type)
         return total / self.loss_scale
+
+    def _reduce_over_ranks(self, local: float, maximum: bool) -> float:
+        """Sum (or max) of ``local`` over the data-parallel ranks, then over ``mp_process_group``; a rank
+        whose value is inf or NaN makes the result NaN (a max reduction would drop a NaN)."""
+        groups = [g for g in (self._dp_shards.group if self._dp_shards.sharded else None, self.mp_process_group)
+                  if g is not None and dist.get_world_size(g) > 1]
+        if not groups:
+            return local
+        pair = torch.tensor([local if math.isfinite(local) else 0.0, 0.0 if math.isfinite(local) else 1.0],
+                            dtype=torch.float64)
+        for group in groups:
+            all_reduce_over(group, pair, dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM)
+        return float("nan") if pair[1].item() else pair[0].item()
 
     def step(self) -> bool:
         """Unscale, check for overflow, clip, and update every chunk where its optimizer state lives.
@@ -247,5 +272,5 @@ class ShardedOptimizerV2:
                 if buf.allocated:
                     usage[buf.tier] += buf.nbytes
             if not chunk.has_master:
-                usage[tier] += chunk.param.nbytes
+                usage[tier] += chunk.param.shard.nbytes
         return usage[Tier.DEVICE], usage[Tier.HOST]

@@ -52,6 +52,12 @@ class PlacementPolicy:
         """Tier where the chunk's finished gradients rest until the step: where its Adam runs."""
         return self.optim_tier(chunk)
 
+    def keeps_gathered(self, chunk: Chunk) -> bool:
+        """For a chunk sharded over several ranks: whether its gathered full copy stays on the device
+        between uses (otherwise it is freed after use, and :meth:`param_rest_tier` is where the shard
+        rests)."""
+        return False
+
     def params_on_device_at_rest(self, index: int, count: int) -> bool:
         """Whether chunk ``index`` of ``count`` rests on the device (for capacity checks before building)."""
         return False
@@ -136,6 +142,9 @@ class AutoPlacement(PlacementPolicy):
 
     def optim_tier(self, chunk: Chunk) -> Tier:
         return Tier.DEVICE if chunk.index in self.margin_chunks else Tier.HOST
+
+    def keeps_gathered(self, chunk: Chunk) -> bool:
+        return chunk.index in self.margin_chunks
 
     def choose_margin_chunks(self, periods: Sequence[Period], capacity: int, chunk_param_bytes: int,
                              staging: Sequence[int], group_bytes: int) -> int:

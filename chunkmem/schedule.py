@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .chunk import Chunk
 from .placement import AutoPlacement
@@ -174,6 +175,7 @@ class Scheduler:
         auto = self.auto
         if auto is None or not self.manager.chunks:
             return
+        self._agree_on_peaks()
         chunks = self.manager.chunks
         reuse = self.manager.reuse_grads
         param_bytes = chunks[0].param.nbytes
@@ -181,7 +183,8 @@ class Scheduler:
         capacity = self.manager.ledger.capacity
         staging = self._staging_counts(set())
         self.margin_bytes = auto.choose_margin_chunks(self.periods, capacity, param_bytes, staging, group_bytes)
-        staging = self._staging_counts(auto.margin_chunks)
+        # Sharded, every gradient is reduced from a staging buffer, the margin chunks' too.
+        staging = self._staging_counts(set() if self.manager.sharded else auto.margin_chunks)
         forced = [[c for c in p.grads_finished if c not in auto.margin_chunks] if reuse else []
                   for p in self.periods]
         auto.make_plan(self.periods, capacity, param_bytes, staging, len(auto.margin_chunks) * group_bytes, forced)
@@ -190,10 +193,24 @@ class Scheduler:
             self.manager.settle(chunks[index])
 
     def _optimizer_group_bytes(self, chunk: Chunk) -> int:
-        fp32 = 4 * chunk.numel
+        """Device bytes of one chunk kept there with its optimizer state: this rank's shard of the fp32
+        families and of the gradient, the full parameter copy, and (sharded) the parameter shard."""
+        fp32 = 4 * chunk.shard_numel
         families = 3 if chunk.has_master else 2
-        grad = 0 if self.manager.reuse_grads else chunk.param.nbytes
-        return families * fp32 + chunk.param.nbytes + grad
+        shard_bytes = chunk.param.shard.nbytes
+        grad = 0 if self.manager.reuse_grads else shard_bytes
+        return families * fp32 + chunk.param.nbytes + (shard_bytes if chunk.param.sharded else 0) + grad
+
+    def _agree_on_peaks(self) -> None:
+        """Sharded, every rank must fetch (gather) the same chunks in the same order, so every rank plans
+        with the largest non-model peak any rank traced for each period."""
+        shards = self.manager.reduction.shards
+        if not shards.sharded:
+            return
+        peaks = torch.tensor([p.non_model_peak for p in self.periods], dtype=torch.int64)
+        shards.all_reduce_(peaks, dist.ReduceOp.MAX)
+        for period, peak in zip(self.periods, peaks.tolist()):
+            period.non_model_peak = int(peak)
 
     def _staging_counts(self, excluded: set[int]) -> list[int]:
         """Per period, the most gradient staging buffers alive at once (none with reuse_fp16_shard)."""

@@ -19,7 +19,7 @@ def test_parameters_go_into_chunks_in_dtype():
     # counted as created: the lm head's own weight was created (64 x 32) before the tie replaced it
     assert numel.item() == sum(p.numel() for p in params) + 64 * 32
     for slot in slots:  # each parameter is a view into its chunk's host buffer
-        flat = slot.chunk.param.host.tensor
+        flat = slot.chunk.param.shard.tensor
         assert slot.param.data_ptr() == flat.data_ptr() + slot.offset * flat.element_size()
     # the context leaves nn.Module as it found it
     plain = nn.Linear(2, 2)
@@ -48,7 +48,7 @@ def test_nn_init_after_creation_writes_into_chunks():
         lin = nn.Linear(8, 8)
     nn.init.constant_(lin.weight, 0.25)
     slot = slot_of(lin.weight)
-    assert torch.all(slot.view(slot.chunk.param.host.tensor) == 0.25)
+    assert torch.all(slot.view(slot.chunk.param.shard.tensor) == 0.25)
     model = cm.ShardedModelV2(lin, cm.TensorShardStrategy(), tensor_placement_policy="cpu")
     assert torch.all(model.state_dict()["weight"] == 0.25)
 
@@ -78,7 +78,7 @@ def test_chunk_of_a_replaced_parameter_is_freed_by_the_wrap():
                             chunk_size=64 * 32 * 2):
         model = Tied()
     replaced = [c for c in slot_of(model.emb.weight).chunk.built_with if c is not slot_of(model.emb.weight).chunk]
-    assert len(replaced) == 1 and replaced[0].param.host.allocated
+    assert len(replaced) == 1 and replaced[0].param.shard.allocated
     wrapped = cm.ShardedModelV2(model, cm.TensorShardStrategy(), tensor_placement_policy="cpu")
     assert wrapped.tier_bytes()["host"] == {"param": sum(c.param.nbytes for c in wrapped.chunks)}
-    assert not replaced[0].param.host.allocated
+    assert not replaced[0].param.shard.allocated
