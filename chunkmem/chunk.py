@@ -213,6 +213,24 @@ class ParamBuffer:
         return self.own_slice(self.device)
 
 
+def gather_together(buffers: list[ParamBuffer]) -> None:
+    """Make the full device copies of several sharded chunks of equal size current with one all-gather
+    (what :class:`~chunkmem.BucketTensorShardStrategy` does for the chunks of one module)."""
+    first = buffers[0]
+    shards, count, shard_numel = first.shards, len(buffers), first.shard_numel
+    device = first.device.device
+    local = torch.cat([b.shard.tensor.to(device) for b in buffers])
+    gathered = torch.empty(shards.world * count * shard_numel, dtype=first.dtype, device=device)
+    shards.all_gather(gathered, local)
+    by_rank = gathered.view(shards.world, count, shard_numel)
+    for i, buf in enumerate(buffers):
+        buf.allocate_device()
+        buf.device.view(shards.world, shard_numel).copy_(by_rank[:, i])
+        if buf.shard.tier is Tier.HOST:
+            buf.ledger.count_move(Tier.DEVICE, buf.shard.nbytes)
+        buf.device_valid = True
+
+
 class Chunk:
     """A fixed number of elements (``numel``) holding whole parameters of one :class:`ChunkKey`."""
 

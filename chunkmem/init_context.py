@@ -12,6 +12,7 @@ from .layout import ALIGN_ELEMENTS
 from .ledger import TierLedger
 from .collectives import SINGLE_PROCESS, ShardGroup
 from .manager import SLOT_ATTR, allocate_param_copy, slot_of
+from .sharded_init import ShardedParamWrites
 from .shard_strategy import BaseShardStrategy
 from .tiers import Tier, device_memory_capacity, device_of_tier, tier_of_device
 
@@ -35,7 +36,8 @@ class ZeroInitContext:
 
     Each module's parameters are converted as soon as the module's ``__init__`` returns (so its own
     initialisation ran in fp32), which keeps at most one module's parameters in fp32 at a time. Later
-    ``nn.init`` calls write into the chunk storage and work as usual. Floating-point buffers are cast to
+    ``nn.init`` calls write into the chunk storage and work as usual (sharded over several ranks, see
+    :mod:`chunkmem.sharded_init`: the same values as on one process). Floating-point buffers are cast to
     ``dtype`` and moved to ``target_device``.
 
     Args:
@@ -79,6 +81,7 @@ class ZeroInitContext:
         self._init_depth: dict[int, int] = {}
         self._patched: dict[type, Any] = {}
         self._numel = 0
+        self._writes: ShardedParamWrites | None = None
 
     # ---- patching module constructors --------------------------------------------------------------
 
@@ -93,9 +96,15 @@ class ZeroInitContext:
 
         self._saved_init_subclass = nn.Module.__dict__.get("__init_subclass__")
         nn.Module.__init_subclass__ = classmethod(init_subclass)
+        if self.shards.sharded:
+            self._writes = ShardedParamWrites()
+            self._writes.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self._writes is not None:
+            self._writes.__exit__(*exc)
+            self._writes = None
         for cls, original in self._patched.items():
             cls.__init__ = original
         self._patched.clear()

@@ -10,7 +10,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.nn as nn
 
-from .chunk import MASTER, OPTIM_FAMILIES, Chunk, ChunkKey, ParamSlot
+from .chunk import MASTER, OPTIM_FAMILIES, Chunk, ChunkKey, ParamSlot, gather_together
 from .collectives import SINGLE_PROCESS, ShardGroup
 from .errors import GradientAccumulationError
 from .layout import pack
@@ -72,15 +72,18 @@ class ChunkManager:
     ``reuse_param_memory_for_grads`` (``reuse_fp16_shard``) writes each gradient into the memory of its
     16-bit parameter once the parameter's backward is done, instead of into a separate grad buffer.
     ``reduction`` reduce-scatters finished gradients over the data-parallel ranks (when the chunks
-    are sharded).
+    are sharded); ``gather_together`` gathers all chunks one module needs with one collective.
     """
 
     def __init__(self, chunks: list[Chunk], ledger: TierLedger, policy: PlacementPolicy,
-                 reuse_param_memory_for_grads: bool, reduction: GradientReduction | None = None) -> None:
+                 reuse_param_memory_for_grads: bool, reduction: GradientReduction | None = None,
+                 gather_together: bool = False) -> None:
         self.ledger = ledger
         self.policy = policy
         self.reuse_grads = reuse_param_memory_for_grads
         self.reduction = reduction or GradientReduction(SINGLE_PROCESS)
+        self.gather_together = gather_together
+        self.gathers = 0  # all-gather collectives run so far
         self.grads_pending = False
         self.optimizer_state_exists = False
         self.stale: dict[Chunk, None] = {}
@@ -208,12 +211,26 @@ class ChunkManager:
 
     def acquire(self, chunks: Iterable[Chunk]) -> None:
         """Make the chunks' parameters current on the device and count one more user of each."""
+        chunks = list(chunks)
         for chunk in chunks:
             self._check_not_holding_grads(chunk)
             self.scheduler.need(chunk)
-            with self.scheduler.paused():
-                chunk.param.fetch_to_device()
+        self.fetch(chunks)
+        for chunk in chunks:
             chunk.users += 1
+
+    def fetch(self, chunks: Sequence[Chunk]) -> None:
+        """Make the chunks' full device copies current: one gather per chunk, or with ``gather_together``
+        one for all of them. Every rank fetches the same chunks in the same order."""
+        missing = [c for c in chunks if not c.param.device_valid]
+        with self.scheduler.paused():
+            if self.gather_together and len(missing) > 1 and missing[0].param.sharded:
+                gather_together([c.param for c in missing])
+                self.gathers += 1
+            else:
+                for chunk in missing:
+                    chunk.param.fetch_to_device()
+                    self.gathers += chunk.param.sharded
 
     def release(self, chunks: Iterable[Chunk]) -> None:
         """Count one user fewer; a chunk nobody uses any more goes back where the policy rests it."""
@@ -224,13 +241,12 @@ class ChunkManager:
 
     def hold_for_backward(self, chunks: Iterable[Chunk]) -> None:
         """Fetch the chunks and keep them on the device until their gradients are finished."""
+        chunks = [c for c in chunks if not c.held_for_backward]
         for chunk in chunks:
-            if chunk.held_for_backward:
-                continue
             self._check_not_holding_grads(chunk)
             self.scheduler.need(chunk)
-            with self.scheduler.paused():
-                chunk.param.fetch_to_device()
+        self.fetch(chunks)
+        for chunk in chunks:
             chunk.held_for_backward = True
 
     def _check_not_holding_grads(self, chunk: Chunk) -> None:

@@ -154,7 +154,8 @@ class ShardedModelV2(nn.Module):
         self._cast_buffers()
         reduction = GradientReduction(reduce_shards, int(reduce_scatter_bucket_size_mb * 2**20), fp32_reduce_scatter,
                                       gradient_predivide_factor)
-        self.chunk_manager = ChunkManager(chunks, ledger, policy, reuse_fp16_shard, reduction)
+        self.chunk_manager = ChunkManager(chunks, ledger, policy, reuse_fp16_shard, reduction,
+                                          gather_together=shard_strategy.bucketed)
         self.chunk_manager.settle_all()
         self.chunk_manager.bind_views_to_device()
         self._hooks = ChunkHooks(module, self.chunk_manager)

@@ -229,8 +229,7 @@ class Scheduler:
             chunk = self.manager.chunks[c]
             if chunk.users == 0 and not chunk.held_for_backward:
                 chunk.param.free_device()
-        for c in step.fetch:
-            self.manager.chunks[c].param.fetch_to_device()
+        self.manager.fetch([self.manager.chunks[c] for c in step.fetch])
 
     def _evict_unpinned(self) -> None:
         """Under ``auto``: free the device copy of every unused chunk outside the margin."""

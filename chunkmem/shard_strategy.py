@@ -1,14 +1,15 @@
-"""Shard strategies: how a chunk is divided over the data-parallel ranks.
+"""Shard strategies: how the chunks sharded over the data-parallel ranks are gathered.
 
 chunkmem shards whole chunks, never single tensors: every chunk is split into equal contiguous
-shards, one per rank. The strategy decides how gathers are grouped:
+shards, one per rank (``ShardedModelV2``'s ``process_group``), and a module's chunks are gathered
+(``all_gather``) before its forward and backward. The strategy decides how those gathers are grouped:
 
-* :class:`TensorShardStrategy` gathers each chunk a module needs with its own collective.
-* :class:`BucketTensorShardStrategy` gathers all chunks one module needs in one collective (better
-  bandwidth when a module's parameters span small chunks).
+* :class:`TensorShardStrategy` gathers each chunk with its own collective.
+* :class:`BucketTensorShardStrategy` gathers all the chunks one module (or one step of the auto plan)
+  needs in one collective: fewer, larger messages, at the cost of one extra copy of those chunks.
 
-With a single process (the only mode built so far) every rank holds the whole chunk and both
-strategies move nothing.
+Both give bitwise the same results. With a single process nothing is gathered and the strategies
+do not differ.
 """
 from __future__ import annotations
 

@@ -26,12 +26,12 @@ DATA = batches(4, batch=4)
 
 
 def run_training(policy: str, dtype: torch.dtype, data: list[torch.Tensor], *, reuse: bool = False,
-                 clip: float | None = None, **model_kwargs) -> dict:
+                 clip: float | None = None, strategy: cm.BaseShardStrategy | None = None, **model_kwargs) -> dict:
     """Train a TinyGPT (seed 0, built outside the context) with chunkmem; what the tests compare."""
     if policy == "auto":
         cm.set_device_memory_capacity(AUTO_CAPACITY[2 if torch.distributed.is_initialized() else 1])
     torch.manual_seed(0)
-    model = cm.ShardedModelV2(TinyGPT(), cm.TensorShardStrategy(), tensor_placement_policy=policy,
+    model = cm.ShardedModelV2(TinyGPT(), strategy or cm.TensorShardStrategy(), tensor_placement_policy=policy,
                               reuse_fp16_shard=reuse, dtype=dtype, chunk_size=16384, **model_kwargs)
     optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-2, weight_decay=0.01),
                                   initial_scale=2**10)
@@ -48,7 +48,7 @@ def run_training(policy: str, dtype: torch.dtype, data: list[torch.Tensor], *, r
     cm.set_device_memory_capacity(None)
     return {"state": model.state_dict(), "losses": losses, "norms": norms, "bytes": at_rest,
             "optim_bytes": optim.get_memory_usage(), "chunk_numel": model.chunks[0].shard_numel,
-            "collectives": model.chunk_manager.reduction.collectives}
+            "collectives": model.chunk_manager.reduction.collectives, "gathers": model.chunk_manager.gathers}
 
 
 def _half(data: list[torch.Tensor], rank: int, world: int) -> list[torch.Tensor]:
@@ -62,6 +62,7 @@ def _policies_worker(rank: int, world: int) -> dict:
     out["clipped"] = run_training("cpu", torch.float32, data, clip=0.05)
     out["tiny_buckets"] = run_training("cpu", torch.float32, data, reduce_scatter_bucket_size_mb=0.004)
     out["predivided"] = run_training("cuda", torch.float32, data, gradient_predivide_factor=2.0)
+    out["bucketed"] = run_training("cpu", torch.float32, data, strategy=cm.BucketTensorShardStrategy())
     return out
 
 
@@ -136,6 +137,13 @@ def test_bucket_size_splits_the_reduction_without_changing_results(two_ranks):
     torch.testing.assert_close(tiny["state"], default["state"], rtol=0, atol=0)
 
 
+def test_bucket_strategy_gathers_a_module_in_one_collective(two_ranks):
+    """TinyGPT's lm head uses its own chunk and that of the tied embedding: one gather instead of two."""
+    tensor, bucketed = two_ranks[0]["cpu"], two_ranks[0]["bucketed"]
+    assert 0 < bucketed["gathers"] < tensor["gathers"]
+    torch.testing.assert_close(bucketed["state"], tensor["state"], rtol=0, atol=0)
+
+
 def test_predivide_factor_keeps_the_mean(two_ranks):
     _assert_states_close(two_ranks[0]["predivided"]["state"], two_ranks[0]["cuda"]["state"], rtol=1e-6)
 
@@ -192,7 +200,7 @@ def _mixed_worker(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     with cm.ZeroInitContext(torch.device("cpu"), cm.TensorShardStrategy(), shard_param=True,
                             dtype=torch.float32, chunk_size=16384) as ctx:
-        model = TinyGPT()
+        model = InitializedAfterwards()
     out["context_local_bytes"] = sum(c.param.shard.nbytes for c in ctx.chunks)
     out["context_full_bytes"] = sum(c.param.nbytes for c in ctx.chunks)
     wrapped = cm.ShardedModelV2(model, cm.TensorShardStrategy(), tensor_placement_policy="cpu")
@@ -254,11 +262,28 @@ def test_16bit_training_matches_one_rank(mixed_ranks, case, dtype, rtol):
     torch.testing.assert_close(mixed_ranks[0][case]["state"], mixed_ranks[1][case]["state"], rtol=0, atol=0)
 
 
+class InitializedAfterwards(TinyGPT):
+    """Initialises its children's parameters in its own ``__init__``, after they went into chunks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for module in self.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                torch.nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        self.side.weight.data.uniform_(-0.1, 0.1)  # the Hugging Face way
+        with torch.no_grad():
+            self.blocks[0].fc1.weight.mul_(3.0)  # reads the current values, then writes
+
+
 def test_zero_init_context_shards_at_creation_like_one_process(mixed_ranks):
     torch.manual_seed(0)
     with cm.ZeroInitContext(torch.device("cpu"), cm.TensorShardStrategy(), shard_param=True,
                             dtype=torch.float32, chunk_size=16384):
-        model = TinyGPT()
+        model = InitializedAfterwards()
+    assert model.blocks[0].fc1.weight.std().item() == pytest.approx(0.06, rel=0.1)
+    assert model.side.weight.abs().max().item() <= 0.1
     one = cm.ShardedModelV2(model, cm.TensorShardStrategy(), tensor_placement_policy="cpu").state_dict()
     for rank in mixed_ranks:
         assert rank["context_local_bytes"] * 2 == rank["context_full_bytes"]
