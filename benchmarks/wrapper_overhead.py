@@ -4,7 +4,10 @@ Three configurations, each in its own subprocess so that peak RSS (``ru_maxrss``
 
 1. ``plain``: the GPT below with ``torch.optim.AdamW(fused=True)``, fp32;
 2. ``cm-cuda``: ``ShardedModelV2(..., tensor_placement_policy="cuda")`` + ``ShardedOptimizerV2(HybridAdam)``, fp32;
-3. ``cm-cpu``: the same with ``tensor_placement_policy="cpu"``, fp32.
+3. ``cm-cpu``: the same with ``tensor_placement_policy="cpu"``, fp32;
+4. ``cm-auto``: the same with ``tensor_placement_policy="auto"`` and a device-tier capacity of half the
+   model's state (8 bytes a parameter: half of the fp32 parameters, gradients, exp_avg and exp_avg_sq),
+   ``gpu_margin_mem_ratio=0``: reported, no target.
 
 On a machine without a GPU the "device tier" is the CPU: placement "cuda" keeps every chunk there, and
 placement "cpu" rests every chunk on the host tier and copies each module's parameter chunks to the
@@ -39,7 +42,8 @@ import time
 
 import _gpt
 
-CONFIGS = ("plain", "cm-cuda", "cm-cpu")
+CONFIGS = ("plain", "cm-cuda", "cm-cpu", "cm-auto")
+AUTO_CAPACITY_BYTES_PER_PARAM = 8  # half of fp32 parameter + gradient + exp_avg + exp_avg_sq
 SIZES = {
     # vocab, d_model, layers, heads, seq, batch
     "small": dict(vocab=8192, d=512, layers=6, heads=8, seq=128, batch=2),
@@ -80,7 +84,9 @@ def child(config: str, size: str, warmup: int, steps: int, threads: int | None) 
         zero_grad = lambda: optim.zero_grad(set_to_none=True)  # noqa: E731
     else:
         import chunkmem as cm
-        placement = {"cm-cuda": "cuda", "cm-cpu": "cpu"}[config]
+        placement = {"cm-cuda": "cuda", "cm-cpu": "cpu", "cm-auto": "auto"}[config]
+        if placement == "auto":
+            cm.set_device_memory_capacity(AUTO_CAPACITY_BYTES_PER_PARAM * n_params)
         model = cm.ShardedModelV2(net, cm.TensorShardStrategy(), tensor_placement_policy=placement,
                                   dtype=torch.float32)
         optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY))
@@ -118,6 +124,7 @@ def child(config: str, size: str, warmup: int, steps: int, threads: int | None) 
         out["tier_bytes"] = model.tier_bytes()
         out["tier_bytes_after_backward"] = after_backward
         out["ledger_peak_device_bytes"] = model.chunk_manager.ledger.peak_device_bytes
+        out["capacity_bytes"] = model.chunk_manager.ledger.capacity
     return out
 
 
@@ -226,8 +233,9 @@ def main() -> int:
     print()
     for config in CONFIGS[1:]:
         last = runs[config][-1]
+        capacity = f" (capacity {fmt_bytes(last['capacity_bytes'])})" if config == "cm-auto" else ""
         print(f"{config}: {last['n_chunks']} chunks of {fmt_bytes(last['chunk_bytes'])}, device-tier ledger peak "
-              f"{fmt_bytes(last['ledger_peak_device_bytes'])}; model.tier_bytes()")
+              f"{fmt_bytes(last['ledger_peak_device_bytes'])}{capacity}; model.tier_bytes()")
         for when, key in (("after the last backward", "tier_bytes_after_backward"),
                           ("after the last step+zero_grad", "tier_bytes")):
             tiers = "; ".join(f"{tier}: " + (", ".join(f"{fam} {fmt_bytes(n)}" for fam, n in fams.items()) or "-")

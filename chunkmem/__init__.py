@@ -1,6 +1,7 @@
 """chunkmem: train PyTorch models whose parameters, gradients and optimizer states do not fit in GPU
 memory, by packing them into chunks that move between the device and host tiers."""
 from .adam import CPUAdam, HybridAdam
+from .checkpoint import CheckpointError, consolidate_checkpoint, load_checkpoint, save_checkpoint
 from .errors import ChunkmemError, DeviceCapacityError, GradientAccumulationError, InvalidArgumentError
 from .init_context import ZeroInitContext
 from .loss_scaler import DynamicGradScaler
@@ -12,8 +13,9 @@ from .tiers import Tier, device_memory_capacity, parse_size, set_device_memory_c
 __version__ = "0.1.0"
 
 __all__ = [
-    "BaseShardStrategy", "BucketTensorShardStrategy", "CPUAdam", "ChunkmemError", "DeviceCapacityError",
-    "DynamicGradScaler", "GradientAccumulationError", "HybridAdam", "InvalidArgumentError", "ShardedModelV2",
-    "ShardedOptimizerV2", "TensorShardStrategy", "Tier", "ZeroInitContext", "device_memory_capacity",
-    "parse_size", "set_device_memory_capacity",
+    "BaseShardStrategy", "BucketTensorShardStrategy", "CPUAdam", "CheckpointError", "ChunkmemError",
+    "DeviceCapacityError", "DynamicGradScaler", "GradientAccumulationError", "HybridAdam", "InvalidArgumentError",
+    "ShardedModelV2", "ShardedOptimizerV2", "TensorShardStrategy", "Tier", "ZeroInitContext",
+    "consolidate_checkpoint", "device_memory_capacity", "load_checkpoint", "parse_size", "save_checkpoint",
+    "set_device_memory_capacity",
 ]

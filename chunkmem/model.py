@@ -378,8 +378,25 @@ class ShardedModelV2(nn.Module):
         return out
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        raise NotImplementedError("ShardedModelV2.load_state_dict arrives with the checkpoint work; "
-                                  "load the state into the plain module before wrapping it")
+        """Load a full state dict under the wrapped module's keys (what :meth:`state_dict` or the plain
+        module's ``state_dict()`` returns; parameters in any floating dtype). Each rank writes only its
+        shard of every parameter: the 16-bit (or fp32) parameter copy and, where the optimizer keeps
+        fp32 masters, the master, so fp32 values survive exactly. Buffers are copied (cast to their
+        dtype). Tied parameters may appear under each of their keys (with equal values) or one.
+
+        Everything is checked before anything changes. Returns ``(missing_keys, unexpected_keys)``;
+        with ``strict`` either raises :class:`~chunkmem.InvalidArgumentError`, as does a wrong shape
+        or dtype (naming the key). Refused (:class:`~chunkmem.CheckpointError`) between a backward and
+        the step with ``reuse_fp16_shard``, while the parameters' memory holds gradients. Loading
+        before a 16-bit model has its optimizer rounds the values to the 16-bit dtype (a warning says
+        so when that loses bits): build :class:`~chunkmem.ShardedOptimizerV2` first to keep fp32
+        masters. No collective: every rank may load on its own. ``assign`` must be ``False``.
+        """
+        from .state_dicts import plan_model_load
+
+        if assign is not False:
+            raise InvalidArgumentError("assign", assign, "False (values are always copied into the chunks)")
+        return plan_model_load(self, state_dict, strict).apply()
 
 
 class _LayoutPlan:

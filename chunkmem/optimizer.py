@@ -274,3 +274,43 @@ class ShardedOptimizerV2:
             if not chunk.has_master:
                 usage[tier] += chunk.param.shard.nbytes
         return usage[Tier.DEVICE], usage[Tier.HOST]
+
+    # ---- checkpoints -------------------------------------------------------------------------------
+
+    def state_dict(self, *, rank0_only: bool = False) -> dict[str, Any]:
+        """The full optimizer state in ``torch.optim.Adam``/``AdamW`` layout, loadable by those and by
+        :meth:`load_state_dict` at any number of ranks and any placement:
+
+        * ``"state"``: ``{index: {"step": tensor(float32 scalar), "exp_avg": fp32 tensor shaped like the
+          parameter, "exp_avg_sq": the same}}`` on the CPU; indices number the parameters of
+          ``self.optim.param_groups`` in order, as torch does. Parameters whose chunk has not stepped
+          yet have no entry (torch creates state at the first step). A chunk's parameters share its step.
+        * ``"param_groups"``: each group's hyper-parameters and ``"params"`` (its indices); the
+          decoupled-weight-decay flag is given both as ``adamw_mode`` and as ``decoupled_weight_decay``.
+        * ``"loss_scaler"``: :meth:`DynamicGradScaler.state_dict` (fp16), or ``None``. torch's
+          ``Optimizer.load_state_dict`` reads only the two keys above and ignores this one.
+
+        The fp32 masters are not here: they are the model's parameters, in ``model.state_dict()``.
+        The moments of each chunk are gathered over the data-parallel ranks, so every rank must call
+        it; with ``rank0_only=True`` the other ranks get ``{}``.
+        """
+        from .state_dicts import optimizer_state_dict
+
+        return optimizer_state_dict(self, rank0_only)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a full optimizer state dict: this object's :meth:`state_dict` or
+        ``torch.optim.Adam``/``AdamW.state_dict()`` over the same parameters in the same group order.
+
+        Sets each chunk's step and this rank's part of exp_avg and exp_avg_sq, every group's
+        hyper-parameters (all saved keys but ``"params"``; the decoupled-weight-decay flag in the
+        wrapped optimizer's spelling) and, when present and the model is fp16, the loss scaler. All
+        parameters of one chunk must have the same step (a parameter without state counts as step 0);
+        otherwise, or for a wrong group count, group size, moment shape or an option the chunked
+        update does not run (amsgrad, maximize...), :class:`~chunkmem.InvalidArgumentError` is raised
+        before anything changes. Saved state of parameters that are frozen in this model is ignored.
+        The fp32 masters come with the model: ``model.load_state_dict``. No collective.
+        """
+        from .state_dicts import plan_optimizer_load
+
+        plan_optimizer_load(self, state_dict).apply()

@@ -79,7 +79,8 @@ class ShardedParamWrites(TorchFunctionMode):
         for key, (param, slot) in sharded.items():
             chunk = slot.chunk
             if param is first and _overwrites(func):
-                temporaries[key] = torch.empty(slot.shape, dtype=chunk.dtype)
+                # where the shard lives, so a CUDA target draws from the CUDA generator as on one process
+                temporaries[key] = torch.empty(slot.shape, dtype=chunk.dtype, device=chunk.param.shard.tensor.device)
             else:
                 temporaries[key] = slot.view(chunk.gather(chunk.param.local())).clone()
         swapped_args, swapped_kwargs = tree_map(

@@ -16,16 +16,22 @@ Run it with:
     python examples/train_gpt.py                      # defaults: under a minute on 2 CPU cores
     python examples/train_gpt.py --dtype bf16 --reuse-fp16-shard
     python examples/train_gpt.py --placement cuda --device-memory 1GiB
+    torchrun --nproc_per_node 2 examples/train_gpt.py  # ZeRO-3: every chunk sharded over 2 processes
 
 Without a GPU the "device" tier is the CPU under a capacity (``--device-memory``), so every
-option runs on a laptop as well.
+option runs on a laptop as well. Under ``torchrun`` each process joins the data-parallel group
+(NCCL with GPUs, gloo without), keeps 1/N of every chunk and trains on its own batches; only rank 0
+prints. Several nodes: the same command on each node with ``--nnodes``, ``--node_rank`` and
+``--rdzv_endpoint`` (see the README).
 """
 import argparse
 import logging
 import math
+import os
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -158,6 +164,7 @@ def parse_args():
                    help="keep gradients in the 16-bit parameter memory (needs --dtype fp16 or bf16)")
     p.add_argument("--chunk-size", type=int, default=None, help="bytes per chunk (default: searched)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save", default=None, help="write a full checkpoint (model + optimizer) here at the end")
     args = p.parse_args()
     if args.dtype is None:
         args.dtype = "fp16" if has_cuda else "fp32"
@@ -166,9 +173,26 @@ def parse_args():
     return args
 
 
+def join_process_group():
+    """Under torchrun (WORLD_SIZE > 1): join the default group and return (rank, world), else (0, 1)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))   # share the cores
+    return dist.get_rank(), world
+
+
 def main():
     args = parse_args()
-    torch.manual_seed(args.seed)
+    rank, world = join_process_group()
+    say = print if rank == 0 else (lambda *a, **k: None)   # one process prints
+    torch.manual_seed(args.seed)   # the same seed on every rank: each builds the same model and keeps its shard
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     if args.device_memory is not None:
         cm.set_device_memory_capacity(args.device_memory)
@@ -190,18 +214,20 @@ def main():
     optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=args.lr),
                                   initial_scale=2**16, gpu_margin_mem_ratio=args.gpu_margin_mem_ratio)
 
-    print(f"GPT: {n_params / 1e6:.2f}M parameters in {len(model.chunks)} chunks of "
+    say(f"GPT: {n_params / 1e6:.2f}M parameters in {len(model.chunks)} chunks of "
           f"{model.chunk_numel * torch.finfo(dtype).bits / 8 / 2**20:.2f} MiB, "
-          f"dtype {args.dtype}, placement {args.placement!r}, device {model.compute_device}")
-    print(f"ideal loss on this data is about {ideal_loss(args.vocab):.2f} "
+          f"dtype {args.dtype}, placement {args.placement!r}, device {model.compute_device}"
+          + (f", {world} data-parallel ranks (each keeps 1/{world} of every chunk)" if world > 1 else ""))
+    say(f"ideal loss on this data is about {ideal_loss(args.vocab):.2f} "
           f"(a random guess is {math.log(args.vocab):.2f})")
 
-    # 4. Train.
-    generator = torch.Generator().manual_seed(args.seed)
-    perm = torch.randperm(args.vocab, generator=generator)
+    # 4. Train. Every rank draws its own batches from the same token stream rule.
+    perm = torch.randperm(args.vocab, generator=torch.Generator().manual_seed(args.seed))
+    generator = torch.Generator().manual_seed(args.seed + 1 + rank)
     losses = []
-    print("device/host MiB: chunk memory (parameters, gradients, optimizer state) on each tier after the step")
-    print(f"{'step':>5} {'loss':>8} {'tokens/s':>10} {'device MiB':>11} {'host MiB':>9}")
+    say("device/host MiB: chunk memory (parameters, gradients, optimizer state) on each tier after the step"
+          + (" (rank 0)" if world > 1 else ""))
+    say(f"{'step':>5} {'loss':>8} {'tokens/s':>10} {'device MiB':>11} {'host MiB':>9}")
     for step in range(1, args.steps + 1):
         x, y = make_batch(generator, perm, args.batch_size, args.seq_len)
         start = time.perf_counter()
@@ -215,18 +241,23 @@ def main():
 
         tiers = model.tier_bytes()
         device_bytes, host_bytes = sum(tiers["device"].values()), sum(tiers["host"].values())
-        print(f"{step:5d} {losses[-1]:8.4f} {x.numel() / elapsed:10.0f} "
+        say(f"{step:5d} {losses[-1]:8.4f} {world * x.numel() / elapsed:10.0f} "
               f"{device_bytes / 2**20:11.2f} {host_bytes / 2**20:9.2f}"
               + ("" if updated else f"  skipped (overflow), loss scale now {optim.loss_scale:g}"))
 
     device_bytes, host_bytes = optim.get_memory_usage()
-    print(f"optimizer state (masters + exp_avg + exp_avg_sq): device {device_bytes / 2**20:.2f} MiB, "
+    say(f"optimizer state (masters + exp_avg + exp_avg_sq): device {device_bytes / 2**20:.2f} MiB, "
           f"host {host_bytes / 2**20:.2f} MiB")
-    print(f"final loss {losses[-1]:.4f}")
+    say(f"final loss {losses[-1]:.4f}")
     if args.memstats:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
         model.dump_memory_stats(args.memstats)
-    print(f"loss: first {losses[0]:.4f} -> last {losses[-1]:.4f}")
+    if args.save:
+        cm.save_checkpoint(args.save, model, optim)   # every rank calls it; rank 0 writes the file
+        say(f"checkpoint written to {args.save}")
+    say(f"loss: first {losses[0]:.4f} -> last {losses[-1]:.4f}")
+    if world > 1:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,518 @@
+"""Checkpoint files: save a model (and its optimizer) and load them back, atomically.
+
+Two formats:
+
+* **full** (``sharded=False``): one file, written by rank 0 of the model's data-parallel group with
+  ``torch.save``: ``{"format": "chunkmem.checkpoint.full/1", "model": model.state_dict(),
+  "optimizer": optimizer.state_dict() or None}``. Every rank calls the save (the state dicts gather the
+  shards). It loads at any world size, under any placement policy, and its two dicts load into a plain
+  module and ``torch.optim.AdamW``.
+* **sharded** (``sharded=True``): a directory in which every rank writes only what it holds, with no
+  gather: ``shard-{token}-rank{r}-of-{N}.pt`` has, per chunk, this rank's parameter shard (chunk dtype),
+  fp32 master / exp_avg / exp_avg_sq shards and step, with the layout (world size, rank, chunk numel and
+  dtype, per parameter its name, offset and numel in elements, shape), plus the module buffers, the
+  optimizer's param groups and the loss-scaler state. ``manifest.json`` names the token of the last
+  complete save. It loads only at the same world size and layout (checked), shard by shard;
+  :func:`consolidate_checkpoint` turns it into the full state dicts offline.
+
+Atomicity: every file is written to a temporary file in its directory, flushed, fsynced and renamed
+over its name (``os.replace``). A sharded save writes the rank files under a fresh token, waits for
+every rank, then rank 0 replaces the manifest (the commit point) and removes the files of older tokens.
+A save that dies part-way leaves the previous checkpoint loadable. Ranks agree on success after each
+phase (an all-reduce of a flag, which is also the barrier), so a failing rank fails the save on every
+rank. Collectives run only when ``torch.distributed`` is initialised and the group has several ranks.
+Sharded checkpoints need a directory every rank sees (a shared file system).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import warnings
+from collections import OrderedDict
+from typing import Any, BinaryIO, Callable
+
+import torch
+import torch.distributed as dist
+
+from .chunk import EXP_AVG, EXP_AVG_SQ, MASTER
+from .collectives import SINGLE_PROCESS, ShardGroup, all_reduce_over, distributed_ready
+from .errors import InvalidArgumentError, check_type
+from .manager import slot_of
+from .model import ShardedModelV2
+from .optimizer import ShardedOptimizerV2
+from .state_dicts import (CheckpointError, adam_entry, export_param_groups, plan_hyper_load, plan_model_load,
+                          plan_optimizer_load, refuse_grads_in_param_memory, warn_if_masters_lose_precision)
+
+FULL_FORMAT = "chunkmem.checkpoint.full/1"
+"""The ``"format"`` of a full checkpoint file."""
+SHARDED_FORMAT = "chunkmem.checkpoint.sharded/1"
+"""The ``"format"`` of a sharded checkpoint's manifest and rank files."""
+MANIFEST = "manifest.json"
+"""The file of a sharded checkpoint directory that names its committed token (JSON: format, token,
+world, files)."""
+_SHARD_FILE = re.compile(r"^shard-(?P<token>[0-9a-f]+)-rank(?P<rank>\d+)-of-(?P<world>\d+)\.pt$")
+_TEMP_FILE = re.compile(r"^\.(shard-[0-9a-f]+-rank\d+-of-\d+\.pt|manifest\.json)\.[0-9a-f]+\.tmp$")
+
+__all__ = ["CheckpointError", "consolidate_checkpoint", "load_checkpoint", "save_checkpoint"]
+
+
+# ---- the API -------------------------------------------------------------------------------------
+
+
+def save_checkpoint(path: str | os.PathLike, model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None = None,
+                    *, sharded: bool = False) -> None:
+    """Save ``model`` (and ``optimizer``) to ``path``: a file (full format) or, with ``sharded=True``, a
+    directory (created if needed) of per-rank files and a manifest. Every rank of the model's group
+    must call it. Atomic: a save that fails or is killed leaves the previous checkpoint at ``path``.
+
+    Refused (:class:`CheckpointError`) between a backward and the step with ``reuse_fp16_shard``,
+    while the parameters' memory holds gradients instead of values.
+    """
+    path = _check_save_args(path, model, optimizer, sharded)
+    refuse_grads_in_param_memory(model, "save_checkpoint")
+    if sharded:
+        _save_sharded(path, model, optimizer)
+    else:
+        _save_full(path, model, optimizer)
+
+
+def load_checkpoint(path: str | os.PathLike, model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None = None) -> None:
+    """Load a checkpoint written by :func:`save_checkpoint` into ``model`` (and ``optimizer``, which
+    needs a checkpoint saved with one). The format is read from ``path``: a file is a full checkpoint
+    (any world size and placement), a directory a sharded one (same world size and chunk layout as when
+    saved). Everything is read and checked before anything changes; ranks agree before writing, so
+    every rank must call it. Build the optimizer before loading a 16-bit model, so that the fp32
+    masters are restored exactly. Refused (:class:`CheckpointError`) while the parameters' memory
+    holds gradients (``reuse_fp16_shard`` between backward and step).
+    """
+    path = _check_load_args(path, model, optimizer)
+    refuse_grads_in_param_memory(model, "load_checkpoint")
+    group = _group_of(model)
+    error: Exception | None = None
+    apply: Callable[[], None] | None = None
+    try:
+        apply = _plan_sharded(path, model, optimizer) if os.path.isdir(path) else _plan_full(path, model, optimizer)
+    except Exception as exc:  # noqa: BLE001 - re-raised below, after the ranks agree
+        error = exc
+    _agree(group, error, f"loading {path!r}")
+    apply()
+
+
+def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """The full state dicts of a checkpoint: ``{"model": state dict, "optimizer": optimizer state dict
+    or None}``, equal to what ``model.state_dict()`` and ``optimizer.state_dict()`` gave when it was
+    saved. A sharded directory is assembled from all rank files (offline: no process group needed);
+    a full file is just read.
+    """
+    path = _check_existing_path(path)
+    if not os.path.isdir(path):
+        payload = _read_full(path)
+        return {"model": payload["model"], "optimizer": payload["optimizer"]}
+    manifest = _read_manifest(path)
+    parts = [_read_rank_file(path, manifest, rank) for rank in range(manifest["world"])]
+    return _consolidate(path, parts)
+
+
+# ---- arguments -----------------------------------------------------------------------------------
+
+
+def _check_path(path: Any) -> str:
+    check_type("path", path, (str, os.PathLike), "a file or directory path (str or os.PathLike)")
+    return os.path.abspath(os.fspath(path))
+
+
+def _check_existing_path(path: Any) -> str:
+    path = _check_path(path)
+    if not os.path.exists(path):
+        raise InvalidArgumentError("path", path, "an existing checkpoint file or directory (nothing is there)")
+    return path
+
+
+def _check_model_and_optimizer(model: Any, optimizer: Any) -> None:
+    if not isinstance(model, ShardedModelV2):
+        raise InvalidArgumentError("model", type(model).__name__, "a chunkmem.ShardedModelV2")
+    if optimizer is not None:
+        if not isinstance(optimizer, ShardedOptimizerV2):
+            raise InvalidArgumentError("optimizer", type(optimizer).__name__, "None or a chunkmem.ShardedOptimizerV2")
+        if optimizer.model is not model:
+            raise InvalidArgumentError("optimizer", "a ShardedOptimizerV2 of another model",
+                                       "None or the ShardedOptimizerV2 built over this model")
+
+
+def _check_save_args(path: Any, model: Any, optimizer: Any, sharded: Any) -> str:
+    path = _check_path(path)
+    _check_model_and_optimizer(model, optimizer)
+    check_type("sharded", sharded, bool, "True or False")
+    if sharded and os.path.isfile(path):
+        raise InvalidArgumentError("path", path, "a directory (or a new name) for a sharded checkpoint, not a file")
+    if not sharded:
+        if os.path.isdir(path):
+            raise InvalidArgumentError("path", path, "a file name for a full checkpoint, not a directory")
+        if not os.path.isdir(os.path.dirname(path)):
+            raise InvalidArgumentError("path", path, "a file in an existing directory")
+    return path
+
+
+def _check_load_args(path: Any, model: Any, optimizer: Any) -> str:
+    path = _check_existing_path(path)
+    _check_model_and_optimizer(model, optimizer)
+    return path
+
+
+# ---- the full format -----------------------------------------------------------------------------
+
+
+def _save_full(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None) -> None:
+    group = _group_of(model)
+    model_state = model.state_dict(rank0_only=True)
+    optimizer_state = optimizer.state_dict(rank0_only=True) if optimizer is not None else None
+    error = None
+    if group.rank == 0:
+        payload = {"format": FULL_FORMAT, "model": model_state, "optimizer": optimizer_state}
+        try:
+            _atomic_write(path, lambda f: torch.save(payload, f))
+        except Exception as exc:  # noqa: BLE001 - re-raised by _agree
+            error = exc
+    _agree(group, error, f"saving {path!r}")
+
+
+def _read_full(path: str) -> dict[str, Any]:
+    allowed = f"a checkpoint written by chunkmem.save_checkpoint (format {FULL_FORMAT!r}, or a sharded directory)"
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the caller's bad input
+        raise InvalidArgumentError("path", path, f"{allowed}; reading it failed: {exc}") from exc
+    if not isinstance(payload, dict) or payload.get("format") != FULL_FORMAT:
+        found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
+        raise InvalidArgumentError("path", path, f"{allowed}; found format {found!r}")
+    return payload
+
+
+def _plan_full(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None) -> Callable[[], None]:
+    payload = _read_full(path)
+    if optimizer is not None and payload["optimizer"] is None:
+        raise InvalidArgumentError("optimizer", "a ShardedOptimizerV2",
+                                   f"None: the checkpoint {path!r} was saved without optimizer state")
+    model_load = plan_model_load(model, payload["model"], strict=True)
+    optimizer_load = plan_optimizer_load(optimizer, payload["optimizer"]) if optimizer is not None else None
+
+    def apply() -> None:
+        model_load.apply()
+        if optimizer_load is not None:
+            optimizer_load.apply()
+    return apply
+
+
+# ---- the sharded format --------------------------------------------------------------------------
+
+
+def _save_sharded(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None) -> None:
+    group = _group_of(model)
+    os.makedirs(path, exist_ok=True)
+    token = _new_token(group)
+    own = os.path.join(path, _shard_name(token, group.rank, group.world))
+    error = None
+    try:
+        payload = _rank_payload(model, optimizer, group, token)
+        _atomic_write(own, lambda f: torch.save(payload, f))
+    except Exception as exc:  # noqa: BLE001 - re-raised by _agree
+        error = exc
+    try:
+        _agree(group, error, f"saving {path!r}")  # every rank file is complete
+        if group.rank == 0:
+            manifest = {"format": SHARDED_FORMAT, "token": token, "world": group.world,
+                        "files": [_shard_name(token, r, group.world) for r in range(group.world)]}
+            try:
+                _atomic_write(os.path.join(path, MANIFEST), lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+            except Exception as exc:  # noqa: BLE001 - re-raised by _agree
+                error = exc
+            else:
+                _remove_stale(path, token)
+        _agree(group, error, f"committing {path!r}")  # the manifest names this token
+    except Exception:  # not committed: this save's file goes (files of an interrupted save go at the next one)
+        with contextlib.suppress(OSError):
+            os.remove(own)
+        raise
+
+
+def _rank_payload(model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None, group: ShardGroup,
+                  token: str) -> dict[str, Any]:
+    """What one rank writes: its shards, the layout, the buffers, and the optimizer's small state."""
+    chunks = []
+    for chunk in model.chunks:
+        master = chunk.optim[MASTER]
+        entry = {"index": chunk.index, "numel": chunk.numel, "shard_numel": chunk.shard_numel,
+                 "shard_offset": chunk.shard_offset, "dtype": _dtype_name(chunk.dtype), "trainable": chunk.trainable,
+                 "slots": [{"name": s.name, "offset": s.offset, "numel": s.numel, "shape": list(s.shape)}
+                           for s in chunk.slots],
+                 "param": _cpu_copy(chunk.param.local()),
+                 "master": _cpu_copy(master.tensor) if chunk.has_master and master.allocated else None,
+                 "step": 0, "exp_avg": None, "exp_avg_sq": None}
+        if optimizer is not None and chunk.trainable:
+            entry.update(step=chunk.step, exp_avg=_cpu_copy(chunk.optim[EXP_AVG].tensor),
+                         exp_avg_sq=_cpu_copy(chunk.optim[EXP_AVG_SQ].tensor))
+        chunks.append(entry)
+    keys, buffers = [], {}
+    for key, value in model.module.state_dict(keep_vars=True).items():
+        slot = slot_of(value) if isinstance(value, torch.nn.Parameter) else None
+        keys.append([key, slot.name if slot is not None else None])
+        if slot is None:
+            buffers[key] = _cpu_copy(value)
+    optimizer_part = _optimizer_small_state(optimizer) if optimizer is not None else None
+    return {"format": SHARDED_FORMAT, "token": token, "rank": group.rank, "world": group.world,
+            "model": {"dtype": _dtype_name(model.dtype), "keys": keys, "buffers": buffers, "chunks": chunks},
+            "optimizer": optimizer_part}
+
+
+def _optimizer_small_state(optimizer: ShardedOptimizerV2) -> dict[str, Any]:
+    """The optimizer state every rank shares: the param groups as the full format packs them, the
+    name of the parameter behind each index, and the loss scaler."""
+    groups, params = export_param_groups(optimizer)
+    scaler = optimizer.grad_scaler.state_dict() if optimizer.grad_scaler is not None else None
+    return {"param_groups": groups, "param_names": [optimizer.model._param_names[id(p)] for p in params],
+            "loss_scaler": scaler}
+
+
+def _plan_sharded(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None) -> Callable[[], None]:
+    group = _group_of(model)
+    manifest = _read_manifest(path)
+    if manifest["world"] != group.world:
+        raise InvalidArgumentError(
+            "path", path, f"a sharded checkpoint saved by {group.world} ranks, as many as this run has (it was "
+                          f"saved by {manifest['world']}); to change the world size load a full checkpoint, or "
+                          f"consolidate_checkpoint() this one and load its state dicts")
+    payload = _read_rank_file(path, manifest, group.rank)
+    saved = payload["model"]
+    _check_layout(path, model, saved)
+    own_keys = list(model.module.state_dict(keep_vars=True))
+    if [k for k, _ in saved["keys"]] != own_keys:
+        raise InvalidArgumentError("path", path, f"a checkpoint of this model's state_dict keys (it has "
+                                                 f"{len(saved['keys'])} keys, the model {len(own_keys)})")
+    optimizer_load = None
+    if optimizer is not None:
+        if payload["optimizer"] is None:
+            raise InvalidArgumentError("optimizer", "a ShardedOptimizerV2",
+                                       f"None: the checkpoint {path!r} was saved without optimizer state")
+        small = payload["optimizer"]
+        _, params = export_param_groups(optimizer)
+        if small["param_names"] != [model._param_names[id(p)] for p in params]:
+            raise InvalidArgumentError("optimizer", "a ShardedOptimizerV2 whose param_groups hold other parameters "
+                                                    "or another order", "the param groups the checkpoint was saved with")
+        optimizer_load = plan_hyper_load(optimizer, small["param_groups"], small["loss_scaler"])
+    buffers = model.module.state_dict(keep_vars=True)
+
+    def apply() -> None:
+        manager = model.chunk_manager
+        for chunk, entry in zip(model.chunks, saved["chunks"]):
+            manager.write_params(chunk, entry["param"])
+            if chunk.has_master and chunk.optim[MASTER].allocated:
+                chunk.optim[MASTER].tensor.copy_(entry["master"] if entry["master"] is not None else entry["param"])
+            elif entry["master"] is not None:
+                warn_if_masters_lose_precision(chunk, chunk.name, entry["master"])
+        if optimizer_load is not None:
+            optimizer_load.apply()  # hyper-parameters and the scaler
+            for chunk, entry in zip(model.chunks, saved["chunks"]):
+                if chunk.trainable:
+                    chunk.optim[EXP_AVG].tensor.copy_(entry["exp_avg"])
+                    chunk.optim[EXP_AVG_SQ].tensor.copy_(entry["exp_avg_sq"])
+                    chunk.step = entry["step"]
+        with torch.no_grad():
+            for key, value in saved["buffers"].items():
+                buffers[key].copy_(value)
+    return apply
+
+
+_LAYOUT_FIELDS = ("numel", "shard_numel", "shard_offset", "dtype", "trainable", "parameters")
+
+
+def _check_layout(path: str, model: ShardedModelV2, saved: dict[str, Any]) -> None:
+    """Raise unless the model's chunks are laid out as the saved ones (same chunks, shards, dtype,
+    parameters at the same offsets)."""
+    mine = [(c.numel, c.shard_numel, c.shard_offset, _dtype_name(c.dtype), c.trainable,
+             [(s.name, s.offset, s.numel, list(s.shape)) for s in c.slots]) for c in model.chunks]
+    theirs = [(e["numel"], e["shard_numel"], e["shard_offset"], e["dtype"], e["trainable"],
+               [(s["name"], s["offset"], s["numel"], list(s["shape"])) for s in e["slots"]]) for e in saved["chunks"]]
+    if mine == theirs:
+        return
+    if len(mine) != len(theirs):
+        detail = f"{len(theirs)} chunks saved, the model has {len(mine)}"
+    else:
+        n = next(i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b)
+        which = [f for f, a, b in zip(_LAYOUT_FIELDS, mine[n], theirs[n]) if a != b]
+        detail = f"chunk {n} differs in {', '.join(which)}"
+    raise InvalidArgumentError(
+        "path", path, f"a sharded checkpoint of the same chunk layout as the model ({detail}); build the model "
+                      f"with the same dtype, chunk_size, world size and optimizer param groups, or save and "
+                      f"load a full checkpoint (sharded=False)")
+
+
+def _read_manifest(path: str) -> dict[str, Any]:
+    name = os.path.join(path, MANIFEST)
+    allowed = f"a sharded checkpoint directory with a {MANIFEST} written by chunkmem.save_checkpoint(sharded=True)"
+    try:
+        with open(name, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise InvalidArgumentError("path", path, f"{allowed}; reading {MANIFEST} failed: {exc}") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != SHARDED_FORMAT:
+        raise InvalidArgumentError("path", path, f"{allowed} (format {SHARDED_FORMAT!r})")
+    return manifest
+
+
+def _read_rank_file(path: str, manifest: dict[str, Any], rank: int) -> dict[str, Any]:
+    name = os.path.join(path, _shard_name(manifest["token"], rank, manifest["world"]))
+    try:
+        payload = torch.load(name, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - a missing or damaged part is bad input
+        raise InvalidArgumentError("path", path, f"a complete sharded checkpoint; reading rank {rank}'s file "
+                                                 f"{os.path.basename(name)} failed: {exc}") from exc
+    header = (payload.get("format"), payload.get("token"), payload.get("rank"), payload.get("world")) \
+        if isinstance(payload, dict) else None
+    if header != (SHARDED_FORMAT, manifest["token"], rank, manifest["world"]):
+        raise InvalidArgumentError("path", path, f"a consistent sharded checkpoint; {os.path.basename(name)} "
+                                                 f"has header {header}")
+    return payload
+
+
+def _consolidate(path: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The full model and optimizer state dicts from every rank's file, as the full format holds them."""
+    layouts = [[(e["numel"], e["dtype"], e["slots"]) for e in part["model"]["chunks"]] for part in parts]
+    if any(layout != layouts[0] for layout in layouts):
+        raise InvalidArgumentError("path", path, "rank files of one chunk layout (they differ)")
+
+    def full(family: str, n: int) -> torch.Tensor | None:
+        pieces = [part["model"]["chunks"][n][family] for part in parts]
+        return None if any(p is None for p in pieces) else torch.cat(pieces)
+
+    located: dict[str, tuple[int, dict[str, Any]]] = {}
+    for n, entry in enumerate(parts[0]["model"]["chunks"]):
+        for slot in entry["slots"]:
+            located[slot["name"]] = (n, slot)
+    values: dict[int, torch.Tensor] = {}
+    model_state: OrderedDict[str, torch.Tensor] = OrderedDict()
+    for key, name in parts[0]["model"]["keys"]:
+        if name is None:
+            model_state[key] = parts[0]["model"]["buffers"][key].clone()
+            continue
+        n, slot = located[name]
+        if n not in values:
+            master = full("master", n)
+            values[n] = master if master is not None else full("param", n).to(torch.float32)
+        model_state[key] = _slot_view(values[n], slot).clone()
+
+    small = parts[0]["optimizer"]
+    if small is None:
+        return {"model": model_state, "optimizer": None}
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    moments: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for index, name in enumerate(small["param_names"]):
+        n, slot = located[name]
+        entry = parts[0]["model"]["chunks"][n]
+        if not entry["trainable"] or entry["step"] == 0:
+            continue
+        if n not in moments:
+            moments[n] = (full("exp_avg", n), full("exp_avg_sq", n))
+        exp_avg, exp_avg_sq = moments[n]
+        state[index] = adam_entry(entry["step"], _slot_view(exp_avg, slot), _slot_view(exp_avg_sq, slot), slot["shape"])
+    optimizer_state = {"state": state, "param_groups": small["param_groups"], "loss_scaler": small["loss_scaler"]}
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def _slot_view(flat: torch.Tensor, slot: dict[str, Any]) -> torch.Tensor:
+    return flat[slot["offset"]:slot["offset"] + slot["numel"]].view(tuple(slot["shape"]))
+
+
+def _shard_name(token: str, rank: int, world: int) -> str:
+    return f"shard-{token}-rank{rank}-of-{world}.pt"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True)
+
+
+# ---- files ---------------------------------------------------------------------------------------
+
+
+def _atomic_write(path: str, write: Callable[[BinaryIO], Any]) -> None:
+    """Write ``path`` all or nothing: into a temporary file beside it, flushed and fsynced, then
+    renamed over ``path``; the directory entry is fsynced too where the system allows."""
+    directory, name = os.path.split(path)
+    temp = os.path.join(directory, f".{name}.{secrets.token_hex(6)}.tmp")
+    try:
+        with open(temp, "xb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(temp)
+        raise
+    _fsync_directory(directory)
+
+
+def _fsync_directory(directory: str) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _remove_stale(path: str, token: str) -> None:
+    """Remove the rank files of other tokens and temporary files left by interrupted saves. Never
+    raises: the save is committed already, and what stays is removed by the next one."""
+    try:
+        names = os.listdir(path)
+    except OSError as exc:
+        names = []
+        warnings.warn(f"could not list {path!r} to remove stale checkpoint files: {exc}", stacklevel=4)
+    for name in names:
+        match = _SHARD_FILE.match(name)
+        if (match and match.group("token") != token) or _TEMP_FILE.match(name):
+            try:
+                os.remove(os.path.join(path, name))
+            except OSError as exc:
+                warnings.warn(f"could not remove the stale checkpoint file {name!r} in {path!r}: {exc}",
+                              stacklevel=4)
+
+
+# ---- ranks ---------------------------------------------------------------------------------------
+
+
+def _group_of(model: ShardedModelV2) -> ShardGroup:
+    """The data-parallel group the model's chunks are sharded over."""
+    return model.chunks[0].shards if model.chunks else SINGLE_PROCESS
+
+
+def _collective(group: ShardGroup) -> bool:
+    return group.world > 1 and distributed_ready()
+
+
+def _new_token(group: ShardGroup) -> str:
+    """A fresh name for one save, made by rank 0 and shared with the other ranks."""
+    box = [secrets.token_hex(8) if group.rank == 0 else None]
+    if _collective(group):
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group.group, 0), group=group.group)
+    return box[0]
+
+
+def _agree(group: ShardGroup, error: Exception | None, what: str) -> None:
+    """Wait for every rank (when distributed), then raise on every rank if any failed: the rank's own
+    error, or :class:`CheckpointError` naming what another rank failed."""
+    if _collective(group):
+        failed = torch.tensor([0 if error is None else group.rank + 1], dtype=torch.int64)
+        all_reduce_over(group.group, failed, dist.ReduceOp.MAX)
+        if error is None and int(failed.item()):
+            raise CheckpointError(f"{what} failed on rank {int(failed.item()) - 1} (see its error); nothing was "
+                                  f"changed by this call")
+    if error is not None:
+        raise error
