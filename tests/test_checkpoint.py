@@ -443,12 +443,18 @@ def _two_rank_worker(rank: int, world: int, directory: str) -> dict:
     failures = [_failure_on_one_rank(rank, 1, sharded, model, optim, True),
                 _failure_on_one_rank(rank, 0, full, model, optim, False)]
     assert sorted(os.listdir(sharded)) == files
-    restored = {}
+    restored, continued = {}, {}
+    more = [x[rank:rank + 1] for x in batches(K, seed=8)]
     for path in (full, sharded):
         fresh, fresh_optim = build_sharded(reference(seed=5), "cuda", torch.float16, reuse=True, lr=0.5)
         cm.load_checkpoint(path, fresh, fresh_optim)
         restored[os.path.basename(path)] = (fresh.state_dict(), fresh_optim.state_dict())
-    return {"model": model.state_dict(), "optimizer": optim.state_dict(), "restored": restored, "files": files,
+        train(fresh, fresh_optim, more)
+        continued[os.path.basename(path)] = fresh.state_dict()
+    saved_model, saved_optimizer = model.state_dict(), optim.state_dict()
+    train(model, optim, more)  # the run that never stopped
+    return {"model": saved_model, "optimizer": saved_optimizer, "restored": restored, "files": files,
+            "continued": continued, "straight": model.state_dict(),
             "failures": failures, "shard_numel": model.chunks[0].shard_numel, "numel": model.chunks[0].numel,
             "straddling": [s.name for c in model.chunks for s in c.slots
                            if s.offset < c.shard_numel < s.offset + s.numel]}
@@ -483,6 +489,8 @@ def test_two_ranks_save_consolidate_and_load_into_one_process(tmp_path):
         for model_state, optimizer_state in result["restored"].values():
             assert_same_state(model_state, expected["model"])
             assert_same_optimizer_state(optimizer_state, expected["optimizer"])
+        for state in result["continued"].values():  # resumed (under another placement) = trained straight
+            assert_same_state(state, result["straight"])
 
     full = cm.consolidate_checkpoint(tmp_path / "full.pt")
     consolidated = cm.consolidate_checkpoint(tmp_path / "sharded")
