@@ -6,6 +6,8 @@ References: the same model trained by one process on the batch of both ranks (ch
 from __future__ import annotations
 
 import copy
+import math
+import os
 
 import pytest
 import torch
@@ -304,3 +306,42 @@ def test_groups_of_other_ranks_are_refused(mixed_ranks):
     assert "reduce_scatter_process_group" in errors and "same ranks as process_group" in errors[
         "reduce_scatter_process_group"]
     assert "dp_process_group" in errors and "data-parallel ranks" in errors["dp_process_group"]
+
+
+# ---- a model-parallel group ----------------------------------------------------------------------------
+
+
+def _model_parallel_worker(rank: int, world: int, directory: str) -> dict:
+    """Each rank is its own data-parallel group of one and holds its own model (standing for a different
+    part of one model); both ranks form the model-parallel group."""
+    import torch.distributed as dist
+
+    own_groups = [dist.new_group([r]) for r in range(world)]
+    both = dist.group.WORLD
+    data = _half(DATA, rank, world)
+    out = {}
+    for mp_group in (None, both):
+        torch.manual_seed(rank)
+        model = cm.ShardedModelV2(TinyGPT(), cm.TensorShardStrategy(), process_group=own_groups[rank],
+                                  tensor_placement_policy="cpu", dtype=torch.float16, chunk_size=16384)
+        optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-2), initial_scale=2**10,
+                                      hysteresis=1, dp_process_group=own_groups[rank], mp_process_group=mp_group)
+        x = data[0]
+        optim.backward(lm_loss(model(x), x))
+        out[("norm", mp_group is not None)] = optim.clip_grad_norm(1.0)
+        optim.zero_grad()
+        optim.backward(lm_loss(model(x), x) * (float("inf") if rank == 1 else 1.0))
+        out[("overflow_step", mp_group is not None)] = optim.step()
+    out["dump"] = os.path.basename(model.dump_memory_stats(os.path.join(directory, "memstats.json")))
+    return out
+
+
+def test_mp_process_group_reduces_the_norm_and_the_overflow_flag(tmp_path):
+    ranks = run_ranks(_model_parallel_worker, 2, str(tmp_path))
+    local = [r[("norm", False)] for r in ranks]
+    for r in ranks:
+        assert r[("norm", True)] == pytest.approx(math.sqrt(local[0] ** 2 + local[1] ** 2), rel=1e-6)
+    assert ranks[0][("overflow_step", False)] is True and ranks[1][("overflow_step", False)] is False
+    assert ranks[0][("overflow_step", True)] is False and ranks[1][("overflow_step", True)] is False
+    assert [r["dump"] for r in ranks] == ["memstats.rank0.json", "memstats.rank1.json"]
+    assert (tmp_path / "memstats.rank0.json").exists() and (tmp_path / "memstats.rank1.json").exists()
