@@ -28,15 +28,16 @@ DATA = batches(4, batch=4)
 
 
 def run_training(policy: str, dtype: torch.dtype, data: list[torch.Tensor], *, reuse: bool = False,
-                 clip: float | None = None, strategy: cm.BaseShardStrategy | None = None, **model_kwargs) -> dict:
+                 clip: float | None = None, strategy: cm.BaseShardStrategy | None = None, margin: float = 0.0,
+                 capacity: int | None = None, **model_kwargs) -> dict:
     """Train a TinyGPT (seed 0, built outside the context) with chunkmem; what the tests compare."""
     if policy == "auto":
-        cm.set_device_memory_capacity(AUTO_CAPACITY[2 if torch.distributed.is_initialized() else 1])
+        cm.set_device_memory_capacity(capacity or AUTO_CAPACITY[2 if torch.distributed.is_initialized() else 1])
     torch.manual_seed(0)
     model = cm.ShardedModelV2(TinyGPT(), strategy or cm.TensorShardStrategy(), tensor_placement_policy=policy,
                               reuse_fp16_shard=reuse, dtype=dtype, chunk_size=16384, **model_kwargs)
     optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-2, weight_decay=0.01),
-                                  initial_scale=2**10)
+                                  initial_scale=2**10, gpu_margin_mem_ratio=margin)
     losses, norms, at_rest = [], [], None
     for x in data:
         loss = lm_loss(model(x), x)
@@ -58,6 +59,14 @@ def _half(data: list[torch.Tensor], rank: int, world: int) -> list[torch.Tensor]
     return [x[rank * rows:(rank + 1) * rows] for x in data]
 
 
+# placements whose sharded paths differ from the three above: shards resting on the device for some
+# chunks only, and auto keeping gathered copies and optimizer state of the margin chunks on the device
+OTHER_PLACEMENTS = {
+    "static": (("static", torch.float32), dict(offload_param_frac=0.5, offload_optim_frac=0.5)),
+    "auto_margin": (("auto", torch.float32), dict(margin=0.5, capacity=2**20)),
+}
+
+
 def _policies_worker(rank: int, world: int) -> dict:
     data = _half(DATA, rank, world)
     out = {policy: run_training(policy, torch.float32, data) for policy in POLICIES}
@@ -65,6 +74,8 @@ def _policies_worker(rank: int, world: int) -> dict:
     out["tiny_buckets"] = run_training("cpu", torch.float32, data, reduce_scatter_bucket_size_mb=0.004)
     out["predivided"] = run_training("cuda", torch.float32, data, gradient_predivide_factor=2.0)
     out["bucketed"] = run_training("cpu", torch.float32, data, strategy=cm.BucketTensorShardStrategy())
+    for name, kwargs in OTHER_PLACEMENTS.items():
+        out[name] = run_training(*kwargs[0], data, **kwargs[1])
     return out
 
 
@@ -107,6 +118,16 @@ def test_two_ranks_match_one_rank_with_the_double_batch(two_ranks, policy):
     # Plain PyTorch averages the 2b rows in one sum, the ranks average b rows each and then the two means:
     # the gradients differ in the last fp32 bit, and Adam's division by sqrt(v) lets that reach 1e-5.
     _assert_states_close(ranks[0]["state"], _plain_adamw(DATA).state_dict(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_PLACEMENTS))
+def test_other_placements_match_one_rank(two_ranks, name):
+    (policy, dtype), kwargs = OTHER_PLACEMENTS[name]
+    one = run_training(policy, dtype, DATA, **kwargs)
+    _assert_states_close(two_ranks[0][name]["state"], one["state"], rtol=1e-6)
+    torch.testing.assert_close(two_ranks[0][name]["state"], two_ranks[1][name]["state"], rtol=0, atol=0)
+    device_bytes, _host_bytes = two_ranks[0][name]["optim_bytes"]
+    assert device_bytes > 0, "some optimizer state is on the device"
 
 
 @pytest.mark.parametrize("policy", ["cpu", "cuda"])
