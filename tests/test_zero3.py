@@ -229,6 +229,7 @@ def _mixed_worker(rank: int, world: int) -> dict:
     wrapped = cm.ShardedModelV2(model, cm.TensorShardStrategy(), tensor_placement_policy="cpu")
     out["context_state"] = wrapped.state_dict()
     out["rank0_only"] = wrapped.state_dict(rank0_only=True)
+    out["repacked"] = train_repacked(data)
 
     # an inf gradient element in rank 1's shard only: rank 0's shard is finite, yet it skips the step too
     torch.manual_seed(0)
@@ -298,6 +299,30 @@ class InitializedAfterwards(TinyGPT):
         self.side.weight.data.uniform_(-0.1, 0.1)  # the Hugging Face way
         with torch.no_grad():
             self.blocks[0].fc1.weight.mul_(3.0)  # reads the current values, then writes
+
+
+def train_repacked(data: list[torch.Tensor]) -> dict:
+    """A model built in a sharded ZeroInitContext at the default chunk size, re-packed twice while
+    sharded: by ShardedModelV2 (the searched size) and by the optimizer (two param groups)."""
+    torch.manual_seed(0)
+    with cm.ZeroInitContext(torch.device("cpu"), cm.TensorShardStrategy(), shard_param=True, dtype=torch.float32):
+        module = InitializedAfterwards()
+    model = cm.ShardedModelV2(module, cm.TensorShardStrategy(), tensor_placement_policy="cpu")
+    matrices = [p for p in model.module.parameters() if p.dim() > 1]
+    vectors = [p for p in model.module.parameters() if p.dim() <= 1]
+    optim = cm.ShardedOptimizerV2(model, cm.HybridAdam([{"params": matrices, "weight_decay": 0.1},
+                                                        {"params": vectors, "weight_decay": 0.0}], lr=1e-2))
+    for x in data:
+        optim.backward(lm_loss(model(x), x))
+        optim.step()
+        optim.zero_grad()
+    return model.state_dict()
+
+
+def test_sharded_chunks_repack_like_one_process(mixed_ranks):
+    one = train_repacked(DATA)
+    _assert_states_close(mixed_ranks[0]["repacked"], one, rtol=1e-6)
+    torch.testing.assert_close(mixed_ranks[0]["repacked"], mixed_ranks[1]["repacked"], rtol=0, atol=0)
 
 
 def test_zero_init_context_shards_at_creation_like_one_process(mixed_ranks):
