@@ -241,8 +241,6 @@ class Chunk:
         self.index = index
         self.numel = numel
         self.shards = shards
-        self.shard_numel = numel // shards.world
-        self.shard_offset = shards.rank * self.shard_numel
         self.dtype = dtype
         self.key = key
         self.ledger = ledger
@@ -270,6 +268,16 @@ class Chunk:
     @property
     def trainable(self) -> bool:
         return self.key.trainable
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements of the chunk this rank keeps in every family (all of them with one rank)."""
+        return self.param.shard_numel
+
+    @property
+    def shard_offset(self) -> int:
+        """Where this rank's elements start in the chunk (elements)."""
+        return self.param.shard_offset
 
     @property
     def has_master(self) -> bool:
