@@ -60,17 +60,24 @@ class ShardGroup:
     def same_ranks(self, other: "ShardGroup") -> bool:
         return self.world == other.world and self.rank == other.rank
 
-    def _comm_device(self, tensor: torch.Tensor) -> torch.device:
-        if self.group is not None and dist.get_backend(self.group) == "nccl" and not tensor.is_cuda:
-            return torch.device("cuda", torch.cuda.current_device())
-        return tensor.device
+    def of_same_ranks(self, process_group: Any, argument: str, name: str) -> "ShardGroup":
+        """The group ``process_group`` names (``None``: this one), which must hold the same ranks as this
+        group (``name`` says which that is, for the error)."""
+        if process_group is None:
+            return self
+        other = ShardGroup.of(process_group, argument)
+        if not other.same_ranks(self):
+            raise InvalidArgumentError(argument, f"a group of {other.world} ranks (this rank {other.rank})",
+                                       f"None or a group of the same ranks as {name} ({self.world} ranks, "
+                                       f"this rank {self.rank})")
+        return other
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor) -> None:
         """Fill ``full`` (``world × shard`` elements) with every rank's ``shard``, in rank order."""
         if not self.sharded:
             full.copy_(shard)
             return
-        device = self._comm_device(full)
+        device = _comm_device(self.group, full)
         out = full if full.device == device else torch.empty_like(full, device=device)
         _all_gather_flat(out, shard.to(device), group=self.group)
         if out is not full:
@@ -82,7 +89,7 @@ class ShardGroup:
         if not self.sharded:
             shard.copy_(full_pieces[0])
             return
-        device = self._comm_device(shard)
+        device = _comm_device(self.group, shard)
         out = shard if shard.device == device else torch.empty_like(shard, device=device)
         pieces = [p.to(device) for p in full_pieces]
         if all(p.is_contiguous() for p in pieces) and _adjacent(pieces):
@@ -104,14 +111,18 @@ def all_reduce_over(group: Any, tensor: torch.Tensor, op: Any = None) -> torch.T
     if group is None or dist.get_world_size(group) == 1:
         return tensor
     op = dist.ReduceOp.SUM if op is None else op
-    device = tensor.device
-    if dist.get_backend(group) == "nccl" and not tensor.is_cuda:
-        device = torch.device("cuda", torch.cuda.current_device())
-    work = tensor.to(device)
+    work = tensor.to(_comm_device(group, tensor))
     dist.all_reduce(work, op=op, group=group)
     if work is not tensor:
         tensor.copy_(work)
     return tensor
+
+
+def _comm_device(group: Any, tensor: torch.Tensor) -> torch.device:
+    """Where ``tensor`` must be for a collective over ``group``: NCCL takes only CUDA tensors."""
+    if group is not None and dist.get_backend(group) == "nccl" and not tensor.is_cuda:
+        return torch.device("cuda", torch.cuda.current_device())
+    return tensor.device
 
 
 def _adjacent(pieces: Sequence[torch.Tensor]) -> bool:

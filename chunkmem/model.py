@@ -74,14 +74,8 @@ class ShardedModelV2(nn.Module):
         check_type("shard_strategy", shard_strategy, BaseShardStrategy,
                    "an instance of TensorShardStrategy or BucketTensorShardStrategy")
         shards = ShardGroup.of(process_group, "process_group")
-        reduce_shards = shards
-        if reduce_scatter_process_group is not None:
-            reduce_shards = ShardGroup.of(reduce_scatter_process_group, "reduce_scatter_process_group")
-            if not reduce_shards.same_ranks(shards):
-                raise InvalidArgumentError(
-                    "reduce_scatter_process_group", f"a group of {reduce_shards.world} ranks (this rank "
-                    f"{reduce_shards.rank})", f"a group of the same ranks as process_group ({shards.world} "
-                    f"ranks, this rank {shards.rank}) or None")
+        reduce_shards = shards.of_same_ranks(reduce_scatter_process_group, "reduce_scatter_process_group",
+                                             "process_group")
         check_number("reduce_scatter_bucket_size_mb", reduce_scatter_bucket_size_mb, low=0, low_open=True)
         check_type("fp32_reduce_scatter", fp32_reduce_scatter, bool, "True or False")
         check_number("gradient_predivide_factor", gradient_predivide_factor, low=0.0, low_open=True)

@@ -57,14 +57,8 @@ class ShardedOptimizerV2:
             warnings.warn(f"gpu_margin_mem_ratio={gpu_margin_mem_ratio} has no effect with "
                           f"tensor_placement_policy={sharded_model.tensor_placement_policy!r}; it is used only "
                           f"with 'auto'", stacklevel=2)
-        dp_shards = sharded_model.shards
-        if dp_process_group is not None:
-            dp_shards = ShardGroup.of(dp_process_group, "dp_process_group")
-            if not dp_shards.same_ranks(sharded_model.shards):
-                raise InvalidArgumentError(
-                    "dp_process_group", f"a group of {dp_shards.world} ranks (this rank {dp_shards.rank})",
-                    f"None or a group of the model's data-parallel ranks ({sharded_model.shards.world} ranks, "
-                    f"this rank {sharded_model.shards.rank})")
+        dp_shards = sharded_model.shards.of_same_ranks(dp_process_group, "dp_process_group",
+                                                       "the model's data-parallel ranks (its process_group)")
         if mp_process_group is not None:
             ShardGroup.of(mp_process_group, "mp_process_group")
         check_type("verbose", verbose, bool, "True or False")
