@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from .chunk import Chunk, ChunkKey
 from .errors import InvalidArgumentError, check_type
-from .layout import ALIGN_ELEMENTS
+from .layout import aligned_numel
 from .ledger import TierLedger
 from .collectives import SINGLE_PROCESS, ShardGroup
 from .manager import SLOT_ATTR, allocate_param_copy, slot_of
@@ -74,7 +74,7 @@ class ZeroInitContext:
         self.model_numel_tensor = model_numel_tensor
         self.shards = ShardGroup.of(None) if shard_param else SINGLE_PROCESS
         element_size = torch.empty((), dtype=dtype).element_size()
-        self.chunk_numel = self._aligned((chunk_size or DEFAULT_INIT_CHUNK_BYTES) // element_size)
+        self.chunk_numel = aligned_numel((chunk_size or DEFAULT_INIT_CHUNK_BYTES) // element_size, self.shards.world)
         self.ledger = TierLedger(device_memory_capacity())
         self.chunks: list[Chunk] = []
         self._open: dict[ChunkKey, Chunk] = {}
@@ -152,7 +152,7 @@ class ZeroInitContext:
         key = ChunkKey(param.requires_grad, 0)
         chunk = self._open.get(key)
         if chunk is None or not chunk.fits(param.numel()):
-            numel = max(self.chunk_numel, self._aligned(param.numel()))
+            numel = max(self.chunk_numel, aligned_numel(param.numel(), self.shards.world))
             chunk = Chunk(len(self.chunks), numel, self.dtype, key, self.ledger, self.shards)
             chunk.size_was_given = self.chunk_size is not None and numel == self.chunk_numel
             chunk.built_with = self.chunks
@@ -166,12 +166,6 @@ class ZeroInitContext:
         chunk.bind_views(chunk.param.device if chunk.param.sharded else local, [slot])
         setattr(param, SLOT_ATTR, slot)
         self._numel += slot.numel
-
-    def _aligned(self, numel: int) -> int:
-        """``numel`` rounded up to whole 64-element groups in every rank's shard."""
-        unit = ALIGN_ELEMENTS * self.shards.world
-        return -(-numel // unit) * unit
-
 
 def _all_module_classes() -> list[type]:
     seen: list[type] = []

@@ -50,8 +50,8 @@ def search_chunk_numel(numels: Sequence[int], keys: Sequence[Hashable], element_
         return ALIGN_ELEMENTS
     largest = max(numels)
     floor_numel = min(max(min_chunk_bytes // element_size, 1), sum(numels))
-    lower = _align(max(largest, floor_numel))
-    step = _align(max(lower // SEARCH_CANDIDATES, 1))
+    lower = aligned_numel(max(largest, floor_numel))
+    step = aligned_numel(max(lower // SEARCH_CANDIDATES, 1))
     best, best_waste = lower, None
     for k in range(SEARCH_CANDIDATES + 1):
         candidate = lower + k * step
@@ -61,5 +61,7 @@ def search_chunk_numel(numels: Sequence[int], keys: Sequence[Hashable], element_
     return best
 
 
-def _align(numel: int) -> int:
-    return -(-numel // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+def aligned_numel(numel: int, world: int = 1) -> int:
+    """``numel`` rounded up to whole 64-element groups in each of ``world`` equal shards (elements)."""
+    unit = ALIGN_ELEMENTS * world
+    return -(-numel // unit) * unit

@@ -17,7 +17,7 @@ from .errors import DeviceCapacityError, GradientAccumulationError, InvalidArgum
 from .hooks import ChunkHooks, ForeignParamDiscovery
 from .init_context import check_chunk_size, check_dtype
 from .collectives import ShardGroup
-from .layout import ALIGN_ELEMENTS, pack, search_chunk_numel
+from .layout import aligned_numel, pack, search_chunk_numel
 from .ledger import TierLedger
 from .manager import SLOT_ATTR, ChunkManager, GradientReduction, build_chunks, slot_of
 from .placement import make_policy
@@ -130,8 +130,7 @@ class ShardedModelV2(nn.Module):
             chunk_numel = slots[0].chunk.numel
         else:
             chunk_numel = search_chunk_numel(numels, keys, self._element_size)
-        if shards.sharded:  # equal shards of whole 64-element groups
-            chunk_numel = -(-chunk_numel // (ALIGN_ELEMENTS * shards.world)) * ALIGN_ELEMENTS * shards.world
+        chunk_numel = aligned_numel(chunk_numel, shards.world) if shards.sharded else chunk_numel
         self.chunk_numel = chunk_numel
 
         self.policy = policy
