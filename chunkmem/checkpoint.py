@@ -32,11 +32,12 @@ import re
 import secrets
 import warnings
 from collections import OrderedDict
-from typing import Any, BinaryIO, Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from .atomic_file import write_atomically, write_json_atomically
 from .chunk import EXP_AVG, EXP_AVG_SQ, MASTER
 from .collectives import SINGLE_PROCESS, ShardGroup, all_reduce_over, distributed_ready
 from .errors import InvalidArgumentError, check_type
@@ -173,7 +174,7 @@ def _save_full(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV2 |
     if group.rank == 0:
         payload = {"format": FULL_FORMAT, "model": model_state, "optimizer": optimizer_state}
         try:
-            _atomic_write(path, lambda f: torch.save(payload, f))
+            write_atomically(path, lambda f: torch.save(payload, f))
         except Exception as exc:  # noqa: BLE001 - re-raised by _agree
             error = exc
     _agree(group, error, f"saving {path!r}")
@@ -217,7 +218,7 @@ def _save_sharded(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV
     error = None
     try:
         payload = _rank_payload(model, optimizer, group, token)
-        _atomic_write(own, lambda f: torch.save(payload, f))
+        write_atomically(own, lambda f: torch.save(payload, f))
     except Exception as exc:  # noqa: BLE001 - re-raised by _agree
         error = exc
     try:
@@ -226,7 +227,7 @@ def _save_sharded(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV
             manifest = {"format": SHARDED_FORMAT, "token": token, "world": group.world,
                         "files": [_shard_name(token, r, group.world) for r in range(group.world)]}
             try:
-                _atomic_write(os.path.join(path, MANIFEST), lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+                write_json_atomically(manifest, os.path.join(path, MANIFEST))
             except Exception as exc:  # noqa: BLE001 - re-raised by _agree
                 error = exc
             else:
@@ -438,33 +439,6 @@ def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 
 # ---- files ---------------------------------------------------------------------------------------
-
-
-def _atomic_write(path: str, write: Callable[[BinaryIO], Any]) -> None:
-    """Write ``path`` all or nothing: into a temporary file beside it, flushed and fsynced, then
-    renamed over ``path``; the directory entry is fsynced too where the system allows."""
-    directory, name = os.path.split(path)
-    temp = os.path.join(directory, f".{name}.{secrets.token_hex(6)}.tmp")
-    try:
-        with open(temp, "xb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(temp)
-        raise
-    _fsync_directory(directory)
-
-
-def _fsync_directory(directory: str) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def _remove_stale(path: str, token: str) -> None:

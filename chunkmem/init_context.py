@@ -14,7 +14,7 @@ from .collectives import SINGLE_PROCESS, ShardGroup
 from .manager import SLOT_ATTR, allocate_param_copy, slot_of
 from .sharded_init import ShardedParamWrites
 from .shard_strategy import BaseShardStrategy
-from .tiers import Tier, device_memory_capacity, device_of_tier, tier_of_device
+from .tiers import device_memory_capacity, device_of_tier, tier_of_device
 
 DEFAULT_INIT_CHUNK_BYTES = 64 * 2**20
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

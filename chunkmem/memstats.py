@@ -27,9 +27,6 @@ Schema ``chunkmem.memstats/1`` (every size in bytes, chunk ids are chunk indices
 """
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from typing import Any
 
 from .chunk import EXP_AVG, EXP_AVG_SQ, MASTER
@@ -129,17 +126,3 @@ def summary(doc: dict[str, Any]) -> str:
         f" {len(optim['host_chunks'])} on host ({optim['host_bytes'] / mib:.2f} MiB)",
     ]
     return "\n".join(lines)
-
-
-def write_json_atomically(doc: dict[str, Any], filename: str) -> None:
-    """Write ``doc`` to ``filename`` through a temporary file and a rename."""
-    directory = os.path.dirname(os.path.abspath(filename))
-    fd, tmp = tempfile.mkstemp(prefix=".memstats.", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=1)
-        os.replace(tmp, filename)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

@@ -12,6 +12,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from . import memstats
+from .atomic_file import write_json_atomically
 from .chunk import MASTER, Chunk, ChunkKey
 from .errors import DeviceCapacityError, GradientAccumulationError, InvalidArgumentError, check_number, check_type
 from .hooks import ChunkHooks, ForeignParamDiscovery
@@ -323,7 +324,7 @@ class ShardedModelV2(nn.Module):
         if doc["world_size"] > 1:
             root, ext = os.path.splitext(filename)
             filename = f"{root}.rank{doc['rank']}{ext}"
-        memstats.write_json_atomically(doc, filename)
+        write_json_atomically(doc, filename)
         logger.info("%s\n  written to %s", memstats.summary(doc), filename)
         return filename
 
