@@ -5,8 +5,10 @@ Every state family of a chunk (16-bit or fp32 ``param``, ``grad``, fp32 ``master
 all of them and the optimizer updates a chunk with one call over flat buffers.
 
 The ``param`` family is special: parameters are views (``param.data``) into its device-tier buffer,
-whose storage is freed (resized to 0 bytes) when the chunk is not resident and re-allocated in place
-when it is fetched again. Views made by autograd during forward stay valid through such a round trip.
+whose storage is freed (0 bytes) when the chunk is not resident and given memory again, in place,
+when it is fetched. Views made by autograd during forward stay valid through such a round trip. When
+the CPU holds both tiers, every family's memory comes from the model's
+:class:`~chunkmem.block_pool.BlockPool`, else from torch's allocators (the storage is then resized).
 """
 from __future__ import annotations
 
@@ -78,7 +80,7 @@ class FlatBuffer:
         """Allocate the buffer on ``tier`` (zero-filled if ``zero``); it must not be allocated yet."""
         assert self.tensor is None, f"{self.owner}.{self.family} already allocated"
         self.ledger.reserve(tier, self.family, self.nbytes, f"{self.owner}.{self.family}")
-        self.tensor = empty_on_tier(tier, self.numel, self.dtype)
+        self.tensor = self._empty(tier)
         if zero:
             self.tensor.zero_()
         self.tier = tier
@@ -91,16 +93,27 @@ class FlatBuffer:
             return
         old, old_tier = self.tensor, self.tier
         self.ledger.reserve(tier, self.family, self.nbytes, f"{self.owner}.{self.family}")
-        new = empty_on_tier(tier, self.numel, self.dtype)
+        new = self._empty(tier)
         new.copy_(old)
         self.ledger.count_move(tier, self.nbytes)
         self.tensor, self.tier = new, tier
         self.ledger.release(old_tier, self.family, self.nbytes)
+        self._give_back(old)
 
     def free(self) -> None:
         if self.tensor is not None:
             self.ledger.release(self.tier, self.family, self.nbytes)
-            self.tensor, self.tier = None, None
+            old, self.tensor, self.tier = self.tensor, None, None
+            self._give_back(old)
+
+    def _empty(self, tier: Tier) -> torch.Tensor:
+        if self.ledger.blocks is not None:
+            return self.ledger.blocks.empty(self.numel, self.dtype)
+        return empty_on_tier(tier, self.numel, self.dtype)
+
+    def _give_back(self, tensor: torch.Tensor) -> None:
+        if self.ledger.blocks is not None:
+            self.ledger.blocks.give_back(tensor)
 
 
 class ParamBuffer:
@@ -128,6 +141,7 @@ class ParamBuffer:
         self.nbytes = numel * torch.empty((), dtype=dtype).element_size()
         self.device = torch.empty(numel, dtype=dtype, device=device_of_tier(Tier.DEVICE))
         self.device.untyped_storage().resize_(0)
+        self._lent: torch.Tensor | None = None  # with a block pool: holds the 0 bytes while memory is lent
         self.device_valid = False
         self.shard = FlatBuffer(PARAM, self.shard_numel, dtype, ledger, owner)
         self.shard_valid = False
@@ -149,7 +163,10 @@ class ParamBuffer:
         """Give the device copy its memory back (contents undefined until written)."""
         if not self.device_allocated:
             self.ledger.reserve(Tier.DEVICE, PARAM, self.nbytes, f"{self.owner}.{PARAM}")
-            self.device.untyped_storage().resize_(self.nbytes)
+            if self.ledger.blocks is not None:
+                self._lent = self.ledger.blocks.lend(self.device.untyped_storage(), self.nbytes)
+            else:
+                self.device.untyped_storage().resize_(self.nbytes)
 
     def fetch_to_device(self) -> None:
         """Make the full device copy current: a copy of the shard, or a gather of every rank's shard."""
@@ -171,7 +188,11 @@ class ParamBuffer:
             return
         if self.device_valid and not self.shard_valid:
             self.write_back_shard()
-        self.device.untyped_storage().resize_(0)
+        if self._lent is not None:
+            self.ledger.blocks.take_back(self.device.untyped_storage(), self._lent)
+            self._lent = None
+        else:
+            self.device.untyped_storage().resize_(0)
         self.ledger.release(Tier.DEVICE, PARAM, self.nbytes)
         self.device_valid = False
 

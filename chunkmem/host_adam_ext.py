@@ -9,9 +9,8 @@ untouched so that the caller runs the torch-op formulation instead.
 The kernel is a plain C ABI library compiled from one source file by the C++ compiler (``$CXX``, else
 ``g++``, ``c++`` or ``clang++``) with no torch headers, no pybind11 and no ninja, so it builds in a few
 seconds wherever a compiler is installed. Nothing happens at ``import chunkmem``: the first host update
-builds it into a cache folder (``$CHUNKMEM_CACHE_DIR``, else ``$XDG_CACHE_HOME/chunkmem``, else
-``~/.cache/chunkmem``; the file name carries a hash of the source, the flags and the compiler, so a
-changed source rebuilds), later processes load the cached library. A failed build (no compiler, not
+builds it into chunkmem's cache folder (see :mod:`chunkmem.native_build`: a changed source rebuilds),
+later processes load the cached library. A failed build (no compiler, not
 x86-64, a CPU without AVX2/FMA/F16C, ...) is remembered for the process, reported once with a warning,
 and every update then takes the torch-op path. ``CHUNKMEM_DISABLE_CPP_ADAM=1`` disables the kernel
 (checked at every update).
@@ -33,26 +32,21 @@ reference tests compare to a tolerance, always use the kernel.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import math
 import os
 import platform
-import shlex
-import shutil
-import subprocess
 import sys
-import tempfile
 import threading
-import time
 import warnings
 from pathlib import Path
 
 import torch
 
+from .native_build import CSRC, load_library
+
 DISABLE_ENV = "CHUNKMEM_DISABLE_CPP_ADAM"
 FP32_ENV = "CHUNKMEM_CPP_ADAM_FP32"
-CACHE_ENV = "CHUNKMEM_CACHE_DIR"
-SOURCE = Path(__file__).with_name("csrc") / "host_adam.cpp"
+SOURCE = CSRC / "host_adam.cpp"
 CXXFLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-math-errno")
 ABI_VERSION = 1
 # The 16-bit parameter copy is written with streaming (non-temporal) stores from this many elements
@@ -169,55 +163,12 @@ def load_error() -> str | None:
     return _error
 
 
-def _compiler() -> list[str]:
-    requested = os.environ.get("CXX", "").strip()
-    for cmd in [shlex.split(requested)] if requested else [["g++"], ["c++"], ["clang++"]]:
-        path = shutil.which(cmd[0])
-        if path:
-            return [path, *cmd[1:]]
-    raise RuntimeError(f"C++ compiler {requested!r} (CXX) not found" if requested
-                       else "no C++ compiler found (install g++, or set CXX)")
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get(CACHE_ENV)
-    if base:
-        candidates = [Path(base)]
-    else:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        candidates = [Path(xdg) / "chunkmem" if xdg else Path.home() / ".cache" / "chunkmem"]
-    candidates.append(Path(tempfile.gettempdir()) / f"chunkmem-{os.getuid() if hasattr(os, 'getuid') else 0}")
-    for path in candidates:
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-            if os.access(path, os.W_OK):
-                return path
-        except OSError:
-            continue
-    raise RuntimeError(f"no writable cache folder among {candidates}")
-
-
 def _load() -> HostAdamKernel:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         raise RuntimeError(f"the host kernel is for x86-64, not {platform.machine()}")
     if not sys.platform.startswith(("linux", "darwin")):
         raise RuntimeError(f"the host kernel is built for Linux and macOS only, not {sys.platform}")
-    source = SOURCE.read_bytes()
-    cxx = _compiler()
-    version = subprocess.run([*cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
-    parts = [source, " ".join(cxx).encode(), version.encode(), " ".join(CXXFLAGS).encode(), platform.machine().encode()]
-    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    folder = _cache_dir()
-    path = folder / f"host_adam_{key}.so"
-    build_seconds = None
-    if path.exists():
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError:  # a damaged cache entry: build it again
-            path.unlink(missing_ok=True)
-    if not path.exists():
-        build_seconds = _compile(cxx, folder, path)
-        lib = ctypes.CDLL(str(path))
+    lib, path, build_seconds = load_library(SOURCE, CXXFLAGS, "host_adam")
     if lib.chunkmem_host_adam_abi() != ABI_VERSION:
         raise RuntimeError(f"{path} has another ABI version")
     if not lib.chunkmem_host_adam_cpu_ok():
@@ -225,24 +176,6 @@ def _load() -> HostAdamKernel:
     k = HostAdamKernel(lib, path, build_seconds)
     k.fma, k.exact = _pick_rounding(k)
     return k
-
-
-def _compile(cxx: list[str], folder: Path, path: Path) -> float:
-    """Compile the source into ``path`` (through a temporary file and an atomic rename, so that a
-    concurrent process sees no file or the whole file); returns the seconds it took."""
-    tmp = folder / f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp"
-    start = time.perf_counter()
-    try:
-        proc = subprocess.run([*cxx, *CXXFLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
-                              timeout=600)
-        if proc.returncode != 0:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
-            raise RuntimeError(f"compiling {SOURCE.name} with {' '.join(cxx)} failed (exit {proc.returncode}):\n"
-                               + "\n".join(tail))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return time.perf_counter() - start
 
 
 def _pick_rounding(k: HostAdamKernel) -> tuple[bool, bool]:

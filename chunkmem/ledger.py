@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from .block_pool import BlockPool, pool_for_this_machine
 from .errors import DeviceCapacityError
 from .tiers import Tier
 
@@ -11,11 +12,14 @@ class TierLedger:
     """Counts the bytes of every chunk buffer allocated on each tier, per state family.
 
     ``capacity`` (bytes) bounds what chunk buffers may occupy on the device tier; an allocation past it
-    raises :class:`DeviceCapacityError` before anything is allocated.
+    raises :class:`DeviceCapacityError` before anything is allocated. ``blocks`` is where the counted
+    buffers' memory comes from when the CPU holds both tiers (see :mod:`chunkmem.block_pool`), else
+    ``None`` (torch's allocators).
     """
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
+        self.blocks: BlockPool | None = pool_for_this_machine()
         self._bytes: dict[tuple[Tier, str], int] = defaultdict(int)
         self.peak_device_bytes = 0
         self.moved_to_device = 0

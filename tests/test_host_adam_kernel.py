@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from adam_oracle import adam_fp64
-from chunkmem import host_adam_ext
+from chunkmem import host_adam_ext, native_build
 from chunkmem.adam_kernels import AdamHyper, adam_update_, adam_update_torch_
 
 ULP = 2.0**-24
@@ -195,7 +195,7 @@ def test_build_failure_falls_back(monkeypatch, tmp_path):
     """No compiler: the failure is reported once (a warning), remembered, and updates use torch ops."""
     saved = host_adam_ext._kernel, host_adam_ext._error, host_adam_ext._tried
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv(host_adam_ext.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(native_build.CACHE_ENV, str(tmp_path / "cache"))
     host_adam_ext._kernel, host_adam_ext._error, host_adam_ext._tried = None, None, False
     try:
         h = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw_mode=True,

@@ -1,0 +1,118 @@
+"""The block pool that serves chunk buffers when the CPU holds both tiers: reuse by byte size, memory
+lent to and taken back from a device copy's storage in place, the same numbers with and without it."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import chunkmem as cm
+from chunkmem import block_pool, native_build
+from chunkmem.block_pool import BlockPool
+from models import TinyGPT
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the pool serves CPU-only machines")
+
+
+def test_given_back_block_is_reused_for_the_same_byte_size():
+    pool = BlockPool()
+    a = pool.empty(1000, torch.float32)
+    ptr = a.data_ptr()
+    assert ptr % 4096 == 0 and pool.blocks_mapped == 1
+    pool.give_back(a)
+    del a
+    assert pool.cached_bytes == 4000
+    b = pool.empty(2000, torch.float16)  # same 4000 bytes, another dtype
+    assert b.data_ptr() == ptr and b.dtype == torch.float16 and b.numel() == 2000
+    assert pool.cached_bytes == 0 and pool.blocks_mapped == 1
+    c = pool.empty(1000, torch.float16)  # another size: a new mapping
+    assert c.data_ptr() != ptr and pool.blocks_mapped == 2
+
+
+def test_block_still_viewed_elsewhere_is_not_reused():
+    pool = BlockPool()
+    a = pool.empty(1024, torch.float32)
+    a.fill_(3.0)
+    ptr, kept = a.data_ptr(), a[10:20]
+    pool.give_back(a)
+    del a
+    assert pool.cached_bytes == 0
+    b = pool.empty(1024, torch.float32)
+    b.fill_(-1.0)
+    assert b.data_ptr() != ptr and torch.equal(kept, torch.full((10,), 3.0))
+
+
+def test_lend_and_take_back_keep_the_storage_and_its_views():
+    if block_pool._helper() is None:
+        pytest.skip(f"native helper unavailable: {block_pool.load_error()}")
+    pool = BlockPool()
+    device = torch.empty(256, dtype=torch.float32)
+    device.untyped_storage().resize_(0)
+    storage = device.untyped_storage()
+    holder = pool.lend(storage, 1024)
+    assert storage.nbytes() == 1024 and holder.untyped_storage().nbytes() == 0
+    view = device[8:16]  # a view made while the memory is lent, like one autograd saves in forward
+    device.copy_(torch.arange(256.0))
+    assert torch.equal(view, torch.arange(8.0, 16.0))
+    lent_ptr = device.data_ptr()
+    pool.take_back(storage, holder)
+    assert storage.nbytes() == 0 and pool.cached_bytes == 1024
+    with pytest.raises(RuntimeError, match="storage of size 0"):
+        device[8:16]  # a released copy fails loudly, as after a resize to 0 bytes
+    again = pool.lend(storage, 1024)
+    assert device.data_ptr() == lent_ptr and storage.nbytes() == 1024
+    device.fill_(7.0)
+    assert torch.equal(view, torch.full((8,), 7.0))
+    pool.take_back(storage, again)
+
+
+def _train(steps, placement, dtype=torch.float32):
+    torch.manual_seed(0)
+    net = TinyGPT(vocab=64, d=32, layers=2, seq=16)
+    model = cm.ShardedModelV2(copy.deepcopy(net), cm.TensorShardStrategy(), tensor_placement_policy=placement,
+                              dtype=dtype, chunk_size=4096 * 4)
+    optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-2), initial_scale=2.0**8)
+    g = torch.Generator().manual_seed(1)
+    losses, mapped = [], []
+    for _ in range(steps):
+        tokens = torch.randint(0, 64, (2, 17), generator=g)
+        loss = F.cross_entropy(model(tokens[:, :-1]).reshape(-1, 64), tokens[:, 1:].reshape(-1))
+        optim.backward(loss)
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        blocks = model.chunk_manager.ledger.blocks
+        mapped.append(None if blocks is None else blocks.blocks_mapped)
+    return losses, model.state_dict(), mapped
+
+
+@pytest.mark.parametrize("placement,dtype", [("cpu", torch.float32), ("auto", torch.float32),
+                                             ("cpu", torch.float16)])
+def test_training_is_bitwise_the_same_without_the_pool_and_maps_nothing_new_after_the_first_step(
+        monkeypatch, placement, dtype):
+    if block_pool._helper() is None:
+        pytest.skip(f"native helper unavailable: {block_pool.load_error()}")
+    pooled_losses, pooled_params, mapped = _train(6, placement, dtype)
+    # From the third step on (auto has then traced and planned), every buffer is a reused block.
+    assert mapped[0] > 0 and mapped[3:] == [mapped[2]] * 3
+    monkeypatch.setenv(block_pool.DISABLE_ENV, "1")
+    plain_losses, plain_params, none = _train(6, placement, dtype)
+    assert none == [None] * 6
+    assert pooled_losses == plain_losses
+    assert pooled_params.keys() == plain_params.keys()
+    assert all(torch.equal(pooled_params[k], plain_params[k]) for k in pooled_params)
+
+
+def test_no_compiler_means_no_pool_with_a_warning_and_training_still_works(monkeypatch, tmp_path):
+    saved = block_pool._library, block_pool._error, block_pool._tried
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv(native_build.CACHE_ENV, str(tmp_path / "cache"))
+    block_pool._library, block_pool._error, block_pool._tried = None, None, False
+    try:
+        with pytest.warns(RuntimeWarning, match="block pool is unavailable"):
+            assert block_pool.pool_for_this_machine() is None
+        assert "no-such-compiler" in block_pool.load_error()
+        losses, _, mapped = _train(2, "cpu")
+        assert mapped == [None, None] and all(loss == loss for loss in losses)
+    finally:
+        block_pool._library, block_pool._error, block_pool._tried = saved
