@@ -11,8 +11,9 @@ reports, after the last ``step()`` + ``zero_grad()``:
   the target is about), per state family, and the padding share (chunk elements holding no parameter);
   also the same sum over the buffers of the model's own chunks, and where the two differ, which
   ``ZeroInitContext`` chunks the ledger still counts;
-* RSS: the process RSS after training (after ``gc.collect()``) minus the RSS right before building
-  the model, per parameter (and the same with the peak RSS). RSS also counts what the exact figure does not: allocator slack
+* RSS: the process RSS after training (after ``gc.collect()`` and ``model.empty_cache()``, which
+  unmaps the freed device copies the block pool keeps for reuse on a CPU-only machine; their bytes are
+  printed) minus the RSS right before building the model, per parameter (and the same with the peak RSS). RSS also counts what the exact figure does not: allocator slack
   (freed memory the allocator keeps), torch's own buffers and thread pools set up by the first
   operators, activations and temporaries at their peak for the peak figure.
 
@@ -135,6 +136,8 @@ def main() -> int:
         print(f"step {i + 1}: loss {loss.item():.4f}, {time.perf_counter() - t0:.2f} s, "
               f"{'updated' if stepped else 'skipped (overflow)'}, loss scale {optim.loss_scale:g}")
     gc.collect()
+    cached = model.cached_bytes()
+    model.empty_cache()
     rss_after = rss_bytes()
     peak_after = peak_rss_bytes()
 
@@ -163,6 +166,8 @@ def main() -> int:
           f"{elements} elements, {used} hold parameters, padding {elements - used} "
           f"= {100 * (elements - used) / elements:.2f}% of the chunk elements")
     print(f"optim.get_memory_usage(): device {mib(optim_device)}, host {mib(optim_host)}")
+    print(f"block pool: {mib(cached)} of freed buffers (the device copies of the last step) kept for reuse, "
+          f"unmapped by model.empty_cache() before the RSS reading (CPU-only machines; see chunkmem/block_pool.py)")
     print()
     header = f"{'after step + zero_grad':<40} {'bytes':>14} {'B/param':>9}"
     print(header)
@@ -192,10 +197,10 @@ def main() -> int:
         print(f"  Without it: {walk['host'] / n_params:.3f} B/param.")
     print()
     real = walk["host"] + walk["device"]
-    print(f"RSS minus the bytes of the model's chunks: {mib(rss_delta - real)} after training (after gc.collect()), "
-          f"{mib(peak_delta - real)} at the peak. RSS counts more than chunk memory: allocator "
-          f"slack (memory freed by the wrap's re-pack of the ZeroInitContext chunks, by activations and by the "
-          f"visiting device copies that the allocator keeps instead of returning it to the system), torch's own "
+    print(f"RSS minus the bytes of the model's chunks: {mib(rss_delta - real)} after training (after gc.collect() "
+          f"and model.empty_cache()), {mib(peak_delta - real)} at the peak. RSS counts more than chunk memory: "
+          f"allocator slack (memory freed by the wrap's re-pack of the ZeroInitContext chunks and by activations "
+          f"that the allocator keeps instead of returning it to the system), torch's own "
           f"buffers and thread pools set up by the first operators, and at the peak the activations, autograd's "
           f"gradients before they reach a chunk, and the device copies of the chunks a module is using.")
     if peak_before > rss_before:

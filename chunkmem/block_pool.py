@@ -12,7 +12,9 @@ A :class:`BlockPool` maps every block with its own anonymous ``mmap``, outside m
 keeps a freed block for the next buffer of the same byte size, as CUDA's caching allocator does for
 GPU memory. The process then holds at most the blocks the model had in use at one time, and the heap
 holds only what the model's own computation allocates. One pool serves one model (its
-:class:`~chunkmem.ledger.TierLedger`); its blocks are unmapped when the model is gone.
+:class:`~chunkmem.ledger.TierLedger`); its blocks are unmapped when the model is gone. Only sizes that
+a live chunk uses are kept (chunks say so with :meth:`BlockPool.use_sizes`), so the blocks of chunks
+replaced by a re-pack are unmapped, not stranded.
 
 Device copies of parameters need one more step: parameters (and views autograd saved in forward)
 view the device copy's storage, so the storage object must stay the same while its memory comes and
@@ -32,7 +34,8 @@ import mmap
 import os
 import threading
 import warnings
-from collections import defaultdict
+from collections import Counter, defaultdict
+from collections.abc import Iterable
 
 import torch
 
@@ -57,8 +60,22 @@ class BlockPool:
 
     def __init__(self) -> None:
         self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
+        self._chunks_using: Counter[int] = Counter()  # byte size -> live chunks with a buffer that size
         self.cached_bytes = 0
         self.blocks_mapped = 0
+
+    def use_sizes(self, sizes: Iterable[int]) -> None:
+        """A new chunk has buffers of these byte sizes: keep blocks of them for reuse."""
+        for nbytes in set(sizes):
+            self._chunks_using[nbytes] += 1
+
+    def stop_using_sizes(self, sizes: Iterable[int]) -> None:
+        """A chunk with buffers of these byte sizes is gone; sizes no live chunk uses are unmapped."""
+        for nbytes in set(sizes):
+            self._chunks_using[nbytes] -= 1
+            if self._chunks_using[nbytes] <= 0:
+                del self._chunks_using[nbytes]
+                self.cached_bytes -= nbytes * len(self._free.pop(nbytes, ()))
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised flat tensor of ``numel`` elements of ``dtype``: a cached block of that byte
@@ -67,9 +84,10 @@ class BlockPool:
         return self._take(nbytes).view(dtype)
 
     def give_back(self, tensor: torch.Tensor) -> None:
-        """Keep ``tensor``'s memory for reuse, unless something else still views it (then it is left
-        to be unmapped when the last view goes). The caller must drop ``tensor``."""
-        if _storage_users(tensor) > 1 or tensor.untyped_storage().nbytes() == 0:
+        """Keep ``tensor``'s memory for reuse, unless no live chunk uses its size or something else
+        still views it (then it is unmapped when the last view goes). The caller must drop ``tensor``."""
+        nbytes = tensor.untyped_storage().nbytes()
+        if nbytes == 0 or self._chunks_using[nbytes] == 0 or _storage_users(tensor) > 1:
             return
         block = tensor.view(torch.uint8)
         self._free[block.numel()].append(block)

@@ -278,6 +278,9 @@ class Chunk:
         self.optim: dict[str, FlatBuffer] = {
             family: FlatBuffer(family, self.shard_numel, torch.float32, ledger, self.name)
             for family in OPTIM_FAMILIES}
+        self._buffer_sizes = {self.param.nbytes, *(b.nbytes for b in self.flat_buffers())}  # bytes
+        if ledger.blocks is not None:
+            ledger.blocks.use_sizes(self._buffer_sizes)
         # Per-backward bookkeeping, reset by the manager.
         self.grad_slots_received: set[int] = set()
         self.grads_finished = False
@@ -289,6 +292,21 @@ class Chunk:
     @property
     def trainable(self) -> bool:
         return self.key.trainable
+
+    def flat_buffers(self) -> tuple[FlatBuffer, ...]:
+        """Every family's buffer but the device copy of the parameters."""
+        return (self.param.shard, self.grad, self.grad_staging, *self.optim.values())
+
+    def free_all(self) -> None:
+        """Free every buffer of a chunk that is no longer used (a re-pack replaced it); the block pool
+        stops keeping blocks of its sizes unless another chunk has them."""
+        self.param.free_device()
+        self.param.shard_valid = False
+        for buf in self.flat_buffers():
+            buf.free()
+        if self.ledger.blocks is not None:
+            self.ledger.blocks.stop_using_sizes(self._buffer_sizes)
+            self._buffer_sizes = set()
 
     @property
     def shard_numel(self) -> int:

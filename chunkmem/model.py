@@ -311,6 +311,20 @@ class ShardedModelV2(nn.Module):
         """Exact bytes of chunk memory per tier and family: ``{"device": {"param": n, ...}, "host": ...}``."""
         return self.chunk_manager.ledger.breakdown()
 
+    def cached_bytes(self) -> int:
+        """Bytes of freed chunk buffers the model's block pool keeps for reuse (CPU-only machines, see
+        :mod:`chunkmem.block_pool`; 0 with CUDA, whose cache ``torch.cuda.memory_reserved`` reports)."""
+        blocks = self.chunk_manager.ledger.blocks
+        return 0 if blocks is None else blocks.cached_bytes
+
+    def empty_cache(self) -> None:
+        """Unmap the freed chunk buffers the block pool keeps (CPU-only machines; with CUDA,
+        ``torch.cuda.empty_cache()`` does this for the device). Buffers in use stay; the next step maps
+        what it needs again."""
+        blocks = self.chunk_manager.ledger.blocks
+        if blocks is not None:
+            blocks.clear()
+
     def memory_stats(self) -> dict[str, Any]:
         """The memory statistics document (schema in :mod:`chunkmem.memstats`)."""
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
@@ -426,11 +440,7 @@ def _free_chunk(chunk: Chunk) -> None:
     """Free every buffer of a chunk that no longer holds the model's parameters; parameters still
     viewing it (ones the model no longer uses) are emptied so the memory goes now, not at the next
     garbage collection."""
-    chunk.param.free_device()
-    chunk.param.shard.free()
-    chunk.param.shard_valid = False
-    for buf in (chunk.grad, chunk.grad_staging, *chunk.optim.values()):
-        buf.free()
+    chunk.free_all()
     for slot in chunk.slots:
         if slot_of(slot.param) is slot:
             slot.param.data = torch.empty(0, dtype=slot.param.dtype)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import chunkmem as cm
 from chunkmem import block_pool, native_build
 from chunkmem.block_pool import BlockPool
+from chunkmem.manager import slot_of
 from models import TinyGPT
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the pool serves CPU-only machines")
@@ -16,6 +17,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the pool serv
 
 def test_given_back_block_is_reused_for_the_same_byte_size():
     pool = BlockPool()
+    pool.use_sizes([4000, 2000])
     a = pool.empty(1000, torch.float32)
     ptr = a.data_ptr()
     assert ptr % 4096 == 0 and pool.blocks_mapped == 1
@@ -29,8 +31,27 @@ def test_given_back_block_is_reused_for_the_same_byte_size():
     assert c.data_ptr() != ptr and pool.blocks_mapped == 2
 
 
+def test_only_sizes_of_live_chunks_are_kept():
+    pool = BlockPool()
+    pool.use_sizes([4096])
+    pool.use_sizes([4096, 8192])  # two chunks share a size
+    a, b, c = pool.empty(1024, torch.float32), pool.empty(2048, torch.float32), pool.empty(512, torch.float32)
+    for t in (a, b, c):
+        pool.give_back(t)
+    del a, b, c
+    assert pool.cached_bytes == 4096 + 8192  # the 2048-byte block: no chunk has that size
+    pool.stop_using_sizes([4096, 8192])
+    assert pool.cached_bytes == 4096  # 8192 had one chunk; 4096 still has one
+    pool.stop_using_sizes([4096])
+    assert pool.cached_bytes == 0
+    d = pool.empty(1024, torch.float32)
+    pool.give_back(d)
+    assert pool.cached_bytes == 0
+
+
 def test_block_still_viewed_elsewhere_is_not_reused():
     pool = BlockPool()
+    pool.use_sizes([4096])
     a = pool.empty(1024, torch.float32)
     a.fill_(3.0)
     ptr, kept = a.data_ptr(), a[10:20]
@@ -46,6 +67,7 @@ def test_lend_and_take_back_keep_the_storage_and_its_views():
     if block_pool._helper() is None:
         pytest.skip(f"native helper unavailable: {block_pool.load_error()}")
     pool = BlockPool()
+    pool.use_sizes([1024])
     device = torch.empty(256, dtype=torch.float32)
     device.untyped_storage().resize_(0)
     storage = device.untyped_storage()
@@ -116,3 +138,29 @@ def test_no_compiler_means_no_pool_with_a_warning_and_training_still_works(monke
         assert mapped == [None, None] and all(loss == loss for loss in losses)
     finally:
         block_pool._library, block_pool._error, block_pool._tried = saved
+
+
+def test_repack_unmaps_the_replaced_chunks_blocks_and_empty_cache_unmaps_the_rest():
+    if block_pool._helper() is None:
+        pytest.skip(f"native helper unavailable: {block_pool.load_error()}")
+    torch.manual_seed(0)
+    with cm.ZeroInitContext(target_device=torch.device("cpu"), shard_strategy=cm.TensorShardStrategy(),
+                            shard_param=False, dtype=torch.float32, chunk_size=4096 * 4):
+        net = TinyGPT(vocab=64, d=32, layers=2, seq=16)
+    context_sizes = {slot_of(p).chunk.param.nbytes for p in net.parameters()}
+    model = cm.ShardedModelV2(net, cm.TensorShardStrategy(), tensor_placement_policy="cpu",
+                              dtype=torch.float32, chunk_size=8192 * 4)  # another size: a re-pack
+    blocks = model.chunk_manager.ledger.blocks
+    assert context_sizes == {4096 * 4} and blocks.cached_bytes == 0
+    assert all(n not in blocks._free for n in context_sizes)
+    optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-2))
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        optim.backward(F.cross_entropy(model(tokens[:, :-1]).reshape(-1, 64), tokens[:, 1:].reshape(-1)))
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+    # cpu placement: the device copies, the staging and the gradients are freed after every step
+    assert model.cached_bytes() == blocks.cached_bytes > 0
+    assert model.cached_bytes() % (8192 * 4) == 0
+    model.empty_cache()
+    assert model.cached_bytes() == 0
