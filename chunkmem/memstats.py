@@ -21,6 +21,8 @@ Schema ``chunkmem.memstats/1`` (every size in bytes, chunk ids are chunk indices
 * ``totals``: ``moved_to_device_bytes`` and ``moved_to_host_bytes`` of the last iteration,
   ``peak_device_bytes`` (chunk bytes, largest over its periods), ``peak_device_with_non_model_bytes``.
 * ``tiers``: chunk bytes now, ``{"device": {family: bytes}, "host": {...}}``.
+* ``block_pool``: ``null`` with CUDA (or the pool off), else ``cached_bytes`` (freed chunk buffers kept
+  for reuse) and ``blocks_mapped`` (mappings made so far); see :mod:`chunkmem.block_pool`.
 * ``optimizer``: ``device_chunks`` and ``host_chunks`` (ids by where their optimizer state lives),
   ``device_bytes`` and ``host_bytes`` (fp32 masters, exp_avg, exp_avg_sq), ``margin_bytes`` and
   ``gpu_margin_mem_ratio`` (``auto``).
@@ -66,6 +68,7 @@ def collect(manager: Any, rank: int = 0, world_size: int = 1) -> dict[str, Any]:
             buf = chunk.optim[family]
             if buf.allocated:
                 usage[buf.tier] += buf.nbytes
+    blocks = manager.ledger.blocks
     return {
         "schema": SCHEMA,
         "rank": rank,
@@ -94,6 +97,8 @@ def collect(manager: Any, rank: int = 0, world_size: int = 1) -> dict[str, Any]:
                  for i, s in enumerate(stats)), default=0),
         },
         "tiers": manager.ledger.breakdown(),
+        "block_pool": None if blocks is None else {"cached_bytes": blocks.cached_bytes,
+                                                   "blocks_mapped": blocks.blocks_mapped},
         "optimizer": {
             "device_chunks": optim_device, "host_chunks": optim_host,
             "device_bytes": usage[Tier.DEVICE], "host_bytes": usage[Tier.HOST],

@@ -162,5 +162,7 @@ def test_repack_unmaps_the_replaced_chunks_blocks_and_empty_cache_unmaps_the_res
     # cpu placement: the device copies, the staging and the gradients are freed after every step
     assert model.cached_bytes() == blocks.cached_bytes > 0
     assert model.cached_bytes() % (8192 * 4) == 0
+    assert model.memory_stats()["block_pool"] == {"cached_bytes": model.cached_bytes(),
+                                                  "blocks_mapped": blocks.blocks_mapped}
     model.empty_cache()
-    assert model.cached_bytes() == 0
+    assert model.cached_bytes() == 0 and model.memory_stats()["block_pool"]["cached_bytes"] == 0
