@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import chunkmem as cm
-from chunkmem.chunk import MASTER
 from models import TinyGPT, batches, build_sharded, lm_loss, train
 
 DTYPES = [(torch.float32, False), (torch.bfloat16, True)]

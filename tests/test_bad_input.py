@@ -1,12 +1,9 @@
 """Every bad input raises a clear error naming the argument, the value and what is allowed."""
-import warnings
-
 import pytest
 import torch
 import torch.nn as nn
 
 import chunkmem as cm
-from models import TinyGPT
 
 
 def linear_model(**kwargs):

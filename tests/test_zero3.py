@@ -5,7 +5,6 @@ References: the same model trained by one process on the batch of both ranks (ch
 """
 from __future__ import annotations
 
-import copy
 import math
 import os
 
