@@ -114,7 +114,9 @@ class BlockPool:
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
         self.blocks_mapped += 1
-        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+        # Private, not mmap.mmap's default MAP_SHARED: shared anonymous memory is shmem, which a fork would
+        # share instead of copying on write.
+        return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=torch.uint8)
 
     def clear(self) -> None:
         """Unmap the cached blocks (those in use stay)."""

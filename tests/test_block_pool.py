@@ -1,6 +1,7 @@
 """The block pool that serves chunk buffers when the CPU holds both tiers: reuse by byte size, memory
 lent to and taken back from a device copy's storage in place, the same numbers with and without it."""
 import copy
+import os
 
 import pytest
 import torch
@@ -29,6 +30,18 @@ def test_given_back_block_is_reused_for_the_same_byte_size():
     assert pool.cached_bytes == 0 and pool.blocks_mapped == 1
     c = pool.empty(1000, torch.float16)  # another size: a new mapping
     assert c.data_ptr() != ptr and pool.blocks_mapped == 2
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_blocks_are_private_memory_a_forked_child_writes_its_own_copy():
+    pool = BlockPool()
+    block = pool.empty(1024, torch.float32).fill_(1.0)
+    pid = os.fork()
+    if pid == 0:  # the child: write, then leave at once
+        block.fill_(2.0)
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert torch.equal(block, torch.ones(1024))
 
 
 def test_only_sizes_of_live_chunks_are_kept():
