@@ -33,14 +33,12 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import threading
-import warnings
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 
 import torch
 
-from .native_build import CSRC, load_library
+from .native_build import CSRC, LoadedOnce, env_flag, load_library
 
 DISABLE_ENV = "CHUNKMEM_DISABLE_BLOCK_POOL"
 SOURCE = CSRC / "storage_exchange.cpp"
@@ -128,37 +126,16 @@ class BlockPool:
 def pool_for_this_machine() -> BlockPool | None:
     """A new pool when the CPU holds both tiers (no CUDA), the pool is not disabled and the native
     helper is available, else ``None``."""
-    if torch.cuda.is_available() or os.environ.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no"):
+    if torch.cuda.is_available() or env_flag(DISABLE_ENV):
         return None
-    if not hasattr(torch._C, "_storage_Use_Count") or _helper() is None:
+    if not hasattr(torch._C, "_storage_Use_Count") or HELPER.get(stacklevel=4) is None:
         return None
     return BlockPool()
 
 
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_error: str | None = None
-_tried = False
-
-
-def _helper() -> ctypes.CDLL | None:
-    """The storage-exchange library, built or loaded on the first call; ``None`` if unavailable."""
-    global _library, _error, _tried
-    with _lock:
-        if not _tried:
-            _tried = True
-            try:
-                _library = _load()
-            except Exception as exc:  # noqa: BLE001 - any failure means: no pool, torch's allocator
-                _error = f"{type(exc).__name__}: {exc}"
-                warnings.warn(f"chunkmem: the block pool is unavailable, chunk buffers come from torch's allocator "
-                              f"(same values, more resident memory; {_error})", RuntimeWarning, stacklevel=4)
-    return _library
-
-
 def load_error() -> str | None:
     """Why the native helper is unavailable (after a model was wrapped), else ``None``."""
-    return _error
+    return HELPER.error
 
 
 def _load() -> ctypes.CDLL:
@@ -175,7 +152,11 @@ def _load() -> ctypes.CDLL:
     return lib
 
 
+HELPER = LoadedOnce(_load, "chunkmem: the block pool is unavailable, chunk buffers come from torch's allocator "
+                           "(same values, more resident memory; {error})")
+
+
 def _exchange(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
-    if _library.chunkmem_exchange_storage_memory(a._cdata, b._cdata) != 0:
+    if HELPER.value.chunkmem_exchange_storage_memory(a._cdata, b._cdata) != 0:
         raise RuntimeError("chunkmem: cannot exchange the memory of these storages (two distinct CPU storages "
                            "are needed)")

@@ -33,16 +33,13 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
 import platform
 import sys
-import threading
-import warnings
 from pathlib import Path
 
 import torch
 
-from .native_build import CSRC, load_library
+from .native_build import CSRC, LoadedOnce, env_flag, load_library
 
 DISABLE_ENV = "CHUNKMEM_DISABLE_CPP_ADAM"
 FP32_ENV = "CHUNKMEM_CPP_ADAM_FP32"
@@ -58,13 +55,9 @@ _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _APPLY_MULT, _DECOUPLED, _L2 = 1, 2, 4
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
-
-
 def disabled() -> bool:
     """Whether ``CHUNKMEM_DISABLE_CPP_ADAM`` turns the kernel off."""
-    return _env_flag(DISABLE_ENV)
+    return env_flag(DISABLE_ENV)
 
 
 class HostAdamKernel:
@@ -134,33 +127,15 @@ class HostAdamKernel:
                                        a.numel(), 0.5, torch.get_num_threads() if nthreads is None else nthreads)
 
 
-_lock = threading.Lock()
-_kernel: HostAdamKernel | None = None
-_error: str | None = None
-_tried = False
-
-
 def kernel() -> HostAdamKernel | None:
     """The kernel, building or loading it on the first call; ``None`` if it is unavailable (the reason:
     :func:`load_error`). Ignores ``CHUNKMEM_DISABLE_CPP_ADAM``; :func:`try_update` honours it."""
-    global _kernel, _error, _tried
-    if _tried:
-        return _kernel
-    with _lock:
-        if not _tried:
-            try:
-                _kernel = _load()
-            except Exception as exc:  # noqa: BLE001 - any failure means: use the torch-op path
-                _error = f"{type(exc).__name__}: {exc}"
-                warnings.warn(f"chunkmem: the C++ host Adam kernel is unavailable, using torch ops instead "
-                              f"({_error})", RuntimeWarning, stacklevel=3)
-            _tried = True
-    return _kernel
+    return _KERNEL.get(stacklevel=4)
 
 
 def load_error() -> str | None:
     """Why :func:`kernel` returned ``None`` (after it was called), else ``None``."""
-    return _error
+    return _KERNEL.error
 
 
 def _load() -> HostAdamKernel:
@@ -176,6 +151,9 @@ def _load() -> HostAdamKernel:
     k = HostAdamKernel(lib, path, build_seconds)
     k.fma, k.exact = _pick_rounding(k)
     return k
+
+
+_KERNEL = LoadedOnce(_load, "chunkmem: the C++ host Adam kernel is unavailable, using torch ops instead ({error})")
 
 
 def _pick_rounding(k: HostAdamKernel) -> tuple[bool, bool]:
@@ -243,7 +221,7 @@ def try_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
         return False
     k = kernel()
     if k is None or (grad.dtype == torch.float32 and not k.exact and not fp32_within_ulp
-                     and not _env_flag(FP32_ENV)):
+                     and not env_flag(FP32_ENV)):
         return False
     if n == 0:
         return True

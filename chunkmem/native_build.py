@@ -5,7 +5,8 @@ folder (``$CHUNKMEM_CACHE_DIR``, else ``$XDG_CACHE_HOME/chunkmem``, else ``~/.ca
 folder in the temporary directory). The file name carries a hash of the source, the flags and the
 compiler's version, so a changed source, flag or compiler builds a new file; later processes load the
 cached one. Each build goes through a temporary file and an atomic rename, so processes building at
-the same time never load half a file. Callers decide what a failure means (they all fall back to
+the same time never load half a file. :class:`LoadedOnce` runs a loader at most once per process and
+reports a failure once, with a warning; callers decide what a failure means (they all fall back to
 torch).
 """
 from __future__ import annotations
@@ -20,11 +21,53 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Generic, TypeVar
 
 CACHE_ENV = "CHUNKMEM_CACHE_DIR"
 CSRC = Path(__file__).with_name("csrc")
+
+T = TypeVar("T")
+
+
+def env_flag(name: str) -> bool:
+    """Whether the environment variable ``name`` is set to something other than empty, 0, false, no, off."""
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+class LoadedOnce(Generic[T]):
+    """What ``load`` returns, loaded on the first :meth:`get` of the process (thread-safe); when it
+    raises, ``None`` from then on, with ``warning`` (``{error}`` stands for the reason) given once and
+    the reason kept in :attr:`error`."""
+
+    def __init__(self, load: Callable[[], T], warning: str) -> None:
+        self._load = load
+        self._warning = warning
+        self._lock = threading.Lock()
+        self.value: T | None = None
+        self.error: str | None = None
+        self.tried = False
+
+    def get(self, stacklevel: int = 2) -> T | None:
+        """The loaded value, or ``None`` if loading failed (``stacklevel``: for the warning, counted
+        from this method)."""
+        if self.tried:
+            return self.value
+        with self._lock:
+            if not self.tried:
+                try:
+                    self.value = self._load()
+                except Exception as exc:  # noqa: BLE001 - any failure means: fall back to torch
+                    self.error = f"{type(exc).__name__}: {exc}"
+                    warnings.warn(self._warning.format(error=self.error), RuntimeWarning, stacklevel=stacklevel)
+                self.tried = True
+        return self.value
+
+    def fresh(self) -> "LoadedOnce[T]":
+        """A new, untried loader of the same thing (tests)."""
+        return LoadedOnce(self._load, self._warning)
 
 
 def load_library(source: Path, flags: Sequence[str], stem: str) -> tuple[ctypes.CDLL, Path, float | None]:

@@ -77,7 +77,7 @@ def test_block_still_viewed_elsewhere_is_not_reused():
 
 
 def test_lend_and_take_back_keep_the_storage_and_its_views():
-    if block_pool._helper() is None:
+    if block_pool.HELPER.get() is None:
         pytest.skip(f"native helper unavailable: {block_pool.load_error()}")
     pool = BlockPool()
     pool.use_sizes([1024])
@@ -125,7 +125,7 @@ def _train(steps, placement, dtype=torch.float32):
                                              ("cpu", torch.float16)])
 def test_training_is_bitwise_the_same_without_the_pool_and_maps_nothing_new_after_the_first_step(
         monkeypatch, placement, dtype):
-    if block_pool._helper() is None:
+    if block_pool.HELPER.get() is None:
         pytest.skip(f"native helper unavailable: {block_pool.load_error()}")
     pooled_losses, pooled_params, mapped = _train(6, placement, dtype)
     # From the third step on (auto has then traced and planned), every buffer is a reused block.
@@ -139,22 +139,18 @@ def test_training_is_bitwise_the_same_without_the_pool_and_maps_nothing_new_afte
 
 
 def test_no_compiler_means_no_pool_with_a_warning_and_training_still_works(monkeypatch, tmp_path):
-    saved = block_pool._library, block_pool._error, block_pool._tried
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv(native_build.CACHE_ENV, str(tmp_path / "cache"))
-    block_pool._library, block_pool._error, block_pool._tried = None, None, False
-    try:
-        with pytest.warns(RuntimeWarning, match="block pool is unavailable"):
-            assert block_pool.pool_for_this_machine() is None
-        assert "no-such-compiler" in block_pool.load_error()
-        losses, _, mapped = _train(2, "cpu")
-        assert mapped == [None, None] and all(loss == loss for loss in losses)
-    finally:
-        block_pool._library, block_pool._error, block_pool._tried = saved
+    monkeypatch.setattr(block_pool, "HELPER", block_pool.HELPER.fresh())
+    with pytest.warns(RuntimeWarning, match="block pool is unavailable"):
+        assert block_pool.pool_for_this_machine() is None
+    assert "no-such-compiler" in block_pool.load_error()
+    losses, _, mapped = _train(2, "cpu")
+    assert mapped == [None, None] and all(loss == loss for loss in losses)
 
 
 def test_repack_unmaps_the_replaced_chunks_blocks_and_empty_cache_unmaps_the_rest():
-    if block_pool._helper() is None:
+    if block_pool.HELPER.get() is None:
         pytest.skip(f"native helper unavailable: {block_pool.load_error()}")
     torch.manual_seed(0)
     with cm.ZeroInitContext(target_device=torch.device("cpu"), shard_strategy=cm.TensorShardStrategy(),

@@ -193,29 +193,25 @@ def test_disabled_by_env_uses_torch_ops(monkeypatch):
 
 def test_build_failure_falls_back(monkeypatch, tmp_path):
     """No compiler: the failure is reported once (a warning), remembered, and updates use torch ops."""
-    saved = host_adam_ext._kernel, host_adam_ext._error, host_adam_ext._tried
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv(native_build.CACHE_ENV, str(tmp_path / "cache"))
-    host_adam_ext._kernel, host_adam_ext._error, host_adam_ext._tried = None, None, False
-    try:
-        h = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw_mode=True,
-                      bias_correction=True)
-        ref = make_state(N, torch.float16)
-        ours = [t.clone() for t in ref]
-        ref_out, our_out = torch.empty(N, dtype=torch.float16), torch.empty(N, dtype=torch.float16)
-        adam_update_torch_(*ref, 1, h, 1 / 8, ref_out)
-        with pytest.warns(RuntimeWarning, match="unavailable"):
-            adam_update_(*ours, 1, h, 1 / 8, our_out)
-        assert all(torch.equal(a, b) for a, b in zip(ref, ours)) and torch.equal(ref_out, our_out)
-        assert host_adam_ext.kernel() is None and "no-such-compiler" in host_adam_ext.load_error()
-        adam_update_(*ours, 2, h, 1 / 8, our_out)  # no second attempt, no second warning
-    finally:
-        host_adam_ext._kernel, host_adam_ext._error, host_adam_ext._tried = saved
+    monkeypatch.setattr(host_adam_ext, "_KERNEL", host_adam_ext._KERNEL.fresh())
+    h = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw_mode=True,
+                  bias_correction=True)
+    ref = make_state(N, torch.float16)
+    ours = [t.clone() for t in ref]
+    ref_out, our_out = torch.empty(N, dtype=torch.float16), torch.empty(N, dtype=torch.float16)
+    adam_update_torch_(*ref, 1, h, 1 / 8, ref_out)
+    with pytest.warns(RuntimeWarning, match="unavailable"):
+        adam_update_(*ours, 1, h, 1 / 8, our_out)
+    assert all(torch.equal(a, b) for a, b in zip(ref, ours)) and torch.equal(ref_out, our_out)
+    assert host_adam_ext.kernel() is None and "no-such-compiler" in host_adam_ext.load_error()
+    adam_update_(*ours, 2, h, 1 / 8, our_out)  # no second attempt, no second warning
 
 
 def test_no_build_at_import():
     code = ("import chunkmem, chunkmem.host_adam_ext as h, chunkmem.adam_kernels; "
-            "assert not h._tried and h._kernel is None; print('ok')")
+            "assert not h._KERNEL.tried and h._KERNEL.value is None; print('ok')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
