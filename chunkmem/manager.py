@@ -85,6 +85,7 @@ class ChunkManager:
         self.gather_together = gather_together
         self.gathers = 0  # all-gather collectives run so far
         self.grads_pending = False
+        self.backward_count = 0  # backward passes finished (autograd's end of backward) so far
         self.optimizer_state_exists = False
         self.stale: dict[Chunk, None] = {}
         self.scheduler = Scheduler(self, device_of_tier(Tier.DEVICE))
@@ -347,6 +348,7 @@ class ChunkManager:
                 self.settle(chunk)
             chunk.grads_finished = False
         self.flush_stale()
+        self.backward_count += 1
         self.scheduler.end_iteration()
 
     def grad_of(self, chunk: Chunk) -> torch.Tensor | None:
