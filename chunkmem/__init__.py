@@ -7,13 +7,16 @@ from .init_context import ZeroInitContext
 from .loss_scaler import DynamicGradScaler
 from .model import ShardedModelV2
 from .optimizer import ShardedOptimizerV2
+from .param_guard import ChunkGradient, ChunkParameter, ParameterAccessError
+from .parameter_access import GatheredParameters, register_external_parameter
 from .shard_strategy import BaseShardStrategy, BucketTensorShardStrategy, TensorShardStrategy
 from .tiers import Tier, device_memory_capacity, parse_size, set_device_memory_capacity
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BaseShardStrategy", "BucketTensorShardStrategy", "CPUAdam", "CheckpointError", "ChunkmemError",
+    "BaseShardStrategy", "BucketTensorShardStrategy", "CPUAdam", "CheckpointError", "ChunkGradient",
+    "ChunkParameter", "ChunkmemError", "GatheredParameters", "ParameterAccessError", "register_external_parameter",
     "DeviceCapacityError", "DynamicGradScaler", "GradientAccumulationError", "HybridAdam", "InvalidArgumentError",
     "ShardedModelV2", "ShardedOptimizerV2", "TensorShardStrategy", "Tier", "ZeroInitContext",
     "consolidate_checkpoint", "device_memory_capacity", "load_checkpoint", "parse_size", "save_checkpoint",

@@ -1,11 +1,16 @@
 """Module and gradient hooks that fetch chunks before compute and collect gradients after it.
 
-Each module's forward acquires the chunks of its own parameters (and of parameters it was seen using
-from other modules) and releases them when it returns; the gradient of a module's outputs holds those
-chunks on the device for its backward. Each parameter's post-accumulate-grad hook hands its gradient to
-the chunk manager. The first forward runs under a :class:`ForeignParamDiscovery` mode that sees every
-operator, so that a parameter used outside its own module (``F.linear(x, other.weight)``) is fetched
-and remembered for that module from then on; later iterations run only the module hooks.
+Hooks sit on the wrapped root module and on every module that owns chunk-managed parameters (or was
+given one with :func:`~chunkmem.register_external_parameter`). Each hooked module's forward acquires
+the chunks of its own parameters (and of parameters it was seen using from other modules) and
+releases them when it returns, also when the forward raises (``always_call``), so an exception inside
+a forward (or the early stop of non-reentrant activation checkpointing) leaves nothing held. The
+gradient of a module's outputs holds its chunks on the device for its backward. Each parameter's
+post-accumulate-grad hook hands its gradient to the chunk manager.
+
+A parameter used outside its own module (``F.linear(x, other.weight)``, a tied head) is seen by the
+parameter guard (:mod:`chunkmem.param_guard`) at its first use in any forward: the innermost hooked
+module running is given that chunk now and from then on (:meth:`ChunkHooks.use_foreign`).
 """
 from __future__ import annotations
 
@@ -13,11 +18,22 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.overrides import TorchFunctionMode
+from torch._C import DisableTorchFunctionSubclass
 from torch.utils._pytree import tree_leaves
 
 from .chunk import Chunk
-from .manager import ChunkManager, slot_of
+from .manager import ChunkManager
+from .param_guard import ParameterAccessError, set_owner, slot_of
+
+
+class _Running:
+    """One module call in progress: the module and the chunks it holds."""
+
+    __slots__ = ("module", "chunks")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.chunks: list[Chunk] = []
 
 
 class ChunkHooks:
@@ -27,22 +43,44 @@ class ChunkHooks:
         self.root = root
         self.manager = manager
         self.module_chunks: dict[nn.Module, list[Chunk]] = {}
-        self.stack: list[tuple[nn.Module, list[Chunk]]] = []
+        self.stack: list[_Running] = []
         self.end_of_backward_queued = False
         self.handles: list[Any] = []
+        self.hooked: set[nn.Module] = set()
         self.foreign_params: dict[nn.Module, list[nn.Parameter]] = {}
         self.module_names = {module: name or type(module).__name__ for name, module in root.named_modules()}
+        from .parameter_access import registered_external_parameters
+
         for module in root.modules():
-            self.module_chunks[module] = []
-            self.handles.append(module.register_forward_pre_hook(self._pre_forward))
-            self.handles.append(module.register_forward_hook(self._post_forward))
-        for param in root.parameters():
-            if param.requires_grad and slot_of(param) is not None:
-                self.handles.append(param.register_post_accumulate_grad_hook(self._on_grad))
+            owns = any(slot_of(p) is not None for p in module.parameters(recurse=False))
+            external = list(registered_external_parameters(module))
+            if owns or external or module is root:
+                self.hook_module(module)
+            self.foreign_params[module] = external
+        with DisableTorchFunctionSubclass():
+            for param in root.parameters():
+                if param.requires_grad and slot_of(param) is not None:
+                    self.handles.append(param.register_post_accumulate_grad_hook(self._on_grad))
         self.refresh_chunks()
 
+    def hook_module(self, module: nn.Module) -> None:
+        """Give ``module`` the forward hooks (once)."""
+        if module in self.hooked:
+            return
+        self.hooked.add(module)
+        self.module_chunks.setdefault(module, [])
+        self.handles.append(module.register_forward_pre_hook(self._pre_forward))
+        self.handles.append(module.register_forward_hook(self._post_forward, always_call=True))
+
+    def remove(self) -> None:
+        """Remove every hook (the model is being unwrapped)."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        self.hooked.clear()
+
     def refresh_chunks(self) -> None:
-        """(Re-)read which chunks each module's own and foreign parameters are in (after a re-pack)."""
+        """(Re-)read which chunks each hooked module's own and foreign parameters are in (after a re-pack)."""
         for module in self.module_chunks:
             fresh = []
             for param in module.parameters(recurse=False):
@@ -51,44 +89,67 @@ class ChunkHooks:
                     fresh.append(slot.chunk)
             self.module_chunks[module] = fresh
         for module, params in self.foreign_params.items():
+            if params and module not in self.module_chunks:
+                self.hook_module(module)
             for param in params:
                 chunk = slot_of(param).chunk
                 if chunk not in self.module_chunks[module]:
                     self.module_chunks[module].append(chunk)
+        for chunk in self.manager.chunks:
+            set_owner(chunk, self)
 
     # ---- forward -----------------------------------------------------------------------------------
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        running = _Running(module)
+        self.stack.append(running)  # first: the post hook runs even if what follows raises
         chunks = list(self.module_chunks[module])
         if chunks:
             self.manager.scheduler.begin_period(self.module_names[module], "forward", chunks)
         self.manager.acquire(chunks)
-        self.stack.append((module, chunks))
+        running.chunks = chunks
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        popped, chunks = self.stack.pop()
-        assert popped is module
-        self.manager.release(chunks)
-        if torch.is_grad_enabled():
+        if not self.stack or self.stack[-1].module is not module:
+            return  # the stack was cleared (a new forward began after an interrupted one)
+        running = self.stack.pop()
+        self.manager.release(running.chunks)
+        if output is not None and torch.is_grad_enabled():
             pre_backward = self._make_pre_backward(module)
             for tensor in tree_leaves(output):
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                     tensor.register_hook(pre_backward)
 
     def use_foreign(self, param: nn.Parameter) -> None:
-        """A parameter was used while the top module does not hold its chunk: fetch it for that module
-        now and remember it for the module's later forwards and backwards."""
-        slot = slot_of(param)
-        module, held = self.stack[-1]
-        chunk = slot.chunk
-        if chunk in held:
+        """``param`` is used while the innermost running hooked module does not hold its chunk: fetch it
+        for that module now and remember it for the module's later forwards and backwards."""
+        running = self.stack[-1]
+        chunk = slot_of(param).chunk
+        if chunk in running.chunks:
             return
+        if self.manager.reuse_grads and chunk.param.holds_grads:
+            raise ParameterAccessError(
+                f"parameter {slot_of(param).name!r} is used in a forward while its chunk holds gradients "
+                "(reuse_fp16_shard=True): call optim.step() or optim.zero_grad() first")
         self.manager.acquire([chunk])
-        held.append(chunk)
-        self.foreign_params.setdefault(module, []).append(param)
+        running.chunks.append(chunk)
+        self.add_foreign(running.module, param)
+
+    def add_foreign(self, module: nn.Module, param: nn.Parameter) -> None:
+        """Fetch ``param``'s chunk with ``module`` from now on."""
+        params = self.foreign_params.setdefault(module, [])
+        if not any(p is param for p in params):
+            params.append(param)
+        chunk = slot_of(param).chunk
         if chunk not in self.module_chunks[module]:
             self.module_chunks[module].append(chunk)
             self.manager.scheduler.module_chunks_changed()
+
+    def clear_interrupted(self) -> None:
+        """Release what module calls left on the stack (a forward interrupted by an exception whose
+        post hooks could not run, e.g. a KeyboardInterrupt inside a hook)."""
+        while self.stack:
+            self.manager.release(self.stack.pop().chunks)
 
     # ---- backward ----------------------------------------------------------------------------------
 
@@ -112,27 +173,11 @@ class ChunkHooks:
         return pre_backward
 
     def _on_grad(self, param: nn.Parameter) -> None:
-        grad = param.grad
-        param.grad = None
+        with DisableTorchFunctionSubclass():
+            grad = param.grad
+            param.grad = None
         self.manager.accumulate_grad(slot_of(param), grad)
 
     def _end_of_backward(self) -> None:
         self.end_of_backward_queued = False
         self.manager.end_backward()
-
-
-class ForeignParamDiscovery(TorchFunctionMode):
-    """Sees every torch operator of one forward and fetches any chunk-managed parameter whose chunk
-    the running module does not hold (see :meth:`ChunkHooks.use_foreign`)."""
-
-    def __init__(self, hooks: ChunkHooks) -> None:
-        super().__init__()
-        self.hooks = hooks
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if self.hooks.stack:
-            for leaf in tree_leaves((args, kwargs)):
-                if isinstance(leaf, nn.Parameter) and slot_of(leaf) is not None:
-                    self.hooks.use_foreign(leaf)
-        return func(*args, **kwargs)

@@ -11,7 +11,8 @@ from .errors import InvalidArgumentError, check_type
 from .layout import aligned_numel
 from .ledger import TierLedger
 from .collectives import SINGLE_PROCESS, ShardGroup
-from .manager import SLOT_ATTR, allocate_param_copy, slot_of
+from .manager import allocate_param_copy, slot_of
+from .param_guard import adopt
 from .sharded_init import ShardedParamWrites
 from .shard_strategy import BaseShardStrategy
 from .tiers import device_memory_capacity, device_of_tier, tier_of_device
@@ -164,7 +165,7 @@ class ZeroInitContext:
         with torch.no_grad():
             chunk.write_own_part(slot, local, param.data)
         chunk.bind_views(chunk.param.device if chunk.param.sharded else local, [slot])
-        setattr(param, SLOT_ATTR, slot)
+        adopt(param, slot)
         self._numel += slot.numel
 
 def _all_module_classes() -> list[type]:

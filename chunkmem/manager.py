@@ -19,12 +19,7 @@ from .placement import PlacementPolicy
 from .schedule import Scheduler
 from .tiers import Tier, device_of_tier
 
-SLOT_ATTR = "_chunkmem_slot"
-
-
-def slot_of(param: nn.Parameter) -> ParamSlot | None:
-    """The slot of a chunk-managed parameter, or ``None`` for an ordinary one."""
-    return getattr(param, SLOT_ATTR, None)
+from .param_guard import SLOT_ATTR, adopt, slot_of  # noqa: F401  (re-exported: where callers look)
 
 
 def build_chunks(entries: Sequence[tuple[str, nn.Parameter, ChunkKey]], chunk_numel: int, dtype: torch.dtype,
@@ -49,7 +44,7 @@ def build_chunks(entries: Sequence[tuple[str, nn.Parameter, ChunkKey]], chunk_nu
             chunk.write_own_part(chunk.add_slot(param, name), local, value_of(param))
         chunk.bind_views(chunk.param.device if shards.sharded else local)
         for slot in chunk.slots:
-            setattr(slot.param, SLOT_ATTR, slot)
+            adopt(slot.param, slot)
         chunks.append(chunk)
     return chunks
 

@@ -15,12 +15,13 @@ from . import memstats
 from .atomic_file import write_json_atomically
 from .chunk import MASTER, Chunk, ChunkKey
 from .errors import DeviceCapacityError, GradientAccumulationError, InvalidArgumentError, check_number, check_type
-from .hooks import ChunkHooks, ForeignParamDiscovery
+from .hooks import ChunkHooks
 from .init_context import check_chunk_size, check_dtype
 from .collectives import ShardGroup
 from .layout import aligned_numel, pack, search_chunk_numel
 from .ledger import TierLedger
-from .manager import SLOT_ATTR, ChunkManager, GradientReduction, build_chunks, slot_of
+from .manager import ChunkManager, GradientReduction, build_chunks, slot_of
+from .param_guard import ParameterAccessError, disown
 from .placement import make_policy
 from .shard_strategy import BaseShardStrategy
 from .tiers import Tier, device_memory_capacity, device_of_tier
@@ -153,7 +154,6 @@ class ShardedModelV2(nn.Module):
         self.chunk_manager.settle_all()
         self.chunk_manager.bind_views_to_device()
         self._hooks = ChunkHooks(module, self.chunk_manager)
-        self._discover_foreign_params = True
         self.optimizer_attached = False
 
     # ---- layout ------------------------------------------------------------------------------------
@@ -262,25 +262,10 @@ class ShardedModelV2(nn.Module):
                 "forward called while gradients from the last backward are still in the parameters' memory "
                 "(reuse_fp16_shard=True): call optim.step() or optim.zero_grad() first; gradient "
                 "accumulation needs reuse_fp16_shard=False")
-        self._recover_from_interrupted_forward()
+        self._hooks.clear_interrupted()
         args, kwargs = tree_map(self._cast_input, (args, kwargs))
         self.chunk_manager.scheduler.begin_iteration(_shapes_of((args, kwargs)), torch.is_grad_enabled())
-        if self._discover_foreign_params:
-            with ForeignParamDiscovery(self._hooks):
-                output = self.module(*args, **kwargs)
-            self._discover_foreign_params = False
-        else:
-            try:
-                output = self.module(*args, **kwargs)
-            except RuntimeError as exc:
-                if "storage of size 0" not in str(exc):
-                    raise
-                self._discover_foreign_params = True
-                raise RuntimeError(
-                    "a parameter was used while its chunk was not on the device: a module used a parameter "
-                    "of another module for the first time after the first forward (parameters used outside "
-                    "their module are found during the first forward). The next forward looks again; "
-                    "call it again.") from exc
+        output = self.module(*args, **kwargs)
         if not torch.is_grad_enabled():
             self.chunk_manager.flush_stale()
         if self.dtype != torch.float32:
@@ -295,10 +280,66 @@ class ShardedModelV2(nn.Module):
             return value.to(device=self.compute_device, dtype=self.dtype)
         return value.to(self.compute_device)
 
-    def _recover_from_interrupted_forward(self) -> None:
-        while self._hooks.stack:
-            _module, chunks = self._hooks.stack.pop()
-            self.chunk_manager.release(chunks)
+    # ---- what a plain module would do, refused or redirected ---------------------------------------
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "ShardedModelV2":
+        raise ParameterAccessError(
+            "converting a ShardedModelV2 (.half(), .float(), .to(...), .cuda(), .cpu(), ...): the dtype and the "
+            "placement of its parameters belong to chunkmem. Choose them when wrapping (ZeroInitContext / "
+            "ShardedModelV2 dtype=, tensor_placement_policy=), or take a plain module back with model.unwrap()")
+
+    def to(self, *args: Any, **kwargs: Any) -> "ShardedModelV2":
+        """A no-op when it asks for the compute device (or the CPU's, without CUDA) and this model's
+        dtype, as training loops written for plain modules do; any real conversion is refused (see
+        :meth:`_apply`)."""
+        device, dtype, _non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        same_device = device is None or torch.device(device).type == self.compute_device.type
+        if same_device and dtype in (None, self.dtype) and memory_format is None:
+            return self
+        return self._apply(None)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise ParameterAccessError(
+            "copy.deepcopy of a ShardedModelV2: its parameters live in chunks tied to this model's memory "
+            "manager. Build a second model and load model.state_dict() into it, or take a plain module back "
+            "with model.unwrap()")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise ParameterAccessError(
+            "pickling (torch.save) a ShardedModelV2: save model.state_dict() or use chunkmem.save_checkpoint")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop (``set_to_none``) or zero the gradients held in the chunks. With ``reuse_fp16_shard`` the
+        gradients share the parameters' memory: use ``optim.zero_grad()``, which restores the values."""
+        check_type("set_to_none", set_to_none, bool, "True or False")
+        if self.reuse_fp16_shard and any(c.param.holds_grads for c in self.chunks):
+            raise GradientAccumulationError(
+                "with reuse_fp16_shard=True the gradients are in the parameters' memory: call optim.zero_grad() "
+                "(it restores the parameters from the fp32 masters), not model.zero_grad()")
+        self.chunk_manager.zero_grad(set_to_none)
+
+    def unwrap(self) -> nn.Module:
+        """Give the wrapped module back as a plain module: every parameter an ordinary ``nn.Parameter``
+        holding its full current value in fp32 on the CPU (from the fp32 masters where they exist, as
+        :meth:`state_dict`), buffers as they are, chunkmem's hooks removed and the chunks freed. The
+        parameter objects stay the same (an optimizer over them still names them). This model and its
+        optimizer cannot be used afterwards. Sharded, the chunks are gathered: every rank calls it."""
+        if self._hooks.stack:
+            raise ParameterAccessError("model.unwrap() inside the model's forward")
+        values: dict[int, torch.Tensor] = {}
+        for chunk in self.chunks:
+            full = self._full_values(chunk)
+            for slot in chunk.slots:
+                values[id(slot.param)] = slot.view(full).clone()
+        self._hooks.remove()
+        for chunk in self.chunks:
+            chunk.free_all()
+            for slot in chunk.slots:
+                if slot_of(slot.param) is slot:
+                    disown(slot.param, values[id(slot.param)])
+        self.chunk_manager.chunks = []
+        self._unwrapped = True
+        return self.module
 
     # ---- inspection --------------------------------------------------------------------------------
 
@@ -443,8 +484,7 @@ def _free_chunk(chunk: Chunk) -> None:
     chunk.free_all()
     for slot in chunk.slots:
         if slot_of(slot.param) is slot:
-            slot.param.data = torch.empty(0, dtype=slot.param.dtype)
-            delattr(slot.param, SLOT_ATTR)
+            disown(slot.param, torch.empty(0, dtype=slot.chunk.dtype))
 
 
 def _unique_chunks(slots: list[Any]) -> list[Chunk]:

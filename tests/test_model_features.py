@@ -137,7 +137,7 @@ def test_buffers_follow_dtype_and_device():
     assert out.dtype == torch.float32
 
 
-def test_foreign_parameter_used_first_after_warm_up_gives_clear_error_then_works():
+def test_foreign_parameter_used_first_after_warm_up_works_at_once():
     class Branchy(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -157,8 +157,7 @@ def test_foreign_parameter_used_first_after_warm_up_gives_clear_error_then_works
     x = torch.randn(2, 4)
     with torch.no_grad():
         model(x)
-        with pytest.raises(RuntimeError, match="used a parameter of another module"):
-            model(x, use_b_weight=True)
+        # the parameter guard fetches b's chunk for the running module at its first use
         assert torch.equal(model(x, use_b_weight=True), plain(x, use_b_weight=True))
         assert torch.equal(model(x, use_b_weight=True), plain(x, use_b_weight=True))
     assert model.tier_bytes()["device"] == {}
