@@ -149,7 +149,6 @@ class ShardedOptimizerV2(Optimizer):
         self._optimizer_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._zero_grad_profile_name = f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
