@@ -2,7 +2,8 @@
 memory, by packing them into chunks that move between the device and host tiers."""
 from .adam import CPUAdam, HybridAdam
 from .checkpoint import CheckpointError, consolidate_checkpoint, load_checkpoint, save_checkpoint
-from .errors import ChunkmemError, DeviceCapacityError, GradientAccumulationError, InvalidArgumentError
+from .errors import (ChunkmemError, DeviceCapacityError, GradientAccumulationError, InvalidArgumentError,
+                     UnscaledBackwardError, UnsupportedOperationError)
 from .init_context import ZeroInitContext
 from .loss_scaler import DynamicGradScaler
 from .model import ShardedModelV2
@@ -18,7 +19,8 @@ __all__ = [
     "BaseShardStrategy", "BucketTensorShardStrategy", "CPUAdam", "CheckpointError", "ChunkGradient",
     "ChunkParameter", "ChunkmemError", "GatheredParameters", "ParameterAccessError", "register_external_parameter",
     "DeviceCapacityError", "DynamicGradScaler", "GradientAccumulationError", "HybridAdam", "InvalidArgumentError",
-    "ShardedModelV2", "ShardedOptimizerV2", "TensorShardStrategy", "Tier", "ZeroInitContext",
+    "ShardedModelV2", "ShardedOptimizerV2", "TensorShardStrategy", "Tier", "UnscaledBackwardError",
+    "UnsupportedOperationError", "ZeroInitContext",
     "consolidate_checkpoint", "device_memory_capacity", "load_checkpoint", "parse_size", "save_checkpoint",
     "set_device_memory_capacity",
 ]

@@ -29,6 +29,16 @@ class GradientAccumulationError(ChunkmemError, RuntimeError):
     """Gradients were accumulated over two backward passes while ``reuse_fp16_shard=True``."""
 
 
+class UnscaledBackwardError(ChunkmemError, RuntimeError):
+    """fp16 gradients came from a backward pass that bypassed the loss scaler (``loss.backward()``
+    instead of ``optim.backward(loss)``); stepping on them would divide them by the loss scale."""
+
+
+class UnsupportedOperationError(ChunkmemError, RuntimeError):
+    """A ``torch.optim.Optimizer`` operation that a chunked optimizer cannot honour (its chunk layout is
+    fixed once attached)."""
+
+
 def check_type(argument: str, value: Any, expected: type | tuple[type, ...], allowed: str) -> None:
     """Raise :class:`InvalidArgumentError` unless ``value`` is an instance of ``expected``."""
     if not isinstance(value, expected) or (isinstance(value, bool) and bool not in _as_tuple(expected)):

@@ -409,6 +409,7 @@ class ShardedModelV2(nn.Module):
 
         Sharded, the chunks are gathered one at a time, so every rank must call it; with
         ``rank0_only=True`` the other ranks receive an empty dict (and keep no copy)."""
+        check_type("rank0_only", rank0_only, bool, "True or False")
         keep = not rank0_only or self.shards.rank == 0
         values: dict[int, torch.Tensor] = {}
         for chunk in self.chunks:

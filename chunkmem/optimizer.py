@@ -3,16 +3,19 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any
+from collections import OrderedDict
+from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.optim import Optimizer
 
 from .adam import check_supported_optimizer, hyper_of_group
 from .adam_kernels import adam_update_
 from .chunk import EXP_AVG, EXP_AVG_SQ, MASTER, Chunk
 from .collectives import ShardGroup, all_reduce_over
-from .errors import DeviceCapacityError, GradientAccumulationError, InvalidArgumentError, check_number, check_type
+from .errors import (DeviceCapacityError, GradientAccumulationError, InvalidArgumentError, UnscaledBackwardError,
+                     UnsupportedOperationError, check_number, check_type)
 from .loss_scaler import DynamicGradScaler
 from .manager import slot_of
 from .model import ShardedModelV2
@@ -20,14 +23,23 @@ from .placement import AutoPlacement
 from .tiers import Tier
 
 
-class ShardedOptimizerV2:
+class ShardedOptimizerV2(Optimizer):
     """Runs Adam over whole chunks where each chunk's optimizer state lives, with loss scaling.
 
     fp16 models get a :class:`~chunkmem.DynamicGradScaler` configured by the scaler arguments; bf16 and
     fp32 models train unscaled (``loss_scale`` stays 1) and, as in plain PyTorch, do not skip steps.
+    With fp16, backward must go through :meth:`backward` (or :meth:`backward_by_grad`): after a plain
+    ``loss.backward()`` :meth:`step` and :meth:`clip_grad_norm` raise
+    :class:`~chunkmem.UnscaledBackwardError`. bf16 and fp32 models may use either.
     A separate fp32 master exists only for 16-bit models; fp32 parameters are their own masters.
-    Every step reads each param group's current hyper-parameters from ``optimizer.param_groups``, so an
-    LR scheduler built on ``optimizer`` (this object's ``optim``) works.
+
+    It is a ``torch.optim.Optimizer``, so the schedulers of ``torch.optim.lr_scheduler`` take it
+    directly. It holds no state of its own in torch's sense: ``param_groups`` and ``defaults`` are the
+    wrapped optimizer's (every step reads each group's current hyper-parameters, ``lr`` and ``betas``
+    included), step counts and moments live in the chunks (read them with :meth:`state_dict`; ``state``
+    is the wrapped optimizer's and stays empty). Step pre/post hooks run around :meth:`step`, state-dict
+    hooks around :meth:`state_dict` and :meth:`load_state_dict`. :meth:`add_param_group` and pickling
+    are refused with :class:`~chunkmem.UnsupportedOperationError`.
 
     Args:
         sharded_model: the :class:`~chunkmem.ShardedModelV2` whose parameters ``optimizer`` holds.
@@ -80,6 +92,10 @@ class ShardedOptimizerV2:
         self.manager = sharded_model.chunk_manager
         self._clip_coef = 1.0
         self._grad_norm: float | None = None
+        # backward passes of the model whose gradients may be stepped on (all of them without a scaler;
+        # with one, those run by backward() / backward_by_grad())
+        self._accounted_backwards = self.manager.backward_count
+        self._init_optimizer_hooks()
 
         plan = sharded_model._plan_for_groups(group_of)
         self._check_capacity(plan)
@@ -123,12 +139,56 @@ class ShardedOptimizerV2:
     def _trainable_chunks(self) -> list[Chunk]:
         return [c for c in self.manager.chunks if c.trainable]
 
-    # ---- the training step -------------------------------------------------------------------------
+    # ---- torch.optim.Optimizer ---------------------------------------------------------------------
+    # Optimizer.__init__ is not called: it would build a second list of param groups and a second state.
+
+    def _init_optimizer_hooks(self) -> None:
+        self._optimizer_step_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The wrapped optimizer's param groups (hyper-parameters are read from here at every step)."""
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """The wrapped optimizer's param groups, the same list (hyper-parameters are read from here at
+        every step, so a scheduler that changes ``lr`` or ``betas`` changes the next step)."""
         return self.optim.param_groups
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        """The wrapped optimizer's default hyper-parameters."""
+        return self.optim.defaults
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        """The wrapped optimizer's per-parameter state, which stays empty: the step counts and moments
+        live in the chunks; :meth:`state_dict` returns them in torch's layout."""
+        return self.optim.state
+
+    def add_param_group(self, param_group: dict[str, Any]) -> NoReturn:
+        """Refused: the chunks are packed per param group when the optimizer is attached, so groups
+        cannot be added afterwards. Give the wrapped optimizer every group before building this one."""
+        raise UnsupportedOperationError(
+            "ShardedOptimizerV2.add_param_group is not supported: the chunk layout is fixed per param group "
+            "once the optimizer is attached; pass every param group to the wrapped optimizer before building "
+            "ShardedOptimizerV2")
+
+    def __getstate__(self) -> NoReturn:
+        raise UnsupportedOperationError(
+            "a ShardedOptimizerV2 cannot be pickled or copied (its state lives in the model's chunks); save "
+            "optim.state_dict() or use chunkmem.save_checkpoint")
+
+    def __repr__(self) -> str:
+        lines = [f"ShardedOptimizerV2 ({type(self.optim).__name__}, dtype={self.model.dtype}, "
+                 f"loss_scale={self.loss_scale}"]
+        for index, group in enumerate(self.param_groups):
+            lines.append(f"Parameter Group {index}")
+            lines.extend(f"    {key}: {group[key]}" for key in sorted(group) if key != "params")
+        return "\n".join(lines) + "\n)"
+
+    # ---- the training step -------------------------------------------------------------------------
 
     @property
     def loss_scale(self) -> float:
@@ -138,14 +198,39 @@ class ShardedOptimizerV2:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` times the loss scale; gradients land in the chunks."""
         self._check_can_accumulate()
-        (loss * self.loss_scale if self.grad_scaler else loss).backward()
+        self._run_backward(lambda: (loss * self.loss_scale if self.grad_scaler else loss).backward())
         self.manager.scheduler.close_finished_traces()
 
     def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
-        """Backward from ``tensor`` with the upstream gradient ``grad`` (not scaled)."""
+        """Backward from ``tensor`` with the upstream gradient ``grad`` (not scaled: with fp16, ``grad``
+        is expected to carry the loss scale already)."""
         self._check_can_accumulate()
-        torch.autograd.backward(tensor, grad)
+        self._run_backward(lambda: torch.autograd.backward(tensor, grad))
         self.manager.scheduler.close_finished_traces()
+
+    def _run_backward(self, run: Callable[[], None]) -> None:
+        """Run a backward and count the model's backward passes it made as scaled."""
+        before = self.manager.backward_count
+        try:
+            run()
+        finally:
+            self._accounted_backwards += self.manager.backward_count - before
+
+    def _check_backward_was_scaled(self) -> None:
+        """With a loss scaler, raise if a backward pass of the model did not go through :meth:`backward`."""
+        if self.grad_scaler is None:
+            return
+        unscaled = self.manager.backward_count - self._accounted_backwards
+        if unscaled:
+            raise UnscaledBackwardError(
+                f"{unscaled} backward pass(es) of the fp16 model since the last zero_grad() did not go through "
+                f"the loss scaler (loss.backward()?): their gradients are not multiplied by the loss scale "
+                f"({self.loss_scale}), so the step would divide them by it. Call optim.backward(loss) instead "
+                f"of loss.backward(); call optim.zero_grad() to drop the gradients already accumulated")
+
+    def _forget_backwards(self) -> None:
+        """The gradients were dropped: earlier backward passes no longer matter."""
+        self._accounted_backwards = self.manager.backward_count
 
     def _check_can_accumulate(self) -> None:
         if self.model.reuse_fp16_shard and self.manager.grads_pending:
@@ -158,6 +243,7 @@ class ShardedOptimizerV2:
         unscaled gradients (inf or NaN if they overflowed). Clipping is folded into the update."""
         check_number("max_norm", max_norm, low=0.0, low_open=True)
         check_number("norm_type", norm_type, low=0.0, low_open=True)
+        self._check_backward_was_scaled()
         norm = self._total_norm(float(norm_type))
         self._grad_norm = norm
         self._clip_coef = min(1.0, max_norm / (norm + 1e-6)) if math.isfinite(norm) else 1.0
@@ -193,16 +279,19 @@ class ShardedOptimizerV2:
             all_reduce_over(group, pair, dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM)
         return float("nan") if pair[1].item() else pair[0].item()
 
-    def step(self) -> bool:
+    def step(self) -> bool:  # type: ignore[override]
         """Unscale, check for overflow, clip, and update every chunk where its optimizer state lives.
 
         Returns ``True`` if the parameters were updated, ``False`` if the step was skipped (overflow,
         or no gradients since the last step). A skipped step leaves masters and optimizer state
-        untouched and discards the gradients.
+        untouched and discards the gradients. With fp16, gradients from a backward that bypassed
+        :meth:`backward` raise :class:`~chunkmem.UnscaledBackwardError` and change nothing. Hooks
+        registered with ``register_step_pre_hook`` / ``register_step_post_hook`` run before and after.
         """
         self.manager.scheduler.close_finished_traces()
         if not self.manager.grads_pending:
             return False
+        self._check_backward_was_scaled()
         if self.grad_scaler is not None:
             norm = self._grad_norm if self._grad_norm is not None else self._total_norm()
             if not math.isfinite(norm):
@@ -221,6 +310,9 @@ class ShardedOptimizerV2:
             self.manager.grads_pending = False
         self._clip_coef, self._grad_norm = 1.0, None
         return True
+
+    step = Optimizer.profile_hook_step(step)  # runs torch's step pre/post hooks around it
+    step.hooked = True  # type: ignore[attr-defined]  # tells torch not to wrap it again
 
     def _update_chunk(self, chunk: Chunk, multiplier: float) -> None:
         tier = self.manager.policy.optim_tier(chunk)
@@ -245,10 +337,13 @@ class ShardedOptimizerV2:
                     self.manager.params_updated(chunk, tier)
         self.manager.zero_grad(set_to_none=True)
         self._clip_coef, self._grad_norm = 1.0, None
+        self._forget_backwards()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients (``set_to_none``) or zero them. With ``reuse_fp16_shard`` and no step since
         the backward, the parameters are restored from the masters."""
+        check_type("set_to_none", set_to_none, bool, "True or False")
+        self._forget_backwards()
         if self.model.reuse_fp16_shard:
             self._discard_grads()
         else:
@@ -290,7 +385,14 @@ class ShardedOptimizerV2:
         """
         from .state_dicts import optimizer_state_dict
 
-        return optimizer_state_dict(self, rank0_only)
+        check_type("rank0_only", rank0_only, bool, "True or False")
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state = optimizer_state_dict(self, rank0_only)
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            replaced = post_hook(self, state)
+            state = state if replaced is None else replaced
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a full optimizer state dict: this object's :meth:`state_dict` or
@@ -307,4 +409,9 @@ class ShardedOptimizerV2:
         """
         from .state_dicts import plan_optimizer_load
 
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            replaced = pre_hook(self, state_dict)
+            state_dict = state_dict if replaced is None else replaced
         plan_optimizer_load(self, state_dict).apply()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
