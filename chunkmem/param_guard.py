@@ -153,6 +153,17 @@ def _attribute(func: Any) -> tuple[str, str] | None:
     return getattr(getattr(func, "__self__", None), "__name__", ""), kind[2:5]
 
 
+_METADATA = ("metadata",)
+_kinds: dict[Any, Any] = {}  # func -> _METADATA, an attribute's (name, "get"|"set"), or () (a call)
+
+
+def _classify(func: Any) -> Any:
+    attribute = _attribute(func)
+    if _is_metadata(func, attribute):
+        return _METADATA
+    return attribute if attribute is not None else ()
+
+
 def _is_metadata(func: Any, attribute: tuple[str, str] | None) -> bool:
     if attribute is not None:
         return attribute[0] in _METADATA_ATTRIBUTES and attribute[1] == "get"
@@ -183,11 +194,15 @@ class ChunkParameter(nn.Parameter):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        attribute = _attribute(func)
-        if _is_metadata(func, attribute):
-            return _plain(func, args, kwargs)
+        kind = _kinds.get(func)
+        if kind is None:
+            kind = _kinds[func] = _classify(func)
+        if kind is _METADATA:
+            with DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        attribute = kind
         params = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, ChunkParameter)]
-        if attribute is not None:
+        if attribute:
             return _attribute_access(params[0], attribute, func, args, kwargs)
         target = _written_target(func, args, kwargs)
         if all(_passes(p, p is target) for p in params):
