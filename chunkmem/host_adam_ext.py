@@ -244,7 +244,8 @@ def try_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
                fp32_within_ulp: bool = False) -> bool:
     """Run the update with the kernel if it applies (see the module docstring); ``False``: not done.
     ``fp32_within_ulp``: use it for fp32 gradients too where it is only within an ulp of the torch-op
-    path (the chunked optimizer's choice: speed; ``HybridAdam`` alone keeps torch's exact results)."""
+    path (speed over bitwise equality; chunkmem's own optimizers do not ask for it, so that fp32
+    training keeps torch's results bit for bit on every machine)."""
     if master.device.type != "cpu" or disabled():
         return False
     n = master.numel()
