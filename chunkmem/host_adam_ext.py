@@ -16,18 +16,27 @@ and every update then takes the torch-op path. ``CHUNKMEM_DISABLE_CPP_ADAM=1`` d
 (checked at every update).
 
 Rounding. The kernel performs the torch-op path's operations in the same order with the same fp32
-roundings, with one exception: its square root is IEEE (correctly rounded, as in torch's own fused
-AdamW), while torch's CPU ``Tensor.sqrt`` in the MKL builds (the PyPI x86-64 wheels) goes through MKL
-VML in its high-accuracy mode, which is one ulp off for about a fifth of the inputs. A denominator one
-ulp off changes the updated master only where it tips the rounding of ``p + step``: in about 1 element
-in 400 to 2,000 of a random sample, by one fp32 ulp. So on such a torch the moments are bitwise equal
-to ``torch.optim.AdamW``'s and the masters and 16-bit copies differ in those few elements by one ulp. At load the kernel is compared with
-the torch-op path on a sample: torch's AVX2 / AVX-512 kernels round the lerp, addcmul and add-with-alpha
-as fused multiply-adds, its DEFAULT build does not; the kernel takes whichever rounding gives equal
-moments, and notes whether everything was equal (``exact``). Where it is not, fp32 gradients keep the
-torch-op path, so fp32 training stays bitwise equal to ``torch.optim.AdamW``, unless
-``CHUNKMEM_CPP_ADAM_FP32=1`` asks for the kernel (speed over bitwise equality); 16-bit gradients, whose
-reference tests compare to a tolerance, always use the kernel.
+roundings. Two things differ from one torch build and CPU to another, and the kernel has a variant for
+each, chosen at load by comparing the kernel with the torch-op path on a sample (:func:`_pick_rounding`):
+
+* FMA: torch's AVX2 / AVX-512 kernels round the lerp, addcmul and add-with-alpha as fused
+  multiply-adds, its DEFAULT build does not.
+* The square root: ``"ieee"``, the instruction set's (correctly rounded, as in torch's own fused
+  AdamW), or ``"vml"``, MKL's ``vmsSqrt`` in high-accuracy mode, the function torch's CPU
+  ``Tensor.sqrt`` calls in the MKL builds (the PyPI x86-64 wheels), looked up in torch's own library.
+  On some CPUs (AMD EPYC with AVX2, for one) that sqrt is one ulp off for about a sixth of the inputs;
+  a denominator one ulp off tips the rounding of the updated master in about 1 element in 400 to 2,000,
+  and over a few steps such ulps exceed a 1e-6 relative tolerance. With ``"vml"`` the kernel still reads
+  and writes each buffer once, computing tiles of 512 elements held in the L1 cache in two halves
+  around one ``vmsSqrt`` call per tile.
+
+The first variant (IEEE square root before VML, FMA before none) that equals the torch-op path bit
+for bit on the sample, moments, masters and 16-bit copies alike, is taken (``exact``). Where none does,
+the kernel keeps the IEEE square root and the rounding that gives equal moments; fp32 gradients then
+keep the torch-op path, so fp32 training stays bitwise equal to ``torch.optim.AdamW``, unless
+``CHUNKMEM_CPP_ADAM_FP32=1`` or a caller's ``fp32_within_ulp=True`` asks for the kernel (speed over
+bitwise equality); 16-bit gradients, whose reference tests compare to a tolerance, always use the
+kernel.
 """
 from __future__ import annotations
 
@@ -45,7 +54,10 @@ DISABLE_ENV = "CHUNKMEM_DISABLE_CPP_ADAM"
 FP32_ENV = "CHUNKMEM_CPP_ADAM_FP32"
 SOURCE = CSRC / "host_adam.cpp"
 CXXFLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-math-errno")
-ABI_VERSION = 1
+ABI_VERSION = 2
+# VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE: the mode in which torch's Tensor.sqrt calls vmsSqrt
+VML_SQRT_MODE = 0x2 | 0x140000 | 0x100
+SQRT_VARIANTS = ("ieee", "vml")
 # The 16-bit parameter copy is written with streaming (non-temporal) stores from this many elements
 # on: it is not read back by the update, and streaming stores spare the read-for-ownership of its
 # cache lines (2 of the 30 bytes per parameter an ordinary store moves). Below it, it may stay in cache.
@@ -61,15 +73,19 @@ def disabled() -> bool:
 
 
 class HostAdamKernel:
-    """The loaded library. ``fma``: whether it rounds like torch's FMA kernels; ``exact``: whether it
-    matched the torch-op path bit for bit at load; ``build_seconds``: compile time (``None`` if the
-    library came from the cache); ``path``: the library file."""
+    """The loaded library. ``fma``: whether it rounds like torch's FMA kernels; ``sqrt``: its square
+    root, ``"ieee"`` or ``"vml"`` (see the module docstring); ``vml_sqrt``: the address of MKL's
+    ``vmsSqrt`` in torch's library, ``None`` where torch has none; ``exact``: whether it matched the
+    torch-op path bit for bit at load; ``build_seconds``: compile time (``None`` if the library came
+    from the cache); ``path``: the library file."""
 
-    def __init__(self, lib: ctypes.CDLL, path: Path, build_seconds: float | None) -> None:
+    def __init__(self, lib: ctypes.CDLL, path: Path, build_seconds: float | None,
+                 vml_sqrt: int | None = None) -> None:
         self.lib, self.path, self.build_seconds = lib, path, build_seconds
-        self.fma, self.exact = True, False
+        self.fma, self.sqrt, self.exact = True, "ieee", False
+        self.vml_sqrt = vml_sqrt
         f, i, i64, ptr = ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-        lib.chunkmem_host_adam.argtypes = [ptr, ptr, i, ptr, ptr, ptr, i, i64] + [f] * 9 + [i, i, i, i64]
+        lib.chunkmem_host_adam.argtypes = [ptr, ptr, i, ptr, ptr, ptr, i, i64] + [f] * 9 + [i, i, ptr, i64, i, i64]
         lib.chunkmem_host_adam.restype = i
         lib.chunkmem_stream_4r3w.argtypes = [ptr, ptr, ptr, ptr, i64, f, i]
         lib.chunkmem_stream_4r3w.restype = None
@@ -79,8 +95,15 @@ class HostAdamKernel:
 
     def update(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                step: int, hyper, grad_multiplier: float = 1.0, param_out: torch.Tensor | None = None, *,
-               fma: bool | None = None, nt_min: int | None = None, nthreads: int | None = None) -> None:
-        """The update on already validated buffers (see :func:`try_update`); ``hyper`` an AdamHyper."""
+               fma: bool | None = None, sqrt: str | None = None, nt_min: int | None = None,
+               nthreads: int | None = None) -> None:
+        """The update on already validated buffers (see :func:`try_update`); ``hyper`` an AdamHyper.
+        ``fma``, ``sqrt``: a variant other than the chosen one; ``nt_min``: streaming stores of the
+        16-bit copy from this many elements on; ``nthreads``: threads (default torch's)."""
+        sqrt = self.sqrt if sqrt is None else sqrt
+        if sqrt not in SQRT_VARIANTS or (sqrt == "vml" and self.vml_sqrt is None):
+            raise ValueError(f"sqrt={sqrt!r}: expected one of {SQRT_VARIANTS}, 'vml' only where torch has "
+                             f"MKL's vmsSqrt (here: {self.vml_sqrt is not None})")
         flags, decay, wd = 0, 1.0, 0.0
         if grad_multiplier != 1.0:
             flags |= _APPLY_MULT
@@ -100,6 +123,7 @@ class HostAdamKernel:
                           exp_avg_sq.data_ptr(), out_ptr, out_code, master.numel(), grad_multiplier, decay, wd,
                           1 - hyper.beta1, hyper.beta2, 1 - hyper.beta2, math.sqrt(bias_correction2), hyper.eps,
                           -step_size, flags, int(self.fma if fma is None else fma),
+                          self.vml_sqrt if sqrt == "vml" else None, VML_SQRT_MODE,
                           torch.get_num_threads() if nthreads is None else nthreads,
                           NT_MIN_ELEMENTS if nt_min is None else nt_min)
         if rc != 0:
@@ -148,17 +172,31 @@ def _load() -> HostAdamKernel:
         raise RuntimeError(f"{path} has another ABI version")
     if not lib.chunkmem_host_adam_cpu_ok():
         raise RuntimeError("the CPU lacks AVX2, FMA or F16C")
-    k = HostAdamKernel(lib, path, build_seconds)
-    k.fma, k.exact = _pick_rounding(k)
+    k = HostAdamKernel(lib, path, build_seconds, _find_vml_sqrt())
+    k.fma, k.sqrt, k.exact = _pick_rounding(k)
     return k
+
+
+def _find_vml_sqrt() -> int | None:
+    """The address of MKL's ``vmsSqrt`` in torch's CPU library (loaded already), or ``None``."""
+    if not torch.backends.mkl.is_available():
+        return None
+    for path in sorted((Path(torch.__file__).parent / "lib").glob("libtorch_cpu.*")):
+        try:
+            return ctypes.cast(ctypes.CDLL(str(path)).vmsSqrt, ctypes.c_void_p).value
+        except (OSError, AttributeError):
+            continue
+    return None
 
 
 _KERNEL = LoadedOnce(_load, "chunkmem: the C++ host Adam kernel is unavailable, using torch ops instead ({error})")
 
 
-def _pick_rounding(k: HostAdamKernel) -> tuple[bool, bool]:
-    """``(fma, exact)``: the rounding (FMA or not) with which the kernel's moments equal the torch-op
-    path's bit for bit on a sample, and whether everything (masters, 16-bit copies) did too."""
+def _pick_rounding(k: HostAdamKernel) -> tuple[bool, str, bool]:
+    """``(fma, sqrt, exact)``: the first variant (square root ``"ieee"`` before ``"vml"``, FMA before
+    none) with which everything (moments, masters, 16-bit copies) equals the torch-op path bit for bit
+    on a sample, with ``exact=True``; where none does, the IEEE square root, the rounding with which the
+    moments are equal, and ``exact=False``."""
     from .adam_kernels import AdamHyper, adam_update_torch_
 
     gen = torch.Generator().manual_seed(20240605)
@@ -172,7 +210,7 @@ def _pick_rounding(k: HostAdamKernel) -> tuple[bool, bool]:
                                                 (0.01, True, True, 1 / 3, torch.bfloat16),
                                                 (0.0, False, True, 0.5, torch.float16)]]
 
-    def compare(fma: bool) -> tuple[bool, bool]:
+    def compare(fma: bool, sqrt: str) -> tuple[bool, bool]:
         moments = everything = True
         for hyper, mult, dtype in cases:
             ref = [t.clone() for t in base[:3]]
@@ -181,17 +219,19 @@ def _pick_rounding(k: HostAdamKernel) -> tuple[bool, bool]:
             ref_out, our_out = (None, None) if dtype == torch.float32 else (torch.empty(n, dtype=dtype),
                                                                          torch.empty(n, dtype=dtype))
             adam_update_torch_(ref[0], grad, ref[1], ref[2], 7, hyper, mult, ref_out)
-            k.update(ours[0], grad, ours[1], ours[2], 7, hyper, mult, our_out, fma=fma, nt_min=0)
+            k.update(ours[0], grad, ours[1], ours[2], 7, hyper, mult, our_out, fma=fma, sqrt=sqrt, nt_min=0)
             moments &= torch.equal(ref[1], ours[1]) and torch.equal(ref[2], ours[2])
             everything &= moments and torch.equal(ref[0], ours[0]) and (
                 ref_out is None or torch.equal(ref_out, our_out))
         return moments, everything
 
-    results = {fma: compare(fma) for fma in (True, False)}
-    for fma in (True, False):
-        if results[fma][1]:
-            return fma, True
-    return (False if results[False][0] and not results[True][0] else True), False
+    results = {}
+    for sqrt in SQRT_VARIANTS if k.vml_sqrt is not None else SQRT_VARIANTS[:1]:
+        for fma in (True, False):
+            results[fma, sqrt] = compare(fma, sqrt)
+            if results[fma, sqrt][1]:
+                return fma, sqrt, True
+    return (False if results[False, "ieee"][0] and not results[True, "ieee"][0] else True), "ieee", False
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -204,7 +244,8 @@ def try_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
                fp32_within_ulp: bool = False) -> bool:
     """Run the update with the kernel if it applies (see the module docstring); ``False``: not done.
     ``fp32_within_ulp``: use it for fp32 gradients too where it is only within an ulp of the torch-op
-    path (the chunked optimizer's choice: speed; ``HybridAdam`` alone keeps torch's exact results)."""
+    path (speed over bitwise equality; chunkmem's own optimizers do not ask for it, so that fp32
+    training keeps torch's results bit for bit on every machine)."""
     if master.device.type != "cpu" or disabled():
         return False
     n = master.numel()

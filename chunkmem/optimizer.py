@@ -324,8 +324,7 @@ class ShardedOptimizerV2(Optimizer):
         chunk.step += 1
         master = chunk.optim[MASTER].tensor if chunk.has_master else target
         adam_update_(master, grad, chunk.optim[EXP_AVG].tensor, chunk.optim[EXP_AVG_SQ].tensor, chunk.step, hyper,
-                     grad_multiplier=multiplier, param_out=target if chunk.has_master else None,
-                     fp32_within_ulp=True)
+                     grad_multiplier=multiplier, param_out=target if chunk.has_master else None)
         self.manager.params_updated(chunk, tier)
 
     def _discard_grads(self) -> None:

@@ -240,3 +240,95 @@ def test_late_steps_where_bias_correction_rounds_to_one(step):
     assert torch.equal(ours[2], ref[2]) and torch.equal(ours[3], ref[3])
     assert ((ours[0] - ref[0]).abs() <= 4 * ULP * size).all()
     assert torch.equal(our_out, ours[0].to(torch.bfloat16))
+
+
+# ---- the variant chosen at load is the torch-op path, bit for bit (task H6) --------------------------
+
+
+def test_vml_sqrt_is_torchs_sqrt():
+    """Where torch has MKL, the vmsSqrt the kernel can call rounds exactly as torch's Tensor.sqrt, on
+    every kind of input (tiny, denormal, huge, zero, inf, nan) and on any sub-range of an array."""
+    k = get_kernel()
+    assert (k.vml_sqrt is not None) == torch.backends.mkl.is_available()
+    if k.vml_sqrt is None:
+        assert k.sqrt == "ieee"
+        return
+    import ctypes
+    vsqrt = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)(k.vml_sqrt)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.cat([torch.rand(5000, generator=gen) * 1e-4, torch.rand(5000, generator=gen) * 100,
+                   torch.tensor([0.0, float("inf"), float("nan"), 1e-45, 1e-40, 3e38, 1.0, 4.0])])
+    want = torch.sqrt(x)
+    for start, n in ((0, x.numel()), (3, 1), (5, 17), (1001, 513), (x.numel() - 8, 8)):
+        out = torch.empty(n)
+        vsqrt(n, x[start:].data_ptr(), out.data_ptr(), host_adam_ext.VML_SQRT_MODE)
+        assert torch.equal(out.nan_to_num(-1.0), want[start:start + n].nan_to_num(-1.0)), (start, n)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_chosen_variant_is_bitwise_the_torch_op_path(grad_dtype):
+    """Where the probe found an exact variant, it equals the torch-op path bit for bit beyond the probe's
+    sample: sizes around the vector width and the tile, several steps, every branch of the arithmetic,
+    1 to 3 threads, a misaligned 16-bit copy. Where it found none, fp32 gradients are not given to it."""
+    k = get_kernel()
+    if not k.exact:
+        state = make_state(N, torch.float32)
+        h = AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, True, True)
+        assert not host_adam_ext.try_update(*state, 1, h, 1.0, None)
+        return
+    hypers = [AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True, True), AdamHyper(1e-2, 0.3, 0.99, 1e-6, 0.1, False, True),
+              AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, False, False)]
+    for n in (1, 15, 17, 511, 512, 529, 4099, (1 << 18) + 37):
+        for i, h in enumerate(hypers):
+            ref = make_state(n, grad_dtype, seed=n + i, grad_scale=8.0)
+            ours = [t.clone() for t in ref]
+            out_dtype = torch.bfloat16 if grad_dtype == torch.float32 else grad_dtype
+            ref_out = torch.empty(n, dtype=out_dtype)
+            our_out = torch.empty(n + 1, dtype=out_dtype)[1:]
+            for step, nthreads, mult in ((1, 1, 1.0), (2, 3, 1 / 8), (20_000, 2, 0.5)):
+                adam_update_torch_(*ref, step, h, mult, ref_out)
+                k.update(*ours, step, h, mult, our_out, nthreads=nthreads, nt_min=0 if nthreads == 3 else None)
+                assert all(torch.equal(a, b) for a, b in zip(ref, ours)), (n, h, step)
+                assert torch.equal(ref_out, our_out), (n, h, step)
+
+
+def test_fp32_chunked_training_is_bitwise_the_torch_op_path(monkeypatch):
+    """The chunked optimizer's fp32 training gives the torch-op path's results bit for bit, with the
+    kernel where the probe found it exact on this machine (it is then used) and without it elsewhere."""
+    from models import TinyGPT, batches, build_sharded, train
+
+    k = get_kernel()
+    calls = []
+    update = k.update
+    monkeypatch.setattr(k, "update", lambda *args, **kwargs: calls.append(1) or update(*args, **kwargs))
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    data = batches(4)
+    results = {}
+    for disabled in ("1", "0"):
+        monkeypatch.setenv(host_adam_ext.DISABLE_ENV, disabled)
+        model, optim = build_sharded(reference, "cpu", torch.float32)
+        results[disabled] = (train(model, optim, data), model.state_dict())
+    assert (len(calls) > 0) is k.exact
+    assert results["0"][0] == results["1"][0]
+    for name, value in results["1"][1].items():
+        assert torch.equal(results["0"][1][name], value), name
+
+
+def test_fp32_within_ulp_takes_the_kernel_anyway():
+    """A caller may ask for the kernel on fp32 gradients where it is not exact (speed over bitwise)."""
+    h = AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True, True)
+    ref = make_state(N, torch.float32)
+    ours = [t.clone() for t in ref]
+    assert host_adam_ext.try_update(*ours, 3, h, 1.0, None, fp32_within_ulp=True)
+    get_kernel().update(*ref, 3, h, 1.0, None)
+    assert all(torch.equal(a, b) for a, b in zip(ref, ours))
+
+
+def test_unknown_sqrt_variant_is_refused():
+    k = get_kernel()
+    state = make_state(16, torch.float32)
+    before = [t.clone() for t in state]
+    with pytest.raises(ValueError, match="sqrt='exact'"):
+        k.update(*state, 1, AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, True, True), sqrt="exact")
+    assert all(torch.equal(a, b) for a, b in zip(before, state))

@@ -21,8 +21,14 @@
 // not. The template parameter FMA picks one or the other, so the result can match torch bit for bit in
 // both cases; the Python side checks which one does at load time. This file is compiled with
 // -ffp-contract=off so that the compiler never fuses on its own.
+//
+// The square root is the instruction set's (correctly rounded), or, where torch's Tensor.sqrt is not
+// correctly rounded (MKL builds, whose sqrt goes through MKL VML: one ulp off for some inputs on some
+// CPUs), the same library function torch calls, handed in by the Python side as a function pointer and
+// applied to tiles of the chunk held in the L1 cache (adam_range_tiled).
 #include <immintrin.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -43,13 +49,22 @@ enum Flags : int {
   kL2 = 4,           // Adam decay: g += wd * p
 };
 
+// A square root over an array, called like MKL's vmsSqrt(n, a, r, mode). MKL_INT n is 32 bits in the
+// LP64 interface (the callee reads the low half of the register) and 64 in ILP64: passing 64 bits and
+// n < 2^31 serves both.
+using VecSqrt = void (*)(int64_t n, const float* a, float* r, int64_t mode);
+
 struct Args {
   float mult, decay, wd, w, beta2, omb2, bc2s, eps, nss;
   int flags;
+  bool small;          // |w| < 0.5: the lerp's first branch
+  VecSqrt vsqrt;       // nullptr: the correctly rounded square root of the instruction set
+  int64_t vsqrt_mode;  // the mode argument of vsqrt
 };
 
 // ---------------------------------------------------------------------------------------------------
-// Scalar element (tails, heads and thread boundaries): the same operations as the vector body.
+// Scalar element (tails, heads and thread boundaries): the same operations as the vector body, in two
+// halves: the moments (and the decayed master), then, given sqrt(v), the master.
 
 CM_TARGET inline float madd(float a, float b, float c, bool fma) {
   return fma ? std::fmaf(a, b, c) : a * b + c;  // -ffp-contract=off: a*b + c stays two roundings
@@ -82,26 +97,35 @@ CM_TARGET inline void store_out1(void* o, int64_t i, float p) {
   else if constexpr (OD == kBF16) static_cast<uint16_t*>(o)[i] = f32_to_bf16(p);
 }
 
-template <int GD, int OD, bool FMA>
-CM_TARGET inline void adam_scalar(float* __restrict p, const void* __restrict g, float* __restrict m,
-                                  float* __restrict v, void* __restrict out, int64_t i, const Args& a,
-                                  bool small) {
+template <int GD, bool FMA>
+CM_TARGET inline void moments1(float* __restrict p, const void* __restrict g, float* __restrict m,
+                               float* __restrict v, int64_t i, const Args& a) {
   float gi = load_grad1<GD>(g, i);
   if (a.flags & kApplyMult) gi = gi * a.mult;
   float pi = p[i];
-  if (a.flags & kDecoupled) pi = pi * a.decay;
+  if (a.flags & kDecoupled) p[i] = pi = pi * a.decay;
   if (a.flags & kL2) gi = madd(pi, a.wd, gi, FMA);
   float mi = m[i];
   float diff = gi - mi;
-  mi = small ? madd(a.w, diff, mi, FMA) : madd(a.w - 1.0f, diff, gi, FMA);
+  m[i] = a.small ? madd(a.w, diff, mi, FMA) : madd(a.w - 1.0f, diff, gi, FMA);
   float vi = v[i] * a.beta2;
-  vi = madd(a.omb2 * gi, gi, vi, FMA);
-  float d = (a.bc2s == 1.0f ? std::sqrt(vi) : std::sqrt(vi) / a.bc2s) + a.eps;  // x / 1 == x, exactly
-  pi = pi + (a.nss * mi) / d;
+  v[i] = madd(a.omb2 * gi, gi, vi, FMA);
+}
+
+template <int OD>
+CM_TARGET inline void finish1(float* __restrict p, const float* __restrict m, void* __restrict out, int64_t i,
+                              float sqrt_v, const Args& a) {
+  float d = (a.bc2s == 1.0f ? sqrt_v : sqrt_v / a.bc2s) + a.eps;  // x / 1 == x, exactly
+  float pi = p[i] + (a.nss * m[i]) / d;
   p[i] = pi;
-  m[i] = mi;
-  v[i] = vi;
   store_out1<OD>(out, i, pi);
+}
+
+template <int GD, int OD, bool FMA>
+CM_TARGET inline void adam_scalar(float* __restrict p, const void* __restrict g, float* __restrict m,
+                                  float* __restrict v, void* __restrict out, int64_t i, const Args& a) {
+  moments1<GD, FMA>(p, g, m, v, i, a);
+  finish1<OD>(p, m, out, i, std::sqrt(v[i]), a);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -158,55 +182,65 @@ CM_TARGET inline void store_out16(void* o, int64_t i, __m256 p0, __m256 p1) {
   }
 }
 
+// The scalars broadcast to 8 lanes.
+struct Lanes {
+  __m256 mult, decay, wd, w, beta2, omb2, bc2s, eps, nss;
+  bool apply_mult, decoupled, l2, small;
+  // sqrt(v) / 1 == sqrt(v) exactly: with bias correction off, or once 1 - beta2^step rounds to 1 (after
+  // some 17,000 steps with beta2 = 0.999), skip that division (a third of the divider's work)
+  bool div_bc2;
+
+  CM_TARGET explicit Lanes(const Args& a)
+      : mult(_mm256_set1_ps(a.mult)), decay(_mm256_set1_ps(a.decay)), wd(_mm256_set1_ps(a.wd)),
+        w(_mm256_set1_ps(a.small ? a.w : a.w - 1.0f)), beta2(_mm256_set1_ps(a.beta2)),
+        omb2(_mm256_set1_ps(a.omb2)), bc2s(_mm256_set1_ps(a.bc2s)), eps(_mm256_set1_ps(a.eps)),
+        nss(_mm256_set1_ps(a.nss)), apply_mult(a.flags & kApplyMult), decoupled(a.flags & kDecoupled),
+        l2(a.flags & kL2), small(a.small), div_bc2(a.bc2s != 1.0f) {}
+};
+
+// 8 lanes: p, m, v in registers become the decayed master and the new moments (g: fp32 gradient).
+template <bool FMA>
+CM_TARGET inline void moments8(const Lanes& c, __m256 g, __m256& p, __m256& m, __m256& v) {
+  if (c.apply_mult) g = _mm256_mul_ps(g, c.mult);
+  if (c.decoupled) p = _mm256_mul_ps(p, c.decay);
+  if (c.l2) g = vmadd<FMA>(p, c.wd, g);
+  m = vmadd<FMA>(c.w, _mm256_sub_ps(g, m), c.small ? m : g);
+  v = vmadd<FMA>(_mm256_mul_ps(c.omb2, g), g, _mm256_mul_ps(v, c.beta2));
+}
+
+// 8 lanes: the updated master from the decayed one, exp_avg and sqrt(exp_avg_sq).
+CM_TARGET inline __m256 finish8(const Lanes& c, __m256 p, __m256 m, __m256 sqrt_v) {
+  __m256 d = c.div_bc2 ? _mm256_div_ps(sqrt_v, c.bc2s) : sqrt_v;
+  d = _mm256_add_ps(d, c.eps);
+  return _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(c.nss, m), d));
+}
+
+// The first element at or after i from which the 16-bit copy is 32-byte aligned (streaming stores).
+inline int64_t aligned_from(const void* out, int64_t i, int64_t end) {
+  while (i < end && (reinterpret_cast<uintptr_t>(static_cast<const uint16_t*>(out) + i) & 31) != 0) ++i;
+  return i;
+}
+
+// One pass, everything in registers; the instruction set's square root.
 template <int GD, int OD, bool FMA, bool NT>
 CM_TARGET void adam_range_vec(float* __restrict p, const void* __restrict g, float* __restrict m,
                               float* __restrict v, void* __restrict out, int64_t begin, int64_t end,
-                              const Args& a, bool small) {
-  const __m256 mult = _mm256_set1_ps(a.mult), decay = _mm256_set1_ps(a.decay), wd = _mm256_set1_ps(a.wd);
-  const __m256 w = _mm256_set1_ps(small ? a.w : a.w - 1.0f);
-  const __m256 beta2 = _mm256_set1_ps(a.beta2), omb2 = _mm256_set1_ps(a.omb2);
-  const __m256 bc2s = _mm256_set1_ps(a.bc2s), eps = _mm256_set1_ps(a.eps), nss = _mm256_set1_ps(a.nss);
-  const bool apply_mult = a.flags & kApplyMult, decoupled = a.flags & kDecoupled, l2 = a.flags & kL2;
-  // sqrt(v) / 1 == sqrt(v) exactly: with bias correction off, or once 1 - beta2^step rounds to 1 (after
-  // some 17,000 steps with beta2 = 0.999), skip that division (a third of the divider's work)
-  const bool div_bc2 = a.bc2s != 1.0f;
+                              const Args& a) {
+  const Lanes c(a);
   int64_t i = begin;
-  if constexpr (NT) {  // streaming stores of the 16-bit copy need it 32-byte aligned
-    while (i < end && (reinterpret_cast<uintptr_t>(static_cast<uint16_t*>(out) + i) & 31) != 0)
-      adam_scalar<GD, OD, FMA>(p, g, m, v, out, i++, a, small);
+  if constexpr (NT) {
+    for (const int64_t head = aligned_from(out, i, end); i < head; ++i) adam_scalar<GD, OD, FMA>(p, g, m, v, out, i, a);
   }
   for (; i + 16 <= end; i += 16) {
     __m256 g0, g1;
     load_grad16<GD>(g, i, g0, g1);
-    if (apply_mult) {
-      g0 = _mm256_mul_ps(g0, mult);
-      g1 = _mm256_mul_ps(g1, mult);
-    }
     __m256 p0 = _mm256_loadu_ps(p + i), p1 = _mm256_loadu_ps(p + i + 8);
-    if (decoupled) {
-      p0 = _mm256_mul_ps(p0, decay);
-      p1 = _mm256_mul_ps(p1, decay);
-    }
-    if (l2) {
-      g0 = vmadd<FMA>(p0, wd, g0);
-      g1 = vmadd<FMA>(p1, wd, g1);
-    }
     __m256 m0 = _mm256_loadu_ps(m + i), m1 = _mm256_loadu_ps(m + i + 8);
-    __m256 base0 = small ? m0 : g0, base1 = small ? m1 : g1;
-    m0 = vmadd<FMA>(w, _mm256_sub_ps(g0, m0), base0);
-    m1 = vmadd<FMA>(w, _mm256_sub_ps(g1, m1), base1);
-    __m256 v0 = _mm256_mul_ps(_mm256_loadu_ps(v + i), beta2), v1 = _mm256_mul_ps(_mm256_loadu_ps(v + i + 8), beta2);
-    v0 = vmadd<FMA>(_mm256_mul_ps(omb2, g0), g0, v0);
-    v1 = vmadd<FMA>(_mm256_mul_ps(omb2, g1), g1, v1);
-    __m256 d0 = _mm256_sqrt_ps(v0), d1 = _mm256_sqrt_ps(v1);
-    if (div_bc2) {
-      d0 = _mm256_div_ps(d0, bc2s);
-      d1 = _mm256_div_ps(d1, bc2s);
-    }
-    d0 = _mm256_add_ps(d0, eps);
-    d1 = _mm256_add_ps(d1, eps);
-    p0 = _mm256_add_ps(p0, _mm256_div_ps(_mm256_mul_ps(nss, m0), d0));
-    p1 = _mm256_add_ps(p1, _mm256_div_ps(_mm256_mul_ps(nss, m1), d1));
+    __m256 v0 = _mm256_loadu_ps(v + i), v1 = _mm256_loadu_ps(v + i + 8);
+    moments8<FMA>(c, g0, p0, m0, v0);
+    moments8<FMA>(c, g1, p1, m1, v1);
+    p0 = finish8(c, p0, m0, _mm256_sqrt_ps(v0));
+    p1 = finish8(c, p1, m1, _mm256_sqrt_ps(v1));
     _mm256_storeu_ps(p + i, p0);
     _mm256_storeu_ps(p + i + 8, p1);
     _mm256_storeu_ps(m + i, m0);
@@ -215,38 +249,93 @@ CM_TARGET void adam_range_vec(float* __restrict p, const void* __restrict g, flo
     _mm256_storeu_ps(v + i + 8, v1);
     store_out16<OD, NT>(out, i, p0, p1);
   }
-  for (; i < end; ++i) adam_scalar<GD, OD, FMA>(p, g, m, v, out, i, a, small);
+  for (; i < end; ++i) adam_scalar<GD, OD, FMA>(p, g, m, v, out, i, a);
   if constexpr (NT) _mm_sfence();
 }
 
-using RangeFn = void (*)(float*, const void*, float*, float*, void*, int64_t, int64_t, const Args&, bool);
+// Tiles of kTile elements (a multiple of 16), small enough for the L1 cache: the moments of a tile,
+// then a.vsqrt over its exp_avg_sq into a buffer, then its masters. The same memory traffic as the one
+// pass (the tile is re-read from cache), for a square root that rounds like the library torch's own
+// sqrt calls.
+constexpr int64_t kTile = 512;
 
-template <int GD, int OD, bool FMA>
+template <int GD, int OD, bool FMA, bool NT>
+CM_TARGET void adam_range_tiled(float* __restrict p, const void* __restrict g, float* __restrict m,
+                                float* __restrict v, void* __restrict out, int64_t begin, int64_t end,
+                                const Args& a) {
+  const Lanes c(a);
+  alignas(32) float sqrt_v[kTile];
+  // with streaming stores, a first (short) tile up to where the 16-bit copy is aligned, so that every
+  // later tile's vector stores are
+  int64_t stop = NT ? aligned_from(out, begin, end) : begin;
+  if (stop == begin) stop = std::min(end, begin + kTile);
+  for (int64_t t = begin; t < end; t = stop, stop = std::min(end, t + kTile)) {
+    int64_t i = t;
+    for (; i + 16 <= stop; i += 16) {
+      __m256 g0, g1;
+      load_grad16<GD>(g, i, g0, g1);
+      __m256 p0 = _mm256_loadu_ps(p + i), p1 = _mm256_loadu_ps(p + i + 8);
+      __m256 m0 = _mm256_loadu_ps(m + i), m1 = _mm256_loadu_ps(m + i + 8);
+      __m256 v0 = _mm256_loadu_ps(v + i), v1 = _mm256_loadu_ps(v + i + 8);
+      moments8<FMA>(c, g0, p0, m0, v0);
+      moments8<FMA>(c, g1, p1, m1, v1);
+      if (c.decoupled) {
+        _mm256_storeu_ps(p + i, p0);
+        _mm256_storeu_ps(p + i + 8, p1);
+      }
+      _mm256_storeu_ps(m + i, m0);
+      _mm256_storeu_ps(m + i + 8, m1);
+      _mm256_storeu_ps(v + i, v0);
+      _mm256_storeu_ps(v + i + 8, v1);
+    }
+    for (; i < stop; ++i) moments1<GD, FMA>(p, g, m, v, i, a);
+    a.vsqrt(stop - t, v + t, sqrt_v, a.vsqrt_mode);
+    for (i = t; i + 16 <= stop; i += 16) {
+      __m256 p0 = finish8(c, _mm256_loadu_ps(p + i), _mm256_loadu_ps(m + i), _mm256_load_ps(sqrt_v + (i - t)));
+      __m256 p1 = finish8(c, _mm256_loadu_ps(p + i + 8), _mm256_loadu_ps(m + i + 8),
+                          _mm256_load_ps(sqrt_v + (i - t) + 8));
+      _mm256_storeu_ps(p + i, p0);
+      _mm256_storeu_ps(p + i + 8, p1);
+      store_out16<OD, NT>(out, i, p0, p1);
+    }
+    for (; i < stop; ++i) finish1<OD>(p, m, out, i, sqrt_v[i - t], a);
+  }
+  if constexpr (NT) _mm_sfence();
+}
+
+using RangeFn = void (*)(float*, const void*, float*, float*, void*, int64_t, int64_t, const Args&);
+
+template <int GD, int OD, bool FMA, bool TILED>
 RangeFn pick_nt(bool nt) {
   if constexpr (OD == kF16 || OD == kBF16) {
-    if (nt) return &adam_range_vec<GD, OD, FMA, true>;
+    if (nt) return TILED ? &adam_range_tiled<GD, OD, FMA, true> : &adam_range_vec<GD, OD, FMA, true>;
   }
-  return &adam_range_vec<GD, OD, FMA, false>;
+  return TILED ? &adam_range_tiled<GD, OD, FMA, false> : &adam_range_vec<GD, OD, FMA, false>;
 }
 
-template <int GD, bool FMA>
+template <int GD, bool FMA, bool TILED>
 RangeFn pick_out(int od, bool nt) {
   switch (od) {
-    case kF16: return pick_nt<GD, kF16, FMA>(nt);
-    case kBF16: return pick_nt<GD, kBF16, FMA>(nt);
-    case kNone: return pick_nt<GD, kNone, FMA>(nt);
+    case kF16: return pick_nt<GD, kF16, FMA, TILED>(nt);
+    case kBF16: return pick_nt<GD, kBF16, FMA, TILED>(nt);
+    case kNone: return pick_nt<GD, kNone, FMA, TILED>(nt);
     default: return nullptr;
   }
 }
 
-template <bool FMA>
+template <bool FMA, bool TILED>
 RangeFn pick_grad(int gd, int od, bool nt) {
   switch (gd) {
-    case kF32: return pick_out<kF32, FMA>(od, nt);
-    case kF16: return pick_out<kF16, FMA>(od, nt);
-    case kBF16: return pick_out<kBF16, FMA>(od, nt);
+    case kF32: return pick_out<kF32, FMA, TILED>(od, nt);
+    case kF16: return pick_out<kF16, FMA, TILED>(od, nt);
+    case kBF16: return pick_out<kBF16, FMA, TILED>(od, nt);
     default: return nullptr;
   }
+}
+
+RangeFn pick(int gd, int od, bool nt, bool fma, bool tiled) {
+  if (fma) return tiled ? pick_grad<true, true>(gd, od, nt) : pick_grad<true, false>(gd, od, nt);
+  return tiled ? pick_grad<false, true>(gd, od, nt) : pick_grad<false, false>(gd, od, nt);
 }
 
 // Runs body(begin, end) over [0, n) on up to nthreads threads (the calling thread one of them), at
@@ -284,25 +373,27 @@ void parallel_range(int64_t n, int nthreads, int64_t min_per_thread, Body body) 
 // ---------------------------------------------------------------------------------------------------
 // Exported C ABI.
 
-CM_EXPORT int chunkmem_host_adam_abi(void) { return 1; }
+CM_EXPORT int chunkmem_host_adam_abi(void) { return 2; }
 
 CM_EXPORT int chunkmem_host_adam_cpu_ok(void) {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
-// Returns 0 on success, nonzero for an unsupported dtype combination (nothing written then).
+// Returns 0 on success, nonzero for an unsupported dtype combination (nothing written then). vsqrt:
+// nullptr for the instruction set's square root, else a VecSqrt called with vsqrt_mode.
 CM_EXPORT int chunkmem_host_adam(float* p, const void* g, int grad_dtype, float* m, float* v, void* out,
                                  int out_dtype, int64_t n, float mult, float decay, float wd, float w,
                                  float beta2, float omb2, float bc2s, float eps, float nss, int flags, int fma,
-                                 int nthreads, int64_t nt_min) {
+                                 void* vsqrt, int64_t vsqrt_mode, int nthreads, int64_t nt_min) {
   if (out == nullptr) out_dtype = kNone;
-  RangeFn fn = fma ? pick_grad<true>(grad_dtype, out_dtype, n >= nt_min)
-                   : pick_grad<false>(grad_dtype, out_dtype, n >= nt_min);
+  // streaming stores only where some element of the 16-bit copy is 32-byte aligned
+  const bool nt = n >= nt_min && (reinterpret_cast<uintptr_t>(out) & 1) == 0;
+  RangeFn fn = pick(grad_dtype, out_dtype, nt, fma != 0, vsqrt != nullptr);
   if (fn == nullptr) return 1;
-  const Args a{mult, decay, wd, w, beta2, omb2, bc2s, eps, nss, flags};
-  const bool small = std::fabs(w) < 0.5f;
-  parallel_range(n, nthreads, 1 << 15, [&](int64_t b, int64_t e) { fn(p, g, m, v, out, b, e, a, small); });
+  const Args a{mult, decay, wd, w, beta2, omb2, bc2s, eps, nss, flags, std::fabs(w) < 0.5f,
+               reinterpret_cast<VecSqrt>(vsqrt), vsqrt_mode};
+  parallel_range(n, nthreads, 1 << 15, [&](int64_t b, int64_t e) { fn(p, g, m, v, out, b, e, a); });
   return 0;
 }
 
