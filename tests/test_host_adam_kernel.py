@@ -287,7 +287,8 @@ def test_chosen_variant_is_bitwise_the_torch_op_path(grad_dtype):
             our_out = torch.empty(n + 1, dtype=out_dtype)[1:]
             for step, nthreads, mult in ((1, 1, 1.0), (2, 3, 1 / 8), (20_000, 2, 0.5)):
                 adam_update_torch_(*ref, step, h, mult, ref_out)
-                k.update(*ours, step, h, mult, our_out, nthreads=nthreads, nt_min=0 if nthreads == 3 else None)
+                k.update(*ours, step, h, mult, our_out, sqrt=k.sqrt, nthreads=nthreads,
+                         nt_min=0 if nthreads == 3 else None)
                 assert all(torch.equal(a, b) for a, b in zip(ref, ours)), (n, h, step)
                 assert torch.equal(ref_out, our_out), (n, h, step)
 
@@ -332,3 +333,20 @@ def test_unknown_sqrt_variant_is_refused():
     with pytest.raises(ValueError, match="sqrt='exact'"):
         k.update(*state, 1, AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, True, True), sqrt="exact")
     assert all(torch.equal(a, b) for a, b in zip(before, state))
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float16, torch.bfloat16])
+def test_16bit_gradients_take_the_ieee_square_root_within_one_ulp(grad_dtype):
+    """16-bit gradients (the offload hot path) use the hardware square root whatever the probe chose for
+    fp32: the moments equal the torch-op path's, and every master differs from it by at most an ulp of
+    itself plus an ulp of the update (the square root of a denominator differs by one ulp at most)."""
+    k = get_kernel()
+    h = AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True, True)
+    ref = make_state(4099, grad_dtype, seed=3, grad_scale=8.0)
+    ours, ieee = [t.clone() for t in ref], [t.clone() for t in ref]
+    adam_update_torch_(*ref, 3, h, 1.0, None)
+    k.update(*ours, 3, h, 1.0, None)
+    k.update(*ieee, 3, h, 1.0, None, sqrt="ieee")
+    assert all(torch.equal(a, b) for a, b in zip(ours, ieee))
+    assert torch.equal(ref[2], ours[2]) and torch.equal(ref[3], ours[3])
+    assert torch.allclose(ours[0], ref[0], rtol=2**-23, atol=h.lr * 2**-22)
