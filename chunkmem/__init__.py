@@ -1,7 +1,9 @@
 """chunkmem: train PyTorch models whose parameters, gradients and optimizer states do not fit in GPU
 memory, by packing them into chunks that move between the device and host tiers."""
 from .adam import CPUAdam, HybridAdam
+from .agreement import LayoutMismatchError
 from .checkpoint import CheckpointError, consolidate_checkpoint, load_checkpoint, save_checkpoint
+from .collectives import CollectiveError, CollectiveTimeoutError, collective_timeout, set_collective_timeout
 from .errors import ChunkmemError, DeviceCapacityError, GradientAccumulationError, InvalidArgumentError
 from .init_context import ZeroInitContext
 from .loss_scaler import DynamicGradScaler
@@ -18,4 +20,6 @@ __all__ = [
     "ShardedModelV2", "ShardedOptimizerV2", "TensorShardStrategy", "Tier", "ZeroInitContext",
     "consolidate_checkpoint", "device_memory_capacity", "load_checkpoint", "parse_size", "save_checkpoint",
     "set_device_memory_capacity",
+    "CollectiveError", "CollectiveTimeoutError", "LayoutMismatchError", "collective_timeout",
+    "set_collective_timeout",
 ]

@@ -58,12 +58,15 @@ class CollectiveError(ChunkmemError, RuntimeError):
 
 
 class CollectiveTimeoutError(CollectiveError):
-    """A collective did not complete within :func:`collective_timeout` seconds (``timeout``): some rank
-    of the group never joined it. The process group is unusable afterwards; end the processes."""
+    """A collective did not complete within :func:`collective_timeout` seconds (``timeout``; this rank
+    ``waited`` seconds): some rank of the group never joined it. The process group is unusable
+    afterwards; end the processes."""
 
-    def __init__(self, message: str, collective: str, what: str, rank: int, world: int, timeout: float) -> None:
+    def __init__(self, message: str, collective: str, what: str, rank: int, world: int, timeout: float,
+                 waited: float) -> None:
         super().__init__(message, collective, what, rank, world)
         self.timeout = timeout
+        self.waited = waited
 
 
 def _check_timeout(argument: str, seconds: Any) -> float:
@@ -242,7 +245,7 @@ def _complete(collective: str, what: str, group: Any, start: Callable[[], Any]) 
                 f"(it stopped, skipped part of a step, e.g. after catching an exception in its forward, or "
                 f"runs different code). The bound is {timeout:g} s (chunkmem.set_collective_timeout or "
                 f"{COLLECTIVE_TIMEOUT_ENV}); the process group is unusable now: end every rank",
-                collective, what, rank, world, timeout) from exc
+                collective, what, rank, world, timeout, waited) from exc
         raise CollectiveError(f"{where} failed: {exc}", collective, what, rank, world) from exc
 
 
