@@ -182,7 +182,7 @@ def agree_on_model_layout(model: "ShardedModelV2", plan: "_LayoutPlan") -> None:
             sources.setdefault(slot.chunk.index, slot.chunk)
     if sources:
         chunks = [sources[i] for i in sorted(sources)]
-        source = (f"ZeroInitContext chunks of " + ", ".join(str(c.numel) for c in chunks)
+        source = ("ZeroInitContext chunks of " + ", ".join(str(c.numel) for c in chunks)
                   + f" elements sharded over {chunks[0].shards.world} ranks")
     else:
         source = "a module built outside ZeroInitContext"
