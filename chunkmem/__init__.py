@@ -1,7 +1,9 @@
 """chunkmem: train PyTorch models whose parameters, gradients and optimizer states do not fit in GPU
 memory, by packing them into chunks that move between the device and host tiers."""
 from .adam import CPUAdam, HybridAdam
+from .agreement import LayoutMismatchError
 from .checkpoint import CheckpointError, consolidate_checkpoint, load_checkpoint, save_checkpoint
+from .collectives import CollectiveError, CollectiveTimeoutError, collective_timeout, set_collective_timeout
 from .errors import (ChunkmemError, DeviceCapacityError, GradientAccumulationError, InvalidArgumentError,
                      UnscaledBackwardError, UnsupportedOperationError)
 from .init_context import ZeroInitContext
@@ -16,11 +18,11 @@ from .tiers import Tier, device_memory_capacity, parse_size, set_device_memory_c
 __version__ = "0.1.0"
 
 __all__ = [
-    "BaseShardStrategy", "BucketTensorShardStrategy", "CPUAdam", "CheckpointError", "ChunkGradient",
-    "ChunkParameter", "ChunkmemError", "GatheredParameters", "ParameterAccessError", "register_external_parameter",
-    "DeviceCapacityError", "DynamicGradScaler", "GradientAccumulationError", "HybridAdam", "InvalidArgumentError",
-    "ShardedModelV2", "ShardedOptimizerV2", "TensorShardStrategy", "Tier", "UnscaledBackwardError",
-    "UnsupportedOperationError", "ZeroInitContext",
-    "consolidate_checkpoint", "device_memory_capacity", "load_checkpoint", "parse_size", "save_checkpoint",
-    "set_device_memory_capacity",
+    "BaseShardStrategy", "BucketTensorShardStrategy", "CPUAdam", "CheckpointError", "ChunkGradient", "ChunkParameter",
+    "ChunkmemError", "CollectiveError", "CollectiveTimeoutError", "DeviceCapacityError", "DynamicGradScaler",
+    "GatheredParameters", "GradientAccumulationError", "HybridAdam", "InvalidArgumentError", "LayoutMismatchError",
+    "ParameterAccessError", "ShardedModelV2", "ShardedOptimizerV2", "TensorShardStrategy", "Tier",
+    "UnscaledBackwardError", "UnsupportedOperationError", "ZeroInitContext", "collective_timeout",
+    "consolidate_checkpoint", "device_memory_capacity", "load_checkpoint", "parse_size", "register_external_parameter",
+    "save_checkpoint", "set_collective_timeout", "set_device_memory_capacity",
 ]

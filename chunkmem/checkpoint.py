@@ -473,10 +473,10 @@ def _collective(group: ShardGroup) -> bool:
 
 def _new_token(group: ShardGroup) -> str:
     """A fresh name for one save, made by rank 0 and shared with the other ranks."""
-    box = [secrets.token_hex(8) if group.rank == 0 else None]
-    if _collective(group):
-        dist.broadcast_object_list(box, src=dist.get_global_rank(group.group, 0), group=group.group)
-    return box[0]
+    token = secrets.token_hex(8)
+    if _collective(group):  # rank 0's, through a bounded collective (see chunkmem.collectives)
+        token = group.all_gather_bytes(token.encode(), "the checkpoint's name token")[0].decode()
+    return token
 
 
 def _agree(group: ShardGroup, error: Exception | None, what: str) -> None:
@@ -484,7 +484,7 @@ def _agree(group: ShardGroup, error: Exception | None, what: str) -> None:
     error, or :class:`CheckpointError` naming what another rank failed."""
     if _collective(group):
         failed = torch.tensor([0 if error is None else group.rank + 1], dtype=torch.int64)
-        all_reduce_over(group.group, failed, dist.ReduceOp.MAX)
+        all_reduce_over(group.group, failed, dist.ReduceOp.MAX, what=f"the outcome of {what}")
         if error is None and int(failed.item()):
             raise CheckpointError(f"{what} failed on rank {int(failed.item()) - 1} (see its error); nothing was "
                                   f"changed by this call")

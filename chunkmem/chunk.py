@@ -175,7 +175,7 @@ class ParamBuffer:
         assert self.shard_valid, f"{self.owner}: no valid copy of the parameters"
         self.allocate_device()
         if self.sharded:
-            self.shards.all_gather(self.device, self.shard.tensor)
+            self.shards.all_gather(self.device, self.shard.tensor, what=f"{self.owner} parameters")
         else:
             self.device.copy_(self.shard.tensor, non_blocking=True)
         if self.shard.tier is Tier.HOST:
@@ -242,7 +242,7 @@ def gather_together(buffers: list[ParamBuffer]) -> None:
     device = first.device.device
     local = torch.cat([b.shard.tensor.to(device) for b in buffers])
     gathered = torch.empty(shards.world * count * shard_numel, dtype=first.dtype, device=device)
-    shards.all_gather(gathered, local)
+    shards.all_gather(gathered, local, what="parameters of " + ", ".join(b.owner for b in buffers))
     by_rank = gathered.view(shards.world, count, shard_numel)
     for i, buf in enumerate(buffers):
         buf.allocate_device()
@@ -373,7 +373,7 @@ class Chunk:
         """A new full-length tensor from every rank's ``local`` shard (a collective when sharded: every
         rank calls it for the same chunks in the same order)."""
         full = torch.empty(self.numel, dtype=local.dtype, device=local.device)
-        self.shards.all_gather(full, local)
+        self.shards.all_gather(full, local, what=self.name)
         return full
 
     def __repr__(self) -> str:

@@ -7,20 +7,100 @@ single-process path runs the same code.
 
 NCCL needs CUDA tensors and gloo CPU tensors; the helpers here move a host tensor to the compute device
 and back when the backend asks for it, so callers pass tensors from whichever tier they live in.
+
+Every collective chunkmem runs goes through :func:`_complete`: it is started with ``async_op=True`` and
+waited for with a bound, :func:`collective_timeout` seconds (default 600, set with
+:func:`set_collective_timeout` or the environment variable ``CHUNKMEM_COLLECTIVE_TIMEOUT``). A rank
+whose partners never join (one caught an exception in its forward and carried on, or stopped) raises
+:class:`CollectiveTimeoutError` naming the collective, what it moves (``what``, e.g. "chunk3
+parameters") and the rank, instead of waiting until killed. With NCCL the wait stays stream-ordered (a
+host-blocking wait would stall the CPU on every gather); NCCL's own watchdog bounds it there, with the
+process group's ``timeout``.
 """
 from __future__ import annotations
 
+import math
+import os
+import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from datetime import timedelta
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .errors import InvalidArgumentError
+from .errors import ChunkmemError, InvalidArgumentError
 
 # torch >= 2.10 names them *_single; older releases only have the *_tensor names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+COLLECTIVE_TIMEOUT_ENV = "CHUNKMEM_COLLECTIVE_TIMEOUT"
+# seconds: NCCL's default process-group timeout. Long enough for the legitimate skew between ranks
+# (one rank writing a large checkpoint or building the host Adam kernel while the others wait), far
+# shorter than gloo's 30 minutes.
+DEFAULT_COLLECTIVE_TIMEOUT = 600.0
+
+_timeout_override: float | None = None
+
+
+class CollectiveError(ChunkmemError, RuntimeError):
+    """A collective over the data-parallel group failed on this rank: ``collective`` (e.g.
+    ``"all_gather"``), ``what`` it moved, this process's ``rank`` in the group of ``world`` ranks."""
+
+    def __init__(self, message: str, collective: str, what: str, rank: int, world: int) -> None:
+        super().__init__(message)
+        self.collective = collective
+        self.what = what
+        self.rank = rank
+        self.world = world
+
+
+class CollectiveTimeoutError(CollectiveError):
+    """A collective did not complete within :func:`collective_timeout` seconds (``timeout``; this rank
+    ``waited`` seconds): some rank of the group never joined it. The process group is unusable
+    afterwards; end the processes."""
+
+    def __init__(self, message: str, collective: str, what: str, rank: int, world: int, timeout: float,
+                 waited: float) -> None:
+        super().__init__(message, collective, what, rank, world)
+        self.timeout = timeout
+        self.waited = waited
+
+
+def _check_timeout(argument: str, seconds: Any) -> float:
+    if (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds)
+            or seconds <= 0):
+        raise InvalidArgumentError(argument, seconds, "a finite number of seconds > 0")
+    return float(seconds)
+
+
+def set_collective_timeout(seconds: float | None) -> None:
+    """Bound, in seconds, how long a rank waits for one collective of chunkmem's (all-gather,
+    reduce-scatter, all-reduce) before raising :class:`CollectiveTimeoutError`.
+
+    ``None`` restores the default: the environment variable ``CHUNKMEM_COLLECTIVE_TIMEOUT`` (seconds)
+    if set, else 600. Takes effect for the next collective. Does not apply to NCCL, whose waits are
+    stream-ordered; there the process group's ``timeout`` (``init_process_group(timeout=...)``) bounds
+    them through NCCL's watchdog.
+    """
+    global _timeout_override
+    _timeout_override = None if seconds is None else _check_timeout("seconds", seconds)
+
+
+def collective_timeout() -> float:
+    """The bound in seconds on one collective wait (see :func:`set_collective_timeout`)."""
+    if _timeout_override is not None:
+        return _timeout_override
+    env = os.environ.get(COLLECTIVE_TIMEOUT_ENV, "").strip()
+    if not env:
+        return DEFAULT_COLLECTIVE_TIMEOUT
+    try:
+        value: Any = float(env)
+    except ValueError:
+        value = env
+    return _check_timeout(COLLECTIVE_TIMEOUT_ENV, value)
 
 
 def distributed_ready() -> bool:
@@ -72,20 +152,23 @@ class ShardGroup:
                                        f"this rank {self.rank})")
         return other
 
-    def all_gather(self, full: torch.Tensor, shard: torch.Tensor) -> None:
-        """Fill ``full`` (``world × shard`` elements) with every rank's ``shard``, in rank order."""
+    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, what: str = "a tensor") -> None:
+        """Fill ``full`` (``world × shard`` elements) with every rank's ``shard``, in rank order
+        (``what``: what the shards hold, for the error if the collective fails or times out)."""
         if not self.sharded:
             full.copy_(shard)
             return
         device = _comm_device(self.group, full)
         out = full if full.device == device else torch.empty_like(full, device=device)
-        _all_gather_flat(out, shard.to(device), group=self.group)
+        local = shard.to(device)
+        _complete("all_gather", what, self.group,
+                  lambda: _all_gather_flat(out, local, group=self.group, async_op=True))
         if out is not full:
             full.copy_(out)
 
-    def reduce_scatter(self, shard: torch.Tensor, full_pieces: Sequence[torch.Tensor]) -> None:
+    def reduce_scatter(self, shard: torch.Tensor, full_pieces: Sequence[torch.Tensor], what: str = "a tensor") -> None:
         """Sum ``full_pieces`` (one per rank, each shaped like ``shard``) over the ranks; rank ``r``
-        receives the sum of every rank's piece ``r`` in ``shard``."""
+        receives the sum of every rank's piece ``r`` in ``shard`` (``what``: for the error)."""
         if not self.sharded:
             shard.copy_(full_pieces[0])
             return
@@ -93,29 +176,83 @@ class ShardGroup:
         out = shard if shard.device == device else torch.empty_like(shard, device=device)
         pieces = [p.to(device) for p in full_pieces]
         if all(p.is_contiguous() for p in pieces) and _adjacent(pieces):
-            _reduce_scatter_flat(out, _joined(pieces), group=self.group)
+            joined = _joined(pieces)
+            _complete("reduce_scatter", what, self.group,
+                      lambda: _reduce_scatter_flat(out, joined, group=self.group, async_op=True))
         else:
-            dist.reduce_scatter(out, pieces, group=self.group)
+            _complete("reduce_scatter", what, self.group,
+                      lambda: dist.reduce_scatter(out, pieces, group=self.group, async_op=True))
         if out is not shard:
             shard.copy_(out)
 
-    def all_reduce_(self, tensor: torch.Tensor, op: Any = None) -> torch.Tensor:
-        """Reduce ``tensor`` in place over the group (``op``: a ``dist.ReduceOp``, default SUM)."""
+    def all_reduce_(self, tensor: torch.Tensor, op: Any = None, what: str = "a tensor") -> torch.Tensor:
+        """Reduce ``tensor`` in place over the group (``op``: a ``dist.ReduceOp``, default SUM;
+        ``what``: for the error)."""
         if not self.sharded:
             return tensor
-        return all_reduce_over(self.group, tensor, op)
+        return all_reduce_over(self.group, tensor, op, what)
+
+    def all_gather_bytes(self, data: bytes, what: str) -> list[bytes]:
+        """Every rank's ``data`` (any length, may differ between ranks), in rank order: two bounded
+        all-gathers, of the lengths and of the data padded to the longest."""
+        if not self.sharded:
+            return [data]
+        lengths = torch.empty(self.world, dtype=torch.int64)
+        self.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64), what=f"the lengths of {what}")
+        longest = int(lengths.max())
+        if longest == 0:
+            return [b""] * self.world
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        if data:
+            padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        everyone = torch.empty(self.world * longest, dtype=torch.uint8)
+        self.all_gather(everyone, padded, what=what)
+        rows = everyone.view(self.world, longest).numpy()
+        return [rows[r, :int(n)].tobytes() for r, n in enumerate(lengths.tolist())]
 
 
-def all_reduce_over(group: Any, tensor: torch.Tensor, op: Any = None) -> torch.Tensor:
-    """Reduce ``tensor`` in place over ``group`` (moved to the compute device for NCCL and back)."""
+def all_reduce_over(group: Any, tensor: torch.Tensor, op: Any = None, what: str = "a tensor") -> torch.Tensor:
+    """Reduce ``tensor`` in place over ``group`` (moved to the compute device for NCCL and back;
+    ``what``: for the error if the collective fails or times out)."""
     if group is None or dist.get_world_size(group) == 1:
         return tensor
     op = dist.ReduceOp.SUM if op is None else op
     work = tensor.to(_comm_device(group, tensor))
-    dist.all_reduce(work, op=op, group=group)
+    _complete("all_reduce", what, group, lambda: dist.all_reduce(work, op=op, group=group, async_op=True))
     if work is not tensor:
         tensor.copy_(work)
     return tensor
+
+
+def _complete(collective: str, what: str, group: Any, start: Callable[[], Any]) -> None:
+    """Start a collective (``start`` launches it with ``async_op=True``) and wait for it, at most
+    :func:`collective_timeout` seconds except with NCCL (see the module docstring)."""
+    work = start()
+    if dist.get_backend(group) == "nccl":
+        work.wait()
+        return
+    timeout = collective_timeout()
+    began = time.monotonic()
+    try:
+        work.wait(timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        waited = time.monotonic() - began
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        where = f"{collective} of {what} on rank {rank} of {world}{_global_rank_note(group, rank)}"
+        if waited >= timeout * 0.99 or "timed out" in str(exc).lower():
+            raise CollectiveTimeoutError(
+                f"{where} did not complete within {waited:.1f} s: another rank of the group never joined it "
+                f"(it stopped, skipped part of a step, e.g. after catching an exception in its forward, or "
+                f"runs different code). The bound is {timeout:g} s (chunkmem.set_collective_timeout or "
+                f"{COLLECTIVE_TIMEOUT_ENV}); the process group is unusable now: end every rank",
+                collective, what, rank, world, timeout, waited) from exc
+        raise CollectiveError(f"{where} failed: {exc}", collective, what, rank, world) from exc
+
+
+def _global_rank_note(group: Any, rank: int) -> str:
+    """``" (global rank N)"`` when the group's rank differs from the default group's."""
+    global_rank = dist.get_rank()
+    return "" if global_rank == rank else f" (global rank {global_rank})"
 
 
 def _comm_device(group: Any, tensor: torch.Tensor) -> torch.device:

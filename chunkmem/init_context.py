@@ -6,6 +6,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .agreement import InitAgreement
 from .chunk import Chunk, ChunkKey
 from .errors import InvalidArgumentError, check_type
 from .layout import aligned_numel
@@ -83,6 +84,7 @@ class ZeroInitContext:
         self._patched: dict[type, Any] = {}
         self._numel = 0
         self._writes: ShardedParamWrites | None = None
+        self._agreement: InitAgreement | None = None
 
     # ---- patching module constructors --------------------------------------------------------------
 
@@ -98,7 +100,8 @@ class ZeroInitContext:
         self._saved_init_subclass = nn.Module.__dict__.get("__init_subclass__")
         nn.Module.__init_subclass__ = classmethod(init_subclass)
         if self.shards.sharded:
-            self._writes = ShardedParamWrites()
+            self._agreement = InitAgreement(self)  # the ranks compare what they built before each gather
+            self._writes = ShardedParamWrites(before_gather=self._agreement.before_gather)
             self._writes.__enter__()
         return self
 
@@ -115,6 +118,9 @@ class ZeroInitContext:
             nn.Module.__init_subclass__ = self._saved_init_subclass
         if self.model_numel_tensor is not None:
             self.model_numel_tensor.fill_(self._numel)
+        agreement, self._agreement = self._agreement, None
+        if agreement is not None and exc[0] is None:
+            agreement.at_exit()
 
     def _wrap_init(self, cls: type) -> None:
         if "__init__" not in cls.__dict__ or cls in self._patched:

@@ -438,7 +438,7 @@ class GradientReduction:
             if self.predivide_factor != 1.0:
                 for p in parts:
                     p.div_(self.predivide_factor)
-            self.shards.reduce_scatter(out[start:end], parts)
+            self.shards.reduce_scatter(out[start:end], parts, what=f"{chunk.name} gradients")
             self.collectives += 1
         post = world / self.predivide_factor
         if post != 1.0:

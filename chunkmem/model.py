@@ -12,6 +12,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from . import memstats
+from .agreement import agree_on_model_layout
 from .atomic_file import write_json_atomically
 from .chunk import MASTER, Chunk, ChunkKey
 from .errors import DeviceCapacityError, GradientAccumulationError, InvalidArgumentError, check_number, check_type
@@ -137,6 +138,7 @@ class ShardedModelV2(nn.Module):
 
         self.policy = policy
         plan = self._plan(named, keys)
+        agree_on_model_layout(self, plan)  # sharded: every rank the same, before any layout collective
         capacity = device_memory_capacity()
         self._check_capacity(plan, capacity)
         ledger = slots[0].chunk.ledger if from_context else TierLedger(capacity)

@@ -276,7 +276,8 @@ class ShardedOptimizerV2(Optimizer):
         pair = torch.tensor([local if math.isfinite(local) else 0.0, 0.0 if math.isfinite(local) else 1.0],
                             dtype=torch.float64)
         for group in groups:
-            all_reduce_over(group, pair, dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM)
+            all_reduce_over(group, pair, dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM,
+                            what="the gradient norm and its non-finite flag")
         return float("nan") if pair[1].item() else pair[0].item()
 
     def step(self) -> bool:  # type: ignore[override]

@@ -208,7 +208,7 @@ class Scheduler:
         if not shards.sharded:
             return
         peaks = torch.tensor([p.non_model_peak for p in self.periods], dtype=torch.int64)
-        shards.all_reduce_(peaks, dist.ReduceOp.MAX)
+        shards.all_reduce_(peaks, dist.ReduceOp.MAX, what="the traced non-model memory peaks")
         for period, peak in zip(self.periods, peaks.tolist()):
             period.non_model_peak = int(peak)
 

@@ -17,7 +17,7 @@ reads (``shape``, ``dtype``) need no values and pass through.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -63,7 +63,13 @@ def _overwrites(func: Any) -> bool:
 
 
 class ShardedParamWrites(TorchFunctionMode):
-    """See the module docstring. Active only while a sharded ``ZeroInitContext`` is open."""
+    """See the module docstring. Active only while a sharded ``ZeroInitContext`` is open.
+    ``before_gather`` (if given) is called with the slot before each gather (the ranks' agreement,
+    see :mod:`chunkmem.agreement`)."""
+
+    def __init__(self, before_gather: Callable[[ParamSlot], None] | None = None) -> None:
+        super().__init__()
+        self.before_gather = before_gather
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -82,6 +88,8 @@ class ShardedParamWrites(TorchFunctionMode):
                 # where the shard lives, so a CUDA target draws from the CUDA generator as on one process
                 temporaries[key] = torch.empty(slot.shape, dtype=chunk.dtype, device=chunk.param.shard.tensor.device)
             else:
+                if self.before_gather is not None:
+                    self.before_gather(slot)
                 temporaries[key] = slot.view(chunk.gather(chunk.param.local())).clone()
         swapped_args, swapped_kwargs = tree_map(
             lambda x: temporaries.get(id(x), x) if isinstance(x, torch.Tensor) else x, (args, kwargs))

@@ -254,7 +254,9 @@ def _mixed_worker(rank: int, world: int) -> dict:
 
     errors = {}
     single = dist.new_group([0])
-    for kwargs in ({"reduce_scatter_process_group": single} if rank == 0 else {},):
+    # rank 0 only: wrapping is a collective when sharded (the ranks agree on the layout), so rank 1 must
+    # not wrap a model that rank 0 refuses
+    for kwargs in (({"reduce_scatter_process_group": single},) if rank == 0 else ()):
         try:
             cm.ShardedModelV2(TinyGPT(), cm.TensorShardStrategy(), dtype=torch.float32, **kwargs)
         except cm.InvalidArgumentError as exc:
