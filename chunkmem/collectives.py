@@ -192,6 +192,18 @@ class ShardGroup:
             return tensor
         return all_reduce_over(self.group, tensor, op, what)
 
+    def broadcast_(self, tensor: torch.Tensor, source_rank: int, what: str = "a tensor") -> torch.Tensor:
+        """Overwrite ``tensor`` on every rank with ``source_rank``'s (a rank of this group)."""
+        if not self.sharded:
+            return tensor
+        work = tensor.to(_comm_device(self.group, tensor))
+        src = dist.get_global_rank(self.group, source_rank)
+        _complete("broadcast", what, self.group,
+                  lambda: dist.broadcast(work, src=src, group=self.group, async_op=True))
+        if work is not tensor:
+            tensor.copy_(work)
+        return tensor
+
     def all_gather_bytes(self, data: bytes, what: str) -> list[bytes]:
         """Every rank's ``data`` (any length, may differ between ranks), in rank order: two bounded
         all-gathers, of the lengths and of the data padded to the longest."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from .chunk import MASTER, Chunk, ParamSlot
@@ -99,9 +98,7 @@ class GatheredParameters:
         if writable and exc[0] is None:
             with torch.no_grad():
                 for chunk in self.chunks:
-                    if chunk.shards.sharded:
-                        src = dist.get_global_rank(chunk.shards.group, self.modifier_rank)
-                        dist.broadcast(chunk.param.device, src=src, group=chunk.shards.group)
+                    chunk.shards.broadcast_(chunk.param.device, self.modifier_rank, what=f"{chunk.name} parameters")
                 for slot in self.slots:
                     new_values[id(slot)] = slot.view(slot.chunk.param.device).clone()
         for hooks, chunks in _by_owner(self.chunks):
