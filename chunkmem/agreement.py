@@ -166,7 +166,7 @@ def _ranks_text(ranks: list[int]) -> str:
 # ---- the two places that agree -------------------------------------------------------------------
 
 
-def agree_on_model_layout(model: "ShardedModelV2", plan: "_LayoutPlan") -> None:
+def agree_on_model_layout(model: "ShardedModelV2", plan: "_LayoutPlan", step: str = "ShardedModelV2") -> None:
     """The agreement of :class:`~chunkmem.ShardedModelV2`: its settings (read from the half-built
     ``model``: ``shards``, ``dtype``, ``chunk_numel``, the constructor's arguments) and ``plan``'s
     parameters in packing order, plus where the parameters come from (the chunks of a
@@ -197,8 +197,9 @@ def agree_on_model_layout(model: "ShardedModelV2", plan: "_LayoutPlan") -> None:
         ("reduce_scatter_bucket_size_mb", str(model.reduce_scatter_bucket_size_mb)),
         ("gradient_predivide_factor", str(model.gradient_predivide_factor)),
         ("parameters from", source),
+        ("optimizer param group of each parameter", ",".join(str(key.group) for _, _, key in plan.entries)),
     ]
-    agree(model.shards, LayoutDescription("ShardedModelV2", settings, params))
+    agree(model.shards, LayoutDescription(step, settings, params))
 
 
 class InitAgreement:

@@ -168,14 +168,18 @@ class ShardedModelV2(nn.Module):
         groups = pack([p.numel() for _, p, _ in entries], [k for _, _, k in entries], self.chunk_numel)
         return _LayoutPlan(entries, groups, self.chunk_numel * self._element_size)
 
+    def _laid_out_as(self, plan: "_LayoutPlan", current: list[Chunk]) -> bool:
+        """Whether ``current`` already holds the parameters as ``plan`` says (nothing to re-pack)."""
+        wanted_ids = [[id(plan.entries[i][1]) for i in group] for group in plan.groups]
+        current_ids = [[id(s.param) for s in c.slots] for c in current]
+        return bool(current and current_ids == wanted_ids and all(c.numel == self.chunk_numel for c in current)
+                    and all(_same_sharding(c.shards, self.shards) for c in current)
+                    and all(c.key == plan.entries[g[0]][2] for c, g in zip(current, plan.groups)))
+
     def _build(self, plan: "_LayoutPlan", current: list[Chunk], ledger: TierLedger) -> list[Chunk]:
         """Chunks laid out as ``plan`` says: ``current`` if it already is, else new chunks (the current
         ones are freed)."""
-        wanted_ids = [[id(plan.entries[i][1]) for i in group] for group in plan.groups]
-        current_ids = [[id(s.param) for s in c.slots] for c in current]
-        if (current and current_ids == wanted_ids and all(c.numel == self.chunk_numel for c in current)
-                and all(_same_sharding(c.shards, self.shards) for c in current)
-                and all(c.key == plan.entries[g[0]][2] for c, g in zip(current, plan.groups))):
+        if self._laid_out_as(plan, current):
             for chunk in current:
                 for slot in chunk.slots:
                     slot.name = self._param_names[id(slot.param)]
@@ -209,6 +213,8 @@ class ShardedModelV2(nn.Module):
 
     def _repack(self, plan: "_LayoutPlan") -> None:
         """Adopt ``plan`` (called once, by the optimizer, before any optimizer state exists)."""
+        if not self._laid_out_as(plan, self.chunk_manager.chunks):  # a re-pack gathers: the ranks must agree
+            agree_on_model_layout(self, plan, step="ShardedOptimizerV2 re-pack")
         chunks = self._build(plan, self.chunk_manager.chunks, self.chunk_manager.ledger)
         if chunks is self.chunk_manager.chunks:
             return

@@ -147,8 +147,9 @@ def test_clip_grad_norm_is_the_norm_over_every_rank(two_ranks):
     for rank in two_ranks:
         assert rank["clipped"]["norms"] == pytest.approx(one["norms"], rel=1e-5)
     # the clip coefficients differ in the last bits (norms of differently ordered sums), which Adam passes
-    # on to elements whose second moment is tiny
-    _assert_states_close(two_ranks[0]["clipped"]["state"], one["state"], rtol=1e-5)
+    # on to elements whose second moment is tiny: 1.008e-5 on one element of 4096 on an AMD EPYC (AVX2)
+    # with torch 2.13, at every commit since the test was written, hence 2e-5
+    _assert_states_close(two_ranks[0]["clipped"]["state"], one["state"], rtol=2e-5)
 
 
 def test_bucket_size_splits_the_reduction_without_changing_results(two_ranks):
