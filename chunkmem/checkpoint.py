@@ -3,22 +3,29 @@
 Two formats:
 
 * **full** (``sharded=False``): one file, written by rank 0 of the model's data-parallel group with
-  ``torch.save``: ``{"format": "chunkmem.checkpoint.full/1", "model": model.state_dict(),
-  "optimizer": optimizer.state_dict() or None}``. Every rank calls the save (the state dicts gather the
-  shards). It loads at any world size, under any placement policy, and its two dicts load into a plain
-  module and ``torch.optim.AdamW``.
+  ``torch.save``: ``{"format": "chunkmem.checkpoint.full/2", "model": model.state_dict(),
+  "optimizer": optimizer.state_dict() or None, "checksum": "sha256:<hex>"}``, the checksum being
+  :func:`~chunkmem.checksums.content_checksum` of the dict without it. Every rank calls the save (the
+  state dicts gather the shards). It loads at any world size, under any placement policy, and its two
+  dicts load into a plain module and ``torch.optim.AdamW``. Version 1 files (no checksum) still load.
 * **sharded** (``sharded=True``): a directory in which every rank writes only what it holds, with no
   gather: ``shard-{token}-rank{r}-of-{N}.pt`` has, per chunk, this rank's parameter shard (chunk dtype),
   fp32 master / exp_avg / exp_avg_sq shards and step, with the layout (world size, rank, chunk numel and
   dtype, per parameter its name, offset and numel in elements, shape), plus the module buffers, the
   optimizer's param groups and the loss-scaler state. ``manifest.json`` names the token of the last
-  complete save. It loads only at the same world size and layout (checked), shard by shard;
-  :func:`consolidate_checkpoint` turns it into the full state dicts offline.
+  complete save and holds the SHA-256 checksum of every rank file's bytes. It loads only at the same
+  world size and layout (checked), shard by shard; :func:`consolidate_checkpoint` turns it into the
+  full state dicts offline. Version 1 directories (no checksums) still load.
+
+Integrity: every load verifies the checksums (:class:`CheckpointError` naming the file when one
+differs) and every field it reads (present, of the right type and size), then writes nothing until all
+of it is checked, so a damaged or inconsistent checkpoint changes nothing.
 
 Atomicity: every file is written to a temporary file in its directory, flushed, fsynced and renamed
 over its name (``os.replace``). A sharded save writes the rank files under a fresh token, waits for
 every rank, then rank 0 replaces the manifest (the commit point) and removes the files of older tokens.
-A save that dies part-way leaves the previous checkpoint loadable. Ranks agree on success after each
+A save that dies part-way leaves the previous checkpoint loadable; the next
+successful save removes the temporary files it left (only names of chunkmem's temporary pattern). Ranks agree on success after each
 phase (an all-reduce of a flag, which is also the barrier), so a failing rank fails the save on every
 rank. Collectives run only when ``torch.distributed`` is initialised and the group has several ranks.
 Sharded checkpoints need a directory every rank sees (a shared file system).
@@ -37,25 +44,32 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .atomic_file import write_atomically, write_json_atomically
+from .atomic_file import remove_stale_temporaries, temporary_target, write_atomically, write_json_atomically
+from .checksums import HashingWriter, content_checksum, file_checksum
 from .chunk import EXP_AVG, EXP_AVG_SQ, MASTER
 from .collectives import SINGLE_PROCESS, ShardGroup, all_reduce_over, distributed_ready
 from .errors import InvalidArgumentError, check_type
 from .manager import slot_of
 from .model import ShardedModelV2
 from .optimizer import ShardedOptimizerV2
-from .state_dicts import (CheckpointError, adam_entry, export_param_groups, plan_hyper_load, plan_model_load,
-                          plan_optimizer_load, refuse_grads_in_param_memory, warn_if_masters_lose_precision)
+from .state_dicts import (CheckpointError, adam_entry, bump_versions, check_tensor_data, export_param_groups,
+                          plan_hyper_load, plan_model_load, plan_optimizer_load, refuse_chunks_in_use,
+                          refuse_grads_in_param_memory, warn_if_masters_lose_precision)
 
-FULL_FORMAT = "chunkmem.checkpoint.full/1"
-"""The ``"format"`` of a full checkpoint file."""
-SHARDED_FORMAT = "chunkmem.checkpoint.sharded/1"
-"""The ``"format"`` of a sharded checkpoint's manifest and rank files."""
+FULL_FORMAT = "chunkmem.checkpoint.full/2"
+"""The ``"format"`` of a full checkpoint file this version writes (with a ``"checksum"``)."""
+FULL_FORMAT_V1 = "chunkmem.checkpoint.full/1"
+"""The full format before checksums; still loaded."""
+SHARDED_FORMAT = "chunkmem.checkpoint.sharded/2"
+"""The ``"format"`` of a sharded checkpoint's manifest and rank files this version writes (the
+manifest has the rank files' checksums)."""
+SHARDED_FORMAT_V1 = "chunkmem.checkpoint.sharded/1"
+"""The sharded format before checksums; still loaded."""
 MANIFEST = "manifest.json"
 """The file of a sharded checkpoint directory that names its committed token (JSON: format, token,
-world, files)."""
+world, files, and ``checksums``: each file's ``"sha256:<hex>"`` under its name)."""
 _SHARD_FILE = re.compile(r"^shard-(?P<token>[0-9a-f]+)-rank(?P<rank>\d+)-of-(?P<world>\d+)\.pt$")
-_TEMP_FILE = re.compile(r"^\.(shard-[0-9a-f]+-rank\d+-of-\d+\.pt|manifest\.json)\.[0-9a-f]+\.tmp$")
+_TOKEN = re.compile(r"^[0-9a-f]+$")
 
 __all__ = ["CheckpointError", "consolidate_checkpoint", "load_checkpoint", "save_checkpoint"]
 
@@ -87,10 +101,14 @@ def load_checkpoint(path: str | os.PathLike, model: ShardedModelV2, optimizer: S
     saved). Everything is read and checked before anything changes; ranks agree before writing, so
     every rank must call it. Build the optimizer before loading a 16-bit model, so that the fp32
     masters are restored exactly. Refused (:class:`CheckpointError`) while the parameters' memory
-    holds gradients (``reuse_fp16_shard`` between backward and step).
+    holds gradients (``reuse_fp16_shard`` between backward and step) and while a forward runs or a
+    backward started and did not finish. A file whose checksum or fields are wrong raises
+    :class:`CheckpointError` naming it. Like ``param.copy_`` in plain PyTorch, the load marks the
+    parameters modified: a backward of a forward run before it raises.
     """
     path = _check_load_args(path, model, optimizer)
     refuse_grads_in_param_memory(model, "load_checkpoint")
+    refuse_chunks_in_use(model, "load_checkpoint")
     group = _group_of(model)
     error: Exception | None = None
     apply: Callable[[], None] | None = None
@@ -173,23 +191,42 @@ def _save_full(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV2 |
     error = None
     if group.rank == 0:
         payload = {"format": FULL_FORMAT, "model": model_state, "optimizer": optimizer_state}
+        payload["checksum"] = content_checksum(payload)
         try:
             write_atomically(path, lambda f: torch.save(payload, f))
         except Exception as exc:  # noqa: BLE001 - re-raised by _agree
             error = exc
+        else:
+            remove_stale_temporaries(path)
     _agree(group, error, f"saving {path!r}")
 
 
 def _read_full(path: str) -> dict[str, Any]:
-    allowed = f"a checkpoint written by chunkmem.save_checkpoint (format {FULL_FORMAT!r}, or a sharded directory)"
+    """The envelope of a full checkpoint file, its checksum (version 2) and fields checked."""
+    allowed = (f"a checkpoint written by chunkmem.save_checkpoint (format {FULL_FORMAT!r} or {FULL_FORMAT_V1!r}, "
+               f"or a sharded directory)")
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any unreadable file is the caller's bad input
-        raise InvalidArgumentError("path", path, f"{allowed}; reading it failed: {exc}") from exc
-    if not isinstance(payload, dict) or payload.get("format") != FULL_FORMAT:
-        found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
-        raise InvalidArgumentError("path", path, f"{allowed}; found format {found!r}")
+    except Exception as exc:  # noqa: BLE001 - a damaged file or not a torch.save file at all
+        raise CheckpointError(f"{path}: cannot be read as a checkpoint ({allowed}); the file is damaged or of "
+                              f"another kind: {exc}") from exc
+    if not isinstance(payload, dict):
+        raise InvalidArgumentError("path", path, f"{allowed}; found a {type(payload).__name__}")
+    if "checksum" in payload or payload.get("format") == FULL_FORMAT:
+        _verify_content(path, payload)
+    if payload.get("format") not in (FULL_FORMAT, FULL_FORMAT_V1):
+        raise InvalidArgumentError("path", path, f"{allowed}; found format {payload.get('format')!r}")
+    _field(payload, "model", dict, path, "the model state dict")
+    _field(payload, "optimizer", (dict, type(None)), path, "the optimizer state dict or None")
     return payload
+
+
+def _verify_content(path: str, payload: dict[str, Any]) -> None:
+    saved = _field(payload, "checksum", str, path, "the checksum of the other fields ('sha256:<hex>')")
+    found = content_checksum({k: v for k, v in payload.items() if k != "checksum"})
+    if saved != found:
+        raise CheckpointError(f"{path}: the checkpoint is damaged: its content's checksum is {found}, the file "
+                              f"records {saved}; nothing was loaded")
 
 
 def _plan_full(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None) -> Callable[[], None]:
@@ -216,16 +253,19 @@ def _save_sharded(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV
     token = _new_token(group)
     own = os.path.join(path, _shard_name(token, group.rank, group.world))
     error = None
+    checksum = ""
     try:
         payload = _rank_payload(model, optimizer, group, token)
-        write_atomically(own, lambda f: torch.save(payload, f))
+        checksum = _save_hashed(own, payload)
     except Exception as exc:  # noqa: BLE001 - re-raised by _agree
         error = exc
     try:
         _agree(group, error, f"saving {path!r}")  # every rank file is complete
+        checksums = _gather_strings(group, checksum)
         if group.rank == 0:
-            manifest = {"format": SHARDED_FORMAT, "token": token, "world": group.world,
-                        "files": [_shard_name(token, r, group.world) for r in range(group.world)]}
+            files = [_shard_name(token, r, group.world) for r in range(group.world)]
+            manifest = {"format": SHARDED_FORMAT, "token": token, "world": group.world, "files": files,
+                        "checksums": dict(zip(files, checksums))}
             try:
                 write_json_atomically(manifest, os.path.join(path, MANIFEST))
             except Exception as exc:  # noqa: BLE001 - re-raised by _agree
@@ -237,6 +277,17 @@ def _save_sharded(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV
         with contextlib.suppress(OSError):
             os.remove(own)
         raise
+
+
+def _save_hashed(path: str, payload: Any) -> str:
+    """``torch.save`` ``payload`` to ``path`` atomically; the checksum of the bytes written."""
+    writers: list[HashingWriter] = []
+
+    def write(f: Any) -> None:
+        writers.append(HashingWriter(f))
+        torch.save(payload, writers[-1])
+    write_atomically(path, write)
+    return writers[-1].checksum()
 
 
 def _rank_payload(model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None, group: ShardGroup,
@@ -303,12 +354,15 @@ def _plan_sharded(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV
             raise InvalidArgumentError("optimizer", "a ShardedOptimizerV2 whose param_groups hold other parameters "
                                                     "or another order", "the param groups the checkpoint was saved with")
         optimizer_load = plan_hyper_load(optimizer, small["param_groups"], small["loss_scaler"])
+    name = os.path.join(path, _shard_name(manifest["token"], group.rank, group.world))
+    _check_rank_values(name, model, saved, optimizer is not None)
     buffers = model.module.state_dict(keep_vars=True)
 
     def apply() -> None:
         manager = model.chunk_manager
         for chunk, entry in zip(model.chunks, saved["chunks"]):
             manager.write_params(chunk, entry["param"])
+            bump_versions(slot.param for slot in chunk.slots)
             if chunk.has_master and chunk.optim[MASTER].allocated:
                 chunk.optim[MASTER].tensor.copy_(entry["master"] if entry["master"] is not None else entry["param"])
             elif entry["master"] is not None:
@@ -324,6 +378,36 @@ def _plan_sharded(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV
             for key, value in saved["buffers"].items():
                 buffers[key].copy_(value)
     return apply
+
+
+def _check_rank_values(name: str, model: ShardedModelV2, saved: dict[str, Any], with_optimizer: bool) -> None:
+    """Raise (naming the file and the field) unless every tensor and number the load of this rank file
+    writes fits the model: shards of the chunk's size, floating, with data; steps >= 0; the buffers of
+    the model's keys and shapes. Called after the layout check, before anything is written."""
+    for n, (chunk, entry) in enumerate(zip(model.chunks, saved["chunks"])):
+        where = f"{name}: model.chunks[{n}]"
+        check_tensor_data(f"{where}['param']", entry["param"], floating=True, numel=chunk.shard_numel)
+        if entry["master"] is not None:
+            check_tensor_data(f"{where}['master']", entry["master"], floating=True, numel=chunk.shard_numel)
+        if with_optimizer and chunk.trainable:
+            if entry["step"] < 0:
+                raise InvalidArgumentError(f"{where}['step']", entry["step"], "an integer >= 0")
+            for family in ("exp_avg", "exp_avg_sq"):
+                check_tensor_data(f"{where}[{family!r}]", entry[family], floating=True, numel=chunk.shard_numel)
+    own = model.module.state_dict(keep_vars=True)
+    expected = [key for key, slot in saved["keys"] if slot is None]
+    if sorted(saved["buffers"]) != sorted(expected):
+        raise InvalidArgumentError(f"{name}: model.buffers", f"buffers {_few(sorted(saved['buffers']))}",
+                                   f"the model's buffers {_few(sorted(expected))}")
+    for key, value in saved["buffers"].items():
+        check_tensor_data(f"{name}: model.buffers[{key!r}]", value)
+        if tuple(value.shape) != tuple(own[key].shape):
+            raise InvalidArgumentError(f"{name}: model.buffers[{key!r}]", f"a tensor of shape {tuple(value.shape)}",
+                                       f"shape {tuple(own[key].shape)}, the model's")
+
+
+def _few(names: list[str]) -> list[str]:
+    return names[:5] + (["..."] if len(names) > 5 else [])
 
 
 _LAYOUT_FIELDS = ("numel", "shard_numel", "shard_offset", "dtype", "trainable", "parameters")
@@ -351,31 +435,115 @@ def _check_layout(path: str, model: ShardedModelV2, saved: dict[str, Any]) -> No
 
 
 def _read_manifest(path: str) -> dict[str, Any]:
+    """The manifest of a sharded checkpoint directory, every field checked (format 1 or 2)."""
     name = os.path.join(path, MANIFEST)
     allowed = f"a sharded checkpoint directory with a {MANIFEST} written by chunkmem.save_checkpoint(sharded=True)"
+    if not os.path.isfile(name):
+        raise InvalidArgumentError("path", path, f"{allowed}; there is no {MANIFEST}")
     try:
         with open(name, encoding="utf-8") as f:
             manifest = json.load(f)
     except (OSError, ValueError) as exc:
-        raise InvalidArgumentError("path", path, f"{allowed}; reading {MANIFEST} failed: {exc}") from exc
-    if not isinstance(manifest, dict) or manifest.get("format") != SHARDED_FORMAT:
-        raise InvalidArgumentError("path", path, f"{allowed} (format {SHARDED_FORMAT!r})")
+        raise CheckpointError(f"{name}: cannot be read as a checkpoint manifest (damaged?): {exc}") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") not in (SHARDED_FORMAT, SHARDED_FORMAT_V1):
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise InvalidArgumentError("path", path, f"{allowed} (format {SHARDED_FORMAT!r} or {SHARDED_FORMAT_V1!r}; "
+                                                 f"found {found!r})")
+    token = _field(manifest, "token", str, name, "the hex token of the committed save")
+    if not _TOKEN.match(token):
+        raise CheckpointError(f"{name}: field 'token' is {token!r}, expected hex digits")
+    world = _field(manifest, "world", int, name, "the number of ranks that saved (an integer >= 1)")
+    if world < 1:
+        raise CheckpointError(f"{name}: field 'world' is {world}, expected an integer >= 1")
+    files = _field(manifest, "files", list, name, "the names of the rank files")
+    if manifest["format"] == SHARDED_FORMAT:
+        checksums = _field(manifest, "checksums", dict, name, "each rank file's checksum under its name")
+        if not all(isinstance(v, str) for v in checksums.values()):
+            raise CheckpointError(f"{name}: field 'checksums' holds a value that is not a string")
+    if not all(isinstance(f, str) for f in files):
+        raise CheckpointError(f"{name}: field 'files' holds a value that is not a file name")
     return manifest
 
 
 def _read_rank_file(path: str, manifest: dict[str, Any], rank: int) -> dict[str, Any]:
-    name = os.path.join(path, _shard_name(manifest["token"], rank, manifest["world"]))
+    """One rank's file of a sharded checkpoint: found, checksum verified (format 2), read, and its
+    header and fields checked."""
+    base = _shard_name(manifest["token"], rank, manifest["world"])
+    name = os.path.join(path, base)
+    if not os.path.isfile(name):
+        raise InvalidArgumentError("path", path, f"a complete sharded checkpoint; reading rank {rank}'s file {base} "
+                                                 f"failed: there is no such file")
+    manifest_name = os.path.join(path, MANIFEST)
+    if base not in manifest["files"]:
+        raise CheckpointError(f"{manifest_name}: field 'files' does not name {base}, the file of rank {rank}")
+    if manifest["format"] == SHARDED_FORMAT:
+        if base not in manifest["checksums"]:
+            raise CheckpointError(f"{manifest_name}: field 'checksums' has no checksum of {base}")
+        found = file_checksum(name)
+        if found != manifest["checksums"][base]:
+            raise CheckpointError(f"{name}: the rank file is damaged: its checksum is {found}, {MANIFEST} records "
+                                  f"{manifest['checksums'][base]}; nothing was loaded")
     try:
         payload = torch.load(name, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - a missing or damaged part is bad input
-        raise InvalidArgumentError("path", path, f"a complete sharded checkpoint; reading rank {rank}'s file "
-                                                 f"{os.path.basename(name)} failed: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - a damaged part
+        raise CheckpointError(f"{name}: cannot be read as a rank file of a sharded checkpoint (damaged?): "
+                              f"{exc}") from exc
     header = (payload.get("format"), payload.get("token"), payload.get("rank"), payload.get("world")) \
         if isinstance(payload, dict) else None
-    if header != (SHARDED_FORMAT, manifest["token"], rank, manifest["world"]):
-        raise InvalidArgumentError("path", path, f"a consistent sharded checkpoint; {os.path.basename(name)} "
-                                                 f"has header {header}")
+    if header != (manifest["format"], manifest["token"], rank, manifest["world"]):
+        raise InvalidArgumentError("path", path, f"a consistent sharded checkpoint; {base} has header {header}")
+    _check_rank_fields(name, payload)
     return payload
+
+
+_CHUNK_FIELDS = {"index": int, "numel": int, "shard_numel": int, "shard_offset": int, "dtype": str,
+                 "trainable": bool, "slots": list, "param": torch.Tensor, "master": (torch.Tensor, type(None)),
+                 "step": int, "exp_avg": (torch.Tensor, type(None)), "exp_avg_sq": (torch.Tensor, type(None))}
+_SLOT_FIELDS = {"name": str, "offset": int, "numel": int, "shape": list}
+
+
+def _check_rank_fields(name: str, payload: dict[str, Any]) -> None:
+    """Raise :class:`CheckpointError` naming the file and the field unless every field a rank file
+    must have is there with its type."""
+    model = _field(payload, "model", dict, name, "the model's part")
+    _field(model, "dtype", str, name, "the model's dtype name", "model.")
+    keys = _field(model, "keys", list, name, "the state_dict keys and the parameter behind each", "model.")
+    if not all(isinstance(k, (list, tuple)) and len(k) == 2 and isinstance(k[0], str) for k in keys):
+        raise CheckpointError(f"{name}: field 'model.keys' holds an entry that is not [key, parameter name]")
+    _field(model, "buffers", dict, name, "the module buffers", "model.")
+    for n, entry in enumerate(_field(model, "chunks", list, name, "one entry per chunk", "model.")):
+        where = f"model.chunks[{n}]."
+        if not isinstance(entry, dict):
+            raise CheckpointError(f"{name}: field '{where[:-1]}' is a {type(entry).__name__}, expected a dict")
+        for key, kinds in _CHUNK_FIELDS.items():
+            _field(entry, key, kinds, name, _kind_names(kinds), where)
+        for m, slot in enumerate(entry["slots"]):
+            if not isinstance(slot, dict):
+                raise CheckpointError(f"{name}: field '{where}slots[{m}]' is a {type(slot).__name__}, expected a dict")
+            for key, kinds in _SLOT_FIELDS.items():
+                _field(slot, key, kinds, name, _kind_names(kinds), f"{where}slots[{m}].")
+    optimizer = _field(payload, "optimizer", (dict, type(None)), name, "the optimizer's part or None")
+    if optimizer is not None:
+        for key, kinds in {"param_groups": list, "param_names": list, "loss_scaler": (dict, type(None))}.items():
+            _field(optimizer, key, kinds, name, _kind_names(kinds), "optimizer.")
+
+
+def _field(doc: dict[str, Any], key: str, kinds: type | tuple[type, ...], file: str, what: str,
+           where: str = "") -> Any:
+    """``doc[key]``; :class:`CheckpointError` naming ``file`` and the field (``where`` + ``key``) when
+    it is missing or not of ``kinds`` (``bool`` is not an ``int`` here)."""
+    if key not in doc:
+        raise CheckpointError(f"{file}: field {where + key!r} is missing; expected {what}")
+    value = doc[key]
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise CheckpointError(f"{file}: field {where + key!r} is a {type(value).__name__}, expected {what}")
+    return value
+
+
+def _kind_names(kinds: type | tuple[type, ...]) -> str:
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    return " or ".join("None" if k is type(None) else k.__name__ for k in kinds)
 
 
 def _consolidate(path: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -451,7 +619,9 @@ def _remove_stale(path: str, token: str) -> None:
         warnings.warn(f"could not list {path!r} to remove stale checkpoint files: {exc}", stacklevel=4)
     for name in names:
         match = _SHARD_FILE.match(name)
-        if (match and match.group("token") != token) or _TEMP_FILE.match(name):
+        target = temporary_target(name)
+        temporary = target is not None and (target == MANIFEST or _SHARD_FILE.match(target) is not None)
+        if (match and match.group("token") != token) or temporary:
             try:
                 os.remove(os.path.join(path, name))
             except OSError as exc:
@@ -477,6 +647,15 @@ def _new_token(group: ShardGroup) -> str:
     if _collective(group):  # rank 0's, through a bounded collective (see chunkmem.collectives)
         token = group.all_gather_bytes(token.encode(), "the checkpoint's name token")[0].decode()
     return token
+
+
+def _gather_strings(group: ShardGroup, text: str) -> list[str]:
+    """Every rank's ``text``, in rank order (on every rank)."""
+    if not _collective(group):
+        return [text]
+    gathered: list[Any] = [None] * group.world
+    dist.all_gather_object(gathered, text, group=group.group)
+    return gathered
 
 
 def _agree(group: ShardGroup, error: Exception | None, what: str) -> None:

@@ -9,7 +9,12 @@ chunk, in every state family; loading writes only that range of each parameter
 gathers each chunk (``chunk.gather``, called by every rank in chunk order).
 
 Loading is done in two phases: a *plan* checks everything and changes nothing (so a bad state dict
-leaves the model and optimizer as they were), then ``apply()`` writes.
+leaves the model and optimizer as they were), then ``apply()`` writes. The plan checks every value so
+that the writes cannot fail: a tensor with data (not on the ``meta`` device), dense, of a real floating
+dtype where the chunks need one, of the right size; a finite positive loss scale. Writing a
+parameter's values bumps its autograd version counter, as ``param.copy_`` does in plain PyTorch, so
+that a backward through a graph built before the load raises torch's "modified by an inplace
+operation" error instead of mixing old activations with new weights.
 
 The optimizer format is ``torch.optim.Optimizer.state_dict()``'s:
 
@@ -62,6 +67,41 @@ def refuse_grads_in_param_memory(model: Any, what: str) -> None:
             f"(reuse_fp16_shard=True), not parameter values; call optim.step() or optim.zero_grad() first")
 
 
+def refuse_chunks_in_use(model: Any, what: str) -> None:
+    """Raise :class:`CheckpointError` while a forward is running or a backward started and did not
+    finish (a chunk is in use or held for backward): its parameters cannot be written then."""
+    busy = [c.name for c in model.chunk_manager.chunks if c.users or c.held_for_backward]
+    if busy:
+        raise CheckpointError(
+            f"{what}: {len(busy)} chunks are in use by a forward that is running or a backward that started and "
+            f"did not finish ({_few(busy)}); load between iterations, or after a complete forward (a backward of "
+            f"that forward then raises, as in plain PyTorch)")
+
+
+def check_tensor_data(where: str, value: Any, *, floating: bool = False, numel: int | None = None) -> torch.Tensor:
+    """Raise :class:`InvalidArgumentError` naming ``where`` unless ``value`` is a dense tensor with
+    data (not on the ``meta`` device) and, as asked, of a real floating dtype and ``numel`` elements;
+    the checks that make copying it into a chunk unable to fail."""
+    if not isinstance(value, torch.Tensor):
+        raise InvalidArgumentError(where, type(value).__name__, "a tensor")
+    if value.is_meta:
+        raise InvalidArgumentError(where, f"a tensor on the meta device (shape {tuple(value.shape)}, no data)",
+                                   "a tensor with data")
+    if value.layout != torch.strided:
+        raise InvalidArgumentError(where, f"a tensor of layout {value.layout}", "a dense (torch.strided) tensor")
+    if floating and not value.is_floating_point():
+        raise InvalidArgumentError(where, f"a tensor of dtype {value.dtype}", "a floating-point tensor")
+    if numel is not None and value.numel() != numel:
+        raise InvalidArgumentError(where, f"a tensor of {value.numel()} elements", f"{numel} elements")
+    return value
+
+
+def bump_versions(params: Any) -> None:
+    """Mark ``params`` as modified in place for autograd (what ``param.copy_`` does in plain PyTorch):
+    a graph that saved them before a load can no longer be run backward."""
+    torch.autograd.graph.increment_version(list(params))
+
+
 def warn_if_masters_lose_precision(chunk: Chunk, key: str, value: torch.Tensor) -> None:
     """Warn when a 16-bit chunk without allocated masters (no optimizer yet) receives values its
     dtype cannot hold exactly: the masters will be widened from the rounded values."""
@@ -101,6 +141,7 @@ class ModelLoad:
                     else:
                         warn_if_masters_lose_precision(chunk, key, value)
                 manager.write_params(chunk, values)
+                bump_versions(slot.param for slot, _, _ in writes)
             for target, value in self.buffers:
                 target.copy_(value)
         return self.incompatible
@@ -112,6 +153,7 @@ def plan_model_load(model: Any, state_dict: Any, strict: bool) -> ModelLoad:
     check_type("state_dict", state_dict, Mapping, "a mapping from the wrapped module's state_dict() keys to tensors")
     check_type("strict", strict, bool, "True or False")
     refuse_grads_in_param_memory(model, "load_state_dict")
+    refuse_chunks_in_use(model, "load_state_dict")
     own = model.module.state_dict(keep_vars=True)
     missing = [k for k in own if k not in state_dict]
     unexpected = [k for k in state_dict if k not in own]
@@ -127,13 +169,10 @@ def plan_model_load(model: Any, state_dict: Any, strict: bool) -> ModelLoad:
             continue
         value = state_dict[key]
         slot = slot_of(target) if isinstance(target, nn.Parameter) else None
-        _check_value(key, value, tuple(slot.shape) if slot is not None else tuple(target.shape))
+        _check_value(key, value, tuple(slot.shape) if slot is not None else tuple(target.shape), slot is not None)
         if slot is None:
             buffers.append((target, value))
             continue
-        if not value.is_floating_point():
-            raise InvalidArgumentError(f"state_dict[{key!r}]", f"a tensor of dtype {value.dtype}",
-                                       "a floating-point tensor")
         if id(slot) in seen:
             first_key, first = seen[id(slot)]
             if not torch.equal(first.detach().cpu().double(), value.detach().cpu().double()):
@@ -145,9 +184,8 @@ def plan_model_load(model: Any, state_dict: Any, strict: bool) -> ModelLoad:
     return ModelLoad(model, writes, buffers, missing, unexpected)
 
 
-def _check_value(key: str, value: Any, shape: tuple[int, ...]) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise InvalidArgumentError(f"state_dict[{key!r}]", type(value).__name__, "a tensor")
+def _check_value(key: str, value: Any, shape: tuple[int, ...], floating: bool) -> None:
+    check_tensor_data(f"state_dict[{key!r}]", value, floating=floating)
     if tuple(value.shape) != shape:
         raise InvalidArgumentError(f"state_dict[{key!r}]", f"a tensor of shape {tuple(value.shape)}",
                                    f"shape {shape}, the model's")
@@ -301,12 +339,26 @@ def plan_hyper_load(optim: Any, param_groups: Any, loss_scaler: Any) -> Optimize
     (``None``: leave the scaler as it is); the caller may add chunk states to ``plan.chunks``."""
     groups = _check_groups(optim.optim.param_groups, param_groups)
     if loss_scaler is not None:
-        check_type("state_dict['loss_scaler']", loss_scaler, Mapping, "None or DynamicGradScaler.state_dict()")
-        for key in ("scale", "overflows_since_growth", "clean_steps"):
-            if key not in loss_scaler:
-                raise InvalidArgumentError("state_dict['loss_scaler']", f"a dict without {key!r}",
-                                           "DynamicGradScaler.state_dict() (scale, overflows_since_growth, clean_steps)")
+        _check_loss_scaler(loss_scaler)
     return OptimizerLoad(optim, groups, [], loss_scaler)
+
+
+def _check_loss_scaler(state: Any) -> None:
+    """Raise unless ``state`` is a loss scaler state a :class:`~chunkmem.DynamicGradScaler` can run
+    from: a finite scale > 0 and counts that are non-negative integers."""
+    where = "state_dict['loss_scaler']"
+    check_type(where, state, Mapping, "None or DynamicGradScaler.state_dict()")
+    for key in ("scale", "overflows_since_growth", "clean_steps"):
+        if key not in state:
+            raise InvalidArgumentError(where, f"a dict without {key!r}",
+                                       "DynamicGradScaler.state_dict() (scale, overflows_since_growth, clean_steps)")
+    scale = state["scale"]
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise InvalidArgumentError(f"{where}['scale']", scale, "a finite number > 0")
+    for key in ("overflows_since_growth", "clean_steps"):
+        value = state[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidArgumentError(f"{where}[{key!r}]", value, "an integer >= 0")
 
 
 def _check_groups(groups: list[dict[str, Any]], saved_groups: Any) -> list[Mapping[str, Any]]:
@@ -344,11 +396,13 @@ def _check_entry(index: Any, name: str, entry: Any, slot: ParamSlot) -> int:
             raise InvalidArgumentError(where, f"a state without {key!r}", "step, exp_avg and exp_avg_sq")
     for key in ("exp_avg", "exp_avg_sq"):
         value = entry[key]
-        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.numel() != slot.numel:
-            got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
-            raise InvalidArgumentError(f"{where}[{key!r}]", got,
+        if isinstance(value, torch.Tensor) and value.numel() != slot.numel:
+            raise InvalidArgumentError(f"{where}[{key!r}]", f"a tensor of shape {tuple(value.shape)}",
                                        f"a floating-point tensor of shape {tuple(slot.shape)}")
+        check_tensor_data(f"{where}[{key!r}]", value, floating=True)
     step = entry["step"]
+    if isinstance(step, torch.Tensor):
+        check_tensor_data(f"{where}['step']", step)
     step = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
     if (isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step) or step < 0
             or step != int(step)):
