@@ -30,9 +30,11 @@ class Transfer:
     the completion (``finish``) once. ``event`` is the CUDA event recorded after the copy, or ``None``
     for a copy that was complete when it was issued."""
 
-    def __init__(self, finish: Callable[[], None], event: "torch.cuda.Event | None" = None) -> None:
+    def __init__(self, finish: Callable[[], None], event: "torch.cuda.Event | None" = None,
+                 device: torch.device | None = None) -> None:
         self._finish = finish
         self.event = event
+        self.device = device  # the CUDA device whose compute stream waits for ``event``
         self.waited = False
 
     @property
@@ -45,7 +47,7 @@ class Transfer:
         if self.waited:
             return
         if self.event is not None:
-            torch.cuda.current_stream(self.event.device).wait_event(self.event)
+            torch.cuda.current_stream(self.device).wait_event(self.event)
         self.waited = True
         self._finish()
 
@@ -77,19 +79,21 @@ class PinnedStagingPool:
     def take(self, nbytes: int) -> torch.Tensor:
         """A pinned uint8 buffer of exactly ``nbytes`` bytes; waits for the oldest copy if all are busy."""
         self._reclaim()
-        for i, buf in enumerate(self._idle):
-            if buf.numel() == nbytes:
-                return self._idle.pop(i)
-        if self.buffers >= self.max_buffers:
-            if not self._idle:
-                buf, event = self._busy.popleft()
-                event.synchronize()
-                self._idle.append(buf)
-            self.pinned_bytes -= self._idle.pop(0).numel()  # a buffer of another size makes room
-        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        self.pinned_bytes += nbytes
-        self.peak_pinned_bytes = max(self.peak_pinned_bytes, self.pinned_bytes)
-        return buf
+        while True:
+            for i, buf in enumerate(self._idle):
+                if buf.numel() == nbytes:
+                    return self._idle.pop(i)
+            if self.buffers < self.max_buffers:
+                buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                self.pinned_bytes += nbytes
+                self.peak_pinned_bytes = max(self.peak_pinned_bytes, self.pinned_bytes)
+                return buf
+            if self._idle:  # an idle buffer of another size makes room
+                self.pinned_bytes -= self._idle.pop(0).numel()
+                continue
+            buf, event = self._busy.popleft()
+            event.synchronize()
+            self._idle.append(buf)
 
     def give_back(self, buf: torch.Tensor, event: torch.cuda.Event) -> None:
         """``buf`` may be reused once ``event`` (the copy reading it) has completed."""
@@ -130,6 +134,6 @@ def start_copy(dst: torch.Tensor, src: torch.Tensor, finish: Callable[[], None])
             event = torch.cuda.Event()
             event.record(stream)
         pool.give_back(staging.view(torch.uint8), event)
-        return Transfer(finish, event)
+        return Transfer(finish, event, dst.device)
     dst.copy_(src)
     return Transfer(finish)
