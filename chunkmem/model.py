@@ -265,8 +265,9 @@ class ShardedModelV2(nn.Module):
             if not self.shards.sharded:
                 held -= resting
                 own = own - resting
-            if need_of(held, plan.chunk_bytes, staging) > visiting_need:
-                visiting_need = need_of(held, plan.chunk_bytes, staging)
+            held_need = need_of(held, plan.chunk_bytes, staging)
+            if held_need > visiting_need or (held_need == visiting_need > 0):  # ties: the first in forward order
+                visiting_need = held_need
                 others = len(held - own)
                 visiting_what = f"the chunks of module {name!r} with their gradients" + (
                     f" and the {others} other chunk(s) its backward holds (first used by a later module's "
