@@ -332,6 +332,9 @@ class ShardedModelV2(nn.Module):
         while self._hooks.stack:
             _module, chunks = self._hooks.stack.pop()
             self.chunk_manager.release(chunks)
+        # A backward that raised never ran its queued end-of-backward callback (autograd drops it): let
+        # the next backward queue its own (issue #10, appendix 11).
+        self._hooks.end_of_backward_queued = False
 
     # ---- inspection --------------------------------------------------------------------------------
 

@@ -83,6 +83,9 @@ def test_failed_backward_releases_what_it_held_and_training_goes_on():
     for name, value in plain_model.state_dict().items():
         assert torch.equal(value, model.state_dict()[name]), name
     assert ledger.tier_bytes(cm.Tier.DEVICE) == 0
+    # later backwards end normally: the schedule is followed again, not traced at every iteration
+    assert manager.backward_count == 3
+    assert manager.scheduler.mode == "idle" and manager.scheduler.traces == 3  # failed, retrace, side.weight
 
 
 def cpu_minimum(reference, chunk_size):
