@@ -1,8 +1,6 @@
 """Capacity defects of issue #10's appendix: 8 (no stale plan after a failed plan), 11 (a failed backward
 releases what it held), 15 (auto trains wherever cpu does, bitwise equal), 19 (the construction check
 counts what the backward holds, tied weights included)."""
-import copy
-
 import pytest
 import torch
 import torch.nn as nn
@@ -38,17 +36,18 @@ def test_tied_weights_construction_check_counts_what_the_backward_holds():
     data = batches(2)
     S = 2048 * 4  # bytes of one fp32 chunk
     cm.set_device_memory_capacity(10**8)
-    _, want = (lambda m_o: (m_o, train(*m_o, data)))(build_sharded(reference, "cpu", torch.float32, chunk_size=S))
+    want = train(*build_sharded(reference, "cpu", torch.float32, chunk_size=S), data)
     # By hand: the head's backward fetches the tied chunk 0 and keeps it until the embedding's backward
-    # (its gradient is accumulated once, after both uses). Meanwhile ln_f's backward holds chunk 3 with
-    # its gradient staging: 3 chunks. (The check before issue #10 asked for 2: one module's chunk and
+    # (its gradient is accumulated once, after both uses). Meanwhile each block's backward (ln_f's too)
+    # holds its own chunk with its gradient staging: 3 chunks. (The check before issue #10 asked for 2: one module's chunk and
     # its staging, and the first backward then ran out.)
     for halves in range(2, 11):
         capacity = halves * S // 2
         cm.set_device_memory_capacity(capacity)
         if capacity < 3 * S:
-            with pytest.raises(cm.DeviceCapacityError, match=r"of the chunks of module 'ln_f' with their gradients "
-                                                             r"and the 1 other chunk\(s\) its backward holds"):
+            with pytest.raises(cm.DeviceCapacityError, match=rf"smaller than the {3 * S} bytes of the chunks of "
+                                                             r"module '[\w.]+' with their gradients and the 1 other "
+                                                             r"chunk\(s\) its backward holds"):
                 build_sharded(reference, "cpu", torch.float32, chunk_size=S)
             continue
         model, optim = build_sharded(reference, "cpu", torch.float32, chunk_size=S)
@@ -88,33 +87,34 @@ def test_failed_backward_releases_what_it_held_and_training_goes_on():
     assert manager.scheduler.mode == "idle" and manager.scheduler.traces == 3  # failed, retrace, side.weight
 
 
-def cpu_minimum(reference, chunk_size):
+def cpu_minimum(reference, chunk_size, dtype, reuse):
     """The smallest capacity (in steps of a quarter chunk) at which cpu placement builds the model."""
     quarter = chunk_size // 4
     for quarters in range(4, 200):
         cm.set_device_memory_capacity(quarters * quarter)
         try:
-            build_sharded(reference, "cpu", torch.float32, chunk_size=chunk_size)
+            build_sharded(reference, "cpu", dtype, reuse=reuse, chunk_size=chunk_size)
         except cm.DeviceCapacityError:
             continue
         return quarters * quarter
     raise AssertionError("no capacity found")
 
 
-@pytest.mark.parametrize("batch", [2, 16])
-def test_auto_trains_wherever_cpu_does_bitwise_equal(batch):
+@pytest.mark.parametrize("dtype,reuse,batch", [(torch.float32, False, 2), (torch.float32, False, 16),
+                                               (torch.bfloat16, True, 2)])
+def test_auto_trains_wherever_cpu_does_bitwise_equal(dtype, reuse, batch):
     torch.manual_seed(2)
     reference = TinyGPT()
     data = batches(3, batch=batch)
     chunk_size = 16384
-    low = cpu_minimum(reference, chunk_size)
+    low = cpu_minimum(reference, chunk_size, dtype, reuse)
     fallbacks = 0
     for factor in (1.0, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0):
         capacity = int(low * factor)
         cm.set_device_memory_capacity(capacity)
-        cpu_model, cpu_optim = build_sharded(reference, "cpu", torch.float32, chunk_size=chunk_size)
+        cpu_model, cpu_optim = build_sharded(reference, "cpu", dtype, reuse=reuse, chunk_size=chunk_size)
         cpu_losses = train(cpu_model, cpu_optim, data)
-        model, optim = build_sharded(reference, "auto", torch.float32, chunk_size=chunk_size)
+        model, optim = build_sharded(reference, "auto", dtype, reuse=reuse, chunk_size=chunk_size)
         assert train(model, optim, data) == cpu_losses, capacity
         for name, value in cpu_model.state_dict().items():
             assert torch.equal(value, model.state_dict()[name]), (capacity, name)

@@ -5,7 +5,6 @@ import gc
 import os
 import sys
 
-import pytest
 import torch
 import torch.nn.functional as F
 
