@@ -24,7 +24,8 @@ FOLLOWING,          IDLE                                ``end_iteration``
 DIVERGED
 TRACING, FOLLOWING  INTERRUPTED                         ``interrupt``: the next forward found the last
 DIVERGED                                                iteration unfinished (an error in its forward or
-                                                        backward); it is traced again
+                                                        backward, or no backward); an unfinished trace
+                                                        is taken again
 ==================  ==================================  =================================================
 """
 from __future__ import annotations
@@ -154,13 +155,14 @@ class Scheduler:
     # ---- iteration boundaries ----------------------------------------------------------------------
 
     def interrupt(self) -> None:
-        """The running iteration will not end normally (an error stopped its forward or backward): drop
-        its trace and the plan, and trace the next iteration."""
+        """The running iteration will not end normally (an error stopped its forward or backward, or a
+        forward had no backward): an unfinished trace is dropped and the next iteration traced again; a
+        schedule it was following stays valid."""
         if self.trace is not None:
             self._to_close.append(self.trace)
             self.trace = None
+            self.retrace = True
         self._enter(IterationMode.INTERRUPTED, *RUNNING)
-        self.retrace = True
         self.state.following = False
         self._close_stats()
 

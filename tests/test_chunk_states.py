@@ -153,6 +153,11 @@ def test_iteration_mode_transitions():
     s.begin_period("m", "forward", [0], [])
     assert s.end_iteration() is False and s.mode is IterationMode.IDLE
     s.begin_iteration(("shape",), training=True)
+    s.begin_iteration(("shape",), training=True)  # a forward without backward: its schedule stays valid
+    assert s.mode is IterationMode.FOLLOWING and s.traces == 1
+    s.begin_period("m", "forward", [0], [])
+    s.end_iteration()
+    s.begin_iteration(("shape",), training=True)
     s.begin_period("other", "forward", [0], [])  # not in the schedule
     assert s.mode is IterationMode.DIVERGED
     s.end_iteration()
