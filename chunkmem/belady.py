@@ -10,16 +10,18 @@ from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from .errors import DeviceCapacityError
 
 
 @dataclass
 class PeriodPlan:
-    """What to do before one period: chunks to evict from the device, then chunks to fetch."""
+    """What to do before one period: chunks to evict from the device, then chunks to fetch.
+    ``fallback``: the period needs more chunks than its slots, so it runs as under ``cpu`` placement:
+    every chunk it does not need is evicted first, and its own are evicted after it."""
 
     evict: list[int] = field(default_factory=list)
     fetch: list[int] = field(default_factory=list)
     slots: int = 0
+    fallback: bool = False
 
 
 @dataclass
@@ -37,8 +39,12 @@ def plan_moves(needed: Sequence[Sequence[int]], forced_out: Sequence[Sequence[in
     ``needed[i]``: chunks that must be on the device during period ``i``. ``forced_out[i]``: chunks
     that leave the device at the end of period ``i`` whatever the plan says. ``slots[i]``: how many
     chunks the device can hold during period ``i``. The device starts empty. Costs O(A log A) for A
-    chunk accesses in all (each period costs its accesses and evictions, each a heap operation). Raises :class:`DeviceCapacityError` if a period needs more chunks than it
-    has slots.
+    chunk accesses in all (each period costs its accesses and evictions, each a heap operation).
+
+    A period that needs more chunks than it has slots (its non-model memory leaves too little room for
+    the plan) is planned as ``cpu`` placement runs it: every resident chunk it does not need is evicted
+    before it, its chunks are fetched, and they leave the device after it (``fallback``). Whether the
+    chunks alone fit the device is the ledger's to check when they are fetched, as under ``cpu``.
     """
     uses: dict[int, list[int]] = {}
     for i, chunks in enumerate(needed):
@@ -56,16 +62,20 @@ def plan_moves(needed: Sequence[Sequence[int]], forced_out: Sequence[Sequence[in
     stamp: dict[int, int] = {}
     plans: list[PeriodPlan] = []
     fetched = 0
+    carry_out: set[int] = set()
     for i, chunks in enumerate(needed):
         need = set(chunks)
-        if len(need) > slots[i]:
-            raise DeviceCapacityError(
-                f"period {i} ({names[i]}) needs {len(need)} chunks on the device at once but only {slots[i]} "
-                f"fit there with its non-model memory; raise the device capacity or use smaller chunks")
-        plan = PeriodPlan(slots=slots[i])
+        plan = PeriodPlan(slots=slots[i], fallback=len(need) > slots[i])
+        if carry_out:  # the chunks of a fallback period leave unless this one needs them
+            plan.evict = sorted(carry_out - need)
+            resident -= carry_out - need
+            carry_out = set()
         missing = need - resident
+        if plan.fallback:
+            plan.evict += sorted(resident - need)
+            resident &= need
         occupied = len(resident) + len(missing)
-        while occupied > slots[i]:
+        while occupied > slots[i] and not plan.fallback:
             while True:
                 neg_next, c = heapq.heappop(heap)
                 if c in resident and stamp[c] == -neg_next and c not in need:
@@ -82,5 +92,7 @@ def plan_moves(needed: Sequence[Sequence[int]], forced_out: Sequence[Sequence[in
             heapq.heappush(heap, (-stamp[c], c))
         for c in forced_out[i]:
             resident.discard(c)
+        if plan.fallback:
+            carry_out = set(resident)
         plans.append(plan)
     return MovePlan(plans, fetched)

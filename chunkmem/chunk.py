@@ -9,9 +9,34 @@ whose storage is freed (0 bytes) when the chunk is not resident and given memory
 when it is fetched. Views made by autograd during forward stay valid through such a round trip. When
 the CPU holds both tiers, every family's memory comes from the model's
 :class:`~chunkmem.block_pool.BlockPool`, else from torch's allocators (the storage is then resized).
+
+States (:mod:`chunkmem.states`). Each copy of a chunk's memory has a :class:`~chunkmem.states.CopyState`,
+changed only by the transitions of its :class:`~chunkmem.states.CopyLife`, which the class owning the
+copy calls (:class:`ParamBuffer` for the device copy and the shard, :class:`FlatBuffer` for the others):
+
+====================  ============  ==========  ========================================================
+transition            from          to          when
+====================  ============  ==========  ========================================================
+``allocated``         FREED         STALE       memory given (device copy fetched, shard or grad made)
+``fill_started``      STALE         FETCHING    a transfer into the copy issued (returns a handle)
+``fill_finished``     FETCHING      CURRENT     the handle waited on: the copy may be used
+``written``           STALE,        CURRENT     new contents written in place (the update, a gradient
+                      CURRENT                   reduced into the shard, a checkpoint loaded)
+``outdated``          CURRENT       STALE       the other copy was written (the device copy after an
+                                                update of the shard, the shard after one on the device)
+``freed``             STALE,        FREED       memory returned (a CURRENT device copy whose shard is
+                      CURRENT                   not current is first written back to the shard)
+====================  ============  ==========  ========================================================
+
+A FETCHING copy is waited on before anything else happens to it. A chunk *rests* with one CURRENT
+copy on its resting tier; it is *resident* while its device copy is CURRENT. What the parameter memory
+holds is a second, smaller machine owned by :class:`ParamBuffer`: :class:`~chunkmem.states.Contents`
+``VALUES`` -> ``GRADS`` when a backward with ``reuse_fp16_shard`` finishes the chunk's gradients in it,
+``GRADS`` -> ``VALUES`` when the optimizer step (or a skipped step, or a checkpoint load) writes values.
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +44,9 @@ import torch.nn as nn
 
 from .collectives import SINGLE_PROCESS, ShardGroup
 from .ledger import TierLedger
+from .states import ChunkStateError, Contents, CopyLife, CopyState
 from .tiers import Tier, device_of_tier, empty_on_tier
+from .transfer import Transfer, start_copy
 
 PARAM = "param"
 GRAD = "grad"
@@ -56,9 +83,14 @@ class ParamSlot:
 
 
 class FlatBuffer:
-    """One state family of one chunk: a flat buffer on one tier at a time, its bytes on the ledger."""
+    """One state family of one chunk: a flat buffer on one tier at a time, its bytes on the ledger.
 
-    def __init__(self, family: str, numel: int, dtype: torch.dtype, ledger: TierLedger, owner: str) -> None:
+    ``life`` is the buffer's :class:`~chunkmem.states.CopyLife` (read it; only this class's methods
+    change it).
+    """
+
+    def __init__(self, family: str, numel: int, dtype: torch.dtype, ledger: TierLedger, owner: str,
+                 rank: int = 0) -> None:
         self.family = family
         self.numel = numel
         self.dtype = dtype
@@ -66,6 +98,7 @@ class FlatBuffer:
         self.owner = owner
         self.tensor: torch.Tensor | None = None
         self.tier: Tier | None = None
+        self.life = CopyLife(f"{owner}.{family}", rank)
 
     @property
     def nbytes(self) -> int:
@@ -74,21 +107,35 @@ class FlatBuffer:
 
     @property
     def allocated(self) -> bool:
-        return self.tensor is not None
+        return self.life.holds_memory
+
+    @property
+    def state(self) -> CopyState:
+        return self.life.state
 
     def allocate(self, tier: Tier, zero: bool = False) -> torch.Tensor:
-        """Allocate the buffer on ``tier`` (zero-filled if ``zero``); it must not be allocated yet."""
-        assert self.tensor is None, f"{self.owner}.{self.family} already allocated"
+        """Allocate the buffer on ``tier`` (FREED -> STALE; zero-filled and CURRENT if ``zero``)."""
+        self.life.check("allocate", CopyState.FREED)
         self.ledger.reserve(tier, self.family, self.nbytes, f"{self.owner}.{self.family}")
         self.tensor = self._empty(tier)
+        self.tier = tier
+        self.life.allocated()
         if zero:
             self.tensor.zero_()
-        self.tier = tier
+            self.life.written()
         return self.tensor
 
+    def mark_written(self) -> None:
+        """The buffer now holds the chunk's current contents of its family (-> CURRENT)."""
+        self.life.written()
+
+    def mark_outdated(self) -> None:
+        """Another copy now holds the current contents (CURRENT -> STALE)."""
+        self.life.outdated()
+
     def move_to(self, tier: Tier) -> None:
-        """Copy the buffer into a new buffer on ``tier`` and free the old one."""
-        assert self.tensor is not None
+        """Copy the buffer into a new buffer on ``tier`` and free the old one (its state is kept)."""
+        self.life.check("move to another tier", CopyState.CURRENT, CopyState.STALE)
         if tier is self.tier:
             return
         old, old_tier = self.tensor, self.tier
@@ -101,10 +148,13 @@ class FlatBuffer:
         self._give_back(old)
 
     def free(self) -> None:
-        if self.tensor is not None:
-            self.ledger.release(self.tier, self.family, self.nbytes)
-            old, self.tensor, self.tier = self.tensor, None, None
-            self._give_back(old)
+        """Return the buffer's memory (-> FREED); nothing to do when it has none."""
+        if not self.life.holds_memory:
+            return
+        self.life.freed()
+        self.ledger.release(self.tier, self.family, self.nbytes)
+        old, self.tensor, self.tier = self.tensor, None, None
+        self._give_back(old)
 
     def _empty(self, tier: Tier) -> torch.Tensor:
         if self.ledger.blocks is not None:
@@ -123,10 +173,11 @@ class ParamBuffer:
     sharded); its storage is freed (0 bytes) when the chunk is not resident. ``shard`` holds this rank's
     ``shard_numel`` elements on the host tier, or on the device tier when the chunk is sharded and rests
     there (with one rank the shard is the whole chunk, and a chunk resting on the device keeps only its
-    full copy). ``device_valid`` / ``shard_valid`` say which copies hold the current contents;
-    ``holds_grads`` says the contents are gradients (``reuse_fp16_shard``), not values. When sharded,
-    parameters change only through the shard, so the shard is always current and the full copy is
-    either a gathered copy of it or invalid.
+    full copy). The two copies' states (``device_state``, ``shard_state``; see the module docstring)
+    say which holds the current contents; ``device_valid`` / ``shard_valid`` are their CURRENT-ness.
+    ``contents`` (``holds_grads``) says whether the memory holds values or, with ``reuse_fp16_shard``,
+    gradients. When sharded, parameters change only through the shard, so the shard is always current
+    and the full copy is either a gathered copy of it or stale.
     """
 
     def __init__(self, numel: int, dtype: torch.dtype, ledger: TierLedger, owner: str,
@@ -142,10 +193,39 @@ class ParamBuffer:
         self.device = torch.empty(numel, dtype=dtype, device=device_of_tier(Tier.DEVICE))
         self.device.untyped_storage().resize_(0)
         self._lent: torch.Tensor | None = None  # with a block pool: holds the 0 bytes while memory is lent
-        self.device_valid = False
-        self.shard = FlatBuffer(PARAM, self.shard_numel, dtype, ledger, owner)
-        self.shard_valid = False
-        self.holds_grads = False
+        self._device_life = CopyLife(f"{owner}.param device copy", shards.rank)
+        self._transfer: Transfer | None = None
+        self._contents = Contents.VALUES
+        self.shard = FlatBuffer(PARAM, self.shard_numel, dtype, ledger, owner, shards.rank)
+
+    # ---- state (read-only views of the two machines) --------------------------------------------------
+
+    @property
+    def device_state(self) -> CopyState:
+        return self._device_life.state
+
+    @property
+    def shard_state(self) -> CopyState:
+        return self.shard.life.state
+
+    @property
+    def contents(self) -> Contents:
+        return self._contents
+
+    @property
+    def device_valid(self) -> bool:
+        """Whether the full device copy is allocated and holds the current contents."""
+        return self._device_life.current
+
+    @property
+    def shard_valid(self) -> bool:
+        """Whether the shard holds the current contents."""
+        return self.shard.life.current
+
+    @property
+    def holds_grads(self) -> bool:
+        """Whether the parameter memory holds gradients (``reuse_fp16_shard``), not values."""
+        return self._contents is Contents.GRADS
 
     @property
     def sharded(self) -> bool:
@@ -153,84 +233,212 @@ class ParamBuffer:
 
     @property
     def device_allocated(self) -> bool:
-        return self.device.untyped_storage().nbytes() > 0
+        return self._device_life.holds_memory
+
+    @property
+    def fetching(self) -> bool:
+        """Whether a transfer into the device copy is in flight (wait it with :meth:`wait`)."""
+        return self._device_life.state is CopyState.FETCHING
 
     def own_slice(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's elements of a full-length flat tensor."""
         return full[self.shard_offset:self.shard_offset + self.shard_numel]
 
-    def allocate_device(self) -> None:
-        """Give the device copy its memory back (contents undefined until written)."""
-        if not self.device_allocated:
-            self.ledger.reserve(Tier.DEVICE, PARAM, self.nbytes, f"{self.owner}.{PARAM}")
-            if self.ledger.blocks is not None:
-                self._lent = self.ledger.blocks.lend(self.device.untyped_storage(), self.nbytes)
-            else:
-                self.device.untyped_storage().resize_(self.nbytes)
+    # ---- the device copy -----------------------------------------------------------------------------
 
-    def fetch_to_device(self) -> None:
-        """Make the full device copy current: a copy of the shard, or a gather of every rank's shard."""
-        if self.device_valid:
+    def allocate_device(self) -> None:
+        """Give the device copy its memory back (FREED -> STALE, contents undefined until written)."""
+        if self._device_life.holds_memory:
             return
-        assert self.shard_valid, f"{self.owner}: no valid copy of the parameters"
+        self.ledger.reserve(Tier.DEVICE, PARAM, self.nbytes, f"{self.owner}.{PARAM}")
+        if self.ledger.blocks is not None:
+            self._lent = self.ledger.blocks.lend(self.device.untyped_storage(), self.nbytes)
+        else:
+            self.device.untyped_storage().resize_(self.nbytes)
+        self._device_life.allocated()
+
+    def start_fetch(self) -> Transfer:
+        """Issue the transfer that makes the device copy current (-> FETCHING): a copy of the shard, or a
+        gather of every rank's shard (a collective, complete when issued). :meth:`wait` before use."""
+        self._device_life.check("be fetched", CopyState.FREED, CopyState.STALE)
+        self.shard.life.check("be fetched from", CopyState.CURRENT)
         self.allocate_device()
+        self._device_life.fill_started()
         if self.sharded:
             self.shards.all_gather(self.device, self.shard.tensor, what=f"{self.owner} parameters")
+            transfer = Transfer(self._fetched)
         else:
-            self.device.copy_(self.shard.tensor, non_blocking=True)
+            transfer = start_copy(self.device, self.shard.tensor, self._fetched)
         if self.shard.tier is Tier.HOST:
             self.ledger.count_move(Tier.DEVICE, self.shard.nbytes)
-        self.device_valid = True
+        self._transfer = transfer
+        return transfer
+
+    def _fetched(self) -> None:
+        self._transfer = None
+        self._device_life.fill_finished()
+
+    def filled_together(self) -> None:
+        """The device copy was written by a gather of several chunks at once (:func:`gather_together`)."""
+        self.allocate_device()
+        self._device_life.fill_started()
+        self._transfer = Transfer(self._fetched)
+
+    def wait(self) -> None:
+        """Wait for the transfer into the device copy, if one is in flight (FETCHING -> CURRENT)."""
+        if self._transfer is not None:
+            self._transfer.wait()
+
+    def fetch_to_device(self) -> None:
+        """Make the full device copy current (fetching it if needed) and wait for it."""
+        if self._device_life.state is CopyState.CURRENT:
+            return
+        if self._device_life.state is not CopyState.FETCHING:
+            self.start_fetch()
+        self.wait()
+
+    def mark_device_written(self) -> None:
+        """The device copy holds new contents written in place; a held shard is now out of date."""
+        self._device_life.written()
+        if self.shard.life.current:
+            self.shard.mark_outdated()
 
     def free_device(self) -> None:
         """Free the device copy, first copying it to the shard if the shard is not current."""
-        if not self.device_allocated:
+        if not self._device_life.holds_memory:
             return
-        if self.device_valid and not self.shard_valid:
+        self.wait()
+        if self._device_life.current and not self.shard.life.current:
             self.write_back_shard()
+        self._drop_device()
+
+    def drop_device_copy(self) -> None:
+        """Free the device copy without writing it back: the shard is current (its contents are what
+        the device copy held before a backward part-overwrote it with gradients)."""
+        self.shard.life.check("stand for the dropped device copy", CopyState.CURRENT)
+        if self._device_life.holds_memory:
+            self._drop_device()
+
+    def _drop_device(self) -> None:
+        """Free the device copy's memory whatever it holds (-> FREED)."""
+        self.wait()
         if self._lent is not None:
             self.ledger.blocks.take_back(self.device.untyped_storage(), self._lent)
             self._lent = None
         else:
             self.device.untyped_storage().resize_(0)
         self.ledger.release(Tier.DEVICE, PARAM, self.nbytes)
-        self.device_valid = False
+        self._device_life.freed()
+
+    # ---- the shard -----------------------------------------------------------------------------------
 
     def write_back_shard(self) -> None:
-        """Copy this rank's part of the device copy into the shard (allocated on the host if missing)
-        and mark the shard current."""
+        """Copy this rank's part of the current device copy into the shard (allocated on the host if
+        missing) and mark the shard current."""
+        self._device_life.check("be written back", CopyState.CURRENT)
         if not self.shard.allocated:
             self.shard.allocate(Tier.HOST)
         self.shard.tensor.copy_(self.own_slice(self.device))
         if self.shard.tier is Tier.HOST:
             self.ledger.count_move(Tier.HOST, self.shard.nbytes)
-        self.shard_valid = True
+        self.shard.mark_written()
 
     def free_shard(self) -> None:
         """Free the shard, first making the device copy current if the shard is the only current copy
         (one rank only: a sharded chunk always keeps its shard)."""
         if not self.shard.allocated:
             return
-        assert not self.sharded, f"{self.owner}: a sharded chunk keeps its shard"
-        if self.shard_valid and not self.device_valid:
+        if self.sharded:
+            raise ChunkStateError(f"{self.owner}.param shard", "be freed (a sharded chunk keeps its shard)",
+                                  self.shard_state, (), self.shards.rank)
+        if self.shard.life.current and not self._device_life.current:
             self.fetch_to_device()
         self.shard.free()
-        self.shard_valid = False
+
+    def first_copy(self, tier: Tier) -> torch.Tensor:
+        """Allocate the chunk's first parameter copy on ``tier`` and return it, CURRENT (the caller writes
+        the values at once): the shard, or with one rank on the device tier the device copy."""
+        if tier is Tier.DEVICE and not self.sharded:
+            self.allocate_device()
+            self._device_life.written()
+            return self.device
+        self.shard.allocate(tier)
+        self.shard.mark_written()
+        return self.shard.tensor
+
+    # ---- values and gradients ------------------------------------------------------------------------
+
+    def load_values(self, local: torch.Tensor) -> None:
+        """Make ``local`` (this rank's elements) the values: written into the shard (allocated on the
+        host if missing), the device copy dropped."""
+        if not self.shard.allocated:
+            self.shard.allocate(Tier.HOST)
+        self.shard.tensor.copy_(local)
+        self.shard.mark_written()
+        self._contents = Contents.VALUES
+        if self._device_life.holds_memory:
+            self._drop_device()
+
+    def grads_in_device_copy(self) -> None:
+        """One rank, ``reuse_fp16_shard``: the device copy now holds the finished gradients (VALUES ->
+        GRADS); a held shard is out of date."""
+        self._take_grads()
+        self.mark_device_written()
+
+    def grads_in_shard(self, reduced: torch.Tensor) -> None:
+        """Sharded, ``reuse_fp16_shard``: ``reduced`` (this rank's shard of the reduced gradients) is
+        written into the shard (VALUES -> GRADS); the gathered device copy is out of date."""
+        self._take_grads()
+        self.shard.tensor.copy_(reduced)
+        self.shard.mark_written()
+        if self._device_life.current:
+            self._device_life.outdated()
+
+    def _take_grads(self) -> None:
+        if self._contents is not Contents.VALUES:
+            raise ChunkStateError(f"{self.owner}.param memory", "take gradients", self._contents,
+                                  (Contents.VALUES,), self.shards.rank)
+        self._contents = Contents.GRADS
+
+    def updated_on(self, tier: Tier, keep_device_copy: bool) -> None:
+        """The optimizer wrote new values into the copy on ``tier`` (the shard when sharded): it becomes
+        the current copy (contents VALUES); the other is freed, or with ``keep_device_copy`` (sharded)
+        kept, out of date."""
+        self._contents = Contents.VALUES
+        if self.sharded or tier is Tier.HOST:
+            self.shard.mark_written()
+            if self._device_life.current:
+                self._device_life.outdated()
+            if self._device_life.holds_memory and not (self.sharded and keep_device_copy):
+                self._drop_device()
+        else:
+            self._device_life.written()
+            self.shard.free()
+
+    def free_all(self) -> None:
+        """Free both copies (the chunk is no longer used)."""
+        if self._device_life.holds_memory:
+            self._drop_device()
+        self.shard.free()
 
     def current(self) -> torch.Tensor:
         """A full-length tensor holding the current contents (one rank only): the device copy if current,
         else the shard."""
-        assert not self.sharded, f"{self.owner}: the full contents of a sharded chunk need a gather"
-        if self.device_valid:
+        if self.sharded:
+            raise ChunkStateError(f"{self.owner}.param", "be read whole without a gather (sharded)",
+                                  self.shard_state, (), self.shards.rank)
+        self.wait()
+        if self._device_life.current:
             return self.device
-        assert self.shard_valid, f"{self.owner}: no valid copy of the parameters"
+        self.shard.life.check("be read (no copy of the parameters is current)", CopyState.CURRENT)
         return self.shard.tensor
 
     def local(self) -> torch.Tensor:
         """This rank's ``shard_numel`` elements of the current contents (the whole chunk with one rank)."""
-        if self.shard_valid:
+        if self.shard.life.current:
             return self.shard.tensor
-        assert self.device_valid, f"{self.owner}: no valid copy of the parameters"
+        self.wait()
+        self._device_life.check("be read (no copy of the parameters is current)", CopyState.CURRENT)
         return self.own_slice(self.device)
 
 
@@ -245,11 +453,16 @@ def gather_together(buffers: list[ParamBuffer]) -> None:
     shards.all_gather(gathered, local, what="parameters of " + ", ".join(b.owner for b in buffers))
     by_rank = gathered.view(shards.world, count, shard_numel)
     for i, buf in enumerate(buffers):
-        buf.allocate_device()
+        buf.filled_together()
         buf.device.view(shards.world, shard_numel).copy_(by_rank[:, i])
         if buf.shard.tier is Tier.HOST:
             buf.ledger.count_move(Tier.DEVICE, buf.shard.nbytes)
-        buf.device_valid = True
+        buf.wait()
+
+
+class _Use(enum.Enum):
+    UNUSED = "unused"
+    USED = "used"
 
 
 class Chunk:
@@ -273,10 +486,10 @@ class Chunk:
         self.param = ParamBuffer(numel, dtype, ledger, self.name, shards)
         # Finished gradients and optimizer state are per shard; the staging buffer the backward writes
         # into is full-length (reduce-scattered into ``grad`` when sharded).
-        self.grad = FlatBuffer(GRAD, self.shard_numel, dtype, ledger, self.name)
-        self.grad_staging = FlatBuffer(GRAD_STAGING, numel, dtype, ledger, self.name)
+        self.grad = FlatBuffer(GRAD, self.shard_numel, dtype, ledger, self.name, shards.rank)
+        self.grad_staging = FlatBuffer(GRAD_STAGING, numel, dtype, ledger, self.name, shards.rank)
         self.optim: dict[str, FlatBuffer] = {
-            family: FlatBuffer(family, self.shard_numel, torch.float32, ledger, self.name)
+            family: FlatBuffer(family, self.shard_numel, torch.float32, ledger, self.name, shards.rank)
             for family in OPTIM_FAMILIES}
         self._buffer_sizes = {self.param.nbytes, *(b.nbytes for b in self.flat_buffers())}  # bytes
         if ledger.blocks is not None:
@@ -285,9 +498,40 @@ class Chunk:
         self.grad_slots_received: set[int] = set()
         self.grads_finished = False
         self.accumulator_fresh = False
-        self.users = 0
-        self.held_for_backward = False
+        self._users = 0  # modules computing with the chunk now
+        self._held = False  # kept on the device until its gradients of this backward are finished
         self.step = 0
+
+    # ---- use (changed only here) ---------------------------------------------------------------------
+
+    @property
+    def users(self) -> int:
+        """Modules whose forward is computing with the chunk now."""
+        return self._users
+
+    @property
+    def held_for_backward(self) -> bool:
+        """Whether the backward keeps the chunk on the device until its gradients are finished."""
+        return self._held
+
+    @property
+    def in_use(self) -> bool:
+        return self._users > 0 or self._held
+
+    def add_user(self) -> None:
+        self._users += 1
+
+    def remove_user(self) -> None:
+        if self._users <= 0:
+            raise ChunkStateError(f"{self.name} use count", "lose a user", _Use.UNUSED, (_Use.USED,),
+                                  self.shards.rank)
+        self._users -= 1
+
+    def hold(self) -> None:
+        self._held = True
+
+    def unhold(self) -> None:
+        self._held = False
 
     @property
     def trainable(self) -> bool:
@@ -300,8 +544,7 @@ class Chunk:
     def free_all(self) -> None:
         """Free every buffer of a chunk that is no longer used (a re-pack replaced it); the block pool
         stops keeping blocks of its sizes unless another chunk has them."""
-        self.param.free_device()
-        self.param.shard_valid = False
+        self.param.free_all()
         for buf in self.flat_buffers():
             buf.free()
         if self.ledger.blocks is not None:

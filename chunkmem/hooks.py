@@ -146,10 +146,13 @@ class ChunkHooks:
             self.manager.scheduler.module_chunks_changed()
 
     def clear_interrupted(self) -> None:
-        """Release what module calls left on the stack (a forward interrupted by an exception whose
-        post hooks could not run, e.g. a KeyboardInterrupt inside a hook)."""
+        """Before a forward: release what module calls left on the stack (a forward interrupted by an
+        exception whose post hooks could not run, e.g. a KeyboardInterrupt inside a hook), and let the
+        coming backward queue its end-of-backward callback (autograd drops the one a backward that
+        raised had queued)."""
         while self.stack:
             self.manager.release(self.stack.pop().chunks)
+        self.end_of_backward_queued = False
 
     # ---- backward ----------------------------------------------------------------------------------
 

@@ -4,8 +4,12 @@ from __future__ import annotations
 from collections import defaultdict
 
 from .block_pool import BlockPool, pool_for_this_machine
-from .errors import DeviceCapacityError
+from .errors import ChunkmemError, DeviceCapacityError
 from .tiers import Tier
+
+
+class LedgerError(ChunkmemError, RuntimeError):
+    """Internal error: the ledger was asked to release bytes it never reserved."""
 
 
 class TierLedger:
@@ -48,8 +52,10 @@ class TierLedger:
 
     def release(self, tier: Tier, family: str, nbytes: int) -> None:
         """Account ``nbytes`` fewer on ``tier`` for ``family``."""
+        if self._bytes[(tier, family)] < nbytes:
+            raise LedgerError(f"internal error: releasing {nbytes} bytes of {family} on the {tier.value} tier, "
+                              f"which holds only {self._bytes[(tier, family)]} ({self.context or 'no period'})")
         self._bytes[(tier, family)] -= nbytes
-        assert self._bytes[(tier, family)] >= 0, (tier, family)
 
     def tier_bytes(self, tier: Tier, families: tuple[str, ...] | None = None) -> int:
         """Bytes on ``tier``, over all families or only those named."""

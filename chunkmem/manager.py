@@ -1,11 +1,13 @@
 """The chunk manager: builds chunks from parameters and executes every move between tiers.
 
-It decides nothing about placement (that is the policy's job); it fetches, releases, accumulates
-gradients and keeps the byte ledger exact.
+It decides nothing about placement (that is the policy's job) nor about when to move what (the
+scheduler's plan, :mod:`chunkmem.schedule`): it executes, alone. It fetches (issuing transfers and
+waiting on their handles, :mod:`chunkmem.transfer`), releases, accumulates gradients and keeps the byte
+ledger exact. Chunk buffers change state only through their own transitions (:mod:`chunkmem.chunk`).
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Sequence
 
 import torch
 import torch.nn as nn
@@ -15,8 +17,11 @@ from .collectives import SINGLE_PROCESS, ShardGroup
 from .errors import GradientAccumulationError
 from .layout import pack
 from .ledger import TierLedger
+from .belady import MovePlan
 from .placement import PlacementPolicy
-from .schedule import Scheduler
+from .schedule import IterationMode, PeriodOrders, PeriodStats, PlanInputs, Scheduler
+from .states import ChunkStateError, CopyState
+from .tracer import Period
 from .tiers import Tier, device_of_tier
 
 from .param_guard import SLOT_ATTR, adopt, slot_of  # noqa: F401  (re-exported: where callers look)
@@ -50,24 +55,118 @@ def build_chunks(entries: Sequence[tuple[str, nn.Parameter, ChunkKey]], chunk_nu
 
 
 def allocate_param_copy(chunk: Chunk, tier: Tier) -> torch.Tensor:
-    """Allocate the chunk's first parameter copy on ``tier`` and return it (contents undefined): the
-    shard, or with one rank on the device tier the device copy."""
-    if tier is Tier.DEVICE and not chunk.param.sharded:
-        chunk.param.allocate_device()
-        chunk.param.device_valid = True
-        return chunk.param.device
-    chunk.param.shard.allocate(tier)
-    chunk.param.shard_valid = True
-    return chunk.param.shard.tensor
+    """Allocate the chunk's first parameter copy on ``tier`` and return it (the caller writes the values
+    at once): the shard, or with one rank on the device tier the device copy."""
+    return chunk.param.first_copy(tier)
+
+
+class ScheduleDriver:
+    """``manager.scheduler``: where the hooks and the wrapper report iteration and period boundaries.
+
+    It is the manager's side of the scheduling: each event goes to the :class:`~chunkmem.schedule.Scheduler`
+    (``planner``), which decides and returns orders, and the manager executes them. The planner holds no
+    reference to the manager. Read-only views of the planner's figures (``mode``, ``traces``...) are here
+    for the statistics.
+    """
+
+    def __init__(self, manager: "ChunkManager", planner: Scheduler) -> None:
+        self._manager = manager
+        self.planner = planner
+
+    # ---- read-only views ---------------------------------------------------------------------------
+
+    @property
+    def mode(self) -> IterationMode:
+        return self.planner.mode
+
+    @property
+    def traces(self) -> int:
+        return self.planner.traces
+
+    @property
+    def iterations(self) -> int:
+        return self.planner.iterations
+
+    @property
+    def periods(self) -> list[Period] | None:
+        return self.planner.periods
+
+    @property
+    def stats(self) -> list[PeriodStats]:
+        return self.planner.stats
+
+    @property
+    def margin_bytes(self) -> int:
+        return self.planner.margin_bytes
+
+    @property
+    def plan(self) -> MovePlan | None:
+        return self.planner.state.plan
+
+    # ---- events ------------------------------------------------------------------------------------
+
+    def begin_iteration(self, signature: Any, training: bool) -> None:
+        manager = self._manager
+        if self.planner.running:  # the last iteration stopped on an error: release what it held
+            manager.recover_interrupted()
+        if self.planner.begin_iteration(signature, training):
+            manager.evict_unpinned()
+
+    def begin_period(self, name: str, phase: str, chunks: list[Chunk]) -> None:
+        manager = self._manager
+        required = [c.index for c in manager.chunks if c.in_use]
+        orders = self.planner.begin_period(name, phase, [c.index for c in chunks], required)
+        manager.ledger.context = f"period {self.planner.index - 1} ({name} {phase})"
+        manager.log_event("period", self.planner.index - 1, name, phase)
+        manager.execute(orders)
+
+    def need(self, chunk: Chunk) -> None:
+        if self.planner.need(chunk.index):
+            self._manager.evict_unpinned()
+
+    def grads_started(self, chunk: Chunk) -> None:
+        self.planner.grads_started(chunk.index)
+
+    def grads_finished(self, chunk: Chunk) -> None:
+        self.planner.grads_finished(chunk.index)
+
+    def module_chunks_changed(self) -> None:
+        self.planner.module_chunks_changed()
+
+    def close_finished_traces(self) -> None:
+        self.planner.close_finished_traces()
+
+    def paused(self) -> ContextManager[None]:
+        return self.planner.paused()
+
+    def end_iteration(self) -> None:
+        if self.planner.end_iteration():
+            self._make_plan()
+        self._manager.ledger.context = ""
+
+    def _make_plan(self) -> None:
+        """Plan the new schedule and move the margin's optimizer state to the device."""
+        manager = self._manager
+        if not manager.chunks:
+            return
+        margin = self.planner.make_plan(manager.plan_inputs())
+        for index in margin:
+            manager.move_optimizer_state(manager.chunks[index], Tier.DEVICE)
+            manager.settle(manager.chunks[index])
 
 
 class ChunkManager:
-    """Owns the chunks of one model and executes the policy's placement.
+    """Owns the chunks of one model and executes the policy's placement and the scheduler's orders.
 
     ``reuse_param_memory_for_grads`` (``reuse_fp16_shard``) writes each gradient into the memory of its
     16-bit parameter once the parameter's backward is done, instead of into a separate grad buffer.
     ``reduction`` reduce-scatters finished gradients over the data-parallel ranks (when the chunks
     are sharded); ``gather_together`` gathers all chunks one module needs with one collective.
+    ``prefetch``: while an iteration follows its recorded schedule, start fetching the next period's
+    chunks before the current period computes, where the capacity allows (one rank only: sharded
+    fetches are collectives). ``events``: set it to a list to have the manager append
+    ``("period", index, name, phase)`` at each period start and ``("fetch", chunk index, "prefetch" or
+    "demand")`` at each fetch it issues (for tests and debugging; ``None`` records nothing).
     """
 
     def __init__(self, chunks: list[Chunk], ledger: TierLedger, policy: PlacementPolicy,
@@ -82,8 +181,12 @@ class ChunkManager:
         self.grads_pending = False
         self.backward_count = 0  # backward passes finished (autograd's end of backward) so far
         self.optimizer_state_exists = False
+        self.prefetch = True
+        self.prefetched = 0  # chunk fetches issued ahead of their period so far
+        self.events: list[tuple] | None = None
         self.stale: dict[Chunk, None] = {}
-        self.scheduler = Scheduler(self, device_of_tier(Tier.DEVICE))
+        self._pending_prefetch: PeriodOrders | None = None
+        self.scheduler = ScheduleDriver(self, Scheduler(ledger, policy, device_of_tier(Tier.DEVICE)))
         self.chunks = chunks
 
     @property
@@ -99,6 +202,10 @@ class ChunkManager:
     def sharded(self) -> bool:
         """Whether the chunks are split over several data-parallel ranks."""
         return self.reduction.shards.sharded
+
+    def log_event(self, *event: Any) -> None:
+        if self.events is not None:
+            self.events.append(event)
 
     # ---- placement at rest -------------------------------------------------------------------------
 
@@ -119,7 +226,7 @@ class ChunkManager:
         memory go to the host when the chunk's Adam runs there. A clean device copy that is not kept
         is only marked stale: it is freed at the next period boundary unless that period needs it
         (consecutive modules in one chunk then share one fetch)."""
-        if chunk.users or chunk.held_for_backward:
+        if chunk.in_use:
             return
         if chunk.param.sharded:
             self._settle_shard(chunk)
@@ -133,6 +240,7 @@ class ChunkManager:
                 buf.fetch_to_device()
                 buf.free_shard()
             elif tier is Tier.HOST:
+                buf.wait()
                 if not buf.shard_valid:
                     buf.write_back_shard()
                 if buf.device_valid and not buf.holds_grads:
@@ -150,6 +258,7 @@ class ChunkManager:
                 buf.shard.move_to(tier)
             if tier is None or not buf.device_allocated or self.keeps_device_copy(chunk):
                 return
+            buf.wait()
             if buf.device_valid:
                 self.stale[chunk] = None
             else:
@@ -162,13 +271,23 @@ class ChunkManager:
             if chunk in keep:
                 continue
             del self.stale[chunk]
-            if chunk.users == 0 and not chunk.held_for_backward and not self.keeps_device_copy(chunk):
+            if not chunk.in_use and not self.keeps_device_copy(chunk):
                 with self.scheduler.paused():
                     chunk.param.free_device()
 
     def settle_all(self) -> None:
         for chunk in self.chunks:
             self.settle(chunk)
+
+    def evict_unpinned(self) -> None:
+        """Under ``auto``: free the device copy of every unused chunk outside the margin."""
+        margin = getattr(self.policy, "margin_chunks", None)
+        if margin is None:
+            return
+        with self.scheduler.paused():
+            for chunk in self.chunks:
+                if chunk.index not in margin and not chunk.in_use:
+                    chunk.param.free_device()
 
     def place_optimizer_state(self, chunk: Chunk) -> None:
         """Allocate the chunk's optimizer families (this rank's shard) on the policy's tier: the fp32
@@ -177,6 +296,7 @@ class ChunkManager:
         if chunk.has_master:
             master = chunk.optim[MASTER].allocate(tier)
             master.copy_(chunk.param.local())
+            chunk.optim[MASTER].mark_written()
         for family in OPTIM_FAMILIES[1:]:
             chunk.optim[family].allocate(tier, zero=True)
         self.optimizer_state_exists = True
@@ -192,16 +312,68 @@ class ChunkManager:
         """Make ``local`` (this rank's ``shard_numel`` elements, any float dtype, cast to the chunk's)
         the chunk's parameter values, then rest the chunk where the policy puts it (loading a
         checkpoint; no module may be using the chunk)."""
-        buf = chunk.param
-        assert not chunk.users and not chunk.held_for_backward, chunk
+        if chunk.in_use:
+            raise ChunkStateError(f"{chunk.name}", "be loaded (a module is using it)", CopyState.CURRENT, (),
+                                  chunk.shards.rank)
+        self.stale.pop(chunk, None)
         with self.scheduler.paused():
-            if not buf.shard.allocated:
-                buf.shard.allocate(Tier.HOST)
-            buf.shard.tensor.copy_(local)
-            buf.shard_valid, buf.holds_grads = True, False
-            buf.device_valid = False
-            buf.free_device()
+            chunk.param.load_values(local)
         self.settle(chunk)
+
+    def plan_inputs(self) -> PlanInputs:
+        """The byte counts the planner needs (see :class:`~chunkmem.schedule.PlanInputs`)."""
+        first = self.chunks[0]
+        group_bytes = self._optimizer_group_bytes(first) if self.optimizer_state_exists else 0
+        return PlanInputs(self.ledger.capacity, first.param.nbytes, group_bytes, self.reuse_grads,
+                          self.reduction.shards)
+
+    def _optimizer_group_bytes(self, chunk: Chunk) -> int:
+        """Device bytes of one chunk kept there with its optimizer state: this rank's shard of the fp32
+        families and of the gradient, the full parameter copy, and (sharded) the parameter shard."""
+        fp32 = 4 * chunk.shard_numel
+        families = 3 if chunk.has_master else 2
+        shard_bytes = chunk.param.shard.nbytes
+        grad = 0 if self.reuse_grads else shard_bytes
+        return families * fp32 + chunk.param.nbytes + (shard_bytes if chunk.param.sharded else 0) + grad
+
+    # ---- executing the scheduler's orders ----------------------------------------------------------
+
+    def execute(self, orders: PeriodOrders) -> None:
+        """Carry out what the scheduler ordered at a period's start (see
+        :class:`~chunkmem.schedule.PeriodOrders`); the prefetch waits until the period's own chunks are
+        on the device (:meth:`acquire` / :meth:`hold_for_backward`)."""
+        self.flush_stale(keep=[self.chunks[i] for i in orders.keep])
+        if orders.evict_unpinned:
+            self.evict_unpinned()
+        with self.scheduler.paused():
+            for index in orders.evict:
+                chunk = self.chunks[index]
+                if not chunk.in_use:
+                    chunk.param.free_device()
+        self.fetch([self.chunks[i] for i in orders.fetch])
+        self.ledger.peak_device_bytes = self.ledger.tier_bytes(Tier.DEVICE)
+        use_prefetch = self.prefetch and orders.prefetch and not self.sharded
+        self._pending_prefetch = orders if use_prefetch else None
+
+    def _issue_prefetch(self) -> None:
+        """Start fetching the next period's chunks that are not on the device, in order, as many as fit
+        in the capacity less the device bytes in use, the chunks this period still needs and the
+        period's reserve (its traced non-model peak and gradient staging)."""
+        orders, self._pending_prefetch = self._pending_prefetch, None
+        ahead = [self.chunks[i] for i in orders.prefetch if not self.chunks[i].param.device_allocated]
+        if not ahead or any(c.param.holds_grads for c in ahead):
+            return
+        chunk_bytes = ahead[0].param.nbytes
+        missing = sum(1 for i in orders.needed if not self.chunks[i].param.device_allocated)
+        free = self.ledger.capacity - self.ledger.tier_bytes(Tier.DEVICE) - orders.reserve - missing * chunk_bytes
+        rests_on_host = [self.policy.param_rest_tier(c) is Tier.HOST for c in ahead]
+        with self.scheduler.paused():
+            for chunk, to_host in zip(ahead[:max(free, 0) // chunk_bytes], rests_on_host):
+                chunk.param.start_fetch()
+                self.prefetched += 1
+                self.log_event("fetch", chunk.index, "prefetch")
+                if to_host:  # freed at the next period boundary unless that period needs it
+                    self.stale[chunk] = None
 
     # ---- forward and backward use ------------------------------------------------------------------
 
@@ -213,26 +385,34 @@ class ChunkManager:
             self.scheduler.need(chunk)
         self.fetch(chunks)
         for chunk in chunks:
-            chunk.users += 1
+            chunk.add_user()
+        if self._pending_prefetch is not None:
+            self._issue_prefetch()
 
     def fetch(self, chunks: Sequence[Chunk]) -> None:
         """Make the chunks' full device copies current: one gather per chunk, or with ``gather_together``
-        one for all of them. Every rank fetches the same chunks in the same order."""
+        one for all of them; a copy already in flight (prefetched) is waited on. Every rank fetches the
+        same chunks in the same order."""
         missing = [c for c in chunks if not c.param.device_valid]
         with self.scheduler.paused():
             if self.gather_together and len(missing) > 1 and missing[0].param.sharded:
                 gather_together([c.param for c in missing])
                 self.gathers += 1
-            else:
-                for chunk in missing:
-                    chunk.param.fetch_to_device()
+                return
+            issued = []
+            for chunk in missing:
+                if not chunk.param.fetching:
+                    chunk.param.start_fetch()
                     self.gathers += chunk.param.sharded
+                    self.log_event("fetch", chunk.index, "demand")
+                issued.append(chunk)
+            for chunk in issued:
+                chunk.param.wait()
 
     def release(self, chunks: Iterable[Chunk]) -> None:
         """Count one user fewer; a chunk nobody uses any more goes back where the policy rests it."""
         for chunk in chunks:
-            chunk.users -= 1
-            assert chunk.users >= 0, chunk
+            chunk.remove_user()
             self.settle(chunk)
 
     def hold_for_backward(self, chunks: Iterable[Chunk]) -> None:
@@ -243,7 +423,9 @@ class ChunkManager:
             self.scheduler.need(chunk)
         self.fetch(chunks)
         for chunk in chunks:
-            chunk.held_for_backward = True
+            chunk.hold()
+        if self._pending_prefetch is not None:
+            self._issue_prefetch()
 
     def _check_not_holding_grads(self, chunk: Chunk) -> None:
         if chunk.param.holds_grads:
@@ -251,6 +433,26 @@ class ChunkManager:
                 "reuse_fp16_shard=True keeps gradients in the parameters' memory until optim.step(), so "
                 "a forward or backward before the step (gradient accumulation) is not possible; call "
                 "optim.step() or optim.zero_grad() first, or build ShardedModelV2 with reuse_fp16_shard=False")
+
+    def recover_interrupted(self) -> None:
+        """The last iteration stopped on an error (e.g. :class:`~chunkmem.DeviceCapacityError` in its
+        backward): release what its backward held, drop its unfinished gradients (staging buffers, and
+        with ``reuse_fp16_shard`` device copies part-overwritten by gradients), and put every chunk
+        where it rests, so the next iteration starts as after a finished one. Gradients of chunks
+        the backward had finished stay (``optim.zero_grad()`` drops them)."""
+        self._pending_prefetch = None
+        with self.scheduler.paused():
+            for chunk in self.chunks:
+                chunk.unhold()
+                if self.reuse_grads and chunk.grad_slots_received and chunk.param.shard_valid:
+                    chunk.param.drop_device_copy()
+                chunk.grad_slots_received.clear()
+                chunk.grads_finished = False
+                chunk.accumulator_fresh = False
+                chunk.grad_staging.free()
+        for chunk in self.chunks:
+            self.settle(chunk)
+        self.flush_stale()
 
     # ---- gradients ---------------------------------------------------------------------------------
 
@@ -286,6 +488,7 @@ class ChunkManager:
         buf = chunk.grad if direct else chunk.grad_staging
         if not buf.allocated:
             buf.allocate(Tier.DEVICE)
+            buf.mark_written()  # it accumulates this backward's gradients from now on
             chunk.accumulator_fresh = True
         return buf.tensor
 
@@ -306,11 +509,9 @@ class ChunkManager:
                 self.hold_for_backward([chunk])
                 self._zero_unwritten(chunk, buf.device)
                 if buf.sharded:
-                    buf.shard.tensor.copy_(self.reduction.reduce(chunk, buf.device))
-                    buf.device_valid = False
+                    buf.grads_in_shard(self.reduction.reduce(chunk, buf.device))
                 else:
-                    buf.shard_valid = False
-                buf.holds_grads = True
+                    buf.grads_in_device_copy()
             else:
                 accumulator = self._grad_accumulator(chunk)
                 if chunk.accumulator_fresh:
@@ -322,12 +523,13 @@ class ChunkManager:
                         chunk.grad.tensor.add_(finished.to(chunk.grad.tensor.device))
                     else:
                         chunk.grad.allocate(self.policy.grad_tier(chunk)).copy_(finished)
+                        chunk.grad.mark_written()
                     if chunk.grad.tier is Tier.HOST:
                         self.ledger.count_move(Tier.HOST, chunk.grad.nbytes)
                     chunk.grad_staging.free()
         chunk.grad_slots_received.clear()
         chunk.grads_finished = True
-        chunk.held_for_backward = False
+        chunk.unhold()
         self.grads_pending = True
         self.scheduler.grads_finished(chunk)
         self.settle(chunk)
@@ -335,11 +537,12 @@ class ChunkManager:
     def end_backward(self) -> None:
         """After autograd finished: finish every trainable chunk not finished yet (parameters that got no
         gradient get zero), release what backward held, and close the iteration."""
+        self._pending_prefetch = None
         for chunk in self.chunks:
             if chunk.trainable and not chunk.grads_finished:
                 self.finish_grads(chunk)
             elif chunk.held_for_backward:
-                chunk.held_for_backward = False
+                chunk.unhold()
                 self.settle(chunk)
             chunk.grads_finished = False
         self.flush_stale()
@@ -371,6 +574,7 @@ class ChunkManager:
         separate master (fp32) the update also reads it, so it is made current first."""
         buf = chunk.param
         with self.scheduler.paused():
+            buf.wait()
             if buf.sharded:
                 if buf.shard.tier is not tier:
                     buf.shard.move_to(tier)
@@ -390,19 +594,8 @@ class ChunkManager:
     def params_updated(self, chunk: Chunk, tier: Tier) -> None:
         """The copy on ``tier`` now holds the new parameter values; drop (or, sharded and kept,
         invalidate) the other copy."""
-        buf = chunk.param
-        buf.holds_grads = False
-        if buf.sharded:
-            buf.shard_valid, buf.device_valid = True, False
-            if not self.keeps_device_copy(chunk):
-                buf.free_device()
-        elif tier is Tier.DEVICE:
-            buf.device_valid, buf.shard_valid = True, False
-            buf.shard.free()
-        else:
-            buf.shard_valid, buf.device_valid = True, False
-            if buf.device_allocated:
-                buf.free_device()
+        self.stale.pop(chunk, None)
+        chunk.param.updated_on(tier, self.keeps_device_copy(chunk))
         self.settle(chunk)
 
 

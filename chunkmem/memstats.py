@@ -4,7 +4,8 @@ Schema ``chunkmem.memstats/1`` (every size in bytes, chunk ids are chunk indices
 
 * ``schema``, ``rank``, ``world_size``, ``policy`` (placement name), ``capacity_bytes`` (device tier),
   ``iterations`` (training iterations begun), ``traces`` (of them traced), ``last_iteration_mode``
-  (``tracing``, ``following``, ``diverged``, ``untraced`` or ``idle``).
+  (``tracing``, ``following``, ``diverged``, ``untraced``, ``idle``, or ``interrupted``: the last
+  iteration stopped on an error, and what it held was released).
 * ``chunks``: ``count``, ``numel`` (elements per chunk), ``shard_numel`` (elements of each chunk this rank
   keeps: ``numel / world_size``), ``param_bytes`` (one chunk's full parameters),
   ``dtype``, ``trainable`` (ids of chunks with trainable parameters).
@@ -14,7 +15,8 @@ Schema ``chunkmem.memstats/1`` (every size in bytes, chunk ids are chunk indices
   iteration (``null`` where it did not reach that period): ``device_model_bytes`` (peak chunk bytes on
   the device), ``host_model_bytes`` (chunk bytes on the host at the period's end),
   ``moved_to_device_bytes``, ``moved_to_host_bytes``; under ``auto``: ``plan`` with ``slots`` (chunks
-  that fit), ``evict`` and ``fetch`` (ids).
+  that fit), ``evict`` and ``fetch`` (ids), and ``fallback`` (the period's chunks did not fit its slots:
+  it runs as under ``cpu``).
 * ``last_iteration``: the same per-period figures for every period the last iteration ran (also when
   it left the schedule): ``name``, ``phase``, ``device_model_bytes``, ``host_model_bytes``,
   ``moved_to_device_bytes``, ``moved_to_host_bytes``.
@@ -56,7 +58,8 @@ def collect(manager: Any, rank: int = 0, world_size: int = 1) -> dict[str, Any]:
             entry[key] = stats[i][key] if matches else None
         if auto is not None and auto.plan is not None:
             step = auto.plan.periods[i]
-            entry["plan"] = {"slots": step.slots, "evict": list(step.evict), "fetch": list(step.fetch)}
+            entry["plan"] = {"slots": step.slots, "evict": list(step.evict), "fetch": list(step.fetch),
+                             "fallback": step.fallback}
         periods.append(entry)
     non_model = [p["non_model_peak_bytes"] for p in periods]
     optim_device, optim_host, usage = [], [], {Tier.DEVICE: 0, Tier.HOST: 0}
@@ -77,7 +80,7 @@ def collect(manager: Any, rank: int = 0, world_size: int = 1) -> dict[str, Any]:
         "capacity_bytes": manager.ledger.capacity,
         "iterations": scheduler.iterations,
         "traces": scheduler.traces,
-        "last_iteration_mode": scheduler.mode,
+        "last_iteration_mode": scheduler.mode.value,
         "chunks": {
             "count": len(chunks),
             "numel": chunks[0].numel if chunks else 0,

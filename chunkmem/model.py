@@ -225,13 +225,21 @@ class ShardedModelV2(nn.Module):
 
     def _check_capacity(self, plan: "_LayoutPlan", capacity: int) -> None:
         """Refuse a capacity that cannot hold what the policy needs on the device at one time: the chunks
-        resting there (with their gradients), plus the other chunks of the largest module with their
-        gradient staging."""
+        resting there (with their gradients), plus the most any module's forward or backward holds.
+
+        A module's forward holds its own chunks. Its backward holds them with their gradient staging,
+        and also every chunk whose backward began earlier and whose gradients are not finished yet: a
+        chunk stays on the device from the backward of its first user (in backward order) to that of
+        its last (a tied embedding from the head's backward to the embedding's; a chunk without
+        trainable parameters to the end of the backward). The backward order taken is the reverse of
+        the modules' registration order, the usual execution order.
+        """
         count = len(plan.groups)
         grads_per_chunk = 0 if self.reuse_fp16_shard else 1
 
-        def need_of(chunk_indices: set[int], chunk_bytes: int) -> int:
-            trainable = sum(1 for i in chunk_indices if plan.key_of(i).trainable)
+        def need_of(chunk_indices: set[int], chunk_bytes: int, staging: set[int] | None = None) -> int:
+            staged = chunk_indices if staging is None else chunk_indices & staging
+            trainable = sum(1 for i in staged if plan.key_of(i).trainable)
             return (len(chunk_indices) + grads_per_chunk * trainable) * chunk_bytes
 
         # Sharded, what rests is one shard of each chunk, and every chunk a module uses is gathered.
@@ -239,14 +247,39 @@ class ShardedModelV2(nn.Module):
         need = need_of(resting, plan.chunk_bytes // self.shards.world)
         what = f"the {len(resting)} chunks resting on the device with their gradients" if resting else ""
         chunk_of = plan.chunk_of_param()
+        backward = []  # (module name, its parameters) in backward order
+        for name, module in reversed(list(self.module.named_modules())):
+            params = list(module.parameters(recurse=False))
+            if params:
+                backward.append((name or type(module).__name__, params))
+        first: dict[int, int] = {}  # chunk -> backward position of its first user
+        last: dict[int, int] = {}  # chunk -> position where its gradients are finished
+        grad_at: dict[int, int] = {}  # parameter -> position of its last user (autograd's AccumulateGrad)
+        for position, (_, params) in enumerate(backward):
+            for p in params:
+                c = chunk_of[id(p)]
+                first.setdefault(c, position)
+                last[c] = position if plan.key_of(c).trainable else len(backward)
+                grad_at[id(p)] = position
+        staging_from: dict[int, int] = {}  # chunk -> position where its first gradient arrives
+        for param_id, position in grad_at.items():
+            c = chunk_of[param_id]
+            staging_from[c] = min(staging_from.get(c, position), position)
         visiting_need, visiting_what = 0, ""
-        for name, module in self.module.named_modules():
-            visiting = {chunk_of[id(p)] for p in module.parameters(recurse=False)}
+        for position, (name, params) in enumerate(backward):
+            own = {chunk_of[id(p)] for p in params}
+            held = {c for c in first if first[c] <= position <= last[c]} | own
+            staging = {c for c in held if staging_from.get(c, position) <= position} | own
             if not self.shards.sharded:
-                visiting -= resting
-            if need_of(visiting, plan.chunk_bytes) > visiting_need:
-                visiting_need = need_of(visiting, plan.chunk_bytes)
-                visiting_what = f"the chunks of module {name or type(module).__name__!r} with their gradients"
+                held -= resting
+                own = own - resting
+            held_need = need_of(held, plan.chunk_bytes, staging)
+            if held_need > visiting_need or (held_need == visiting_need > 0):  # ties: the first in forward order
+                visiting_need = held_need
+                others = len(held - own)
+                visiting_what = f"the chunks of module {name!r} with their gradients" + (
+                    f" and the {others} other chunk(s) its backward holds (first used by a later module's "
+                    f"backward, their gradients not finished yet)" if others else "")
         need += visiting_need
         what = " and ".join(w for w in (what, visiting_what) if w)
         if need > capacity:

@@ -11,7 +11,12 @@ A policy decides; the :class:`~chunkmem.manager.ChunkManager` executes. Policies
 * ``auto`` (:class:`AutoPlacement`): the first iteration is traced while parameters are evicted after
   each use; from then on chunks stay on the device until Belady's rule over the traced schedule evicts
   them, within the capacity less each period's non-model peak, and ``gpu_margin_mem_ratio`` of the
-  remaining margin holds optimizer state on the device.
+  remaining margin holds optimizer state on the device. A period whose chunks, non-model peak and
+  gradient staging do not fit falls back to what ``cpu`` does for it (evict what it does not need,
+  fetch, compute, evict after use), so ``auto`` trains wherever ``cpu`` does.
+
+Policies hold settings, never run-time state: what the trace decides under ``auto`` lives in the
+scheduler's :class:`PlanState`.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from typing import Sequence
 
 from .belady import MovePlan, plan_moves
 from .chunk import Chunk
-from .errors import DeviceCapacityError, InvalidArgumentError, check_choice, check_number
+from .errors import InvalidArgumentError, check_choice, check_number
 from .tiers import Tier
 from .tracer import Period
 
@@ -121,37 +126,74 @@ class StaticPlacement(PlacementPolicy):
         return Tier.DEVICE if self.optim_on_device(position, len(self.trainable_indices)) else Tier.HOST
 
 
+class PlanState:
+    """What the traced schedule decided at run time under ``auto``: the plan, the chunks whose optimizer
+    state lives on the device (the margin, bytes in ``margin_bytes``), and whether the running iteration
+    follows the plan. Owned and written only by the :class:`~chunkmem.schedule.Scheduler`;
+    :class:`AutoPlacement` reads it."""
+
+    def __init__(self) -> None:
+        self.plan: MovePlan | None = None
+        self.margin_chunks: frozenset[int] = frozenset()
+        self.margin_bytes = 0
+        self.following = False
+
+    def adopt(self, plan: MovePlan, margin_chunks: set[int], margin_bytes: int) -> None:
+        self.plan, self.margin_chunks, self.margin_bytes = plan, frozenset(margin_chunks), margin_bytes
+
+    def forget_plan(self) -> None:
+        """The schedule changed: no plan until the new one is made (the margin stays where it is)."""
+        self.plan = None
+
+
 class AutoPlacement(PlacementPolicy):
-    """Decides from the traced schedule (see the module docstring). ``plan`` is ``None`` until a
-    schedule is known, and while the running iteration does not match it: then chunks are evicted
-    after use, as under ``cpu``."""
+    """Decides from the traced schedule (see the module docstring). Holds only its setting
+    ``gpu_margin_mem_ratio``; what the trace decided is read from the scheduler's :class:`PlanState`.
+    While no plan applies (no schedule yet, or the running iteration left it) chunks are evicted after
+    use, as under ``cpu``; so are they in the periods the plan cannot keep them in (fallback)."""
 
     name = "auto"
 
     def __init__(self) -> None:
         super().__init__()
-        self.plan: MovePlan | None = None
-        self.following_plan = False
-        self.margin_chunks: set[int] = set()
         self.gpu_margin_mem_ratio = 0.0
+        self._state = PlanState()
+
+    def read_state_from(self, state: PlanState) -> None:
+        """Read the run-time decisions from ``state`` (the scheduler's) from now on."""
+        self._state = state
+
+    @property
+    def plan(self) -> MovePlan | None:
+        """The plan in force (read-only; ``None`` until a schedule is planned)."""
+        return self._state.plan
+
+    @property
+    def margin_chunks(self) -> frozenset[int]:
+        """Chunks whose optimizer state (and parameters) stay on the device (read-only)."""
+        return self._state.margin_chunks
+
+    @property
+    def following_plan(self) -> bool:
+        return self._state.following
 
     def param_rest_tier(self, chunk: Chunk) -> Tier | None:
-        if chunk.index in self.margin_chunks:
+        if chunk.index in self._state.margin_chunks:
             return Tier.DEVICE
-        return None if self.following_plan else Tier.HOST
+        return None if self._state.following else Tier.HOST
 
     def optim_tier(self, chunk: Chunk) -> Tier:
-        return Tier.DEVICE if chunk.index in self.margin_chunks else Tier.HOST
+        return Tier.DEVICE if chunk.index in self._state.margin_chunks else Tier.HOST
 
     def keeps_gathered(self, chunk: Chunk) -> bool:
-        return chunk.index in self.margin_chunks
+        return chunk.index in self._state.margin_chunks
 
     def choose_margin_chunks(self, periods: Sequence[Period], capacity: int, chunk_param_bytes: int,
-                             staging: Sequence[int], group_bytes: int) -> int:
-        """Pick the chunks whose optimizer state lives on the device; returns the margin in bytes.
+                             staging: Sequence[int], group_bytes: int) -> tuple[int, set[int]]:
+        """The margin in bytes, and the chunks whose optimizer state lives on the device.
 
         margin = capacity − max over periods of (non-model peak + bytes of the parameter chunks and
-        gradient staging the period needs). ``gpu_margin_mem_ratio × margin`` is filled with whole
+        gradient staging the period needs), or 0. ``gpu_margin_mem_ratio × margin`` is filled with whole
         optimizer chunk groups (``group_bytes`` each: the fp32 master, exp_avg, exp_avg_sq, the
         parameter chunk itself and a gradient buffer where one exists), trainable chunks in packing
         order from the first.
@@ -160,27 +202,20 @@ class AutoPlacement(PlacementPolicy):
                     for p, s in zip(periods, staging)), default=0)
         margin = max(capacity - peak, 0)
         count = int(self.gpu_margin_mem_ratio * margin) // group_bytes if group_bytes else 0
-        self.margin_chunks = set(self.trainable_indices[:count])
-        return margin
+        return margin, set(self.trainable_indices[:count])
 
     def make_plan(self, periods: Sequence[Period], capacity: int, chunk_param_bytes: int,
-                  staging: Sequence[int], pinned_bytes: int, forced_out: Sequence[Sequence[int]]) -> MovePlan:
-        """Belady's plan for the non-pinned chunks, each period's slots being what the capacity leaves
-        after the pinned (margin) bytes, the period's non-model peak and its gradient staging."""
-        needed = [[c for c in p.needed if c not in self.margin_chunks] for p in periods]
+                  staging: Sequence[int], pinned_bytes: int, forced_out: Sequence[Sequence[int]],
+                  margin_chunks: set[int]) -> MovePlan:
+        """Belady's plan for the chunks outside the margin, each period's slots being what the capacity
+        leaves after the pinned (margin) bytes, the period's non-model peak and its gradient staging. A
+        period whose chunks do not fit in its slots falls back to what ``cpu`` does (see
+        :func:`~chunkmem.belady.plan_moves`): that is never refused here; the ledger refuses only chunk
+        bytes past the capacity, as under ``cpu``."""
+        needed = [[c for c in p.needed if c not in margin_chunks] for p in periods]
         slots = [max(capacity - pinned_bytes - p.non_model_peak - s * chunk_param_bytes, 0) // chunk_param_bytes
                  for p, s in zip(periods, staging)]
-        for i, (p, s) in enumerate(zip(periods, staging)):
-            if len(needed[i]) > slots[i]:
-                need = len(needed[i]) * chunk_param_bytes
-                raise DeviceCapacityError(
-                    f"period {i} ({p.name} {p.phase}) needs {len(needed[i])} chunks ({need} bytes), "
-                    f"{s * chunk_param_bytes} bytes of gradient staging and {p.non_model_peak} bytes of non-model "
-                    f"memory on the device at once: {need + s * chunk_param_bytes + p.non_model_peak} bytes, more "
-                    f"than the device capacity of {capacity} bytes less {pinned_bytes} bytes of optimizer state "
-                    f"kept there; raise the capacity, lower gpu_margin_mem_ratio, or use smaller chunks or batches")
-        self.plan = plan_moves(needed, forced_out, slots, [f"{p.name} {p.phase}" for p in periods])
-        return self.plan
+        return plan_moves(needed, forced_out, slots, [f"{p.name} {p.phase}" for p in periods])
 
 
 def make_policy(name: str, offload_param_frac: float = 0.0, offload_optim_frac: float = 0.0) -> PlacementPolicy:

@@ -1,22 +1,63 @@
-"""The iteration scheduler: traces an iteration, checks later ones against it, and executes the plan.
+"""The iteration scheduler: traces an iteration, checks later ones against it, and plans each period.
 
 Iterations are delimited by the wrapped model's forward (start) and the end of autograd's backward
 (end). The first training iteration is traced (:mod:`chunkmem.tracer`); so is any iteration whose
 inputs have other shapes than the traced one, and the one after an iteration that left the schedule
-(another branch). Forwards without autograd (``torch.no_grad()``) are neither traced nor planned.
+(another branch) or was interrupted by an error. Forwards without autograd (``torch.no_grad()``) are
+neither traced nor planned.
+
+The scheduler only decides: it holds no reference to the chunk manager and moves nothing. Each of its
+event methods returns what the :class:`~chunkmem.manager.ChunkManager` is to do (a
+:class:`PeriodOrders` at a period's start), and the manager alone executes. What the trace and the
+margin decide under ``auto`` lives in one :class:`~chunkmem.placement.PlanState`, written here only.
+
+The iteration's mode is an :class:`IterationMode`; its transitions:
+
+==================  ==================================  =================================================
+from                to                                  on
+==================  ==================================  =================================================
+any but the four    TRACING / FOLLOWING / UNTRACED      ``begin_iteration`` (an iteration still running
+running modes                                           is first ended as interrupted, see below)
+FOLLOWING           DIVERGED                            a period or chunk the schedule does not have
+TRACING             IDLE                                ``end_iteration``: the trace becomes the schedule
+FOLLOWING,          IDLE                                ``end_iteration``
+DIVERGED
+TRACING, FOLLOWING  INTERRUPTED                         ``interrupt``: the next forward found the last
+DIVERGED                                                iteration unfinished (an error in its forward or
+                                                        backward, or no backward); an unfinished trace
+                                                        is taken again
+==================  ==================================  =================================================
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import enum
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, ContextManager, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .chunk import Chunk
-from .placement import AutoPlacement
+from .collectives import ShardGroup
+from .ledger import TierLedger
+from .placement import AutoPlacement, PlacementPolicy, PlanState
+from .states import ChunkStateError
 from .tiers import Tier
 from .tracer import IterationTrace, Period
+
+
+class IterationMode(str, enum.Enum):
+    """What the running iteration does (compares equal to its value, e.g. ``"following"``)."""
+
+    IDLE = "idle"              # between iterations
+    TRACING = "tracing"        # recording the schedule
+    FOLLOWING = "following"    # executing the plan of the recorded schedule
+    DIVERGED = "diverged"      # left the schedule: evict after use until it ends
+    UNTRACED = "untraced"      # a forward without autograd
+    INTERRUPTED = "interrupted"  # the last iteration stopped on an error; the next one is traced
+
+
+RUNNING = (IterationMode.TRACING, IterationMode.FOLLOWING, IterationMode.DIVERGED)
 
 
 @dataclass
@@ -31,82 +72,146 @@ class PeriodStats:
     moved_to_host: int = 0
 
 
+@dataclass
+class PeriodOrders:
+    """What the manager does at the start of a period, in this order: free the stale device copies but
+    those of ``keep``; with ``evict_unpinned`` free every unused device copy outside the margin; free the
+    device copies of ``evict`` (unused ones); fetch ``fetch``; then, once the period's own chunks are on
+    the device, start fetching ``prefetch`` (the next period's chunks) where the capacity allows it,
+    keeping ``reserve`` bytes free for the period's non-model memory and gradient staging, and room for
+    the chunks of ``needed`` (the period's, as traced) not on the device yet."""
+
+    keep: list[int] = field(default_factory=list)
+    evict_unpinned: bool = False
+    evict: list[int] = field(default_factory=list)
+    fetch: list[int] = field(default_factory=list)
+    prefetch: list[int] = field(default_factory=list)
+    reserve: int = 0
+    needed: list[int] = field(default_factory=list)
+
+
+@dataclass
+class PlanInputs:
+    """What the planner needs to know of the chunks (bytes): one chunk's parameter bytes, one optimizer
+    chunk group's device bytes (0 before the optimizer exists), the device capacity, whether gradients
+    reuse the parameter memory, and the data-parallel group (peaks are agreed over it)."""
+
+    capacity: int
+    param_bytes: int
+    group_bytes: int
+    reuse_grads: bool
+    shards: ShardGroup
+
+
 class Scheduler:
-    """Owned by the :class:`~chunkmem.manager.ChunkManager`; see the module docstring.
+    """Owned by the :class:`~chunkmem.manager.ChunkManager`; see the module docstring. ``ledger`` is read
+    (bytes per tier and moves, for the per-period statistics), never written."""
 
-    ``mode``: ``"idle"`` between iterations, ``"tracing"``, ``"following"`` (the plan is executed),
-    ``"diverged"`` (the iteration left the schedule: evict after use until it ends) or ``"untraced"``
-    (a forward without autograd).
-    """
-
-    def __init__(self, manager: Any, device: torch.device) -> None:
-        self.manager = manager
+    def __init__(self, ledger: TierLedger, policy: PlacementPolicy, device: torch.device) -> None:
+        self.ledger = ledger
         self.device = device
+        self.policy = policy
+        self.state = PlanState()
+        if isinstance(policy, AutoPlacement):
+            policy.read_state_from(self.state)
         self.periods: list[Period] | None = None
         self.trace: IterationTrace | None = None
         self.signature: Any = None
-        self.mode = "idle"
+        self._mode = IterationMode.IDLE
         self.index = 0
         self.retrace = True
         self.iterations = 0
         self.traces = 0
         self.stats: list[PeriodStats] = []
-        self.margin_bytes = 0
         self._moved_mark = (0, 0)
         self._periods_changed = False
         self._to_close: list[IterationTrace] = []
+        self._staging: list[int] = []  # per period, gradient staging buffers alive at most (prefetch reserve)
+        self._param_bytes = 0
 
     @property
-    def policy(self) -> Any:
-        return self.manager.policy
+    def mode(self) -> IterationMode:
+        return self._mode
+
+    def _enter(self, mode: IterationMode, *allowed: IterationMode) -> None:
+        if self._mode not in allowed:
+            raise ChunkStateError("the iteration scheduler", f"enter {mode.name}", self._mode, allowed,
+                                  _rank())
+        self._mode = mode
 
     @property
-    def auto(self) -> AutoPlacement | None:
-        return self.policy if isinstance(self.policy, AutoPlacement) else None
+    def auto(self) -> bool:
+        return isinstance(self.policy, AutoPlacement)
+
+    @property
+    def margin_bytes(self) -> int:
+        return self.state.margin_bytes
+
+    @property
+    def running(self) -> bool:
+        """Whether an iteration is under way (begun, not ended)."""
+        return self._mode in RUNNING
 
     # ---- iteration boundaries ----------------------------------------------------------------------
 
-    def begin_iteration(self, signature: Any, training: bool) -> None:
-        if self.trace is not None:  # the last traced forward never reached a backward
+    def interrupt(self) -> None:
+        """The running iteration will not end normally (an error stopped its forward or backward, or a
+        forward had no backward): an unfinished trace is dropped and the next iteration traced again; a
+        schedule it was following stays valid."""
+        if self.trace is not None:
             self._to_close.append(self.trace)
             self.trace = None
             self.retrace = True
+        self._enter(IterationMode.INTERRUPTED, *RUNNING)
+        self.state.following = False
+        self._close_stats()
+
+    def begin_iteration(self, signature: Any, training: bool) -> bool:
+        """Start an iteration; returns whether the manager is to evict every unused chunk outside the
+        margin first (an iteration that follows the plan starts from its empty device)."""
+        if self.running:
+            self.interrupt()
         self.close_finished_traces()
-        self._set_following(False)
+        self.state.following = False
         self.index = 0
         self.stats = []
         self._mark_moves()
+        starts_from = (IterationMode.IDLE, IterationMode.UNTRACED, IterationMode.INTERRUPTED)
         if not training:
-            self.mode = "untraced"
-            return
+            self._enter(IterationMode.UNTRACED, *starts_from)
+            return False
         self.iterations += 1
         if self.retrace or self.periods is None or signature != self.signature:
-            self.mode = "tracing"
+            self._enter(IterationMode.TRACING, *starts_from)
             self.signature = signature
-            self.trace = IterationTrace(self.device, lambda: self.manager.ledger.tier_bytes(Tier.DEVICE))
+            self.trace = IterationTrace(self.device, lambda: self.ledger.tier_bytes(Tier.DEVICE))
             self.traces += 1
-        else:
-            self.mode = "following"
-            self._set_following(True)
-            self._evict_unpinned()
+            return False
+        self._enter(IterationMode.FOLLOWING, *starts_from)
+        self.state.following = True
+        return self.auto
 
-    def end_iteration(self) -> None:
-        """After backward: close the iteration; a finished trace becomes the schedule and the plan."""
+    def end_iteration(self) -> bool:
+        """After backward: close the iteration. Returns ``True`` when a finished trace became the new
+        schedule: the manager then calls :meth:`make_plan`."""
         self._close_stats()
-        if self.mode == "tracing":
+        self.state.following = False
+        if self._mode is IterationMode.TRACING:
             self.periods = self.trace.finish()
+            for period in self.periods:
+                period.needed_set = set(period.needed)
             self._to_close.append(self.trace)
             self.trace = None
             self.retrace = self._periods_changed
             self._periods_changed = False
-            self.mode = "idle"
-            self._make_plan()
-        else:
-            if self.mode == "following" and self.index != len(self.periods):
-                self.retrace = True
-            self.mode = "idle"
-        self._set_following(False)
-        self.manager.ledger.context = ""
+            self.state.forget_plan()
+            self._enter(IterationMode.IDLE, IterationMode.TRACING)
+            return True
+        if self._mode is IterationMode.FOLLOWING and self.index != len(self.periods):
+            self.retrace = True
+        if self._mode in RUNNING:
+            self._enter(IterationMode.IDLE, *RUNNING)
+        return False
 
     def close_finished_traces(self) -> None:
         """Leave the counting modes of finished traces; called where no backward is running (after
@@ -116,95 +221,106 @@ class Scheduler:
 
     # ---- periods -----------------------------------------------------------------------------------
 
-    def begin_period(self, name: str, phase: str, chunks: list[Chunk]) -> None:
-        self.manager.flush_stale(keep=chunks)
+    def begin_period(self, name: str, phase: str, chunks: Sequence[int], required: Sequence[int]) -> PeriodOrders:
+        """A period starts (``chunks``: the module's; ``required``: chunks in use or held now)."""
         self._close_stats()
-        self.manager.ledger.context = f"period {self.index} ({name} {phase})"
-        if self.mode == "tracing":
-            required = [c.index for c in self.manager.chunks if c.users or c.held_for_backward]
-            self.trace.begin_period(name, phase, required + [c.index for c in chunks])
-        elif self.mode == "following":
+        orders = PeriodOrders(keep=list(chunks))
+        if self._mode is IterationMode.TRACING:
+            self.trace.begin_period(name, phase, list(required) + list(chunks))
+        elif self._mode is IterationMode.FOLLOWING:
             if self.index >= len(self.periods) or self.periods[self.index].key() != (name, phase):
-                self.diverge()
-            elif self.auto is not None and self.auto.plan is not None:
-                self._execute(self.index)
+                orders.evict_unpinned = self.diverge()
+            else:
+                self._fill_orders(orders, self.index)
         self.stats.append(PeriodStats(name, phase))
-        self.manager.ledger.peak_device_bytes = self.manager.ledger.tier_bytes(Tier.DEVICE)
         self.index += 1
+        return orders
 
-    def need(self, chunk: Chunk) -> None:
-        """A chunk is being made resident for the current period."""
-        if self.mode == "tracing":
-            self.trace.need(chunk.index)
-        elif self.mode == "following":
+    def _fill_orders(self, orders: PeriodOrders, index: int) -> None:
+        plan = self.state.plan
+        if plan is not None:
+            step = plan.periods[index]
+            orders.evict, orders.fetch = list(step.evict), list(step.fetch)
+        if index + 1 >= len(self.periods):
+            return
+        ahead = self.periods[index + 1]
+        if plan is not None:
+            orders.prefetch = list(plan.periods[index + 1].fetch)
+        else:
+            orders.prefetch = list(ahead.needed)
+        period = self.periods[index]
+        orders.needed = list(period.needed)
+        staging = self._staging[index] if index < len(self._staging) else 0
+        orders.reserve = period.non_model_peak + staging * self._param_bytes
+
+    def need(self, chunk_index: int) -> bool:
+        """A chunk is being made resident for the current period; returns whether the iteration just
+        left the schedule (the manager then evicts every unused chunk outside the margin)."""
+        if self._mode is IterationMode.TRACING:
+            self.trace.need(chunk_index)
+        elif self._mode is IterationMode.FOLLOWING:
             current = self.periods[self.index - 1] if self.index else None
-            if current is None or chunk.index not in current.needed_set:
-                self.diverge()
+            if current is None or chunk_index not in current.needed_set:
+                return self.diverge()
+        return False
 
-    def grads_started(self, chunk: Chunk) -> None:
-        if self.mode == "tracing":
-            self.trace.grads_started(chunk.index)
+    def grads_started(self, chunk_index: int) -> None:
+        if self._mode is IterationMode.TRACING:
+            self.trace.grads_started(chunk_index)
 
-    def grads_finished(self, chunk: Chunk) -> None:
-        if self.mode == "tracing":
-            self.trace.grads_finished(chunk.index)
+    def grads_finished(self, chunk_index: int) -> None:
+        if self._mode is IterationMode.TRACING:
+            self.trace.grads_finished(chunk_index)
 
-    def paused(self):
+    def paused(self) -> ContextManager[None]:
         """A context in which the tracer does not count allocations (chunk memory of the manager)."""
         if self.trace is not None:
             return self.trace.paused()
-        return _nullcontext()
+        return nullcontext()
 
     def module_chunks_changed(self) -> None:
         """A module was found to need another chunk: the periods of the next iteration will differ
         from this one's, so it is traced again."""
         self._periods_changed = True
 
-    def diverge(self) -> None:
-        """The iteration left the schedule: evict after use from now on, and trace the next one."""
-        self.mode = "diverged"
+    def diverge(self) -> bool:
+        """The iteration left the schedule: evict after use from now on, and trace the next one. Returns
+        whether the manager is to evict every unused chunk outside the margin (under ``auto``)."""
+        self._enter(IterationMode.DIVERGED, IterationMode.FOLLOWING)
         self.retrace = True
-        self._set_following(False)
-        self._evict_unpinned()
+        self.state.following = False
+        return self.auto
 
     # ---- the plan ----------------------------------------------------------------------------------
 
-    def _make_plan(self) -> None:
-        for period in self.periods:
-            period.needed_set = set(period.needed)
-        auto = self.auto
-        if auto is None or not self.manager.chunks:
-            return
-        self._agree_on_peaks()
-        chunks = self.manager.chunks
-        reuse = self.manager.reuse_grads
-        param_bytes = chunks[0].param.nbytes
-        group_bytes = self._optimizer_group_bytes(chunks[0]) if self.manager.optimizer_state_exists else 0
-        capacity = self.manager.ledger.capacity
-        staging = self._staging_counts(set())
-        self.margin_bytes = auto.choose_margin_chunks(self.periods, capacity, param_bytes, staging, group_bytes)
-        # Sharded, every gradient is reduced from a staging buffer, the margin chunks' too.
-        staging = self._staging_counts(set() if self.manager.sharded else auto.margin_chunks)
-        forced = [[c for c in p.grads_finished if c not in auto.margin_chunks] if reuse else []
-                  for p in self.periods]
-        auto.make_plan(self.periods, capacity, param_bytes, staging, len(auto.margin_chunks) * group_bytes, forced)
-        for index in sorted(auto.margin_chunks):
-            self.manager.move_optimizer_state(chunks[index], Tier.DEVICE)
-            self.manager.settle(chunks[index])
+    def make_plan(self, inputs: PlanInputs) -> list[int]:
+        """Plan the recorded schedule. Returns the chunks whose optimizer state the manager moves to the
+        device (``auto``'s margin). If planning fails, no plan is kept and the next iteration is traced
+        again (never run on the plan of another schedule)."""
+        self.state.forget_plan()
+        self._param_bytes = inputs.param_bytes
+        self._staging = self.staging_counts(inputs.reuse_grads, set())
+        if not isinstance(self.policy, AutoPlacement) or not self.periods:
+            return []
+        try:
+            self._agree_on_peaks(inputs.shards)
+            margin_bytes, margin = self.policy.choose_margin_chunks(
+                self.periods, inputs.capacity, inputs.param_bytes, self._staging, inputs.group_bytes)
+            # Sharded, every gradient is reduced from a staging buffer, the margin chunks' too.
+            staging = self.staging_counts(inputs.reuse_grads, set() if inputs.shards.sharded else margin)
+            forced = [[c for c in p.grads_finished if c not in margin] if inputs.reuse_grads else []
+                      for p in self.periods]
+            plan = self.policy.make_plan(self.periods, inputs.capacity, inputs.param_bytes, staging,
+                                         len(margin) * inputs.group_bytes, forced, margin)
+        except BaseException:
+            self.retrace = True
+            raise
+        self.state.adopt(plan, margin, margin_bytes)
+        return sorted(margin)
 
-    def _optimizer_group_bytes(self, chunk: Chunk) -> int:
-        """Device bytes of one chunk kept there with its optimizer state: this rank's shard of the fp32
-        families and of the gradient, the full parameter copy, and (sharded) the parameter shard."""
-        fp32 = 4 * chunk.shard_numel
-        families = 3 if chunk.has_master else 2
-        shard_bytes = chunk.param.shard.nbytes
-        grad = 0 if self.manager.reuse_grads else shard_bytes
-        return families * fp32 + chunk.param.nbytes + (shard_bytes if chunk.param.sharded else 0) + grad
-
-    def _agree_on_peaks(self) -> None:
+    def _agree_on_peaks(self, shards: ShardGroup) -> None:
         """Sharded, every rank must fetch (gather) the same chunks in the same order, so every rank plans
         with the largest non-model peak any rank traced for each period."""
-        shards = self.manager.reduction.shards
         if not shards.sharded:
             return
         peaks = torch.tensor([p.non_model_peak for p in self.periods], dtype=torch.int64)
@@ -212,10 +328,10 @@ class Scheduler:
         for period, peak in zip(self.periods, peaks.tolist()):
             period.non_model_peak = int(peak)
 
-    def _staging_counts(self, excluded: set[int]) -> list[int]:
+    def staging_counts(self, reuse_grads: bool, excluded: set[int]) -> list[int]:
         """Per period, the most gradient staging buffers alive at once (none with reuse_fp16_shard)."""
-        if self.manager.reuse_grads:
-            return [0] * len(self.periods)
+        if reuse_grads or not self.periods:
+            return [0] * len(self.periods or [])
         live, counts = 0, []
         for period in self.periods:
             started = [c for c in period.grads_started if c not in excluded]
@@ -223,37 +339,16 @@ class Scheduler:
             live += len(started) - len([c for c in period.grads_finished if c not in excluded])
         return counts
 
-    def _execute(self, index: int) -> None:
-        step = self.auto.plan.periods[index]
-        for c in step.evict:
-            chunk = self.manager.chunks[c]
-            if chunk.users == 0 and not chunk.held_for_backward:
-                chunk.param.free_device()
-        self.manager.fetch([self.manager.chunks[c] for c in step.fetch])
-
-    def _evict_unpinned(self) -> None:
-        """Under ``auto``: free the device copy of every unused chunk outside the margin."""
-        if self.auto is None:
-            return
-        for chunk in self.manager.chunks:
-            if chunk.index not in self.auto.margin_chunks and chunk.users == 0 and not chunk.held_for_backward:
-                chunk.param.free_device()
-
-    def _set_following(self, following: bool) -> None:
-        if self.auto is not None:
-            self.auto.following_plan = following
-
     # ---- statistics of the last iteration ----------------------------------------------------------
 
     def _mark_moves(self) -> None:
-        ledger = self.manager.ledger
-        self._moved_mark = (ledger.moved_to_device, ledger.moved_to_host)
+        self._moved_mark = (self.ledger.moved_to_device, self.ledger.moved_to_host)
 
     def _close_stats(self) -> None:
         if not self.stats:
             self._mark_moves()
             return
-        ledger = self.manager.ledger
+        ledger = self.ledger
         last = self.stats[-1]
         last.device_model_peak = max(last.device_model_peak, ledger.peak_device_bytes)
         last.host_model_bytes = ledger.tier_bytes(Tier.HOST)
@@ -262,9 +357,6 @@ class Scheduler:
         self._mark_moves()
 
 
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
-    def __exit__(self, *exc: Any) -> None:
-        return None

@@ -2,7 +2,8 @@
 
 A chunk's buffers live in a :class:`Tier`. ``Tier.DEVICE`` is the compute device: the current CUDA
 device when CUDA is available, otherwise the CPU under an explicit capacity. ``Tier.HOST`` is CPU
-memory (pinned when CUDA is available). Moving a buffer between tiers is always a copy into a newly
+memory, pageable: with CUDA, copies to the device are staged through a bounded pool of pinned buffers
+(:mod:`chunkmem.transfer`), so pinned memory does not grow with the model. Moving a buffer between tiers is always a copy into a newly
 allocated buffer, also when both tiers are the CPU, so the same code path runs with and without a GPU.
 """
 from __future__ import annotations
@@ -104,12 +105,13 @@ def tier_of_device(device: torch.device | str | int | None, argument: str = "tar
 
 
 def pin_host_memory() -> bool:
-    """Whether host-tier buffers are allocated in pinned memory (only when CUDA is available)."""
+    """Whether host-to-device copies are staged through pinned buffers (only when CUDA is available;
+    host-tier buffers themselves are never pinned, see :mod:`chunkmem.transfer`)."""
     return torch.cuda.is_available()
 
 
 def empty_on_tier(tier: Tier, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A new uninitialised flat buffer of ``numel`` elements on ``tier``."""
     if tier is Tier.HOST:
-        return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pin_host_memory())
+        return torch.empty(numel, dtype=dtype, device="cpu")
     return torch.empty(numel, dtype=dtype, device=device_of_tier(Tier.DEVICE))

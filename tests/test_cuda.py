@@ -1,0 +1,125 @@
+"""The CUDA path of issue #10 (skipped without CUDA; on a GPU machine: ``pytest -m cuda tests/test_cuda.py``):
+host-to-device transfers on a side stream with an event, the bounded pool of pinned staging buffers,
+host-tier buffers left pageable, and prefetch bitwise equal to no prefetch."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import chunkmem as cm
+from chunkmem.transfer import PINNED_STAGING_BUFFERS, PinnedStagingPool, staging_pool, start_copy
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def test_host_to_device_copy_runs_on_a_side_stream_and_is_waited_on():
+    src = torch.arange(1 << 20, dtype=torch.float32)  # pageable host memory
+    dst = torch.empty(1 << 20, dtype=torch.float32, device="cuda")
+    done = []
+    handle = start_copy(dst, src, lambda: done.append(True))
+    assert handle.on_side_stream and not handle.waited and done == []
+    assert handle.device == dst.device
+    src.zero_()  # the copy was staged through a pinned buffer: the source may change at once
+    handle.wait()
+    handle.wait()
+    assert done == [True]
+    assert torch.equal(dst.cpu(), torch.arange(1 << 20, dtype=torch.float32))
+
+
+def test_device_to_host_copy_is_complete_when_issued():
+    src = torch.arange(1000, dtype=torch.float32, device="cuda")
+    dst = torch.empty(1000, dtype=torch.float32)
+    handle = start_copy(dst, src, lambda: None)
+    assert not handle.on_side_stream
+    assert torch.equal(dst, torch.arange(1000, dtype=torch.float32))
+
+
+def test_pinned_staging_pool_is_bounded():
+    pool = PinnedStagingPool(max_buffers=2)
+    stream = torch.cuda.Stream()
+    for size in (4096, 4096, 8192, 4096, 8192, 8192):
+        buf = pool.take(size)
+        assert buf.is_pinned() and buf.numel() == size
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(1_000_000)  # keep the "copy" reading the buffer busy for a while
+            event = torch.cuda.Event()
+            event.record(stream)
+        pool.give_back(buf, event)
+        assert pool.buffers <= 2
+        assert pool.pinned_bytes <= 2 * 8192
+    assert pool.peak_pinned_bytes <= 2 * 8192
+    torch.cuda.synchronize()
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 64),
+                         nn.GELU(), nn.Linear(64, 8))
+
+
+def train_mlp(reference: nn.Module, policy: str, prefetch: bool, steps: int = 4):
+    model = cm.ShardedModelV2(copy.deepcopy(reference), cm.TensorShardStrategy(), tensor_placement_policy=policy,
+                              dtype=torch.float32, chunk_size=256 * 256 * 4)
+    optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-3))
+    model.chunk_manager.prefetch = prefetch
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(32, 64, generator=g).cuda()
+        loss = model(x).float().pow(2).mean()
+        optim.backward(loss)
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return model, losses
+
+
+def test_host_tier_buffers_are_pageable(monkeypatch):
+    import chunkmem.transfer
+
+    monkeypatch.setattr(chunkmem.transfer, "_pool", None)  # a fresh pool: its peak is this model's
+    model, _ = train_mlp(mlp(), "cpu", prefetch=True, steps=2)
+    host = [c.param.shard.tensor for c in model.chunks if c.param.shard.allocated]
+    host += [c.optim["exp_avg"].tensor for c in model.chunks if c.optim["exp_avg"].allocated]
+    assert host and all(t.device.type == "cpu" and not t.is_pinned() for t in host)
+    pool = staging_pool()
+    assert pool.buffers <= PINNED_STAGING_BUFFERS
+    chunk_bytes = model.chunks[0].param.nbytes
+    assert pool.peak_pinned_bytes <= PINNED_STAGING_BUFFERS * chunk_bytes
+
+
+@pytest.mark.parametrize("policy", ["cpu", "auto"])
+def test_prefetch_on_cuda_matches_no_prefetch_bitwise(policy):
+    reference = mlp()
+    off_model, off_losses = train_mlp(reference, policy, prefetch=False)
+    on_model, on_losses = train_mlp(reference, policy, prefetch=True)
+    assert off_model.chunk_manager.prefetched == 0
+    assert on_model.chunk_manager.prefetched > 0
+    assert on_losses == off_losses
+    for name, value in off_model.state_dict().items():
+        assert torch.equal(value, on_model.state_dict()[name]), name
+    assert on_model.memory_stats()["totals"]["moved_to_device_bytes"] == \
+        off_model.memory_stats()["totals"]["moved_to_device_bytes"]
+
+
+def test_prefetched_chunk_is_in_flight_until_its_period_waits():
+    reference = mlp()
+    model, _ = train_mlp(reference, "cpu", prefetch=True, steps=2)
+    manager = model.chunk_manager
+    states = []
+
+    def look(module, args):
+        states.append([c.param.device_state.name for c in model.chunks])
+
+    for layer in model.module:
+        layer.register_forward_pre_hook(look)
+    with torch.enable_grad():
+        x = torch.randn(32, 64).cuda()
+        loss = model(x).float().pow(2).mean()
+    # while the first Linear computes, the next one's chunk was issued (FETCHING or already CURRENT)
+    assert any(s[1] in ("FETCHING", "CURRENT") for s in states[:1])
+    loss.backward()
+    manager.scheduler.close_finished_traces()
+    assert not any(c.param.fetching for c in model.chunks)

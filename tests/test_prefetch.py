@@ -1,0 +1,84 @@
+"""Prefetch (issue #10): on an iteration that follows its recorded schedule, the chunks of period k+1 are
+fetched (the transfer issued) before period k computes, and results are bitwise those without prefetch.
+The model is the 49M-parameter GPT of benchmarks/wrapper_overhead.py (--size 50m), batch 1 x 32 tokens."""
+import gc
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import chunkmem as cm
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import _gpt  # noqa: E402
+
+CFG = _gpt.GPTConfig(vocab=8192, d_model=768, layers=6, heads=12, seq=128)
+
+
+def run(prefetch: bool, data, record: bool):
+    torch.manual_seed(0)
+    net = _gpt.GPT(CFG)
+    model = cm.ShardedModelV2(net, cm.TensorShardStrategy(), tensor_placement_policy="cpu", dtype=torch.float32)
+    optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-3, weight_decay=0.01))
+    manager = model.chunk_manager
+    manager.prefetch = prefetch
+    names = {module: name or "root" for name, module in net.named_modules()}
+
+    def computes(module, args):
+        if manager.events is not None:
+            manager.events.append(("compute", names[module]))
+
+    for module in net.modules():
+        module.register_forward_pre_hook(computes)  # after the wrapper's hooks: runs once chunks are fetched
+    losses, events, moved = [], None, []
+    for i, tokens in enumerate(data):
+        if record and i == len(data) - 1:
+            manager.events = []
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        loss = F.cross_entropy(model(x).reshape(-1, CFG.vocab), y.reshape(-1))
+        optim.backward(loss)
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+        moved.append(model.memory_stats()["totals"]["moved_to_device_bytes"])
+    events, manager.events = manager.events, None
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    periods = [(p.name, p.phase, list(p.needed)) for p in manager.scheduler.periods]
+    prefetched = manager.prefetched
+    del model, optim, net, manager
+    gc.collect()
+    return losses, state, events, periods, prefetched, moved
+
+
+def test_next_period_is_fetched_before_this_one_computes_and_results_are_unchanged():
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, CFG.vocab, (1, 33), generator=g) for _ in range(2)]
+    losses, state, events, periods, prefetched, moved = run(True, data, record=True)
+    ref_losses, ref_state, _, _, ref_prefetched, ref_moved = run(False, data, record=False)
+    assert ref_prefetched == 0 and prefetched > 0
+    assert losses == ref_losses
+    for name, value in ref_state.items():
+        assert torch.equal(value, state[name]), name
+    assert moved == ref_moved  # the same bytes moved: every chunk fetched ahead was used
+
+    # The order of events in the second (following) iteration.
+    starts = [i for i, e in enumerate(events) if e[0] == "period"]
+    assert len(starts) == len(periods)
+    checked = 0
+    for k in range(len(periods) - 1):
+        name, phase, _ = periods[k]
+        begin, end = starts[k], starts[k + 1]
+        window = events[begin:end]
+        ahead = [e[1] for e in window if e[0] == "fetch" and e[2] == "prefetch"]
+        # nothing period k+1 needs is fetched on demand once period k+1 has begun
+        next_end = starts[k + 2] if k + 2 < len(starts) else len(events)
+        late = [e for e in events[end:next_end] if e[0] == "fetch" and e[2] == "demand" and e[1] in periods[k + 1][2]]
+        assert late == [], (k, periods[k + 1], late)
+        if phase == "forward" and ahead:
+            computes = [i for i, e in enumerate(window) if e == ("compute", name)]
+            first_prefetch = next(i for i, e in enumerate(window) if e[0] == "fetch" and e[2] == "prefetch")
+            assert computes and first_prefetch < computes[0], (k, window)
+            assert set(ahead) <= set(periods[k + 1][2])
+            checked += 1
+    assert checked >= 6  # every block's forward, at least, overlapped the next one's fetch
