@@ -12,6 +12,7 @@ from .model import ShardedModelV2
 from .optimizer import ShardedOptimizerV2
 from .param_guard import ChunkGradient, ChunkParameter, ParameterAccessError
 from .parameter_access import GatheredParameters, register_external_parameter
+from .states import ChunkStateError
 from .shard_strategy import BaseShardStrategy, BucketTensorShardStrategy, TensorShardStrategy
 from .tiers import Tier, device_memory_capacity, parse_size, set_device_memory_capacity
 
@@ -19,7 +20,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BaseShardStrategy", "BucketTensorShardStrategy", "CPUAdam", "CheckpointError", "ChunkGradient", "ChunkParameter",
-    "ChunkmemError", "CollectiveError", "CollectiveTimeoutError", "DeviceCapacityError", "DynamicGradScaler",
+    "ChunkStateError", "ChunkmemError", "CollectiveError", "CollectiveTimeoutError", "DeviceCapacityError", "DynamicGradScaler",
     "GatheredParameters", "GradientAccumulationError", "HybridAdam", "InvalidArgumentError", "LayoutMismatchError",
     "ParameterAccessError", "ShardedModelV2", "ShardedOptimizerV2", "TensorShardStrategy", "Tier",
     "UnscaledBackwardError", "UnsupportedOperationError", "ZeroInitContext", "collective_timeout",

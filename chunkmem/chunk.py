@@ -594,7 +594,10 @@ class Chunk:
             storage.resize_(0)
 
     def trainable_slots(self) -> list[ParamSlot]:
-        return [s for s in self.slots if s.param.requires_grad]
+        """The slots whose parameters require grad now (read past the parameter guard: this runs for
+        every gradient of a backward)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            return [s for s in self.slots if s.param.requires_grad]
 
     def own_range(self, slot: ParamSlot) -> tuple[int, int] | None:
         """The elements ``(start, end)`` of ``slot``'s parameter (0 = its first element) that lie in this
