@@ -56,19 +56,21 @@ def check_choice(argument: str, value: Any, choices: tuple[Any, ...]) -> None:
 
 
 def check_number(argument: str, value: Any, *, low: float | None = None, high: float | None = None,
-                 low_open: bool = False, integer: bool = False, finite: bool = False) -> None:
+                 low_open: bool = False, integer: bool = False, finite: bool = False,
+                 allowed: str | None = None) -> None:
     """Raise unless ``value`` is a real number within the bounds.
 
     A value that is not an ``int`` (``integer=True``) or an ``int``/``float`` (a ``bool`` is neither)
     raises :class:`ArgumentTypeError`; NaN, a value outside the bounds and, with ``finite=True``, an
-    infinity raise :class:`InvalidArgumentError`.
+    infinity raise :class:`InvalidArgumentError`. ``allowed`` replaces the generated description of
+    what is allowed in the message.
     """
     kinds: tuple[type, ...] = (int,) if integer else (int, float)
     bound_low = "" if low is None else (f"> {low}" if low_open else f">= {low}")
     bound_high = "" if high is None else f"<= {high}"
     bounds = " and ".join(b for b in (bound_low, bound_high) if b)
     kind = "an integer" if integer else ("a finite number" if finite else "a number")
-    allowed = f"{kind} {bounds}".strip()
+    allowed = allowed or f"{kind} {bounds}".strip()
     if not isinstance(value, kinds) or isinstance(value, bool):
         raise ArgumentTypeError(argument, value, allowed)
     ok = value == value  # not NaN

@@ -45,9 +45,9 @@ def check_chunk_size(chunk_size: Any, dtype: torch.dtype | None = None, min_elem
     if dtype is not None:
         size = torch.empty((), dtype=dtype).element_size()
         if chunk_size % size or chunk_size < min_elements * size:
+            least = f", at least {min_elements * size} bytes" if min_elements > 1 else ""
             raise InvalidArgumentError("chunk_size", chunk_size,
-                                       f"None or a multiple of {size} bytes (the element size of {dtype}), at "
-                                       f"least {min_elements * size} bytes")
+                                       f"None or a multiple of {size} bytes (the element size of {dtype}){least}")
 
 
 def check_param_dtypes(named_params: Any, argument: str = "module") -> None:

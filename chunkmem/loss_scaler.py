@@ -32,7 +32,8 @@ class DynamicGradScaler:
                  backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2,
                  max_scale: float = 2**32) -> None:
         for name, value in (("initial_scale", initial_scale), ("min_scale", min_scale), ("max_scale", max_scale)):
-            check_number(name, value, low=MIN_SCALE_BOUND, high=MAX_SCALE_BOUND, finite=True)
+            check_number(name, value, low=MIN_SCALE_BOUND, high=MAX_SCALE_BOUND, finite=True,
+                         allowed="a number within [2**-126, 2**126] (scale and 1/scale finite in fp32)")
         check_number("growth_factor", growth_factor, low=1.0, low_open=True, finite=True)
         check_number("backoff_factor", backoff_factor, low=0.0, high=1.0, low_open=True, finite=True)
         check_number("growth_interval", growth_interval, low=1, integer=True)
