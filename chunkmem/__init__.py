@@ -4,8 +4,8 @@ from .adam import CPUAdam, HybridAdam
 from .agreement import LayoutMismatchError
 from .checkpoint import CheckpointError, consolidate_checkpoint, load_checkpoint, save_checkpoint
 from .collectives import CollectiveError, CollectiveTimeoutError, collective_timeout, set_collective_timeout
-from .errors import (ChunkmemError, DeviceCapacityError, GradientAccumulationError, InvalidArgumentError,
-                     UnscaledBackwardError, UnsupportedOperationError)
+from .errors import (ArgumentTypeError, ChunkmemError, DeviceCapacityError, GradientAccumulationError,
+                     InvalidArgumentError, UnscaledBackwardError, UnsupportedOperationError)
 from .init_context import ZeroInitContext
 from .loss_scaler import DynamicGradScaler
 from .model import ShardedModelV2
@@ -19,11 +19,11 @@ from .tiers import Tier, device_memory_capacity, parse_size, set_device_memory_c
 __version__ = "0.1.0"
 
 __all__ = [
-    "BaseShardStrategy", "BucketTensorShardStrategy", "CPUAdam", "CheckpointError", "ChunkGradient", "ChunkParameter",
-    "ChunkStateError", "ChunkmemError", "CollectiveError", "CollectiveTimeoutError", "DeviceCapacityError", "DynamicGradScaler",
-    "GatheredParameters", "GradientAccumulationError", "HybridAdam", "InvalidArgumentError", "LayoutMismatchError",
-    "ParameterAccessError", "ShardedModelV2", "ShardedOptimizerV2", "TensorShardStrategy", "Tier",
-    "UnscaledBackwardError", "UnsupportedOperationError", "ZeroInitContext", "collective_timeout",
-    "consolidate_checkpoint", "device_memory_capacity", "load_checkpoint", "parse_size", "register_external_parameter",
-    "save_checkpoint", "set_collective_timeout", "set_device_memory_capacity",
+    "ArgumentTypeError", "BaseShardStrategy", "BucketTensorShardStrategy", "CPUAdam", "CheckpointError", "ChunkGradient",
+    "ChunkParameter", "ChunkStateError", "ChunkmemError", "CollectiveError", "CollectiveTimeoutError",
+    "DeviceCapacityError", "DynamicGradScaler", "GatheredParameters", "GradientAccumulationError", "HybridAdam",
+    "InvalidArgumentError", "LayoutMismatchError", "ParameterAccessError", "ShardedModelV2", "ShardedOptimizerV2",
+    "TensorShardStrategy", "Tier", "UnscaledBackwardError", "UnsupportedOperationError", "ZeroInitContext",
+    "collective_timeout", "consolidate_checkpoint", "device_memory_capacity", "load_checkpoint", "parse_size",
+    "register_external_parameter", "save_checkpoint", "set_collective_timeout", "set_device_memory_capacity",
 ]

@@ -8,7 +8,7 @@ import torch
 from torch.optim import Optimizer
 
 from .adam_kernels import AdamHyper, adam_update_, fused_device_adam_
-from .errors import InvalidArgumentError, check_number
+from .errors import ArgumentTypeError, InvalidArgumentError, check_number, check_type
 
 
 class HybridAdam(Optimizer):
@@ -22,20 +22,26 @@ class HybridAdam(Optimizer):
 
     Args:
         params: parameters or param-group dicts.
-        lr: learning rate. bias_correction: divide the moments by ``1 - beta**step``.
-        betas: moment decay rates, each in [0, 1). eps: added to the denominator, >= 0.
-        weight_decay: >= 0. adamw_mode: decoupled (AdamW) instead of L2 weight decay.
+        lr: learning rate, a finite number >= 0.
+        bias_correction: divide the moments by ``1 - beta**step`` (a bool).
+        betas: moment decay rates, two numbers, each in [0, 1).
+        eps: added to the denominator, a finite number >= 0.
+        weight_decay: a finite number >= 0.
+        adamw_mode: decoupled (AdamW) instead of L2 weight decay (a bool).
+
+    A value of the wrong type raises :class:`~chunkmem.ArgumentTypeError` (a ``TypeError``), a value
+    out of range :class:`~chunkmem.InvalidArgumentError`.
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  adamw_mode: bool = True) -> None:
-        check_number("lr", lr, low=0.0)
-        check_number("eps", eps, low=0.0)
-        check_number("weight_decay", weight_decay, low=0.0)
-        if (not isinstance(betas, (tuple, list)) or len(betas) != 2
-                or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)):
-            raise InvalidArgumentError("betas", betas, "two numbers, each in [0, 1)")
+        check_number("lr", lr, low=0.0, finite=True)
+        check_number("eps", eps, low=0.0, finite=True)
+        check_number("weight_decay", weight_decay, low=0.0, finite=True)
+        check_betas(betas)
+        check_type("bias_correction", bias_correction, bool, "True or False")
+        check_type("adamw_mode", adamw_mode, bool, "True or False")
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, adamw_mode=adamw_mode)
         super().__init__(params, defaults)
@@ -80,6 +86,19 @@ class CPUAdam(HybridAdam):
     """
 
 
+def check_betas(betas: Any) -> None:
+    """Raise unless ``betas`` is a pair of numbers, each in [0, 1)."""
+    allowed = "two numbers, each in [0, 1)"
+    if not isinstance(betas, (tuple, list)):
+        raise ArgumentTypeError("betas", betas, allowed)
+    if len(betas) != 2:
+        raise InvalidArgumentError("betas", betas, allowed)
+    if not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas):
+        raise ArgumentTypeError("betas", betas, allowed)
+    if not all(0.0 <= b < 1.0 for b in betas):
+        raise InvalidArgumentError("betas", betas, allowed)
+
+
 def hyper_of_group(group: dict[str, Any]) -> AdamHyper:
     """The Adam hyper-parameters of one param group of a HybridAdam, torch Adam or torch AdamW."""
     beta1, beta2 = group["betas"]
@@ -100,7 +119,7 @@ def check_supported_optimizer(optimizer: Any) -> None:
                     raise InvalidArgumentError(f"optimizer.param_groups[..]['{option}']", True,
                                                "False (not supported by the chunked Adam update)")
             if isinstance(group["lr"], torch.Tensor):
-                raise InvalidArgumentError("optimizer lr", group["lr"], "a Python float")
+                raise ArgumentTypeError("optimizer lr", group["lr"], "a Python float")
         return
-    raise InvalidArgumentError("optimizer", type(optimizer).__name__,
+    raise ArgumentTypeError("optimizer", type(optimizer).__name__,
                                "a chunkmem.HybridAdam, chunkmem.CPUAdam, torch.optim.Adam or torch.optim.AdamW")

@@ -1,9 +1,13 @@
 """Exceptions raised by chunkmem, and the helpers that build their messages.
 
-Every error raised at the API boundary names the argument, the value given and what is allowed.
+Every error raised at the API boundary names the argument, the value given and what is allowed. A value
+of the wrong type raises :class:`ArgumentTypeError` (a ``TypeError``); a value of the right type that is
+not allowed raises :class:`InvalidArgumentError` (a ``ValueError``). ``ArgumentTypeError`` is also an
+``InvalidArgumentError``, so ``except InvalidArgumentError`` catches both.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
@@ -19,6 +23,11 @@ class InvalidArgumentError(ChunkmemError, ValueError):
         self.value = value
         self.allowed = allowed
         super().__init__(f"{argument}={value!r} is not allowed: expected {allowed}")
+
+
+class ArgumentTypeError(InvalidArgumentError, TypeError):
+    """An argument of a public call has a type that is not allowed (a ``TypeError``; for compatibility
+    also an :class:`InvalidArgumentError`)."""
 
 
 class DeviceCapacityError(ChunkmemError, MemoryError):
@@ -40,34 +49,49 @@ class UnsupportedOperationError(ChunkmemError, RuntimeError):
 
 
 def check_type(argument: str, value: Any, expected: type | tuple[type, ...], allowed: str) -> None:
-    """Raise :class:`InvalidArgumentError` unless ``value`` is an instance of ``expected``."""
+    """Raise :class:`ArgumentTypeError` unless ``value`` is an instance of ``expected`` (a ``bool`` only
+    where ``bool`` is expected itself)."""
     if not isinstance(value, expected) or (isinstance(value, bool) and bool not in _as_tuple(expected)):
-        raise InvalidArgumentError(argument, value, allowed)
+        raise ArgumentTypeError(argument, value, allowed)
 
 
 def check_choice(argument: str, value: Any, choices: tuple[Any, ...]) -> None:
-    """Raise :class:`InvalidArgumentError` unless ``value`` is one of ``choices``."""
+    """Raise unless ``value`` is one of ``choices``: :class:`ArgumentTypeError` when its type is none of
+    the choices' types, else :class:`InvalidArgumentError`."""
+    allowed = "one of " + ", ".join(repr(c) for c in choices)
+    if not any(isinstance(value, type(c)) for c in choices):
+        raise ArgumentTypeError(argument, value, allowed)
     if value not in choices:
-        raise InvalidArgumentError(argument, value, "one of " + ", ".join(repr(c) for c in choices))
+        raise InvalidArgumentError(argument, value, allowed)
 
 
 def check_number(argument: str, value: Any, *, low: float | None = None, high: float | None = None,
-                 low_open: bool = False, integer: bool = False) -> None:
-    """Raise :class:`InvalidArgumentError` unless ``value`` is a real number within the bounds."""
+                 low_open: bool = False, integer: bool = False, finite: bool = False,
+                 allowed: str | None = None) -> None:
+    """Raise unless ``value`` is a real number within the bounds.
+
+    A value that is not an ``int`` (``integer=True``) or an ``int``/``float`` (a ``bool`` is neither)
+    raises :class:`ArgumentTypeError`; NaN, a value outside the bounds and, with ``finite=True``, an
+    infinity raise :class:`InvalidArgumentError`. ``allowed`` replaces the generated description of
+    what is allowed in the message.
+    """
     kinds: tuple[type, ...] = (int,) if integer else (int, float)
-    ok = isinstance(value, kinds) and not isinstance(value, bool)
-    if ok and value != value:  # NaN
-        ok = False
+    bound_low = "" if low is None else (f"> {low}" if low_open else f">= {low}")
+    bound_high = "" if high is None else f"<= {high}"
+    bounds = " and ".join(b for b in (bound_low, bound_high) if b)
+    kind = "an integer" if integer else ("a finite number" if finite else "a number")
+    allowed = allowed or f"{kind} {bounds}".strip()
+    if not isinstance(value, kinds) or isinstance(value, bool):
+        raise ArgumentTypeError(argument, value, allowed)
+    ok = value == value  # not NaN
+    if ok and finite and isinstance(value, float):
+        ok = math.isfinite(value)
     if ok and low is not None:
         ok = value > low if low_open else value >= low
     if ok and high is not None:
         ok = value <= high
     if not ok:
-        bound_low = "" if low is None else (f"> {low}" if low_open else f">= {low}")
-        bound_high = "" if high is None else f"<= {high}"
-        bounds = " and ".join(b for b in (bound_low, bound_high) if b)
-        kind = "an integer" if integer else "a number"
-        raise InvalidArgumentError(argument, value, f"{kind} {bounds}".strip())
+        raise InvalidArgumentError(argument, value, allowed)
 
 
 def _as_tuple(expected: type | tuple[type, ...]) -> tuple[type, ...]:

@@ -8,8 +8,8 @@ import torch.nn as nn
 
 from .agreement import InitAgreement
 from .chunk import Chunk, ChunkKey
-from .errors import InvalidArgumentError, check_type
-from .layout import aligned_numel
+from .errors import ArgumentTypeError, InvalidArgumentError, check_type
+from .layout import ALIGN_ELEMENTS, aligned_numel
 from .ledger import TierLedger
 from .collectives import SINGLE_PROCESS, ShardGroup
 from .manager import allocate_param_copy, slot_of
@@ -19,18 +19,53 @@ from .shard_strategy import BaseShardStrategy
 from .tiers import device_memory_capacity, device_of_tier, tier_of_device
 
 DEFAULT_INIT_CHUNK_BYTES = 64 * 2**20
+MIN_INIT_CHUNK_ELEMENTS = ALIGN_ELEMENTS
+"""The smallest ``chunk_size`` ZeroInitContext takes, in elements: chunks are laid out in whole groups of
+this many elements, so a smaller size could not be kept as given."""
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+SUPPORTED_DTYPE_NAMES = "torch.float16, torch.bfloat16 or torch.float32"
+
+
 def check_dtype(argument: str, dtype: Any) -> None:
+    """Raise unless ``dtype`` is one chunks can store: a ``torch.dtype`` among :data:`SUPPORTED_DTYPES`."""
+    check_type(argument, dtype, torch.dtype, SUPPORTED_DTYPE_NAMES)
     if dtype not in SUPPORTED_DTYPES:
-        raise InvalidArgumentError(argument, dtype, "torch.float16, torch.bfloat16 or torch.float32")
+        raise InvalidArgumentError(argument, dtype, SUPPORTED_DTYPE_NAMES)
 
 
-def check_chunk_size(chunk_size: Any) -> None:
-    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
-                                   or chunk_size <= 0):
-        raise InvalidArgumentError("chunk_size", chunk_size, "None (searched) or a positive byte count")
+def check_chunk_size(chunk_size: Any, dtype: torch.dtype | None = None, min_elements: int = 1) -> None:
+    """Raise unless ``chunk_size`` is ``None`` or a positive byte count; given ``dtype``, also unless it
+    is a whole number of elements of ``dtype``, at least ``min_elements`` of them."""
+    allowed = "None (searched) or a positive byte count"
+    if chunk_size is None:
+        return
+    check_type("chunk_size", chunk_size, int, allowed)
+    if chunk_size <= 0:
+        raise InvalidArgumentError("chunk_size", chunk_size, allowed)
+    if dtype is not None:
+        size = torch.empty((), dtype=dtype).element_size()
+        if chunk_size % size or chunk_size < min_elements * size:
+            least = f", at least {min_elements * size} bytes" if min_elements > 1 else ""
+            raise InvalidArgumentError("chunk_size", chunk_size,
+                                       f"None or a multiple of {size} bytes (the element size of {dtype}){least}")
+
+
+def check_param_dtypes(named_params: Any, argument: str = "module") -> None:
+    """Raise unless every ``(name, parameter)`` has a dtype chunks can hold (16- or 32-bit floating
+    point): an integer, float64 or complex parameter would be silently rounded into the chunk."""
+    for name, param in named_params:
+        if param is not None and param.dtype not in SUPPORTED_DTYPES:
+            raise InvalidArgumentError(f"{argument} parameter {name!r} of dtype", param.dtype,
+                                       f"a parameter of dtype {SUPPORTED_DTYPE_NAMES} (convert the module, "
+                                       f"e.g. with .float(), or keep it as a buffer)")
+
+
+def check_device(argument: str, device: Any) -> None:
+    """Raise :class:`ArgumentTypeError` unless ``device`` is a ``torch.device``, a str or a CUDA index."""
+    if not isinstance(device, (torch.device, str, int)) or isinstance(device, bool):
+        raise ArgumentTypeError(argument, device, "a torch.device, 'cpu', 'cuda' or a CUDA index")
 
 
 class ZeroInitContext:
@@ -43,15 +78,20 @@ class ZeroInitContext:
     ``dtype`` and moved to ``target_device``.
 
     Args:
-        target_device: where the chunks are created: a CUDA device (device tier) or the CPU (host tier).
+        target_device: where the chunks are created: a CUDA device (device tier) or the CPU (host tier),
+            as a ``torch.device``, a str or a CUDA index (``None`` is refused: name the device).
         shard_strategy: a :class:`~chunkmem.BaseShardStrategy`.
         shard_param: keep only this rank's shard of each chunk from creation on, so no rank ever holds
             the whole model (the ranks of ``torch.distributed``'s default group; one rank: no effect).
             Every rank must build the same model with the same seed: each computes a module's initial
             values in full (one module at a time) and keeps its part.
         dtype: parameter storage and compute dtype: torch.float16, torch.bfloat16 or torch.float32.
+            Parameters created inside must be of one of these dtypes too (others are refused, naming
+            the parameter): an integer, float64 or complex value would be rounded into the chunk.
         chunk_size: bytes per chunk while building (a parameter larger than that gets a chunk of its
-            own size); ``ShardedModelV2`` keeps it, or re-packs with the searched size if ``None``.
+            own size); ``ShardedModelV2`` keeps it, or re-packs with the searched size if ``None``. A
+            multiple of the element size of ``dtype`` and at least 64 elements (128 bytes for 16-bit,
+            256 for fp32 chunks).
         model_numel_tensor: if given, a one-element tensor that receives the number of parameter
             elements created inside the context (a parameter later replaced, such as the original
             weight of a tied lm head, counts too).
@@ -60,15 +100,17 @@ class ZeroInitContext:
     def __init__(self, target_device: torch.device | str | int, shard_strategy: BaseShardStrategy,
                  shard_param: bool = False, dtype: torch.dtype = torch.float16, chunk_size: int | None = None,
                  model_numel_tensor: torch.Tensor | None = None) -> None:
+        check_device("target_device", target_device)
         self.tier = tier_of_device(target_device, "target_device")
         check_type("shard_strategy", shard_strategy, BaseShardStrategy,
                    "an instance of TensorShardStrategy or BucketTensorShardStrategy")
         check_type("shard_param", shard_param, bool, "True or False")
         check_dtype("dtype", dtype)
-        check_chunk_size(chunk_size)
-        if model_numel_tensor is not None and (not isinstance(model_numel_tensor, torch.Tensor)
-                                               or model_numel_tensor.numel() != 1):
-            raise InvalidArgumentError("model_numel_tensor", model_numel_tensor, "None or a one-element tensor")
+        check_chunk_size(chunk_size, dtype, MIN_INIT_CHUNK_ELEMENTS)
+        if model_numel_tensor is not None:
+            check_type("model_numel_tensor", model_numel_tensor, torch.Tensor, "None or a one-element tensor")
+            if model_numel_tensor.numel() != 1:
+                raise InvalidArgumentError("model_numel_tensor", model_numel_tensor, "None or a one-element tensor")
         self.shard_strategy = shard_strategy
         self.shard_param = shard_param
         self.dtype = dtype
@@ -146,6 +188,8 @@ class ZeroInitContext:
     # ---- moving a finished module into chunks ------------------------------------------------------
 
     def _convert(self, module: nn.Module) -> None:
+        check_param_dtypes(((f"{type(module).__name__}.{name}", p) for name, p in module._parameters.items()),
+                           "ZeroInitContext: module")
         for name, param in module._parameters.items():
             if param is not None and slot_of(param) is None:
                 self._add_param(f"{type(module).__name__}.{name}", param)

@@ -17,7 +17,8 @@ from .atomic_file import write_json_atomically
 from .chunk import MASTER, Chunk, ChunkKey
 from .errors import DeviceCapacityError, GradientAccumulationError, InvalidArgumentError, check_number, check_type
 from .hooks import ChunkHooks
-from .init_context import check_chunk_size, check_dtype
+from .init_context import check_chunk_size, check_dtype, check_param_dtypes
+from .wrap_marker import check_not_wrapped, mark_unwrapped, mark_wrapped
 from .collectives import ShardGroup
 from .layout import aligned_numel, pack, search_chunk_numel
 from .ledger import TierLedger
@@ -44,22 +45,24 @@ class ShardedModelV2(nn.Module):
     stays ``None``: gradients are collected into chunks for :class:`~chunkmem.ShardedOptimizerV2`.
 
     Args:
-        module: the model.
+        module: the model: at least one parameter, every parameter of dtype torch.float16, torch.bfloat16
+            or torch.float32, and not already wrapped (nor any of its submodules).
         shard_strategy: a :class:`~chunkmem.BaseShardStrategy`.
         process_group: data-parallel group (``None``: the default group if initialised, else one rank).
         reduce_scatter_process_group: group for gradient reduce-scatter (``None``: ``process_group``).
-        reduce_scatter_bucket_size_mb: reduce-scatter bucket size in MB (> 0).
+        reduce_scatter_bucket_size_mb: reduce-scatter bucket size in MB (> 0 and <= 2**43, finite).
         fp32_reduce_scatter: reduce gradients in fp32.
         tensor_placement_policy: ``"cuda"`` (everything on the device tier), ``"cpu"`` (everything rests
             on the host; parameters visit the device for compute), ``"auto"`` (traced first iteration,
             then Belady's eviction within the capacity) or ``"static"`` (fixed fractions offloaded);
             see :mod:`chunkmem.placement`.
-        gradient_predivide_factor: gradients are divided by this before reduction (> 0).
+        gradient_predivide_factor: gradients are divided by this before reduction (finite, > 0).
         reuse_fp16_shard: store each gradient in its 16-bit parameter's memory (no grad buffer; needs a
             16-bit dtype; no gradient accumulation).
         dtype: compute/storage dtype for a module built outside ZeroInitContext (default
             torch.float16); for a module built inside, ``None`` or the context's dtype.
-        chunk_size: bytes per chunk (``None``: searched; a chunk holds at least the largest parameter).
+        chunk_size: bytes per chunk (``None``: searched; a multiple of the element size of ``dtype``; a
+            chunk holds at least the largest parameter).
         offload_param_frac, offload_optim_frac: with ``"static"``, the fractions in [0, 1] of parameter
             chunks and of optimizer chunk groups that rest on the host.
     """
@@ -74,14 +77,16 @@ class ShardedModelV2(nn.Module):
         check_type("module", module, nn.Module, "a torch.nn.Module")
         if isinstance(module, ShardedModelV2):
             raise InvalidArgumentError("module", type(module).__name__, "a module that is not already wrapped")
+        check_not_wrapped(module)
         check_type("shard_strategy", shard_strategy, BaseShardStrategy,
                    "an instance of TensorShardStrategy or BucketTensorShardStrategy")
         shards = ShardGroup.of(process_group, "process_group")
         reduce_shards = shards.of_same_ranks(reduce_scatter_process_group, "reduce_scatter_process_group",
                                              "process_group")
-        check_number("reduce_scatter_bucket_size_mb", reduce_scatter_bucket_size_mb, low=0, low_open=True)
+        check_number("reduce_scatter_bucket_size_mb", reduce_scatter_bucket_size_mb, low=0, low_open=True,
+                     high=2**43, finite=True, allowed="a finite number > 0 and <= 2**43 (MB)")
         check_type("fp32_reduce_scatter", fp32_reduce_scatter, bool, "True or False")
-        check_number("gradient_predivide_factor", gradient_predivide_factor, low=0.0, low_open=True)
+        check_number("gradient_predivide_factor", gradient_predivide_factor, low=0.0, low_open=True, finite=True)
         check_type("reuse_fp16_shard", reuse_fp16_shard, bool, "True or False")
         check_chunk_size(chunk_size)
         if dtype is not None:
@@ -89,6 +94,9 @@ class ShardedModelV2(nn.Module):
         policy = make_policy(tensor_placement_policy, offload_param_frac, offload_optim_frac)
 
         named = list(module.named_parameters())
+        if not named:
+            raise InvalidArgumentError("module", type(module).__name__, "a module with at least one parameter")
+        check_param_dtypes(named)
         slots = [slot_of(p) for _, p in named]
         from_context = bool(named) and all(s is not None for s in slots)
         if not from_context and any(s is not None for s in slots):
@@ -104,6 +112,7 @@ class ShardedModelV2(nn.Module):
         if reuse_fp16_shard and dtype == torch.float32:
             raise InvalidArgumentError("reuse_fp16_shard", True,
                                        "False with dtype torch.float32 (the fp32 parameters are the masters)")
+        check_chunk_size(chunk_size, dtype)
 
         self.module = module
         self.shard_strategy = shard_strategy
@@ -157,6 +166,7 @@ class ShardedModelV2(nn.Module):
         self.chunk_manager.bind_views_to_device()
         self._hooks = ChunkHooks(module, self.chunk_manager)
         self.optimizer_attached = False
+        mark_wrapped(module)
 
     # ---- layout ------------------------------------------------------------------------------------
 
@@ -379,7 +389,7 @@ class ShardedModelV2(nn.Module):
                 if slot_of(slot.param) is slot:
                     disown(slot.param, values[id(slot.param)])
         self.chunk_manager.chunks = []
-        self._unwrapped = True
+        mark_unwrapped(self.module)
         return self.module
 
     # ---- inspection --------------------------------------------------------------------------------

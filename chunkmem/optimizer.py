@@ -14,8 +14,8 @@ from .adam import check_supported_optimizer, hyper_of_group
 from .adam_kernels import adam_update_
 from .chunk import EXP_AVG, EXP_AVG_SQ, MASTER, Chunk
 from .collectives import ShardGroup, all_reduce_over
-from .errors import (DeviceCapacityError, GradientAccumulationError, InvalidArgumentError, UnscaledBackwardError,
-                     UnsupportedOperationError, check_number, check_type)
+from .errors import (ArgumentTypeError, DeviceCapacityError, GradientAccumulationError, InvalidArgumentError,
+                     UnscaledBackwardError, UnsupportedOperationError, check_number, check_type)
 from .loss_scaler import DynamicGradScaler
 from .manager import slot_of
 from .model import ShardedModelV2
@@ -62,7 +62,7 @@ class ShardedOptimizerV2(Optimizer):
                  max_scale: float = 2**32, dp_process_group: Any = None, mp_process_group: Any = None,
                  verbose: bool = False) -> None:
         if not isinstance(sharded_model, ShardedModelV2):
-            raise InvalidArgumentError("sharded_model", type(sharded_model).__name__, "a chunkmem.ShardedModelV2")
+            raise ArgumentTypeError("sharded_model", type(sharded_model).__name__, "a chunkmem.ShardedModelV2")
         check_supported_optimizer(optimizer)
         check_number("gpu_margin_mem_ratio", gpu_margin_mem_ratio, low=0.0, high=1.0)
         if gpu_margin_mem_ratio > 0 and sharded_model.tensor_placement_policy != "auto":

@@ -9,13 +9,16 @@ allocated buffer, also when both tiers are the CPU, so the same code path runs w
 from __future__ import annotations
 
 import enum
+import math
+import numbers
 import os
 import re
+from fractions import Fraction
 
 import psutil
 import torch
 
-from .errors import InvalidArgumentError
+from .errors import ArgumentTypeError, InvalidArgumentError
 
 DEVICE_MEMORY_ENV = "CHUNKMEM_DEVICE_MEMORY"
 
@@ -36,35 +39,49 @@ class Tier(str, enum.Enum):
     HOST = "host"
 
 
-def parse_size(text: str | int, argument: str = "size") -> int:
+def parse_size(text: str | int, argument: str = "size", minimum: int = 0) -> int:
     """Parse a byte count such as ``1048576``, ``"512MiB"`` or ``"2GB"`` into bytes.
 
-    Units: B, KB/MB/GB/TB (powers of 1000) and KiB/MiB/GiB/TiB (powers of 1024), case-insensitive.
-    Raises :class:`InvalidArgumentError` naming ``argument`` when the text does not parse.
+    Units: B, KB/MB/GB/TB (powers of 1000) and KiB/MiB/GiB/TiB (powers of 1024), case-insensitive. The
+    result must be a whole number of bytes (``"1.5KB"`` is 1500 bytes; ``"1.5B"`` and ``"0.5B"`` are
+    refused), at least ``minimum``. A float is taken only when it is a whole number (``1e9``).
+    Raises :class:`ArgumentTypeError` for a value that is neither a str nor a number, else
+    :class:`InvalidArgumentError`, naming ``argument``.
     """
-    if isinstance(text, bool):
-        raise InvalidArgumentError(argument, text, "a non-negative byte count or a size such as '2GiB'")
-    if isinstance(text, int):
-        if text < 0:
-            raise InvalidArgumentError(argument, text, "a non-negative byte count")
-        return text
-    match = _SIZE_RE.match(str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise InvalidArgumentError(
-            argument, text, "a byte count or a number with a unit among B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
-    return int(float(match.group(1)) * _UNITS[unit])
+    allowed = (f"a whole number of bytes >= {minimum}, as an int or a size such as '2GiB' (units B, KB, MB, "
+               f"GB, TB, KiB, MiB, GiB, TiB)")
+    if isinstance(text, bool) or not isinstance(text, (str, numbers.Real)):
+        raise ArgumentTypeError(argument, text, allowed)
+    if isinstance(text, numbers.Integral):
+        nbytes = int(text)
+    elif isinstance(text, numbers.Real):
+        if not (math.isfinite(text) and float(text).is_integer()):
+            raise InvalidArgumentError(argument, text, allowed)
+        nbytes = int(text)
+    else:
+        match = _SIZE_RE.match(text)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise InvalidArgumentError(argument, text, allowed)
+        exact = Fraction(match.group(1)) * _UNITS[unit]
+        if exact.denominator != 1:
+            raise InvalidArgumentError(argument, text, allowed + f" (it is {float(exact)} bytes)")
+        nbytes = int(exact)
+    if nbytes < minimum:
+        raise InvalidArgumentError(argument, text, allowed)
+    return nbytes
 
 
 def set_device_memory_capacity(nbytes: int | str | None) -> None:
-    """Set the capacity of the device tier in bytes (an int, or a size such as ``"2GiB"``).
+    """Set the capacity of the device tier in bytes: a positive whole number, as an int or a size such
+    as ``"2GiB"`` (see :func:`parse_size`). A refused value leaves the capacity as it was.
 
     ``None`` restores the default: the environment variable ``CHUNKMEM_DEVICE_MEMORY`` if set, else
     the free CUDA memory when CUDA is available, else the available host memory psutil reports.
     Takes effect for models wrapped afterwards.
     """
     global _capacity_override
-    _capacity_override = None if nbytes is None else parse_size(nbytes, "nbytes")
+    _capacity_override = None if nbytes is None else parse_size(nbytes, "nbytes", minimum=1)
 
 
 def device_memory_capacity() -> int:
@@ -73,7 +90,7 @@ def device_memory_capacity() -> int:
         return _capacity_override
     env = os.environ.get(DEVICE_MEMORY_ENV)
     if env:
-        return parse_size(env, DEVICE_MEMORY_ENV)
+        return parse_size(env, DEVICE_MEMORY_ENV, minimum=1)
     if torch.cuda.is_available():
         free, _total = torch.cuda.mem_get_info()
         return int(free)

@@ -134,3 +134,23 @@ def test_clip_arguments():
     optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters()))
     with pytest.raises(cm.InvalidArgumentError, match="max_norm=0"):
         optim.clip_grad_norm(0)
+
+
+def test_wrong_types_above_are_type_errors():
+    """The wrong-type cases of this file raise a TypeError (still an InvalidArgumentError); wrong values
+    do not."""
+    module = nn.Linear(4, 4)
+    for call in (lambda: cm.ShardedModelV2(module, "tensor"),
+                 lambda: cm.ShardedModelV2(module, cm.TensorShardStrategy(), fp32_reduce_scatter="yes"),
+                 lambda: cm.ShardedOptimizerV2(module, cm.HybridAdam(module.parameters())),
+                 lambda: cm.ZeroInitContext(target_device="cpu", shard_strategy=None),
+                 lambda: cm.DynamicGradScaler(growth_interval=1.5)):
+        with pytest.raises(TypeError) as info:
+            call()
+        assert isinstance(info.value, cm.ChunkmemError) and isinstance(info.value, cm.InvalidArgumentError)
+    for call in (lambda: cm.ShardedModelV2(module, cm.TensorShardStrategy(), chunk_size=-5),
+                 lambda: cm.DynamicGradScaler(initial_scale=0)):
+        with pytest.raises(cm.InvalidArgumentError) as info:
+            call()
+        assert not isinstance(info.value, TypeError)
+    assert not hasattr(module.weight, "_chunkmem_slot")
