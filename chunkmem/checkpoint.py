@@ -48,7 +48,7 @@ from .atomic_file import remove_stale_temporaries, temporary_target, write_atomi
 from .checksums import HashingWriter, content_checksum, file_checksum
 from .chunk import EXP_AVG, EXP_AVG_SQ, MASTER
 from .collectives import SINGLE_PROCESS, ShardGroup, all_reduce_over, distributed_ready
-from .errors import InvalidArgumentError, check_type
+from .errors import ArgumentTypeError, InvalidArgumentError, check_type
 from .manager import slot_of
 from .model import ShardedModelV2
 from .optimizer import ShardedOptimizerV2
@@ -152,10 +152,10 @@ def _check_existing_path(path: Any) -> str:
 
 def _check_model_and_optimizer(model: Any, optimizer: Any) -> None:
     if not isinstance(model, ShardedModelV2):
-        raise InvalidArgumentError("model", type(model).__name__, "a chunkmem.ShardedModelV2")
+        raise ArgumentTypeError("model", type(model).__name__, "a chunkmem.ShardedModelV2")
     if optimizer is not None:
         if not isinstance(optimizer, ShardedOptimizerV2):
-            raise InvalidArgumentError("optimizer", type(optimizer).__name__, "None or a chunkmem.ShardedOptimizerV2")
+            raise ArgumentTypeError("optimizer", type(optimizer).__name__, "None or a chunkmem.ShardedOptimizerV2")
         if optimizer.model is not model:
             raise InvalidArgumentError("optimizer", "a ShardedOptimizerV2 of another model",
                                        "None or the ShardedOptimizerV2 built over this model")

@@ -19,7 +19,6 @@ process group's ``timeout``.
 """
 from __future__ import annotations
 
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .errors import ChunkmemError, InvalidArgumentError
+from .errors import ArgumentTypeError, ChunkmemError, InvalidArgumentError, check_number
 
 # torch >= 2.10 names them *_single; older releases only have the *_tensor names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -70,9 +69,7 @@ class CollectiveTimeoutError(CollectiveError):
 
 
 def _check_timeout(argument: str, seconds: Any) -> float:
-    if (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds)
-            or seconds <= 0):
-        raise InvalidArgumentError(argument, seconds, "a finite number of seconds > 0")
+    check_number(argument, seconds, low=0, low_open=True, finite=True, allowed="a finite number of seconds > 0")
     return float(seconds)
 
 
@@ -126,7 +123,7 @@ class ShardGroup:
                 return SINGLE_PROCESS
             process_group = dist.group.WORLD
         if not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
-            raise InvalidArgumentError(argument, process_group, "None or a torch.distributed ProcessGroup")
+            raise ArgumentTypeError(argument, process_group, "None or a torch.distributed ProcessGroup")
         world = dist.get_world_size(process_group)
         if world == 1:
             return ShardGroup(process_group, 0, 1)

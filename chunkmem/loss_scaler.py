@@ -62,7 +62,7 @@ class DynamicGradScaler:
                 self.scale = max(self.scale * self.backoff_factor, self.min_scale)
         else:
             self.clean_steps += 1
-            if self.clean_steps == self.growth_interval:
+            if self.clean_steps >= self.growth_interval:  # >=: a loaded count may exceed a smaller interval
                 self.clean_steps = 0
                 self.overflows_since_growth = 0
                 self.scale = min(self.scale * self.growth_factor, self.max_scale)

@@ -41,7 +41,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from .adam import hyper_of_group
 from .chunk import EXP_AVG, EXP_AVG_SQ, MASTER, Chunk, ParamSlot
-from .errors import ChunkmemError, InvalidArgumentError, check_type
+from .errors import ArgumentTypeError, ChunkmemError, InvalidArgumentError, check_type
 from .manager import slot_of
 
 UNSUPPORTED_OPTIONS = ("amsgrad", "maximize", "capturable", "differentiable")
@@ -83,7 +83,7 @@ def check_tensor_data(where: str, value: Any, *, floating: bool = False, numel: 
     data (not on the ``meta`` device) and, as asked, of a real floating dtype and ``numel`` elements;
     the checks that make copying it into a chunk unable to fail."""
     if not isinstance(value, torch.Tensor):
-        raise InvalidArgumentError(where, type(value).__name__, "a tensor")
+        raise ArgumentTypeError(where, type(value).__name__, "a tensor")
     if value.is_meta:
         raise InvalidArgumentError(where, f"a tensor on the meta device (shape {tuple(value.shape)}, no data)",
                                    "a tensor with data")

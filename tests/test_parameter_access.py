@@ -145,7 +145,7 @@ def test_gathered_parameters_refuses_and_validates():
         with pytest.raises(cm.ParameterAccessError):
             with torch.no_grad():
                 param.zero_()
-    assert model.tier_bytes()["device"] == {}
+    assert all(c.users == 0 for c in model.chunks)  # nothing held (a released copy may stay cached)
 
 
 def test_fp32_parameter_without_master_is_written_in_place_outside_forward():
