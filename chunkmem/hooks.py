@@ -14,6 +14,7 @@ module running is given that chunk now and from then on (:meth:`ChunkHooks.use_f
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -24,6 +25,17 @@ from torch.utils._pytree import tree_leaves
 from .chunk import Chunk
 from .manager import ChunkManager
 from .param_guard import ParameterAccessError, set_owner, slot_of
+
+
+def _weak_method(method: Any) -> Any:
+    """``method`` called through a weak reference to its object (a no-op once the object is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+    return call
 
 
 class _Running:
@@ -57,10 +69,11 @@ class ChunkHooks:
             if owns or external or module is root:
                 self.hook_module(module)
             self.foreign_params[module] = external
-        with DisableTorchFunctionSubclass():
+        on_grad = _weak_method(self._on_grad)  # held from C++ by the parameter: a strong reference would keep
+        with DisableTorchFunctionSubclass():   # the model alive forever (a cycle the collector cannot see)
             for param in root.parameters():
                 if param.requires_grad and slot_of(param) is not None:
-                    self.handles.append(param.register_post_accumulate_grad_hook(self._on_grad))
+                    self.handles.append(param.register_post_accumulate_grad_hook(on_grad))
         self.refresh_chunks()
 
     def hook_module(self, module: nn.Module) -> None:

@@ -59,19 +59,21 @@ class ParameterAccessError(ChunkmemError, RuntimeError):
 
 # ---- who owns a chunk, and which chunks are gathered for writing ---------------------------------
 
-_owners: "weakref.WeakKeyDictionary[Chunk, Any]" = weakref.WeakKeyDictionary()
+_owners: "weakref.WeakKeyDictionary[Chunk, weakref.ref]" = weakref.WeakKeyDictionary()  # values weak too:
+# the hooks reference their chunks, so a strong value would keep every wrapped model alive
 _writable: "weakref.WeakKeyDictionary[Chunk, int]" = weakref.WeakKeyDictionary()
 _readable: "weakref.WeakKeyDictionary[Chunk, int]" = weakref.WeakKeyDictionary()
 
 
 def set_owner(chunk: Chunk, hooks: Any) -> None:
     """Record the :class:`~chunkmem.hooks.ChunkHooks` of the model that owns ``chunk``."""
-    _owners[chunk] = hooks
+    _owners[chunk] = weakref.ref(hooks)
 
 
 def owner_of(chunk: Chunk) -> Any:
     """The hooks of the model owning ``chunk``, or ``None`` before it is wrapped."""
-    return _owners.get(chunk)
+    ref = _owners.get(chunk)
+    return None if ref is None else ref()
 
 
 def open_gathered(chunks: list[Chunk], writable: bool) -> None:

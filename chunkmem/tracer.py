@@ -12,13 +12,14 @@ On CUDA the caching allocator's peak statistics give the same figure less the ch
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode
 from torch.utils._pytree import tree_leaves
 
 
@@ -114,6 +115,18 @@ class CudaPeakCounter:
         yield
 
 
+def _stop(counter: StorageCounter) -> None:
+    counter.stopped = True
+
+
+def _pop_stopped_counters() -> None:
+    """Remove stopped counters from the top of the dispatch-mode stack (call outside backward)."""
+    stack = _get_current_dispatch_mode_stack()
+    while stack and isinstance(stack[-1], StorageCounter) and stack[-1].stopped:
+        _pop_mode()
+        stack = _get_current_dispatch_mode_stack()
+
+
 class IterationTrace:
     """Records the periods of one iteration (see the module docstring)."""
 
@@ -123,9 +136,13 @@ class IterationTrace:
             self.counter: StorageCounter | CudaPeakCounter = CudaPeakCounter(device, model_device_bytes)
             self._mode_active = False
         else:
+            _pop_stopped_counters()
             self.counter = StorageCounter(device)
             self.counter.__enter__()
             self._mode_active = True
+            # A trace dropped before its backward (a forward with autograd whose model is then discarded)
+            # leaves its mode on torch's global stack: make it inert, and the next trace removes it.
+            weakref.finalize(self, _stop, self.counter)
 
     @property
     def current(self) -> Period | None:

@@ -17,3 +17,22 @@ def _default_capacity(monkeypatch):
     chunkmem.set_device_memory_capacity(None)
     yield
     chunkmem.set_device_memory_capacity(None)
+
+
+@pytest.fixture(autouse=True)
+def _no_counting_mode_left():
+    """No test may leave an active dispatch mode (chunkmem's tracer counts storages with one): it would
+    slow down, and change, every later test in the process. The counter of a trace whose model was
+    dropped before its backward is inert once collected (chunkmem removes it at the next trace); such
+    inert ones are removed here."""
+    import gc
+
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode
+
+    yield
+    gc.collect()
+    left = _get_current_dispatch_mode_stack()
+    active = [mode for mode in left if not getattr(mode, "stopped", False)]
+    while _get_current_dispatch_mode_stack():
+        _pop_mode()
+    assert not active, f"dispatch modes left active: {active}"
