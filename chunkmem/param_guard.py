@@ -42,7 +42,7 @@ from torch._C import DisableTorchFunctionSubclass
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .chunk import MASTER, Chunk, ParamSlot
-from .errors import ChunkmemError
+from .errors import UnsupportedOperationError
 
 SLOT_ATTR = "_chunkmem_slot"
 
@@ -52,9 +52,9 @@ WRITE_HELP = ("change it inside `with chunkmem.GatheredParameters([param], modif
               "enters it), which writes the new values into the chunk and its fp32 master")
 
 
-class ParameterAccessError(ChunkmemError, RuntimeError):
-    """A use of a chunk-managed parameter that chunkmem cannot serve correctly; the message names the
-    parameter and the documented way."""
+class ParameterAccessError(UnsupportedOperationError):
+    """A use of a chunk-managed parameter (or a conversion of the model) that chunkmem cannot serve
+    correctly; the message names the parameter and the documented way."""
 
 
 # ---- who owns a chunk, and which chunks are gathered for writing ---------------------------------
