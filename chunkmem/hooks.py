@@ -24,7 +24,8 @@ from torch.utils._pytree import tree_leaves
 
 from .chunk import Chunk
 from .manager import ChunkManager
-from .param_guard import ParameterAccessError, set_owner, slot_of
+from .param_guard import set_owner, slot_of
+from .parameter_access import registered_external_parameters
 
 
 def _weak_method(method: Any) -> Any:
@@ -61,14 +62,13 @@ class ChunkHooks:
         self.hooked: set[nn.Module] = set()
         self.foreign_params: dict[nn.Module, list[nn.Parameter]] = {}
         self.module_names = {module: name or type(module).__name__ for name, module in root.named_modules()}
-        from .parameter_access import registered_external_parameters
-
         for module in root.modules():
             owns = any(slot_of(p) is not None for p in module.parameters(recurse=False))
             external = list(registered_external_parameters(module))
+            if external:
+                self.foreign_params[module] = external
             if owns or external or module is root:
                 self.hook_module(module)
-            self.foreign_params[module] = external
         on_grad = _weak_method(self._on_grad)  # held from C++ by the parameter: a strong reference would keep
         with DisableTorchFunctionSubclass():   # the model alive forever (a cycle the collector cannot see)
             for param in root.parameters():
@@ -102,8 +102,6 @@ class ChunkHooks:
                     fresh.append(slot.chunk)
             self.module_chunks[module] = fresh
         for module, params in self.foreign_params.items():
-            if params and module not in self.module_chunks:
-                self.hook_module(module)
             for param in params:
                 chunk = slot_of(param).chunk
                 if chunk not in self.module_chunks[module]:
@@ -140,11 +138,7 @@ class ChunkHooks:
         chunk = slot_of(param).chunk
         if chunk in running.chunks:
             return
-        if self.manager.reuse_grads and chunk.param.holds_grads:
-            raise ParameterAccessError(
-                f"parameter {slot_of(param).name!r} is used in a forward while its chunk holds gradients "
-                "(reuse_fp16_shard=True): call optim.step() or optim.zero_grad() first")
-        self.manager.acquire([chunk])
+        self.manager.acquire([chunk])  # refuses a chunk whose memory holds gradients (reuse_fp16_shard)
         running.chunks.append(chunk)
         self.add_foreign(running.module, param)
 

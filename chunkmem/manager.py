@@ -24,7 +24,7 @@ from .states import ChunkStateError, CopyState
 from .tracer import Period
 from .tiers import Tier, device_of_tier
 
-from .param_guard import SLOT_ATTR, adopt, slot_of  # noqa: F401  (re-exported: where callers look)
+from .param_guard import adopt, slot_of  # noqa: F401  (slot_of re-exported: where callers look)
 
 
 def build_chunks(entries: Sequence[tuple[str, nn.Parameter, ChunkKey]], chunk_numel: int, dtype: torch.dtype,

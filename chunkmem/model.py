@@ -98,7 +98,7 @@ class ShardedModelV2(nn.Module):
             raise InvalidArgumentError("module", type(module).__name__, "a module with at least one parameter")
         check_param_dtypes(named)
         slots = [slot_of(p) for _, p in named]
-        from_context = bool(named) and all(s is not None for s in slots)
+        from_context = all(s is not None for s in slots)
         if not from_context and any(s is not None for s in slots):
             raise InvalidArgumentError("module", type(module).__name__,
                                        "a module built wholly inside or wholly outside ZeroInitContext")
@@ -384,10 +384,7 @@ class ShardedModelV2(nn.Module):
                 values[id(slot.param)] = slot.view(full).clone()
         self._hooks.remove()
         for chunk in self.chunks:
-            chunk.free_all()
-            for slot in chunk.slots:
-                if slot_of(slot.param) is slot:
-                    disown(slot.param, values[id(slot.param)])
+            _free_chunk(chunk, values)
         self.chunk_manager.chunks = []
         mark_unwrapped(self.module)
         return self.module
@@ -529,14 +526,15 @@ def _same_sharding(a: ShardGroup, b: ShardGroup) -> bool:
     return a.same_ranks(b) and (not a.sharded or a.group == b.group)
 
 
-def _free_chunk(chunk: Chunk) -> None:
-    """Free every buffer of a chunk that no longer holds the model's parameters; parameters still
-    viewing it (ones the model no longer uses) are emptied so the memory goes now, not at the next
-    garbage collection."""
+def _free_chunk(chunk: Chunk, values: dict[int, torch.Tensor] | None = None) -> None:
+    """Free every buffer of a chunk that no longer holds the model's parameters. Parameters still in it
+    become plain parameters holding ``values[id(param)]`` (``unwrap``), or else empty tensors (ones the
+    model no longer uses), so the memory goes now, not at the next garbage collection."""
     chunk.free_all()
     for slot in chunk.slots:
         if slot_of(slot.param) is slot:
-            disown(slot.param, torch.empty(0, dtype=slot.chunk.dtype))
+            value = values[id(slot.param)] if values is not None else torch.empty(0, dtype=slot.chunk.dtype)
+            disown(slot.param, value)
 
 
 def _unique_chunks(slots: list[Any]) -> list[Chunk]:

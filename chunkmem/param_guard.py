@@ -111,22 +111,21 @@ def adopt(param: nn.Parameter, slot: ParamSlot) -> None:
 def disown(param: nn.Parameter, value: torch.Tensor) -> None:
     """Give ``param`` back its plain class, holding ``value`` (its chunk no longer holds it)."""
     if isinstance(param, ChunkParameter):
-        cls = type(param)
-        param.__class__ = nn.Parameter if cls is ChunkParameter else cls.__mro__[2]  # its class before adopt
+        param.__class__ = _unguarded[type(param)]
     with DisableTorchFunctionSubclass():
         param.data = value
     if hasattr(param, SLOT_ATTR):
         delattr(param, SLOT_ATTR)
 
 
-_guarded_classes: dict[type, type] = {}
+_guarded_classes: dict[type, type] = {}  # a parameter class -> its guarded subclass
+_unguarded: dict[type, type] = {}  # and back
 
 
 def _guarded_class(cls: type) -> type:
-    if cls is nn.Parameter:
-        return ChunkParameter
     if cls not in _guarded_classes:
-        _guarded_classes[cls] = type(f"Chunk{cls.__name__}", (ChunkParameter, cls), {})
+        guarded = ChunkParameter if cls is nn.Parameter else type(f"Chunk{cls.__name__}", (ChunkParameter, cls), {})
+        _guarded_classes[cls], _unguarded[guarded] = guarded, cls
     return _guarded_classes[cls]
 
 
@@ -159,11 +158,13 @@ _METADATA = ("metadata",)
 _kinds: dict[Any, Any] = {}  # func -> _METADATA, an attribute's (name, "get"|"set"), or () (a call)
 
 
-def _classify(func: Any) -> Any:
-    attribute = _attribute(func)
-    if _is_metadata(func, attribute):
-        return _METADATA
-    return attribute if attribute is not None else ()
+def _kind_of(func: Any) -> Any:
+    """What ``func`` is to the guard, classified once per function."""
+    kind = _kinds.get(func)
+    if kind is None:
+        attribute = _attribute(func)
+        kind = _kinds[func] = _METADATA if _is_metadata(func, attribute) else (attribute or ())
+    return kind
 
 
 def _is_metadata(func: Any, attribute: tuple[str, str] | None) -> bool:
@@ -196,9 +197,7 @@ class ChunkParameter(nn.Parameter):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        kind = _kinds.get(func)
-        if kind is None:
-            kind = _kinds[func] = _classify(func)
+        kind = _kind_of(func)
         if kind is _METADATA:
             with DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
@@ -264,16 +263,16 @@ def _attribute_access(param: ChunkParameter, attribute: tuple[str, str], func: A
     name, kind = attribute
     slot = slot_of(param)
     if slot is not None and name == "grad" and owner_of(slot.chunk) is not None:
-        return _gradient_stand_in(param, slot) if kind == "get" else _set_gradient(param, slot, args[1], func, args)
+        return _gradient_stand_in(param, slot) if kind == "get" else _set_gradient(slot, args[1], func, args)
     if slot is None or _passes(param, written=kind == "set" or name == "data"):
         return _plain(func, args, kwargs)
     if name == "data" and kind == "get":
-        return _DataCopy.of(param, _current_values(param, slot))
+        return _DataCopy.of(param, _current_values(slot))
     if kind == "set":
         raise ParameterAccessError(
             f"assigning .{name} of the chunk-managed parameter {slot.name!r}: its memory belongs to a chunk. "
             f"To change its values, {WRITE_HELP}; dtype and placement are chunkmem's (ShardedModelV2 arguments)")
-    return _plain(func, (_current_values(param, slot),) + tuple(args[1:]), kwargs)
+    return _plain(func, (_current_values(slot),) + tuple(args[1:]), kwargs)
 
 
 def _gradient_stand_in(param: ChunkParameter, slot: ParamSlot) -> Any:
@@ -285,7 +284,7 @@ def _gradient_stand_in(param: ChunkParameter, slot: ParamSlot) -> Any:
     return ChunkGradient(slot.name, slot.shape, slot.chunk.dtype, slot.chunk.param.device.device)
 
 
-def _set_gradient(param: ChunkParameter, slot: ParamSlot, value: Any, func: Any, args: tuple) -> None:
+def _set_gradient(slot: ParamSlot, value: Any, func: Any, args: tuple) -> None:
     if value is not None:
         raise ParameterAccessError(
             f"assigning .grad of the chunk-managed parameter {slot.name!r}: gradients live in chunks and are "
@@ -299,7 +298,7 @@ def _set_gradient(param: ChunkParameter, slot: ParamSlot, value: Any, func: Any,
     _plain(func, args, {})
 
 
-def _current_values(param: ChunkParameter, slot: ParamSlot) -> torch.Tensor:
+def _current_values(slot: ParamSlot) -> torch.Tensor:
     """A new tensor with the parameter's current values (its chunk's dtype, where the chunk is)."""
     chunk = slot.chunk
     buf = chunk.param
@@ -327,7 +326,7 @@ def _read_outside_compute(params: list[ChunkParameter], func: Any, args: tuple, 
         slot = slot_of(param)
         if slot is None or id(param) in copies or _passes(param, written=False):
             continue
-        value = _current_values(param, slot)
+        value = _current_values(slot)
         with DisableTorchFunctionSubclass():
             if torch.is_grad_enabled() and param.requires_grad:
                 value.requires_grad_(True)
@@ -397,7 +396,7 @@ class _DataCopy(torch.Tensor):
                 new_args, new_kwargs = tree_map(lambda x: param if x is target else x, (args, kwargs))
                 result = func(*new_args, **new_kwargs)
                 with DisableTorchFunctionSubclass():
-                    target.copy_(_current_values(param, slot_of(param)))
+                    target.copy_(_current_values(slot_of(param)))
             return target if result is param else result
         return _plain(func, args, kwargs)
 
@@ -423,7 +422,7 @@ class ChunkGradient(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if _is_metadata(func, _attribute(func)):
+        if _kind_of(func) is _METADATA:
             return _plain(func, args, kwargs or {})
         if getattr(func, "__name__", "") == "__repr__":
             return f"ChunkGradient({args[0]._name!r}, shape={tuple(args[0].shape)}, dtype={args[0].dtype})"

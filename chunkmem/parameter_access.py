@@ -64,7 +64,11 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         self.fwd_module = fwd_module
         self.slots = [s for s in (slot_of(p) for p in params) if s is not None and owner_of(s.chunk) is not None]
-        self.chunks = sorted({id(s.chunk): s.chunk for s in self.slots}.values(), key=lambda c: (id(owner_of(c)), c.index))
+        # the same gathers in the same order on every rank: models in the order their parameters come,
+        # each model's chunks in packing order
+        models = {id(owner_of(s.chunk)): n for n, s in reversed(list(enumerate(self.slots)))}
+        self.chunks = sorted({id(s.chunk): s.chunk for s in self.slots}.values(),
+                             key=lambda c: (models[id(owner_of(c))], c.index))
         self._entered = False
         if enabled and modifier_rank is not None:
             for chunk in self.chunks:

@@ -1,8 +1,10 @@
 """Run a function on several gloo processes on this machine and collect what each rank returns."""
 from __future__ import annotations
 
+import faulthandler
 import os
 import tempfile
+import traceback
 from typing import Any, Callable
 
 import torch
@@ -11,11 +13,18 @@ import torch.multiprocessing as mp
 
 
 def _entry(rank: int, world: int, workdir: str, fn: Callable[..., Any], args: tuple) -> None:
+    log = open(os.path.join(workdir, f"rank{rank}.log"), "w")  # what a rank that dies leaves behind
+    faulthandler.enable(log)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world)
     try:
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(workdir, f"result{rank}.pt"))
+        dist.barrier()  # no rank tears the group down while another still finishes its last collective
+    except BaseException:
+        traceback.print_exc(file=log)
+        log.flush()
+        raise
     finally:
         dist.destroy_process_group()
 
@@ -24,5 +33,11 @@ def run_ranks(fn: Callable[..., Any], world: int = 2, *args: Any) -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` spawned processes joined in a gloo group; returns each
     rank's result (anything ``torch.save`` takes). A rank that raises fails the call with its traceback."""
     with tempfile.TemporaryDirectory() as workdir:
-        mp.spawn(_entry, args=(world, workdir, fn, args), nprocs=world, join=True)
+        try:
+            mp.spawn(_entry, args=(world, workdir, fn, args), nprocs=world, join=True)
+        except Exception as exc:
+            logs = [open(os.path.join(workdir, f"rank{r}.log")).read() for r in range(world)
+                    if os.path.exists(os.path.join(workdir, f"rank{r}.log"))]
+            raise RuntimeError(f"{exc}\n" + "\n".join(f"--- rank {r} ---\n{text}" for r, text in enumerate(logs))) \
+                from exc
         return [torch.load(os.path.join(workdir, f"result{r}.pt"), weights_only=False) for r in range(world)]
