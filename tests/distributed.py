@@ -4,6 +4,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import tempfile
+import time
 import traceback
 from typing import Any, Callable
 
@@ -20,13 +21,23 @@ def _entry(rank: int, world: int, workdir: str, fn: Callable[..., Any], args: tu
     try:
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(workdir, f"result{rank}.pt"))
-        dist.barrier()  # no rank tears the group down while another still finishes its last collective
+        _wait_for_all_results(workdir, world)
     except BaseException:
         traceback.print_exc(file=log)
         log.flush()
         raise
     finally:
         dist.destroy_process_group()
+
+
+def _wait_for_all_results(workdir: str, world: int, limit: float = 120.0) -> None:
+    """No rank tears the group down while another still runs its last collective. The wait goes through
+    files, not the group: a test may leave the group unusable on purpose (a timed-out collective)."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if all(os.path.exists(os.path.join(workdir, f"result{r}.pt")) for r in range(world)):
+            return
+        time.sleep(0.02)
 
 
 def run_ranks(fn: Callable[..., Any], world: int = 2, *args: Any) -> list[Any]:
