@@ -18,6 +18,7 @@ def _entry(rank: int, world: int, workdir: str, fn: Callable[..., Any], args: tu
     faulthandler.enable(log)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world)
+    open(os.path.join(workdir, f"joined{rank}"), "w").close()
     try:
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(workdir, f"result{rank}.pt"))
@@ -40,13 +41,34 @@ def _wait_for_all_results(workdir: str, world: int, limit: float = 120.0) -> Non
         time.sleep(0.02)
 
 
+class _GroupNeverFormed(Exception):
+    pass
+
+
 def run_ranks(fn: Callable[..., Any], world: int = 2, *args: Any) -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` spawned processes joined in a gloo group; returns each
-    rank's result (anything ``torch.save`` takes). A rank that raises fails the call with its traceback."""
+    rank's result (anything ``torch.save`` takes). A rank that raises fails the call with its traceback.
+
+    gloo's rendezvous occasionally aborts a process here (``terminate called without an active
+    exception``) before any chunkmem code runs; only that case, a rank dying before every rank joined
+    the group, is retried (twice at most). A rank dying later fails the call."""
+    for attempt in range(3):
+        try:
+            return _spawn_once(fn, world, args)
+        except _GroupNeverFormed:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _spawn_once(fn: Callable[..., Any], world: int, args: tuple) -> list[Any]:
     with tempfile.TemporaryDirectory() as workdir:
         try:
             mp.spawn(_entry, args=(world, workdir, fn, args), nprocs=world, join=True)
         except Exception as exc:
+            joined = all(os.path.exists(os.path.join(workdir, f"joined{r}")) for r in range(world))
+            if not joined and isinstance(exc, mp.ProcessExitedException):
+                raise _GroupNeverFormed(str(exc)) from exc
             logs = [open(os.path.join(workdir, f"rank{r}.log")).read() for r in range(world)
                     if os.path.exists(os.path.join(workdir, f"rank{r}.log"))]
             raise RuntimeError(f"{exc}\n" + "\n".join(f"--- rank {r} ---\n{text}" for r, text in enumerate(logs))) \
