@@ -301,11 +301,11 @@ def _rank_payload(model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None, g
                  "slots": [{"name": s.name, "offset": s.offset, "numel": s.numel, "shape": list(s.shape)}
                            for s in chunk.slots],
                  "param": _cpu_copy(chunk.param.local()),
-                 "master": _cpu_copy(master.tensor) if chunk.has_master and master.allocated else None,
+                 "master": _cpu_copy(master.read()) if chunk.has_master and master.allocated else None,
                  "step": 0, "exp_avg": None, "exp_avg_sq": None}
         if optimizer is not None and chunk.trainable:
-            entry.update(step=chunk.step, exp_avg=_cpu_copy(chunk.optim[EXP_AVG].tensor),
-                         exp_avg_sq=_cpu_copy(chunk.optim[EXP_AVG_SQ].tensor))
+            entry.update(step=chunk.step, exp_avg=_cpu_copy(chunk.optim[EXP_AVG].read()),
+                         exp_avg_sq=_cpu_copy(chunk.optim[EXP_AVG_SQ].read()))
         chunks.append(entry)
     keys, buffers = [], {}
     for key, value in model.module.state_dict(keep_vars=True).items():
@@ -364,15 +364,15 @@ def _plan_sharded(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV
             manager.write_params(chunk, entry["param"])
             bump_versions(slot.param for slot in chunk.slots)
             if chunk.has_master and chunk.optim[MASTER].allocated:
-                chunk.optim[MASTER].tensor.copy_(entry["master"] if entry["master"] is not None else entry["param"])
+                chunk.optim[MASTER].write(entry["master"] if entry["master"] is not None else entry["param"])
             elif entry["master"] is not None:
                 warn_if_masters_lose_precision(chunk, chunk.name, entry["master"])
         if optimizer_load is not None:
             optimizer_load.apply()  # hyper-parameters and the scaler
             for chunk, entry in zip(model.chunks, saved["chunks"]):
                 if chunk.trainable:
-                    chunk.optim[EXP_AVG].tensor.copy_(entry["exp_avg"])
-                    chunk.optim[EXP_AVG_SQ].tensor.copy_(entry["exp_avg_sq"])
+                    chunk.optim[EXP_AVG].write(entry["exp_avg"])
+                    chunk.optim[EXP_AVG_SQ].write(entry["exp_avg_sq"])
                     chunk.step = entry["step"]
         with torch.no_grad():
             for key, value in saved["buffers"].items():

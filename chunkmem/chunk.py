@@ -90,20 +90,51 @@ class FlatBuffer:
     """
 
     def __init__(self, family: str, numel: int, dtype: torch.dtype, ledger: TierLedger, owner: str,
-                 rank: int = 0) -> None:
+                 rank: int = 0, index: int = 0) -> None:
         self.family = family
         self.numel = numel
         self.dtype = dtype
         self.ledger = ledger
         self.owner = owner
-        self.tensor: torch.Tensor | None = None
+        self.index = index  # the chunk's index: where its regions lie in the disk tier's files
+        self.tensor: torch.Tensor | None = None  # None while FREED or resting on the disk tier
         self.tier: Tier | None = None
+        self.disk_slot = 0  # on the disk tier: which of the chunk's regions holds the current contents
         self.life = CopyLife(f"{owner}.{family}", rank)
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
 
     @property
     def nbytes(self) -> int:
         """Bytes of the buffer when allocated."""
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.element_size
+
+    @property
+    def on_disk(self) -> bool:
+        return self.tier is Tier.DISK
+
+    def read(self) -> torch.Tensor:
+        """The current contents: the buffer itself on the device or host (do not write into it), a new
+        host tensor read from the disk tier's file otherwise."""
+        self.life.check("be read", CopyState.CURRENT)
+        return self.ledger.disk.load(self) if self.on_disk else self.tensor
+
+    def write(self, values: torch.Tensor) -> None:
+        """Make ``values`` (``numel`` elements) the current contents, wherever the buffer rests (-> CURRENT).
+        On the disk tier the current slot is overwritten in place (not part of an atomic step)."""
+        self.life.check("be written", CopyState.CURRENT, CopyState.STALE)
+        if self.on_disk:
+            self.ledger.disk.store(self, values.reshape(-1), self.disk_slot)
+        else:
+            self.tensor.copy_(values.reshape(-1))
+        self.life.written()
+
+    def switch_disk_slot(self) -> None:
+        """An atomic step wrote the new contents into the other slot and committed: it is current now."""
+        self.life.check("switch its disk slot", CopyState.CURRENT)
+        self.disk_slot = 1 - self.disk_slot
 
     @property
     def allocated(self) -> bool:
@@ -113,12 +144,20 @@ class FlatBuffer:
     def state(self) -> CopyState:
         return self.life.state
 
-    def allocate(self, tier: Tier, zero: bool = False) -> torch.Tensor:
-        """Allocate the buffer on ``tier`` (FREED -> STALE; zero-filled and CURRENT if ``zero``)."""
+    def allocate(self, tier: Tier, zero: bool = False) -> torch.Tensor | None:
+        """Allocate the buffer on ``tier`` (FREED -> STALE; zero-filled and CURRENT if ``zero``); returns
+        the tensor, or ``None`` on the disk tier (its region in the file; see :meth:`write`)."""
         self.life.check("allocate", CopyState.FREED)
         self.ledger.reserve(tier, self.family, self.nbytes, f"{self.owner}.{self.family}")
-        self.tensor = self._empty(tier)
         self.tier = tier
+        if tier is Tier.DISK:
+            self.disk_slot = 0
+            self.life.allocated()
+            if zero:
+                self.ledger.disk.store(self, None, self.disk_slot)
+                self.life.written()
+            return None
+        self.tensor = self._empty(tier)
         self.life.allocated()
         if zero:
             self.tensor.zero_()
@@ -140,12 +179,23 @@ class FlatBuffer:
             return
         old, old_tier = self.tensor, self.tier
         self.ledger.reserve(tier, self.family, self.nbytes, f"{self.owner}.{self.family}")
-        new = self._empty(tier)
-        new.copy_(old)
-        self.ledger.count_move(tier, self.nbytes)
+        try:
+            if tier is Tier.DISK:
+                self.disk_slot = 0
+                self.ledger.disk.store(self, old, self.disk_slot)
+                new = None
+            else:
+                new = self._empty(tier)
+                new.copy_(self.ledger.disk.load(self) if old_tier is Tier.DISK else old)
+        except BaseException:
+            self.ledger.release(tier, self.family, self.nbytes)
+            raise
+        if Tier.DISK not in (tier, old_tier):
+            self.ledger.count_move(tier, self.nbytes)
         self.tensor, self.tier = new, tier
         self.ledger.release(old_tier, self.family, self.nbytes)
-        self._give_back(old)
+        if old is not None:
+            self._give_back(old)
 
     def free(self) -> None:
         """Return the buffer's memory (-> FREED); nothing to do when it has none."""
@@ -154,7 +204,8 @@ class FlatBuffer:
         self.life.freed()
         self.ledger.release(self.tier, self.family, self.nbytes)
         old, self.tensor, self.tier = self.tensor, None, None
-        self._give_back(old)
+        if old is not None:
+            self._give_back(old)
 
     def _empty(self, tier: Tier) -> torch.Tensor:
         if self.ledger.blocks is not None:
@@ -181,7 +232,7 @@ class ParamBuffer:
     """
 
     def __init__(self, numel: int, dtype: torch.dtype, ledger: TierLedger, owner: str,
-                 shards: ShardGroup = SINGLE_PROCESS) -> None:
+                 shards: ShardGroup = SINGLE_PROCESS, index: int = 0) -> None:
         self.numel = numel
         self.dtype = dtype
         self.ledger = ledger
@@ -196,7 +247,7 @@ class ParamBuffer:
         self._device_life = CopyLife(f"{owner}.param device copy", shards.rank)
         self._transfer: Transfer | None = None
         self._contents = Contents.VALUES
-        self.shard = FlatBuffer(PARAM, self.shard_numel, dtype, ledger, owner, shards.rank)
+        self.shard = FlatBuffer(PARAM, self.shard_numel, dtype, ledger, owner, shards.rank, index)
 
     # ---- state (read-only views of the two machines) --------------------------------------------------
 
@@ -483,13 +534,13 @@ class Chunk:
         self.used_numel = 0
         self.size_was_given = False
         self.built_with: list["Chunk"] = [self]  # the chunks built together with this one
-        self.param = ParamBuffer(numel, dtype, ledger, self.name, shards)
+        self.param = ParamBuffer(numel, dtype, ledger, self.name, shards, index)
         # Finished gradients and optimizer state are per shard; the staging buffer the backward writes
         # into is full-length (reduce-scattered into ``grad`` when sharded).
-        self.grad = FlatBuffer(GRAD, self.shard_numel, dtype, ledger, self.name, shards.rank)
-        self.grad_staging = FlatBuffer(GRAD_STAGING, numel, dtype, ledger, self.name, shards.rank)
+        self.grad = FlatBuffer(GRAD, self.shard_numel, dtype, ledger, self.name, shards.rank, index)
+        self.grad_staging = FlatBuffer(GRAD_STAGING, numel, dtype, ledger, self.name, shards.rank, index)
         self.optim: dict[str, FlatBuffer] = {
-            family: FlatBuffer(family, self.shard_numel, torch.float32, ledger, self.name, shards.rank)
+            family: FlatBuffer(family, self.shard_numel, torch.float32, ledger, self.name, shards.rank, index)
             for family in OPTIM_FAMILIES}
         self._buffer_sizes = {self.param.nbytes, *(b.nbytes for b in self.flat_buffers())}  # bytes
         if ledger.blocks is not None:

@@ -34,6 +34,11 @@ class DeviceCapacityError(ChunkmemError, MemoryError):
     """The device tier cannot hold what a step needs within its capacity (bytes)."""
 
 
+class HostCapacityError(ChunkmemError, MemoryError):
+    """The host tier cannot hold what was asked of it under its capacity (``CHUNKMEM_HOST_MEMORY`` or
+    :func:`~chunkmem.set_host_memory_capacity`); rest more state on the disk tier or raise the capacity."""
+
+
 class GradientAccumulationError(ChunkmemError, RuntimeError):
     """Gradients were accumulated over two backward passes while ``reuse_fp16_shard=True``."""
 

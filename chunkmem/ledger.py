@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 from .block_pool import BlockPool, pool_for_this_machine
-from .errors import ChunkmemError, DeviceCapacityError
+from .errors import ChunkmemError, DeviceCapacityError, HostCapacityError
 from .tiers import Tier
+
+if TYPE_CHECKING:
+    from .disk_tier import DiskTier
 
 
 class LedgerError(ChunkmemError, RuntimeError):
@@ -16,18 +20,25 @@ class TierLedger:
     """Counts the bytes of every chunk buffer allocated on each tier, per state family.
 
     ``capacity`` (bytes) bounds what chunk buffers may occupy on the device tier; an allocation past it
-    raises :class:`DeviceCapacityError` before anything is allocated. ``blocks`` is where the counted
+    raises :class:`DeviceCapacityError` before anything is allocated. ``host_capacity`` (bytes, or
+    ``None`` for no bound) does the same for the host tier with :class:`HostCapacityError`. Bytes on the
+    disk tier are the chunk buffers' own sizes (the files' sizes, with alignment and the spare copies of
+    an atomic step, are :attr:`~chunkmem.disk_tier.DiskTier.file_bytes`). ``blocks`` is where the counted
     buffers' memory comes from when the CPU holds both tiers (see :mod:`chunkmem.block_pool`), else
     ``None`` (torch's allocators).
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, host_capacity: int | None = None) -> None:
         self.capacity = capacity
+        self.host_capacity = host_capacity
         self.blocks: BlockPool | None = pool_for_this_machine()
+        self.disk: "DiskTier | None" = None  # the model's disk tier, where one is configured
         self._bytes: dict[tuple[Tier, str], int] = defaultdict(int)
         self.peak_device_bytes = 0
         self.moved_to_device = 0
         self.moved_to_host = 0
+        self.read_from_disk = 0
+        self.written_to_disk = 0
         self.context = ""
 
     def reserve(self, tier: Tier, family: str, nbytes: int, what: str) -> None:
@@ -41,14 +52,27 @@ class TierLedger:
                     f"capacity of {self.capacity} bytes are in use (set chunkmem.set_device_memory_capacity "
                     f"or CHUNKMEM_DEVICE_MEMORY higher, or rest more state on the host)")
             self.peak_device_bytes = max(self.peak_device_bytes, after)
+        elif tier is Tier.HOST and self.host_capacity is not None:
+            after = self.tier_bytes(Tier.HOST) + nbytes
+            if after > self.host_capacity:
+                where = f" during {self.context}" if self.context else ""
+                raise HostCapacityError(
+                    f"host tier full{where}: {what} needs {nbytes} bytes, {self.tier_bytes(Tier.HOST)} of the "
+                    f"capacity of {self.host_capacity} bytes are in use (set chunkmem.set_host_memory_capacity "
+                    f"or CHUNKMEM_HOST_MEMORY higher, or rest more state on the disk tier)")
         self._bytes[(tier, family)] += nbytes
 
     def count_move(self, destination: Tier, nbytes: int) -> None:
-        """Count ``nbytes`` copied between tiers, towards ``destination``."""
+        """Count ``nbytes`` copied between the device and the host, towards ``destination``."""
         if destination is Tier.DEVICE:
             self.moved_to_device += nbytes
         else:
             self.moved_to_host += nbytes
+
+    def count_disk(self, read: int = 0, written: int = 0) -> None:
+        """Count bytes read from and written to the disk tier's files."""
+        self.read_from_disk += read
+        self.written_to_disk += written
 
     def release(self, tier: Tier, family: str, nbytes: int) -> None:
         """Account ``nbytes`` fewer on ``tier`` for ``family``."""
@@ -62,8 +86,10 @@ class TierLedger:
         return sum(n for (t, f), n in self._bytes.items() if t is tier and (families is None or f in families))
 
     def breakdown(self) -> dict[str, dict[str, int]]:
-        """``{tier: {family: bytes}}`` for every family with bytes on a tier."""
-        out: dict[str, dict[str, int]] = {t.value: {} for t in Tier}
+        """``{tier: {family: bytes}}`` for every family with bytes on a tier (the ``"disk"`` tier is listed
+        when the model has one)."""
+        tiers = [t for t in Tier if t is not Tier.DISK or self.disk is not None]
+        out: dict[str, dict[str, int]] = {t.value: {} for t in tiers}
         for (tier, family), n in sorted(self._bytes.items(), key=lambda kv: (kv[0][0].value, kv[0][1])):
             if n:
                 out[tier.value][family] = n

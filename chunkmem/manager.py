@@ -294,9 +294,8 @@ class ChunkManager:
         master from the current parameters, exp_avg and exp_avg_sq zero."""
         tier = self.policy.optim_tier(chunk)
         if chunk.has_master:
-            master = chunk.optim[MASTER].allocate(tier)
-            master.copy_(chunk.param.local())
-            chunk.optim[MASTER].mark_written()
+            chunk.optim[MASTER].allocate(tier)
+            chunk.optim[MASTER].write(chunk.param.local())
         for family in OPTIM_FAMILIES[1:]:
             chunk.optim[family].allocate(tier, zero=True)
         self.optimizer_state_exists = True

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -26,7 +27,8 @@ from .manager import ChunkManager, GradientReduction, build_chunks, slot_of
 from .param_guard import ParameterAccessError, disown
 from .placement import make_policy
 from .shard_strategy import BaseShardStrategy
-from .tiers import Tier, device_memory_capacity, device_of_tier
+from .disk_tier import DEFAULT_BUFFER_COUNT, DEFAULT_BUFFER_SIZE, DiskTier, check_disk_arguments
+from .tiers import Tier, device_memory_capacity, device_of_tier, host_memory_capacity
 
 logger = logging.getLogger("chunkmem")
 
@@ -65,6 +67,19 @@ class ShardedModelV2(nn.Module):
             chunk holds at least the largest parameter).
         offload_param_frac, offload_optim_frac: with ``"static"``, the fractions in [0, 1] of parameter
             chunks and of optimizer chunk groups that rest on the host.
+        offload_optimizer: ``"disk"``: the optimizer state the policy keeps on the host (fp32 master,
+            exp_avg, exp_avg_sq) rests in files under ``nvme_path`` instead, and each step streams it
+            through the host (:mod:`chunkmem.disk_step`); ``None`` (default): no disk tier. Needs
+            placement ``"cpu"``, ``"auto"`` or ``"static"``.
+        offload_param: ``None`` only for now (parameters on the disk tier are not built yet).
+        nvme_path: an existing writable directory on a fast disk; the model's files go into a private
+            subdirectory removed with the model, at exit and after an exception (:mod:`chunkmem.disk_io`).
+        buffer_count: I/O buffers per streamed family (>= 1; 2 or more overlap reads, updates and
+            writes). Host memory of the disk tier: ``buffer_count`` × families × ``buffer_size`` bytes.
+        buffer_size: bytes per I/O buffer and per piece of a streamed step (a multiple of 8192).
+        atomic_step: a step over disk-resident state either completes for every chunk or is undone
+            (two regions per chunk on disk: twice the files); ``False`` halves the files, and a step that
+            fails half-way then asks for a checkpoint to be loaded.
     """
 
     def __init__(self, module: nn.Module, shard_strategy: BaseShardStrategy, process_group: Any = None,
@@ -72,7 +87,10 @@ class ShardedModelV2(nn.Module):
                  fp32_reduce_scatter: bool = False, tensor_placement_policy: str = "cuda",
                  gradient_predivide_factor: float = 1.0, reuse_fp16_shard: bool = False, *,
                  dtype: torch.dtype | None = None, chunk_size: int | None = None,
-                 offload_param_frac: float = 0.0, offload_optim_frac: float = 0.0) -> None:
+                 offload_param_frac: float = 0.0, offload_optim_frac: float = 0.0,
+                 offload_optimizer: str | None = None, offload_param: str | None = None,
+                 nvme_path: str | os.PathLike | None = None, buffer_count: int = DEFAULT_BUFFER_COUNT,
+                 buffer_size: int = DEFAULT_BUFFER_SIZE, atomic_step: bool = True) -> None:
         super().__init__()
         check_type("module", module, nn.Module, "a torch.nn.Module")
         if isinstance(module, ShardedModelV2):
@@ -92,6 +110,9 @@ class ShardedModelV2(nn.Module):
         if dtype is not None:
             check_dtype("dtype", dtype)
         policy = make_policy(tensor_placement_policy, offload_param_frac, offload_optim_frac)
+        check_disk_arguments(offload_optimizer, offload_param, nvme_path, buffer_count, buffer_size, atomic_step,
+                             tensor_placement_policy)
+        host_capacity = host_memory_capacity()
 
         named = list(module.named_parameters())
         if not named:
@@ -152,6 +173,11 @@ class ShardedModelV2(nn.Module):
         self._check_capacity(plan, capacity)
         ledger = slots[0].chunk.ledger if from_context else TierLedger(capacity)
         ledger.capacity = capacity
+        ledger.host_capacity = host_capacity
+        if nvme_path is not None:
+            ledger.disk = DiskTier(nvme_path, buffer_count, buffer_size, atomic_step, ledger)
+            policy.optimizer_on_disk = offload_optimizer == "disk"
+            weakref.finalize(self, ledger.disk.close)
         chunks = self._build(plan, _unique_chunks(slots) if from_context else [], ledger)
         if from_context:  # chunks of parameters replaced after creation (the original weight of a tied head)
             for chunk in slots[0].chunk.built_with:
@@ -400,6 +426,19 @@ class ShardedModelV2(nn.Module):
         """Exact bytes of chunk memory per tier and family: ``{"device": {"param": n, ...}, "host": ...}``."""
         return self.chunk_manager.ledger.breakdown()
 
+    @property
+    def disk_path(self) -> str | None:
+        """The private directory of the model's disk-tier files under ``nvme_path`` (``None`` without a
+        disk tier). It is removed with the model, at exit and after an exception."""
+        disk = self.chunk_manager.ledger.disk
+        return None if disk is None else disk.path
+
+    def disk_file_bytes(self) -> int:
+        """Bytes the disk tier's files occupy (preallocated: regions rounded up to 4096 bytes, two per
+        chunk with ``atomic_step``, and the fp32 journal); 0 without a disk tier."""
+        disk = self.chunk_manager.ledger.disk
+        return 0 if disk is None else disk.file_bytes
+
     def cached_bytes(self) -> int:
         """Bytes of freed chunk buffers the model's block pool keeps for reuse (CPU-only machines, see
         :mod:`chunkmem.block_pool`; 0 with CUDA, whose cache ``torch.cuda.memory_reserved`` reports)."""
@@ -435,7 +474,7 @@ class ShardedModelV2(nn.Module):
         """The chunk's whole current parameter values in fp32 on the CPU: from the fp32 masters where they
         exist. Gathers the shards when sharded (a collective: every rank calls it in the same order)."""
         if chunk.optim[MASTER].allocated:
-            local = chunk.optim[MASTER].tensor
+            local = chunk.optim[MASTER].read()
         elif chunk.param.holds_grads:
             raise RuntimeError(f"{chunk.name}: the parameter memory holds gradients and there is no master")
         else:

@@ -13,6 +13,8 @@ from torch.optim import Optimizer
 from .adam import check_supported_optimizer, hyper_of_group
 from .adam_kernels import adam_update_
 from .chunk import EXP_AVG, EXP_AVG_SQ, MASTER, Chunk
+from .disk_step import ChunkUpdate, DiskStepError, StreamedStep
+from .disk_tier import JOURNAL
 from .collectives import ShardGroup, all_reduce_over
 from .errors import (ArgumentTypeError, DeviceCapacityError, GradientAccumulationError, InvalidArgumentError,
                      UnscaledBackwardError, UnsupportedOperationError, check_number, check_type)
@@ -95,10 +97,12 @@ class ShardedOptimizerV2(Optimizer):
         # backward passes of the model whose gradients may be stepped on (all of them without a scaler;
         # with one, those run by backward() / backward_by_grad())
         self._accounted_backwards = self.manager.backward_count
+        self._broken_by: DiskStepError | None = None  # a failed step that could not be undone
         self._init_optimizer_hooks()
 
         plan = sharded_model._plan_for_groups(group_of)
         self._check_capacity(plan)
+        self._reserve_disk(plan)
         sharded_model._repack(plan)
         for chunk in self._trainable_chunks():
             self.manager.place_optimizer_state(chunk)
@@ -135,6 +139,19 @@ class ShardedOptimizerV2(Optimizer):
             raise DeviceCapacityError(
                 f"the optimizer state placed on the device needs {need} bytes, but only {free} of the device "
                 f"tier's capacity of {ledger.capacity} bytes are free; use placement 'cpu' or raise the capacity")
+
+    def _reserve_disk(self, plan: Any) -> None:
+        """Preallocate the disk tier's files for the optimizer state (a full disk is refused here, before
+        the model changes)."""
+        disk = self.manager.ledger.disk
+        if disk is None or not self.manager.policy.optimizer_on_disk:
+            return
+        shard_numel = plan.chunk_bytes // self.model._element_size // self.model.shards.world
+        families = (EXP_AVG, EXP_AVG_SQ) + ((MASTER,) if self.model.dtype != torch.float32 else ())
+        for family in families:
+            disk.reserve(family, shard_numel * 4, len(plan.groups))
+        if self.model.dtype == torch.float32 and disk.atomic_step:
+            disk.reserve(JOURNAL, shard_numel * 4, len(plan.groups), slots=1)
 
     def _trainable_chunks(self) -> list[Chunk]:
         return [c for c in self.manager.chunks if c.trainable]
@@ -301,9 +318,14 @@ class ShardedOptimizerV2(Optimizer):
                 self.grad_scaler.update(overflow=True)
                 self._discard_grads()
                 return False
+        if self._broken_by is not None:
+            raise self._broken_by
         multiplier = self._clip_coef / self.loss_scale
+        on_disk = [c for c in self._trainable_chunks() if self.manager.policy.optim_tier(c) is Tier.DISK]
+        self._update_on_disk(on_disk, multiplier)  # first: the only part that can fail half-way
         for chunk in self._trainable_chunks():
-            self._update_chunk(chunk, multiplier)
+            if self.manager.policy.optim_tier(chunk) is not Tier.DISK:
+                self._update_chunk(chunk, multiplier)
         self.manager.flush_stale()
         if self.grad_scaler is not None:
             self.grad_scaler.update(overflow=False)
@@ -328,12 +350,40 @@ class ShardedOptimizerV2(Optimizer):
                      grad_multiplier=multiplier, param_out=target if chunk.has_master else None)
         self.manager.params_updated(chunk, tier)
 
+    def _update_on_disk(self, chunks: list[Chunk], multiplier: float) -> None:
+        """Update the chunks whose optimizer state rests on disk in one streamed step (see
+        :mod:`chunkmem.disk_step`): all of them, or none (then :class:`DiskStepError`)."""
+        if not chunks:
+            return
+        updates = [ChunkUpdate(chunk, self.manager.grad_of(chunk), self.manager.param_update_target(chunk, Tier.HOST),
+                               chunk.step + 1, hyper_of_group(self.optim.param_groups[chunk.key.group]), multiplier)
+                   for chunk in chunks]
+        try:
+            StreamedStep(self.manager.ledger.disk, updates, self._any_rank_failed).run()
+        except DiskStepError as exc:
+            if not exc.undone:
+                self._broken_by = exc
+            elif self.model.reuse_fp16_shard:
+                self._discard_grads()  # the update overwrote them in place
+            else:
+                for update in updates:
+                    if update.updated_to:
+                        self.manager.params_updated(update.chunk, Tier.HOST)
+            raise
+        for update in updates:
+            update.chunk.step = update.step
+            self.manager.params_updated(update.chunk, Tier.HOST)
+
+    def _any_rank_failed(self, failed: bool) -> bool:
+        """Whether ``failed`` holds on any data-parallel rank (one small all-reduce when sharded)."""
+        return math.isnan(self._reduce_over_ranks(float("nan") if failed else 0.0, maximum=True))
+
     def _discard_grads(self) -> None:
         if self.model.reuse_fp16_shard:
             for chunk in self._trainable_chunks():
                 if chunk.param.holds_grads:
-                    tier = self.manager.policy.optim_tier(chunk)
-                    self.manager.param_update_target(chunk, tier).copy_(chunk.optim[MASTER].tensor)
+                    tier = self.manager.policy.compute_tier(chunk)
+                    self.manager.param_update_target(chunk, tier).copy_(chunk.optim[MASTER].read())
                     self.manager.params_updated(chunk, tier)
         self.manager.zero_grad(set_to_none=True)
         self._clip_coef, self._grad_norm = 1.0, None
@@ -350,18 +400,23 @@ class ShardedOptimizerV2(Optimizer):
             self.manager.zero_grad(set_to_none)
             self._clip_coef, self._grad_norm = 1.0, None
 
-    def get_memory_usage(self) -> tuple[int, int]:
+    def get_memory_usage(self, with_disk: bool = False) -> tuple[int, ...]:
         """``(device_bytes, host_bytes)`` of the fp32 masters (the fp32 parameters when there is no
-        separate master), exp_avg and exp_avg_sq."""
-        usage = {Tier.DEVICE: 0, Tier.HOST: 0}
+        separate master), exp_avg and exp_avg_sq; with ``with_disk=True``, ``(device_bytes,
+        host_bytes, disk_bytes)``, the third being what rests on the disk tier (the buffers' own bytes;
+        the files' size is ``model.disk_file_bytes()``)."""
+        check_type("with_disk", with_disk, bool, "True or False")
+        usage = {Tier.DEVICE: 0, Tier.HOST: 0, Tier.DISK: 0}
         for chunk in self._trainable_chunks():
-            tier = self.manager.policy.optim_tier(chunk)
+            tier = self.manager.policy.compute_tier(chunk)
             for family in (EXP_AVG, EXP_AVG_SQ) + ((MASTER,) if chunk.has_master else ()):
                 buf = chunk.optim[family]
                 if buf.allocated:
                     usage[buf.tier] += buf.nbytes
             if not chunk.has_master:
                 usage[tier] += chunk.param.shard.nbytes
+        if with_disk:
+            return usage[Tier.DEVICE], usage[Tier.HOST], usage[Tier.DISK]
         return usage[Tier.DEVICE], usage[Tier.HOST]
 
     # ---- checkpoints -------------------------------------------------------------------------------

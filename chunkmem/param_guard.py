@@ -309,7 +309,7 @@ def _current_values(slot: ParamSlot) -> torch.Tensor:
                 raise ParameterAccessError(
                     f"the chunk of parameter {slot.name!r} holds gradients until optim.step() "
                     f"(reuse_fp16_shard=True); read it after the step, or {READ_HELP}")
-            return slot.view(master.tensor).to(chunk.dtype)
+            return slot.view(master.read()).to(chunk.dtype)
         if buf.device_valid:
             return slot.view(buf.device).clone()
         if buf.sharded:

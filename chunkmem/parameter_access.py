@@ -124,7 +124,8 @@ def _by_owner(chunks: list[Chunk]) -> list[tuple[Any, list[Chunk]]]:
 def _write_back(manager: Any, chunk: Chunk, slots: list[ParamSlot], new_values: dict[int, torch.Tensor]) -> None:
     """Write this rank's part of the new values into the chunk's parameter copy, and into its fp32 master
     where the master's rounding differs from the new value."""
-    master = chunk.optim[MASTER].tensor if chunk.has_master and chunk.optim[MASTER].allocated else None
+    master_buf = chunk.optim[MASTER] if chunk.has_master and chunk.optim[MASTER].allocated else None
+    master = master_buf.read().clone() if master_buf is not None else None
     with torch.no_grad():
         values = chunk.param.local().clone()
         for slot in slots:
@@ -138,6 +139,8 @@ def _write_back(manager: Any, chunk: Chunk, slots: list[ParamSlot], new_values: 
                 new = full.reshape(-1)[begin:end]
                 changed = own_master.to(chunk.dtype) != new
                 own_master[changed] = new[changed].float()
+        if master_buf is not None:
+            master_buf.write(master)
         manager.write_params(chunk, values)
 
 

@@ -39,6 +39,7 @@ class PlacementPolicy:
     def __init__(self) -> None:
         self.num_chunks = 0
         self.trainable_indices: list[int] = []
+        self.optimizer_on_disk = False  # offload_optimizer="disk": optimizer state meant for the host rests on disk
 
     def configure(self, chunks: Sequence[Chunk]) -> None:
         """Called whenever the chunks are (re)built."""
@@ -50,12 +51,18 @@ class PlacementPolicy:
         raise NotImplementedError
 
     def optim_tier(self, chunk: Chunk) -> Tier:
-        """Tier of the chunk's optimizer families (fp32 master, exp_avg, exp_avg_sq); Adam runs there."""
+        """Tier where the chunk's optimizer families (fp32 master, exp_avg, exp_avg_sq) rest: the tier
+        its Adam runs on (:meth:`compute_tier`), or the disk tier in place of the host."""
+        tier = self.compute_tier(chunk)
+        return Tier.DISK if tier is Tier.HOST and self.optimizer_on_disk else tier
+
+    def compute_tier(self, chunk: Chunk) -> Tier:
+        """Tier the chunk's Adam runs on (the device or the host; state on disk is streamed to the host)."""
         raise NotImplementedError
 
     def grad_tier(self, chunk: Chunk) -> Tier:
         """Tier where the chunk's finished gradients rest until the step: where its Adam runs."""
-        return self.optim_tier(chunk)
+        return self.compute_tier(chunk)
 
     def keeps_gathered(self, chunk: Chunk) -> bool:
         """For a chunk sharded over several ranks: whether its gathered full copy stays on the device
@@ -78,7 +85,7 @@ class DevicePlacement(PlacementPolicy):
     def param_rest_tier(self, chunk: Chunk) -> Tier:
         return Tier.DEVICE
 
-    def optim_tier(self, chunk: Chunk) -> Tier:
+    def compute_tier(self, chunk: Chunk) -> Tier:
         return Tier.DEVICE
 
     def params_on_device_at_rest(self, index: int, count: int) -> bool:
@@ -94,7 +101,7 @@ class HostPlacement(PlacementPolicy):
     def param_rest_tier(self, chunk: Chunk) -> Tier:
         return Tier.HOST
 
-    def optim_tier(self, chunk: Chunk) -> Tier:
+    def compute_tier(self, chunk: Chunk) -> Tier:
         return Tier.HOST
 
 
@@ -121,7 +128,7 @@ class StaticPlacement(PlacementPolicy):
     def param_rest_tier(self, chunk: Chunk) -> Tier:
         return Tier.DEVICE if self.params_on_device_at_rest(chunk.index, self.num_chunks) else Tier.HOST
 
-    def optim_tier(self, chunk: Chunk) -> Tier:
+    def compute_tier(self, chunk: Chunk) -> Tier:
         position = self.trainable_indices.index(chunk.index)
         return Tier.DEVICE if self.optim_on_device(position, len(self.trainable_indices)) else Tier.HOST
 
@@ -182,7 +189,7 @@ class AutoPlacement(PlacementPolicy):
             return Tier.DEVICE
         return None if self._state.following else Tier.HOST
 
-    def optim_tier(self, chunk: Chunk) -> Tier:
+    def compute_tier(self, chunk: Chunk) -> Tier:
         return Tier.DEVICE if chunk.index in self._state.margin_chunks else Tier.HOST
 
     def keeps_gathered(self, chunk: Chunk) -> bool:

@@ -133,13 +133,16 @@ class ModelLoad:
         with torch.no_grad():
             for chunk, writes in self.writes.items():
                 values = chunk.param.local().clone()
-                master = chunk.optim[MASTER].tensor if chunk.has_master and chunk.optim[MASTER].allocated else None
+                master_buf = chunk.optim[MASTER] if chunk.has_master and chunk.optim[MASTER].allocated else None
+                master = master_buf.read().clone() if master_buf is not None else None
                 for slot, key, value in writes:
                     chunk.write_own_part(slot, values, value)
                     if master is not None:
                         chunk.write_own_part(slot, master, value)
                     else:
                         warn_if_masters_lose_precision(chunk, key, value)
+                if master_buf is not None:
+                    master_buf.write(master)
                 manager.write_params(chunk, values)
                 bump_versions(slot.param for slot, _, _ in writes)
             for target, value in self.buffers:
@@ -236,8 +239,8 @@ def optimizer_state_dict(optim: Any, rank0_only: bool) -> dict[str, Any]:
     for chunk in optim.manager.chunks:
         if not chunk.trainable or chunk.step == 0:
             continue
-        exp_avg = chunk.gather(chunk.optim[EXP_AVG].tensor)  # collectives, in chunk order on every rank
-        exp_avg_sq = chunk.gather(chunk.optim[EXP_AVG_SQ].tensor)
+        exp_avg = chunk.gather(chunk.optim[EXP_AVG].read())  # collectives, in chunk order on every rank
+        exp_avg_sq = chunk.gather(chunk.optim[EXP_AVG_SQ].read())
         for slot in chunk.slots:
             if id(slot.param) in index_of:
                 state[index_of[id(slot.param)]] = adam_entry(chunk.step, slot.view(exp_avg), slot.view(exp_avg_sq),
@@ -264,17 +267,19 @@ class OptimizerLoad:
         loss scaler state."""
         with torch.no_grad():
             for chunk, step, entries in self.chunks:
-                exp_avg, exp_avg_sq = chunk.optim[EXP_AVG].tensor, chunk.optim[EXP_AVG_SQ].tensor
-                exp_avg.zero_()
-                exp_avg_sq.zero_()
+                exp_avg = torch.zeros(chunk.shard_numel, dtype=torch.float32)
+                exp_avg_sq = torch.zeros(chunk.shard_numel, dtype=torch.float32)
                 for slot, entry in entries:
                     chunk.write_own_part(slot, exp_avg, entry["exp_avg"])
                     chunk.write_own_part(slot, exp_avg_sq, entry["exp_avg_sq"])
+                chunk.optim[EXP_AVG].write(exp_avg)
+                chunk.optim[EXP_AVG_SQ].write(exp_avg_sq)
                 chunk.step = step
         for group, saved in zip(self.optim.optim.param_groups, self.groups):
             import_group(group, saved)
         if self.scaler is not None and self.optim.grad_scaler is not None:
             self.optim.grad_scaler.load_state_dict(self.scaler)
+        self.optim._broken_by = None  # a step that failed half-way over disk state: replaced by what was loaded
 
 
 def import_group(group: dict[str, Any], saved: Mapping[str, Any]) -> None:

@@ -21,6 +21,7 @@ import torch
 from .errors import ArgumentTypeError, InvalidArgumentError
 
 DEVICE_MEMORY_ENV = "CHUNKMEM_DEVICE_MEMORY"
+HOST_MEMORY_ENV = "CHUNKMEM_HOST_MEMORY"
 
 _UNITS = {
     "": 1, "b": 1,
@@ -30,13 +31,16 @@ _UNITS = {
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 _capacity_override: int | None = None
+_host_capacity_override: int | None = None
 
 
 class Tier(str, enum.Enum):
-    """A logical memory tier. ``DEVICE`` computes; ``HOST`` holds what does not fit."""
+    """A logical memory tier. ``DEVICE`` computes; ``HOST`` holds what does not fit; ``DISK`` (files under
+    the model's ``nvme_path``, see :mod:`chunkmem.disk_tier`) holds what does not fit in the host."""
 
     DEVICE = "device"
     HOST = "host"
+    DISK = "disk"
 
 
 def parse_size(text: str | int, argument: str = "size", minimum: int = 0) -> int:
@@ -97,6 +101,26 @@ def device_memory_capacity() -> int:
     return int(psutil.virtual_memory().available)
 
 
+def set_host_memory_capacity(nbytes: int | str | None) -> None:
+    """Set the capacity of the host tier in bytes (a positive whole number, or a size such as
+    ``"12GiB"``): what chunk buffers and the disk tier's I/O buffers may occupy in host memory. A refused
+    value leaves the capacity as it was. ``None`` restores the default: ``CHUNKMEM_HOST_MEMORY`` if set,
+    else no bound. Takes effect for models wrapped afterwards."""
+    global _host_capacity_override
+    _host_capacity_override = None if nbytes is None else parse_size(nbytes, "nbytes", minimum=1)
+
+
+def host_memory_capacity() -> int | None:
+    """The capacity of the host tier in bytes, or ``None`` for no bound (see
+    :func:`set_host_memory_capacity`)."""
+    if _host_capacity_override is not None:
+        return _host_capacity_override
+    env = os.environ.get(HOST_MEMORY_ENV)
+    if env:
+        return parse_size(env, HOST_MEMORY_ENV, minimum=1)
+    return None
+
+
 def device_of_tier(tier: Tier) -> torch.device:
     """The ``torch.device`` a tier maps to on this machine."""
     if tier is Tier.DEVICE and torch.cuda.is_available():
@@ -128,7 +152,9 @@ def pin_host_memory() -> bool:
 
 
 def empty_on_tier(tier: Tier, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A new uninitialised flat buffer of ``numel`` elements on ``tier``."""
+    """A new uninitialised flat buffer of ``numel`` elements on ``tier`` (the device or the host)."""
+    if tier is Tier.DISK:
+        raise ValueError("internal error: disk-tier buffers are file regions, not tensors")
     if tier is Tier.HOST:
         return torch.empty(numel, dtype=dtype, device="cpu")
     return torch.empty(numel, dtype=dtype, device=device_of_tier(Tier.DEVICE))

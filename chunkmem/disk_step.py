@@ -1,0 +1,218 @@
+"""An optimizer step over optimizer state that rests on the disk tier: streamed, pipelined, all or nothing.
+
+Adam is elementwise, so each chunk is updated in pieces of ``buffer_size`` bytes of fp32 state. For
+every piece, in chunk order, the fp32 master (16-bit models), exp_avg and exp_avg_sq are read from the
+chunk's current disk slot into a group of aligned I/O buffers, updated there (the 16-bit parameters
+are written into host memory as the update's ``param_out``), and written back. ``buffer_count`` groups
+circulate: while piece k is updated, pieces k+1... are being read and k−1... written (DeepSpeed's
+``pipeline_read`` / ``pipeline_write``, always on).
+
+All or nothing (``atomic_step``, the default). New state goes to the chunk's *other* slot; the step
+commits, switching every buffer's slot, only when every piece of every chunk was written and every
+data-parallel rank agrees that it succeeded. If any read or write fails (a full disk, an I/O error, a
+short read) the remaining I/O is drained, the current slots are untouched, the parameters already
+overwritten are restored (16-bit: the rounding of the old master, read back from disk; fp32: their old
+values, which were first written to a journal file), the chunks' step counts are restored, and
+:class:`DiskStepError` is raised naming the file and the chunk. Gradients are kept for another
+``step()``, except with ``reuse_fp16_shard``, where the update overwrote them in place: they are then
+dropped, as by ``zero_grad()``.
+
+Without ``atomic_step`` the disk holds one slot (half the files), the state is written in place, and
+a failed step leaves the chunks before the failure updated: the optimizer then refuses to step until a
+checkpoint or state dict is loaded (the error says so).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .adam_kernels import AdamHyper, adam_update_
+from .chunk import EXP_AVG, EXP_AVG_SQ, MASTER, Chunk, FlatBuffer
+from .disk_io import DiskIOError, IOHandle, aligned_nbytes
+from .disk_tier import JOURNAL, DiskTier, _typed
+from .errors import ChunkmemError
+
+
+class DiskStepError(ChunkmemError, RuntimeError):
+    """An optimizer step over disk-resident state failed. ``undone`` says whether the state is as it
+    was before the step (``atomic_step``); ``cause`` is the I/O error (``None`` on a rank that undid
+    its step because another rank failed)."""
+
+    def __init__(self, message: str, undone: bool, cause: DiskIOError | None) -> None:
+        super().__init__(message)
+        self.undone = undone
+        self.cause = cause
+
+
+@dataclass
+class ChunkUpdate:
+    """What one chunk's streamed update needs: its host gradient and parameter target (this rank's
+    ``shard_numel`` elements), the step number after the update, hyper-parameters and multiplier."""
+
+    chunk: Chunk
+    grad: torch.Tensor
+    param: torch.Tensor
+    step: int
+    hyper: AdamHyper
+    multiplier: float
+    updated_to: int = 0  # elements [0, updated_to) were updated (pieces run in order)
+
+    @property
+    def state(self) -> list[FlatBuffer]:
+        families = (MASTER, EXP_AVG, EXP_AVG_SQ) if self.chunk.has_master else (EXP_AVG, EXP_AVG_SQ)
+        return [self.chunk.optim[f] for f in families]
+
+
+@dataclass
+class _Piece:
+    update: ChunkUpdate
+    start: int
+    end: int
+    buffers: list[torch.Tensor]
+    reads: list[IOHandle]
+    journal: torch.Tensor | None = None
+
+
+class StreamedStep:
+    """Runs one step over ``updates`` (chunks whose optimizer state rests on ``disk``); see the module
+    docstring. ``agree(failed)`` returns whether any data-parallel rank failed (a collective)."""
+
+    def __init__(self, disk: DiskTier, updates: list[ChunkUpdate], agree: Callable[[bool], bool]) -> None:
+        self.disk = disk
+        self.updates = updates
+        self.agree = agree
+        self.journaled = disk.atomic_step and any(not u.chunk.has_master for u in updates)
+        self._families = max((len(u.state) for u in updates), default=0) + self.journaled
+        self._error: DiskIOError | None = None
+
+    def run(self) -> None:
+        """Update every chunk and commit, or undo and raise :class:`DiskStepError`."""
+        if not self.updates:
+            return
+        pool = self.disk.buffers(self._families)
+        write_slot = {id(u): [(1 - b.disk_slot) if self.disk.atomic_step else b.disk_slot for b in u.state]
+                      for u in self.updates}
+        pieces = [(u, a, b) for u in self.updates for a, b in self.disk.pieces(u.chunk.shard_numel, 4)]
+        reading: deque[_Piece] = deque()
+        writing: deque[tuple[list[torch.Tensor], list[IOHandle]]] = deque()
+        read_ahead = max(self.disk.buffer_count - 2, 1)
+
+        def reclaim(block: bool) -> None:
+            while writing and (block or all(h.done() for h in writing[0][1])):
+                buffers, handles = writing.popleft()
+                self._wait(handles)
+                for buf in buffers:
+                    pool.give_back(buf)
+                block = False
+
+        def issue(update: ChunkUpdate, start: int, end: int) -> None:
+            while pool.free < self._families:
+                reclaim(block=True)
+            buffers = [pool.take() for _ in update.state]
+            reads = [self.disk.read_piece(buf, start, end, raw) for buf, raw in zip(update.state, buffers)]
+            piece = _Piece(update, start, end, buffers, reads)
+            if self.journaled and not update.chunk.has_master:
+                piece.journal = pool.take()
+                _typed(piece.journal, torch.float32, end - start).copy_(update.param[start:end])
+                piece.reads.append(self.disk.file(JOURNAL).write_from(
+                    piece.journal[:_aligned(end - start)], self._journal_offset(update, start),
+                    f"{update.chunk.name}.{JOURNAL}"))
+            reading.append(piece)
+
+        next_piece = 0
+        while (reading or next_piece < len(pieces)) and self._error is None:
+            while next_piece < len(pieces) and len(reading) < read_ahead + 1 and self._error is None:
+                issue(*pieces[next_piece])
+                next_piece += 1
+            if self._error is not None:
+                break
+            piece = reading.popleft()
+            if not self._wait(piece.reads):
+                writing.append((piece.buffers + ([piece.journal] if piece.journal is not None else []), []))
+                break
+            self._update(piece)
+            handles = [self.disk.write_piece(buf, piece.start, piece.end, raw, slot)
+                       for buf, raw, slot in zip(piece.update.state, piece.buffers, write_slot[id(piece.update)])]
+            writing.append((piece.buffers + ([piece.journal] if piece.journal is not None else []), handles))
+            reclaim(block=False)
+        for piece in reading:  # drained after a failure
+            self._wait(piece.reads)
+            writing.append((piece.buffers + ([piece.journal] if piece.journal is not None else []), []))
+        while writing:
+            reclaim(block=True)
+        failed_somewhere = self.agree(self._error is not None)
+        if not failed_somewhere:
+            if self.disk.atomic_step:
+                for update in self.updates:
+                    for buf in update.state:
+                        buf.switch_disk_slot()
+            return
+        self._fail()
+
+    def _wait(self, handles: list[IOHandle]) -> bool:
+        """Wait for every handle; remember the first error. Returns whether all succeeded."""
+        ok = True
+        for handle in handles:
+            try:
+                handle.wait()
+            except DiskIOError as exc:
+                ok = False
+                if self._error is None:
+                    self._error = exc
+        return ok
+
+    def _update(self, piece: _Piece) -> None:
+        update, a, b = piece.update, piece.start, piece.end
+        views = [_typed(raw, torch.float32, b - a) for raw in piece.buffers]
+        if update.chunk.has_master:
+            master, exp_avg, exp_avg_sq = views
+            param_out = update.param[a:b]
+        else:
+            exp_avg, exp_avg_sq = views
+            master, param_out = update.param[a:b], None
+        adam_update_(master, update.grad[a:b], exp_avg, exp_avg_sq, update.step, update.hyper,
+                     grad_multiplier=update.multiplier, param_out=param_out)
+        update.updated_to = b
+
+    def _journal_offset(self, update: ChunkUpdate, start: int) -> int:
+        return self.disk.offset(JOURNAL, update.chunk.index, 0) + start * 4
+
+    def _fail(self) -> None:
+        error = self._error
+        where = (f"{error.operation} of {error.what} in {error.path} failed" if error is not None
+                 else "another data-parallel rank's disk I/O failed")
+        if not self.disk.atomic_step:
+            raise DiskStepError(
+                f"optimizer step failed: {where}. The state was being written in place (atomic_step=False), so "
+                f"the chunks before the failure are updated and the others are not: load a checkpoint "
+                f"(chunkmem.load_checkpoint) or a state dict before stepping again", undone=False, cause=error)
+        for update in self.updates:
+            if update.updated_to:
+                self._restore_params(update)
+        raise DiskStepError(f"optimizer step undone: {where}. Masters and optimizer state are as they were "
+                            f"before the step; free the cause (e.g. disk space) and step again, or load a "
+                            f"checkpoint", undone=True, cause=error)
+
+    def _restore_params(self, update: ChunkUpdate) -> None:
+        """Put back the parameter values the failed step overwrote."""
+        chunk = update.chunk
+        if chunk.has_master:
+            update.param.copy_(chunk.optim[MASTER].read())
+            return
+        pool = self.disk.buffers(1)
+        staging = pool.take()
+        try:
+            for a, b in self.disk.pieces(update.updated_to, 4):
+                self.disk.file(JOURNAL).read_into(staging[:_aligned(b - a)], self._journal_offset(update, a),
+                                                  f"{chunk.name}.{JOURNAL}").wait()
+                update.param[a:b].copy_(_typed(staging, torch.float32, b - a))
+        finally:
+            pool.give_back(staging)
+
+
+def _aligned(numel: int) -> int:
+    """Bytes of ``numel`` fp32 elements rounded up to the I/O alignment."""
+    return aligned_nbytes(numel * 4)

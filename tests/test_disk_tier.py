@@ -1,0 +1,296 @@
+"""The disk tier for optimizer state: bitwise equal to `cpu` placement, exact bytes, scratch files that
+go away, failed steps undone, checkpoints, and bad arguments."""
+import copy
+import errno
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import chunkmem as cm
+from chunkmem.disk_io import inject_faults
+from tests.distributed import run_ranks
+from tests.models import TinyGPT, batches, lm_loss
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+CHUNK_BYTES = 16384
+PIECE = 8192  # bytes: several pieces per chunk, so the pipeline really streams
+
+
+def _reference() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return TinyGPT()
+
+
+def _build(reference, dtype, policy="cpu", reuse=False, **disk):
+    model = cm.ShardedModelV2(copy.deepcopy(reference), cm.TensorShardStrategy(), tensor_placement_policy=policy,
+                              reuse_fp16_shard=reuse, dtype=dtype, chunk_size=CHUNK_BYTES, **disk)
+    optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-2, weight_decay=0.01),
+                                  initial_scale=2**10)
+    return model, optim
+
+
+def _on_disk(path, **extra):
+    return dict(offload_optimizer="disk", nvme_path=str(path), buffer_size=PIECE, **extra)
+
+
+def _step(model, optim, x):
+    optim.backward(lm_loss(model(x), x))
+    return optim.step()
+
+
+def _train(model, optim, data):
+    for x in data:
+        _step(model, optim, x)
+        optim.zero_grad()
+
+
+def _same_state(a, oa, b, ob):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), key
+    da, db = oa.state_dict(), ob.state_dict()
+    assert da["state"].keys() == db["state"].keys()
+    for index in da["state"]:
+        for name, value in da["state"][index].items():
+            assert torch.equal(value, db["state"][index][name]), (index, name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("reuse", [False, True])
+def test_training_with_optimizer_state_on_disk_is_bitwise_cpu_placement(tmp_path, dtype, reuse):
+    if reuse and dtype == torch.float32:
+        pytest.skip("reuse_fp16_shard needs a 16-bit dtype")
+    reference, data = _reference(), batches(3)
+    a, oa = _build(reference, dtype, reuse=reuse)
+    b, ob = _build(reference, dtype, reuse=reuse, **_on_disk(tmp_path))
+    _train(a, oa, data)
+    _train(b, ob, data)
+    _same_state(a, oa, b, ob)
+    assert b.chunk_manager.ledger.read_from_disk > 0 and b.chunk_manager.ledger.written_to_disk > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_exact_bytes_per_tier_and_files(tmp_path, dtype):
+    model, optim = _build(_reference(), dtype, **_on_disk(tmp_path, buffer_count=3))
+    trainable = [c for c in model.chunks if c.trainable]
+    shard = trainable[0].shard_numel
+    families = ["exp_avg", "exp_avg_sq"] + (["master"] if dtype != torch.float32 else [])
+    assert model.tier_bytes()["disk"] == {f: len(trainable) * shard * 4 for f in families}
+    assert optim.get_memory_usage(with_disk=True) == (
+        0, 0 if dtype != torch.float32 else len(trainable) * shard * 4, len(trainable) * shard * 4 * len(families))
+    assert optim.get_memory_usage() == optim.get_memory_usage(with_disk=True)[:2]
+    region = -(-shard * 4 // 4096) * 4096
+    journal = len(model.chunks) * region if dtype == torch.float32 else 0  # old fp32 values while a step runs
+    assert model.disk_file_bytes() == len(families) * len(model.chunks) * 2 * region + journal
+    # the I/O buffers are host memory on the ledger: buffer_count x streamed families x buffer_size
+    _train(model, optim, batches(1))
+    streamed = len(families) + (1 if dtype == torch.float32 else 0)
+    assert model.tier_bytes()["host"]["disk_io"] == 3 * streamed * PIECE
+    assert sorted(os.listdir(model.disk_path)) == sorted(f + ".bin" for f in families + (
+        ["journal"] if dtype == torch.float32 else []))
+
+
+def _fail_one_step(tmp_path, dtype, reuse, fault):
+    reference, data = _reference(), batches(3)
+    a, oa = _build(reference, dtype, reuse=reuse)
+    b, ob = _build(reference, dtype, reuse=reuse, **_on_disk(tmp_path))
+    _train(a, oa, data[:2])
+    _train(b, ob, data[:2])
+    before = copy.deepcopy(b.state_dict()), copy.deepcopy(ob.state_dict())
+    with inject_faults(**fault):
+        with pytest.raises(cm.DiskStepError, match=r"optimizer step undone: (read|write) of chunk\d+\.\w+ in "
+                                                   + str(tmp_path)) as info:
+            _step(b, ob, data[2])
+    assert info.value.undone and isinstance(info.value.cause, cm.DiskIOError)
+    after = b.state_dict(), ob.state_dict()
+    for key in before[0]:
+        assert torch.equal(before[0][key], after[0][key]), key
+    for index, entry in before[1]["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(value, after[1]["state"][index][name]), (index, name)
+    # the step can run again: kept gradients, or (reuse_fp16_shard) a new backward
+    if reuse:
+        assert _step(b, ob, data[2])
+    else:
+        assert ob.step()
+    ob.zero_grad()
+    _step(a, oa, data[2])
+    oa.zero_grad()
+    _same_state(a, oa, b, ob)
+
+
+@pytest.mark.parametrize("dtype,reuse", [(torch.float32, False), (torch.float16, False), (torch.bfloat16, False),
+                                         (torch.float16, True)], ids=str)
+def test_a_full_disk_during_a_step_undoes_it(tmp_path, dtype, reuse):
+    # the writes of the second chunk fail: the first chunk was already updated in memory and on disk
+    _fail_one_step(tmp_path, dtype, reuse, dict(write_errno=errno.ENOSPC, what="chunk1"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_a_short_read_during_a_step_undoes_it(tmp_path, dtype):
+    _fail_one_step(tmp_path, dtype, False, dict(short_read=True, what="chunk2"))
+
+
+def test_without_atomic_steps_a_failure_asks_for_a_checkpoint(tmp_path):
+    reference, data = _reference(), batches(2)
+    (tmp_path / "disk").mkdir()
+    model, optim = _build(reference, torch.float16, **_on_disk(tmp_path / "disk", atomic_step=False))
+    _train(model, optim, data[:1])
+    cm.save_checkpoint(tmp_path / "ckpt.pt", model, optim)
+    with inject_faults(read_errno=errno.EIO, what="chunk1"):
+        with pytest.raises(cm.DiskStepError, match="atomic_step=False") as info:
+            _step(model, optim, data[1])
+    assert not info.value.undone
+    with pytest.raises(cm.DiskStepError):
+        optim.step()
+    cm.load_checkpoint(tmp_path / "ckpt.pt", model, optim)
+    assert _step(model, optim, data[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_checkpoint_saved_from_disk_state_resumes_bitwise(nvme, dtype):
+    tmp_path = nvme
+    reference, data = _reference(), batches(4)
+    a, oa = _build(reference, dtype, **_on_disk(tmp_path / "a"))
+    _train(a, oa, data[:2])
+    cm.save_checkpoint(tmp_path / "ckpt.pt", a, oa)
+    _train(a, oa, data[2:])
+    for placement in (_on_disk(tmp_path / "b"), {}):  # into a disk-placed model, and into plain cpu
+        b, ob = _build(reference, dtype, **placement)
+        cm.load_checkpoint(tmp_path / "ckpt.pt", b, ob)
+        _train(b, ob, data[2:])
+        _same_state(a, oa, b, ob)
+
+
+@pytest.fixture
+def nvme(tmp_path):
+    for name in ("a", "b", "disk"):
+        (tmp_path / name).mkdir()
+    return tmp_path
+
+
+def test_scratch_files_go_with_the_model(nvme):
+    model, optim = _build(_reference(), torch.float16, **_on_disk(nvme / "disk"))
+    path = model.disk_path
+    assert os.path.isdir(path) and os.path.dirname(path) == str(nvme / "disk")
+    del model, optim
+    import gc
+    gc.collect()
+    assert not os.path.exists(path) and os.listdir(nvme / "disk") == []
+
+
+@pytest.mark.parametrize("ending", ["normal exit", "exception"])
+def test_scratch_files_are_removed_when_the_process_ends(tmp_path, ending):
+    script = textwrap.dedent(f"""
+        import torch, chunkmem as cm
+        from tests.models import TinyGPT, batches, lm_loss
+        model = cm.ShardedModelV2(TinyGPT(), cm.TensorShardStrategy(), tensor_placement_policy="cpu",
+                                  dtype=torch.float16, offload_optimizer="disk", nvme_path={str(tmp_path)!r})
+        optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters()))
+        x = batches(1)[0]
+        optim.backward(lm_loss(model(x), x)); optim.step()
+        print(model.disk_path, flush=True)
+        if {ending == "exception"}:
+            raise RuntimeError("the user's code failed")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert (done.returncode != 0) == (ending == "exception"), done.stderr
+    assert done.stdout.strip().startswith(str(tmp_path))
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(offload_optimizer="nvme", nvme_path="."), r"^offload_optimizer='nvme' is not allowed: expected None or 'disk'"),
+    (dict(offload_optimizer="disk"), r"^nvme_path=None is not allowed"),
+    (dict(nvme_path="."), r"^nvme_path='.' is not allowed: expected None unless"),
+    (dict(offload_optimizer="disk", nvme_path=".", buffer_size=1000), r"^buffer_size=1000 is not allowed"),
+    (dict(offload_optimizer="disk", nvme_path=".", buffer_count=0), r"^buffer_count=0 is not allowed"),
+    (dict(offload_optimizer="disk", nvme_path=".", atomic_step=1), r"^atomic_step=1 is not allowed"),
+    (dict(offload_optimizer="disk", nvme_path=".", tensor_placement_policy="cuda"),
+     r"^tensor_placement_policy='cuda' is not allowed"),
+])
+def test_bad_disk_arguments_are_refused_before_anything_changes(kwargs, match):
+    module = _reference()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    kwargs = {"tensor_placement_policy": "cpu", **kwargs}
+    with pytest.raises(cm.InvalidArgumentError, match=match):
+        cm.ShardedModelV2(module, cm.TensorShardStrategy(), dtype=torch.float16, **kwargs)
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+    assert all(type(p) is torch.nn.Parameter for p in module.parameters())
+
+
+def test_missing_directory_and_full_disk_at_build_are_clear(tmp_path, monkeypatch):
+    with pytest.raises(cm.InvalidArgumentError, match="nvme_path"):
+        cm.ShardedModelV2(_reference(), cm.TensorShardStrategy(), tensor_placement_policy="cpu", dtype=torch.float16,
+                          **_on_disk(tmp_path / "missing"))
+    model = cm.ShardedModelV2(_reference(), cm.TensorShardStrategy(), tensor_placement_policy="cpu",
+                              dtype=torch.float16, chunk_size=CHUNK_BYTES, **_on_disk(tmp_path))
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    before = model.tier_bytes()
+    with pytest.raises(cm.DiskIOError, match=str(tmp_path)):
+        cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters()))
+    assert model.tier_bytes() == before and not model.optimizer_attached
+
+
+def test_host_capacity_refuses_clearly(tmp_path):
+    cm.set_host_memory_capacity(4096)
+    try:
+        with pytest.raises(cm.HostCapacityError, match="host tier full"):
+            cm.ShardedModelV2(_reference(), cm.TensorShardStrategy(), tensor_placement_policy="cpu",
+                              dtype=torch.float16, chunk_size=CHUNK_BYTES)
+    finally:
+        cm.set_host_memory_capacity(None)
+
+
+def _two_rank_worker(rank, world, path, dtype, fail_rank):
+    torch.manual_seed(0)
+    reference, data = TinyGPT(), batches(3, seed=rank)
+    disk = os.path.join(path, f"rank{rank}")
+    os.makedirs(disk, exist_ok=True)
+    a, oa = _build(reference, dtype)
+    b, ob = _build(reference, dtype, **_on_disk(disk))
+    _train(a, oa, data[:2])
+    _train(b, ob, data[:2])
+    out = {"failed": None}
+    if fail_rank is not None:
+        before = copy.deepcopy(b.state_dict())
+        faults = dict(write_errno=errno.EIO, what="chunk1") if rank == fail_rank else dict(what="nothing")
+        with inject_faults(**faults):
+            try:
+                _step(b, ob, data[2])
+            except cm.DiskStepError as exc:
+                out["failed"] = (exc.undone, exc.cause is not None)
+        out["unchanged"] = all(torch.equal(v, b.state_dict()[k]) for k, v in before.items())
+        ob.step()
+        ob.zero_grad()
+    else:
+        _train(b, ob, data[2:])
+    _train(a, oa, data[2:])
+    sa, sb = a.state_dict(), b.state_dict()
+    out["same"] = all(torch.equal(sa[k], sb[k]) for k in sa)
+    da, db = oa.state_dict(), ob.state_dict()
+    out["same_optim"] = all(torch.equal(v, db["state"][i][n]) for i, e in da["state"].items() for n, v in e.items())
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_two_ranks_on_disk_match_cpu_placement(tmp_path, dtype):
+    for out in run_ranks(_two_rank_worker, 2, str(tmp_path), dtype, None):
+        assert out["same"] and out["same_optim"]
+
+
+def test_a_failure_on_one_rank_undoes_the_step_on_both(tmp_path):
+    results = run_ranks(_two_rank_worker, 2, str(tmp_path), torch.float16, 1)
+    assert results[0]["failed"] == (True, False) and results[1]["failed"] == (True, True)
+    for out in results:
+        assert out["unchanged"] and out["same"] and out["same_optim"]
