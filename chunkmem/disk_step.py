@@ -90,9 +90,7 @@ class StreamedStep:
 
     def run(self) -> None:
         """Update every chunk and commit, or undo and raise :class:`DiskStepError`."""
-        if not self.updates:
-            return
-        pool = self.disk.buffers(self._families)
+        pool = self.disk.buffers(max(self._families, 1))
         write_slot = {id(u): [(1 - b.disk_slot) if self.disk.atomic_step else b.disk_slot for b in u.state]
                       for u in self.updates}
         pieces = [(u, a, b) for u in self.updates for a, b in self.disk.pieces(u.chunk.shard_numel, 4)]

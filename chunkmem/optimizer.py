@@ -104,6 +104,7 @@ class ShardedOptimizerV2(Optimizer):
         self._check_capacity(plan)
         self._reserve_disk(plan)
         sharded_model._repack(plan)
+        self._keep_optimizer_state_on_host()
         for chunk in self._trainable_chunks():
             self.manager.place_optimizer_state(chunk)
         if isinstance(self.manager.policy, AutoPlacement):
@@ -152,6 +153,25 @@ class ShardedOptimizerV2(Optimizer):
             disk.reserve(family, shard_numel * 4, len(plan.groups))
         if self.model.dtype == torch.float32 and disk.atomic_step:
             disk.reserve(JOURNAL, shard_numel * 4, len(plan.groups), slots=1)
+
+    def _keep_optimizer_state_on_host(self) -> None:
+        """Under ``auto`` with ``offload_optimizer="disk"`` and a host capacity: the optimizer state of the
+        last trainable chunks that fits in the host capacity, after what the host already holds, the
+        gradients the step will hold there and the disk tier's I/O buffers, stays on the host; the rest
+        rests on disk. (Each chunk's state is used once per step, so which chunks stay does not change
+        the bytes moved.)"""
+        policy, ledger = self.manager.policy, self.manager.ledger
+        if not (isinstance(policy, AutoPlacement) and policy.optimizer_on_disk and ledger.host_capacity):
+            return
+        chunks = self._trainable_chunks()
+        first = chunks[0]
+        state_bytes = (3 if first.has_master else 2) * first.shard_numel * 4
+        grads = 0 if self.model.reuse_fp16_shard else len(chunks) * first.param.shard.nbytes
+        streamed = 3 if first.has_master else 2 + ledger.disk.atomic_step  # families (+ the fp32 journal)
+        io_bytes = ledger.disk.buffer_count * streamed * ledger.disk.buffer_size
+        free = ledger.host_capacity - ledger.tier_bytes(Tier.HOST) - grads - io_bytes
+        count = min(max(free, 0) // state_bytes, len(chunks))
+        policy.optim_host_chunks = frozenset(c.index for c in chunks[len(chunks) - count:])
 
     def _trainable_chunks(self) -> list[Chunk]:
         return [c for c in self.manager.chunks if c.trainable]
@@ -353,8 +373,8 @@ class ShardedOptimizerV2(Optimizer):
     def _update_on_disk(self, chunks: list[Chunk], multiplier: float) -> None:
         """Update the chunks whose optimizer state rests on disk in one streamed step (see
         :mod:`chunkmem.disk_step`): all of them, or none (then :class:`DiskStepError`)."""
-        if not chunks:
-            return
+        if not self.manager.policy.optimizer_on_disk:
+            return  # (with a disk tier every rank runs the step below, even with no chunk on disk: it agrees)
         updates = [ChunkUpdate(chunk, self.manager.grad_of(chunk), self.manager.param_update_target(chunk, Tier.HOST),
                                chunk.step + 1, hyper_of_group(self.optim.param_groups[chunk.key.group]), multiplier)
                    for chunk in chunks]

@@ -40,6 +40,7 @@ class PlacementPolicy:
         self.num_chunks = 0
         self.trainable_indices: list[int] = []
         self.optimizer_on_disk = False  # offload_optimizer="disk": optimizer state meant for the host rests on disk
+        self.optim_host_chunks: frozenset[int] = frozenset()  # ... except these chunks' (auto, host capacity)
 
     def configure(self, chunks: Sequence[Chunk]) -> None:
         """Called whenever the chunks are (re)built."""
@@ -54,7 +55,8 @@ class PlacementPolicy:
         """Tier where the chunk's optimizer families (fp32 master, exp_avg, exp_avg_sq) rest: the tier
         its Adam runs on (:meth:`compute_tier`), or the disk tier in place of the host."""
         tier = self.compute_tier(chunk)
-        return Tier.DISK if tier is Tier.HOST and self.optimizer_on_disk else tier
+        on_disk = self.optimizer_on_disk and chunk.index not in self.optim_host_chunks
+        return Tier.DISK if tier is Tier.HOST and on_disk else tier
 
     def compute_tier(self, chunk: Chunk) -> Tier:
         """Tier the chunk's Adam runs on (the device or the host; state on disk is streamed to the host)."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import sys
 import tempfile
 import time
 import traceback
@@ -29,6 +30,13 @@ def _entry(rank: int, world: int, workdir: str, fn: Callable[..., Any], args: tu
         raise
     finally:
         dist.destroy_process_group()
+    # The result is saved and every rank is done: leave without the interpreter's teardown, in which
+    # gloo's threads occasionally abort the process ("terminate called without an active exception",
+    # no Python frame left) after all of chunkmem's work finished.
+    log.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _wait_for_all_results(workdir: str, world: int, limit: float = 120.0) -> None:

@@ -294,3 +294,28 @@ def test_a_failure_on_one_rank_undoes_the_step_on_both(tmp_path):
     assert results[0]["failed"] == (True, False) and results[1]["failed"] == (True, True)
     for out in results:
         assert out["unchanged"] and out["same"] and out["same_optim"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_auto_keeps_what_fits_the_host_capacity_on_the_host_and_matches_cpu(tmp_path, dtype):
+    reference, data = _reference(), batches(3)
+    a, oa = _build(reference, dtype)
+    probe, _ = _build(reference, dtype, policy="auto", **_on_disk(tmp_path))
+    trainable = [c for c in probe.chunks if c.trainable]
+    state_bytes = (3 if dtype != torch.float32 else 2) * trainable[0].shard_numel * 4
+    grads = len(trainable) * trainable[0].param.shard.nbytes
+    io_bytes = 4 * 3 * PIECE
+    host_now = probe.tier_bytes()["host"]["param"]
+    del probe
+    cm.set_host_memory_capacity(host_now + grads + io_bytes + 2 * state_bytes + state_bytes // 2)
+    try:
+        b, ob = _build(reference, dtype, policy="auto", **_on_disk(tmp_path))
+    finally:
+        cm.set_host_memory_capacity(None)
+    tiers = [ob.manager.policy.optim_tier(c) for c in b.chunks if c.trainable]
+    assert tiers == [cm.Tier.DISK] * (len(trainable) - 2) + [cm.Tier.HOST] * 2
+    if dtype != torch.float32:  # (fp32 counts its parameters, the masters, on the host too)
+        assert ob.get_memory_usage(with_disk=True)[1:] == (2 * state_bytes, (len(trainable) - 2) * state_bytes)
+    _train(a, oa, data)
+    _train(b, ob, data)
+    _same_state(a, oa, b, ob)
