@@ -316,7 +316,10 @@ class ParamBuffer:
         self.allocate_device()
         self._device_life.fill_started()
         if self.sharded:
-            self.shards.all_gather(self.device, self.shard.tensor, what=f"{self.owner} parameters")
+            self.shards.all_gather(self.device, self.shard.read(), what=f"{self.owner} parameters")
+            transfer = Transfer(self._fetched)
+        elif self.shard.on_disk:  # read at once (not overlapped with compute yet)
+            self.ledger.disk.read_all(self.shard, self.device)
             transfer = Transfer(self._fetched)
         else:
             transfer = start_copy(self.device, self.shard.tensor, self._fetched)
@@ -389,10 +392,9 @@ class ParamBuffer:
         self._device_life.check("be written back", CopyState.CURRENT)
         if not self.shard.allocated:
             self.shard.allocate(Tier.HOST)
-        self.shard.tensor.copy_(self.own_slice(self.device))
+        self.shard.write(self.own_slice(self.device))
         if self.shard.tier is Tier.HOST:
             self.ledger.count_move(Tier.HOST, self.shard.nbytes)
-        self.shard.mark_written()
 
     def free_shard(self) -> None:
         """Free the shard, first making the device copy current if the shard is the only current copy
@@ -424,8 +426,7 @@ class ParamBuffer:
         host if missing), the device copy dropped."""
         if not self.shard.allocated:
             self.shard.allocate(Tier.HOST)
-        self.shard.tensor.copy_(local)
-        self.shard.mark_written()
+        self.shard.write(local)
         self._contents = Contents.VALUES
         if self._device_life.holds_memory:
             self._drop_device()
@@ -456,7 +457,7 @@ class ParamBuffer:
         the current copy (contents VALUES); the other is freed, or with ``keep_device_copy`` (sharded)
         kept, out of date."""
         self._contents = Contents.VALUES
-        if self.sharded or tier is Tier.HOST:
+        if self.sharded or tier in (Tier.HOST, Tier.DISK):
             self.shard.mark_written()
             if self._device_life.current:
                 self._device_life.outdated()
@@ -482,12 +483,12 @@ class ParamBuffer:
         if self._device_life.current:
             return self.device
         self.shard.life.check("be read (no copy of the parameters is current)", CopyState.CURRENT)
-        return self.shard.tensor
+        return self.shard.read()
 
     def local(self) -> torch.Tensor:
         """This rank's ``shard_numel`` elements of the current contents (the whole chunk with one rank)."""
         if self.shard.life.current:
-            return self.shard.tensor
+            return self.shard.read()
         self.wait()
         self._device_life.check("be read (no copy of the parameters is current)", CopyState.CURRENT)
         return self.own_slice(self.device)

@@ -49,21 +49,35 @@ class DiskStepError(ChunkmemError, RuntimeError):
 
 @dataclass
 class ChunkUpdate:
-    """What one chunk's streamed update needs: its host gradient and parameter target (this rank's
-    ``shard_numel`` elements), the step number after the update, hyper-parameters and multiplier."""
+    """What one chunk's streamed update needs: its host gradient (this rank's ``shard_numel``
+    elements), where its parameters are (``param``: a host tensor, or ``None`` when the parameter shard
+    rests on disk too and is streamed like the state), the step number after the update,
+    hyper-parameters and gradient multiplier."""
 
     chunk: Chunk
     grad: torch.Tensor
-    param: torch.Tensor
+    param: torch.Tensor | None
     step: int
     hyper: AdamHyper
     multiplier: float
     updated_to: int = 0  # elements [0, updated_to) were updated (pieces run in order)
 
     @property
-    def state(self) -> list[FlatBuffer]:
-        families = (MASTER, EXP_AVG, EXP_AVG_SQ) if self.chunk.has_master else (EXP_AVG, EXP_AVG_SQ)
-        return [self.chunk.optim[f] for f in families]
+    def reads(self) -> list[FlatBuffer]:
+        """The disk buffers read for the update: the fp32 master (a separate one, or the fp32
+        parameters resting on disk), exp_avg, exp_avg_sq."""
+        chunk = self.chunk
+        if chunk.has_master:
+            master = [chunk.optim[MASTER]]
+        else:
+            master = [chunk.param.shard] if self.param is None else []
+        return master + [chunk.optim[EXP_AVG], chunk.optim[EXP_AVG_SQ]]
+
+    @property
+    def writes(self) -> list[FlatBuffer]:
+        """The disk buffers written: those read, and 16-bit parameters resting on disk."""
+        extra = [self.chunk.param.shard] if self.param is None and self.chunk.has_master else []
+        return self.reads + extra
 
 
 @dataclass
@@ -84,14 +98,14 @@ class StreamedStep:
         self.disk = disk
         self.updates = updates
         self.agree = agree
-        self.journaled = disk.atomic_step and any(not u.chunk.has_master for u in updates)
-        self._families = max((len(u.state) for u in updates), default=0) + self.journaled
+        self.journaled = disk.atomic_step and any(self._journals(u) for u in updates)
+        self._families = max((len(u.writes) for u in updates), default=0) + self.journaled
         self._error: DiskIOError | None = None
 
     def run(self) -> None:
         """Update every chunk and commit, or undo and raise :class:`DiskStepError`."""
         pool = self.disk.buffers(max(self._families, 1))
-        write_slot = {id(u): [(1 - b.disk_slot) if self.disk.atomic_step else b.disk_slot for b in u.state]
+        write_slot = {id(u): [(1 - b.disk_slot) if self.disk.atomic_step else b.disk_slot for b in u.writes]
                       for u in self.updates}
         pieces = [(u, a, b) for u in self.updates for a, b in self.disk.pieces(u.chunk.shard_numel, 4)]
         reading: deque[_Piece] = deque()
@@ -109,10 +123,10 @@ class StreamedStep:
         def issue(update: ChunkUpdate, start: int, end: int) -> None:
             while pool.free < self._families:
                 reclaim(block=True)
-            buffers = [pool.take() for _ in update.state]
-            reads = [self.disk.read_piece(buf, start, end, raw) for buf, raw in zip(update.state, buffers)]
+            buffers = [pool.take() for _ in update.writes]
+            reads = [self.disk.read_piece(buf, start, end, raw) for buf, raw in zip(update.reads, buffers)]
             piece = _Piece(update, start, end, buffers, reads)
-            if self.journaled and not update.chunk.has_master:
+            if self._journals(update):
                 piece.journal = pool.take()
                 _typed(piece.journal, torch.float32, end - start).copy_(update.param[start:end])
                 piece.reads.append(self.disk.file(JOURNAL).write_from(
@@ -133,7 +147,7 @@ class StreamedStep:
                 break
             self._update(piece)
             handles = [self.disk.write_piece(buf, piece.start, piece.end, raw, slot)
-                       for buf, raw, slot in zip(piece.update.state, piece.buffers, write_slot[id(piece.update)])]
+                       for buf, raw, slot in zip(piece.update.writes, piece.buffers, write_slot[id(piece.update)])]
             writing.append((piece.buffers + ([piece.journal] if piece.journal is not None else []), handles))
             reclaim(block=False)
         for piece in reading:  # drained after a failure
@@ -145,7 +159,7 @@ class StreamedStep:
         if not failed_somewhere:
             if self.disk.atomic_step:
                 for update in self.updates:
-                    for buf in update.state:
+                    for buf in update.writes:
                         buf.switch_disk_slot()
             return
         self._fail()
@@ -162,12 +176,22 @@ class StreamedStep:
                     self._error = exc
         return ok
 
+    def _journals(self, update: ChunkUpdate) -> bool:
+        """Whether the update overwrites fp32 parameters in host memory (their old values are journaled)."""
+        return self.disk.atomic_step and not update.chunk.has_master and update.param is not None
+
     def _update(self, piece: _Piece) -> None:
         update, a, b = piece.update, piece.start, piece.end
-        views = [_typed(raw, torch.float32, b - a) for raw in piece.buffers]
+        views = [_typed(raw, torch.float32, b - a) for raw in piece.buffers[:len(update.reads)]]
         if update.chunk.has_master:
             master, exp_avg, exp_avg_sq = views
-            param_out = update.param[a:b]
+            if update.param is None:
+                param_out = _typed(piece.buffers[-1], update.chunk.dtype, b - a)
+            else:
+                param_out = update.param[a:b]
+        elif update.param is None:
+            master, exp_avg, exp_avg_sq = views
+            param_out = None
         else:
             exp_avg, exp_avg_sq = views
             master, param_out = update.param[a:b], None
@@ -188,7 +212,7 @@ class StreamedStep:
                 f"the chunks before the failure are updated and the others are not: load a checkpoint "
                 f"(chunkmem.load_checkpoint) or a state dict before stepping again", undone=False, cause=error)
         for update in self.updates:
-            if update.updated_to:
+            if update.updated_to and update.param is not None:
                 self._restore_params(update)
         raise DiskStepError(f"optimizer step undone: {where}. Masters and optimizer state are as they were "
                             f"before the step; free the cause (e.g. disk space) and step again, or load a "

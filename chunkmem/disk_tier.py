@@ -36,7 +36,8 @@ JOURNAL = "journal"  # the old values of fp32 parameters kept while an atomic st
 
 
 def check_disk_arguments(offload_optimizer: str | None, offload_param: str | None, nvme_path: object,
-                         buffer_count: object, buffer_size: object, atomic_step: object, policy: str) -> None:
+                         buffer_count: object, buffer_size: object, atomic_step: object, policy: str,
+                         reuse_fp16_shard: bool) -> None:
     """Validate the disk-tier arguments of :class:`~chunkmem.ShardedModelV2` (changing nothing)."""
     for name, value in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
         if value is not None and value != "disk":
@@ -57,14 +58,18 @@ def check_disk_arguments(offload_optimizer: str | None, offload_param: str | Non
     if nvme_path is None or not isinstance(nvme_path, (str, os.PathLike)):
         raise InvalidArgumentError("nvme_path", nvme_path, "a directory (str or path) for the disk tier's files, "
                                                            "needed with offload_optimizer/offload_param='disk'")
+    if offload_param == "disk" and reuse_fp16_shard:
+        raise InvalidArgumentError("offload_param", offload_param,
+                                   "None with reuse_fp16_shard=True (the gradients would live in the parameters' "
+                                   "disk files)")
     if policy not in ("cpu", "auto", "static"):
         raise InvalidArgumentError("tensor_placement_policy", policy,
                                    "'cpu', 'auto' or 'static' with the disk tier (under 'cuda' nothing rests "
                                    "off the device)")
-    if offload_param == "disk":
+    if offload_param == "disk" and policy == "auto":
         raise InvalidArgumentError("offload_param", offload_param,
-                                   "None: parameters on the disk tier are not built yet (optimizer state is: "
-                                   "offload_optimizer='disk')")
+                                   "None with tensor_placement_policy='auto' (parameters on disk are placed by "
+                                   "'cpu' or 'static' for now)")
 
 
 class DiskTier:
@@ -173,6 +178,11 @@ class DiskTier:
     def load(self, buf: "FlatBuffer") -> torch.Tensor:
         """A new host tensor holding ``buf``'s current contents (read piece by piece)."""
         out = torch.empty(buf.numel, dtype=buf.dtype)
+        self.read_all(buf, out)
+        return out
+
+    def read_all(self, buf: "FlatBuffer", out: torch.Tensor) -> None:
+        """Copy ``buf``'s current contents into ``out`` (``buf.numel`` elements, any device), piece by piece."""
         pool = self.buffers(1)
         staging = pool.take()
         try:
@@ -181,7 +191,6 @@ class DiskTier:
                 out[start:end].copy_(_typed(staging, buf.dtype, end - start))
         finally:
             pool.give_back(staging)
-        return out
 
     def store(self, buf: "FlatBuffer", values: torch.Tensor | None, slot: int) -> None:
         """Write ``values`` (``buf.numel`` elements; ``None``: zeros) into ``buf``'s ``slot``, piece by

@@ -239,10 +239,12 @@ class ChunkManager:
             if tier is Tier.DEVICE:
                 buf.fetch_to_device()
                 buf.free_shard()
-            elif tier is Tier.HOST:
+            elif tier in (Tier.HOST, Tier.DISK):
                 buf.wait()
                 if not buf.shard_valid:
                     buf.write_back_shard()
+                if tier is Tier.DISK and not buf.shard.on_disk:
+                    buf.shard.move_to(Tier.DISK)
                 if buf.device_valid and not buf.holds_grads:
                     self.stale[chunk] = None
                 else:
@@ -588,6 +590,8 @@ class ChunkManager:
                 buf.shard.allocate(Tier.HOST)
             if not chunk.has_master and not buf.shard_valid:
                 buf.write_back_shard()
+            if buf.shard.on_disk:  # back to the disk when the chunk settles after the update
+                buf.shard.move_to(Tier.HOST)
             return buf.shard.tensor
 
     def params_updated(self, chunk: Chunk, tier: Tier) -> None:

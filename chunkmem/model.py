@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_map
 from . import memstats
 from .agreement import agree_on_model_layout
 from .atomic_file import write_json_atomically
-from .chunk import MASTER, Chunk, ChunkKey
+from .chunk import MASTER, PARAM, Chunk, ChunkKey
 from .errors import DeviceCapacityError, GradientAccumulationError, InvalidArgumentError, check_number, check_type
 from .hooks import ChunkHooks
 from .init_context import check_chunk_size, check_dtype, check_param_dtypes
@@ -111,7 +111,7 @@ class ShardedModelV2(nn.Module):
             check_dtype("dtype", dtype)
         policy = make_policy(tensor_placement_policy, offload_param_frac, offload_optim_frac)
         check_disk_arguments(offload_optimizer, offload_param, nvme_path, buffer_count, buffer_size, atomic_step,
-                             tensor_placement_policy)
+                             tensor_placement_policy, reuse_fp16_shard)
         host_capacity = host_memory_capacity()
 
         named = list(module.named_parameters())
@@ -177,8 +177,10 @@ class ShardedModelV2(nn.Module):
         if nvme_path is not None:
             ledger.disk = DiskTier(nvme_path, buffer_count, buffer_size, atomic_step, ledger)
             policy.optimizer_on_disk = offload_optimizer == "disk"
+            policy.params_on_disk = offload_param == "disk"
             weakref.finalize(self, ledger.disk.close)
         chunks = self._build(plan, _unique_chunks(slots) if from_context else [], ledger)
+        self._reserve_param_files(chunks)
         if from_context:  # chunks of parameters replaced after creation (the original weight of a tied head)
             for chunk in slots[0].chunk.built_with:
                 if chunk not in chunks:
@@ -227,11 +229,10 @@ class ShardedModelV2(nn.Module):
             slot = slot_of(param)
             if slot is None:
                 return param.data
-            if not slot.chunk.param.sharded:
-                return slot.view(slot.chunk.param.current())
-            if slot.chunk not in gathered:  # the same gathers in the same order on every rank
+            if slot.chunk not in gathered:  # sharded: the same gathers in the same order on every rank
                 gathered.clear()
-                gathered[slot.chunk] = slot.chunk.gather(slot.chunk.param.local())
+                buf = slot.chunk.param
+                gathered[slot.chunk] = slot.chunk.gather(buf.local()) if buf.sharded else buf.current()
             return slot.view(gathered[slot.chunk])
 
         chunks = build_chunks(plan.entries, self.chunk_numel, self.dtype, ledger, Tier.HOST, self.shards,
@@ -240,6 +241,11 @@ class ShardedModelV2(nn.Module):
         for chunk in current:
             _free_chunk(chunk)
         return chunks
+
+    def _reserve_param_files(self, chunks: list[Chunk]) -> None:
+        """With ``offload_param="disk"``: preallocate the parameter file for ``chunks``."""
+        if self.policy.params_on_disk:
+            chunks[0].ledger.disk.reserve(PARAM, chunks[0].param.shard.nbytes, len(chunks))
 
     def _plan_for_groups(self, group_of: dict[int, int]) -> "_LayoutPlan":
         """The layout in which no chunk mixes optimizer param groups."""
@@ -255,6 +261,7 @@ class ShardedModelV2(nn.Module):
         if chunks is self.chunk_manager.chunks:
             return
         self.chunk_manager.chunks = chunks
+        self._reserve_param_files(chunks)
         self.chunk_manager.settle_all()
         self.chunk_manager.bind_views_to_device()
         self._hooks.refresh_chunks()

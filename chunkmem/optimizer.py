@@ -375,7 +375,8 @@ class ShardedOptimizerV2(Optimizer):
         :mod:`chunkmem.disk_step`): all of them, or none (then :class:`DiskStepError`)."""
         if not self.manager.policy.optimizer_on_disk:
             return  # (with a disk tier every rank runs the step below, even with no chunk on disk: it agrees)
-        updates = [ChunkUpdate(chunk, self.manager.grad_of(chunk), self.manager.param_update_target(chunk, Tier.HOST),
+        updates = [ChunkUpdate(chunk, self.manager.grad_of(chunk),
+                               None if chunk.param.shard.on_disk else self.manager.param_update_target(chunk, Tier.HOST),
                                chunk.step + 1, hyper_of_group(self.optim.param_groups[chunk.key.group]), multiplier)
                    for chunk in chunks]
         try:
@@ -387,12 +388,12 @@ class ShardedOptimizerV2(Optimizer):
                 self._discard_grads()  # the update overwrote them in place
             else:
                 for update in updates:
-                    if update.updated_to:
+                    if update.updated_to and update.param is not None:
                         self.manager.params_updated(update.chunk, Tier.HOST)
             raise
         for update in updates:
             update.chunk.step = update.step
-            self.manager.params_updated(update.chunk, Tier.HOST)
+            self.manager.params_updated(update.chunk, Tier.DISK if update.param is None else Tier.HOST)
 
     def _any_rank_failed(self, failed: bool) -> bool:
         """Whether ``failed`` holds on any data-parallel rank (one small all-reduce when sharded)."""

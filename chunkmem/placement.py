@@ -41,6 +41,7 @@ class PlacementPolicy:
         self.trainable_indices: list[int] = []
         self.optimizer_on_disk = False  # offload_optimizer="disk": optimizer state meant for the host rests on disk
         self.optim_host_chunks: frozenset[int] = frozenset()  # ... except these chunks' (auto, host capacity)
+        self.params_on_disk = False  # offload_param="disk": parameter shards meant for the host rest on disk
 
     def configure(self, chunks: Sequence[Chunk]) -> None:
         """Called whenever the chunks are (re)built."""
@@ -101,7 +102,7 @@ class HostPlacement(PlacementPolicy):
     name = "cpu"
 
     def param_rest_tier(self, chunk: Chunk) -> Tier:
-        return Tier.HOST
+        return Tier.DISK if self.params_on_disk else Tier.HOST
 
     def compute_tier(self, chunk: Chunk) -> Tier:
         return Tier.HOST
@@ -128,7 +129,9 @@ class StaticPlacement(PlacementPolicy):
         return self._on_device(position, count, self.offload_optim_frac)
 
     def param_rest_tier(self, chunk: Chunk) -> Tier:
-        return Tier.DEVICE if self.params_on_device_at_rest(chunk.index, self.num_chunks) else Tier.HOST
+        if self.params_on_device_at_rest(chunk.index, self.num_chunks):
+            return Tier.DEVICE
+        return Tier.DISK if self.params_on_disk else Tier.HOST
 
     def compute_tier(self, chunk: Chunk) -> Tier:
         position = self.trainable_indices.index(chunk.index)

@@ -252,13 +252,13 @@ def test_host_capacity_refuses_clearly(tmp_path):
         cm.set_host_memory_capacity(None)
 
 
-def _two_rank_worker(rank, world, path, dtype, fail_rank):
+def _two_rank_worker(rank, world, path, dtype, fail_rank, offload_param=None):
     torch.manual_seed(0)
     reference, data = TinyGPT(), batches(3, seed=rank)
     disk = os.path.join(path, f"rank{rank}")
     os.makedirs(disk, exist_ok=True)
     a, oa = _build(reference, dtype)
-    b, ob = _build(reference, dtype, **_on_disk(disk))
+    b, ob = _build(reference, dtype, **_on_disk(disk, offload_param=offload_param))
     _train(a, oa, data[:2])
     _train(b, ob, data[:2])
     out = {"failed": None}
@@ -284,8 +284,9 @@ def _two_rank_worker(rank, world, path, dtype, fail_rank):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_two_ranks_on_disk_match_cpu_placement(tmp_path, dtype):
-    for out in run_ranks(_two_rank_worker, 2, str(tmp_path), dtype, None):
+@pytest.mark.parametrize("offload_param", [None, "disk"])
+def test_two_ranks_on_disk_match_cpu_placement(tmp_path, dtype, offload_param):
+    for out in run_ranks(_two_rank_worker, 2, str(tmp_path), dtype, None, offload_param):
         assert out["same"] and out["same_optim"]
 
 
@@ -318,4 +319,20 @@ def test_auto_keeps_what_fits_the_host_capacity_on_the_host_and_matches_cpu(tmp_
         assert ob.get_memory_usage(with_disk=True)[1:] == (2 * state_bytes, (len(trainable) - 2) * state_bytes)
     _train(a, oa, data)
     _train(b, ob, data)
+    _same_state(a, oa, b, ob)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("optimizer", ["disk", None])
+def test_parameters_on_disk_train_bitwise_like_cpu_placement(tmp_path, dtype, optimizer):
+    reference, data = _reference(), batches(3)
+    a, oa = _build(reference, dtype)
+    b, ob = _build(reference, dtype, offload_param="disk", offload_optimizer=optimizer, nvme_path=str(tmp_path),
+                   buffer_size=PIECE)
+    shard_bytes = b.chunks[0].param.shard.nbytes
+    assert b.tier_bytes()["disk"]["param"] == len(b.chunks) * shard_bytes
+    assert "param" not in b.tier_bytes()["host"]
+    _train(a, oa, data)
+    _train(b, ob, data)
+    assert "param" not in b.tier_bytes()["host"] and b.tier_bytes()["disk"]["param"] == len(b.chunks) * shard_bytes
     _same_state(a, oa, b, ob)
