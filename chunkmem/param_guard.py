@@ -367,7 +367,9 @@ def _write_outside_compute(param: ChunkParameter, func: Any, args: tuple, kwargs
             result = _read_outside_compute(others, func, *swapped)
         else:
             result = _plain(func, *swapped)
-        if buf.device_valid and buf.shard.allocated:  # a host copy that is current too stays current
+        if buf.shard.on_disk:  # ``current`` was read from the disk, or is the device copy: the file follows
+            buf.shard.write(current)
+        elif buf.device_valid and buf.shard.allocated:  # a host copy that is current too stays current
             slot.view(buf.shard.tensor).copy_(view)
     return param if result is view else result
 

@@ -336,3 +336,16 @@ def test_parameters_on_disk_train_bitwise_like_cpu_placement(tmp_path, dtype, op
     _train(b, ob, data)
     assert "param" not in b.tier_bytes()["host"] and b.tier_bytes()["disk"]["param"] == len(b.chunks) * shard_bytes
     _same_state(a, oa, b, ob)
+
+
+def test_parameters_on_disk_are_safe_to_read_and_write_outside_forward(tmp_path):
+    reference = _reference()
+    model, optim = _build(reference, torch.float32, offload_param="disk", nvme_path=str(tmp_path))
+    weight = model.module.head.weight if hasattr(model.module, "head") else next(model.parameters())
+    name = next(n for n, p in model.module.named_parameters() if p is weight)
+    expected = dict(reference.named_parameters())[name].detach()
+    assert torch.equal(weight.detach().clone(), expected) and str(weight).startswith("Parameter containing:\ntensor(")
+    with torch.no_grad():
+        weight.mul_(2)
+    assert torch.equal(model.state_dict()[name], expected * 2)
+    _train(model, optim, batches(1))  # the doubled weight is what trains
