@@ -300,12 +300,11 @@ def _rank_payload(model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None, g
                  "shard_offset": chunk.shard_offset, "dtype": _dtype_name(chunk.dtype), "trainable": chunk.trainable,
                  "slots": [{"name": s.name, "offset": s.offset, "numel": s.numel, "shape": list(s.shape)}
                            for s in chunk.slots],
-                 "param": _cpu_copy(chunk.param.local()),
-                 "master": _cpu_copy(master.read()) if chunk.has_master and master.allocated else None,
+                 "param": _saved(chunk.param.shard) if chunk.param.shard.on_disk else _cpu_copy(chunk.param.local()),
+                 "master": _saved(master) if chunk.has_master and master.allocated else None,
                  "step": 0, "exp_avg": None, "exp_avg_sq": None}
         if optimizer is not None and chunk.trainable:
-            entry.update(step=chunk.step, exp_avg=_cpu_copy(chunk.optim[EXP_AVG].read()),
-                         exp_avg_sq=_cpu_copy(chunk.optim[EXP_AVG_SQ].read()))
+            entry.update(step=chunk.step, exp_avg=_saved(chunk.optim[EXP_AVG]), exp_avg_sq=_saved(chunk.optim[EXP_AVG_SQ]))
         chunks.append(entry)
     keys, buffers = [], {}
     for key, value in model.module.state_dict(keep_vars=True).items():
@@ -484,7 +483,7 @@ def _read_rank_file(path: str, manifest: dict[str, Any], rank: int) -> dict[str,
             raise CheckpointError(f"{name}: the rank file is damaged: its checksum is {found}, {MANIFEST} records "
                                   f"{manifest['checksums'][base]}; nothing was loaded")
     try:
-        payload = torch.load(name, map_location="cpu", weights_only=True)
+        payload = torch.load(name, map_location="cpu", weights_only=True, mmap=True)  # tensors read as used
     except Exception as exc:  # noqa: BLE001 - a damaged part
         raise CheckpointError(f"{name}: cannot be read as a rank file of a sharded checkpoint (damaged?): "
                               f"{exc}") from exc
@@ -604,6 +603,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", copy=True)
+
+
+def _saved(buf: Any) -> torch.Tensor:
+    """What a rank file holds of a chunk buffer: a copy, or for a buffer on the disk tier its file region
+    mapped (the save then streams it from disk instead of holding every chunk in memory)."""
+    return buf.ledger.disk.mapped(buf) if buf.on_disk else _cpu_copy(buf.read())
 
 
 # ---- files ---------------------------------------------------------------------------------------

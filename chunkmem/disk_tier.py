@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Iterable
 
+import numpy
 import torch
 
 from .disk_io import ALIGNMENT, AlignedBufferPool, DiskFile, IOHandle, ScratchSpace, aligned_nbytes
@@ -191,6 +192,14 @@ class DiskTier:
                 out[start:end].copy_(_typed(staging, buf.dtype, end - start))
         finally:
             pool.give_back(staging)
+
+    def mapped(self, buf: "FlatBuffer") -> torch.Tensor:
+        """``buf``'s current contents as a read-only CPU tensor mapped from its file (pages are read as
+        they are touched and can be dropped again: a checkpoint streams through it without holding it)."""
+        offset = self.offset(buf.family, buf.index, buf.disk_slot)
+        raw = numpy.memmap(self._files[buf.family].path, dtype=numpy.uint8, mode="c", offset=offset,
+                           shape=(buf.nbytes,))
+        return torch.from_numpy(raw).view(buf.dtype)
 
     def store(self, buf: "FlatBuffer", values: torch.Tensor | None, slot: int) -> None:
         """Write ``values`` (``buf.numel`` elements; ``None``: zeros) into ``buf``'s ``slot``, piece by

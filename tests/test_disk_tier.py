@@ -153,16 +153,22 @@ def test_without_atomic_steps_a_failure_asks_for_a_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_a_checkpoint_saved_from_disk_state_resumes_bitwise(nvme, dtype):
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_checkpoint_saved_from_disk_state_resumes_bitwise(nvme, dtype, sharded, monkeypatch):
     tmp_path = nvme
     reference, data = _reference(), batches(4)
-    a, oa = _build(reference, dtype, **_on_disk(tmp_path / "a"))
+    a, oa = _build(reference, dtype, **_on_disk(tmp_path / "a", offload_param="disk"))
     _train(a, oa, data[:2])
-    cm.save_checkpoint(tmp_path / "ckpt.pt", a, oa)
+    if sharded:  # streamed: no disk-resident buffer is read whole into memory
+        with monkeypatch.context() as patch:
+            patch.setattr(cm.disk_tier.DiskTier, "load", lambda *_: pytest.fail("a whole buffer was read"))
+            cm.save_checkpoint(tmp_path / "ckpt", a, oa, sharded=True)
+    else:
+        cm.save_checkpoint(tmp_path / "ckpt", a, oa)
     _train(a, oa, data[2:])
-    for placement in (_on_disk(tmp_path / "b"), {}):  # into a disk-placed model, and into plain cpu
+    for placement in (_on_disk(tmp_path / "b", offload_param="disk"), {}):  # into disk placement, and plain cpu
         b, ob = _build(reference, dtype, **placement)
-        cm.load_checkpoint(tmp_path / "ckpt.pt", b, ob)
+        cm.load_checkpoint(tmp_path / "ckpt", b, ob)
         _train(b, ob, data[2:])
         _same_state(a, oa, b, ob)
 
