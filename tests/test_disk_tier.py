@@ -355,3 +355,18 @@ def test_parameters_on_disk_are_safe_to_read_and_write_outside_forward(tmp_path)
         weight.mul_(2)
     assert torch.equal(model.state_dict()[name], expected * 2)
     _train(model, optim, batches(1))  # the doubled weight is what trains
+
+
+@pytest.mark.parametrize("policy", ["cpu", "auto"])
+def test_parameters_on_disk_are_prefetched_from_the_schedule(tmp_path, policy):
+    reference, data = _reference(), batches(4)
+    a, oa = _build(reference, torch.float16)
+    b, ob = _build(reference, torch.float16, policy=policy, offload_param="disk", **_on_disk(tmp_path))
+    _train(a, oa, data[:3])
+    _train(b, ob, data[:3])
+    b.chunk_manager.events = []
+    _train(a, oa, data[3:])
+    _train(b, ob, data[3:])
+    fetches = [e for e in b.chunk_manager.events if e[0] == "fetch"]
+    assert any(kind == "prefetch" for _, _, kind in fetches), fetches  # read on the fetch thread ahead of use
+    _same_state(a, oa, b, ob)
