@@ -30,6 +30,7 @@ import contextlib
 import json
 import os
 import sys
+import warnings
 from typing import Any, Iterator
 
 import torch
@@ -203,7 +204,13 @@ def _write(target: torch.Tensor, value: torch.Tensor) -> None:
 
 def _init_missing(model: nn.Module, written: set[int]) -> None:
     """Initialise, with the model's own ``_init_weights``, the modules whose parameters the checkpoint
-    lacked (loaded parameters are flagged so transformers' init functions leave them alone)."""
+    lacked (loaded parameters are flagged so transformers' init functions leave them alone), with a
+    warning naming them."""
+    missing = [name for name, p in model.named_parameters() if id(p) not in written]
+    if not missing:
+        return
+    warnings.warn(f"from_pretrained: {len(missing)} parameters are not in the checkpoint and were initialised by "
+                  f"{type(model).__name__}._init_weights: {missing[:8]}", stacklevel=3)
     missing_modules = []
     for module in model.modules():
         params = [p for p in module._parameters.values() if p is not None]
@@ -212,10 +219,8 @@ def _init_missing(model: nn.Module, written: set[int]) -> None:
         for p in params:
             if id(p) in written:
                 p._is_hf_initialized = True
-    init = getattr(model, "_init_weights", None)
-    if init is not None:
-        for module in missing_modules:
-            init(module)
+    for module in missing_modules:
+        model._init_weights(module)
 
 
 # ---- ZeroInitContext: from_pretrained while the context is open -------------------------------------
