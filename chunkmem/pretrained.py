@@ -295,22 +295,30 @@ def _shard_plan(items: list[tuple[str, int]], max_bytes: int) -> list[list[str]]
 
 
 def save_pretrained(model: Any, save_directory: str | os.PathLike, max_shard_size: int | str = "5GB",
-                    is_main_process: bool | None = None) -> list[str]:
+                    is_main_process: bool | None = None, module: nn.Module | None = None) -> list[str]:
     """Write a :class:`~chunkmem.ShardedModelV2` wrapping a ``transformers.PreTrainedModel`` as
     ``save_pretrained`` does (module docstring), streaming: the chunks are gathered one at a time (a
     collective when sharded: every rank calls this) and a safetensors file is written as soon as all
     its tensors are gathered, so at most one file's tensors and one chunk are held at once. Tensors are
     fp32 (``config.dtype`` says so). ``max_shard_size``: bytes per file (an int or ``"5GB"``-style
     str); a tensor larger than that gets a file of its own. ``is_main_process`` (default: rank 0)
-    writes. Returns the weight files written (empty on other ranks)."""
+    writes. ``module``: the transformers model to save when the wrapped module only contains one (a
+    training wrapper around ``GPT2LMHeadModel``); default ``model.module``. Returns the weight files
+    written (empty on other ranks)."""
     from safetensors.torch import save_file
 
     from .model import ShardedModelV2
 
     transformers = _transformers()
     check_type("model", model, ShardedModelV2, "a chunkmem.ShardedModelV2 wrapping a transformers model")
-    module = model.module
-    check_type("model.module", module, transformers.PreTrainedModel, "a transformers.PreTrainedModel")
+    if module is None:
+        check_type("model.module", model.module, transformers.PreTrainedModel,
+                   "a transformers.PreTrainedModel (or pass module=, the one inside it to save)")
+        module = model.module
+    else:
+        check_type("module", module, transformers.PreTrainedModel, "None or a transformers.PreTrainedModel")
+        if not any(m is module for m in model.module.modules()):
+            raise InvalidArgumentError("module", type(module).__name__, "None or a submodule of model.module")
     check_type("save_directory", save_directory, (str, os.PathLike), "a directory path")
     max_bytes = parse_size(max_shard_size, "max_shard_size", minimum=1)
     if is_main_process is None:
@@ -355,6 +363,8 @@ def save_pretrained(model: Any, save_directory: str | os.PathLike, max_shard_siz
                 del pending[name]
 
     for chunk in model.chunks:
+        if not any(id(s.param) in key_of for s in chunk.slots):
+            continue  # nothing to save here (the same on every rank: no gather)
         full = model._full_values(chunk)  # collective when sharded, in chunk order on every rank
         for slot in chunk.slots:
             key = key_of.get(id(slot.param))
