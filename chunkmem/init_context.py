@@ -76,7 +76,9 @@ class ZeroInitContext:
     initialisation ran in fp32), which keeps at most one module's parameters in fp32 at a time. Later
     ``nn.init`` calls write into the chunk storage and work as usual (sharded over several ranks, see
     :mod:`chunkmem.sharded_init`: the same values as on one process). Floating-point buffers are cast to
-    ``dtype`` and moved to ``target_device``.
+    ``dtype`` and moved to ``target_device``. While it is open (and transformers was imported before),
+    ``SomeModel.from_pretrained(directory)`` of a Hugging Face model class reads a local safetensors
+    checkpoint straight into the chunks, one tensor at a time (:mod:`chunkmem.pretrained`).
 
     Args:
         target_device: where the chunks are created: a CUDA device (device tier) or the CPU (host tier),

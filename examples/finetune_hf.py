@@ -18,7 +18,7 @@ batch of step ``s`` drawn from ``seed`` and ``s`` alone, so a resumed run sees t
 
     python examples/finetune_hf.py                                  # about a minute on 2 CPU cores
     python examples/finetune_hf.py --stop-at 60 --save run1
-    python examples/finetune_hf.py --resume run1                    # continues from step 60 to 150
+    python examples/finetune_hf.py --resume run1                    # continues from step 60 to 100
     python examples/finetune_hf.py --model run1/hf --steps 20       # fine-tune the exported weights
     torchrun --nproc_per_node 2 examples/finetune_hf.py             # ZeRO-3 over 2 processes
 """
@@ -105,12 +105,12 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=128)
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--steps", type=int, default=150, help="total optimizer steps (the schedule's length)")
+    p.add_argument("--steps", type=int, default=100, help="total optimizer steps (the schedule's length)")
     p.add_argument("--stop-at", type=int, default=None, help="stop after this step (then --save, --resume later)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--clip", type=float, default=1.0, help="gradient clipping max norm (0: off)")
-    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--eval-batches", type=int, default=2)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--placement", choices=["cpu", "cuda", "auto", "static"], default="cpu")
