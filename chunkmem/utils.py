@@ -18,7 +18,8 @@ ranks). These functions read and change them one parameter at a time, under the 
 When each value exists (the getters return ``None`` otherwise, as DeepSpeed does where it has none):
 
 * fp32 parameter: a 16-bit model has fp32 masters once its :class:`~chunkmem.ShardedOptimizerV2` is
-  built (``None`` before); an fp32 model's parameters are their own masters (always there).
+  built (``None`` before); an fp32 model's parameters are their own masters (always there); a frozen
+  (``requires_grad=False``) 16-bit parameter has no master: its 16-bit value, widened, is returned.
 * gradient: after a backward, until the gradients are dropped: ``optim.zero_grad()`` (set to none),
   a skipped step, or with ``reuse_fp16_shard`` the step itself (the gradient shares the parameters'
   memory, which the step overwrites). Between backward and step the value is the one the step will
