@@ -98,14 +98,19 @@ def _read_family(chunk: Chunk, family: str) -> torch.Tensor | None:
     """This rank's ``shard_numel`` fp32 elements of an optimizer family of ``chunk`` (MASTER, EXP_AVG or
     EXP_AVG_SQ), or ``None`` when it holds no values. Every read of optimizer state goes through here."""
     buf = chunk.optim[family]
-    return buf.tensor if buf.allocated else None
+    return buf.read() if buf.allocated else None
 
 
 def _write_family(chunk: Chunk, family: str, start: int, values: torch.Tensor) -> None:
     """Write ``values`` into an optimizer family of ``chunk`` from element ``start`` of this rank's
     shard (the buffer must hold values: see :func:`_read_family`)."""
-    buf = _read_family(chunk, family)
-    buf[start:start + values.numel()].copy_(values.reshape(-1).to(buf.dtype))
+    buf = chunk.optim[family]
+    if not buf.on_disk:
+        buf.tensor[start:start + values.numel()].copy_(values.reshape(-1).to(buf.dtype))
+        return
+    current = buf.read()  # a copy read from the disk tier's file: changed, then written back
+    current[start:start + values.numel()].copy_(values.reshape(-1).to(current.dtype))
+    buf.write(current)
 
 
 def _local_part(slot: ParamSlot, shard: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@ and optim.state_dict(), every placement, fp32/fp16/bf16, one and two ranks."""
 from __future__ import annotations
 
 import copy
+import tempfile
 
 import pytest
 import torch
@@ -12,11 +13,14 @@ from chunkmem import utils
 from distributed import run_ranks
 from models import TinyGPT, batches, lm_loss
 
-POLICY_KWARGS = {"cuda": {}, "cpu": {}, "auto": {}, "static": {"offload_param_frac": 0.5, "offload_optim_frac": 0.5}}
+POLICY_KWARGS = {"cuda": {}, "cpu": {}, "auto": {}, "static": {"offload_param_frac": 0.5, "offload_optim_frac": 0.5},
+                 # cpu placement with the disk tier: optimizer state and parameters in files
+                 "disk": {"offload_optimizer": "disk", "offload_param": "disk", "nvme_path": tempfile.gettempdir()}}
 
 
 def _build(reference, policy, dtype, reuse=False, lr=1e-2, process_group=None):
-    model = cm.ShardedModelV2(copy.deepcopy(reference), cm.TensorShardStrategy(), tensor_placement_policy=policy,
+    model = cm.ShardedModelV2(copy.deepcopy(reference), cm.TensorShardStrategy(),
+                              tensor_placement_policy="cpu" if policy == "disk" else policy,
                               reuse_fp16_shard=reuse, dtype=dtype, chunk_size=16384, process_group=process_group,
                               **POLICY_KWARGS[policy])
     optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=lr, weight_decay=0.01),
@@ -33,7 +37,7 @@ def _close(actual, expected, tol=1e-6):
     torch.testing.assert_close(actual, expected, rtol=tol, atol=tol * max(expected.abs().max().item(), 1e-12))
 
 
-@pytest.mark.parametrize("policy", ["cuda", "cpu", "auto", "static"])
+@pytest.mark.parametrize("policy", ["cuda", "cpu", "auto", "static", "disk"])
 def test_fp32_getters_and_setters_match_torch_adamw(policy):
     torch.manual_seed(0)
     reference = TinyGPT()
@@ -93,7 +97,8 @@ def test_fp32_getters_and_setters_match_torch_adamw(policy):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("policy,reuse", [("cpu", False), ("cuda", True), ("auto", False), ("static", True)])
+@pytest.mark.parametrize("policy,reuse", [("cpu", False), ("cuda", True), ("auto", False), ("static", True),
+                                          ("disk", False)])
 def test_16bit_accessors_match_state_dicts(dtype, policy, reuse):
     if reuse and dtype == torch.bfloat16:
         pytest.skip("one reuse case per dtype is enough")
