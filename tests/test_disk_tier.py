@@ -390,3 +390,13 @@ def test_a_failed_parameter_read_in_forward_is_clear_and_training_goes_on(tmp_pa
     _train(a, oa, data[2:])
     _train(b, ob, data[2:])
     _same_state(a, oa, b, ob)
+
+
+@pytest.mark.parametrize("buffer_count", [1, 2, 7])
+def test_any_buffer_count_gives_the_same_training(tmp_path, buffer_count):
+    reference, data = _reference(), batches(2)
+    a, oa = _build(reference, torch.float32)
+    b, ob = _build(reference, torch.float32, offload_param="disk", **_on_disk(tmp_path, buffer_count=buffer_count))
+    _train(a, oa, data)
+    _train(b, ob, data)
+    _same_state(a, oa, b, ob)
