@@ -352,6 +352,7 @@ class _SpaceState:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self.owner_pid = os.getpid()  # a forked child leaves its parent's directory alone
         self.fds: list[int] = []
         self.pending: dict[concurrent.futures.Future, DiskFile] = {}
         self.lock = threading.RLock()  # a piece done before its callback is added untracks at once
@@ -367,7 +368,10 @@ class _SpaceState:
             self.pending.pop(piece, None)
 
     def release(self) -> None:
-        """Wait for in-flight I/O, close the files and remove the directory; idempotent."""
+        """Wait for in-flight I/O, close the files and remove the directory; idempotent. Does nothing in
+        a forked child (its copies of the locks and pieces may be stuck as they were at the fork)."""
+        if os.getpid() != self.owner_pid:
+            return
         with self.lock:
             if self.closed:
                 return
@@ -522,8 +526,12 @@ def _process_start_time(pid: int) -> str | None:
 def _write_owner(path: str) -> None:
     owner = {"pid": os.getpid(), "hostname": socket.gethostname(),
              "start_time": _process_start_time(os.getpid()), "created": time.time()}
-    with open(os.path.join(path, OWNER_FILE), "w") as f:
-        json.dump(owner, f)
+    marker = os.path.join(path, OWNER_FILE)
+    try:
+        with open(marker, "w") as f:
+            json.dump(owner, f)
+    except OSError as error:
+        raise DiskIOError.from_os_error(marker, "the owner marker", "create", error) from error
 
 
 def _owner_gone(path: str, pid: int) -> bool:
@@ -558,11 +566,12 @@ def _remove_leftovers(directory: str) -> None:
             continue
         if not _owner_gone(path, int(match["pid"])):
             continue
-        failures: list[str] = []
-        shutil.rmtree(path, onerror=lambda _f, p, e: failures.append(f"{p}: {e[1]}"))
-        if failures:
-            warnings.warn(f"could not remove the leftover chunkmem scratch directory {path!r} of a process "
-                          f"that has ended: {failures[0]}", stacklevel=3)
+        try:
+            shutil.rmtree(path)
+        except OSError as error:
+            if os.path.exists(path):  # else another process removed it first
+                warnings.warn(f"could not remove the leftover chunkmem scratch directory {path!r} of a process "
+                              f"that has ended: {error}", stacklevel=3)
         else:
             warnings.warn(f"removed the leftover chunkmem scratch directory {path!r} of a process that has "
                           "ended (its files were scratch space, not state)", stacklevel=3)

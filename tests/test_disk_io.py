@@ -161,19 +161,24 @@ def test_directory_removed_after_garbage_collection(tmp_path):
 
 
 def test_directory_removed_at_exit_also_after_an_exception(tmp_path):
-    children = {}
-    for ending in ("raise RuntimeError('boom')", "pass"):  # an uncaught exception; a normal end without close()
-        code = ("from chunkmem.disk_io import ScratchSpace, AlignedBufferPool\n"
-                f"s = ScratchSpace({str(tmp_path)!r}); f = s.file('f', 8192)\n"
-                "f.write_from(AlignedBufferPool(1, 8192).take(), 0, 'f')\n"  # perhaps still in flight at exit
-                "print(s.path, flush=True)\n" + ending + "\n")
-        children[ending] = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": ROOT})
-    for ending, child in children.items():
+    start = ("import os, sys\nfrom chunkmem.disk_io import ScratchSpace, AlignedBufferPool\n"
+             f"s = ScratchSpace({str(tmp_path)!r}); f = s.file('f', 8192)\n"
+             "f.write_from(AlignedBufferPool(1, 8192).take(), 0, 'f')\n"  # perhaps still in flight at exit
+             "print(s.path, flush=True)\n")
+    endings = {"exception": "raise RuntimeError('boom')\n",
+               # a normal end without close(), after a forked child that ends normally and leaves the
+               # parent's directory alone
+               "fork": "pid = os.fork()\nif pid == 0: sys.exit(0)\n"
+                       "os.waitpid(pid, 0); print('kept' if os.path.isdir(s.path) else 'removed', flush=True)\n"}
+    children = {name: subprocess.Popen([sys.executable, "-c", start + ending], stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+                for name, ending in endings.items()}
+    for name, child in children.items():
         out, err = child.communicate(timeout=120)
-        assert (child.returncode != 0) == ("raise" in ending), err
-        assert "RuntimeError: boom" in err if "raise" in ending else err == ""
-        path = out.strip()
+        assert (child.returncode != 0) == (name == "exception"), err
+        assert "RuntimeError: boom" in err if name == "exception" else err == ""
+        path, *rest = out.split()
+        assert rest == (["kept"] if name == "fork" else [])
         assert path.startswith(str(tmp_path)) and not os.path.exists(path)
     assert private_dirs(tmp_path) == []
 
