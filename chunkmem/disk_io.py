@@ -209,7 +209,7 @@ def _decide_fault(reading: bool, what: str) -> tuple[int | None, bool]:
 def _move_piece(fd: int, buf: torch.Tensor, start: int, nbytes: int, offset: int, reading: bool,
                 fail_errno: int | None, cut_short: bool) -> int:
     """Move ``nbytes`` bytes between ``buf[start:]`` and the file at ``offset`` (bytes); returns the
-    bytes moved (fewer only when a read reached the end of the file)."""
+    bytes moved (fewer only when a read reached the end of the file, or a write moved nothing)."""
     if fail_errno is not None:
         raise OSError(fail_errno, os.strerror(fail_errno))
     limit = nbytes // 2 // ALIGNMENT * ALIGNMENT if cut_short else nbytes
@@ -267,7 +267,7 @@ class IOHandle:
             text = DiskIOError.from_os_error(self._file.path, self._what, self._operation, failure).cause
             return text, code, failure
         if moved != self.nbytes:
-            return f"short read at offset {self._offset}: got {moved} of {self.nbytes} bytes", None, None
+            return f"short {self._operation}: got {moved} of {self.nbytes} bytes (at offset {self._offset})", None, None
         return None
 
 
@@ -666,11 +666,14 @@ class AlignedBufferPool:
 def measure_bandwidth(directory: str | os.PathLike, nbytes: int = 2**30, block: int = 64 * 2**20) -> tuple[float, float]:
     """(read, write) bytes per second of ``directory`` with this engine.
 
-    Writes, then reads, ``nbytes`` (bytes, rounded up to :data:`ALIGNMENT`) of one scratch file in
-    requests of ``block`` bytes, with enough requests in flight to keep every worker busy, using
-    ``O_DIRECT`` where the filesystem allows. The write time includes an ``fsync``; without
-    ``O_DIRECT`` the file's pages are dropped from the page cache before reading, so the read comes
-    from the disk. The file (and its private directory) is removed afterwards.
+    Writes ``nbytes`` (bytes, rounded up to :data:`ALIGNMENT`) into one scratch file, then times a
+    second write and a read of it, in requests of ``block`` bytes with enough of them in flight to keep
+    every worker busy, using ``O_DIRECT`` where the filesystem allows. The first write is not timed: it
+    turns the file's preallocated (unwritten) extents into written ones, which costs the filesystem
+    extra work (on this project's ext4 disk it ran at about 0.6x the speed of later writes); the disk
+    tier pays it once per file, in its first step, and overwrites afterwards. The write time includes
+    an ``fsync``; without ``O_DIRECT`` the file's pages are then dropped from the page cache, so the read
+    comes from the disk. The file (and its private directory) is removed afterwards.
     """
     check_number("nbytes", nbytes, low=1, integer=True)
     check_number("block", block, low=1, integer=True)
@@ -701,6 +704,7 @@ def measure_bandwidth(directory: str | os.PathLike, nbytes: int = 2**30, block: 
                     os.posix_fadvise(disk_file._fd, 0, total, os.POSIX_FADV_DONTNEED)
             return total / (time.perf_counter() - begin)
 
+        run(reading=False)  # allocates the blocks
         write = run(reading=False)
         read = run(reading=True)
     return read, write

@@ -298,7 +298,7 @@ def test_injected_short_read_and_io_errors(tmp_path, monkeypatch):
                 error = info.value
                 assert error.path == disk_file.path and error.what == "chunk3.exp_avg_sq"
                 assert error.operation == "read" and error.errno is None
-                assert f"short read at offset 0: got {7 * ALIGNMENT} of {8 * ALIGNMENT} bytes" in str(error)
+                assert f"short read: got {7 * ALIGNMENT} of {8 * ALIGNMENT} bytes (at offset 0)" in str(error)
                 assert disk_file.path in str(error) and "chunk3.exp_avg_sq" in str(error)
             disk_file.write_from(buf, 0, "chunk3.exp_avg").wait()  # writes are not matched
         assert faults.failed == 1
