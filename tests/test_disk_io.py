@@ -318,6 +318,17 @@ def test_injected_short_read_and_io_errors(tmp_path, monkeypatch):
                 pass
 
 
+def test_real_short_read_of_a_truncated_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(disk_io, "PIECE_NBYTES", 2 * ALIGNMENT)
+    with ScratchSpace(tmp_path) as space:
+        disk_file = space.file("chunk5", 8 * ALIGNMENT)
+        buf = AlignedBufferPool(1, 8 * ALIGNMENT).take()
+        os.truncate(disk_file.path, 5 * ALIGNMENT)  # something else cut the file
+        with pytest.raises(DiskIOError, match=rf"read of chunk5.master failed on '{disk_file.path}': short read: "
+                                              rf"got {5 * ALIGNMENT} of {8 * ALIGNMENT} bytes"):
+            disk_file.read_into(buf, 0, "chunk5.master").wait()
+
+
 def test_disk_io_error_pickles():
     error = DiskIOError("/d/chunk3", "chunk3.exp_avg", "write", "No space left on device (errno ENOSPC)",
                         errno.ENOSPC)
