@@ -608,12 +608,16 @@ def _direct_io_allowed(path: str) -> bool:
 
 class AlignedBufferPool:
     """``count`` host buffers of ``aligned_nbytes(nbytes)`` bytes each, at addresses that are multiples of
-    :data:`ALIGNMENT`, for disk I/O. Pinned only when CUDA is available (so copies to the GPU can be
-    asynchronous); pinned memory cannot be swapped, so the pool is the bound on it.
+    :data:`ALIGNMENT`, for disk I/O.
 
-    ``count``; ``buffer_nbytes``: bytes per buffer; ``total_nbytes``: bytes the pool holds, for the
-    host ledger (``count * buffer_nbytes`` plus :data:`ALIGNMENT` bytes over-allocated to align the first
-    buffer); ``free``: buffers free now.
+    Without CUDA the buffers are one anonymous memory mapping (page-aligned, outside malloc's heap, so
+    the pool holds exactly ``count * buffer_nbytes`` bytes). With CUDA they are pinned (page-locked, so
+    copies to the GPU can be asynchronous; pinned memory cannot be swapped out, and the pool is the bound
+    on it) and come from torch's pinned allocator, with :data:`ALIGNMENT` bytes more where its block is
+    not aligned.
+
+    ``count``; ``buffer_nbytes``: bytes per buffer; ``total_nbytes``: bytes the pool allocated (for the
+    host ledger); ``free``: buffers free now.
     """
 
     def __init__(self, count: int, nbytes: int) -> None:
@@ -621,10 +625,17 @@ class AlignedBufferPool:
         check_number("nbytes", nbytes, low=1, integer=True, allowed="an integer >= 1 (bytes per buffer)")
         self.count = count
         self.buffer_nbytes = aligned_nbytes(nbytes)
-        self.total_nbytes = count * self.buffer_nbytes + ALIGNMENT
-        self._memory = torch.empty(self.total_nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-        skip = -self._memory.data_ptr() % ALIGNMENT
-        self._buffers = [self._memory[skip + i * self.buffer_nbytes: skip + (i + 1) * self.buffer_nbytes]
+        size = count * self.buffer_nbytes
+        if torch.cuda.is_available():
+            memory = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            if memory.data_ptr() % ALIGNMENT:
+                memory = torch.empty(size + ALIGNMENT, dtype=torch.uint8, pin_memory=True)
+        else:
+            memory = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)  # holds the mapping
+        self._memory = memory
+        self.total_nbytes = memory.numel()
+        skip = -memory.data_ptr() % ALIGNMENT
+        self._buffers = [memory[skip + i * self.buffer_nbytes: skip + (i + 1) * self.buffer_nbytes]
                          for i in range(count)]
         self._index = {b.data_ptr(): i for i, b in enumerate(self._buffers)}
         self._free = list(range(count - 1, -1, -1))

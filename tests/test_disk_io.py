@@ -340,7 +340,8 @@ def test_disk_io_error_pickles():
 
 def test_aligned_buffer_pool():
     pool = AlignedBufferPool(3, 5000)
-    assert (pool.count, pool.buffer_nbytes, pool.total_nbytes, pool.free) == (3, 8192, 3 * 8192 + ALIGNMENT, 3)
+    assert (pool.count, pool.buffer_nbytes, pool.free) == (3, 8192, 3)
+    assert pool.total_nbytes in ((3 * 8192, 3 * 8192 + ALIGNMENT) if torch.cuda.is_available() else (3 * 8192,))
     assert pool.pinned == torch.cuda.is_available()
     taken = [pool.take() for _ in range(3)]
     assert pool.free == 0
