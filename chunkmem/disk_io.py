@@ -19,7 +19,7 @@ A request (:meth:`DiskFile.read_into`, :meth:`DiskFile.write_from`) returns an :
 once; the request is split into pieces of :data:`PIECE_NBYTES` bytes that run on the process's pool of
 :data:`IO_WORKERS` threads (:func:`io_workers`) with ``os.preadv`` / ``os.pwritev``, which release the
 GIL, so several pieces keep the disk's queues busy while Python computes. Plain system calls in threads
-need no dependency; ``benchmarks`` and :func:`measure_bandwidth` measure what they reach.
+need no dependency; :func:`measure_bandwidth` measures what they reach.
 
 A failed I/O (an errno, or a read that ends before the buffer is full) raises :class:`DiskIOError`
 from :meth:`IOHandle.wait`, naming the file, what was moved (e.g. ``"chunk3.exp_avg"``) and the cause.
@@ -391,10 +391,12 @@ class ScratchSpace:
 
     ``path``: the private directory (``<nvme_path>/chunkmem-<pid>-<token>``); ``direct``: whether its
     files use ``O_DIRECT``. Where the filesystem refuses ``O_DIRECT`` (checked once, with a 4 KiB probe
-    file), files use plain buffered I/O instead: the same requests and results, through the page cache.
-    No ``fsync`` is needed then either: the files are scratch space read back only by this process,
-    which sees its own writes through the page cache, and nothing in them survives the process.
-    ``direct=False`` forces buffered I/O; ``direct=True`` requires ``O_DIRECT``.
+    file), files use plain buffered I/O instead: the same requests and results, through the page cache
+    (which then holds copies of the files' pages in host memory until the kernel reclaims them). No
+    ``fsync`` is needed then either: the files are scratch space read back only by this process, which
+    sees its own writes through the page cache, and nothing in them survives the process. (tmpfs
+    accepts ``O_DIRECT`` since Linux 6.6.) ``direct=False`` forces buffered I/O; ``direct=True``
+    requires ``O_DIRECT``.
 
     The directory is removed by :meth:`close`, when the object is garbage collected, and at interpreter
     exit (also after an uncaught exception), after waiting for in-flight I/O. A killed process cannot
