@@ -90,6 +90,7 @@ class DiskTier:
         self._slots: dict[str, int] = {}   # regions per chunk of each family
         self._pool: AlignedBufferPool | None = None
         self._fetcher: ThreadPoolExecutor | None = None  # reads parameter chunks for compute, one at a time
+        self._fetch_pool: AlignedBufferPool | None = None
         self._fetch_buffer: torch.Tensor | None = None
 
     @property
@@ -139,27 +140,34 @@ class DiskTier:
         bytes on the host ledger)."""
         count = self.buffer_count * families
         if self._pool is None or self._pool.count < count:
-            self.release_buffers()
-            self.ledger.reserve(Tier.HOST, DISK_IO_FAMILY, count * self.buffer_size, "the disk tier's I/O buffers")
+            self._release_pool()
+            self.ledger.reserve(Tier.HOST, DISK_IO_FAMILY, count * aligned_nbytes(self.buffer_size),
+                                "the disk tier's I/O buffers")
             self._pool = AlignedBufferPool(count, self.buffer_size)
         return self._pool
 
     def release_buffers(self) -> None:
-        if self._pool is not None:
-            self.ledger.release(Tier.HOST, DISK_IO_FAMILY, self._pool.count * self.buffer_size)
-            self._pool = None
+        """Give back the I/O buffers and stop the fetch thread (their bytes leave the host ledger)."""
+        self._release_pool()
         if self._fetcher is not None:
             self._fetcher.shutdown(wait=True)
-            self.ledger.release(Tier.HOST, DISK_IO_FAMILY, self.buffer_size)
-            self._fetcher = self._fetch_buffer = None
+            self.ledger.release(Tier.HOST, DISK_IO_FAMILY, self._fetch_pool.total_nbytes)
+            self._fetcher = self._fetch_pool = self._fetch_buffer = None
+
+    def _release_pool(self) -> None:
+        if self._pool is not None:
+            self.ledger.release(Tier.HOST, DISK_IO_FAMILY, self._pool.count * aligned_nbytes(self.buffer_size))
+            self._pool = None
 
     def start_read_all(self, buf: "FlatBuffer", out: torch.Tensor) -> "Future[None]":
         """Start copying ``buf``'s current contents into ``out`` on the fetch thread (through its own
         aligned buffer of ``buffer_size`` bytes, on the host ledger); the future's result raises a
         failed read's :class:`~chunkmem.disk_io.DiskIOError`."""
         if self._fetcher is None:
-            self.ledger.reserve(Tier.HOST, DISK_IO_FAMILY, self.buffer_size, "the disk tier's fetch buffer")
-            self._fetch_buffer = AlignedBufferPool(1, self.buffer_size).take()
+            self.ledger.reserve(Tier.HOST, DISK_IO_FAMILY, aligned_nbytes(self.buffer_size),
+                                "the disk tier's fetch buffer")
+            self._fetch_pool = AlignedBufferPool(1, self.buffer_size)
+            self._fetch_buffer = self._fetch_pool.take()
             self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="chunkmem-disk-fetch")
         self.ledger.count_disk(read=buf.nbytes)
         staging, slot = self._fetch_buffer, buf.disk_slot

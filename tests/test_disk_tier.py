@@ -91,8 +91,8 @@ def test_exact_bytes_per_tier_and_files(tmp_path, dtype):
     _train(model, optim, batches(1))
     streamed = len(families) + (1 if dtype == torch.float32 else 0)
     assert model.tier_bytes()["host"]["disk_io"] == 3 * streamed * PIECE
-    assert sorted(os.listdir(model.disk_path)) == sorted(f + ".bin" for f in families + (
-        ["journal"] if dtype == torch.float32 else []))
+    assert sorted(os.listdir(model.disk_path)) == sorted([f + ".bin" for f in families + (
+        ["journal"] if dtype == torch.float32 else [])] + [cm.disk_io.OWNER_FILE])
     doc = model.memory_stats()
     assert doc["tiers"] == model.tier_bytes() and doc["disk"]["file_bytes"] == model.disk_file_bytes()
     assert doc["optimizer"]["disk_chunks"] == [c.index for c in trainable] and doc["optimizer"]["host_chunks"] == []
@@ -133,12 +133,12 @@ def _fail_one_step(tmp_path, dtype, reuse, fault):
                                          (torch.float16, True)], ids=str)
 def test_a_full_disk_during_a_step_undoes_it(tmp_path, dtype, reuse):
     # the writes of the second chunk fail: the first chunk was already updated in memory and on disk
-    _fail_one_step(tmp_path, dtype, reuse, dict(write_errno=errno.ENOSPC, what="chunk1"))
+    _fail_one_step(tmp_path, dtype, reuse, dict(write_errno=errno.ENOSPC, what="chunk1."))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_a_short_read_during_a_step_undoes_it(tmp_path, dtype):
-    _fail_one_step(tmp_path, dtype, False, dict(short_read=True, what="chunk2"))
+    _fail_one_step(tmp_path, dtype, False, dict(short_read=True, what="chunk2."))
 
 
 def test_without_atomic_steps_a_failure_asks_for_a_checkpoint(tmp_path):
@@ -147,7 +147,7 @@ def test_without_atomic_steps_a_failure_asks_for_a_checkpoint(tmp_path):
     model, optim = _build(reference, torch.float16, **_on_disk(tmp_path / "disk", atomic_step=False))
     _train(model, optim, data[:1])
     cm.save_checkpoint(tmp_path / "ckpt.pt", model, optim)
-    with inject_faults(read_errno=errno.EIO, what="chunk1"):
+    with inject_faults(read_errno=errno.EIO, what="chunk1."):
         with pytest.raises(cm.DiskStepError, match="atomic_step=False") as info:
             _step(model, optim, data[1])
     assert not info.value.undone
@@ -275,7 +275,7 @@ def _two_rank_worker(rank, world, path, dtype, fail_rank, offload_param=None):
     out = {"failed": None}
     if fail_rank is not None:
         before = copy.deepcopy(b.state_dict())
-        faults = dict(write_errno=errno.EIO, what="chunk1") if rank == fail_rank else dict(what="nothing")
+        faults = dict(write_errno=errno.EIO, what="chunk1.") if rank == fail_rank else dict(what="nothing")
         with inject_faults(**faults):
             try:
                 _step(b, ob, data[2])
