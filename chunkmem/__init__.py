@@ -3,6 +3,7 @@ memory, by packing them into chunks that move between the device and host tiers.
 from .adam import CPUAdam, HybridAdam
 from .agreement import LayoutMismatchError
 from .checkpoint import CheckpointError, consolidate_checkpoint, load_checkpoint, save_checkpoint
+from .config import NoEffectWarning, initialize
 from .collectives import CollectiveError, CollectiveTimeoutError, collective_timeout, set_collective_timeout
 from .errors import (ArgumentTypeError, ChunkmemError, DeviceCapacityError, GradientAccumulationError,
                      InvalidArgumentError, UnscaledBackwardError, UnsupportedOperationError)
@@ -24,6 +25,7 @@ __all__ = [
     "DeviceCapacityError", "DynamicGradScaler", "GatheredParameters", "GradientAccumulationError", "HybridAdam",
     "InvalidArgumentError", "LayoutMismatchError", "ParameterAccessError", "ShardedModelV2", "ShardedOptimizerV2",
     "TensorShardStrategy", "Tier", "UnscaledBackwardError", "UnsupportedOperationError", "ZeroInitContext",
+    "NoEffectWarning", "initialize",
     "collective_timeout", "consolidate_checkpoint", "device_memory_capacity", "load_checkpoint", "parse_size",
     "register_external_parameter", "save_checkpoint", "set_collective_timeout", "set_device_memory_capacity",
 ]
