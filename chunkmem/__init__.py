@@ -11,6 +11,7 @@ from .init_context import ZeroInitContext
 from .loss_scaler import DynamicGradScaler
 from .model import ShardedModelV2
 from .optimizer import ShardedOptimizerV2
+from .plan import PolicyPlan, plan
 from .param_guard import ChunkGradient, ChunkParameter, ParameterAccessError
 from .parameter_access import GatheredParameters, register_external_parameter
 from .states import ChunkStateError
@@ -25,7 +26,7 @@ __all__ = [
     "DeviceCapacityError", "DynamicGradScaler", "GatheredParameters", "GradientAccumulationError", "HybridAdam",
     "InvalidArgumentError", "LayoutMismatchError", "ParameterAccessError", "ShardedModelV2", "ShardedOptimizerV2",
     "TensorShardStrategy", "Tier", "UnscaledBackwardError", "UnsupportedOperationError", "ZeroInitContext",
-    "NoEffectWarning", "initialize",
+    "NoEffectWarning", "initialize", "PolicyPlan", "plan",
     "collective_timeout", "consolidate_checkpoint", "device_memory_capacity", "load_checkpoint", "parse_size",
     "register_external_parameter", "save_checkpoint", "set_collective_timeout", "set_device_memory_capacity",
 ]
