@@ -1,20 +1,18 @@
 """Will it fit? :func:`plan` answers before anything is allocated, per placement policy.
 
-The model is built (or copied) on the ``meta`` device, so its parameters cost no memory. The chunk layout
-is the one :class:`~chunkmem.ShardedModelV2` would build (the same chunk-size search and packing, one
-process, one optimizer param group). One iteration (forward, ``loss_fn``, backward) runs on the meta
-model under the tracer's :class:`~chunkmem.tracer.StorageCounter`, which gives the non-model peak
-(activations, temporaries, autograd's gradients) in bytes, and records which module used which chunk in
-which order. From these:
+The planner runs chunkmem itself, with both tiers on PyTorch's ``meta`` device: tensors there have
+shapes and dtypes but no memory, while every byte count stays exact. The model is built (or copied)
+on the meta device and wrapped in a real :class:`~chunkmem.ShardedModelV2` (the same chunk-size search,
+packing, capacity check, hooks, tracer, Belady planner and byte ledger as a real run), which then runs
+three forward/backward iterations on the sample batch: the first is traced (the tracer's
+:class:`~chunkmem.tracer.StorageCounter` gives the non-model peak: activations, temporaries,
+autograd's gradients), the later ones follow the schedule, and the ledger counts the bytes the last one
+moves. The optimizer's families (``master`` for 16-bit models, ``exp_avg``, ``exp_avg_sq``, all fp32)
+cannot run on meta tensors; their bytes come from the policy's own ``optim_on_device`` rule, and the
+device capacity the meta run gets is what is left after the optimizer state resting there.
 
-* the bytes each tier holds per family between steps come from each policy's own rules
-  (``params_on_device_at_rest``, ``optim_on_device``): ``param`` (model dtype), ``master`` (fp32, 16-bit
-  models only), ``exp_avg`` and ``exp_avg_sq`` (fp32);
-* the bytes moved per step come from :func:`chunkmem.belady.plan_moves` over the recorded periods (as
-  the scheduler plans ``auto``; with the device holding only what each period needs for ``cpu`` and for
-  the host-resting chunks of ``static``), plus the gradients of chunks whose Adam runs on the host;
-* whether it fits: the device-capacity check ``ShardedModelV2`` runs before building, with the capacity
-  left after the non-model peak, and the host bytes against ``host_memory``.
+While :func:`plan` runs, chunkmem's tier functions point at the meta device (process-wide): do not
+train in another thread meanwhile. One process is planned (no ZeRO-3 sharding over ranks).
 
 ``python -m chunkmem.plan --preset gpt2-small --batch-size 8 --seq-len 1024 --device-memory 24GiB``
 prints the table (run from the repository root: the presets are ``benchmarks/_gpt.py``'s GPT);
@@ -25,33 +23,40 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib
+import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
-from .belady import plan_moves
-from .chunk import ChunkKey
-from .collectives import SINGLE_PROCESS
-from .errors import ArgumentTypeError, DeviceCapacityError, InvalidArgumentError, check_choice
+from . import block_pool, tiers
+from .errors import ArgumentTypeError, DeviceCapacityError, InvalidArgumentError, UnsupportedOperationError
+from .errors import check_choice
 from .init_context import check_chunk_size, check_dtype
-from .layout import pack, search_chunk_numel
-from .model import ShardedModelV2, _LayoutPlan
+from .model import ShardedModelV2
 from .placement import make_policy
+from .shard_strategy import TensorShardStrategy
 from .tiers import parse_size
-from .tracer import StorageCounter
 
 __all__ = ["PolicyPlan", "plan", "format_table"]
 
-FAMILIES = ("param", "master", "exp_avg", "exp_avg_sq")
 META = torch.device("meta")
+ITERATIONS = 3  # traced, planned, followed: the last one is measured
 
 
 @dataclass
 class PolicyPlan:
-    """The plan of one placement policy. Bytes are bytes; ``chunk_bytes`` is one chunk's parameter bytes."""
+    """The plan of one placement policy. Bytes are bytes; ``chunk_bytes`` is one chunk's parameter bytes.
+
+    ``tier_bytes``: ``{"device"|"host": {family: bytes}}`` between steps, as ``model.tier_bytes()``
+    reports it after a step. ``device_peak_bytes``: the most chunk bytes on the device at once (the meta
+    run's ledger peak plus the optimizer state resting there). ``moved_*_per_step``: bytes copied between
+    the tiers by one forward/backward that follows the schedule, as the ledger counts them.
+    """
 
     policy: str
     fits: bool
@@ -62,7 +67,8 @@ class PolicyPlan:
     num_chunks: int
     moved_to_device_per_step: int
     moved_to_host_per_step: int
-    extra: dict[str, Any] = field(default_factory=dict)  # device_step_chunk_bytes: resting chunks + gradients
+    device_peak_bytes: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def total(self, tier: str) -> int:
         """Bytes on ``tier`` ("device" or "host") over all families."""
@@ -77,15 +83,15 @@ def plan(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: An
 
     Args:
         model_or_builder: a function that builds the model (called under ``torch.device("meta")``:
-            nothing is allocated), or a module (copied to the meta device; its copy costs one model).
-        sample_batch: what the model is called with (a tensor, or a tuple of positional arguments); any
-            tensor is moved to the meta device, floating ones cast to ``dtype``.
+            nothing is allocated), or a module (copied to the meta device; the copy costs one model).
+        sample_batch: what the model is called with (a tensor, or a tuple of positional arguments); its
+            tensors are moved to the meta device.
         device_memory: the device tier's capacity in bytes (an int or a size like ``"24GiB"``).
         host_memory: the host tier's capacity in bytes (``None``: unbounded).
         loss_fn: ``loss_fn(output, sample_batch)`` -> scalar (default: the mean of the output).
         dtype: the model dtype, torch.float16, torch.bfloat16 or torch.float32.
         chunk_size: bytes per chunk (``None``: searched as ShardedModelV2 does).
-        reuse_fp16_shard: as ShardedModelV2's (no gradient staging buffers).
+        reuse_fp16_shard: as ShardedModelV2's.
         policies: among ``"cuda"``, ``"cpu"``, ``"auto"`` (``auto`` with ``gpu_margin_mem_ratio=0``).
     """
     device_capacity = parse_size(device_memory, "device_memory")
@@ -94,152 +100,134 @@ def plan(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: An
     check_chunk_size(chunk_size, dtype)
     if not isinstance(reuse_fp16_shard, bool):
         raise ArgumentTypeError("reuse_fp16_shard", reuse_fp16_shard, "True or False")
-    if reuse_fp16_shard and dtype == torch.float32:
-        raise InvalidArgumentError("reuse_fp16_shard", True, "False with dtype torch.float32")
     if isinstance(policies, str) or not policies:
         raise InvalidArgumentError("policies", policies, "a non-empty sequence of 'cuda', 'cpu', 'auto'")
     for name in policies:
         check_choice("policies", name, ("cuda", "cpu", "auto"))
-    model = _meta_model(model_or_builder, dtype)
-
-    element_size = torch.empty((), dtype=dtype).element_size()
-    named = list(model.named_parameters())
-    if not named:
-        raise InvalidArgumentError("model_or_builder", type(model).__name__, "a model with at least one parameter")
-    keys = [ChunkKey(p.requires_grad, 0) for _, p in named]
-    numels = [p.numel() for _, p in named]
-    if chunk_size is None:
-        chunk_numel = search_chunk_numel(numels, keys, element_size)
-    else:
-        chunk_numel = chunk_size // element_size
-        if chunk_numel < max(numels):
-            raise InvalidArgumentError("chunk_size", chunk_size, f">= {max(numels) * element_size} bytes (the "
-                                                                 f"largest parameter)")
-    first_seen = {k: i for i, k in reversed(list(enumerate(dict.fromkeys(keys))))}
-    order = sorted(range(len(named)), key=lambda i: first_seen[keys[i]])
-    entries = [(named[i][0], named[i][1], keys[i]) for i in order]
-    groups = pack([p.numel() for _, p, _ in entries], [k for _, _, k in entries], chunk_numel)
-    layout = _LayoutPlan(entries, groups, chunk_numel * element_size)
-    chunk_of = layout.chunk_of_param()
-
-    needed, peak = _trace(model, sample_batch, loss_fn, dtype, chunk_of)
-    return {name: _plan_policy(name, model, layout, needed, peak, device_capacity, host_capacity, dtype,
-                               reuse_fp16_shard) for name in policies}
-
-
-def _meta_model(model_or_builder: Any, dtype: torch.dtype) -> nn.Module:
-    if isinstance(model_or_builder, nn.Module):
-        model = copy.deepcopy(model_or_builder).to(META)
-    elif callable(model_or_builder):
-        with META:
-            model = model_or_builder()
-        if not isinstance(model, nn.Module):
-            raise ArgumentTypeError("model_or_builder", type(model).__name__, "a builder returning a torch.nn.Module")
-    else:
+    if loss_fn is not None and not callable(loss_fn):
+        raise ArgumentTypeError("loss_fn", loss_fn, "a function (output, sample_batch) -> scalar, or None")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise UnsupportedOperationError("chunkmem.plan plans one process; call it before init_process_group "
+                                        "(or in a process without one)")
+    if not isinstance(model_or_builder, nn.Module) and not callable(model_or_builder):
         raise ArgumentTypeError("model_or_builder", type(model_or_builder).__name__,
                                 "a torch.nn.Module or a function that builds one")
-    return model.to(dtype)
-
-
-def _trace(model: nn.Module, batch: Any, loss_fn: Any, dtype: torch.dtype,
-           chunk_of: dict[int, int]) -> tuple[list[list[int]], int]:
-    """One meta iteration: the chunks each parameter-owning module needs, in forward then backward order
-    (the reverse), and the non-model peak in bytes."""
-    forward: list[list[int]] = []
-
-    def record(module: nn.Module, _args: Any) -> None:
-        chunks = sorted({chunk_of[id(p)] for p in module.parameters(recurse=False)})
-        if chunks:
-            forward.append(chunks)
-
-    handles = [m.register_forward_pre_hook(record) for m in model.modules()]
-
-    def to_meta(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return x.to(META, dtype=dtype if x.is_floating_point() else x.dtype)
-        return x
-
-    args = tree_map(to_meta, batch if isinstance(batch, tuple) else (batch,))
-    counter = StorageCounter(META)
+    args = tree_map(lambda x: x.to(META) if isinstance(x, torch.Tensor) else x,
+                    sample_batch if isinstance(sample_batch, tuple) else (sample_batch,))
+    saved_capacity = tiers._capacity_override  # the user's setting, restored after the meta runs
+    template = _meta_model(model_or_builder)  # built once; each wrapped model below gets a (free) meta copy
+    plans = {}
     try:
-        with counter:
-            out = model(*args)
-            loss = loss_fn(out, args[0] if len(args) == 1 else args) if loss_fn else _mean_of(out)
-            loss.backward()
-            counter.collect_freed()
+        for name in policies:
+            plans[name] = _plan_policy(name, template, args, loss_fn, device_capacity, host_capacity, dtype,
+                                       chunk_size, reuse_fp16_shard)
     finally:
-        for h in handles:
-            h.remove()
-    return forward + forward[::-1], counter.peak
+        tiers.set_device_memory_capacity(saved_capacity)
+    return plans
+
+
+def _meta_model(model_or_builder: Any) -> nn.Module:
+    if isinstance(model_or_builder, nn.Module):
+        return copy.deepcopy(model_or_builder).to(META)
+    with META:
+        model = model_or_builder()
+    if not isinstance(model, nn.Module):
+        raise ArgumentTypeError("model_or_builder", type(model).__name__, "a builder returning a torch.nn.Module")
+    return model
+
+
+@contextmanager
+def meta_tiers() -> Iterator[None]:
+    """Point chunkmem's tier functions at the meta device (both tiers), and take chunk memory from torch
+    instead of the block pool, in every chunkmem module that imported them, for the duration."""
+    replacements = {
+        tiers.device_of_tier: lambda tier: META,
+        tiers.empty_on_tier: lambda tier, numel, dtype: torch.empty(numel, dtype=dtype, device=META),
+        block_pool.pool_for_this_machine: lambda: None,
+    }
+    patched = []
+    for module in [m for name, m in list(sys.modules.items()) if name.split(".")[0] == "chunkmem" and m]:
+        for attribute, value in list(vars(module).items()):
+            if callable(value) and value in replacements:
+                patched.append((module, attribute, value))
+                setattr(module, attribute, replacements[value])
+    try:
+        yield
+    finally:
+        for module, attribute, value in patched:
+            setattr(module, attribute, value)
+
+
+def _optimizer_bytes(policy: Any, model: ShardedModelV2) -> dict[str, dict[str, int]]:
+    """The optimizer families' bytes per tier, by the policy's rule (as ShardedOptimizerV2 places them)."""
+    out: dict[str, dict[str, int]] = {"device": {}, "host": {}}
+    trainable = [c for c in model.chunks if c.trainable]
+    families = (("master",) if model.dtype != torch.float32 else ()) + ("exp_avg", "exp_avg_sq")
+    for position, _ in enumerate(trainable):
+        tier = "device" if policy.optim_on_device(position, len(trainable)) else "host"
+        for family in families:
+            out[tier][family] = out[tier].get(family, 0) + model.chunk_numel * 4
+    return out
+
+
+def _plan_policy(name: str, template: nn.Module, args: tuple, loss_fn: Any, device_capacity: int,
+                 host_capacity: int | None, dtype: torch.dtype, chunk_size: int | None,
+                 reuse_fp16_shard: bool) -> PolicyPlan:
+    with meta_tiers():
+        module = copy.deepcopy(template)
+        tiers.set_device_memory_capacity(2**62)  # first the layout, to know the optimizer state's bytes
+        probe = ShardedModelV2(module, TensorShardStrategy(), tensor_placement_policy=name, dtype=dtype,
+                               chunk_size=chunk_size, reuse_fp16_shard=reuse_fp16_shard)
+        optim = _optimizer_bytes(make_policy(name), probe)
+        chunk_bytes, num_chunks = probe.chunk_numel * probe._element_size, len(probe.chunks)
+        del probe, module
+        optim_device = sum(optim["device"].values())
+        tiers.set_device_memory_capacity(max(device_capacity - optim_device, 1))
+        result = PolicyPlan(name, True, "fits", {}, 0, chunk_bytes, num_chunks, 0, 0)
+        model = None
+        try:
+            model = ShardedModelV2(copy.deepcopy(template), TensorShardStrategy(), tensor_placement_policy=name,
+                                   dtype=dtype, chunk_size=chunk_size, reuse_fp16_shard=reuse_fp16_shard)
+            resting = model.tier_bytes()
+            ledger = model.chunk_manager.ledger
+            for _ in range(ITERATIONS):
+                before = ledger.moved_to_device, ledger.moved_to_host
+                out = model(*args)
+                loss = loss_fn(out, args[0] if len(args) == 1 else args) if loss_fn else _mean_of(out)
+                loss.backward()
+                model.zero_grad()
+            planner = model.chunk_manager.scheduler.planner
+            planner.close_finished_traces()
+            result.non_model_peak = max((p.non_model_peak for p in planner.periods or []), default=0)
+            result.moved_to_device_per_step = ledger.moved_to_device - before[0]
+            result.moved_to_host_per_step = ledger.moved_to_host - before[1]
+            result.device_peak_bytes = ledger.peak_device_bytes + optim_device
+        except DeviceCapacityError as e:
+            if model is not None:  # stopped inside an iteration: leave the tracer's counting mode
+                planner = model.chunk_manager.scheduler.planner
+                if planner.running:
+                    planner.interrupt()
+                planner.close_finished_traces()
+            result.fits, result.reason = False, (f"device: {e} (the meta run had device_memory less the "
+                                                 f"{optim_device} bytes of optimizer state resting there)")
+            resting = {"device": {"param": num_chunks * chunk_bytes}, "host": {}} if name == "cuda" else \
+                {"device": {}, "host": {"param": num_chunks * chunk_bytes}}
+    result.tier_bytes = {tier: {**resting[tier], **optim[tier]} for tier in ("device", "host")}
+    for tier in result.tier_bytes:
+        result.tier_bytes[tier] = {f: n for f, n in sorted(result.tier_bytes[tier].items()) if n}
+    if result.fits and result.device_peak_bytes + result.non_model_peak > device_capacity:
+        result.fits, result.reason = False, (
+            f"device: {result.device_peak_bytes} bytes of chunks at the peak and the non-model peak of "
+            f"{result.non_model_peak} bytes exceed device_memory={device_capacity}")
+    host_total = result.total("host")
+    if result.fits and host_capacity is not None and host_total > host_capacity:
+        result.fits, result.reason = False, f"host: {host_total} bytes of chunks exceed host_memory={host_capacity}"
+    return result
 
 
 def _mean_of(out: Any) -> torch.Tensor:
-    tensor = out if isinstance(out, torch.Tensor) else next(t for t in torch.utils._pytree.tree_leaves(out)
-                                                            if isinstance(t, torch.Tensor))
+    tensor = next(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))
     return tensor.float().mean()
-
-
-class _CheckTarget:
-    """What ShardedModelV2's pre-build capacity check reads, for a model that is not built."""
-
-    def __init__(self, module: nn.Module, policy: Any, reuse_fp16_shard: bool) -> None:
-        self.module = module
-        self.policy = policy
-        self.reuse_fp16_shard = reuse_fp16_shard
-        self.shards = SINGLE_PROCESS
-
-
-def _plan_policy(name: str, model: nn.Module, layout: _LayoutPlan, needed: list[list[int]], peak: int,
-                 device_capacity: int, host_capacity: int | None, dtype: torch.dtype,
-                 reuse_fp16_shard: bool) -> PolicyPlan:
-    policy = make_policy(name)
-    count = len(layout.groups)
-    trainable = [i for i in range(count) if layout.key_of(i).trainable]
-    chunk_bytes = layout.chunk_bytes
-    fp32_bytes = chunk_bytes // torch.empty((), dtype=dtype).element_size() * 4
-    tiers: dict[str, dict[str, int]] = {"device": {}, "host": {}}
-
-    def add(tier: str, family: str, nbytes: int) -> None:
-        if nbytes:
-            tiers[tier][family] = tiers[tier].get(family, 0) + nbytes
-
-    resting = {i for i in range(count) if policy.params_on_device_at_rest(i, count)}
-    for i in range(count):
-        add("device" if i in resting else "host", "param", chunk_bytes)
-    host_optim = set()
-    for position, i in enumerate(trainable):
-        tier = "device" if policy.optim_on_device(position, len(trainable)) else "host"
-        if tier == "host":
-            host_optim.add(i)
-        for family in (("master",) if dtype != torch.float32 else ()) + ("exp_avg", "exp_avg_sq"):
-            add(tier, family, fp32_bytes)
-
-    visiting = [[c for c in period if c not in resting] for period in needed]
-    if name == "auto":
-        slots = [max(device_capacity - peak, 0) // chunk_bytes] * len(visiting)
-    else:
-        slots = [len(v) for v in visiting]
-    moves = plan_moves(visiting, [[] for _ in visiting], slots, [str(i) for i in range(len(visiting))])
-    to_device = moves.fetched_chunks * chunk_bytes
-    to_host = len(host_optim) * chunk_bytes  # the gradients of chunks whose Adam runs on the host
-
-    fits, reason = True, "fits"
-    try:
-        ShardedModelV2._check_capacity(_CheckTarget(model, policy, reuse_fp16_shard), layout,  # type: ignore[arg-type]
-                                       max(device_capacity - peak, 0))
-    except DeviceCapacityError as e:
-        fits, reason = False, f"device: {e} (after the non-model peak of {peak} bytes)"
-    # during the step the device holds its resting chunks and the gradients of the chunks whose Adam runs there
-    device_grads = 0 if reuse_fp16_shard else sum(chunk_bytes for i in trainable if i not in host_optim)
-    step_peak = sum(tiers["device"].values()) + device_grads
-    if fits and step_peak + peak > device_capacity:
-        fits, reason = False, (f"device: the {step_peak} bytes of chunks resting there with their gradients and the "
-                               f"non-model peak of {peak} bytes exceed device_memory={device_capacity}")
-    host_total = sum(tiers["host"].values())
-    if fits and host_capacity is not None and host_total > host_capacity:
-        fits, reason = False, f"host: {host_total} bytes of chunks exceed host_memory={host_capacity}"
-    return PolicyPlan(name, fits, reason, tiers, peak, chunk_bytes, count, to_device, to_host,
-                      {"device_step_chunk_bytes": step_peak})
 
 
 def format_table(plans: dict[str, PolicyPlan]) -> str:

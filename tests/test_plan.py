@@ -3,7 +3,6 @@ equal what ShardedModelV2 / ShardedOptimizerV2 account in their ledger; 'fits' a
 capacity check."""
 from __future__ import annotations
 
-import subprocess
 import sys
 import os
 
@@ -22,18 +21,21 @@ def build() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64), nn.Linear(64, 8))
 
 
-def real_run(policy: str, dtype: torch.dtype, batch: torch.Tensor) -> tuple[dict, tuple[int, int]]:
-    m = cm.ShardedModelV2(build(), cm.TensorShardStrategy(), tensor_placement_policy=policy, dtype=dtype,
-                          chunk_size=CHUNK)
+def real_run(policy: str, dtype: torch.dtype, batch: torch.Tensor, builder=build, chunk: int = CHUNK,
+             loss_fn=None) -> tuple[dict, tuple[int, int], int]:
+    m = cm.ShardedModelV2(builder(), cm.TensorShardStrategy(), tensor_placement_policy=policy, dtype=dtype,
+                          chunk_size=chunk)
     o = cm.ShardedOptimizerV2(m, cm.HybridAdam(m.parameters(), lr=1e-3), initial_scale=2**8)
     ledger = m.chunk_manager.ledger
     for _ in range(3):  # auto plans after its traced first step: compare the last
         before = ledger.moved_to_device, ledger.moved_to_host
-        loss = m(batch).float().mean()
+        out = m(batch)
+        loss = loss_fn(out, batch) if loss_fn else out.float().mean()
         o.backward(loss)
         o.step()
         o.zero_grad()
-    return m.tier_bytes(), (ledger.moved_to_device - before[0], ledger.moved_to_host - before[1])
+    traced_peak = max(p.non_model_peak for p in m.chunk_manager.scheduler.planner.periods)
+    return m.tier_bytes(), (ledger.moved_to_device - before[0], ledger.moved_to_host - before[1]), traced_peak
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -42,7 +44,7 @@ def test_plan_bytes_equal_a_real_run(dtype):
     plans = plan(build, batch, 10 * 2**20, dtype=dtype, chunk_size=CHUNK)
     cm.set_device_memory_capacity(10 * 2**20)
     for policy in ("cuda", "cpu", "auto"):
-        tiers, moved = real_run(policy, dtype, batch)
+        tiers, moved, _ = real_run(policy, dtype, batch)
         p = plans[policy]
         assert p.fits and p.chunk_bytes == CHUNK
         assert p.tier_bytes == tiers, policy
@@ -54,8 +56,28 @@ def test_plan_bytes_equal_a_real_run(dtype):
     if dtype == torch.float16:
         optim["master"] = n * fp32_chunk
     assert plans["cuda"].tier_bytes == {"device": {"param": n * CHUNK, **optim}, "host": {}}
-    assert plans["cuda"].extra["device_step_chunk_bytes"] == n * CHUNK * 2 + sum(optim.values())
+    assert plans["cuda"].device_peak_bytes == n * CHUNK * 2 + sum(optim.values())  # parameters, gradients, Adam
     assert plans["cuda"].moved_to_device_per_step == 0
+
+
+def test_plan_of_a_gpt_with_tied_and_functionally_used_weights_equals_a_real_run():
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from models import TinyGPT, lm_loss
+
+    def builder():
+        torch.manual_seed(0)
+        return TinyGPT(vocab=64, d=32, layers=2, seq=16)
+
+    batch = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    plans = plan(builder, batch, 64 * 2**20, dtype=torch.float32, chunk_size=16384, loss_fn=lm_loss)
+    cm.set_device_memory_capacity(64 * 2**20)
+    for policy in ("cuda", "cpu", "auto"):
+        tiers, moved, traced_peak = real_run(policy, torch.float32, batch, builder, 16384, lm_loss)
+        p = plans[policy]
+        assert p.num_chunks == 9 and p.tier_bytes == tiers, policy
+        assert (p.moved_to_device_per_step, p.moved_to_host_per_step) == moved, policy
+        # the meta run's traced non-model peak is close to the real one and not below it
+        assert traced_peak <= p.non_model_peak <= 1.1 * traced_peak, (p.non_model_peak, traced_peak)
 
 
 def test_plan_allocates_nothing_and_reports_the_non_model_peak():
@@ -87,6 +109,7 @@ def test_fits_agrees_with_the_real_capacity_check():
     real_run("cpu", torch.float32, batch)
     host = plan(build, batch, capacity, host_memory=2**10, dtype=torch.float32, chunk_size=CHUNK)["cpu"]
     assert not host.fits and host.reason.startswith("host")
+    assert cm.device_memory_capacity() == capacity - plans["cpu"].non_model_peak  # plan restored the setting
 
 
 def test_bad_arguments_are_named():
@@ -100,13 +123,27 @@ def test_bad_arguments_are_named():
         plan(build, torch.randn(1, 64), 2**20, dtype=torch.float32, chunk_size=64)
 
 
-def test_command_line_prints_the_table():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-m", "chunkmem.plan", "--preset", "tiny", "--seq-len", "32",
-                          "--batch-size", "2", "--device-memory", "64MiB", "--dtype", "fp32"], cwd=root,
-                         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": root})
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
+def test_command_line_prints_the_table(capsys, monkeypatch):
+    from chunkmem.plan import _main
+
+    monkeypatch.syspath_prepend(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
+    _main(["--preset", "tiny", "--seq-len", "8", "--batch-size", "1", "--device-memory", "64MiB", "--dtype", "fp32"])
+    lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:2] == ["policy", "fits"]
-    assert [line.split()[0] for line in lines[1:4]] == ["cuda", "cpu", "auto"]
+    assert [line.split()[:2] for line in lines[1:4]] == [["cuda", "yes"], ["cpu", "yes"], ["auto", "yes"]]
+    # tiny preset: vocab 512, d_model 256, 4 layers, 8 positions (examples/train_gpt.py's GPT at --seq-len 8)
+    n_params = 512 * 256 + 8 * 256 + 4 * (12 * 256 * 256 + 13 * 256) + 2 * 256
+    assert float(lines[1].split()[2]) == pytest.approx(3 * 4 * n_params / 2**20, rel=0.05)  # param + 2 moments
     assert format_table(plan(build, torch.randn(1, 64), 2**30)).count("\n") == 6
+
+
+def test_activations_that_do_not_fit_beside_the_chunks_make_a_plan_not_fit():
+    """'cuda' at a capacity that holds its chunks at their peak (parameters, gradients, Adam moments:
+    16 chunks) but not the activations of a large batch beside them."""
+    batch = torch.randn(4096, 64)  # the first Linear's output alone is 4 MiB
+    p = plan(build, batch, 18 * CHUNK, dtype=torch.float32, chunk_size=CHUNK, policies=("cuda",))["cuda"]
+    assert p.device_peak_bytes == 16 * CHUNK and p.non_model_peak >= 4096 * 256 * 4
+    assert not p.fits and "non-model peak" in p.reason
+    assert p.tier_bytes["device"] == {"param": 4 * CHUNK, "exp_avg": 4 * CHUNK, "exp_avg_sq": 4 * CHUNK}
+    assert plan(build, torch.randn(4, 64), 18 * CHUNK, dtype=torch.float32, chunk_size=CHUNK,
+                policies=("cuda",))["cuda"].fits
