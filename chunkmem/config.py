@@ -327,7 +327,8 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
         if bucket is not None:
             kwargs["reduce_scatter_bucket_size_mb"] = bucket * torch.empty((), dtype=dtype).element_size() / 2**20
         wrapped = _rename_errors("zero_optimization.", lambda: ShardedModelV2(
-            model, TensorShardStrategy(), dtype=dtype, **kwargs))
+            model, TensorShardStrategy(), dtype=dtype, **kwargs),
+            {"dtype": "fp16.enabled/bf16.enabled", "reduce_scatter_bucket_size_mb": "zero_optimization.reduce_bucket_size"})
         if optimizer is None:
             if not optimizer_section:
                 return wrapped, None

@@ -38,6 +38,7 @@ from .errors import ArgumentTypeError, DeviceCapacityError, InvalidArgumentError
 from .errors import check_choice
 from .init_context import check_chunk_size, check_dtype
 from .model import ShardedModelV2
+from .param_guard import slot_of
 from .placement import make_policy
 from .shard_strategy import TensorShardStrategy
 from .tiers import parse_size
@@ -128,6 +129,10 @@ def plan(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: An
 
 def _meta_model(model_or_builder: Any) -> nn.Module:
     if isinstance(model_or_builder, nn.Module):
+        if any(slot_of(p) is not None for p in model_or_builder.parameters()):
+            raise InvalidArgumentError("model_or_builder", type(model_or_builder).__name__,
+                                       "a plain module or a builder, not a module whose parameters are in chunks "
+                                       "(built inside ZeroInitContext or wrapped)")
         return copy.deepcopy(model_or_builder).to(META)
     with META:
         model = model_or_builder()

@@ -3,6 +3,7 @@ the same wrappers built by hand (bitwise), plus the errors and warnings of the k
 from __future__ import annotations
 
 import json
+import math
 import warnings
 
 import pytest
@@ -175,6 +176,24 @@ def test_colossal_form_errors_name_the_key_and_leave_the_model_unwrapped():
         cm.initialize(model, None, {"zero": {"optimizer_config": {"initial_scale": 8}}})
     m, o = cm.initialize(model, None, {"zero": {"model_config": {"dtype": "fp32"}}})  # nothing was wrapped
     assert isinstance(m, cm.ShardedModelV2) and o is None
+
+
+def test_tutorial_config_with_a_model_built_in_zero_init_context():
+    with cm.ZeroInitContext(torch.device("cpu"), cm.TensorShardStrategy(), shard_param=True, dtype=torch.float16):
+        model = make_model()
+    with pytest.warns(UserWarning, match="gpu_margin_mem_ratio"):
+        m, o = cm.initialize(model, cm.HybridAdam(model.parameters(), lr=1e-3), TUTORIAL)
+    assert m.dtype == torch.float16 and o.loss_scale == 2**5
+    losses = train(m, o, steps=2)
+    assert all(math.isfinite(x) for x in losses)
+
+
+def test_deepspeed_dtype_that_contradicts_the_init_context_names_the_precision_keys():
+    with cm.ZeroInitContext(torch.device("cpu"), cm.TensorShardStrategy(), dtype=torch.bfloat16):
+        model = make_model()
+    with pytest.raises(cm.InvalidArgumentError) as info:
+        cm.initialize(model, config={"zero_optimization": {"stage": 3}, "fp16": {"enabled": True}})
+    assert info.value.argument == "fp16.enabled/bf16.enabled" and "bfloat16" in str(info.value)
 
 
 # ---- the DeepSpeed form ------------------------------------------------------------------------------

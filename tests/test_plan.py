@@ -119,6 +119,13 @@ def test_bad_arguments_are_named():
         plan(3, torch.randn(1, 64), 2**20)
     with pytest.raises(cm.InvalidArgumentError, match="device_memory"):
         plan(build, torch.randn(1, 64), "lots")
+    with cm.ZeroInitContext(torch.device("cpu"), cm.TensorShardStrategy(), dtype=torch.float32):
+        in_chunks = build()
+    with pytest.raises(cm.InvalidArgumentError, match="model_or_builder"):
+        plan(in_chunks, torch.randn(1, 64), 2**20)
+    module = build()
+    assert plan(module, torch.randn(1, 64), 2**30, dtype=torch.float32)["cpu"].num_chunks >= 1  # a plain module
+    assert not any(p.is_meta for p in module.parameters())  # was copied, not moved
     with pytest.raises(cm.InvalidArgumentError, match="chunk_size"):
         plan(build, torch.randn(1, 64), 2**20, dtype=torch.float32, chunk_size=64)
 
