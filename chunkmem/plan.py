@@ -145,17 +145,18 @@ def _meta_model(model_or_builder: Any) -> nn.Module:
 def meta_tiers() -> Iterator[None]:
     """Point chunkmem's tier functions at the meta device (both tiers), and take chunk memory from torch
     instead of the block pool, in every chunkmem module that imported them, for the duration."""
-    replacements = {
-        tiers.device_of_tier: lambda tier: META,
-        tiers.empty_on_tier: lambda tier, numel, dtype: torch.empty(numel, dtype=dtype, device=META),
-        block_pool.pool_for_this_machine: lambda: None,
+    replacements = {  # by identity: the original function -> its meta stand-in
+        id(tiers.device_of_tier): lambda tier: META,
+        id(tiers.empty_on_tier): lambda tier, numel, dtype: torch.empty(numel, dtype=dtype, device=META),
+        id(block_pool.pool_for_this_machine): lambda: None,
     }
+    originals = (tiers.device_of_tier, tiers.empty_on_tier, block_pool.pool_for_this_machine)
     patched = []
     for module in [m for name, m in list(sys.modules.items()) if name.split(".")[0] == "chunkmem" and m]:
         for attribute, value in list(vars(module).items()):
-            if callable(value) and value in replacements:
+            if any(value is original for original in originals):
                 patched.append((module, attribute, value))
-                setattr(module, attribute, replacements[value])
+                setattr(module, attribute, replacements[id(value)])
     try:
         yield
     finally:
