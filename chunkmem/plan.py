@@ -89,7 +89,8 @@ def plan(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: An
             tensors are moved to the meta device.
         device_memory: the device tier's capacity in bytes (an int or a size like ``"24GiB"``).
         host_memory: the host tier's capacity in bytes (``None``: unbounded).
-        loss_fn: ``loss_fn(output, sample_batch)`` -> scalar (default: the mean of the output).
+        loss_fn: ``loss_fn(output, sample_batch)`` -> scalar (default: the mean of the output). The
+            output stays referenced through the backward, as in a loop that keeps ``logits``.
         dtype: the model dtype, torch.float16, torch.bfloat16 or torch.float32.
         chunk_size: bytes per chunk (``None``: searched as ShardedModelV2 does).
         reuse_fp16_shard: as ShardedModelV2's.

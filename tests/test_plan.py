@@ -76,8 +76,8 @@ def test_plan_of_a_gpt_with_tied_and_functionally_used_weights_equals_a_real_run
         p = plans[policy]
         assert p.num_chunks == 9 and p.tier_bytes == tiers, policy
         assert (p.moved_to_device_per_step, p.moved_to_host_per_step) == moved, policy
-        # the meta run's traced non-model peak is close to the real one and not below it
-        assert traced_peak <= p.non_model_peak <= 1.1 * traced_peak, (p.non_model_peak, traced_peak)
+        # the meta run's tracer counts what the real one counts (both loops keep the output through backward)
+        assert p.non_model_peak == traced_peak
 
 
 def test_plan_allocates_nothing_and_reports_the_non_model_peak():
