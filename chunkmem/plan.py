@@ -7,7 +7,8 @@ packing, capacity check, hooks, tracer, Belady planner and byte ledger as a real
 three forward/backward iterations on the sample batch: the first is traced (the tracer's
 :class:`~chunkmem.tracer.StorageCounter` gives the non-model peak: activations, temporaries,
 autograd's gradients), the later ones follow the schedule, and the ledger counts the bytes the last one
-moves. The optimizer's families (``master`` for 16-bit models, ``exp_avg``, ``exp_avg_sq``, all fp32)
+moves (attention on meta tensors is counted as the fused kernel real devices run, see
+:func:`flash_attention_on_meta`). The optimizer's families (``master`` for 16-bit models, ``exp_avg``, ``exp_avg_sq``, all fp32)
 cannot run on meta tensors; their bytes come from the policy's own ``optim_on_device`` rule, and the
 device capacity the meta run gets is what is left after the optimizer state resting there.
 
@@ -31,6 +32,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves, tree_map
 
 from . import block_pool, tiers
@@ -165,6 +167,30 @@ def meta_tiers() -> Iterator[None]:
             setattr(module, attribute, value)
 
 
+@contextmanager
+def flash_attention_on_meta() -> Iterator[None]:
+    """Make ``F.scaled_dot_product_attention`` on meta tensors count as the fused (flash) kernel that runs
+    on real devices, instead of the decomposed math kernel meta tensors otherwise get, which holds every
+    (sequence x sequence) attention matrix. An explicit mask or grouped-query attention keeps the math
+    kernel (an over-estimate)."""
+    original = F.scaled_dot_product_attention
+
+    def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                  enable_gqa: bool = False) -> torch.Tensor:
+        if query.device.type != "meta" or attn_mask is not None or enable_gqa:
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, enable_gqa=enable_gqa)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p, is_causal,
+                                                                          scale=scale)[0]
+
+    F.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
 def _optimizer_bytes(policy: Any, model: ShardedModelV2) -> dict[str, dict[str, int]]:
     """The optimizer families' bytes per tier, by the policy's rule (as ShardedOptimizerV2 places them)."""
     out: dict[str, dict[str, int]] = {"device": {}, "host": {}}
@@ -180,7 +206,7 @@ def _optimizer_bytes(policy: Any, model: ShardedModelV2) -> dict[str, dict[str, 
 def _plan_policy(name: str, template: nn.Module, args: tuple, loss_fn: Any, device_capacity: int,
                  host_capacity: int | None, dtype: torch.dtype, chunk_size: int | None,
                  reuse_fp16_shard: bool) -> PolicyPlan:
-    with meta_tiers():
+    with meta_tiers(), flash_attention_on_meta():
         module = copy.deepcopy(template)
         tiers.set_device_memory_capacity(2**62)  # first the layout, to know the optimizer state's bytes
         probe = ShardedModelV2(module, TensorShardStrategy(), tensor_placement_policy=name, dtype=dtype,

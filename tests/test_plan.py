@@ -80,6 +80,24 @@ def test_plan_of_a_gpt_with_tied_and_functionally_used_weights_equals_a_real_run
         assert p.non_model_peak == traced_peak
 
 
+def test_attention_is_counted_as_the_fused_kernel_of_a_real_run(monkeypatch):
+    """The meta run counts scaled_dot_product_attention as the CPU's fused kernel does (no sequence x
+    sequence matrices): its traced peak equals the real run's."""
+    monkeypatch.syspath_prepend(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks._gpt import GPT, GPTConfig
+
+    def builder():
+        torch.manual_seed(0)
+        return GPT(GPTConfig(128, 64, 2, 2, 128))
+
+    batch = torch.randint(0, 128, (2, 128), generator=torch.Generator().manual_seed(0))
+    p = plan(builder, batch, 64 * 2**20, dtype=torch.float32, chunk_size=65536, policies=("cpu",))["cpu"]
+    cm.set_device_memory_capacity(64 * 2**20)
+    tiers, moved, traced_peak = real_run("cpu", torch.float32, batch, builder, 65536)
+    assert (p.tier_bytes, (p.moved_to_device_per_step, p.moved_to_host_per_step)) == (tiers, moved)
+    assert p.non_model_peak == traced_peak
+
+
 def test_plan_allocates_nothing_and_reports_the_non_model_peak():
     built = []
 
