@@ -5,8 +5,9 @@ This script shows the whole chunkmem flow on one page:
   1. build the model inside ``ZeroInitContext``, so its parameters go straight into chunks;
   2. wrap it in ``ShardedModelV2``, which places the chunks on the device or host tier;
   3. wrap a ``HybridAdam`` in ``ShardedOptimizerV2``, which keeps fp32 masters and Adam state per chunk;
-  4. train with ``optim.backward(loss)``, ``optim.step()``, ``optim.zero_grad()``,
-     printing the loss, the speed and how many bytes each memory tier holds.
+  4. train with ``optim.backward(loss)``, ``optim.clip_grad_norm(...)``, ``optim.step()``,
+     ``scheduler.step()``, ``optim.zero_grad()``, printing the loss, the speed and how many bytes each
+     memory tier holds (the learning rate warms up linearly, then follows a cosine to 10%).
 
 The data is a synthetic, learnable token stream (each token is usually followed by a fixed
 "successor" token), so the loss falls visibly within a few dozen steps.
@@ -17,6 +18,8 @@ Run it with:
     python examples/train_gpt.py --dtype bf16 --reuse-fp16-shard
     python examples/train_gpt.py --placement cuda --device-memory 1GiB
     torchrun --nproc_per_node 2 examples/train_gpt.py  # ZeRO-3: every chunk sharded over 2 processes
+    python examples/train_gpt.py --steps 30 --stop-after 10 --save ck.pt   # stop early ...
+    python examples/train_gpt.py --steps 30 --resume ck.pt                 # ... and continue exactly
 
 Without a GPU the "device" tier is the CPU under a capacity (``--device-memory``), so every
 option runs on a laptop as well. Under ``torchrun`` each process joins the data-parallel group
@@ -164,13 +167,42 @@ def parse_args():
                    help="keep gradients in the 16-bit parameter memory (needs --dtype fp16 or bf16)")
     p.add_argument("--chunk-size", type=int, default=None, help="bytes per chunk (default: searched)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--save", default=None, help="write a full checkpoint (model + optimizer) here at the end")
+    p.add_argument("--grad-clip", type=float, default=1.0,
+                   help="clip the gradients' total norm to this before each step (0: no clipping)")
+    p.add_argument("--lr-schedule", choices=["cosine", "constant"], default="cosine",
+                   help="'cosine': linear warm-up, then cosine decay to 10%% of --lr at --steps")
+    p.add_argument("--warmup-steps", type=int, default=3, help="linear warm-up steps of the cosine schedule")
+    p.add_argument("--save", default=None,
+                   help="write a full checkpoint (model + optimizer) here at the end, and the loop's state "
+                        "(step, LR schedule, data stream) beside it as SAVE.loop<rank>")
+    p.add_argument("--resume", default=None,
+                   help="continue from a checkpoint written by --save (same --steps and model options)")
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="stop after this step (the schedule still spans --steps): save, and --resume later")
     args = p.parse_args()
+    if args.grad_clip < 0 or args.warmup_steps < 0 or args.steps < 1:
+        p.error("--grad-clip and --warmup-steps must be >= 0, --steps >= 1")
+    if args.stop_after is not None and not 1 <= args.stop_after <= args.steps:
+        p.error(f"--stop-after must be between 1 and --steps ({args.steps})")
     if args.dtype is None:
         args.dtype = "fp16" if has_cuda else "fp32"
         if not has_cuda:
             print("no GPU: using fp32, the default on CPU, because 16-bit matmuls are 10-50x slower on this CPU")
     return args
+
+
+def lr_factor(step, args):
+    """Multiplier of --lr for optimizer step ``step`` (0-based): linear warm-up, then cosine to 0.1."""
+    if args.lr_schedule == "constant":
+        return 1.0
+    if step < args.warmup_steps:
+        return (step + 1) / (args.warmup_steps + 1)
+    progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def loop_state_path(checkpoint, rank):
+    return f"{checkpoint}.loop{rank}"
 
 
 def join_process_group():
@@ -214,6 +246,9 @@ def main():
     optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=args.lr),
                                   initial_scale=2**16, gpu_margin_mem_ratio=args.gpu_margin_mem_ratio)
 
+    # The LR schedule: torch's schedulers take a ShardedOptimizerV2 (every step reads the groups' lr).
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: lr_factor(step, args))
+
     say(f"GPT: {n_params / 1e6:.2f}M parameters in {len(model.chunks)} chunks of "
           f"{model.chunk_numel * torch.finfo(dtype).bits / 8 / 2**20:.2f} MiB, "
           f"dtype {args.dtype}, placement {args.placement!r}, device {model.compute_device}"
@@ -225,16 +260,33 @@ def main():
     perm = torch.randperm(args.vocab, generator=torch.Generator().manual_seed(args.seed))
     generator = torch.Generator().manual_seed(args.seed + 1 + rank)
     losses = []
+    first_step = 1
+    if args.resume:
+        # Model + optimizer (masters, moments, loss scale), then the loop: step, schedule, data stream.
+        cm.load_checkpoint(args.resume, model, optim)
+        loop = torch.load(loop_state_path(args.resume, rank), weights_only=True)
+        scheduler.load_state_dict(loop["scheduler"])
+        for group, lr in zip(optim.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr
+        generator.set_state(loop["generator"])
+        first_step = loop["step"] + 1
+        say(f"resumed from {args.resume} after step {loop['step']}")
+        if first_step > (args.stop_after or args.steps):
+            raise SystemExit(f"nothing to train: the checkpoint is at step {loop['step']}, --steps is {args.steps}")
+    last_step = args.stop_after or args.steps
     say("device/host MiB: chunk memory (parameters, gradients, optimizer state) on each tier after the step"
           + (" (rank 0)" if world > 1 else ""))
     say(f"{'step':>5} {'loss':>8} {'tokens/s':>10} {'device MiB':>11} {'host MiB':>9}")
-    for step in range(1, args.steps + 1):
+    for step in range(first_step, last_step + 1):
         x, y = make_batch(generator, perm, args.batch_size, args.seq_len)
         start = time.perf_counter()
         logits = model(x)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.to(logits.device).reshape(-1))
         optim.backward(loss)
+        if args.grad_clip > 0:
+            optim.clip_grad_norm(args.grad_clip)   # folded into the coming step's update
         updated = optim.step()   # False when fp16 gradients overflowed: the step is skipped, the scale lowered
+        scheduler.step()
         optim.zero_grad()
         losses.append(loss.item())   # .item() waits for the GPU, so the timing below is honest
         elapsed = time.perf_counter() - start
@@ -254,6 +306,8 @@ def main():
         model.dump_memory_stats(args.memstats)
     if args.save:
         cm.save_checkpoint(args.save, model, optim)   # every rank calls it; rank 0 writes the file
+        torch.save({"step": last_step, "scheduler": scheduler.state_dict(), "generator": generator.get_state()},
+                   loop_state_path(args.save, rank))
         say(f"checkpoint written to {args.save}")
     say(f"loss: first {losses[0]:.4f} -> last {losses[-1]:.4f}")
     if world > 1:

@@ -1,0 +1,511 @@
+"""One call from a configuration to a wrapped model and optimizer: :func:`initialize`.
+
+Two forms of configuration are read, as a dict or as the path of a JSON file:
+
+* the ColossalAI form, ``{"zero": {"model_config": {...}, "optimizer_config": {...}}}``, whose two
+  sections are the keyword arguments of :class:`~chunkmem.ShardedModelV2` and
+  :class:`~chunkmem.ShardedOptimizerV2` (``shard_strategy`` may also be the name of a strategy class);
+* the DeepSpeed form, with the sections ``zero_optimization``, ``fp16``, ``bf16`` and ``optimizer``
+  (plus the training-loop keys DeepSpeed reads, which chunkmem leaves to the loop).
+
+Every key is checked before anything is built. An unknown key, a key chunkmem cannot honour and two
+keys that contradict each other raise :class:`~chunkmem.InvalidArgumentError` naming the key path
+(``zero_optimization.offload_param.device``) and the allowed values; a key that chunkmem accepts but
+that changes nothing here warns with :class:`NoEffectWarning`, naming it. ``KEY_TABLE`` lists the
+DeepSpeed keys and what each becomes.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from .adam import HybridAdam
+from .loss_scaler import DynamicGradScaler
+from .errors import ArgumentTypeError, InvalidArgumentError, UnsupportedOperationError
+from .model import ShardedModelV2
+from .optimizer import ShardedOptimizerV2
+from .shard_strategy import BaseShardStrategy, BucketTensorShardStrategy, TensorShardStrategy
+
+__all__ = ["NoEffectWarning", "initialize", "KEY_TABLE"]
+
+
+class NoEffectWarning(UserWarning):
+    """A configuration key was accepted but changes nothing in chunkmem (the message names it)."""
+
+
+# What each DeepSpeed key becomes: "map" (honoured), "warn" (accepted; warns when it asks for
+# something chunkmem does not do), "error" (refused unless it has its default value).
+KEY_TABLE: dict[str, tuple[str, str]] = {
+    "zero_optimization.stage": ("map", "3: ShardedModelV2 + ShardedOptimizerV2; 1, 2: LowLevelZeroOptimizer "
+                                       "(2: partition_grad=True); 0: refused"),
+    "zero_optimization.offload_optimizer.device": ("map", "none: optimizer state on the device; cpu: on the host "
+                                                          "(placement 'cpu' or 'static'); nvme: the disk tier"),
+    "zero_optimization.offload_optimizer.nvme_path": ("map", "ShardedModelV2(nvme_path=)"),
+    "zero_optimization.offload_optimizer.buffer_count": ("map", "ShardedModelV2(buffer_count=) with nvme"),
+    "zero_optimization.offload_optimizer.ratio": ("map", "stage 3: placement 'static' with offload_optim_frac=ratio"),
+    "zero_optimization.offload_optimizer.pin_memory": ("warn", "no effect: chunkmem stages host-to-device copies "
+                                                               "through pinned buffers itself when there is a GPU"),
+    "zero_optimization.offload_optimizer.pipeline_read": ("warn", "chunkmem always pipelines; False has no effect"),
+    "zero_optimization.offload_optimizer.pipeline_write": ("warn", "chunkmem always pipelines; False has no effect"),
+    "zero_optimization.offload_optimizer.fast_init": ("warn", "no effect"),
+    "zero_optimization.offload_param.device": ("map", "none: parameters rest on the device; cpu: on the host; "
+                                                      "nvme: the disk tier (stage 3 only)"),
+    "zero_optimization.offload_param.nvme_path": ("map", "ShardedModelV2(nvme_path=)"),
+    "zero_optimization.offload_param.buffer_count": ("map", "ShardedModelV2(buffer_count=) with nvme"),
+    "zero_optimization.offload_param.buffer_size": ("warn", "no effect: the chunk is the unit of transfer "
+                                                            "(model chunk_size)"),
+    "zero_optimization.offload_param.max_in_cpu": ("warn", "no effect: bound the host tier in bytes with "
+                                                           "chunkmem.set_host_memory_capacity"),
+    "zero_optimization.offload_param.pin_memory": ("warn", "no effect (as offload_optimizer.pin_memory)"),
+    "zero_optimization.reduce_bucket_size": ("map", "stage 3: reduce_scatter_bucket_size_mb (elements x element "
+                                                    "size); stages 1, 2: reduce_bucket_size (elements)"),
+    "zero_optimization.overlap_comm": ("map", "stages 1, 2: overlap_communication; stage 3: no effect"),
+    "zero_optimization.contiguous_gradients": ("warn", "chunks are always contiguous; False has no effect"),
+    "zero_optimization.reduce_scatter": ("warn", "chunkmem always reduce-scatters; False has no effect"),
+    "zero_optimization.zero_quantized_weights": ("error", "only False"),
+    "zero_optimization.zero_quantized_nontrainable_weights": ("error", "only False"),
+    "zero_optimization.zero_quantized_gradients": ("error", "only False"),
+    "zero_optimization.zero_hpz_partition_size": ("error", "only 1"),
+    "zero_optimization.mics_shard_size": ("error", "only -1 (MiCS is not implemented)"),
+    "zero_optimization.mics_hierarchical_params_gather": ("error", "only False"),
+    "zero_optimization.legacy_stage1": ("error", "only False"),
+    "zero_optimization.cpu_offload": ("error", "deprecated by DeepSpeed: use offload_optimizer"),
+    "zero_optimization.cpu_offload_param": ("error", "deprecated by DeepSpeed: use offload_param"),
+    "zero_optimization.cpu_offload_use_pin_memory": ("error", "deprecated by DeepSpeed: use offload_*.pin_memory"),
+    "zero_optimization.<tuning keys>": ("warn", "no effect: allgather_partitions, allgather_bucket_size, "
+                                                "use_multi_rank_bucket_allreduce, load_from_fp32_weights, "
+                                                "elastic_checkpoint, ignore_unused_parameters, round_robin_gradients, "
+                                                "sub_group_size, (stage3_)prefetch_bucket_size, "
+                                                "(stage3_)param_persistence_threshold, "
+                                                "(stage3_)model_persistence_threshold, (stage3_)max_live_parameters, "
+                                                "(stage3_)max_reuse_distance, (stage3_)gather_16bit_weights_on_model_"
+                                                "save, stage3_gather_fp16_weights_on_model_save, "
+                                                "memory_efficient_linear, override_module_apply, "
+                                                "pipeline_loading_checkpoint"),
+    "fp16.enabled": ("map", "dtype torch.float16 with dynamic loss scaling"),
+    "fp16.initial_scale_power": ("map", "initial_scale = 2**initial_scale_power"),
+    "fp16.loss_scale_window": ("map", "growth_interval"),
+    "fp16.hysteresis": ("map", "hysteresis"),
+    "fp16.min_loss_scale": ("map", "min_scale"),
+    "fp16.loss_scale": ("error", "only 0 (dynamic); a static loss scale is not implemented"),
+    "fp16.consecutive_hysteresis": ("warn", "no effect"),
+    "fp16.auto_cast": ("warn", "no effect: inputs are always cast to the model dtype"),
+    "bf16.enabled": ("map", "dtype torch.bfloat16 (unscaled)"),
+    "optimizer.type": ("map", "Adam, AdamW, HybridAdam, CPUAdam: HybridAdam (Adam: adam_w_mode, default True)"),
+    "optimizer.params": ("map", "lr, betas, eps, weight_decay, bias_correction, adam_w_mode"),
+    "gradient_clipping": ("map", "stages 1, 2: clip_grad_norm; stage 3: no effect, call optimizer.clip_grad_norm"),
+    "<loop keys>": ("warn", "no effect (the training loop's business): train_batch_size, "
+                            "train_micro_batch_size_per_gpu, gradient_accumulation_steps, steps_per_print, "
+                            "wall_clock_breakdown"),
+}
+
+_ZERO_NO_EFFECT = {
+    "allgather_partitions", "allgather_bucket_size", "use_multi_rank_bucket_allreduce", "load_from_fp32_weights",
+    "elastic_checkpoint", "ignore_unused_parameters", "round_robin_gradients", "sub_group_size",
+    "prefetch_bucket_size", "stage3_prefetch_bucket_size", "param_persistence_threshold",
+    "stage3_param_persistence_threshold", "model_persistence_threshold", "stage3_model_persistence_threshold",
+    "max_live_parameters", "stage3_max_live_parameters", "max_reuse_distance", "stage3_max_reuse_distance",
+    "gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save", "memory_efficient_linear", "override_module_apply",
+    "pipeline_loading_checkpoint",
+}
+_ZERO_ONLY_DEFAULT = {  # key -> the only value accepted (DeepSpeed's default)
+    "zero_quantized_weights": False, "zero_quantized_nontrainable_weights": False, "zero_quantized_gradients": False,
+    "zero_hpz_partition_size": 1, "mics_shard_size": -1, "mics_hierarchical_params_gather": False,
+    "legacy_stage1": False,
+}
+_ZERO_DEPRECATED = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param",
+                    "cpu_offload_use_pin_memory": "offload_optimizer.pin_memory / offload_param.pin_memory"}
+_ZERO_KEYS = ({"stage", "offload_optimizer", "offload_param", "reduce_bucket_size", "overlap_comm",
+               "contiguous_gradients", "reduce_scatter"} | _ZERO_NO_EFFECT | set(_ZERO_ONLY_DEFAULT) | set(_ZERO_DEPRECATED))
+_OFFLOAD_OPTIMIZER_KEYS = {"device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write",
+                           "fast_init", "ratio"}
+_OFFLOAD_PARAM_KEYS = {"device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory"}
+_OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+_LOOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+              "steps_per_print", "wall_clock_breakdown"}
+_DEEPSPEED_KEYS = {"zero_optimization", "fp16", "bf16", "optimizer", "gradient_clipping"} | _LOOP_KEYS
+_FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+              "consecutive_hysteresis", "min_loss_scale", "auto_cast"}
+_OPTIMIZER_TYPES = ("Adam", "AdamW", "HybridAdam", "CPUAdam")
+_OPTIMIZER_PARAMS = {"lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode"}
+_SCALER_KEYS = {"initial_scale": "fp16.initial_scale_power", "growth_interval": "fp16.loss_scale_window",
+                "hysteresis": "fp16.hysteresis", "min_scale": "fp16.min_loss_scale"}
+_STRATEGIES = {"TensorShardStrategy": TensorShardStrategy, "BucketTensorShardStrategy": BucketTensorShardStrategy}
+
+
+def initialize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+               config: dict[str, Any] | str | os.PathLike | None = None) -> tuple[nn.Module, Any]:
+    """Wrap ``model`` (and ``optimizer``) as ``config`` says; returns ``(model, optimizer)``.
+
+    Args:
+        model: the module, built plainly or inside :class:`~chunkmem.ZeroInitContext`.
+        optimizer: a torch optimizer over ``model.parameters()`` (``HybridAdam``, ``torch.optim.Adam`` /
+            ``AdamW``), or ``None``: built from the config's ``optimizer`` section (DeepSpeed form), or no
+            optimizer (the second value returned is then ``None``).
+        config: a dict or the path of a JSON file, in the ColossalAI form (``zero`` with
+            ``model_config`` / ``optimizer_config``) or the DeepSpeed form (``zero_optimization``,
+            ``fp16``, ``bf16``, ``optimizer``); see the module docstring and ``KEY_TABLE``.
+
+    Stage 3 (and the ColossalAI form) returns a :class:`~chunkmem.ShardedModelV2` and a
+    :class:`~chunkmem.ShardedOptimizerV2`; stages 1 and 2 return the model unwrapped (cast to the
+    configured dtype) and a ``chunkmem.LowLevelZeroOptimizer``.
+    """
+    if not isinstance(model, nn.Module):
+        raise ArgumentTypeError("model", type(model).__name__, "a torch.nn.Module")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise ArgumentTypeError("optimizer", type(optimizer).__name__, "a torch.optim.Optimizer or None")
+    config = _load(config)
+    if "zero" in config:
+        extra = sorted(set(config) - {"zero"})
+        if extra:
+            raise InvalidArgumentError(f"config.{extra[0]}", config[extra[0]],
+                                       "no other top-level key beside 'zero' (the ColossalAI form); use either "
+                                       "'zero' or the DeepSpeed sections " + _listing(_DEEPSPEED_KEYS))
+        return _initialize_colossal(model, optimizer, config["zero"])
+    return _initialize_deepspeed(model, optimizer, config)
+
+
+# ---- reading ----------------------------------------------------------------------------------------
+
+def _load(config: Any) -> dict[str, Any]:
+    if isinstance(config, (str, os.PathLike)):
+        try:
+            with open(config) as f:
+                config = json.load(f)
+        except OSError as e:
+            raise InvalidArgumentError("config", os.fspath(config), f"a readable JSON file ({e.strerror})") from e
+        except json.JSONDecodeError as e:
+            raise InvalidArgumentError("config", os.fspath(config), f"a valid JSON file ({e})") from e
+    if not isinstance(config, dict):
+        raise ArgumentTypeError("config", type(config).__name__, "a dict or the path of a JSON file")
+    return config
+
+
+def _listing(keys: Any) -> str:
+    return "one of " + ", ".join(repr(k) for k in sorted(keys))
+
+
+def _section(parent: dict[str, Any], key: str, path: str) -> dict[str, Any]:
+    value = parent.get(key, {})
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ArgumentTypeError(path, value, "a dict (a JSON object)")
+    return value
+
+
+def _check_keys(section: dict[str, Any], allowed: set[str], path: str) -> None:
+    for key in section:
+        if key not in allowed:
+            raise InvalidArgumentError(f"{path}.{key}" if path else key, section[key], "a key " + _listing(allowed))
+
+
+def _check_bool(value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise ArgumentTypeError(path, value, "true or false")
+    return value
+
+
+def _no_effect(path: str, why: str) -> None:
+    warnings.warn(f"config key {path} has no effect in chunkmem: {why}", NoEffectWarning, stacklevel=4)
+
+
+def _rename_errors(prefix: str, build: Callable[[], Any], keys: dict[str, str] | None = None) -> Any:
+    """Run ``build``; an argument error names the config key (``keys[argument]``, else ``prefix`` +
+    argument)."""
+    try:
+        return build()
+    except InvalidArgumentError as e:
+        raise type(e)((keys or {}).get(e.argument, f"{prefix}{e.argument}"), e.value, e.allowed) from e
+
+
+# ---- the ColossalAI form ------------------------------------------------------------------------------
+
+def _initialize_colossal(model: nn.Module, optimizer: Any, zero: Any) -> tuple[nn.Module, Any]:
+    if not isinstance(zero, dict):
+        raise ArgumentTypeError("config.zero", zero, "a dict with 'model_config' and 'optimizer_config'")
+    _check_keys(zero, {"model_config", "optimizer_config"}, "zero")
+    model_config = dict(_section(zero, "model_config", "zero.model_config"))
+    optimizer_config = dict(_section(zero, "optimizer_config", "zero.optimizer_config"))
+    _check_keys(model_config, _keywords(ShardedModelV2, skip=("module",)), "zero.model_config")
+    _check_keys(optimizer_config, _keywords(ShardedOptimizerV2, skip=("sharded_model", "optimizer")),
+                "zero.optimizer_config")
+    if optimizer_config and optimizer is None:
+        raise InvalidArgumentError("optimizer", None, "a torch optimizer over model.parameters() when "
+                                                      "zero.optimizer_config is given")
+    strategy = model_config.pop("shard_strategy", TensorShardStrategy())
+    if isinstance(strategy, str):
+        if strategy not in _STRATEGIES:
+            raise InvalidArgumentError("zero.model_config.shard_strategy", strategy, _listing(_STRATEGIES))
+        strategy = _STRATEGIES[strategy]()
+    elif not isinstance(strategy, BaseShardStrategy):
+        raise ArgumentTypeError("zero.model_config.shard_strategy", strategy,
+                                "a shard strategy instance or " + _listing(_STRATEGIES))
+    if isinstance(model_config.get("dtype"), str):
+        model_config["dtype"] = _dtype_named(model_config["dtype"], "zero.model_config.dtype")
+    wrapped = _rename_errors("zero.model_config.",
+                             lambda: ShardedModelV2(model, strategy, **model_config))
+    if optimizer is None:
+        return wrapped, None
+    return wrapped, _rename_errors("zero.optimizer_config.",
+                                   lambda: ShardedOptimizerV2(wrapped, optimizer, **optimizer_config))
+
+
+def _keywords(cls: type, skip: tuple[str, ...]) -> set[str]:
+    params = inspect.signature(cls.__init__).parameters
+    return {name for name, p in params.items() if name != "self" and name not in skip
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def _dtype_named(name: str, path: str) -> torch.dtype:
+    names = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float32": torch.float32, "fp32": torch.float32}
+    if name not in names:
+        raise InvalidArgumentError(path, name, _listing(names))
+    return names[name]
+
+
+# ---- the DeepSpeed form -------------------------------------------------------------------------------
+
+def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, Any]) -> tuple[nn.Module, Any]:
+    _check_keys(config, _DEEPSPEED_KEYS, "")
+    for key in sorted(_LOOP_KEYS & set(config)):
+        _no_effect(key, "the training loop decides it")
+    zero = _section(config, "zero_optimization", "zero_optimization")
+    _check_keys(zero, _ZERO_KEYS, "zero_optimization")
+    stage = zero.get("stage", 0)
+    if not isinstance(stage, int) or isinstance(stage, bool):
+        raise ArgumentTypeError("zero_optimization.stage", stage, "1, 2 or 3")
+    if stage not in (1, 2, 3):
+        raise InvalidArgumentError("zero_optimization.stage", stage,
+                                   "1, 2 or 3 (stage 0, no ZeRO, is plain PyTorch: use torch's DDP)")
+    _check_zero_switches(zero)
+    dtype, scaler = _precision(config)
+    offload_optimizer = _section(zero, "offload_optimizer", "zero_optimization.offload_optimizer")
+    offload_param = _section(zero, "offload_param", "zero_optimization.offload_param")
+    _check_keys(offload_optimizer, _OFFLOAD_OPTIMIZER_KEYS, "zero_optimization.offload_optimizer")
+    _check_keys(offload_param, _OFFLOAD_PARAM_KEYS, "zero_optimization.offload_param")
+    optim_device = _offload_device(offload_optimizer, "zero_optimization.offload_optimizer")
+    param_device = _offload_device(offload_param, "zero_optimization.offload_param")
+    _check_offload_switches(offload_optimizer, offload_param)
+    ratio = offload_optimizer.get("ratio", 1.0)
+    if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0.0 <= ratio <= 1.0:
+        raise InvalidArgumentError("zero_optimization.offload_optimizer.ratio", ratio, "a number in [0, 1]")
+    if ratio != 1.0 and optim_device != "cpu":
+        raise InvalidArgumentError("zero_optimization.offload_optimizer.ratio", ratio,
+                                   "1.0 unless zero_optimization.offload_optimizer.device is 'cpu'")
+    clipping = config.get("gradient_clipping", 0.0)
+    if not isinstance(clipping, (int, float)) or isinstance(clipping, bool) or not clipping >= 0:
+        raise InvalidArgumentError("gradient_clipping", clipping, "a number >= 0 (0: no clipping)")
+    bucket = zero.get("reduce_bucket_size")
+    if bucket is not None and (not isinstance(bucket, int) or isinstance(bucket, bool) or bucket <= 0):
+        raise InvalidArgumentError("zero_optimization.reduce_bucket_size", bucket, "an integer > 0 (elements)")
+    overlap = zero.get("overlap_comm")
+    if overlap is not None:
+        _check_bool(overlap, "zero_optimization.overlap_comm")
+
+    optimizer_section = _section(config, "optimizer", "optimizer")
+    if optimizer_section and optimizer is not None:
+        raise InvalidArgumentError("optimizer", type(optimizer).__name__,
+                                   "None when the config has an 'optimizer' section (give one or the other)")
+    if optimizer_section:  # checked in full before anything is wrapped
+        _build_optimizer(optimizer_section, [torch.zeros(1, requires_grad=True)])
+
+    if stage == 3:
+        if clipping:
+            _no_effect("gradient_clipping", "with stage 3 call optimizer.clip_grad_norm(max_norm) before step()")
+        if overlap:
+            _no_effect("zero_optimization.overlap_comm", "with stage 3 the chunk transfers always overlap compute")
+        kwargs = _stage3_model_kwargs(optim_device, param_device, ratio, offload_optimizer, offload_param)
+        if bucket is not None:
+            kwargs["reduce_scatter_bucket_size_mb"] = bucket * torch.empty((), dtype=dtype).element_size() / 2**20
+        wrapped = _rename_errors("zero_optimization.", lambda: ShardedModelV2(
+            model, TensorShardStrategy(), dtype=dtype, **kwargs),
+            {"dtype": "fp16.enabled/bf16.enabled", "reduce_scatter_bucket_size_mb": "zero_optimization.reduce_bucket_size"})
+        if optimizer is None:
+            if not optimizer_section:
+                return wrapped, None
+            optimizer = _build_optimizer(optimizer_section, wrapped.parameters())
+        return wrapped, _rename_errors("fp16.", lambda: ShardedOptimizerV2(wrapped, optimizer, **scaler),
+                                       _SCALER_KEYS)
+
+    # stages 1 and 2: the model stays a plain module
+    if param_device != "none":
+        raise InvalidArgumentError("zero_optimization.offload_param.device", param_device,
+                                   "'none' with stage 1 or 2 (parameter offload needs stage 3)")
+    if optim_device == "nvme":
+        raise InvalidArgumentError("zero_optimization.offload_optimizer.device", "nvme",
+                                   "'none' or 'cpu' with stage 1 or 2 (the disk tier needs stage 3)")
+    if ratio != 1.0:
+        raise InvalidArgumentError("zero_optimization.offload_optimizer.ratio", ratio, "1.0 with stage 1 or 2")
+    low_level = _low_level_zero_class()
+    model.to(dtype)
+    if optimizer is None:
+        if not optimizer_section:
+            raise InvalidArgumentError("optimizer", None, "a torch optimizer or an 'optimizer' config section "
+                                                          "with stage 1 or 2")
+        optimizer = _build_optimizer(optimizer_section, model.parameters())
+    kwargs = dict(scaler, clip_grad_norm=float(clipping), partition_grad=stage == 2, cpu_offload=optim_device == "cpu")
+    if bucket is not None:
+        kwargs["reduce_bucket_size"] = bucket
+    if overlap is not None:
+        kwargs["overlap_communication"] = overlap
+    return model, _rename_errors("zero_optimization.", lambda: low_level(optimizer, **kwargs),
+                                 dict(_SCALER_KEYS, clip_grad_norm="gradient_clipping"))
+
+
+def _check_zero_switches(zero: dict[str, Any]) -> None:
+    for key, replacement in _ZERO_DEPRECATED.items():
+        if key in zero:
+            raise InvalidArgumentError(f"zero_optimization.{key}", zero[key],
+                                       f"no such key (deprecated by DeepSpeed): use zero_optimization.{replacement}")
+    for key, only in _ZERO_ONLY_DEFAULT.items():
+        if key in zero and (zero[key] != only or type(zero[key]) is not type(only)):
+            raise InvalidArgumentError(f"zero_optimization.{key}", zero[key],
+                                       f"{json.dumps(only)} (chunkmem does not implement this feature)")
+    for key in ("contiguous_gradients", "reduce_scatter"):
+        if key in zero and not _check_bool(zero[key], f"zero_optimization.{key}"):
+            _no_effect(f"zero_optimization.{key}", "chunkmem always does it (False is ignored)")
+    for key in sorted(_ZERO_NO_EFFECT & set(zero)):
+        _no_effect(f"zero_optimization.{key}", "a DeepSpeed tuning knob without a chunkmem counterpart")
+
+
+def _offload_device(section: dict[str, Any], path: str) -> str:
+    device = section.get("device", "none")
+    if device is None:
+        device = "none"
+    if device not in _OFFLOAD_DEVICES:
+        raise InvalidArgumentError(f"{path}.device", device, _listing(_OFFLOAD_DEVICES))
+    if device == "nvme" and not isinstance(section.get("nvme_path"), str):
+        raise InvalidArgumentError(f"{path}.nvme_path", section.get("nvme_path"),
+                                   f"a directory path (a string) when {path}.device is 'nvme'")
+    return device
+
+
+def _check_offload_switches(offload_optimizer: dict[str, Any], offload_param: dict[str, Any]) -> None:
+    sections = (("zero_optimization.offload_optimizer", offload_optimizer),
+                ("zero_optimization.offload_param", offload_param))
+    for path, section in sections:
+        if "pin_memory" in section and _check_bool(section["pin_memory"], f"{path}.pin_memory"):
+            _no_effect(f"{path}.pin_memory", "host-to-device copies go through pinned staging buffers when there "
+                                             "is a GPU, whatever this says")
+        if "nvme_path" in section and section.get("device", "none") != "nvme":
+            _no_effect(f"{path}.nvme_path", f"{path}.device is not 'nvme'")
+        count = section.get("buffer_count")
+        if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 1):
+            raise InvalidArgumentError(f"{path}.buffer_count", count, "an integer >= 1")
+    for key in ("pipeline_read", "pipeline_write"):
+        if key in offload_optimizer and not _check_bool(offload_optimizer[key],
+                                                        f"zero_optimization.offload_optimizer.{key}"):
+            _no_effect(f"zero_optimization.offload_optimizer.{key}", "chunkmem always overlaps reads and writes "
+                                                                     "with compute (False is ignored)")
+    if "fast_init" in offload_optimizer:
+        _no_effect("zero_optimization.offload_optimizer.fast_init", "optimizer state is created in its chunk")
+    for key, why in (("buffer_size", "the chunk is the unit of transfer (set the chunk size instead)"),
+                     ("max_in_cpu", "bound the host tier in bytes with chunkmem.set_host_memory_capacity")):
+        if key in offload_param:
+            _no_effect(f"zero_optimization.offload_param.{key}", why)
+
+
+def _stage3_model_kwargs(optim_device: str, param_device: str, ratio: float, offload_optimizer: dict[str, Any],
+                         offload_param: dict[str, Any]) -> dict[str, Any]:
+    """ShardedModelV2 keyword arguments for the offload devices (``nvme`` rests on the host first, then
+    on the disk tier)."""
+    params_off = param_device != "none"
+    optim_off = optim_device != "none"
+    kwargs: dict[str, Any]
+    if params_off and optim_off and ratio == 1.0:
+        kwargs = dict(tensor_placement_policy="cpu")
+    elif not params_off and not optim_off:
+        kwargs = dict(tensor_placement_policy="cuda")
+    else:
+        kwargs = dict(tensor_placement_policy="static", offload_param_frac=1.0 if params_off else 0.0,
+                      offload_optim_frac=float(ratio) if optim_off else 0.0)
+    if "nvme" in (optim_device, param_device):
+        accepted = _keywords(ShardedModelV2, skip=("module",))
+        if not {"offload_optimizer", "offload_param", "nvme_path"} <= accepted:
+            raise UnsupportedOperationError("zero_optimization.offload_*.device='nvme' needs the disk tier, which "
+                                            "this build of chunkmem does not have; use 'cpu'")
+        paths = {s["nvme_path"] for s, d in ((offload_optimizer, optim_device), (offload_param, param_device))
+                 if d == "nvme"}
+        if len(paths) > 1:
+            raise InvalidArgumentError("zero_optimization.offload_param.nvme_path", offload_param.get("nvme_path"),
+                                       f"the same directory as zero_optimization.offload_optimizer.nvme_path "
+                                       f"({offload_optimizer.get('nvme_path')!r}): chunkmem has one disk tier")
+        counts = {s["buffer_count"] for s, d in ((offload_optimizer, optim_device), (offload_param, param_device))
+                  if d == "nvme" and "buffer_count" in s}
+        if len(counts) > 1:
+            raise InvalidArgumentError("zero_optimization.offload_param.buffer_count",
+                                       offload_param.get("buffer_count"),
+                                       "the same count as zero_optimization.offload_optimizer.buffer_count")
+        kwargs.update(nvme_path=paths.pop(), offload_optimizer="disk" if optim_device == "nvme" else None,
+                      offload_param="disk" if param_device == "nvme" else None)
+        if counts:
+            kwargs["buffer_count"] = counts.pop()
+    return kwargs
+
+
+def _precision(config: dict[str, Any]) -> tuple[torch.dtype, dict[str, Any]]:
+    """The model dtype and the loss scaler's keyword arguments from ``fp16`` / ``bf16``."""
+    fp16 = _section(config, "fp16", "fp16")
+    bf16 = _section(config, "bf16", "bf16")
+    _check_keys(fp16, _FP16_KEYS, "fp16")
+    _check_keys(bf16, {"enabled"}, "bf16")
+    fp16_on = _check_bool(fp16.get("enabled", False), "fp16.enabled")
+    bf16_on = _check_bool(bf16.get("enabled", False), "bf16.enabled")
+    if fp16_on and bf16_on:
+        raise InvalidArgumentError("bf16.enabled", True, "false when fp16.enabled is true (one 16-bit dtype)")
+    if not fp16_on:
+        set_keys = sorted(set(fp16) - {"enabled"})
+        if set_keys:
+            _no_effect(f"fp16.{set_keys[0]}", "fp16 is not enabled")
+        return (torch.bfloat16 if bf16_on else torch.float32), {}
+    loss_scale = fp16.get("loss_scale", 0)
+    if loss_scale != 0:
+        raise InvalidArgumentError("fp16.loss_scale", loss_scale,
+                                   "0 (dynamic loss scaling; a static loss scale is not implemented)")
+    power = fp16.get("initial_scale_power", 16)  # DeepSpeed's default: 2**16
+    if not isinstance(power, int) or isinstance(power, bool) or not 0 <= power <= 32:
+        raise InvalidArgumentError("fp16.initial_scale_power", power, "an integer in [0, 32]")
+    scaler: dict[str, Any] = {"initial_scale": float(2**power)}
+    for key, argument in (("loss_scale_window", "growth_interval"), ("hysteresis", "hysteresis"),
+                          ("min_loss_scale", "min_scale")):
+        if key in fp16:
+            scaler[argument] = fp16[key]
+    for key in ("consecutive_hysteresis", "auto_cast"):
+        if key in fp16:
+            _no_effect(f"fp16.{key}", "chunkmem's scaler and input casting have no such switch")
+    _rename_errors("fp16.", lambda: DynamicGradScaler(**scaler), _SCALER_KEYS)  # checked before anything is built
+    return torch.float16, scaler
+
+
+def _build_optimizer(section: dict[str, Any], params: Any) -> HybridAdam:
+    _check_keys(section, {"type", "params"}, "optimizer")
+    kind = section.get("type")
+    if not isinstance(kind, str) or kind.lower() not in {t.lower() for t in _OPTIMIZER_TYPES}:
+        raise InvalidArgumentError("optimizer.type", kind, _listing(_OPTIMIZER_TYPES) + " (case-insensitive)")
+    options = dict(_section(section, "params", "optimizer.params"))
+    _check_keys(options, _OPTIMIZER_PARAMS, "optimizer.params")
+    adamw = options.pop("adam_w_mode", True)
+    _check_bool(adamw, "optimizer.params.adam_w_mode")
+    if kind.lower() == "adamw" and not adamw:
+        raise InvalidArgumentError("optimizer.params.adam_w_mode", False, "true (or absent) with type 'AdamW'")
+    if "betas" in options and isinstance(options["betas"], list):
+        options["betas"] = tuple(options["betas"])
+    return _rename_errors("optimizer.params.", lambda: HybridAdam(params, adamw_mode=adamw, **options))
+
+
+def _low_level_zero_class() -> type:
+    import chunkmem
+    cls = getattr(chunkmem, "LowLevelZeroOptimizer", None)
+    if cls is None:
+        raise UnsupportedOperationError("zero_optimization.stage 1 and 2 need chunkmem.LowLevelZeroOptimizer, "
+                                        "which this build of chunkmem does not have; use stage 3")
+    return cls

@@ -1,0 +1,323 @@
+"""Will it fit? :func:`plan` answers before anything is allocated, per placement policy.
+
+The planner runs chunkmem itself, with both tiers on PyTorch's ``meta`` device: tensors there have
+shapes and dtypes but no memory, while every byte count stays exact. The model is built (or copied)
+on the meta device and wrapped in a real :class:`~chunkmem.ShardedModelV2` (the same chunk-size search,
+packing, capacity check, hooks, tracer, Belady planner and byte ledger as a real run), which then runs
+three forward/backward iterations on the sample batch: the first is traced (the tracer's
+:class:`~chunkmem.tracer.StorageCounter` gives the non-model peak: activations, temporaries,
+autograd's gradients), the later ones follow the schedule, and the ledger counts the bytes the last one
+moves (attention on meta tensors is counted as the fused kernel real devices run, see
+:func:`flash_attention_on_meta`). The optimizer's families (``master`` for 16-bit models, ``exp_avg``, ``exp_avg_sq``, all fp32)
+cannot run on meta tensors; their bytes come from the policy's own ``optim_on_device`` rule, and the
+device capacity the meta run gets is what is left after the optimizer state resting there.
+
+While :func:`plan` runs, chunkmem's tier functions point at the meta device (process-wide): do not
+train in another thread meanwhile. One process is planned (no ZeRO-3 sharding over ranks).
+
+``python -m chunkmem.plan --preset gpt2-small --batch-size 8 --seq-len 1024 --device-memory 24GiB``
+prints the table (run from the repository root: the presets are ``benchmarks/_gpt.py``'s GPT);
+``--builder module:function`` plans any model.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._pytree import tree_leaves, tree_map
+
+from . import block_pool, tiers
+from .errors import ArgumentTypeError, DeviceCapacityError, InvalidArgumentError, UnsupportedOperationError
+from .errors import check_choice
+from .init_context import check_chunk_size, check_dtype
+from .model import ShardedModelV2
+from .param_guard import slot_of
+from .placement import make_policy
+from .shard_strategy import TensorShardStrategy
+from .tiers import parse_size
+
+__all__ = ["PolicyPlan", "plan", "format_table"]
+
+META = torch.device("meta")
+ITERATIONS = 3  # traced, planned, followed: the last one is measured
+
+
+@dataclass
+class PolicyPlan:
+    """The plan of one placement policy. Bytes are bytes; ``chunk_bytes`` is one chunk's parameter bytes.
+
+    ``tier_bytes``: ``{"device"|"host": {family: bytes}}`` between steps, as ``model.tier_bytes()``
+    reports it after a step. ``device_peak_bytes``: the most chunk bytes on the device at once (the meta
+    run's ledger peak plus the optimizer state resting there). ``moved_*_per_step``: bytes copied between
+    the tiers by one forward/backward that follows the schedule, as the ledger counts them.
+    """
+
+    policy: str
+    fits: bool
+    reason: str
+    tier_bytes: dict[str, dict[str, int]]
+    non_model_peak: int
+    chunk_bytes: int
+    num_chunks: int
+    moved_to_device_per_step: int
+    moved_to_host_per_step: int
+    device_peak_bytes: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def total(self, tier: str) -> int:
+        """Bytes on ``tier`` ("device" or "host") over all families."""
+        return sum(self.tier_bytes[tier].values())
+
+
+def plan(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: Any, device_memory: int | str,
+         host_memory: int | str | None = None, *, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+         dtype: torch.dtype = torch.float16, chunk_size: int | None = None, reuse_fp16_shard: bool = False,
+         policies: Sequence[str] = ("cuda", "cpu", "auto")) -> dict[str, PolicyPlan]:
+    """Plan one process's training of a model without allocating its state; returns a plan per policy.
+
+    Args:
+        model_or_builder: a function that builds the model (called under ``torch.device("meta")``:
+            nothing is allocated), or a module (copied to the meta device; the copy costs one model).
+        sample_batch: what the model is called with (a tensor, or a tuple of positional arguments); its
+            tensors are moved to the meta device.
+        device_memory: the device tier's capacity in bytes (an int or a size like ``"24GiB"``).
+        host_memory: the host tier's capacity in bytes (``None``: unbounded).
+        loss_fn: ``loss_fn(output, sample_batch)`` -> scalar (default: the mean of the output). The
+            output stays referenced through the backward, as in a loop that keeps ``logits``.
+        dtype: the model dtype, torch.float16, torch.bfloat16 or torch.float32.
+        chunk_size: bytes per chunk (``None``: searched as ShardedModelV2 does).
+        reuse_fp16_shard: as ShardedModelV2's.
+        policies: among ``"cuda"``, ``"cpu"``, ``"auto"`` (``auto`` with ``gpu_margin_mem_ratio=0``).
+    """
+    device_capacity = parse_size(device_memory, "device_memory")
+    host_capacity = None if host_memory is None else parse_size(host_memory, "host_memory")
+    check_dtype("dtype", dtype)
+    check_chunk_size(chunk_size, dtype)
+    if not isinstance(reuse_fp16_shard, bool):
+        raise ArgumentTypeError("reuse_fp16_shard", reuse_fp16_shard, "True or False")
+    if isinstance(policies, str) or not policies:
+        raise InvalidArgumentError("policies", policies, "a non-empty sequence of 'cuda', 'cpu', 'auto'")
+    for name in policies:
+        check_choice("policies", name, ("cuda", "cpu", "auto"))
+    if loss_fn is not None and not callable(loss_fn):
+        raise ArgumentTypeError("loss_fn", loss_fn, "a function (output, sample_batch) -> scalar, or None")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise UnsupportedOperationError("chunkmem.plan plans one process; call it before init_process_group "
+                                        "(or in a process without one)")
+    if not isinstance(model_or_builder, nn.Module) and not callable(model_or_builder):
+        raise ArgumentTypeError("model_or_builder", type(model_or_builder).__name__,
+                                "a torch.nn.Module or a function that builds one")
+    args = tree_map(lambda x: x.to(META) if isinstance(x, torch.Tensor) else x,
+                    sample_batch if isinstance(sample_batch, tuple) else (sample_batch,))
+    saved_capacity = tiers._capacity_override  # the user's setting, restored after the meta runs
+    template = _meta_model(model_or_builder)  # built once; each wrapped model below gets a (free) meta copy
+    plans = {}
+    try:
+        for name in policies:
+            plans[name] = _plan_policy(name, template, args, loss_fn, device_capacity, host_capacity, dtype,
+                                       chunk_size, reuse_fp16_shard)
+    finally:
+        tiers.set_device_memory_capacity(saved_capacity)
+    return plans
+
+
+def _meta_model(model_or_builder: Any) -> nn.Module:
+    if isinstance(model_or_builder, nn.Module):
+        if any(slot_of(p) is not None for p in model_or_builder.parameters()):
+            raise InvalidArgumentError("model_or_builder", type(model_or_builder).__name__,
+                                       "a plain module or a builder, not a module whose parameters are in chunks "
+                                       "(built inside ZeroInitContext or wrapped)")
+        return copy.deepcopy(model_or_builder).to(META)
+    with META:
+        model = model_or_builder()
+    if not isinstance(model, nn.Module):
+        raise ArgumentTypeError("model_or_builder", type(model).__name__, "a builder returning a torch.nn.Module")
+    return model
+
+
+@contextmanager
+def meta_tiers() -> Iterator[None]:
+    """Point chunkmem's tier functions at the meta device (both tiers), and take chunk memory from torch
+    instead of the block pool, in every chunkmem module that imported them, for the duration."""
+    replacements = {  # by identity: the original function -> its meta stand-in
+        id(tiers.device_of_tier): lambda tier: META,
+        id(tiers.empty_on_tier): lambda tier, numel, dtype: torch.empty(numel, dtype=dtype, device=META),
+        id(block_pool.pool_for_this_machine): lambda: None,
+    }
+    originals = (tiers.device_of_tier, tiers.empty_on_tier, block_pool.pool_for_this_machine)
+    patched = []
+    for module in [m for name, m in list(sys.modules.items()) if name.split(".")[0] == "chunkmem" and m]:
+        for attribute, value in list(vars(module).items()):
+            if any(value is original for original in originals):
+                patched.append((module, attribute, value))
+                setattr(module, attribute, replacements[id(value)])
+    try:
+        yield
+    finally:
+        for module, attribute, value in patched:
+            setattr(module, attribute, value)
+
+
+@contextmanager
+def flash_attention_on_meta() -> Iterator[None]:
+    """Make ``F.scaled_dot_product_attention`` on meta tensors count as the fused (flash) kernel that runs
+    on real devices, instead of the decomposed math kernel meta tensors otherwise get, which holds every
+    (sequence x sequence) attention matrix. An explicit mask or grouped-query attention keeps the math
+    kernel (an over-estimate)."""
+    original = F.scaled_dot_product_attention
+
+    def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                  enable_gqa: bool = False) -> torch.Tensor:
+        if query.device.type != "meta" or attn_mask is not None or enable_gqa:
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, enable_gqa=enable_gqa)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p, is_causal,
+                                                                          scale=scale)[0]
+
+    F.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def _optimizer_bytes(policy: Any, model: ShardedModelV2) -> dict[str, dict[str, int]]:
+    """The optimizer families' bytes per tier, by the policy's rule (as ShardedOptimizerV2 places them)."""
+    out: dict[str, dict[str, int]] = {"device": {}, "host": {}}
+    trainable = [c for c in model.chunks if c.trainable]
+    families = (("master",) if model.dtype != torch.float32 else ()) + ("exp_avg", "exp_avg_sq")
+    for position, _ in enumerate(trainable):
+        tier = "device" if policy.optim_on_device(position, len(trainable)) else "host"
+        for family in families:
+            out[tier][family] = out[tier].get(family, 0) + model.chunk_numel * 4
+    return out
+
+
+def _plan_policy(name: str, template: nn.Module, args: tuple, loss_fn: Any, device_capacity: int,
+                 host_capacity: int | None, dtype: torch.dtype, chunk_size: int | None,
+                 reuse_fp16_shard: bool) -> PolicyPlan:
+    with meta_tiers(), flash_attention_on_meta():
+        module = copy.deepcopy(template)
+        tiers.set_device_memory_capacity(2**62)  # first the layout, to know the optimizer state's bytes
+        probe = ShardedModelV2(module, TensorShardStrategy(), tensor_placement_policy=name, dtype=dtype,
+                               chunk_size=chunk_size, reuse_fp16_shard=reuse_fp16_shard)
+        optim = _optimizer_bytes(make_policy(name), probe)
+        chunk_bytes, num_chunks = probe.chunk_numel * probe._element_size, len(probe.chunks)
+        del probe, module
+        optim_device = sum(optim["device"].values())
+        tiers.set_device_memory_capacity(max(device_capacity - optim_device, 1))
+        result = PolicyPlan(name, True, "fits", {}, 0, chunk_bytes, num_chunks, 0, 0)
+        model = None
+        try:
+            model = ShardedModelV2(copy.deepcopy(template), TensorShardStrategy(), tensor_placement_policy=name,
+                                   dtype=dtype, chunk_size=chunk_size, reuse_fp16_shard=reuse_fp16_shard)
+            resting = model.tier_bytes()
+            ledger = model.chunk_manager.ledger
+            for _ in range(ITERATIONS):
+                before = ledger.moved_to_device, ledger.moved_to_host
+                out = model(*args)
+                loss = loss_fn(out, args[0] if len(args) == 1 else args) if loss_fn else _mean_of(out)
+                loss.backward()
+                model.zero_grad()
+            planner = model.chunk_manager.scheduler.planner
+            planner.close_finished_traces()
+            result.non_model_peak = max((p.non_model_peak for p in planner.periods or []), default=0)
+            result.moved_to_device_per_step = ledger.moved_to_device - before[0]
+            result.moved_to_host_per_step = ledger.moved_to_host - before[1]
+            result.device_peak_bytes = ledger.peak_device_bytes + optim_device
+        except DeviceCapacityError as e:
+            if model is not None:  # stopped inside an iteration: leave the tracer's counting mode
+                planner = model.chunk_manager.scheduler.planner
+                if planner.running:
+                    planner.interrupt()
+                planner.close_finished_traces()
+            result.fits, result.reason = False, (f"device: {e} (the meta run had device_memory less the "
+                                                 f"{optim_device} bytes of optimizer state resting there)")
+            resting = {"device": {"param": num_chunks * chunk_bytes}, "host": {}} if name == "cuda" else \
+                {"device": {}, "host": {"param": num_chunks * chunk_bytes}}
+    result.tier_bytes = {tier: {**resting[tier], **optim[tier]} for tier in ("device", "host")}
+    for tier in result.tier_bytes:
+        result.tier_bytes[tier] = {f: n for f, n in sorted(result.tier_bytes[tier].items()) if n}
+    if result.fits and result.device_peak_bytes + result.non_model_peak > device_capacity:
+        result.fits, result.reason = False, (
+            f"device: {result.device_peak_bytes} bytes of chunks at the peak and the non-model peak of "
+            f"{result.non_model_peak} bytes exceed device_memory={device_capacity}")
+    host_total = result.total("host")
+    if result.fits and host_capacity is not None and host_total > host_capacity:
+        result.fits, result.reason = False, f"host: {host_total} bytes of chunks exceed host_memory={host_capacity}"
+    return result
+
+
+def _mean_of(out: Any) -> torch.Tensor:
+    tensor = next(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+    return tensor.float().mean()
+
+
+def format_table(plans: dict[str, PolicyPlan]) -> str:
+    """The plans as a text table (MiB)."""
+    mib = 2**20
+    lines = [f"{'policy':<7} {'fits':<5} {'device MiB':>11} {'host MiB':>10} {'non-model MiB':>14} "
+             f"{'chunk MiB':>10} {'chunks':>7} {'to device MiB/step':>19} {'to host MiB/step':>17}"]
+    for p in plans.values():
+        lines.append(f"{p.policy:<7} {'yes' if p.fits else 'no':<5} {p.total('device') / mib:11.1f} "
+                     f"{p.total('host') / mib:10.1f} {p.non_model_peak / mib:14.1f} {p.chunk_bytes / mib:10.2f} "
+                     f"{p.num_chunks:7d} {p.moved_to_device_per_step / mib:19.1f} "
+                     f"{p.moved_to_host_per_step / mib:17.1f}")
+    for p in plans.values():
+        families = "; ".join(f"{tier}: " + ", ".join(f"{f} {n / mib:.1f}" for f, n in fam.items())
+                             for tier, fam in p.tier_bytes.items() if fam)
+        lines.append(f"{p.policy}: {families}" + ("" if p.fits else f"  -- does not fit: {p.reason}"))
+    return "\n".join(lines)
+
+
+PRESETS = {  # (vocab, d_model, layers, heads)
+    "tiny": (512, 256, 4, 4), "gpt2-small": (50257, 768, 12, 12), "gpt2-medium": (50257, 1024, 24, 16),
+    "gpt2-large": (50257, 1280, 36, 20), "gpt2-xl": (50257, 1600, 48, 25),
+}
+
+
+def _main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m chunkmem.plan", description="Will it fit? Plan one training "
+                                "step per placement policy without allocating the model.")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="a GPT of examples/train_gpt.py's shape")
+    p.add_argument("--builder", default=None, help="MODULE:FUNCTION building the model instead of --preset "
+                                                   "(called with no argument; the batch is token ids)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=None, help="token id range of the batch (default: the preset's)")
+    p.add_argument("--device-memory", required=True, help="device tier capacity, e.g. 24GiB")
+    p.add_argument("--host-memory", default=None, help="host tier capacity, e.g. 64GiB (default: unbounded)")
+    p.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], default="fp16")
+    p.add_argument("--chunk-size", type=int, default=None, help="bytes per chunk (default: searched)")
+    args = p.parse_args(argv)
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    if args.builder:
+        module_name, _, function = args.builder.partition(":")
+        builder = getattr(importlib.import_module(module_name), function)
+        vocab = args.vocab or 2
+    else:
+        vocab_size, d_model, layers, heads = PRESETS[args.preset]
+        try:  # the benchmarks' GPT: run from the repository root
+            gpt = importlib.import_module("benchmarks._gpt")
+        except ImportError as e:
+            raise SystemExit(f"--preset needs benchmarks/_gpt.py (run from the repository root), or use --builder: {e}")
+
+        def builder() -> nn.Module:
+            return gpt.GPT(gpt.GPTConfig(vocab_size, d_model, layers, heads, args.seq_len))
+        vocab = args.vocab or vocab_size
+    print(format_table(plan(builder, torch.randint(0, vocab, (args.batch_size, args.seq_len)), args.device_memory,
+                            args.host_memory, dtype=dtype, chunk_size=args.chunk_size)))
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,174 @@
+"""chunkmem.plan against real runs: the bytes per tier and family, and the bytes moved per step, must
+equal what ShardedModelV2 / ShardedOptimizerV2 account in their ledger; 'fits' agrees with the real
+capacity check."""
+from __future__ import annotations
+
+import sys
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+import chunkmem as cm
+from chunkmem.plan import format_table, plan
+
+CHUNK = 64 * 256 * 4
+
+
+def build() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64), nn.Linear(64, 8))
+
+
+def real_run(policy: str, dtype: torch.dtype, batch: torch.Tensor, builder=build, chunk: int = CHUNK,
+             loss_fn=None) -> tuple[dict, tuple[int, int], int]:
+    m = cm.ShardedModelV2(builder(), cm.TensorShardStrategy(), tensor_placement_policy=policy, dtype=dtype,
+                          chunk_size=chunk)
+    o = cm.ShardedOptimizerV2(m, cm.HybridAdam(m.parameters(), lr=1e-3), initial_scale=2**8)
+    ledger = m.chunk_manager.ledger
+    for _ in range(3):  # auto plans after its traced first step: compare the last
+        before = ledger.moved_to_device, ledger.moved_to_host
+        out = m(batch)
+        loss = loss_fn(out, batch) if loss_fn else out.float().mean()
+        o.backward(loss)
+        o.step()
+        o.zero_grad()
+    traced_peak = max(p.non_model_peak for p in m.chunk_manager.scheduler.planner.periods)
+    return m.tier_bytes(), (ledger.moved_to_device - before[0], ledger.moved_to_host - before[1]), traced_peak
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_plan_bytes_equal_a_real_run(dtype):
+    batch = torch.randn(4, 64)
+    plans = plan(build, batch, 10 * 2**20, dtype=dtype, chunk_size=CHUNK)
+    cm.set_device_memory_capacity(10 * 2**20)
+    for policy in ("cuda", "cpu", "auto"):
+        tiers, moved, _ = real_run(policy, dtype, batch)
+        p = plans[policy]
+        assert p.fits and p.chunk_bytes == CHUNK
+        assert p.tier_bytes == tiers, policy
+        assert (p.moved_to_device_per_step, p.moved_to_host_per_step) == moved, policy
+    # hand-computed: 4 fp32 chunks (2 fp16) of 16384 (32768) elements; Adam state is fp32
+    n = 4 if dtype == torch.float32 else 2
+    fp32_chunk = CHUNK if dtype == torch.float32 else 2 * CHUNK
+    optim = {"exp_avg": n * fp32_chunk, "exp_avg_sq": n * fp32_chunk}
+    if dtype == torch.float16:
+        optim["master"] = n * fp32_chunk
+    assert plans["cuda"].tier_bytes == {"device": {"param": n * CHUNK, **optim}, "host": {}}
+    assert plans["cuda"].device_peak_bytes == n * CHUNK * 2 + sum(optim.values())  # parameters, gradients, Adam
+    assert plans["cuda"].moved_to_device_per_step == 0
+
+
+def test_plan_of_a_gpt_with_tied_and_functionally_used_weights_equals_a_real_run():
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from models import TinyGPT, lm_loss
+
+    def builder():
+        torch.manual_seed(0)
+        return TinyGPT(vocab=64, d=32, layers=2, seq=16)
+
+    batch = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    plans = plan(builder, batch, 64 * 2**20, dtype=torch.float32, chunk_size=16384, loss_fn=lm_loss)
+    cm.set_device_memory_capacity(64 * 2**20)
+    for policy in ("cuda", "cpu", "auto"):
+        tiers, moved, traced_peak = real_run(policy, torch.float32, batch, builder, 16384, lm_loss)
+        p = plans[policy]
+        assert p.num_chunks == 9 and p.tier_bytes == tiers, policy
+        assert (p.moved_to_device_per_step, p.moved_to_host_per_step) == moved, policy
+        # the meta run's tracer counts what the real one counts (both loops keep the output through backward)
+        assert p.non_model_peak == traced_peak
+
+
+def test_attention_is_counted_as_the_fused_kernel_of_a_real_run(monkeypatch):
+    """The meta run counts scaled_dot_product_attention as the CPU's fused kernel does (no sequence x
+    sequence matrices): its traced peak equals the real run's."""
+    monkeypatch.syspath_prepend(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks._gpt import GPT, GPTConfig
+
+    def builder():
+        torch.manual_seed(0)
+        return GPT(GPTConfig(128, 64, 2, 2, 128))
+
+    batch = torch.randint(0, 128, (2, 128), generator=torch.Generator().manual_seed(0))
+    p = plan(builder, batch, 64 * 2**20, dtype=torch.float32, chunk_size=65536, policies=("cpu",))["cpu"]
+    cm.set_device_memory_capacity(64 * 2**20)
+    tiers, moved, traced_peak = real_run("cpu", torch.float32, batch, builder, 65536)
+    assert (p.tier_bytes, (p.moved_to_device_per_step, p.moved_to_host_per_step)) == (tiers, moved)
+    assert p.non_model_peak == traced_peak
+
+
+def test_plan_allocates_nothing_and_reports_the_non_model_peak():
+    built = []
+
+    def builder():
+        model = build()
+        built.append(model)
+        return model
+
+    batch = torch.randn(16, 64)
+    p = plan(builder, batch, 10 * 2**20, dtype=torch.float32, chunk_size=CHUNK)["cpu"]
+    assert all(t.is_meta for t in built[0].parameters())
+    # forward: the activations 16x256 (Linear, GELU), 16x64, 16x8 and the loss; backward adds the
+    # parameter gradients (they are non-model memory until they reach a chunk) - at least the largest
+    assert p.non_model_peak >= (16 * 256 * 2 + 16 * 64 + 16 * 8) * 4
+    assert p.non_model_peak < 4 * sum(q.numel() for q in built[0].parameters()) * 4
+
+
+def test_fits_agrees_with_the_real_capacity_check():
+    batch = torch.randn(4, 64)
+    capacity = 2**20  # the 'cuda' state (0.75 MiB + gradients) does not fit; 'cpu' visits two chunks at a time
+    plans = plan(build, batch, capacity, dtype=torch.float32, chunk_size=CHUNK)
+    assert not plans["cuda"].fits and "device" in plans["cuda"].reason
+    assert plans["cpu"].fits
+    cm.set_device_memory_capacity(capacity - plans["cpu"].non_model_peak)  # what the chunks may use
+    with pytest.raises(cm.DeviceCapacityError):
+        real_run("cuda", torch.float32, batch)
+    real_run("cpu", torch.float32, batch)
+    host = plan(build, batch, capacity, host_memory=2**10, dtype=torch.float32, chunk_size=CHUNK)["cpu"]
+    assert not host.fits and host.reason.startswith("host")
+    assert cm.device_memory_capacity() == capacity - plans["cpu"].non_model_peak  # plan restored the setting
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(cm.InvalidArgumentError, match="policies"):
+        plan(build, torch.randn(1, 64), 2**20, policies=("gpu",))
+    with pytest.raises(cm.ArgumentTypeError, match="model_or_builder"):
+        plan(3, torch.randn(1, 64), 2**20)
+    with pytest.raises(cm.InvalidArgumentError, match="device_memory"):
+        plan(build, torch.randn(1, 64), "lots")
+    with cm.ZeroInitContext(torch.device("cpu"), cm.TensorShardStrategy(), dtype=torch.float32):
+        in_chunks = build()
+    with pytest.raises(cm.InvalidArgumentError, match="model_or_builder"):
+        plan(in_chunks, torch.randn(1, 64), 2**20)
+    module = build()
+    assert plan(module, torch.randn(1, 64), 2**30, dtype=torch.float32)["cpu"].num_chunks >= 1  # a plain module
+    assert not any(p.is_meta for p in module.parameters())  # was copied, not moved
+    with pytest.raises(cm.InvalidArgumentError, match="chunk_size"):
+        plan(build, torch.randn(1, 64), 2**20, dtype=torch.float32, chunk_size=64)
+
+
+def test_command_line_prints_the_table(capsys, monkeypatch):
+    from chunkmem.plan import _main
+
+    monkeypatch.syspath_prepend(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
+    _main(["--preset", "tiny", "--seq-len", "8", "--batch-size", "1", "--device-memory", "64MiB", "--dtype", "fp32"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:2] == ["policy", "fits"]
+    assert [line.split()[:2] for line in lines[1:4]] == [["cuda", "yes"], ["cpu", "yes"], ["auto", "yes"]]
+    # tiny preset: vocab 512, d_model 256, 4 layers, 8 positions (examples/train_gpt.py's GPT at --seq-len 8)
+    n_params = 512 * 256 + 8 * 256 + 4 * (12 * 256 * 256 + 13 * 256) + 2 * 256
+    assert float(lines[1].split()[2]) == pytest.approx(3 * 4 * n_params / 2**20, rel=0.05)  # param + 2 moments
+    assert format_table(plan(build, torch.randn(1, 64), 2**30)).count("\n") == 6
+
+
+def test_activations_that_do_not_fit_beside_the_chunks_make_a_plan_not_fit():
+    """'cuda' at a capacity that holds its chunks at their peak (parameters, gradients, Adam moments:
+    16 chunks) but not the activations of a large batch beside them."""
+    batch = torch.randn(4096, 64)  # the first Linear's output alone is 4 MiB
+    p = plan(build, batch, 18 * CHUNK, dtype=torch.float32, chunk_size=CHUNK, policies=("cuda",))["cuda"]
+    assert p.device_peak_bytes == 16 * CHUNK and p.non_model_peak >= 4096 * 256 * 4
+    assert not p.fits and "non-model peak" in p.reason
+    assert p.tier_bytes["device"] == {"param": 4 * CHUNK, "exp_avg": 4 * CHUNK, "exp_avg_sq": 4 * CHUNK}
+    assert plan(build, torch.randn(4, 64), 18 * CHUNK, dtype=torch.float32, chunk_size=CHUNK,
+                policies=("cuda",))["cuda"].fits
