@@ -29,13 +29,14 @@ from .param_guard import adopt, slot_of  # noqa: F401  (slot_of re-exported: whe
 
 def build_chunks(entries: Sequence[tuple[str, nn.Parameter, ChunkKey]], chunk_numel: int, dtype: torch.dtype,
                  ledger: TierLedger, tier: Tier, shards: ShardGroup = SINGLE_PROCESS, first_index: int = 0,
-                 value_of: Callable[[nn.Parameter], torch.Tensor] | None = None) -> list[Chunk]:
+                 value_of: Callable[[nn.Parameter], torch.Tensor] | None = None, to_disk: bool = False) -> list[Chunk]:
     """Pack ``entries`` (in order) into new chunks and point each parameter into its chunk.
 
     Each chunk keeps this rank's shard of the parameters on ``tier`` (one rank: the whole chunk, on
     the device tier as its device copy); parameters view the (freed) full device copy when sharded.
     ``value_of(param)`` gives the parameter's full current value (default: ``param.data``); it is cast
-    to ``dtype``. Padding elements are zero.
+    to ``dtype``. Padding elements are zero. ``to_disk``: each chunk's shard goes to the disk tier as
+    soon as it is filled (``offload_param="disk"``: host memory holds one chunk at a time).
     """
     value_of = value_of or (lambda p: p.data)
     groups = pack([p.numel() for _, p, _ in entries], [k for _, _, k in entries], chunk_numel)
@@ -48,6 +49,9 @@ def build_chunks(entries: Sequence[tuple[str, nn.Parameter, ChunkKey]], chunk_nu
             name, param, _key = entries[i]
             chunk.write_own_part(chunk.add_slot(param, name), local, value_of(param))
         chunk.bind_views(chunk.param.device if shards.sharded else local)
+        if to_disk:
+            chunk.param.shard.move_to(Tier.DISK)
+            chunk.bind_views(chunk.param.device)
         for slot in chunk.slots:
             adopt(slot.param, slot)
         chunks.append(chunk)

@@ -16,7 +16,7 @@ from . import memstats
 from .agreement import agree_on_model_layout
 from .atomic_file import write_json_atomically
 from .chunk import MASTER, PARAM, Chunk, ChunkKey
-from .errors import DeviceCapacityError, GradientAccumulationError, InvalidArgumentError, check_number, check_type
+from .errors import HostCapacityError, DeviceCapacityError, GradientAccumulationError, InvalidArgumentError, check_number, check_type
 from .hooks import ChunkHooks
 from .init_context import check_chunk_size, check_dtype, check_param_dtypes
 from .wrap_marker import check_not_wrapped, mark_unwrapped, mark_wrapped
@@ -112,6 +112,8 @@ class ShardedModelV2(nn.Module):
         policy = make_policy(tensor_placement_policy, offload_param_frac, offload_optim_frac)
         check_disk_arguments(offload_optimizer, offload_param, nvme_path, buffer_count, buffer_size, atomic_step,
                              tensor_placement_policy, reuse_fp16_shard)
+        policy.optimizer_on_disk = offload_optimizer == "disk"
+        policy.params_on_disk = offload_param == "disk"
         host_capacity = host_memory_capacity()
 
         named = list(module.named_parameters())
@@ -174,13 +176,12 @@ class ShardedModelV2(nn.Module):
         ledger = slots[0].chunk.ledger if from_context else TierLedger(capacity)
         ledger.capacity = capacity
         ledger.host_capacity = host_capacity
+        self._check_host_capacity(plan, ledger)
         if nvme_path is not None:
             ledger.disk = DiskTier(nvme_path, buffer_count, buffer_size, atomic_step, ledger)
-            policy.optimizer_on_disk = offload_optimizer == "disk"
-            policy.params_on_disk = offload_param == "disk"
             weakref.finalize(self, ledger.disk.close)
+        self._reserve_param_files(plan, ledger)
         chunks = self._build(plan, _unique_chunks(slots) if from_context else [], ledger)
-        self._reserve_param_files(chunks)
         if from_context:  # chunks of parameters replaced after creation (the original weight of a tied head)
             for chunk in slots[0].chunk.built_with:
                 if chunk not in chunks:
@@ -236,16 +237,31 @@ class ShardedModelV2(nn.Module):
             return slot.view(gathered[slot.chunk])
 
         chunks = build_chunks(plan.entries, self.chunk_numel, self.dtype, ledger, Tier.HOST, self.shards,
-                              value_of=value_of)
+                              value_of=value_of, to_disk=self.policy.params_on_disk)
         gathered.clear()
         for chunk in current:
             _free_chunk(chunk)
         return chunks
 
-    def _reserve_param_files(self, chunks: list[Chunk]) -> None:
-        """With ``offload_param="disk"``: preallocate the parameter file for ``chunks``."""
+    def _reserve_param_files(self, plan: "_LayoutPlan", ledger: TierLedger) -> None:
+        """With ``offload_param="disk"``: preallocate the parameter file for the chunks of ``plan`` (a
+        full disk is refused here, before the module changes)."""
         if self.policy.params_on_disk:
-            chunks[0].ledger.disk.reserve(PARAM, chunks[0].param.shard.nbytes, len(chunks))
+            ledger.disk.reserve(PARAM, plan.chunk_bytes // self.shards.world, len(plan.groups))
+
+    def _check_host_capacity(self, plan: "_LayoutPlan", ledger: TierLedger) -> None:
+        """Refuse, before the module changes, a host capacity below the parameter chunks that rest on the
+        host (this rank's shards)."""
+        if ledger.host_capacity is None or self.policy.params_on_disk:
+            return
+        count = len(plan.groups)
+        resting = sum(1 for i in range(count) if not self.policy.params_on_device_at_rest(i, count))
+        need = resting * (plan.chunk_bytes // self.shards.world)
+        if need > ledger.host_capacity:
+            raise HostCapacityError(
+                f"host tier too small: the {resting} parameter chunks resting on the host need {need} bytes, the "
+                f"capacity is {ledger.host_capacity} bytes (set chunkmem.set_host_memory_capacity or "
+                f"CHUNKMEM_HOST_MEMORY higher, or offload_param='disk')")
 
     def _plan_for_groups(self, group_of: dict[int, int]) -> "_LayoutPlan":
         """The layout in which no chunk mixes optimizer param groups."""
@@ -257,11 +273,11 @@ class ShardedModelV2(nn.Module):
         """Adopt ``plan`` (called once, by the optimizer, before any optimizer state exists)."""
         if not self._laid_out_as(plan, self.chunk_manager.chunks):  # a re-pack gathers: the ranks must agree
             agree_on_model_layout(self, plan, step="ShardedOptimizerV2 re-pack")
+        self._reserve_param_files(plan, self.chunk_manager.ledger)
         chunks = self._build(plan, self.chunk_manager.chunks, self.chunk_manager.ledger)
         if chunks is self.chunk_manager.chunks:
             return
         self.chunk_manager.chunks = chunks
-        self._reserve_param_files(chunks)
         self.chunk_manager.settle_all()
         self.chunk_manager.bind_views_to_device()
         self._hooks.refresh_chunks()

@@ -253,12 +253,25 @@ def test_missing_directory_and_full_disk_at_build_are_clear(tmp_path, monkeypatc
     assert model.tier_bytes() == before and not model.optimizer_attached
 
 
-def test_host_capacity_refuses_clearly(tmp_path):
-    cm.set_host_memory_capacity(4096)
+def test_host_capacity_refuses_clearly_before_anything_changes(tmp_path):
+    module = _reference()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    capacity = CHUNK_BYTES + 4 * PIECE  # one chunk being built, and the disk tier's I/O buffers
+    cm.set_host_memory_capacity(capacity)
     try:
-        with pytest.raises(cm.HostCapacityError, match="host tier full"):
-            cm.ShardedModelV2(_reference(), cm.TensorShardStrategy(), tensor_placement_policy="cpu",
+        with pytest.raises(cm.HostCapacityError, match=r"^host tier too small: the 4 parameter chunks resting on "
+                                                       rf"the host need 65536 bytes, the capacity is {capacity} bytes"):
+            cm.ShardedModelV2(module, cm.TensorShardStrategy(), tensor_placement_policy="cpu",
                               dtype=torch.float16, chunk_size=CHUNK_BYTES)
+        assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+        assert all(type(p) is torch.nn.Parameter for p in module.parameters())
+        # with the parameters on disk the same capacity is enough: built one chunk at a time into the files
+        (tmp_path / "d").mkdir()
+        model = cm.ShardedModelV2(module, cm.TensorShardStrategy(), tensor_placement_policy="cpu",
+                                  dtype=torch.float16, chunk_size=CHUNK_BYTES, offload_param="disk",
+                                  nvme_path=str(tmp_path / "d"), buffer_size=PIECE)
+        assert model.tier_bytes()["disk"] == {"param": 65536} and "param" not in model.tier_bytes()["host"]
+        assert torch.equal(model.state_dict()["wte.weight"], before["wte.weight"].half().float())
     finally:
         cm.set_host_memory_capacity(None)
 
