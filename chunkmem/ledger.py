@@ -42,25 +42,24 @@ class TierLedger:
         self.context = ""
 
     def reserve(self, tier: Tier, family: str, nbytes: int, what: str) -> None:
-        """Account ``nbytes`` more on ``tier`` for ``family``; refuse past the device capacity."""
+        """Account ``nbytes`` more on ``tier`` for ``family``; refuse past the device or host capacity."""
         if tier is Tier.DEVICE:
-            after = self.tier_bytes(Tier.DEVICE) + nbytes
-            if after > self.capacity:
-                where = f" during {self.context}" if self.context else ""
-                raise DeviceCapacityError(
-                    f"device tier full{where}: {what} needs {nbytes} bytes, {self.tier_bytes(Tier.DEVICE)} of the "
-                    f"capacity of {self.capacity} bytes are in use (set chunkmem.set_device_memory_capacity "
-                    f"or CHUNKMEM_DEVICE_MEMORY higher, or rest more state on the host)")
-            self.peak_device_bytes = max(self.peak_device_bytes, after)
+            self._check_room(tier, self.capacity, nbytes, what, DeviceCapacityError, "set_device_memory_capacity",
+                             "CHUNKMEM_DEVICE_MEMORY", "on the host")
+            self.peak_device_bytes = max(self.peak_device_bytes, self.tier_bytes(Tier.DEVICE) + nbytes)
         elif tier is Tier.HOST and self.host_capacity is not None:
-            after = self.tier_bytes(Tier.HOST) + nbytes
-            if after > self.host_capacity:
-                where = f" during {self.context}" if self.context else ""
-                raise HostCapacityError(
-                    f"host tier full{where}: {what} needs {nbytes} bytes, {self.tier_bytes(Tier.HOST)} of the "
-                    f"capacity of {self.host_capacity} bytes are in use (set chunkmem.set_host_memory_capacity "
-                    f"or CHUNKMEM_HOST_MEMORY higher, or rest more state on the disk tier)")
+            self._check_room(tier, self.host_capacity, nbytes, what, HostCapacityError, "set_host_memory_capacity",
+                             "CHUNKMEM_HOST_MEMORY", "on the disk tier")
         self._bytes[(tier, family)] += nbytes
+
+    def _check_room(self, tier: Tier, capacity: int, nbytes: int, what: str, error: type[Exception], setter: str,
+                    variable: str, elsewhere: str) -> None:
+        used = self.tier_bytes(tier)
+        if used + nbytes > capacity:
+            where = f" during {self.context}" if self.context else ""
+            raise error(f"{tier.value} tier full{where}: {what} needs {nbytes} bytes, {used} of the capacity of "
+                        f"{capacity} bytes are in use (set chunkmem.{setter} or {variable} higher, or rest more "
+                        f"state {elsewhere})")
 
     def count_move(self, destination: Tier, nbytes: int) -> None:
         """Count ``nbytes`` copied between the device and the host, towards ``destination``."""
