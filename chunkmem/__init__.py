@@ -8,6 +8,7 @@ from .errors import (ArgumentTypeError, ChunkmemError, DeviceCapacityError, Grad
                      InvalidArgumentError, UnscaledBackwardError, UnsupportedOperationError)
 from .init_context import ZeroInitContext
 from .loss_scaler import DynamicGradScaler
+from .low_level_zero import LowLevelZeroOptimizer
 from .model import ShardedModelV2
 from .optimizer import ShardedOptimizerV2
 from .param_guard import ChunkGradient, ChunkParameter, ParameterAccessError
@@ -22,7 +23,7 @@ __all__ = [
     "ArgumentTypeError", "BaseShardStrategy", "BucketTensorShardStrategy", "CPUAdam", "CheckpointError", "ChunkGradient",
     "ChunkParameter", "ChunkStateError", "ChunkmemError", "CollectiveError", "CollectiveTimeoutError",
     "DeviceCapacityError", "DynamicGradScaler", "GatheredParameters", "GradientAccumulationError", "HybridAdam",
-    "InvalidArgumentError", "LayoutMismatchError", "ParameterAccessError", "ShardedModelV2", "ShardedOptimizerV2",
+    "InvalidArgumentError", "LayoutMismatchError", "LowLevelZeroOptimizer", "ParameterAccessError", "ShardedModelV2", "ShardedOptimizerV2",
     "TensorShardStrategy", "Tier", "UnscaledBackwardError", "UnsupportedOperationError", "ZeroInitContext",
     "collective_timeout", "consolidate_checkpoint", "device_memory_capacity", "load_checkpoint", "parse_size",
     "register_external_parameter", "save_checkpoint", "set_collective_timeout", "set_device_memory_capacity",
