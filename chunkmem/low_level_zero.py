@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -394,6 +394,11 @@ class LowLevelZeroOptimizer:
         chunk's step, this rank's part of the moments, the hyper-parameters and (fp16) the loss scaler.
         Everything is checked first (:class:`~chunkmem.InvalidArgumentError` naming the entry; all
         parameters of one chunk must share a step); nothing changes on an error. No collective."""
+        self.plan_load_state_dict(state_dict)()
+
+    def plan_load_state_dict(self, state_dict: Mapping[str, Any]) -> Callable[[], None]:
+        """Check ``state_dict`` as :meth:`load_state_dict` does and return the function that loads it
+        (nothing changes until it is called)."""
         from .state_dicts import _check_entry, plan_hyper_load
 
         allowed = "an optimizer state dict with 'state' and 'param_groups'"
@@ -422,15 +427,18 @@ class LowLevelZeroOptimizer:
                 raise InvalidArgumentError("state_dict['state']", f"steps {sorted(steps)} within chunk{chunk.index}",
                                            "one step for the parameters that share a chunk")
             writes.append((chunk, steps.pop(), entries))
-        plan.apply()
-        with torch.no_grad():
-            for chunk, step, entries in writes:
-                chunk.exp_avg.zero_()
-                chunk.exp_avg_sq.zero_()
-                for slot, entry in entries:
-                    self._write_own(slot, chunk.exp_avg, entry["exp_avg"])
-                    self._write_own(slot, chunk.exp_avg_sq, entry["exp_avg_sq"])
-                chunk.step = step
+
+        def apply() -> None:
+            plan.apply()
+            with torch.no_grad():
+                for chunk, step, entries in writes:
+                    chunk.exp_avg.zero_()
+                    chunk.exp_avg_sq.zero_()
+                    for slot, entry in entries:
+                        self._write_own(slot, chunk.exp_avg, entry["exp_avg"])
+                        self._write_own(slot, chunk.exp_avg_sq, entry["exp_avg_sq"])
+                    chunk.step = step
+        return apply
 
     @staticmethod
     def _write_own(slot: FlatSlot, shard: torch.Tensor, value: torch.Tensor) -> None:
@@ -462,6 +470,11 @@ class LowLevelZeroOptimizer:
         """Load a full state dict into ``module``: the working parameters (cast to the working dtype) and
         this rank's part of the fp32 masters of the parameters this optimizer trains, the rest as
         ``module.load_state_dict`` does (strict). No collective."""
+        self.plan_load_model_state_dict(module, state_dict)()
+
+    def plan_load_model_state_dict(self, module: nn.Module, state_dict: Mapping[str, Any]) -> Callable[[], None]:
+        """Check as :meth:`load_model_state_dict` does and return the function that loads (nothing
+        changes until it is called)."""
         check_type("module", module, nn.Module, "the torch.nn.Module whose parameters this optimizer trains")
         check_type("state_dict", state_dict, Mapping, "a mapping from the module's state_dict() keys to tensors")
         own = module.state_dict(keep_vars=True)
@@ -475,9 +488,12 @@ class LowLevelZeroOptimizer:
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(target.shape):
                 raise InvalidArgumentError(f"state_dict[{key!r}]", getattr(value, "shape", type(value).__name__),
                                            f"a tensor of shape {tuple(target.shape)}")
-        with torch.no_grad():
-            for key, target in own.items():
-                slot = self._slot_of.get(id(target))
-                target.copy_(state_dict[key])
-                if slot is not None and self.separate_master:
-                    self._write_own(slot, slot.chunk.master, state_dict[key].float())
+
+        def apply() -> None:
+            with torch.no_grad():
+                for key, target in own.items():
+                    slot = self._slot_of.get(id(target))
+                    target.copy_(state_dict[key])
+                    if slot is not None and self.separate_master:
+                        self._write_own(slot, slot.chunk.master, state_dict[key].float())
+        return apply

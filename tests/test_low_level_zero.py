@@ -93,15 +93,68 @@ def reference_fp32() -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
-def _all_two_rank_scenarios(rank: int, world: int) -> dict:
+def _checkpoint_run(rank: int, world: int, path: str) -> bool:
+    """Two ranks (stage 2) train, save with chunkmem.save_checkpoint, and a second optimizer loads it and
+    continues bitwise as the first does."""
+    model = make_model()
+    optim = cm.LowLevelZeroOptimizer(cm.HybridAdam(model.parameters(), lr=LR, weight_decay=WD), partition_grad=True)
+    other = make_model()
+    resumed = cm.LowLevelZeroOptimizer(cm.HybridAdam(other.parameters(), lr=0.5), partition_grad=True)
+    batches = data(4)
+    for n, (x, y) in enumerate(batches):
+        if n == 2:
+            cm.save_checkpoint(path, model, optim)
+            cm.load_checkpoint(path, other, resumed)
+        pairs = ((model, optim),) if n < 2 else ((model, optim), (other, resumed))
+        for m, o in pairs:
+            o.backward(loss_fn(m(x[rank * 2:rank * 2 + 2]), y[rank * 2:rank * 2 + 2]))
+            o.step()
+            o.zero_grad()
+    return all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
+
+
+def _all_two_rank_scenarios(rank: int, world: int, path: str) -> dict:
     return dict(train=_train_configs(rank, world), bytes=_bytes_of(rank, world),
-                overflow=_overflow_on_rank1(rank, world), no_sync=_no_sync_run(rank, world))
+                overflow=_overflow_on_rank1(rank, world), no_sync=_no_sync_run(rank, world),
+                checkpoint=_checkpoint_run(rank, world, path))
 
 
 @pytest.fixture(scope="module")
-def two_ranks() -> list[dict]:
+def checkpoint_path(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("llz") / "ckpt.pt")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(checkpoint_path) -> list[dict]:
     """Every two-process scenario of this file in one spawn (starting the processes costs most)."""
-    return run_ranks(_all_two_rank_scenarios, 2)
+    return run_ranks(_all_two_rank_scenarios, 2, checkpoint_path)
+
+
+def test_two_rank_checkpoint_resumes_bitwise_and_loads_everywhere(two_ranks, checkpoint_path):
+    assert [r["checkpoint"] for r in two_ranks] == [True, True]
+    # the same file into ShardedModelV2 + ShardedOptimizerV2, plain module + torch AdamW, one-rank LLZ
+    sharded = cm.ShardedModelV2(make_model(), cm.TensorShardStrategy(), dtype=torch.float32)
+    sopt = cm.ShardedOptimizerV2(sharded, cm.HybridAdam(sharded.parameters(), lr=0.5))
+    cm.load_checkpoint(checkpoint_path, sharded, sopt)
+    full = cm.consolidate_checkpoint(checkpoint_path)
+    plain = make_model()
+    plain.load_state_dict(full["model"])
+    adamw = torch.optim.AdamW(plain.parameters(), lr=0.5, foreach=False)
+    adamw.load_state_dict(full["optimizer"])
+    single = make_model()
+    llz = cm.LowLevelZeroOptimizer(torch.optim.AdamW(single.parameters(), lr=0.5))
+    cm.load_checkpoint(checkpoint_path, single, llz)
+    assert full["optimizer"]["state"][0]["step"].item() == 2.0
+    x, y = data(4)[2]
+    sopt.backward(loss_fn(sharded(x), y))
+    sopt.step()
+    loss_fn(plain(x), y).backward()
+    adamw.step()
+    llz.backward(loss_fn(single(x), y))
+    llz.step()
+    state = sharded.state_dict()
+    for (name, p), q in zip(plain.named_parameters(), single.parameters()):
+        assert torch.equal(p, q) and torch.equal(state[name], p.detach()), name
 
 
 def test_two_ranks_match_one_process_with_the_doubled_batch(two_ranks):
