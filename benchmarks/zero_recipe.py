@@ -7,7 +7,7 @@ same processes:
 
 * ``ddp_adam``      DDP + torch.optim.Adam (the recipe without ZeRO);
 * ``ddp_zero``      DDP + torch's ZeroRedundancyOptimizer(Adam);
-* ``llz_stage1``    chunkmem.LowLevelZeroOptimizer(Adam), plain module;
+* ``llz_stage1``    chunkmem.LowLevelZeroOptimizer(Adam, overlap_communication=True), plain module;
 * ``llz_stage2``    the same with ``partition_grad=True``;
 * ``llz_stage2_off`` stage 2 with ``cpu_offload=True`` (on a CPU-only machine the same memory as stage 2);
 * ``zero3``         chunkmem.ShardedModelV2 (fp32, placement "cuda" = the device tier, the CPU here) +
@@ -123,7 +123,7 @@ def run_config(name: str, layers: int, width: int, iters: int) -> dict[str, Any]
             loss.backward()
     elif name.startswith("llz"):
         net = model
-        optim = cm.LowLevelZeroOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+        optim = cm.LowLevelZeroOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), overlap_communication=True,
                                          partition_grad=name != "llz_stage1", cpu_offload=name == "llz_stage2_off")
         backward = optim.backward
     else:
@@ -194,6 +194,8 @@ def main() -> int:
     for name in args.configs.split(","):
         if name not in CONFIGS:
             raise SystemExit(f"--configs: unknown configuration {name!r}; choose from {', '.join(CONFIGS)}")
+        if rank == 0:
+            print(f"running {name} ...", file=sys.stderr, flush=True)
         result = run_config(name, args.layers, args.width, args.iters)
         everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, result)

@@ -47,7 +47,9 @@ class LowLevelZeroOptimizer:
     ``param.grad`` stays ``None``. Every parameter the optimizer holds that requires grad is stepped at
     every step (one that got no gradient counts as zero, as in :class:`~chunkmem.ShardedOptimizerV2`);
     parameters with ``requires_grad=False`` are left alone. All ranks must run the same backward graph
-    (the buckets are filled in the order autograd finishes gradients).
+    (the buckets are filled in the order autograd finishes gradients). It is not a
+    ``torch.optim.Optimizer``: attach learning-rate schedulers to the wrapped optimizer, whose param
+    groups are the ones read.
 
     Loss scaling applies to fp16 working parameters only (bf16 and fp32 train unscaled and never skip):
     with fp16, backward must go through :meth:`backward`. A step whose gradients hold inf/NaN on any

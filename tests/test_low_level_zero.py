@@ -12,8 +12,10 @@ import chunkmem as cm
 from distributed import run_ranks
 
 LR, WD, SCALE, STEPS = 1e-2, 0.01, 2.0**10, 3
-CONFIGS = list(itertools.product((False, True), (torch.float32, torch.float16, torch.bfloat16), (False, True),
-                                 (False, True)))  # partition_grad, dtype, cpu_offload, overlap_communication
+# partition_grad, dtype, cpu_offload, overlap_communication, communication_dtype
+CONFIGS = [c + (None,) for c in itertools.product((False, True), (torch.float32, torch.float16, torch.bfloat16),
+                                                  (False, True), (False, True))]
+CONFIGS += [(partition, torch.float16, False, True, torch.float32) for partition in (False, True)]
 
 
 def make_model() -> nn.Module:
@@ -38,27 +40,39 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _train_configs(rank: int, world: int) -> list:
     results = []
-    for partition, dtype, offload, overlap in CONFIGS:
+    for partition, dtype, offload, overlap, comm in CONFIGS:
         model = make_model().to(dtype)
         optim = cm.LowLevelZeroOptimizer(cm.HybridAdam(model.parameters(), lr=LR, weight_decay=WD),
                                          initial_scale=SCALE, partition_grad=partition, cpu_offload=offload,
-                                         overlap_communication=overlap, reduce_bucket_size=100)
-        half = None
+                                         overlap_communication=overlap, reduce_bucket_size=100,
+                                         communication_dtype=comm)
+        most_in_flight = [0]
+        flush = optim.buckets.flush
+
+        def counting_flush() -> None:
+            flush()
+            most_in_flight[0] = max(most_in_flight[0], len(optim.buckets.in_flight))
+        optim.buckets.flush = counting_flush
         for x, y in data():
             half = x.shape[0] // world
             sl = slice(rank * half, (rank + 1) * half)
             optim.backward(loss_fn(model(x[sl].to(dtype)), y[sl]))
+            assert optim.buckets.idle  # every collective waited for by the end of the backward
             assert optim.step()
             optim.zero_grad()
+        # with overlap, several buckets' collectives are in flight at once during the backward
+        assert (most_in_flight[0] >= 2) if overlap else (most_in_flight[0] == 0)
         masters = [optim.master_of(p) for p in model.parameters()]
         results.append(([p.detach().float().clone() for p in model.parameters()], masters,
                         optim.buckets.collectives))
     return results
 
 
-def reference_16bit(dtype: torch.dtype, world: int = 2) -> list[torch.Tensor]:
+def reference_16bit(dtype: torch.dtype, comm: torch.dtype | None = None, world: int = 2) -> list[torch.Tensor]:
     """Each rank's half batch through a 16-bit copy, the gradients summed and divided by the world size
-    in the 16-bit dtype (as the collectives do), unscaled into fp32 masters stepped by torch's AdamW."""
+    in the communication dtype (as the collectives do), cast back to the 16-bit dtype, unscaled into
+    fp32 masters stepped by torch's AdamW."""
+    comm = comm or dtype
     model16 = make_model().to(dtype)
     masters = [p.detach().float().clone().requires_grad_(True) for p in model16.parameters()]
     optim = torch.optim.AdamW(masters, lr=LR, weight_decay=WD, foreach=False)
@@ -70,12 +84,12 @@ def reference_16bit(dtype: torch.dtype, world: int = 2) -> list[torch.Tensor]:
             model16.zero_grad(set_to_none=True)
             sl = slice(r * half, (r + 1) * half)
             (loss_fn(model16(x[sl].to(dtype)), y[sl]) * scale).backward()
-            grads.append([p.grad.clone() for p in model16.parameters()])
+            grads.append([p.grad.to(comm) for p in model16.parameters()])
         for master, *per_rank in zip(masters, *grads):
             total = per_rank[0]
             for g in per_rank[1:]:
                 total = total + g
-            master.grad = (total / world).float() * (1.0 / scale)
+            master.grad = (total / world).to(dtype).float() * (1.0 / scale)
         optim.step()
         with torch.no_grad():
             for master, p in zip(masters, model16.parameters()):
@@ -159,15 +173,16 @@ def test_two_rank_checkpoint_resumes_bitwise_and_loads_everywhere(two_ranks, che
 
 def test_two_ranks_match_one_process_with_the_doubled_batch(two_ranks):
     per_rank = [r["train"] for r in two_ranks]
-    refs = {torch.float32: reference_fp32(), torch.float16: reference_16bit(torch.float16),
-            torch.bfloat16: reference_16bit(torch.bfloat16)}
-    for n, (partition, dtype, offload, overlap) in enumerate(CONFIGS):
-        where = f"partition_grad={partition} dtype={dtype} cpu_offload={offload} overlap={overlap}"
+    refs = {(torch.float32, None): reference_fp32(), (torch.float16, None): reference_16bit(torch.float16),
+            (torch.bfloat16, None): reference_16bit(torch.bfloat16),
+            (torch.float16, torch.float32): reference_16bit(torch.float16, torch.float32)}
+    for n, (partition, dtype, offload, overlap, comm) in enumerate(CONFIGS):
+        where = f"partition_grad={partition} dtype={dtype} cpu_offload={offload} overlap={overlap} comm={comm}"
         (params0, masters0, buckets0), (params1, masters1, buckets1) = per_rank[0][n], per_rank[1][n]
         assert buckets0 == buckets1 and buckets0 >= 2 * STEPS, where  # several buckets per backward
         for p0, p1 in zip(params0, params1):
             assert torch.equal(p0, p1), where  # the replicas agree exactly after the all-gather
-        for m0, m1, ref, p0 in zip(masters0, masters1, refs[dtype], params0):
+        for m0, m1, ref, p0 in zip(masters0, masters1, refs[(dtype, comm)], params0):
             assert torch.equal(m0, m1), where
             # fp32: the mean of two half-batch gradients vs one doubled-batch gradient, fp32 rounding.
             # 16-bit: the reference reduces as the collectives do, so only the fp32 Adam arithmetic
