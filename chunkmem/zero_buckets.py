@@ -2,7 +2,8 @@
 
 Gradients arrive one parameter at a time as autograd finishes them. They are collected into a bucket;
 once it holds at least ``bucket_numel`` elements (one larger gradient forms a bucket alone) the bucket
-is reduced over the data-parallel ranks in the communication dtype, as one collective:
+is reduced over the data-parallel ranks in the communication dtype, as one collective (with overlap, at
+most :data:`MAX_IN_FLIGHT` at once):
 
 * ZeRO-1 (``partition_grad=False``): an all-reduce of the concatenated gradients; every rank adds the
   mean into its full-chunk gradient store.
@@ -23,6 +24,11 @@ import torch
 
 from .collectives import PendingCollective, ShardGroup, start_all_reduce, start_reduce_scatter
 from .zero_partition import FlatChunk, FlatSlot
+
+
+MAX_IN_FLIGHT = 2
+"""With overlap, at most this many buckets' collectives run at once: adding one more first completes the
+oldest, so the communication buffers stay within a few buckets instead of the whole gradient."""
 
 
 class GradientBuckets:
@@ -62,6 +68,10 @@ class GradientBuckets:
         self.collectives += 1
         if self.overlap:
             self.in_flight.append((pending, finish))
+            while len(self.in_flight) > MAX_IN_FLIGHT:  # bound the buffers held by collectives in flight
+                pending, finish = self.in_flight.pop(0)
+                pending.wait()
+                finish()
         else:
             pending.wait()
             finish()
@@ -81,7 +91,10 @@ class GradientBuckets:
 
     def _start_replicated(self, entries: list[tuple[FlatSlot, torch.Tensor]]
                           ) -> tuple[PendingCollective, Callable[[], None]]:
-        flat = torch.cat([g.reshape(-1).to(self.comm_dtype) for _, g in entries])
+        if len(entries) == 1 and entries[0][1].dtype == self.comm_dtype and entries[0][1].is_contiguous():
+            flat = entries[0][1].view(-1)  # a gradient alone in its bucket is reduced where it is (no copy)
+        else:
+            flat = torch.cat([g.reshape(-1).to(self.comm_dtype) for _, g in entries])
         layout = [(slot, g.numel()) for slot, g in entries]
         pending = start_all_reduce(self.shards, flat, what=f"a gradient bucket of {flat.numel()} elements")
 
