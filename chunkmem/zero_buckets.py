@@ -1,7 +1,7 @@
 """Bucketed gradient reduction of :class:`~chunkmem.LowLevelZeroOptimizer`.
 
 Gradients arrive one parameter at a time as autograd finishes them. They are collected into a bucket;
-once it holds at least ``bucket_numel`` elements (one larger gradient forms a bucket alone) the bucket
+once it holds at least ``bucket_numel`` elements (a gradient that large forms a bucket alone) the bucket
 is reduced over the data-parallel ranks in the communication dtype, as one collective (with overlap, at
 most :data:`MAX_IN_FLIGHT` at once):
 
@@ -52,7 +52,11 @@ class GradientBuckets:
         self.collectives = 0  # buckets reduced so far
 
     def add(self, slot: FlatSlot, grad: torch.Tensor) -> None:
-        """Take one parameter's finished (local) gradient; reduce the bucket once it is full."""
+        """Take one parameter's finished (local) gradient; reduce the bucket once it is full. A gradient
+        of ``bucket_numel`` elements or more first sends the bucket off, then forms one alone (reduced in
+        place, without a copy)."""
+        if grad.numel() >= self.bucket_numel:
+            self.flush()
         self.entries.append((slot, grad))
         self.numel += grad.numel()
         if self.numel >= self.bucket_numel:
