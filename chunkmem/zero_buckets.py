@@ -125,12 +125,13 @@ class GradientBuckets:
                     parts[r].append((slot, flat_grad, *part))
         longest = max(1, max(sum(b - a for _, _, a, b in rows) for rows in parts))
         device = entries[0][1].device
-        joined = torch.zeros(world * longest, dtype=self.comm_dtype, device=device)
+        joined = torch.empty(world * longest, dtype=self.comm_dtype, device=device)
         for r, rows in enumerate(parts):
             position = r * longest
             for _, flat_grad, a, b in rows:
                 joined[position:position + b - a].copy_(flat_grad[a:b])
                 position += b - a
+            joined[position:(r + 1) * longest].zero_()  # the padding of a shorter piece
         mine = [(slot, a, b) for slot, _, a, b in parts[rank]]
         del parts, entries  # the local gradients are no longer needed: their elements are in ``joined``
         out = torch.empty(longest, dtype=self.comm_dtype, device=device)
