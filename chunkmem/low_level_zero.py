@@ -13,13 +13,12 @@ import math
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from .adam import check_supported_optimizer, hyper_of_group
 from .adam_kernels import adam_update_
 from .collectives import ShardGroup, all_reduce_over
-from .errors import (ArgumentTypeError, InvalidArgumentError, UnscaledBackwardError, check_choice, check_number,
+from .errors import (InvalidArgumentError, UnscaledBackwardError, check_choice, check_number,
                      check_type)
 from .loss_scaler import DynamicGradScaler
 from .param_guard import slot_of
