@@ -219,7 +219,7 @@ def report(results: list[list[dict[str, Any]]], args: Any, world: int) -> bool:
     print(header)
     print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
     by_name = {r[0]["name"]: r for r in results}
-    base_time = by_name["ddp_adam"][0]["iter_s"] if "ddp_adam" in by_name else None
+    base_time = max(r["iter_s"] for r in by_name["ddp_adam"]) if "ddp_adam" in by_name else None
     for per_rank in results:
         r0 = per_rank[0]
         s = r0["state"]
