@@ -12,6 +12,7 @@ from .errors import (ArgumentTypeError, ChunkmemError, DeviceCapacityError, Grad
                      HostCapacityError, InvalidArgumentError, UnscaledBackwardError, UnsupportedOperationError)
 from .init_context import ZeroInitContext
 from .loss_scaler import DynamicGradScaler
+from .low_level_zero import LowLevelZeroOptimizer
 from .model import ShardedModelV2
 from .optimizer import ShardedOptimizerV2
 from .param_guard import ChunkGradient, ChunkParameter, ParameterAccessError
@@ -29,8 +30,9 @@ __all__ = [
     "ChunkGradient", "ChunkParameter", "ChunkStateError", "ChunkmemError", "CollectiveError",
     "CollectiveTimeoutError", "DeviceCapacityError", "DiskIOError", "DiskStepError", "DynamicGradScaler",
     "GatheredParameters", "GradientAccumulationError", "HostCapacityError", "HybridAdam", "InvalidArgumentError",
-    "LayoutMismatchError", "NoEffectWarning", "ParameterAccessError", "PolicyPlan", "ShardedModelV2",
-    "ShardedOptimizerV2", "TensorShardStrategy", "Tier", "UnscaledBackwardError", "UnsupportedOperationError",
+    "LayoutMismatchError", "LowLevelZeroOptimizer", "NoEffectWarning", "ParameterAccessError", "PolicyPlan",
+    "ShardedModelV2", "ShardedOptimizerV2", "TensorShardStrategy", "Tier", "UnscaledBackwardError",
+    "UnsupportedOperationError",
     "ZeroInitContext", "collective_timeout", "consolidate_checkpoint", "device_memory_capacity",
     "host_memory_capacity", "initialize", "load_checkpoint", "parse_size", "plan", "register_external_parameter",
     "save_checkpoint", "set_collective_timeout", "set_device_memory_capacity", "set_host_memory_capacity", "utils",

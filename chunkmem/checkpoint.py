@@ -85,7 +85,14 @@ def save_checkpoint(path: str | os.PathLike, model: ShardedModelV2, optimizer: S
 
     Refused (:class:`CheckpointError`) between a backward and the step with ``reuse_fp16_shard``,
     while the parameters' memory holds gradients instead of values.
+
+    With a :class:`~chunkmem.LowLevelZeroOptimizer`, ``model`` is the plain module it trains and only
+    the full format is written (``sharded=False``); its ``"model"`` holds the fp32 masters, so it loads
+    into a ShardedModelV2 + ShardedOptimizerV2, a plain module + ``torch.optim.AdamW`` and back.
     """
+    if _is_low_level_zero(optimizer):
+        _save_low_level_zero(_check_low_level_zero_args(path, model, sharded), model, optimizer)
+        return
     path = _check_save_args(path, model, optimizer, sharded)
     refuse_grads_in_param_memory(model, "save_checkpoint")
     if sharded:
@@ -104,8 +111,20 @@ def load_checkpoint(path: str | os.PathLike, model: ShardedModelV2, optimizer: S
     holds gradients (``reuse_fp16_shard`` between backward and step) and while a forward runs or a
     backward started and did not finish. A file whose checksum or fields are wrong raises
     :class:`CheckpointError` naming it. Like ``param.copy_`` in plain PyTorch, the load marks the
-    parameters modified: a backward of a forward run before it raises.
+    parameters modified: a backward of a forward run before it raises. With a
+    :class:`~chunkmem.LowLevelZeroOptimizer` (required then), ``model`` is the plain module it trains and
+    ``path`` a full checkpoint file.
     """
+    if _is_low_level_zero(optimizer):
+        path = _check_low_level_zero_args(_check_existing_path(path), model, False)
+        error, apply = None, None
+        try:
+            apply = _plan_low_level_zero(path, model, optimizer)
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after the ranks agree
+            error = exc
+        _agree(optimizer.shards, error, f"loading {path!r}")
+        apply()
+        return
     path = _check_load_args(path, model, optimizer)
     refuse_grads_in_param_memory(model, "load_checkpoint")
     refuse_chunks_in_use(model, "load_checkpoint")
@@ -241,6 +260,62 @@ def _plan_full(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV2 |
         model_load.apply()
         if optimizer_load is not None:
             optimizer_load.apply()
+    return apply
+
+
+# ---- LowLevelZeroOptimizer (a plain module; full format) -----------------------------------------
+
+
+def _is_low_level_zero(optimizer: Any) -> bool:
+    from .low_level_zero import LowLevelZeroOptimizer
+
+    return isinstance(optimizer, LowLevelZeroOptimizer)
+
+
+def _check_low_level_zero_args(path: Any, model: Any, sharded: Any) -> str:
+    """With a :class:`~chunkmem.LowLevelZeroOptimizer`: ``model`` is the plain module it trains and
+    only the full format is written (the module's state dict holds the fp32 masters)."""
+    path = _check_path(path)
+    check_type("model", model, torch.nn.Module, "the torch.nn.Module the LowLevelZeroOptimizer trains")
+    if isinstance(model, ShardedModelV2):
+        raise ArgumentTypeError("model", type(model).__name__, "the plain torch.nn.Module the LowLevelZeroOptimizer "
+                                                               "trains")
+    check_type("sharded", sharded, bool, "True or False")
+    if sharded:
+        raise InvalidArgumentError("sharded", True, "False with a LowLevelZeroOptimizer (full format only)")
+    if os.path.isdir(path) or not os.path.isdir(os.path.dirname(path)):
+        raise InvalidArgumentError("path", path, "a file in an existing directory (full format)")
+    return path
+
+
+def _save_low_level_zero(path: str, model: torch.nn.Module, optimizer: Any) -> None:
+    """The full format, from rank 0: the module's state with the fp32 masters, the optimizer's state."""
+    model_state = optimizer.model_state_dict(model, rank0_only=True)
+    optimizer_state = optimizer.state_dict(rank0_only=True)
+    error = None
+    if optimizer.shards.rank == 0:
+        payload = {"format": FULL_FORMAT, "model": model_state, "optimizer": optimizer_state}
+        payload["checksum"] = content_checksum(payload)
+        try:
+            write_atomically(path, lambda f: torch.save(payload, f))
+        except Exception as exc:  # noqa: BLE001 - re-raised by _agree
+            error = exc
+        else:
+            remove_stale_temporaries(path)
+    _agree(optimizer.shards, error, f"saving {path!r}")
+
+
+def _plan_low_level_zero(path: str, model: torch.nn.Module, optimizer: Any) -> Callable[[], None]:
+    payload = _read_full(path)
+    if payload["optimizer"] is None:
+        raise InvalidArgumentError("optimizer", "a LowLevelZeroOptimizer",
+                                   f"None: the checkpoint {path!r} was saved without optimizer state")
+    load_model = optimizer.plan_load_model_state_dict(model, payload["model"])
+    load_optimizer = optimizer.plan_load_state_dict(payload["optimizer"])
+
+    def apply() -> None:
+        load_model()
+        load_optimizer()
     return apply
 
 

@@ -233,10 +233,58 @@ def all_reduce_over(group: Any, tensor: torch.Tensor, op: Any = None, what: str 
     return tensor
 
 
+class PendingCollective:
+    """A collective started with ``async_op=True`` and not waited for yet (gradient reduction overlapped
+    with the rest of a backward). :meth:`wait` waits as every chunkmem collective does (bounded by
+    :func:`collective_timeout` except with NCCL) and then copies the result from the communication
+    buffer into ``target`` when they differ (a host tensor reduced over NCCL)."""
+
+    def __init__(self, collective: str, what: str, group: Any, work: Any, out: torch.Tensor,
+                 target: torch.Tensor) -> None:
+        self.collective, self.what, self.group, self.work = collective, what, group, work
+        self.out, self.target = out, target
+
+    def wait(self) -> torch.Tensor:
+        """Wait for the collective; returns ``target``, which holds the result."""
+        if self.work is not None:
+            _wait(self.collective, self.what, self.group, self.work)
+            self.work = None
+            if self.out is not self.target:
+                self.target.copy_(self.out)
+        return self.target
+
+
+def start_all_reduce(shards: ShardGroup, tensor: torch.Tensor, what: str) -> PendingCollective:
+    """Start summing ``tensor`` in place over ``shards``' group; the sum is in ``tensor`` once the
+    returned handle's ``wait()`` returned (one rank: at once)."""
+    if not shards.sharded:
+        return PendingCollective("all_reduce", what, None, None, tensor, tensor)
+    work_tensor = tensor.to(_comm_device(shards.group, tensor))
+    work = dist.all_reduce(work_tensor, op=dist.ReduceOp.SUM, group=shards.group, async_op=True)
+    return PendingCollective("all_reduce", what, shards.group, work, work_tensor, tensor)
+
+
+def start_reduce_scatter(shards: ShardGroup, out: torch.Tensor, joined: torch.Tensor, what: str) -> PendingCollective:
+    """Start a reduce-scatter of ``joined`` (``world × out.numel()`` contiguous elements, rank ``r``'s
+    piece at ``[r * n, (r + 1) * n)``): rank ``r`` receives the sum over the ranks of piece ``r`` in
+    ``out`` once the returned handle's ``wait()`` returned. ``joined`` must stay unchanged until then."""
+    if not shards.sharded:
+        out.copy_(joined)
+        return PendingCollective("reduce_scatter", what, None, None, out, out)
+    device = _comm_device(shards.group, out)
+    work_out = out if out.device == device else torch.empty_like(out, device=device)
+    work = _reduce_scatter_flat(work_out, joined.to(device), group=shards.group, async_op=True)
+    return PendingCollective("reduce_scatter", what, shards.group, work, work_out, out)
+
+
 def _complete(collective: str, what: str, group: Any, start: Callable[[], Any]) -> None:
     """Start a collective (``start`` launches it with ``async_op=True``) and wait for it, at most
     :func:`collective_timeout` seconds except with NCCL (see the module docstring)."""
-    work = start()
+    _wait(collective, what, group, start())
+
+
+def _wait(collective: str, what: str, group: Any, work: Any) -> None:
+    """Wait for a started collective's ``work`` handle (see :func:`_complete`)."""
     if dist.get_backend(group) == "nccl":
         work.wait()
         return

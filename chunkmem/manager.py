@@ -183,6 +183,7 @@ class ChunkManager:
         self.gather_together = gather_together
         self.gathers = 0  # all-gather collectives run so far
         self.grads_pending = False
+        self.no_sync = False  # ShardedModelV2.no_sync(): sharded gradients stay local, unreduced
         self.backward_count = 0  # backward passes finished (autograd's end of backward) so far
         self.optimizer_state_exists = False
         self.prefetch = True
@@ -522,7 +523,8 @@ class ChunkManager:
                 if chunk.accumulator_fresh:
                     self._zero_unwritten(chunk, accumulator)
                     chunk.accumulator_fresh = False
-                if chunk.grad_staging.allocated:
+                deferred = self.no_sync and buf.sharded  # the staging buffer keeps accumulating, unreduced
+                if chunk.grad_staging.allocated and not deferred:
                     finished = self.reduction.reduce(chunk, accumulator) if buf.sharded else accumulator
                     if chunk.grad.allocated:
                         chunk.grad.tensor.add_(finished.to(chunk.grad.tensor.device))
@@ -535,7 +537,7 @@ class ChunkManager:
         chunk.grad_slots_received.clear()
         chunk.grads_finished = True
         chunk.unhold()
-        self.grads_pending = True
+        self.grads_pending = self.grads_pending or not (self.no_sync and buf.sharded)
         self.scheduler.grads_finished(chunk)
         self.settle(chunk)
 
@@ -563,8 +565,12 @@ class ChunkManager:
         return chunk.grad.tensor
 
     def zero_grad(self, set_to_none: bool) -> None:
-        """Drop (``set_to_none``) or zero every gradient buffer."""
+        """Drop (``set_to_none``) or zero every gradient buffer, and drop gradients accumulated unreduced
+        inside ``no_sync``."""
         for chunk in self.chunks:
+            if chunk.grad_staging.allocated and not chunk.grad_slots_received:
+                chunk.grad_staging.free()
+                chunk.accumulator_fresh = False
             if chunk.grad.allocated:
                 if set_to_none:
                     chunk.grad.free()

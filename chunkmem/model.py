@@ -1,11 +1,12 @@
 """ShardedModelV2: wraps a module so that its parameters live in chunks placed by a policy."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import weakref
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -417,6 +418,26 @@ class ShardedModelV2(nn.Module):
                 "with reuse_fp16_shard=True the gradients are in the parameters' memory: call optim.zero_grad() "
                 "(it restores the parameters from the fp32 masters), not model.zero_grad()")
         self.chunk_manager.zero_grad(set_to_none)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Inside, backward passes accumulate each chunk's full local gradient on the device tier without
+        any collective (the chunks stay sharded; each holds a whole-chunk gradient buffer meanwhile); the
+        first backward outside reduces the sum with its own gradients, as DDP's ``no_sync``. Every rank
+        must use it alike. With one rank there is nothing to defer and it changes nothing. Refused with
+        ``reuse_fp16_shard=True`` (:class:`~chunkmem.GradientAccumulationError`), which cannot accumulate."""
+        if self.reuse_fp16_shard:
+            raise GradientAccumulationError(
+                "no_sync() accumulates gradients over several backward passes, which reuse_fp16_shard=True cannot "
+                "do (the gradients share the parameters' memory); build ShardedModelV2 with reuse_fp16_shard=False")
+        manager = self.chunk_manager
+        if manager.no_sync:
+            raise InvalidArgumentError("no_sync", "a nested no_sync()", "one no_sync() at a time")
+        manager.no_sync = True
+        try:
+            yield
+        finally:
+            manager.no_sync = False
 
     def unwrap(self) -> nn.Module:
         """Give the wrapped module back as a plain module: every parameter an ordinary ``nn.Parameter``
