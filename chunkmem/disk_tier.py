@@ -45,21 +45,23 @@ def check_disk_arguments(offload_optimizer: str | None, offload_param: str | Non
         if value is not None and value != "disk":
             raise InvalidArgumentError(name, value, "None or 'disk'")
     check_type("atomic_step", atomic_step, bool, "True or False")
-    if isinstance(buffer_count, bool) or not isinstance(buffer_count, int) or buffer_count < 1:
+    check_type("buffer_count", buffer_count, int, "an int >= 1")
+    if buffer_count < 1:
         raise InvalidArgumentError("buffer_count", buffer_count, "an int >= 1 (2 or more overlap reads and writes)")
-    if (isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < PIECE_ALIGNMENT
-            or buffer_size % PIECE_ALIGNMENT):
-        raise InvalidArgumentError("buffer_size", buffer_size, f"a whole number of bytes, a multiple of "
-                                                               f"{PIECE_ALIGNMENT}")
+    buffer_size_allowed = f"a whole number of bytes (int), a multiple of {PIECE_ALIGNMENT}"
+    check_type("buffer_size", buffer_size, int, buffer_size_allowed)
+    if buffer_size < PIECE_ALIGNMENT or buffer_size % PIECE_ALIGNMENT:
+        raise InvalidArgumentError("buffer_size", buffer_size, buffer_size_allowed)
     on_disk = offload_optimizer == "disk" or offload_param == "disk"
     if not on_disk:
         if nvme_path is not None:
             raise InvalidArgumentError("nvme_path", nvme_path, "None unless offload_optimizer or offload_param "
                                                                "is 'disk'")
         return
-    if nvme_path is None or not isinstance(nvme_path, (str, os.PathLike)):
+    if nvme_path is None:
         raise InvalidArgumentError("nvme_path", nvme_path, "a directory (str or path) for the disk tier's files, "
                                                            "needed with offload_optimizer/offload_param='disk'")
+    check_type("nvme_path", nvme_path, (str, os.PathLike), "a directory (str or os.PathLike)")
     if offload_param == "disk" and reuse_fp16_shard:
         raise InvalidArgumentError("offload_param", offload_param,
                                    "None with reuse_fp16_shard=True (the gradients would live in the parameters' "

@@ -223,6 +223,9 @@ def test_scratch_files_are_removed_when_the_process_ends(tmp_path, ending):
     (dict(offload_optimizer="disk", nvme_path=".", buffer_size=1000), r"^buffer_size=1000 is not allowed"),
     (dict(offload_optimizer="disk", nvme_path=".", buffer_count=0), r"^buffer_count=0 is not allowed"),
     (dict(offload_optimizer="disk", nvme_path=".", atomic_step=1), r"^atomic_step=1 is not allowed"),
+    (dict(offload_optimizer="disk", nvme_path=".", buffer_count="4"), r"^buffer_count='4' is not allowed"),
+    (dict(offload_optimizer="disk", nvme_path=3), r"^nvme_path=3 is not allowed"),
+    (dict(offload_param="disk", nvme_path=".", reuse_fp16_shard=True), r"^offload_param='disk' is not allowed"),
     (dict(offload_optimizer="disk", nvme_path=".", tensor_placement_policy="cuda"),
      r"^tensor_placement_policy='cuda' is not allowed"),
 ])
