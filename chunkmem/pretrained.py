@@ -239,8 +239,9 @@ def patched_from_pretrained(context: Any) -> Iterator[None]:
     def load(cls: type, path: Any, *args: Any, **kwargs: Any) -> nn.Module:
         return from_pretrained(cls, path, context, *args, **kwargs)
 
+    bases = (modeling_utils.PreTrainedModel, auto_factory._BaseAutoModelClass)
     patched: list[tuple[type, Any]] = []
-    for base in (modeling_utils.PreTrainedModel, auto_factory._BaseAutoModelClass):
+    for base in bases:
         for cls in _with_subclasses(base):  # AutoModel* classes carry their own copy of from_pretrained
             if "from_pretrained" in cls.__dict__:
                 patched.append((cls, cls.__dict__["from_pretrained"]))
@@ -250,6 +251,14 @@ def patched_from_pretrained(context: Any) -> Iterator[None]:
     finally:
         for cls, original in patched:
             cls.from_pretrained = original
+        # An AutoModel* class that transformers built while the context was open copied the patched
+        # method (it copies its base's): give it its base's original back.
+        for base, original in ((b, o) for b, o in patched if b in bases):
+            for cls in _with_subclasses(base):
+                method = cls.__dict__.get("from_pretrained")
+                function = getattr(method, "__func__", method)
+                if getattr(function, "__code__", None) is load.__code__:
+                    cls.from_pretrained = original
 
 
 def _with_subclasses(base: type) -> list[type]:
