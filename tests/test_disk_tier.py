@@ -310,11 +310,17 @@ def _two_rank_worker(rank, world, path, dtype, fail_rank, offload_param=None):
     return out
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("offload_param", [None, "disk"])
-def test_two_ranks_on_disk_match_cpu_placement(tmp_path, dtype, offload_param):
-    for out in run_ranks(_two_rank_worker, 2, str(tmp_path), dtype, None, offload_param):
-        assert out["same"] and out["same_optim"]
+def _every_case_worker(rank, world, path):
+    return {(str(dtype), offload_param): _two_rank_worker(rank, world, os.path.join(path, f"{dtype}-{offload_param}"),
+                                                          dtype, None, offload_param)
+            for dtype in DTYPES for offload_param in (None, "disk")}
+
+
+def test_two_ranks_on_disk_match_cpu_placement(tmp_path):
+    for results in run_ranks(_every_case_worker, 2, str(tmp_path)):  # fp32/fp16/bf16, parameters on disk or not
+        assert len(results) == 6
+        for case, out in results.items():
+            assert out["same"] and out["same_optim"], case
 
 
 def test_a_failure_on_one_rank_undoes_the_step_on_both(tmp_path):
