@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NoReturn
 
 import torch
 
@@ -104,7 +104,19 @@ class StreamedStep:
 
     def run(self) -> None:
         """Update every chunk and commit, or undo and raise :class:`DiskStepError`."""
-        pool = self.disk.buffers(max(self._families, 1))
+        if self.updates:
+            self._stream()
+        if self.agree(self._error is not None):  # (every rank agrees, also one without chunks on disk)
+            self._fail()
+        if self.disk.atomic_step:
+            for update in self.updates:
+                for buf in update.writes:
+                    buf.switch_disk_slot()
+
+    def _stream(self) -> None:
+        """Read, update and write every piece; stop issuing at the first failed I/O, drain what is in
+        flight, and leave the error in ``_error``."""
+        pool = self.disk.buffers(self._families)
         write_slot = {id(u): [(1 - b.disk_slot) if self.disk.atomic_step else b.disk_slot for b in u.writes]
                       for u in self.updates}
         pieces = [(u, a, b) for u in self.updates for a, b in self.disk.pieces(u.chunk.shard_numel, 4)]
@@ -156,14 +168,6 @@ class StreamedStep:
             writing.append((piece.buffers + ([piece.journal] if piece.journal is not None else []), []))
         while writing:
             reclaim(block=True)
-        failed_somewhere = self.agree(self._error is not None)
-        if not failed_somewhere:
-            if self.disk.atomic_step:
-                for update in self.updates:
-                    for buf in update.writes:
-                        buf.switch_disk_slot()
-            return
-        self._fail()
 
     def _wait(self, handles: list[IOHandle]) -> bool:
         """Wait for every handle; remember the first error. Returns whether all succeeded."""
@@ -203,7 +207,8 @@ class StreamedStep:
     def _journal_offset(self, update: ChunkUpdate, start: int) -> int:
         return self.disk.offset(JOURNAL, update.chunk.index, 0) + start * 4
 
-    def _fail(self) -> None:
+    def _fail(self) -> NoReturn:
+        """Undo what can be undone and raise :class:`DiskStepError`."""
         error = self._error
         where = (f"{error.operation} of {error.what} in {error.path} failed" if error is not None
                  else "another data-parallel rank's disk I/O failed")
