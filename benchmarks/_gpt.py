@@ -120,14 +120,15 @@ def param_numels(cfg: GPTConfig) -> list[int]:
     return [p.numel() for _, p in model.named_parameters()]
 
 
-def chunk_layout(cfg: GPTConfig, element_size: int) -> tuple[int, int, int]:
+def chunk_layout(cfg: GPTConfig, element_size: int, chunk_size: int | None = None) -> tuple[int, int, int]:
     """``(chunk_numel, n_chunks, padding_elements)`` that ``ShardedModelV2`` will choose for this GPT
-    (one param group, every parameter trainable), computed from the element counts alone."""
+    (one param group, every parameter trainable; ``chunk_size``: the bytes per chunk it is given, else
+    searched), computed from the element counts alone."""
     from chunkmem.layout import pack, search_chunk_numel
 
     numels = param_numels(cfg)
     keys = [0] * len(numels)
-    chunk_numel = search_chunk_numel(numels, keys, element_size)
+    chunk_numel = chunk_size // element_size if chunk_size else search_chunk_numel(numels, keys, element_size)
     n_chunks = len(pack(numels, keys, chunk_numel))
     return chunk_numel, n_chunks, n_chunks * chunk_numel - sum(numels)
 

@@ -14,8 +14,8 @@ ledger's counters (``model.chunk_manager.ledger.read_from_disk`` / ``written_to_
 steps, cross-checked against the formula 12 B x the trainable chunks' elements, each way.
 
 Only ``optim.step()`` is timed (after a backward), ``--steps`` steps after one warm-up step; the figure is
-the median. Model: ``--layers`` bias-free ``nn.Linear(--width, --width)`` layers (a forward of one row
-costs next to nothing); the default, 16 x 4096^2 = 268M parameters, has 3 GiB of fp32 state on disk, so
+the median. Model: ``--layers`` square ``--width`` x ``--width`` weights whose forward adds their sum to the
+input (forward and backward cost next to nothing); the default, 16 x 4096^2 = 268M parameters, has 3 GiB of fp32 state on disk, so
 that the warm-up and the page cache do not dominate (with an ``O_DIRECT`` engine the page cache is
 bypassed anyway).
 
@@ -52,14 +52,25 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 STATE_BYTES = 12  # fp32 master + exp_avg + exp_avg_sq per element, read and written by a step
 
 
-class LinearStack(nn.Module):
-    """``layers`` bias-free square linear layers; the output's sum is the loss."""
+class Plane(nn.Module):
+    """A ``width`` x ``width`` weight that adds its sum to the input: a forward and backward that cost
+    next to nothing (the gradient of every element is the output gradient's sum), so that the script's
+    time goes to the optimizer step it measures."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(width, width).normal_(std=width ** -0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.weight.sum(dtype=torch.float32)
+
+
+class PlaneStack(nn.Module):
+    """``layers`` :class:`Plane` modules in a row (each its own parameter, packed into chunks in order)."""
 
     def __init__(self, width: int, layers: int) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width, bias=False) for _ in range(layers))
-        for layer in self.layers:
-            nn.init.normal_(layer.weight, std=width ** -0.5)
+        self.layers = nn.ModuleList(Plane(width) for _ in range(layers))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -137,7 +148,7 @@ def measure_bandwidth(directory: str, nbytes: int, block: int) -> tuple[float, f
 def run_config(args, dtype: torch.dtype, buffer_count: int) -> dict:
     """Build, warm up and time ``args.steps`` optimizer steps with ``buffer_count``."""
     torch.manual_seed(0)
-    net = LinearStack(args.width, args.layers)
+    net = PlaneStack(args.width, args.layers)
     model = cm.ShardedModelV2(net, cm.TensorShardStrategy(), tensor_placement_policy="cpu", dtype=dtype,
                               offload_optimizer="disk", nvme_path=args.nvme_path, buffer_count=buffer_count,
                               buffer_size=args.buffer_size, atomic_step=args.atomic_step)
@@ -145,7 +156,7 @@ def run_config(args, dtype: torch.dtype, buffer_count: int) -> dict:
     optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-4), initial_scale=2**8)
     ledger = model.chunk_manager.ledger
     elements = sum(c.shard_numel for c in model.chunks if c.trainable)
-    x = torch.randn(1, args.width, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x = torch.randn(1, 8, generator=torch.Generator().manual_seed(1))
     times, reads, writes, skipped = [], [], [], 0
     for i in range(args.steps + 1):
         optim.zero_grad()
@@ -206,7 +217,7 @@ def main() -> int:
     print(f"CPU: {_cpu_flags_note()}")
     print(f"disk engine: chunkmem.disk_io ({(disk_io.__doc__ or '').strip().splitlines()[0][:90]}); nvme_path "
           f"{args.nvme_path}")
-    print(f"model: {args.layers} x Linear({args.width}, {args.width}, bias=False), {args.dtype}, placement 'cpu', "
+    print(f"model: {args.layers} x a {args.width} x {args.width} weight (forward: input + its sum), {args.dtype}, placement 'cpu', "
           f"offload_optimizer='disk', buffer_size {mib(args.buffer_size)}, atomic_step={args.atomic_step}; "
           f"{args.steps} timed optimizer steps per configuration after 1 warm-up", flush=True)
 
