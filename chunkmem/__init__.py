@@ -1,5 +1,6 @@
 """chunkmem: train PyTorch models whose parameters, gradients and optimizer states do not fit in GPU
 memory, by packing them into chunks that move between the device and host tiers."""
+from . import utils
 from .adam import CPUAdam, HybridAdam
 from .agreement import LayoutMismatchError
 from .checkpoint import CheckpointError, consolidate_checkpoint, load_checkpoint, save_checkpoint

@@ -37,6 +37,7 @@ holds is a second, smaller machine owned by :class:`ParamBuffer`: :class:`~chunk
 from __future__ import annotations
 
 import enum
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -318,9 +319,9 @@ class ParamBuffer:
         if self.sharded:
             self.shards.all_gather(self.device, self.shard.read(), what=f"{self.owner} parameters")
             transfer = Transfer(self._fetched)
-        elif self.shard.on_disk:  # read at once (not overlapped with compute yet)
-            self.ledger.disk.read_all(self.shard, self.device)
-            transfer = Transfer(self._fetched)
+        elif self.shard.on_disk:  # read on the disk tier's fetch thread: overlaps compute when prefetched
+            reading = self.ledger.disk.start_read_all(self.shard, self.device)
+            transfer = Transfer(lambda: self._fetched_from_disk(reading))
         else:
             transfer = start_copy(self.device, self.shard.tensor, self._fetched)
         if self.shard.tier is Tier.HOST:
@@ -331,6 +332,18 @@ class ParamBuffer:
     def _fetched(self) -> None:
         self._transfer = None
         self._device_life.fill_finished()
+
+    def _fetched_from_disk(self, reading: "Future[None]") -> None:
+        """Complete a fetch from the disk tier; a failed read leaves the device copy freed (and raises
+        the :class:`~chunkmem.DiskIOError` naming the file and the chunk)."""
+        try:
+            reading.result()
+        except BaseException:
+            self._fetched()
+            self._device_life.outdated()
+            self._drop_device()
+            raise
+        self._fetched()
 
     def filled_together(self) -> None:
         """The device copy was written by a gather of several chunks at once (:func:`gather_together`)."""

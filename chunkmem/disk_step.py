@@ -110,7 +110,8 @@ class StreamedStep:
         pieces = [(u, a, b) for u in self.updates for a, b in self.disk.pieces(u.chunk.shard_numel, 4)]
         reading: deque[_Piece] = deque()
         writing: deque[tuple[list[torch.Tensor], list[IOHandle]]] = deque()
-        read_ahead = max(self.disk.buffer_count - 2, 1)
+        # pieces read (or being read) but not yet updated: every group but one, kept for the writes
+        most_reading = max(self.disk.buffer_count - 1, 1)
 
         def reclaim(block: bool) -> None:
             while writing and (block or all(h.done() for h in writing[0][1])):
@@ -136,7 +137,7 @@ class StreamedStep:
 
         next_piece = 0
         while (reading or next_piece < len(pieces)) and self._error is None:
-            while next_piece < len(pieces) and len(reading) < read_ahead + 1 and self._error is None:
+            while next_piece < len(pieces) and len(reading) < most_reading and self._error is None:
                 issue(*pieces[next_piece])
                 next_piece += 1
             if self._error is not None:

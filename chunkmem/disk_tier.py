@@ -16,6 +16,7 @@ All disk I/O goes through the pool of ``buffer_count`` × (families streamed) al
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Iterable
 
 import numpy
@@ -67,10 +68,6 @@ def check_disk_arguments(offload_optimizer: str | None, offload_param: str | Non
         raise InvalidArgumentError("tensor_placement_policy", policy,
                                    "'cpu', 'auto' or 'static' with the disk tier (under 'cuda' nothing rests "
                                    "off the device)")
-    if offload_param == "disk" and policy == "auto":
-        raise InvalidArgumentError("offload_param", offload_param,
-                                   "None with tensor_placement_policy='auto' (parameters on disk are placed by "
-                                   "'cpu' or 'static' for now)")
 
 
 class DiskTier:
@@ -92,6 +89,8 @@ class DiskTier:
         self._region: dict[str, int] = {}  # bytes per chunk region of each family
         self._slots: dict[str, int] = {}   # regions per chunk of each family
         self._pool: AlignedBufferPool | None = None
+        self._fetcher: ThreadPoolExecutor | None = None  # reads parameter chunks for compute, one at a time
+        self._fetch_buffer: torch.Tensor | None = None
 
     @property
     def path(self) -> str:
@@ -149,6 +148,27 @@ class DiskTier:
         if self._pool is not None:
             self.ledger.release(Tier.HOST, DISK_IO_FAMILY, self._pool.count * self.buffer_size)
             self._pool = None
+        if self._fetcher is not None:
+            self._fetcher.shutdown(wait=True)
+            self.ledger.release(Tier.HOST, DISK_IO_FAMILY, self.buffer_size)
+            self._fetcher = self._fetch_buffer = None
+
+    def start_read_all(self, buf: "FlatBuffer", out: torch.Tensor) -> "Future[None]":
+        """Start copying ``buf``'s current contents into ``out`` on the fetch thread (through its own
+        aligned buffer of ``buffer_size`` bytes, on the host ledger); the future's result raises a
+        failed read's :class:`~chunkmem.disk_io.DiskIOError`."""
+        if self._fetcher is None:
+            self.ledger.reserve(Tier.HOST, DISK_IO_FAMILY, self.buffer_size, "the disk tier's fetch buffer")
+            self._fetch_buffer = AlignedBufferPool(1, self.buffer_size).take()
+            self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="chunkmem-disk-fetch")
+        self.ledger.count_disk(read=buf.nbytes)
+        staging, slot = self._fetch_buffer, buf.disk_slot
+
+        def run() -> None:
+            for start, end in self.pieces(buf.numel, buf.element_size):
+                self.read_piece(buf, start, end, staging, slot, count=False).wait()
+                out[start:end].copy_(_typed(staging, buf.dtype, end - start))
+        return self._fetcher.submit(run)
 
     # ---- whole-buffer reads and writes (checkpoints, setup, accessors) -------------------------------
 
@@ -157,14 +177,15 @@ class DiskTier:
         step = self.buffer_size // element_size
         return ((a, min(a + step, numel)) for a in range(0, numel, step))
 
-    def read_piece(self, buf: "FlatBuffer", start: int, end: int, into: torch.Tensor, slot: int | None = None
-                   ) -> IOHandle:
+    def read_piece(self, buf: "FlatBuffer", start: int, end: int, into: torch.Tensor, slot: int | None = None,
+                   count: bool = True) -> IOHandle:
         """Start reading elements ``[start, end)`` of ``buf``'s current (or given) slot into the aligned
-        uint8 buffer ``into``."""
+        uint8 buffer ``into`` (``count``: add the bytes to the ledger's disk reads)."""
         esize = buf.element_size
         nbytes = aligned_nbytes((end - start) * esize)
         offset = self.offset(buf.family, buf.index, buf.disk_slot if slot is None else slot) + start * esize
-        self.ledger.count_disk(read=(end - start) * esize)
+        if count:
+            self.ledger.count_disk(read=(end - start) * esize)
         return self._files[buf.family].read_into(into[:nbytes], offset, f"{buf.owner}.{buf.family}")
 
     def write_piece(self, buf: "FlatBuffer", start: int, end: int, data: torch.Tensor, slot: int) -> IOHandle:

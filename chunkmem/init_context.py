@@ -14,6 +14,7 @@ from .ledger import TierLedger
 from .collectives import SINGLE_PROCESS, ShardGroup
 from .manager import allocate_param_copy, slot_of
 from .param_guard import adopt
+from .pretrained import patched_from_pretrained
 from .sharded_init import ShardedParamWrites
 from .shard_strategy import BaseShardStrategy
 from .tiers import device_memory_capacity, device_of_tier, tier_of_device
@@ -75,7 +76,9 @@ class ZeroInitContext:
     initialisation ran in fp32), which keeps at most one module's parameters in fp32 at a time. Later
     ``nn.init`` calls write into the chunk storage and work as usual (sharded over several ranks, see
     :mod:`chunkmem.sharded_init`: the same values as on one process). Floating-point buffers are cast to
-    ``dtype`` and moved to ``target_device``.
+    ``dtype`` and moved to ``target_device``. While it is open (and transformers was imported before),
+    ``SomeModel.from_pretrained(directory)`` of a Hugging Face model class reads a local safetensors
+    checkpoint straight into the chunks, one tensor at a time (:mod:`chunkmem.pretrained`).
 
     Args:
         target_device: where the chunks are created: a CUDA device (device tier) or the CPU (host tier),
@@ -145,9 +148,12 @@ class ZeroInitContext:
             self._agreement = InitAgreement(self)  # the ranks compare what they built before each gather
             self._writes = ShardedParamWrites(before_gather=self._agreement.before_gather)
             self._writes.__enter__()
+        self._pretrained = patched_from_pretrained(self)  # Model.from_pretrained(path) loads into chunks
+        self._pretrained.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self._pretrained.__exit__(None, None, None)
         if self._writes is not None:
             self._writes.__exit__(*exc)
             self._writes = None

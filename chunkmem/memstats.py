@@ -22,11 +22,15 @@ Schema ``chunkmem.memstats/1`` (every size in bytes, chunk ids are chunk indices
   ``moved_to_device_bytes``, ``moved_to_host_bytes``.
 * ``totals``: ``moved_to_device_bytes`` and ``moved_to_host_bytes`` of the last iteration,
   ``peak_device_bytes`` (chunk bytes, largest over its periods), ``peak_device_with_non_model_bytes``.
-* ``tiers``: chunk bytes now, ``{"device": {family: bytes}, "host": {...}}``.
+* ``tiers``: chunk bytes now, ``{"device": {family: bytes}, "host": {...}}``, and ``"disk": {...}`` when
+  the model has a disk tier (the host figure then includes ``disk_io``, its I/O buffers).
+* ``disk``: ``null`` without a disk tier, else ``path`` (its private directory), ``file_bytes`` (what
+  its files occupy), ``read_bytes`` and ``written_bytes`` (moved so far), ``atomic_step``.
 * ``block_pool``: ``null`` with CUDA (or the pool off), else ``cached_bytes`` (freed chunk buffers kept
   for reuse) and ``blocks_mapped`` (mappings made so far); see :mod:`chunkmem.block_pool`.
-* ``optimizer``: ``device_chunks`` and ``host_chunks`` (ids by where their optimizer state lives),
-  ``device_bytes`` and ``host_bytes`` (fp32 masters, exp_avg, exp_avg_sq), ``margin_bytes`` and
+* ``optimizer``: ``device_chunks``, ``host_chunks`` and ``disk_chunks`` (ids by where their optimizer
+  state lives), ``device_bytes``, ``host_bytes`` and ``disk_bytes`` (fp32 masters, exp_avg,
+  exp_avg_sq), ``margin_bytes`` and
   ``gpu_margin_mem_ratio`` (``auto``).
 """
 from __future__ import annotations
@@ -62,16 +66,17 @@ def collect(manager: Any, rank: int = 0, world_size: int = 1) -> dict[str, Any]:
                              "fallback": step.fallback}
         periods.append(entry)
     non_model = [p["non_model_peak_bytes"] for p in periods]
-    optim_device, optim_host, usage = [], [], {Tier.DEVICE: 0, Tier.HOST: 0}
+    by_tier: dict[Tier, list[int]] = {Tier.DEVICE: [], Tier.HOST: [], Tier.DISK: []}
+    usage = {Tier.DEVICE: 0, Tier.HOST: 0, Tier.DISK: 0}
     for chunk in chunks:
         if not chunk.trainable or not chunk.optim[EXP_AVG].allocated:
             continue
-        (optim_device if chunk.optim[EXP_AVG].tier is Tier.DEVICE else optim_host).append(chunk.index)
+        by_tier[chunk.optim[EXP_AVG].tier].append(chunk.index)
         for family in (MASTER, EXP_AVG, EXP_AVG_SQ):
             buf = chunk.optim[family]
             if buf.allocated:
                 usage[buf.tier] += buf.nbytes
-    blocks = manager.ledger.blocks
+    blocks, ledger = manager.ledger.blocks, manager.ledger
     return {
         "schema": SCHEMA,
         "rank": rank,
@@ -102,9 +107,12 @@ def collect(manager: Any, rank: int = 0, world_size: int = 1) -> dict[str, Any]:
         "tiers": manager.ledger.breakdown(),
         "block_pool": None if blocks is None else {"cached_bytes": blocks.cached_bytes,
                                                    "blocks_mapped": blocks.blocks_mapped},
+        "disk": None if ledger.disk is None else {
+            "path": ledger.disk.path, "file_bytes": ledger.disk.file_bytes, "read_bytes": ledger.read_from_disk,
+            "written_bytes": ledger.written_to_disk, "atomic_step": ledger.disk.atomic_step},
         "optimizer": {
-            "device_chunks": optim_device, "host_chunks": optim_host,
-            "device_bytes": usage[Tier.DEVICE], "host_bytes": usage[Tier.HOST],
+            "device_chunks": by_tier[Tier.DEVICE], "host_chunks": by_tier[Tier.HOST], "disk_chunks": by_tier[Tier.DISK],
+            "device_bytes": usage[Tier.DEVICE], "host_bytes": usage[Tier.HOST], "disk_bytes": usage[Tier.DISK],
             "margin_bytes": scheduler.margin_bytes,
             "gpu_margin_mem_ratio": auto.gpu_margin_mem_ratio if auto else None,
         },
@@ -131,6 +139,11 @@ def summary(doc: dict[str, Any]) -> str:
         f" MiB; moved to device {totals['moved_to_device_bytes'] / mib:.2f} MiB, to host "
         f"{totals['moved_to_host_bytes'] / mib:.2f} MiB",
         f"  optimizer state: {len(optim['device_chunks'])} chunk groups on device ({optim['device_bytes'] / mib:.2f} MiB),"
-        f" {len(optim['host_chunks'])} on host ({optim['host_bytes'] / mib:.2f} MiB)",
+        f" {len(optim['host_chunks'])} on host ({optim['host_bytes'] / mib:.2f} MiB), {len(optim['disk_chunks'])} on "
+        f"disk ({optim['disk_bytes'] / mib:.2f} MiB)",
     ]
+    if doc["disk"] is not None:
+        disk = doc["disk"]
+        lines.append(f"  disk tier {disk['path']}: files {disk['file_bytes'] / mib:.2f} MiB, read "
+                     f"{disk['read_bytes'] / mib:.2f} MiB, written {disk['written_bytes'] / mib:.2f} MiB")
     return "\n".join(lines)

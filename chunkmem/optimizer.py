@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable, NoReturn
 
@@ -110,6 +111,7 @@ class ShardedOptimizerV2(Optimizer):
         if isinstance(self.manager.policy, AutoPlacement):
             self.manager.policy.gpu_margin_mem_ratio = gpu_margin_mem_ratio
         sharded_model.optimizer_attached = True
+        self.manager.optimizer_ref = weakref.ref(self)  # chunkmem.utils reads the loss scale and clip factor
 
     @staticmethod
     def _groups_of(model: ShardedModelV2, optimizer: Any) -> dict[int, int]:

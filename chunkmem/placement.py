@@ -192,7 +192,9 @@ class AutoPlacement(PlacementPolicy):
     def param_rest_tier(self, chunk: Chunk) -> Tier | None:
         if chunk.index in self._state.margin_chunks:
             return Tier.DEVICE
-        return None if self._state.following else Tier.HOST
+        if self._state.following:
+            return None
+        return Tier.DISK if self.params_on_disk else Tier.HOST
 
     def compute_tier(self, chunk: Chunk) -> Tier:
         return Tier.DEVICE if chunk.index in self._state.margin_chunks else Tier.HOST

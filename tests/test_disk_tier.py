@@ -93,6 +93,11 @@ def test_exact_bytes_per_tier_and_files(tmp_path, dtype):
     assert model.tier_bytes()["host"]["disk_io"] == 3 * streamed * PIECE
     assert sorted(os.listdir(model.disk_path)) == sorted(f + ".bin" for f in families + (
         ["journal"] if dtype == torch.float32 else []))
+    doc = model.memory_stats()
+    assert doc["tiers"] == model.tier_bytes() and doc["disk"]["file_bytes"] == model.disk_file_bytes()
+    assert doc["optimizer"]["disk_chunks"] == [c.index for c in trainable] and doc["optimizer"]["host_chunks"] == []
+    assert doc["optimizer"]["disk_bytes"] == len(trainable) * shard * 4 * len(families)
+    assert doc["disk"]["read_bytes"] == model.chunk_manager.ledger.read_from_disk > 0
 
 
 def _fail_one_step(tmp_path, dtype, reuse, fault):
@@ -355,3 +360,43 @@ def test_parameters_on_disk_are_safe_to_read_and_write_outside_forward(tmp_path)
         weight.mul_(2)
     assert torch.equal(model.state_dict()[name], expected * 2)
     _train(model, optim, batches(1))  # the doubled weight is what trains
+
+
+@pytest.mark.parametrize("policy", ["cpu", "auto"])
+def test_parameters_on_disk_are_prefetched_from_the_schedule(tmp_path, policy):
+    reference, data = _reference(), batches(4)
+    a, oa = _build(reference, torch.float16)
+    b, ob = _build(reference, torch.float16, policy=policy, offload_param="disk", **_on_disk(tmp_path))
+    _train(a, oa, data[:3])
+    _train(b, ob, data[:3])
+    b.chunk_manager.events = []
+    _train(a, oa, data[3:])
+    _train(b, ob, data[3:])
+    fetches = [e for e in b.chunk_manager.events if e[0] == "fetch"]
+    assert any(kind == "prefetch" for _, _, kind in fetches), fetches  # read on the fetch thread ahead of use
+    _same_state(a, oa, b, ob)
+
+
+def test_a_failed_parameter_read_in_forward_is_clear_and_training_goes_on(tmp_path):
+    reference, data = _reference(), batches(3)
+    a, oa = _build(reference, torch.float32)
+    b, ob = _build(reference, torch.float32, offload_param="disk", **_on_disk(tmp_path))
+    _train(a, oa, data[:2])
+    _train(b, ob, data[:2])
+    with inject_faults(read_errno=errno.EIO, what="chunk1.param"):
+        with pytest.raises(cm.DiskIOError, match=r"chunk1\.param") as info:
+            b(data[2])
+    assert str(tmp_path) in str(info.value)
+    _train(a, oa, data[2:])
+    _train(b, ob, data[2:])
+    _same_state(a, oa, b, ob)
+
+
+@pytest.mark.parametrize("buffer_count", [1, 2, 7])
+def test_any_buffer_count_gives_the_same_training(tmp_path, buffer_count):
+    reference, data = _reference(), batches(2)
+    a, oa = _build(reference, torch.float32)
+    b, ob = _build(reference, torch.float32, offload_param="disk", **_on_disk(tmp_path, buffer_count=buffer_count))
+    _train(a, oa, data)
+    _train(b, ob, data)
+    _same_state(a, oa, b, ob)

@@ -157,12 +157,15 @@ def test_ranks_that_agree_go_on_and_bytes_of_any_length_are_gathered(disagreeing
 
 
 def _skipping_worker(rank: int, world: int, workdir: str) -> dict:
-    cm.set_collective_timeout(SKIP_TIMEOUT)
     torch.manual_seed(0)
     # one layer per chunk: the forward gathers chunk0 for fc, then chunk1 for out
     model = _wrap(Net(width=24), dtype=torch.float32, chunk_size=256 * 4)
     assert len(model.chunks) == 2
     model(torch.ones(2, 8))  # both ranks: the first forward also imports what torch loads lazily
+    open(os.path.join(workdir, f"warm{rank}"), "w").close()  # both ranks start the timed part together (a
+    while not all(os.path.exists(os.path.join(workdir, f"warm{r}")) for r in range(world)):  # loaded machine
+        time.sleep(0.01)                                                                    # skews them)
+    cm.set_collective_timeout(SKIP_TIMEOUT)
     done = os.path.join(workdir, "rank0_done")
     if rank == 1:
         try:
