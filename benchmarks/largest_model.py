@@ -245,6 +245,10 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true",
                         help="a ~0.13M-parameter GPT in 128 KiB chunks (64 KiB disk I/O buffers) to check the script "
                              "in seconds (no target; --compare-to still applies)")
+    parser.add_argument("--matmul", choices=("native", "fp32"), default=None,
+                        help="'native': matmuls in the 16-bit dtype (default; --target-4b: fp32); 'fp32': the linear "
+                             "layers upcast to fp32 for the matmul (bf16/fp16 backward matmuls are 50-100x slower "
+                             "than fp32 ones on this AVX2 CPU); the stored parameters stay 16-bit")
     parser.add_argument("--force", action="store_true",
                         help="start even if the memory estimate exceeds the available memory (the kernel may kill it)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
@@ -278,6 +282,7 @@ def main() -> int:
     args.d_model = args.d_model or d_default
     args.heads = args.heads or heads_default
     args.dtype = args.dtype or dtype_default
+    args.matmul = args.matmul or ("fp32" if args.target_4b else "native")
     chunk_size = None
     if args.tiny:
         args.vocab, args.d_model, args.heads, args.seq, args.layers = 512, 64, 4, 16, 2
@@ -327,7 +332,10 @@ def main() -> int:
            "computes far faster)" if args.dtype == "fp16" else
            "16-bit storage as the target asks (the same 14 B/param as fp16); bf16 matmuls are fast on this CPU, "
            "fp16 backward matmuls are about 100x slower")
-    print(f"dtype: {args.dtype} storage and compute: {why}")
+    if args.matmul == "fp32":
+        why = ("16-bit storage; the linear layers' matmuls run in fp32 on an fp32 copy of the weight (--matmul "
+               "fp32): on this AVX2 CPU bf16/fp16 backward matmuls are 50-100x slower than fp32 ones")
+    print(f"dtype: {args.dtype} storage and compute{' (matmuls in fp32)' if args.matmul == 'fp32' else ''}: {why}")
     print(f"host bound: psutil available memory at the start {gib(available_at_start)} / 14 B = "
           f"{available_at_start / 14 / 1e9:.3f}B parameters")
 
@@ -358,14 +366,19 @@ def main() -> int:
         print("--force: starting anyway")
     print()
 
+    if chunk_size is None and disk is not None:
+        # the searched chunk size given to ZeroInitContext too: the wrap then keeps the context's chunks
+        # (without it, the context's own chunks and the wrap's copies were both alive: ~2.5x the 16-bit
+        # parameters at the peak of the build)
+        chunk_size = est["chunk_numel"] * element_size
     cm.set_device_memory_capacity(capacity)
     if host_capacity is not None:
         cm.set_host_memory_capacity(host_capacity)
     torch.manual_seed(0)
     t0 = time.perf_counter()
     with cm.ZeroInitContext(target_device=torch.device("cpu"), shard_strategy=cm.TensorShardStrategy(),
-                            shard_param=True, dtype=dtype):
-        net = GPT(cfg)
+                            shard_param=True, dtype=dtype, chunk_size=chunk_size):
+        net = GPT(cfg, upcast=args.matmul == "fp32")
     t_init = time.perf_counter() - t0
     disk_kwargs = {} if disk is None else dict(
         offload_optimizer="disk", offload_param="disk" if args.offload_param else None, nvme_path=args.nvme_path,
@@ -429,7 +442,7 @@ def main() -> int:
         disk_total = sum(tiers["disk"].values())
         print(f"disk tier: {gib(disk_total)} = {disk_total / n_params:.3f} B/param (model.tier_bytes(): "
               + ", ".join(f"{k} {mib(v)}" for k, v in tiers["disk"].items())
-              + f"); files {gib(model.disk_file_bytes())} (estimated {gib(est['disk'])}) in {model.disk_path}; "
+              + f"); files {model.disk_file_bytes():,} bytes (estimated {est['disk']:,}) in {model.disk_path}; "
               f"per step read {gib(steps[-1]['read'])}, written {gib(steps[-1]['written'])} "
               f"(ledger counters; {steps[-1]['read'] / n_params:.2f} and {steps[-1]['written'] / n_params:.2f} B/param)")
     print(f"peak RSS {gib(peak)} = {peak / n_params:.3f} B/param (estimate was {gib(est['total'])}: "
@@ -488,6 +501,8 @@ def main() -> int:
               + (f" --vocab {args.vocab}" if args.vocab != 16384 else "")
               + (f" --d-model {args.d_model}" if args.d_model != d_default else "")
               + (" --target-4b" if args.target_4b else "")
+              + (f" --seq {args.seq}" if args.seq != 64 else "")
+              + (f" --matmul {args.matmul}" if args.matmul != ("fp32" if args.target_4b else "native") else "")
               + (f" --nvme-path {args.nvme_path}" if args.nvme_path else "")
               + (" --offload-param" if args.offload_param else "")
               + ("" if args.atomic_step or disk is None else " --no-atomic-step")
