@@ -53,8 +53,14 @@ run's (exit status 1 when they differ): the all-on-disk run against the ``auto``
 equal.
 
 ``--target-4b``: the >= 4B-parameter target (issue 11): d_model 4096, 32 heads, bf16 (unless given),
-the fewest layers giving >= 4B parameters, ``--nvme-path`` required, and a step (forward + backward +
-optimizer) of at most ``--max-step-seconds`` (180) in every step.
+``--matmul fp32`` (unless given), the fewest layers giving >= 4B parameters, ``--nvme-path`` required,
+and a step (forward + backward + optimizer) of at most ``--max-step-seconds`` (180) in every step.
+``--matmul fp32`` builds the GPT with ``_gpt.UpcastLinear``: parameters, activations and gradients stay
+16-bit, the matmuls run in fp32 on transient fp32 copies (this AVX2 CPU has no native bf16/fp16 matmul:
+torch's bf16 backward matmuls run at a few GFLOP/s, 50-100x slower than fp32 ones). On disk runs the
+searched chunk size is given to ``ZeroInitContext`` too, so that the wrap keeps the context's chunks.
+``--tiny``: a ~0.13M-parameter GPT in 128 KiB chunks with 64 KiB I/O buffers, to check the script and
+the comparison in seconds (``tests/test_disk_benchmarks.py``).
 
 Exit status: 0 when the model has >= the minimum parameters (1.5B; 4B with ``--target-4b``), every
 step ran (and, where a step time limit applies, in time; dry run: when it ran) and a comparison matched,
@@ -129,8 +135,7 @@ def estimate(cfg: GPTConfig, batch: int, placement: str, capacity: int, element_
         host_state = 0
         if placement == "auto" and host_capacity is not None:  # what fits the host capacity stays there
             host_state = max(0, min(state, host_capacity - params - io))
-            disk_bytes -= n_chunks * slots * 3 * aligned_nbytes(chunk_numel * 4) * host_state // state
-        state = host_state
+        state = host_state  # the files have a region for every chunk even so (placement can change)
     chunks = params + state + io
     b, s, d, v, a = batch, cfg.seq, cfg.d_model, cfg.vocab, cfg.heads
     if placement == "cpu":
@@ -185,6 +190,10 @@ def parameter_checksum(model: cm.ShardedModelV2) -> str:
                 raw = p.detach().contiguous().view(-1).view(torch.uint8)
                 for start in range(0, raw.numel(), 2**26):  # in pieces of 64 MiB
                     digest.update(memoryview(raw[start:start + 2**26].numpy()))
+        # outside forward/backward the released device copies are only marked stale, and nothing frees
+        # them (no period boundary): without this a model of more than a device tier's worth of chunks
+        # hits DeviceCapacityError at the next chunk (reported with issue 11's benchmarks)
+        model.chunk_manager.flush_stale()
     return digest.hexdigest()
 
 
@@ -471,7 +480,9 @@ def main() -> int:
     bound = available_at_start / 14
     print(f"host bound: {available_at_start / 2**30:.2f} GiB available at the start / 14 B = {bound / 1e9:.3f}B "
           f"parameters; this model: {n_params / 1e9:.4f}B = {100 * n_params / bound:.1f}% of the bound "
-          f"(plain PyTorch fp32 + fused AdamW at 16 B/param: at most {available_at_start / 16 / 1e9:.3f}B)")
+          f"(plain PyTorch fp32 + fused AdamW at 16 B/param: at most {available_at_start / 16 / 1e9:.3f}B)"
+          + ("" if disk is None else f"; with the disk tier the host holds {host_total / n_params:.3f} B/param at "
+                                      f"rest, peak RSS {peak / n_params:.3f} B/param"))
 
     if args.dry_run_small:
         first, last = steps[0], steps[-1]
