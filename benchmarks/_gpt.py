@@ -46,13 +46,54 @@ def params_per_layer(d_model: int) -> int:
     return 12 * d_model * d_model + 13 * d_model
 
 
+class _UpcastLinearFn(torch.autograd.Function):
+    """``F.linear`` on 16-bit tensors computed in fp32: it saves the 16-bit input and weight (not fp32
+    copies, which would hold 4 bytes a parameter until the backward) and upcasts them again there."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        g = grad.float().reshape(-1, grad.shape[-1])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (g @ weight.float()).to(x.dtype).reshape(x.shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = (g.t() @ x.float().reshape(-1, x.shape[-1])).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g.sum(0).to(weight.dtype)
+        return grad_x, grad_w, grad_b
+
+
+class UpcastLinear(nn.Linear):
+    """``nn.Linear`` whose matmuls run in fp32 on 16-bit parameters and inputs (the result cast back to
+    the input's dtype; the gradients reach the parameters in their own dtype). On a CPU without native
+    16-bit matmuls (AVX2: no AVX512-BF16/FP16) torch's bf16/fp16 backward matmuls are 50-100x slower than
+    fp32 ones; the fp32 copies are transient (made again in the backward)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == torch.float32:
+            return super().forward(x)
+        return _UpcastLinearFn.apply(x, self.weight, self.bias)
+
+
+def _linear(upcast: bool):
+    return UpcastLinear if upcast else nn.Linear
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, d_model: int, heads: int) -> None:
+    def __init__(self, d_model: int, heads: int, upcast: bool = False) -> None:
         super().__init__()
         assert d_model % heads == 0, "d_model must be divisible by heads"
         self.heads = heads
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.proj = nn.Linear(d_model, d_model)
+        self.qkv = _linear(upcast)(d_model, 3 * d_model)
+        self.proj = _linear(upcast)(d_model, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
@@ -63,22 +104,22 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, d_model: int) -> None:
+    def __init__(self, d_model: int, upcast: bool = False) -> None:
         super().__init__()
-        self.fc = nn.Linear(d_model, 4 * d_model)
-        self.proj = nn.Linear(4 * d_model, d_model)
+        self.fc = _linear(upcast)(d_model, 4 * d_model)
+        self.proj = _linear(upcast)(4 * d_model, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x)))
 
 
 class Block(nn.Module):
-    def __init__(self, d_model: int, heads: int) -> None:
+    def __init__(self, d_model: int, heads: int, upcast: bool = False) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, heads)
+        self.attn = CausalSelfAttention(d_model, heads, upcast)
         self.ln_2 = nn.LayerNorm(d_model)
-        self.mlp = MLP(d_model)
+        self.mlp = MLP(d_model, upcast)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -86,14 +127,17 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    """The benchmarks' GPT (see the module docstring); ``upcast=True``: its linear layers run their
+    matmuls in fp32 on 16-bit parameters (:class:`UpcastLinear`; same parameters, same count)."""
+
+    def __init__(self, cfg: GPTConfig, upcast: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab, cfg.d_model)
         self.wpe = nn.Embedding(cfg.seq, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg.d_model, cfg.heads) for _ in range(cfg.layers))
+        self.blocks = nn.ModuleList(Block(cfg.d_model, cfg.heads, upcast) for _ in range(cfg.layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+        self.lm_head = _linear(upcast)(cfg.d_model, cfg.vocab, bias=False)
         self.lm_head.weight = self.wte.weight  # tied
         self.apply(self._init_weights)
 
@@ -120,14 +164,15 @@ def param_numels(cfg: GPTConfig) -> list[int]:
     return [p.numel() for _, p in model.named_parameters()]
 
 
-def chunk_layout(cfg: GPTConfig, element_size: int) -> tuple[int, int, int]:
+def chunk_layout(cfg: GPTConfig, element_size: int, chunk_size: int | None = None) -> tuple[int, int, int]:
     """``(chunk_numel, n_chunks, padding_elements)`` that ``ShardedModelV2`` will choose for this GPT
-    (one param group, every parameter trainable), computed from the element counts alone."""
+    (one param group, every parameter trainable; ``chunk_size``: the bytes per chunk it is given, else
+    searched), computed from the element counts alone."""
     from chunkmem.layout import pack, search_chunk_numel
 
     numels = param_numels(cfg)
     keys = [0] * len(numels)
-    chunk_numel = search_chunk_numel(numels, keys, element_size)
+    chunk_numel = chunk_size // element_size if chunk_size else search_chunk_numel(numels, keys, element_size)
     n_chunks = len(pack(numels, keys, chunk_numel))
     return chunk_numel, n_chunks, n_chunks * chunk_numel - sum(numels)
 
