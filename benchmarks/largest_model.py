@@ -190,10 +190,6 @@ def parameter_checksum(model: cm.ShardedModelV2) -> str:
                 raw = p.detach().contiguous().view(-1).view(torch.uint8)
                 for start in range(0, raw.numel(), 2**26):  # in pieces of 64 MiB
                     digest.update(memoryview(raw[start:start + 2**26].numpy()))
-        # outside forward/backward the released device copies are only marked stale, and nothing frees
-        # them (no period boundary): without this a model of more than a device tier's worth of chunks
-        # hits DeviceCapacityError at the next chunk (reported with issue 11's benchmarks)
-        model.chunk_manager.flush_stale()
     return digest.hexdigest()
 
 

@@ -107,6 +107,9 @@ class GatheredParameters:
                     new_values[id(slot)] = slot.view(slot.chunk.param.device).clone()
         for hooks, chunks in _by_owner(self.chunks):
             hooks.manager.release(chunks)
+            # A released chunk's device copy is only marked stale, to be freed at the next period boundary
+            # of an iteration; outside one there is none, so free it now.
+            hooks.manager.flush_stale()
         if new_values:
             for hooks, chunks in _by_owner(self.chunks):
                 for chunk in chunks:

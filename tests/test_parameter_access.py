@@ -289,3 +289,23 @@ def test_model_zero_grad_and_param_grad_stand_in():
     model.zero_grad()
     assert param.grad is None and not optim.step()
     assert isinstance(param, ChunkParameter) and isinstance(param, nn.Parameter)
+
+
+def test_gathering_one_chunk_after_another_outside_an_iteration_frees_each_device_copy():
+    # reported by the disk-tier benchmark: released device copies stayed (stale) until the device tier was
+    # full, as no period boundary came to free them
+    net = torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(4)])
+    cm.set_device_memory_capacity(3 * 8192)
+    try:
+        model = cm.ShardedModelV2(net, cm.TensorShardStrategy(), tensor_placement_policy="cpu", chunk_size=8192,
+                                  dtype=torch.bfloat16, reuse_fp16_shard=True)
+        optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-3))
+        optim.backward(model(torch.randn(2, 64, dtype=torch.bfloat16)).float().sum())
+        optim.step()
+        optim.zero_grad()
+        for layer in net:
+            with cm.GatheredParameters([layer.weight]):
+                pass
+            assert model.tier_bytes()["device"].get("param", 0) == 0
+    finally:
+        cm.set_device_memory_capacity(None)
