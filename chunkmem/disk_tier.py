@@ -171,14 +171,14 @@ class DiskTier:
             self._fetch_pool = AlignedBufferPool(1, self.buffer_size)
             self._fetch_buffer = self._fetch_pool.take()
             self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="chunkmem-disk-fetch")
-        self.ledger.count_disk(read=buf.nbytes)
-        staging, slot = self._fetch_buffer, buf.disk_slot
+        self.ledger.count_disk(read=buf.nbytes)  # here, not on the thread: the counters are the caller's
+        return self._fetcher.submit(self._copy_into, buf, out, self._fetch_buffer, buf.disk_slot)
 
-        def run() -> None:
-            for start, end in self.pieces(buf.numel, buf.element_size):
-                self.read_piece(buf, start, end, staging, slot, count=False).wait()
-                out[start:end].copy_(_typed(staging, buf.dtype, end - start))
-        return self._fetcher.submit(run)
+    def _copy_into(self, buf: "FlatBuffer", out: torch.Tensor, staging: torch.Tensor, slot: int) -> None:
+        """Read ``buf``'s ``slot`` piece by piece through ``staging`` into ``out`` (bytes already counted)."""
+        for start, end in self.pieces(buf.numel, buf.element_size):
+            self.read_piece(buf, start, end, staging, slot, count=False).wait()
+            out[start:end].copy_(_typed(staging, buf.dtype, end - start))
 
     # ---- whole-buffer reads and writes (checkpoints, setup, accessors) -------------------------------
 
@@ -217,10 +217,9 @@ class DiskTier:
         """Copy ``buf``'s current contents into ``out`` (``buf.numel`` elements, any device), piece by piece."""
         pool = self.buffers(1)
         staging = pool.take()
+        self.ledger.count_disk(read=buf.nbytes)
         try:
-            for start, end in self.pieces(buf.numel, buf.element_size):
-                self.read_piece(buf, start, end, staging).wait()
-                out[start:end].copy_(_typed(staging, buf.dtype, end - start))
+            self._copy_into(buf, out, staging, buf.disk_slot)
         finally:
             pool.give_back(staging)
 
