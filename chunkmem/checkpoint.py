@@ -204,9 +204,13 @@ def _check_load_args(path: Any, model: Any, optimizer: Any) -> str:
 
 
 def _save_full(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None) -> None:
-    group = _group_of(model)
     model_state = model.state_dict(rank0_only=True)
     optimizer_state = optimizer.state_dict(rank0_only=True) if optimizer is not None else None
+    _write_full(path, _group_of(model), model_state, optimizer_state)
+
+
+def _write_full(path: str, group: ShardGroup, model_state: Any, optimizer_state: Any) -> None:
+    """Rank 0 writes the full-format file atomically; every rank learns whether it succeeded."""
     error = None
     if group.rank == 0:
         payload = {"format": FULL_FORMAT, "model": model_state, "optimizer": optimizer_state}
@@ -290,19 +294,8 @@ def _check_low_level_zero_args(path: Any, model: Any, sharded: Any) -> str:
 
 def _save_low_level_zero(path: str, model: torch.nn.Module, optimizer: Any) -> None:
     """The full format, from rank 0: the module's state with the fp32 masters, the optimizer's state."""
-    model_state = optimizer.model_state_dict(model, rank0_only=True)
-    optimizer_state = optimizer.state_dict(rank0_only=True)
-    error = None
-    if optimizer.shards.rank == 0:
-        payload = {"format": FULL_FORMAT, "model": model_state, "optimizer": optimizer_state}
-        payload["checksum"] = content_checksum(payload)
-        try:
-            write_atomically(path, lambda f: torch.save(payload, f))
-        except Exception as exc:  # noqa: BLE001 - re-raised by _agree
-            error = exc
-        else:
-            remove_stale_temporaries(path)
-    _agree(optimizer.shards, error, f"saving {path!r}")
+    _write_full(path, optimizer.shards, optimizer.model_state_dict(model, rank0_only=True),
+                optimizer.state_dict(rank0_only=True))
 
 
 def _plan_low_level_zero(path: str, model: torch.nn.Module, optimizer: Any) -> Callable[[], None]:
