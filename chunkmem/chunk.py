@@ -187,7 +187,10 @@ class FlatBuffer:
                 new = None
             else:
                 new = self._empty(tier)
-                new.copy_(self.ledger.disk.load(self) if old_tier is Tier.DISK else old)
+                if old_tier is Tier.DISK:
+                    self.ledger.disk.read_all(self, new)
+                else:
+                    new.copy_(old)
         except BaseException:
             self.ledger.release(tier, self.family, self.nbytes)
             raise

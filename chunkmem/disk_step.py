@@ -89,6 +89,11 @@ class _Piece:
     reads: list[IOHandle]
     journal: torch.Tensor | None = None
 
+    @property
+    def held(self) -> list[torch.Tensor]:
+        """Every I/O buffer the piece holds (given back once its writes are done)."""
+        return self.buffers + ([self.journal] if self.journal is not None else [])
+
 
 class StreamedStep:
     """Runs one step over ``updates`` (chunks whose optimizer state rests on ``disk``); see the module
@@ -156,16 +161,16 @@ class StreamedStep:
                 break
             piece = reading.popleft()
             if not self._wait(piece.reads):
-                writing.append((piece.buffers + ([piece.journal] if piece.journal is not None else []), []))
+                writing.append((piece.held, []))
                 break
             self._update(piece)
             handles = [self.disk.write_piece(buf, piece.start, piece.end, raw, slot)
                        for buf, raw, slot in zip(piece.update.writes, piece.buffers, write_slot[id(piece.update)])]
-            writing.append((piece.buffers + ([piece.journal] if piece.journal is not None else []), handles))
+            writing.append((piece.held, handles))
             reclaim(block=False)
         for piece in reading:  # drained after a failure
             self._wait(piece.reads)
-            writing.append((piece.buffers + ([piece.journal] if piece.journal is not None else []), []))
+            writing.append((piece.held, []))
         while writing:
             reclaim(block=True)
 
