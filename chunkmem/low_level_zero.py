@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from .adam import check_supported_optimizer, hyper_of_group
 from .adam_kernels import adam_update_
-from .collectives import ShardGroup, all_reduce_over
+from .collectives import ShardGroup, all_reduce_over, start_all_gather
 from .errors import (InvalidArgumentError, UnscaledBackwardError, check_choice, check_number,
                      check_type)
 from .loss_scaler import DynamicGradScaler
@@ -202,8 +202,11 @@ class LowLevelZeroOptimizer:
 
     def _grad_store(self, chunk: FlatChunk) -> torch.Tensor:
         if chunk.grad is None:
-            numel = chunk.shard_numel if self.partition_grad else chunk.numel
-            chunk.grad = torch.zeros(numel, dtype=self.dtype, device=chunk.param.device)
+            if chunk.spare_grad is not None:  # memory already touched: no page faults, no allocator call
+                chunk.grad, chunk.spare_grad = chunk.spare_grad.zero_(), None
+            else:
+                numel = chunk.shard_numel if self.partition_grad else chunk.numel
+                chunk.grad = torch.zeros(numel, dtype=self.dtype, device=chunk.param.device)
         return chunk.grad
 
     def _on_grad(self, param: nn.Parameter) -> None:
@@ -296,12 +299,11 @@ class LowLevelZeroOptimizer:
             if self.clip_grad_norm > 0 and math.isfinite(norm):
                 coef = min(1.0, self.clip_grad_norm / (norm + 1e-6))
         multiplier = coef / self.loss_scale
+        gathers = _GatherPipeline(self.shards, self.chunks)
         for chunk in self.chunks:
             self._update(chunk, multiplier)
-        for chunk in self.chunks:
-            if self.shards.sharded:
-                self.shards.all_gather(chunk.param, chunk.own(chunk.param).clone(),
-                                       what=f"chunk{chunk.index} updated parameters")
+            gathers.start(chunk)  # runs while the next chunk is updated
+        gathers.finish()
         if self.grad_scaler is not None:
             self.grad_scaler.update(overflow=False)
         return True
@@ -329,7 +331,7 @@ class LowLevelZeroOptimizer:
         for chunk in self.chunks:
             if chunk.grad is not None:
                 if set_to_none:
-                    chunk.grad = None
+                    chunk.grad, chunk.spare_grad = None, chunk.grad
                 else:
                     chunk.grad.zero_()
         for slot in self._slot_of.values():
@@ -341,12 +343,14 @@ class LowLevelZeroOptimizer:
 
     def model_state_bytes(self) -> dict[str, int]:
         """Exact bytes this rank holds per family: ``"params"`` (the working flat chunks, whole),
-        ``"grads"`` (the gradient stores allocated now), ``"master"`` (separate fp32 masters; 0 when the
-        fp32 working shard is its own master), ``"exp_avg"``, ``"exp_avg_sq"``."""
+        ``"grads"`` (the gradient stores allocated now, the ones kept for the next backward after
+        ``zero_grad`` included), ``"master"`` (separate fp32 masters; 0 when the fp32 working shard is its
+        own master), ``"exp_avg"``, ``"exp_avg_sq"``. Not counted: the reduction's scratch buffers (a
+        few buckets) and the two all-gather scratch shards of a step."""
         def size(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.numel() * t.element_size()
         return {"params": sum(size(c.param) for c in self.chunks),
-                "grads": sum(size(c.grad) for c in self.chunks),
+                "grads": sum(size(c.grad if c.grad is not None else c.spare_grad) for c in self.chunks),
                 "master": sum(size(c.master) for c in self.chunks) if self.separate_master else 0,
                 "exp_avg": sum(size(c.exp_avg) for c in self.chunks),
                 "exp_avg_sq": sum(size(c.exp_avg_sq) for c in self.chunks)}
@@ -498,3 +502,42 @@ class LowLevelZeroOptimizer:
                     if slot is not None and self.separate_master:
                         self._write_own(slot, slot.chunk.master, state_dict[key].float())
         return apply
+
+
+class _GatherPipeline:
+    """All-gathers the updated shards of a step's chunks, at most two at once, so the collective of one
+    chunk runs while the next chunk is updated. Each rank's shard is first copied into one of two
+    scratch buffers (an all-gather's input must not overlap its output), reused from chunk to chunk."""
+
+    IN_FLIGHT = 2
+
+    def __init__(self, shards: ShardGroup, chunks: list[FlatChunk]) -> None:
+        self.shards = shards
+        self.pending: list[tuple[Any, torch.Tensor]] = []
+        self.free: list[torch.Tensor] = []
+        if shards.sharded and chunks:
+            longest = max(chunks, key=lambda c: c.shard_numel)
+            self.free = [torch.empty(longest.shard_numel, dtype=longest.param.dtype, device=longest.param.device)
+                         for _ in range(self.IN_FLIGHT)]
+
+    def start(self, chunk: FlatChunk) -> None:
+        """Start gathering ``chunk``'s updated parameters into its full working buffer."""
+        if not self.shards.sharded:
+            return
+        if not self.free:
+            self._wait_oldest()
+        scratch = self.free.pop()[:chunk.shard_numel]
+        scratch.copy_(chunk.own(chunk.param))
+        handle = start_all_gather(self.shards, chunk.param, scratch, what=f"chunk{chunk.index} updated parameters")
+        self.pending.append((handle, scratch))
+
+    def _wait_oldest(self) -> None:
+        handle, scratch = self.pending.pop(0)
+        handle.wait()
+        self.free.append(scratch._base if scratch._base is not None else scratch)
+
+    def finish(self) -> None:
+        """Wait for every gather started."""
+        while self.pending:
+            self._wait_oldest()
+

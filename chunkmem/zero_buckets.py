@@ -9,7 +9,8 @@ most :data:`MAX_IN_FLIGHT` at once):
   mean into its full-chunk gradient store.
 * ZeRO-2 (``partition_grad=True``): a reduce-scatter whose piece ``r`` holds the elements of the
   bucket's gradients that rank ``r`` owns (padded to the longest piece); each rank adds the mean of its
-  piece into its shard-sized gradient store.
+  piece into its shard-sized gradient store. Over gloo the bucket is all-reduced instead and each rank
+  keeps its part (:func:`~chunkmem.collectives.all_reduce_is_faster`): the store is still shard-sized.
 
 The mean is the sum over the ranks divided by the world size, both in the communication dtype, then
 cast to the store's dtype. With ``overlap`` the collectives are started asynchronously and waited for in
@@ -22,7 +23,8 @@ from typing import Callable
 
 import torch
 
-from .collectives import PendingCollective, ShardGroup, start_all_reduce, start_reduce_scatter
+from .collectives import (PendingCollective, ShardGroup, all_reduce_is_faster, start_all_reduce,
+                          start_reduce_scatter)
 from .zero_partition import FlatChunk, FlatSlot
 
 
@@ -50,6 +52,8 @@ class GradientBuckets:
         self.numel = 0
         self.in_flight: list[tuple[PendingCollective, Callable[[], None]]] = []
         self.collectives = 0  # buckets reduced so far
+        self.scratch = _ScratchBuffers(MAX_IN_FLIGHT + 1)
+        self.reduce_scatter = partition_grad and not all_reduce_is_faster(shards)
 
     def add(self, slot: FlatSlot, grad: torch.Tensor) -> None:
         """Take one parameter's finished (local) gradient; reduce the bucket once it is full. A gradient
@@ -67,7 +71,7 @@ class GradientBuckets:
         if not self.entries:
             return
         entries, self.entries, self.numel = self.entries, [], 0
-        start = self._start_partitioned if self.partition_grad else self._start_replicated
+        start = self._start_partitioned if self.reduce_scatter else self._start_replicated
         pending, finish = start(entries)
         self.collectives += 1
         if self.overlap:
@@ -108,8 +112,17 @@ class GradientBuckets:
             position = 0
             for slot, numel in layout:
                 store = self.store_of(slot.chunk)
-                target = store[slot.offset:slot.offset + numel]
-                target.add_(flat[position:position + numel].to(target.device, target.dtype))
+                if not self.partition_grad:
+                    target, source = store[slot.offset:slot.offset + numel], flat[position:position + numel]
+                else:  # ZeRO-2 over an all-reduce: keep the part this rank owns
+                    part = slot.owned()
+                    if part is None:
+                        position += numel
+                        continue
+                    a, b = part
+                    start = slot.offset + a - slot.chunk.own_start
+                    target, source = store[start:start + b - a], flat[position + a:position + b]
+                target.add_(source.to(target.device, target.dtype))
                 position += numel
         return pending, finish
 
@@ -125,7 +138,8 @@ class GradientBuckets:
                     parts[r].append((slot, flat_grad, *part))
         longest = max(1, max(sum(b - a for _, _, a, b in rows) for rows in parts))
         device = entries[0][1].device
-        joined = torch.empty(world * longest, dtype=self.comm_dtype, device=device)
+        buffer = self.scratch.take((world + 1) * longest, self.comm_dtype, device)
+        joined, out = buffer[:world * longest], buffer[world * longest:]
         for r, rows in enumerate(parts):
             position = r * longest
             for _, flat_grad, a, b in rows:
@@ -134,12 +148,10 @@ class GradientBuckets:
             joined[position:(r + 1) * longest].zero_()  # the padding of a shorter piece
         mine = [(slot, a, b) for slot, _, a, b in parts[rank]]
         del parts, entries  # the local gradients are no longer needed: their elements are in ``joined``
-        out = torch.empty(longest, dtype=self.comm_dtype, device=device)
         pending = start_reduce_scatter(self.shards, out, joined, what=f"a gradient bucket of {joined.numel()} "
                                                                       f"elements")
 
         def finish() -> None:
-            joined.untyped_storage()  # kept alive until the collective is done
             if self.shards.world > 1:
                 out.div_(self.shards.world)
             position = 0
@@ -148,4 +160,29 @@ class GradientBuckets:
                 start = slot.offset + a - slot.chunk.own_start
                 store[start:start + b - a].add_(out[position:position + b - a].to(store.device, store.dtype))
                 position += b - a
+            self.scratch.give(buffer)  # only now: the collective reads ``joined`` until it is done
         return pending, finish
+
+
+class _ScratchBuffers:
+    """The communication buffers of the reduce-scatters, kept from bucket to bucket and from step to
+    step (at most ``keep`` of them, the largest), so a backward does not allocate and first-touch
+    fresh memory for every bucket. :meth:`take` returns a prefix view of a free buffer large enough,
+    or of a new one; :meth:`give` returns it."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self.free: list[torch.Tensor] = []
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        for i, buffer in enumerate(self.free):
+            if buffer.numel() >= numel and buffer.dtype == dtype and buffer.device == device:
+                return self.free.pop(i)[:numel]
+        return torch.empty(numel, dtype=dtype, device=device)[:numel]
+
+    def give(self, view: torch.Tensor) -> None:
+        buffer = view._base if view._base is not None else view
+        self.free.append(buffer)
+        self.free.sort(key=lambda t: t.numel(), reverse=True)
+        del self.free[self.keep:]
+

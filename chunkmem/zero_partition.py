@@ -50,7 +50,8 @@ class FlatSlot:
 class FlatChunk:
     """One chunk: the full working ``param`` buffer (``numel`` elements, every rank), this rank's
     ``master`` / ``exp_avg`` / ``exp_avg_sq`` (``shard_numel`` fp32 elements each), the finished
-    gradient store ``grad`` (``None`` until a backward reduced into it) and the Adam ``step``."""
+    gradient store ``grad`` (``None`` until a backward reduced into it; after ``zero_grad`` its memory is
+    kept in ``spare_grad`` for the next backward, as DDP keeps its buckets) and the Adam ``step``."""
 
     index: int
     group: int
@@ -63,6 +64,7 @@ class FlatChunk:
     exp_avg: torch.Tensor | None = None
     exp_avg_sq: torch.Tensor | None = None
     grad: torch.Tensor | None = None
+    spare_grad: torch.Tensor | None = None
     step: int = 0
 
     @property
