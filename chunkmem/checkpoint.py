@@ -178,6 +178,7 @@ def _check_model_and_optimizer(model: Any, optimizer: Any) -> None:
         if optimizer.model is not model:
             raise InvalidArgumentError("optimizer", "a ShardedOptimizerV2 of another model",
                                        "None or the ShardedOptimizerV2 built over this model")
+        optimizer.check_no_step_in_flight("a checkpoint")
 
 
 def _check_save_args(path: Any, model: Any, optimizer: Any, sharded: Any) -> str:

@@ -20,12 +20,19 @@ dropped, as by ``zero_grad()``.
 Without ``atomic_step`` the disk holds one slot (half the files), the state is written in place, and
 a failed step leaves the chunks before the failure updated: the optimizer then refuses to step until a
 checkpoint or state dict is loaded (the error says so).
+
+In the backward (``ShardedOptimizerV2(..., step_in_backward=True)``) the same stream runs on a thread of
+its own: :meth:`StreamedStep.start` starts it, :meth:`StreamedStep.add` hands it each chunk as soon as
+the backward has finished the chunk's gradients, and :meth:`StreamedStep.finish` (in ``step()``) waits
+for it and commits or undoes exactly as :meth:`StreamedStep.run` does.
 """
 from __future__ import annotations
 
+import queue
+import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, NoReturn
+from typing import Callable, Iterator, NoReturn
 
 import torch
 
@@ -80,6 +87,17 @@ class ChunkUpdate:
         return self.reads + extra
 
 
+def streamed_families(chunk: Chunk, params_on_disk: bool, atomic_step: bool) -> int:
+    """I/O buffers one piece of ``chunk``'s streamed update holds: one per family read or written (see
+    :attr:`ChunkUpdate.writes`), plus the journal of fp32 parameters overwritten in host memory by an
+    atomic step."""
+    if chunk.has_master:
+        return 4 if params_on_disk else 3
+    if params_on_disk:
+        return 3
+    return 3 if atomic_step else 2
+
+
 @dataclass
 class _Piece:
     update: ChunkUpdate
@@ -96,21 +114,89 @@ class _Piece:
 
 
 class StreamedStep:
-    """Runs one step over ``updates`` (chunks whose optimizer state rests on ``disk``); see the module
-    docstring. ``agree(failed)`` returns whether any data-parallel rank failed (a collective)."""
+    """Runs one step over chunks whose optimizer state rests on ``disk``; see the module docstring.
+    ``agree(failed)`` returns whether any data-parallel rank failed (a collective); ``families``: the
+    most I/O buffers one piece holds (:func:`streamed_families` of the chunks to come)."""
 
-    def __init__(self, disk: DiskTier, updates: list[ChunkUpdate], agree: Callable[[bool], bool]) -> None:
+    def __init__(self, disk: DiskTier, agree: Callable[[bool], bool], families: int) -> None:
         self.disk = disk
-        self.updates = updates
         self.agree = agree
-        self.journaled = disk.atomic_step and any(self._journals(u) for u in updates)
-        self._families = max((len(u.writes) for u in updates), default=0) + self.journaled
+        self.updates: list[ChunkUpdate] = []  # every update handed over so far, in order
+        self._families = families
+        self._incoming: queue.SimpleQueue[ChunkUpdate | None] = queue.SimpleQueue()
+        self._closed = False  # no more updates will come (the queue ends with None)
+        self._drained = False  # the stream has taken the closing None
+        self._current: Iterator[tuple[ChunkUpdate, int, int]] = iter(())
+        self._thread: threading.Thread | None = None
+        self._crash: BaseException | None = None  # an exception other than an I/O error, on the thread
         self._error: DiskIOError | None = None
 
+    @classmethod
+    def over(cls, disk: DiskTier, updates: list[ChunkUpdate], agree: Callable[[bool], bool]) -> "StreamedStep":
+        """A step over ``updates``, all known now."""
+        families = max((streamed_families(u.chunk, u.param is None, disk.atomic_step) for u in updates), default=0)
+        step = cls(disk, agree, families)
+        for update in updates:
+            step.add(update)
+        return step
+
+    def add(self, update: ChunkUpdate) -> None:
+        """Hand over one more chunk's update (its gradient final)."""
+        if self._closed:
+            raise RuntimeError("StreamedStep.add after finish(): the step is closed")
+        self.updates.append(update)
+        self._incoming.put(update)
+
     def run(self) -> None:
-        """Update every chunk and commit, or undo and raise :class:`DiskStepError`."""
+        """Update every chunk handed over on this thread and commit, or undo and raise
+        :class:`DiskStepError`."""
+        self._close()
         if self.updates:
             self._stream()
+        self._commit()
+
+    def start(self) -> None:
+        """Start streaming on a thread of its own, chunk by chunk as :meth:`add` hands them over."""
+        self._thread = threading.Thread(target=self._stream_on_thread, name="chunkmem-disk-step", daemon=True)
+        self._thread.start()
+
+    def finish(self) -> None:
+        """No more chunks: wait for the thread to update every chunk handed over, then commit, or undo
+        and raise :class:`DiskStepError`."""
+        self._close()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._crash is not None:
+            raise self._crash
+        self._commit()
+
+    def abandon(self) -> None:
+        """No more chunks, and no commit (``atomic_step`` only): wait for the thread, put back the
+        parameters it overwrote; every slot stays as it was (the state before the step)."""
+        assert self.disk.atomic_step, "only an atomic step can be abandoned"
+        self._close()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        for update in self.updates:
+            if update.updated_to and update.param is not None:
+                self._restore_params(update)
+        if self._crash is not None:
+            raise self._crash
+
+    def _close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._incoming.put(None)
+
+    def _stream_on_thread(self) -> None:
+        try:
+            self._stream()
+        except BaseException as exc:  # re-raised by finish() on the caller's thread
+            self._crash = exc
+
+    def _commit(self) -> None:
         if self.agree(self._error is not None):  # (every rank agrees, also one without chunks on disk)
             self._fail()
         if self.disk.atomic_step:
@@ -118,13 +204,29 @@ class StreamedStep:
                 for buf in update.writes:
                     buf.switch_disk_slot()
 
+    def _next_piece(self, block: bool) -> tuple[ChunkUpdate, int, int] | None:
+        """The next piece to read: of the current chunk, else of the next one handed over (waiting for it
+        when ``block``); ``None`` when there is none yet or no more."""
+        while True:
+            piece = next(self._current, None)
+            if piece is not None:
+                return piece
+            if self._drained:
+                return None
+            try:
+                update = self._incoming.get(block=block)
+            except queue.Empty:
+                return None
+            if update is None:
+                self._drained = True
+                return None
+            self._current = ((update, a, b) for a, b in self.disk.pieces(update.chunk.shard_numel, 4))
+
     def _stream(self) -> None:
         """Read, update and write every piece; stop issuing at the first failed I/O, drain what is in
         flight, and leave the error in ``_error``."""
         pool = self.disk.buffers(self._families)
-        write_slot = {id(u): [(1 - b.disk_slot) if self.disk.atomic_step else b.disk_slot for b in u.writes]
-                      for u in self.updates}
-        pieces = [(u, a, b) for u in self.updates for a, b in self.disk.pieces(u.chunk.shard_numel, 4)]
+        write_slot: dict[int, list[int]] = {}
         reading: deque[_Piece] = deque()
         writing: deque[tuple[list[torch.Tensor], list[IOHandle]]] = deque()
         # pieces read (or being read) but not yet updated: every group but one, kept for the writes
@@ -141,6 +243,9 @@ class StreamedStep:
         def issue(update: ChunkUpdate, start: int, end: int) -> None:
             while pool.free < self._families:
                 reclaim(block=True)
+            if id(update) not in write_slot:
+                write_slot[id(update)] = [(1 - b.disk_slot) if self.disk.atomic_step else b.disk_slot
+                                          for b in update.writes]
             buffers = [pool.take() for _ in update.writes]
             reads = [self.disk.read_piece(buf, start, end, raw) for buf, raw in zip(update.reads, buffers)]
             piece = _Piece(update, start, end, buffers, reads)
@@ -152,12 +257,13 @@ class StreamedStep:
                     f"{update.chunk.name}.{JOURNAL}"))
             reading.append(piece)
 
-        next_piece = 0
-        while (reading or next_piece < len(pieces)) and self._error is None:
-            while next_piece < len(pieces) and len(reading) < most_reading and self._error is None:
-                issue(*pieces[next_piece])
-                next_piece += 1
-            if self._error is not None:
+        while self._error is None:
+            while len(reading) < most_reading and self._error is None:
+                upcoming = self._next_piece(block=not reading)  # wait for a chunk only with nothing to do
+                if upcoming is None:
+                    break
+                issue(*upcoming)
+            if self._error is not None or not reading:
                 break
             piece = reading.popleft()
             if not self._wait(piece.reads):

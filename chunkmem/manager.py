@@ -184,6 +184,9 @@ class ChunkManager:
         self.gathers = 0  # all-gather collectives run so far
         self.grads_pending = False
         self.no_sync = False  # ShardedModelV2.no_sync(): sharded gradients stay local, unreduced
+        # called with each chunk whose gradients of this backward are final (reduced, where they rest),
+        # outside no_sync (ShardedOptimizerV2's step_in_backward)
+        self.on_grads_final: Callable[[Chunk], None] | None = None
         self.backward_count = 0  # backward passes finished (autograd's end of backward) so far
         self.optimizer_state_exists = False
         self.prefetch = True
@@ -540,6 +543,8 @@ class ChunkManager:
         self.grads_pending = self.grads_pending or not (self.no_sync and buf.sharded)
         self.scheduler.grads_finished(chunk)
         self.settle(chunk)
+        if self.on_grads_final is not None and not self.no_sync:
+            self.on_grads_final(chunk)
 
     def end_backward(self) -> None:
         """After autograd finished: finish every trainable chunk not finished yet (parameters that got no

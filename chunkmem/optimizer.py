@@ -14,7 +14,7 @@ from torch.optim import Optimizer
 from .adam import check_supported_optimizer, hyper_of_group
 from .adam_kernels import adam_update_
 from .chunk import EXP_AVG, EXP_AVG_SQ, MASTER, Chunk
-from .disk_step import ChunkUpdate, DiskStepError, StreamedStep
+from .disk_step import ChunkUpdate, DiskStepError, StreamedStep, streamed_families
 from .disk_tier import JOURNAL
 from .collectives import ShardGroup, all_reduce_over
 from .errors import (ArgumentTypeError, DeviceCapacityError, GradientAccumulationError, InvalidArgumentError,
@@ -57,13 +57,24 @@ class ShardedOptimizerV2(Optimizer):
         mp_process_group: a model-parallel group whose ranks hold different parts of the model: the
             overflow flag and the gradient norm are reduced over it too (``None``: no model parallelism).
         verbose: log skipped steps and scale changes.
+        step_in_backward: (chunkmem addition, keyword only) with ``offload_optimizer="disk"``, update each
+            chunk whose optimizer state rests on disk as soon as the backward has finished its
+            gradients, on a thread of its own, so that its disk reads and writes overlap the rest of the
+            backward; :meth:`step` waits for those updates, commits them (or undoes them, as any disk step)
+            and updates the chunks whose state is in memory. The results are bitwise those of a step
+            after the backward, when the hyper-parameters do not change between the backward and
+            :meth:`step` (they are read when each chunk's update starts). So: one backward per step (a
+            second one before :meth:`step` is refused), no :meth:`clip_grad_norm`, not with fp16 (the
+            loss scaler decides at the step whether to skip it), not with ``offload_param="disk"``.
+            ``zero_grad()`` before :meth:`step` undoes the updates with ``atomic_step=True``; without it
+            they cannot be undone, so it is refused (call :meth:`step`).
     """
 
     def __init__(self, sharded_model: ShardedModelV2, optimizer: Any, gpu_margin_mem_ratio: float = 0.0,
                  initial_scale: float = 2**32, min_scale: float = 1, growth_factor: float = 2,
                  backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2,
                  max_scale: float = 2**32, dp_process_group: Any = None, mp_process_group: Any = None,
-                 verbose: bool = False) -> None:
+                 verbose: bool = False, *, step_in_backward: bool = False) -> None:
         if not isinstance(sharded_model, ShardedModelV2):
             raise ArgumentTypeError("sharded_model", type(sharded_model).__name__, "a chunkmem.ShardedModelV2")
         check_supported_optimizer(optimizer)
@@ -77,6 +88,7 @@ class ShardedOptimizerV2(Optimizer):
         if mp_process_group is not None:
             ShardGroup.of(mp_process_group, "mp_process_group")
         check_type("verbose", verbose, bool, "True or False")
+        self._check_step_in_backward(sharded_model, step_in_backward)
         if sharded_model.optimizer_attached:
             raise InvalidArgumentError("sharded_model", "a model that already has a ShardedOptimizerV2",
                                        "a ShardedModelV2 without an optimizer")
@@ -99,6 +111,8 @@ class ShardedOptimizerV2(Optimizer):
         # with one, those run by backward() / backward_by_grad())
         self._accounted_backwards = self.manager.backward_count
         self._broken_by: DiskStepError | None = None  # a failed step that could not be undone
+        self.step_in_backward = step_in_backward
+        self._step_in_flight: StreamedStep | None = None  # step_in_backward: started by this backward
         self._init_optimizer_hooks()
 
         plan = sharded_model._plan_for_groups(group_of)
@@ -112,6 +126,24 @@ class ShardedOptimizerV2(Optimizer):
             self.manager.policy.gpu_margin_mem_ratio = gpu_margin_mem_ratio
         sharded_model.optimizer_attached = True
         self.manager.optimizer_ref = weakref.ref(self)  # chunkmem.utils reads the loss scale and clip factor
+        if step_in_backward:
+            update_when_final = weakref.WeakMethod(self._update_when_final)
+            self.manager.on_grads_final = lambda chunk: update_when_final()(chunk)  # type: ignore[misc]
+
+    @staticmethod
+    def _check_step_in_backward(model: ShardedModelV2, step_in_backward: bool) -> None:
+        check_type("step_in_backward", step_in_backward, bool, "True or False")
+        if not step_in_backward:
+            return
+        policy = model.chunk_manager.policy
+        if not policy.optimizer_on_disk:
+            raise InvalidArgumentError("step_in_backward", True, "False, or True on a ShardedModelV2 built with "
+                                       "offload_optimizer='disk'")
+        if model.dtype == torch.float16:
+            raise InvalidArgumentError("step_in_backward", True, "False with fp16 (its loss scaler decides at "
+                                       "step() whether the step is skipped); True with bf16 or fp32")
+        if policy.params_on_disk:
+            raise InvalidArgumentError("step_in_backward", True, "False with offload_param='disk'")
 
     @staticmethod
     def _groups_of(model: ShardedModelV2, optimizer: Any) -> dict[int, int]:
@@ -158,10 +190,11 @@ class ShardedOptimizerV2(Optimizer):
 
     def _keep_optimizer_state_on_host(self) -> None:
         """Under ``auto`` with ``offload_optimizer="disk"`` and a host capacity: the optimizer state of the
-        last trainable chunks that fits in the host capacity, after what the host already holds, the
+        first trainable chunks that fits in the host capacity, after what the host already holds, the
         gradients the step will hold there and the disk tier's I/O buffers, stays on the host; the rest
         rests on disk. (Each chunk's state is used once per step, so which chunks stay does not change
-        the bytes moved.)"""
+        the bytes moved. The first chunks stay: their gradients are finished last in the backward, so
+        with ``step_in_backward`` the disk chunks' updates overlap the rest of the backward.)"""
         policy, ledger = self.manager.policy, self.manager.ledger
         if not (isinstance(policy, AutoPlacement) and policy.optimizer_on_disk and ledger.host_capacity):
             return
@@ -169,11 +202,11 @@ class ShardedOptimizerV2(Optimizer):
         first = chunks[0]
         state_bytes = (3 if first.has_master else 2) * first.shard_numel * 4
         grads = 0 if self.model.reuse_fp16_shard else len(chunks) * first.param.shard.nbytes
-        streamed = 3 if first.has_master else 2 + ledger.disk.atomic_step  # families (+ the fp32 journal)
+        streamed = streamed_families(first, policy.params_on_disk, ledger.disk.atomic_step)
         io_bytes = ledger.disk.buffer_count * streamed * ledger.disk.buffer_size
         free = ledger.host_capacity - ledger.tier_bytes(Tier.HOST) - grads - io_bytes
         count = min(max(free, 0) // state_bytes, len(chunks))
-        policy.optim_host_chunks = frozenset(c.index for c in chunks[len(chunks) - count:])
+        policy.optim_host_chunks = frozenset(c.index for c in chunks[:count])
 
     def _trainable_chunks(self) -> list[Chunk]:
         return [c for c in self.manager.chunks if c.trainable]
@@ -272,6 +305,10 @@ class ShardedOptimizerV2(Optimizer):
         self._accounted_backwards = self.manager.backward_count
 
     def _check_can_accumulate(self) -> None:
+        if self._step_in_flight is not None:
+            raise GradientAccumulationError(
+                "step_in_backward=True: the last backward already started this step's updates of the chunks on "
+                "disk, so a second backward cannot add to their gradients; call optim.step() first")
         if self.model.reuse_fp16_shard and self.manager.grads_pending:
             raise GradientAccumulationError(
                 "reuse_fp16_shard=True cannot accumulate gradients over two backward passes: call "
@@ -282,6 +319,11 @@ class ShardedOptimizerV2(Optimizer):
         unscaled gradients (inf or NaN if they overflowed). Clipping is folded into the update."""
         check_number("max_norm", max_norm, low=0.0, low_open=True)
         check_number("norm_type", norm_type, low=0.0, low_open=True)
+        if self.step_in_backward:
+            raise UnsupportedOperationError(
+                "clip_grad_norm with step_in_backward=True: the chunks on disk are updated during the backward, "
+                "before the norm of all gradients exists; build the ShardedOptimizerV2 without step_in_backward "
+                "to clip")
         self._check_backward_was_scaled()
         norm = self._total_norm(float(norm_type))
         self._grad_norm = norm
@@ -372,17 +414,51 @@ class ShardedOptimizerV2(Optimizer):
                      grad_multiplier=multiplier, param_out=target if chunk.has_master else None)
         self.manager.params_updated(chunk, tier)
 
+    def _disk_update(self, chunk: Chunk, multiplier: float) -> ChunkUpdate:
+        """What the streamed step needs to update ``chunk`` (its gradients final)."""
+        param = None if chunk.param.shard.on_disk else self.manager.param_update_target(chunk, Tier.HOST)
+        return ChunkUpdate(chunk, self.manager.grad_of(chunk), param, chunk.step + 1,
+                           hyper_of_group(self.optim.param_groups[chunk.key.group]), multiplier)
+
+    def _update_when_final(self, chunk: Chunk) -> None:
+        """``step_in_backward``: hand a chunk whose optimizer state rests on disk to this backward's
+        streamed step (started with the first such chunk) as soon as its gradients are final."""
+        if not chunk.trainable or self.manager.policy.optim_tier(chunk) is not Tier.DISK or self._broken_by:
+            return
+        step = self._step_in_flight
+        if step is None:
+            disk = self.manager.ledger.disk
+            families = max(streamed_families(c, c.param.shard.on_disk, disk.atomic_step)
+                           for c in self._trainable_chunks() if self.manager.policy.optim_tier(c) is Tier.DISK)
+            step = self._step_in_flight = StreamedStep(disk, self._any_rank_failed, families)
+            step.start()
+        elif any(update.chunk is chunk for update in step.updates):
+            raise GradientAccumulationError(
+                f"step_in_backward=True: {chunk.name} received gradients again before optim.step(), but its update "
+                f"already started (a second backward, e.g. loss.backward() called twice); call optim.step() "
+                f"after each backward")
+        step.add(self._disk_update(chunk, 1.0))  # no scaler, no clipping: the multiplier is 1
+
     def _update_on_disk(self, chunks: list[Chunk], multiplier: float) -> None:
         """Update the chunks whose optimizer state rests on disk in one streamed step (see
-        :mod:`chunkmem.disk_step`): all of them, or none (then :class:`DiskStepError`)."""
+        :mod:`chunkmem.disk_step`): all of them, or none (then :class:`DiskStepError`). With
+        ``step_in_backward``, the step the backward started, completed with any chunk it did not get."""
         if not self.manager.policy.optimizer_on_disk:
             return  # (with a disk tier every rank runs the step below, even with no chunk on disk: it agrees)
-        updates = [ChunkUpdate(chunk, self.manager.grad_of(chunk),
-                               None if chunk.param.shard.on_disk else self.manager.param_update_target(chunk, Tier.HOST),
-                               chunk.step + 1, hyper_of_group(self.optim.param_groups[chunk.key.group]), multiplier)
-                   for chunk in chunks]
+        step, self._step_in_flight = self._step_in_flight, None
+        if step is None:
+            step = StreamedStep.over(self.manager.ledger.disk, [self._disk_update(c, multiplier) for c in chunks],
+                                     self._any_rank_failed)
+            finish = step.run
+        else:
+            started = {id(update.chunk) for update in step.updates}
+            for chunk in chunks:
+                if id(chunk) not in started:
+                    step.add(self._disk_update(chunk, multiplier))
+            finish = step.finish
+        updates = step.updates
         try:
-            StreamedStep(self.manager.ledger.disk, updates, self._any_rank_failed).run()
+            finish()
         except DiskStepError as exc:
             if not exc.undone:
                 self._broken_by = exc
@@ -396,6 +472,14 @@ class ShardedOptimizerV2(Optimizer):
         for update in updates:
             update.chunk.step = update.step
             self.manager.params_updated(update.chunk, Tier.DISK if update.param is None else Tier.HOST)
+
+    def check_no_step_in_flight(self, action: str) -> None:
+        """Raise :class:`~chunkmem.UnsupportedOperationError` if a backward with ``step_in_backward``
+        started updates that :meth:`step` has not completed yet (``action``: what was attempted)."""
+        if self._step_in_flight is not None:
+            raise UnsupportedOperationError(
+                f"{action} between a backward and optim.step() with step_in_backward=True: the backward's "
+                f"updates of the chunks on disk are still running; call optim.step() first")
 
     def _any_rank_failed(self, failed: bool) -> bool:
         """Whether ``failed`` holds on any data-parallel rank (one small all-reduce when sharded)."""
@@ -414,8 +498,19 @@ class ShardedOptimizerV2(Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients (``set_to_none``) or zero them. With ``reuse_fp16_shard`` and no step since
-        the backward, the parameters are restored from the masters."""
+        the backward, the parameters are restored from the masters. With ``step_in_backward`` and no
+        step since the backward, the updates the backward started are undone (``atomic_step=True``) or,
+        as they cannot be (``atomic_step=False``), :class:`~chunkmem.UnsupportedOperationError` is raised
+        with nothing changed."""
         check_type("set_to_none", set_to_none, bool, "True or False")
+        if self._step_in_flight is not None:
+            if not self.manager.ledger.disk.atomic_step:
+                raise UnsupportedOperationError(
+                    "zero_grad() after a backward with step_in_backward=True and atomic_step=False: the backward "
+                    "already updated chunks in place on disk and that cannot be undone; call optim.step() to "
+                    "complete the step")
+            step, self._step_in_flight = self._step_in_flight, None
+            step.abandon()
         self._forget_backwards()
         if self.model.reuse_fp16_shard:
             self._discard_grads()
@@ -464,6 +559,7 @@ class ShardedOptimizerV2(Optimizer):
         from .state_dicts import optimizer_state_dict
 
         check_type("rank0_only", rank0_only, bool, "True or False")
+        self.check_no_step_in_flight("optim.state_dict()")
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         state = optimizer_state_dict(self, rank0_only)
@@ -487,6 +583,7 @@ class ShardedOptimizerV2(Optimizer):
         """
         from .state_dicts import plan_optimizer_load
 
+        self.check_no_step_in_flight("optim.load_state_dict()")
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             replaced = pre_hook(self, state_dict)
             state_dict = state_dict if replaced is None else replaced

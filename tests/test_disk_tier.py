@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -25,11 +26,11 @@ def _reference() -> torch.nn.Module:
     return TinyGPT()
 
 
-def _build(reference, dtype, policy="cpu", reuse=False, **disk):
+def _build(reference, dtype, policy="cpu", reuse=False, step_in_backward=False, **disk):
     model = cm.ShardedModelV2(copy.deepcopy(reference), cm.TensorShardStrategy(), tensor_placement_policy=policy,
                               reuse_fp16_shard=reuse, dtype=dtype, chunk_size=CHUNK_BYTES, **disk)
     optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-2, weight_decay=0.01),
-                                  initial_scale=2**10)
+                                  initial_scale=2**10, step_in_backward=step_in_backward)
     return model, optim
 
 
@@ -347,7 +348,7 @@ def test_auto_keeps_what_fits_the_host_capacity_on_the_host_and_matches_cpu(tmp_
     finally:
         cm.set_host_memory_capacity(None)
     tiers = [ob.manager.policy.optim_tier(c) for c in b.chunks if c.trainable]
-    assert tiers == [cm.Tier.DISK] * (len(trainable) - 2) + [cm.Tier.HOST] * 2
+    assert tiers == [cm.Tier.HOST] * 2 + [cm.Tier.DISK] * (len(trainable) - 2)  # the last finished in backward
     if dtype != torch.float32:  # (fp32 counts its parameters, the masters, on the host too)
         assert ob.get_memory_usage(with_disk=True)[1:] == (2 * state_bytes, (len(trainable) - 2) * state_bytes)
     _train(a, oa, data)
@@ -422,3 +423,133 @@ def test_any_buffer_count_gives_the_same_training(tmp_path, buffer_count):
     _train(a, oa, data)
     _train(b, ob, data)
     _same_state(a, oa, b, ob)
+
+
+# ---- step_in_backward: the disk chunks are updated while the backward goes on ---------------------------
+
+
+def _watch_updates_during_backward(model, optim):
+    """Record, each time a chunk's gradients become final, how many chunks the backward's step holds; at
+    the last one (still inside the backward) wait until the step thread has read from disk."""
+    seen, original = [], model.chunk_manager.on_grads_final
+    ledger = model.chunk_manager.ledger
+
+    def watching(chunk):
+        original(chunk)
+        step = optim._step_in_flight
+        seen.append(len(step.updates) if step is not None else 0)
+        if chunk is model.chunks[0]:  # the last chunk the backward finishes (embeddings, first layer)
+            start = ledger.read_from_disk
+            for _ in range(500):
+                if ledger.read_from_disk > start or step is None:
+                    break
+                time.sleep(0.01)
+            seen.append(("read during backward", ledger.read_from_disk > start))
+    model.chunk_manager.on_grads_final = watching
+    return seen
+
+
+@pytest.mark.parametrize("dtype,reuse,atomic,policy", [
+    (torch.float32, False, True, "cpu"), (torch.float32, False, False, "cpu"), (torch.bfloat16, False, True, "cpu"),
+    (torch.bfloat16, True, False, "cpu"), (torch.bfloat16, True, True, "auto")], ids=str)
+def test_step_in_backward_trains_bitwise_like_cpu_placement(tmp_path, dtype, reuse, atomic, policy):
+    reference, data = _reference(), batches(3)
+    a, oa = _build(reference, dtype, reuse=reuse)
+    b, ob = _build(reference, dtype, policy=policy, reuse=reuse, step_in_backward=True,
+                   **_on_disk(tmp_path, atomic_step=atomic))
+    disk_chunks = [c for c in b.chunks if c.trainable and ob.manager.policy.optim_tier(c) is cm.Tier.DISK]
+    assert len(disk_chunks) >= 3
+    _train(a, oa, data)
+    hand_over = b.chunk_manager.on_grads_final
+    for x in data:
+        b.chunk_manager.on_grads_final = hand_over
+        seen = _watch_updates_during_backward(b, ob)
+        ob.backward(lm_loss(b(x), x))
+        # every disk chunk went to the step as the backward finished it; the step thread read from disk
+        # before the backward ended
+        assert [n for n in seen if isinstance(n, int)][-1] == len(disk_chunks)
+        assert ("read during backward", True) in seen
+        assert ob.step()
+        ob.zero_grad()
+    _same_state(a, oa, b, ob)
+
+
+def test_step_in_backward_failure_undoes_the_step_and_it_runs_again(tmp_path):
+    reference, data = _reference(), batches(3)
+    a, oa = _build(reference, torch.bfloat16)
+    b, ob = _build(reference, torch.bfloat16, step_in_backward=True, **_on_disk(tmp_path))
+    _train(a, oa, data[:2])
+    _train(b, ob, data[:2])
+    before = copy.deepcopy(b.state_dict()), copy.deepcopy(ob.state_dict())
+    with inject_faults(write_errno=errno.ENOSPC, what="chunk2."):
+        ob.backward(lm_loss(b(data[2]), data[2]))
+        with pytest.raises(cm.DiskStepError, match="optimizer step undone: write of chunk2"):
+            ob.step()
+    after = b.state_dict(), ob.state_dict()
+    assert all(torch.equal(before[0][k], after[0][k]) for k in before[0])
+    assert all(torch.equal(v, after[1]["state"][i][n]) for i, e in before[1]["state"].items() for n, v in e.items())
+    assert ob.step()  # the kept gradients, stepped after the backward this time
+    ob.zero_grad()
+    _train(a, oa, data[2:])
+    _same_state(a, oa, b, ob)
+
+
+def test_step_in_backward_zero_grad_before_step(tmp_path):
+    reference, data = _reference(), batches(3)
+    a, oa = _build(reference, torch.bfloat16)
+    b, ob = _build(reference, torch.bfloat16, step_in_backward=True, **_on_disk(tmp_path))
+    c, oc = _build(reference, torch.bfloat16, step_in_backward=True, **_on_disk(tmp_path, atomic_step=False))
+    for model, optim in ((a, oa), (b, ob), (c, oc)):
+        _train(model, optim, data[:1])
+    before = copy.deepcopy(b.state_dict()), copy.deepcopy(ob.state_dict())
+    # atomic: zero_grad() undoes what the backward's step did, as a skipped step
+    ob.backward(lm_loss(b(data[1]), data[1]))
+    ob.zero_grad()
+    after = b.state_dict(), ob.state_dict()
+    assert all(torch.equal(before[0][k], after[0][k]) for k in before[0])
+    assert all(torch.equal(v, after[1]["state"][i][n]) for i, e in before[1]["state"].items() for n, v in e.items())
+    # in place: refused, nothing changed; step() completes the step
+    oc.backward(lm_loss(c(data[1]), data[1]))
+    with pytest.raises(cm.UnsupportedOperationError, match="atomic_step=False.*optim.step"):
+        oc.zero_grad()
+    assert oc.step()
+    oc.zero_grad()
+    _train(a, oa, data[1:2])  # c stepped on data[1]; b skipped it
+    _same_state(a, oa, c, oc)
+    _train(b, ob, data[1:2])
+    _same_state(a, oa, b, ob)
+
+
+def test_step_in_backward_refuses_what_it_cannot_do(tmp_path):
+    reference, data = _reference(), batches(2)
+    model, optim = _build(reference, torch.bfloat16, step_in_backward=True, **_on_disk(tmp_path))
+    x = data[0]
+    optim.backward(lm_loss(model(x), x))
+    with pytest.raises(cm.UnsupportedOperationError, match="clip_grad_norm with step_in_backward=True"):
+        optim.clip_grad_norm(1.0)
+    with pytest.raises(cm.GradientAccumulationError, match="call optim.step.. first"):
+        optim.backward(lm_loss(model(x), x))
+    with pytest.raises(cm.UnsupportedOperationError, match="state_dict.. between a backward and optim.step"):
+        optim.state_dict()
+    with pytest.raises(cm.UnsupportedOperationError, match="a checkpoint between"):
+        cm.save_checkpoint(tmp_path / "ckpt.pt", model, optim)
+    assert optim.step()  # none of the refusals changed anything
+    optim.zero_grad()
+    twin, twin_optim = _build(reference, torch.bfloat16)
+    _train(twin, twin_optim, data[:1])
+    _same_state(twin, twin_optim, model, optim)
+
+
+@pytest.mark.parametrize("model_kwargs,dtype,match", [
+    ({}, torch.bfloat16, "step_in_backward.*offload_optimizer='disk'"),
+    ("disk", torch.float16, "step_in_backward.*fp16"),
+    ("params", torch.bfloat16, "step_in_backward.*offload_param='disk'")], ids=["no disk", "fp16", "params on disk"])
+def test_step_in_backward_bad_combinations_are_refused_before_anything_changes(tmp_path, model_kwargs, dtype, match):
+    disk = {} if model_kwargs == {} else _on_disk(tmp_path, offload_param="disk" if model_kwargs == "params" else None)
+    model = cm.ShardedModelV2(_reference(), cm.TensorShardStrategy(), tensor_placement_policy="cpu", dtype=dtype,
+                              chunk_size=CHUNK_BYTES, **disk)
+    with pytest.raises(cm.InvalidArgumentError, match=match):
+        cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters()), step_in_backward=True)
+    with pytest.raises(cm.ArgumentTypeError, match="step_in_backward"):
+        cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters()), step_in_backward=1)
+    assert not model.optimizer_attached and model.chunk_manager.on_grads_final is None
