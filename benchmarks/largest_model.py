@@ -270,6 +270,10 @@ def main() -> int:
                         help="with --nvme-path: the 16-bit parameters too (offload_param='disk', reuse_fp16_shard off)")
     parser.add_argument("--atomic-step", action=argparse.BooleanOptionalAction, default=True,
                         help="atomic optimizer steps on disk (two slots: files twice the state; default on)")
+    parser.add_argument("--step-in-backward", action="store_true",
+                        help="with --nvme-path: update each chunk whose optimizer state is on disk as soon as the "
+                             "backward finishes its gradients (ShardedOptimizerV2(step_in_backward=True)): its disk "
+                             "I/O overlaps the rest of the backward")
     parser.add_argument("--buffer-count", type=int, default=4, help="disk I/O buffers per family (default 4)")
     parser.add_argument("--buffer-size", type=int, default=DISK_BUFFER_SIZE,
                         help="bytes per disk I/O buffer (default 16 MiB)")
@@ -283,6 +287,8 @@ def main() -> int:
         parser.error("--target-4b needs --nvme-path (the optimizer state of >= 4B parameters does not fit in memory)")
     if args.offload_param and args.nvme_path is None:
         parser.error("--offload-param needs --nvme-path")
+    if args.step_in_backward and (args.nvme_path is None or args.offload_param):
+        parser.error("--step-in-backward needs --nvme-path and no --offload-param")
     d_default, heads_default, dtype_default = (4096, 32, "bf16") if args.target_4b else (2048, 16, "fp16")
     args.d_model = args.d_model or d_default
     args.heads = args.heads or heads_default
@@ -325,7 +331,7 @@ def main() -> int:
     if disk is not None:
         print(f"disk tier: nvme_path {args.nvme_path}, offload_optimizer='disk'"
               + (", offload_param='disk'" if args.offload_param else "")
-              + f", atomic_step={args.atomic_step}"
+              + f", atomic_step={args.atomic_step}, step_in_backward={args.step_in_backward}"
               + ("" if args.atomic_step else " (one slot: the files hold the state once; an atomic step's two "
                  "slots of a 4B model's 48 GB fp32 state would not fit this disk)")
               + f", buffer_count {args.buffer_count} x {mib(args.buffer_size)}; host capacity "
@@ -391,7 +397,8 @@ def main() -> int:
     model = cm.ShardedModelV2(net, cm.TensorShardStrategy(), tensor_placement_policy=args.placement,
                               reuse_fp16_shard=not args.offload_param, chunk_size=chunk_size, **disk_kwargs)
     ledger = model.chunk_manager.ledger
-    optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-4), initial_scale=2**16)
+    optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-4), initial_scale=2**16,
+                                  step_in_backward=args.step_in_backward)
     gc.collect()  # the ZeroInitContext chunks the wrap did not free (see bytes_per_param.py)
     build_s = time.perf_counter() - t0
     assert sum(p.numel() for p in model.parameters()) == n_params, "parameter count formula is off"
@@ -513,6 +520,7 @@ def main() -> int:
               + (f" --nvme-path {args.nvme_path}" if args.nvme_path else "")
               + (" --offload-param" if args.offload_param else "")
               + ("" if args.atomic_step or disk is None else " --no-atomic-step")
+              + (" --step-in-backward" if args.step_in_backward else "")
               + (f" --host-memory {args.host_memory}" if args.host_memory else ""))
         print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")
         print("DRY RUN done (no target)")

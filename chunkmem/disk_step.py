@@ -157,6 +157,7 @@ class StreamedStep:
 
     def start(self) -> None:
         """Start streaming on a thread of its own, chunk by chunk as :meth:`add` hands them over."""
+        self.disk.buffers(self._families)  # here: the host ledger is not changed from two threads
         self._thread = threading.Thread(target=self._stream_on_thread, name="chunkmem-disk-step", daemon=True)
         self._thread.start()
 

@@ -346,7 +346,7 @@ class LowLevelZeroOptimizer:
         ``"grads"`` (the gradient stores allocated now, the ones kept for the next backward after
         ``zero_grad`` included), ``"master"`` (separate fp32 masters; 0 when the fp32 working shard is its
         own master), ``"exp_avg"``, ``"exp_avg_sq"``. Not counted: the reduction's scratch buffers (a
-        few buckets) and the two all-gather scratch shards of a step."""
+        few buckets)."""
         def size(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.numel() * t.element_size()
         return {"params": sum(size(c.param) for c in self.chunks),
@@ -505,39 +505,22 @@ class LowLevelZeroOptimizer:
 
 
 class _GatherPipeline:
-    """All-gathers the updated shards of a step's chunks, at most two at once, so the collective of one
-    chunk runs while the next chunk is updated. Each rank's shard is first copied into one of two
-    scratch buffers (an all-gather's input must not overlap its output), reused from chunk to chunk."""
-
-    IN_FLIGHT = 2
+    """All-gathers the updated shards of a step's chunks, each started as soon as its chunk is updated,
+    so that its collective runs while the next chunks are updated. Each rank's shard is gathered in place
+    (it is its own slot of the chunk's working buffer)."""
 
     def __init__(self, shards: ShardGroup, chunks: list[FlatChunk]) -> None:
         self.shards = shards
-        self.pending: list[tuple[Any, torch.Tensor]] = []
-        self.free: list[torch.Tensor] = []
-        if shards.sharded and chunks:
-            longest = max(chunks, key=lambda c: c.shard_numel)
-            self.free = [torch.empty(longest.shard_numel, dtype=longest.param.dtype, device=longest.param.device)
-                         for _ in range(self.IN_FLIGHT)]
+        self.pending: list[Any] = []
 
     def start(self, chunk: FlatChunk) -> None:
         """Start gathering ``chunk``'s updated parameters into its full working buffer."""
-        if not self.shards.sharded:
-            return
-        if not self.free:
-            self._wait_oldest()
-        scratch = self.free.pop()[:chunk.shard_numel]
-        scratch.copy_(chunk.own(chunk.param))
-        handle = start_all_gather(self.shards, chunk.param, scratch, what=f"chunk{chunk.index} updated parameters")
-        self.pending.append((handle, scratch))
-
-    def _wait_oldest(self) -> None:
-        handle, scratch = self.pending.pop(0)
-        handle.wait()
-        self.free.append(scratch._base if scratch._base is not None else scratch)
+        if self.shards.sharded:
+            self.pending.append(start_all_gather(self.shards, chunk.param, chunk.own(chunk.param),
+                                                 what=f"chunk{chunk.index} updated parameters"))
 
     def finish(self) -> None:
         """Wait for every gather started."""
-        while self.pending:
-            self._wait_oldest()
-
+        pending, self.pending = self.pending, []
+        for handle in pending:
+            handle.wait()

@@ -634,13 +634,21 @@ class GradientReduction:
         self.fp32 = fp32
         self.predivide_factor = predivide_factor
         self.collectives = 0
+        self._out: torch.Tensor | None = None  # the reduced shard's buffer, reused from chunk to chunk
+
+    def _out_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        out = self._out
+        if out is None or out.numel() != numel or out.dtype != dtype or out.device != device:
+            out = self._out = torch.empty(numel, dtype=dtype, device=device)
+        return out
 
     def reduce(self, chunk: Chunk, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard of the mean over the ranks of ``full`` (``chunk.numel`` elements on the
-        device tier; it may be overwritten), in the chunk's dtype."""
+        device tier; it may be overwritten), in the chunk's dtype. The result is valid until the next
+        call (its buffer is reused: copy it out)."""
         world, shard_numel = self.shards.world, chunk.shard_numel
         dtype = torch.float32 if self.fp32 else full.dtype
-        out = torch.empty(shard_numel, dtype=dtype, device=full.device)
+        out = self._out_buffer(shard_numel, dtype, full.device)
         piece = max(self.bucket_bytes // (world * out.element_size()), 1)
         for start in range(0, shard_numel, piece):
             end = min(start + piece, shard_numel)

@@ -67,7 +67,8 @@ class ShardedOptimizerV2(Optimizer):
             second one before :meth:`step` is refused), no :meth:`clip_grad_norm`, not with fp16 (the
             loss scaler decides at the step whether to skip it), not with ``offload_param="disk"``.
             ``zero_grad()`` before :meth:`step` undoes the updates with ``atomic_step=True``; without it
-            they cannot be undone, so it is refused (call :meth:`step`).
+            they cannot be undone, so it is refused (call :meth:`step`). Between the backward and
+            :meth:`step` the disk chunks' parameters are being overwritten: read them after the step.
     """
 
     def __init__(self, sharded_model: ShardedModelV2, optimizer: Any, gpu_margin_mem_ratio: float = 0.0,

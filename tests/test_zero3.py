@@ -186,8 +186,9 @@ def _reduction_worker(rank: int, world: int) -> dict:
     for fp32 in (False, True):
         for factor in (1.0, 2.0, 3.0):
             reduction = GradientReduction(shards, 2**20, fp32, factor)
-            out[("random", fp32, factor)] = reduction.reduce(chunk, random.clone())
-            out[("big", fp32, factor)] = reduction.reduce(chunk, big.clone())
+            # (a result is valid until the next reduce: its buffer is reused)
+            out[("random", fp32, factor)] = reduction.reduce(chunk, random.clone()).clone()
+            out[("big", fp32, factor)] = reduction.reduce(chunk, big.clone()).clone()
     return out
 
 
