@@ -299,7 +299,7 @@ class LowLevelZeroOptimizer:
             if self.clip_grad_norm > 0 and math.isfinite(norm):
                 coef = min(1.0, self.clip_grad_norm / (norm + 1e-6))
         multiplier = coef / self.loss_scale
-        gathers = _GatherPipeline(self.shards, self.chunks)
+        gathers = _GatherPipeline(self.shards)
         for chunk in self.chunks:
             self._update(chunk, multiplier)
             gathers.start(chunk)  # runs while the next chunk is updated
@@ -509,7 +509,7 @@ class _GatherPipeline:
     so that its collective runs while the next chunks are updated. Each rank's shard is gathered in place
     (it is its own slot of the chunk's working buffer)."""
 
-    def __init__(self, shards: ShardGroup, chunks: list[FlatChunk]) -> None:
+    def __init__(self, shards: ShardGroup) -> None:
         self.shards = shards
         self.pending: list[Any] = []
 

@@ -129,7 +129,12 @@ class ShardedOptimizerV2(Optimizer):
         self.manager.optimizer_ref = weakref.ref(self)  # chunkmem.utils reads the loss scale and clip factor
         if step_in_backward:
             update_when_final = weakref.WeakMethod(self._update_when_final)
-            self.manager.on_grads_final = lambda chunk: update_when_final()(chunk)  # type: ignore[misc]
+
+            def on_grads_final(chunk: Chunk) -> None:
+                method = update_when_final()
+                if method is not None:  # (the optimizer may be gone while the model lives on)
+                    method(chunk)
+            self.manager.on_grads_final = on_grads_final
 
     @staticmethod
     def _check_step_in_backward(model: ShardedModelV2, step_in_backward: bool) -> None:

@@ -280,13 +280,13 @@ def test_host_capacity_refuses_clearly_before_anything_changes(tmp_path):
         cm.set_host_memory_capacity(None)
 
 
-def _two_rank_worker(rank, world, path, dtype, fail_rank, offload_param=None):
+def _two_rank_worker(rank, world, path, dtype, fail_rank, offload_param=None, step_in_backward=False):
     torch.manual_seed(0)
     reference, data = TinyGPT(), batches(3, seed=rank)
     disk = os.path.join(path, f"rank{rank}")
     os.makedirs(disk, exist_ok=True)
     a, oa = _build(reference, dtype)
-    b, ob = _build(reference, dtype, **_on_disk(disk, offload_param=offload_param))
+    b, ob = _build(reference, dtype, step_in_backward=step_in_backward, **_on_disk(disk, offload_param=offload_param))
     _train(a, oa, data[:2])
     _train(b, ob, data[:2])
     out = {"failed": None}
@@ -312,14 +312,18 @@ def _two_rank_worker(rank, world, path, dtype, fail_rank, offload_param=None):
 
 
 def _every_case_worker(rank, world, path):
-    return {(str(dtype), offload_param): _two_rank_worker(rank, world, os.path.join(path, f"{dtype}-{offload_param}"),
-                                                          dtype, None, offload_param)
-            for dtype in DTYPES for offload_param in (None, "disk")}
+    results = {(str(dtype), offload_param): _two_rank_worker(rank, world, os.path.join(path, f"{dtype}-{offload_param}"),
+                                                             dtype, None, offload_param)
+               for dtype in DTYPES for offload_param in (None, "disk")}
+    results["bf16 step_in_backward"] = _two_rank_worker(rank, world, os.path.join(path, "in-backward"), torch.bfloat16,
+                                                        None, step_in_backward=True)
+    return results
 
 
 def test_two_ranks_on_disk_match_cpu_placement(tmp_path):
-    for results in run_ranks(_every_case_worker, 2, str(tmp_path)):  # fp32/fp16/bf16, parameters on disk or not
-        assert len(results) == 6
+    # fp32/fp16/bf16, parameters on disk or not; bf16 with the step in the backward
+    for results in run_ranks(_every_case_worker, 2, str(tmp_path)):
+        assert len(results) == 7
         for case, out in results.items():
             assert out["same"] and out["same_optim"], case
 
