@@ -18,8 +18,10 @@ objects hold, counted from their tensors), the peak RSS (VmHWM, reset with ``/pr
 when the configuration starts) above the RSS at that start, at the recipe's four points (after
 creating the local model; after wrapping it: DDP / the ZeRO optimizer / ShardedModelV2; before the
 optimizer step; after it), the time of a training iteration (forward, backward, step; median of
-``--iters`` iterations after the recipe's one) as a ratio to ``ddp_adam``'s, and the recipe's
-``params sum`` after the one iteration (every configuration starts from the same seed and data).
+``--iters`` iterations after the recipe's one, pooled over ``--rounds`` rounds in which every
+configuration runs in turn) as a ratio to ``ddp_adam``'s, and the recipe's ``params sum`` after the one
+iteration (every configuration starts from the same seed and data). Bytes, peaks and sums are the first
+round's.
 
 Run::
 
@@ -154,7 +156,7 @@ def run_config(name: str, layers: int, width: int, iters: int) -> dict[str, Any]
         dist.barrier()
         times.append(iteration(x, y, points=False))
         optim.zero_grad()
-    result = dict(name=name, peaks=peaks, state=state, params_sum=total, iter_s=statistics.median(times))
+    result = dict(name=name, peaks=peaks, state=state, params_sum=total, times=times)
     del net, optim, model, sharded, values
     return result
 
@@ -181,7 +183,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=20, help="Linear layers (the recipe: 20)")
     parser.add_argument("--width", type=int, default=2000, help="features per layer (the recipe: 2000)")
-    parser.add_argument("--iters", type=int, default=3, help="timed iterations after the recipe's one")
+    parser.add_argument("--iters", type=int, default=3, help="timed iterations after the recipe's one, per round")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="times every configuration runs, in turn (default 2): a configuration's iteration time "
+                             "is the median of its timed iterations over all rounds, so that a change in the load of "
+                             "the machine during the run falls on every configuration alike")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ", ".join(CONFIGS))
     parser.add_argument("--no-fail", action="store_true", help="exit 0 even when a target is missed")
     args = parser.parse_args()
@@ -190,16 +196,26 @@ def main() -> int:
     if LIBC is not None:
         LIBC.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD fixed at 1 MiB: large tensors go back to the system when freed
     rank, world = dist.get_rank(), dist.get_world_size()
-    results = []
-    for name in args.configs.split(","):
+    names = args.configs.split(",")
+    for name in names:
         if name not in CONFIGS:
             raise SystemExit(f"--configs: unknown configuration {name!r}; choose from {', '.join(CONFIGS)}")
-        if rank == 0:
-            print(f"running {name} ...", file=sys.stderr, flush=True)
-        result = run_config(name, args.layers, args.width, args.iters)
-        everyone: list[Any] = [None] * world
-        dist.all_gather_object(everyone, result)
-        results.append(everyone)
+    results: list[list[dict[str, Any]]] = []  # per configuration, per rank: the first round's result
+    for round_index in range(args.rounds):
+        for n, name in enumerate(names):
+            if rank == 0:
+                print(f"round {round_index + 1}: running {name} ...", file=sys.stderr, flush=True)
+            result = run_config(name, args.layers, args.width, args.iters)
+            everyone: list[Any] = [None] * world
+            dist.all_gather_object(everyone, result)
+            if round_index == 0:
+                results.append(everyone)
+            else:
+                for first, later in zip(results[n], everyone):
+                    first["times"] += later["times"]
+    for per_rank in results:
+        for r in per_rank:
+            r["iter_s"] = statistics.median(r["times"])
     ok = True
     if rank == 0:
         ok = report(results, args, world)
@@ -213,7 +229,7 @@ def report(results: list[list[dict[str, Any]]], args: Any, world: int) -> bool:
           f"parameters, {world} gloo ranks, Adam lr 0.01, batch 20 per rank; torch {torch.__version__}, "
           f"{torch.get_num_threads()} thread per rank")
     print("peak RSS above the configuration's start, MB, rank 0 / rank 1; model-state bytes per rank (MB, "
-          "exact); iteration time (median of the timed ones) relative to ddp_adam")
+          "exact); iteration time (median of the timed ones of every round) relative to ddp_adam")
     header = (f"| {'config':<15}| {'params MB':>9} | {'grads MB':>8} | {'optim MB':>8} | " +
               " | ".join(f"{p:>15}" for p in POINTS) + f" | {'iter s':>6} | {'x ddp':>5} | {'params sum':>18} |")
     print(header)

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .collectives import SINGLE_PROCESS, ShardGroup
+from .collectives import SINGLE_PROCESS, PendingCollective, ShardGroup, start_all_gather
 from .ledger import TierLedger
 from .states import ChunkStateError, Contents, CopyLife, CopyState
 from .tiers import Tier, device_of_tier, empty_on_tier
@@ -314,14 +314,15 @@ class ParamBuffer:
 
     def start_fetch(self) -> Transfer:
         """Issue the transfer that makes the device copy current (-> FETCHING): a copy of the shard, or a
-        gather of every rank's shard (a collective, complete when issued). :meth:`wait` before use."""
+        gather of every rank's shard (a collective, started asynchronously: a prefetched gather runs
+        while the current period computes). :meth:`wait` before use."""
         self._device_life.check("be fetched", CopyState.FREED, CopyState.STALE)
         self.shard.life.check("be fetched from", CopyState.CURRENT)
         self.allocate_device()
         self._device_life.fill_started()
         if self.sharded:
-            self.shards.all_gather(self.device, self.shard.read(), what=f"{self.owner} parameters")
-            transfer = Transfer(self._fetched)
+            gathering = start_all_gather(self.shards, self.device, self.shard.read(), what=f"{self.owner} parameters")
+            transfer = Transfer(lambda: self._gathered(gathering))
         elif self.shard.on_disk:  # read on the disk tier's fetch thread: overlaps compute when prefetched
             reading = self.ledger.disk.start_read_all(self.shard, self.device)
             transfer = Transfer(lambda: self._fetched_from_disk(reading))
@@ -335,6 +336,10 @@ class ParamBuffer:
     def _fetched(self) -> None:
         self._transfer = None
         self._device_life.fill_finished()
+
+    def _gathered(self, gathering: PendingCollective) -> None:
+        gathering.wait()
+        self._fetched()
 
     def _fetched_from_disk(self, reading: "Future[None]") -> None:
         """Complete a fetch from the disk tier; a failed read leaves the device copy freed (and raises

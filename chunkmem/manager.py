@@ -361,8 +361,9 @@ class ChunkManager:
                     chunk.param.free_device()
         self.fetch([self.chunks[i] for i in orders.fetch])
         self.ledger.peak_device_bytes = self.ledger.tier_bytes(Tier.DEVICE)
-        use_prefetch = self.prefetch and orders.prefetch and not self.sharded
-        self._pending_prefetch = orders if use_prefetch else None
+        # sharded, a prefetch is a gather every rank starts alike: the decision in _issue_prefetch reads only
+        # what agrees over the ranks (the chunks on the device and the agreed traced peaks)
+        self._pending_prefetch = orders if self.prefetch and orders.prefetch else None
 
     def _issue_prefetch(self) -> None:
         """Start fetching the next period's chunks that are not on the device, in order, as many as fit
@@ -404,10 +405,11 @@ class ChunkManager:
         same chunks in the same order."""
         missing = [c for c in chunks if not c.param.device_valid]
         with self.scheduler.paused():
-            if self.gather_together and len(missing) > 1 and missing[0].param.sharded:
-                gather_together([c.param for c in missing])
+            idle = [c for c in missing if not c.param.fetching]  # the others were prefetched: waited on below
+            if self.gather_together and len(idle) > 1 and idle[0].param.sharded:
+                gather_together([c.param for c in idle])
                 self.gathers += 1
-                return
+                missing = [c for c in missing if c.param.fetching]
             issued = []
             for chunk in missing:
                 if not chunk.param.fetching:

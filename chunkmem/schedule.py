@@ -300,10 +300,12 @@ class Scheduler:
         self.state.forget_plan()
         self._param_bytes = inputs.param_bytes
         self._staging = self.staging_counts(inputs.reuse_grads, set())
-        if not isinstance(self.policy, AutoPlacement) or not self.periods:
+        if not self.periods:
             return []
         try:
-            self._agree_on_peaks(inputs.shards)
+            self._agree_on_peaks(inputs.shards)  # (every policy: prefetch decisions use the peaks too)
+            if not isinstance(self.policy, AutoPlacement):
+                return []
             margin_bytes, margin = self.policy.choose_margin_chunks(
                 self.periods, inputs.capacity, inputs.param_bytes, self._staging, inputs.group_bytes)
             # Sharded, every gradient is reduced from a staging buffer, the margin chunks' too.
@@ -320,7 +322,7 @@ class Scheduler:
 
     def _agree_on_peaks(self, shards: ShardGroup) -> None:
         """Sharded, every rank must fetch (gather) the same chunks in the same order, so every rank plans
-        with the largest non-model peak any rank traced for each period."""
+        and prefetches with the largest non-model peak any rank traced for each period."""
         if not shards.sharded:
             return
         peaks = torch.tensor([p.non_model_peak for p in self.periods], dtype=torch.int64)

@@ -28,7 +28,7 @@ DATA = batches(4, batch=4)
 
 def run_training(policy: str, dtype: torch.dtype, data: list[torch.Tensor], *, reuse: bool = False,
                  clip: float | None = None, strategy: cm.BaseShardStrategy | None = None, margin: float = 0.0,
-                 capacity: int | None = None, **model_kwargs) -> dict:
+                 capacity: int | None = None, prefetch: bool = True, **model_kwargs) -> dict:
     """Train a TinyGPT (seed 0, built outside the context) with chunkmem; what the tests compare."""
     if policy == "auto":
         cm.set_device_memory_capacity(capacity or AUTO_CAPACITY[2 if torch.distributed.is_initialized() else 1])
@@ -37,6 +37,7 @@ def run_training(policy: str, dtype: torch.dtype, data: list[torch.Tensor], *, r
                               reuse_fp16_shard=reuse, dtype=dtype, chunk_size=16384, **model_kwargs)
     optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-2, weight_decay=0.01),
                                   initial_scale=2**10, gpu_margin_mem_ratio=margin)
+    model.chunk_manager.prefetch = prefetch
     losses, norms, at_rest = [], [], None
     for x in data:
         loss = lm_loss(model(x), x)
@@ -50,7 +51,8 @@ def run_training(policy: str, dtype: torch.dtype, data: list[torch.Tensor], *, r
     cm.set_device_memory_capacity(None)
     return {"state": model.state_dict(), "losses": losses, "norms": norms, "bytes": at_rest,
             "optim_bytes": optim.get_memory_usage(), "chunk_numel": model.chunks[0].shard_numel,
-            "collectives": model.chunk_manager.reduction.collectives, "gathers": model.chunk_manager.gathers}
+            "collectives": model.chunk_manager.reduction.collectives, "gathers": model.chunk_manager.gathers,
+            "prefetched": model.chunk_manager.prefetched}
 
 
 def _half(data: list[torch.Tensor], rank: int, world: int) -> list[torch.Tensor]:
@@ -73,6 +75,7 @@ def _policies_worker(rank: int, world: int) -> dict:
     out["tiny_buckets"] = run_training("cpu", torch.float32, data, reduce_scatter_bucket_size_mb=0.004)
     out["predivided"] = run_training("cuda", torch.float32, data, gradient_predivide_factor=2.0)
     out["bucketed"] = run_training("cpu", torch.float32, data, strategy=cm.BucketTensorShardStrategy())
+    out["no_prefetch"] = run_training("cuda", torch.float32, data, prefetch=False)
     for name, kwargs in OTHER_PLACEMENTS.items():
         out[name] = run_training(*kwargs[0], data, **kwargs[1])
     return out
@@ -165,6 +168,17 @@ def test_bucket_strategy_gathers_a_module_in_one_collective(two_ranks):
     tensor, bucketed = two_ranks[0]["cpu"], two_ranks[0]["bucketed"]
     assert 0 < bucketed["gathers"] < tensor["gathers"]
     torch.testing.assert_close(bucketed["state"], tensor["state"], rtol=0, atol=0)
+
+
+def test_sharded_prefetch_gathers_ahead_and_changes_no_result(two_ranks):
+    """Sharded, the next period's chunks are gathered ahead (an asynchronous all-gather both ranks start
+    alike) on every placement that follows its schedule, bitwise as without prefetch."""
+    for rank in two_ranks:
+        assert rank["no_prefetch"]["prefetched"] == 0
+        for placement in ("cuda", "cpu", "bucketed"):
+            assert rank[placement]["prefetched"] > 0, placement
+        assert rank["cuda"]["gathers"] < rank["no_prefetch"]["gathers"]  # gathers on demand: fewer
+        torch.testing.assert_close(rank["cuda"]["state"], rank["no_prefetch"]["state"], rtol=0, atol=0)
 
 
 def test_predivide_factor_keeps_the_mean(two_ranks):
