@@ -269,9 +269,10 @@ def start_all_reduce(shards: ShardGroup, tensor: torch.Tensor, what: str) -> Pen
 def gather_by_broadcasts(shards: ShardGroup) -> bool:
     """Whether an all-gather over ``shards`` is better done as one broadcast per rank, each straight into
     its slot of the output. True over gloo, whose all-gather allocates a temporary the size of the output
-    at every call: 2 ranks, 16 MB of output, 15.9 ms against about 10 ms, and 29-34 ms against 12 ms when
-    malloc gives large blocks back to the system at once (``M_MMAP_THRESHOLD`` fixed, as the ZeRO recipe
-    benchmark does), each call then first-touching 16 MB (torch 2.13). The bytes moved are the same."""
+    at every call. 2 ranks, 16 MB of output, torch 2.13: 29-34 ms against 12 ms when malloc gives large
+    blocks back to the system at once (``M_MMAP_THRESHOLD`` fixed, as the ZeRO recipe benchmark does;
+    each call then first-touches 16 MB), the same time otherwise (18.8 and 18.4 ms in one run). The bytes
+    moved are the same."""
     return shards.sharded and dist.get_backend(shards.group) == "gloo"
 
 
