@@ -164,10 +164,7 @@ class StreamedStep:
     def finish(self) -> None:
         """No more chunks: wait for the thread to update every chunk handed over, then commit, or undo
         and raise :class:`DiskStepError`."""
-        self._close()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._close_and_join()
         if self._crash is not None:
             raise self._crash
         self._commit()
@@ -176,10 +173,7 @@ class StreamedStep:
         """No more chunks, and no commit (``atomic_step`` only): wait for the thread, put back the
         parameters it overwrote; every slot stays as it was (the state before the step)."""
         assert self.disk.atomic_step, "only an atomic step can be abandoned"
-        self._close()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._close_and_join()
         for update in self.updates:
             if update.updated_to and update.param is not None:
                 self._restore_params(update)
@@ -190,6 +184,13 @@ class StreamedStep:
         if not self._closed:
             self._closed = True
             self._incoming.put(None)
+
+    def _close_and_join(self) -> None:
+        """No more chunks; wait for the thread (if one was started) to stream those handed over."""
+        self._close()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
 
     def _stream_on_thread(self) -> None:
         try:

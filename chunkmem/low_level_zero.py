@@ -299,11 +299,14 @@ class LowLevelZeroOptimizer:
             if self.clip_grad_norm > 0 and math.isfinite(norm):
                 coef = min(1.0, self.clip_grad_norm / (norm + 1e-6))
         multiplier = coef / self.loss_scale
-        gathers = _GatherPipeline(self.shards)
+        gathers = []
         for chunk in self.chunks:
             self._update(chunk, multiplier)
-            gathers.start(chunk)  # runs while the next chunk is updated
-        gathers.finish()
+            if self.shards.sharded:  # in place (the shard is this rank's slot); runs while the next chunk is updated
+                gathers.append(start_all_gather(self.shards, chunk.param, chunk.own(chunk.param),
+                                                what=f"chunk{chunk.index} updated parameters"))
+        for gathering in gathers:
+            gathering.wait()
         if self.grad_scaler is not None:
             self.grad_scaler.update(overflow=False)
         return True
@@ -502,25 +505,3 @@ class LowLevelZeroOptimizer:
                     if slot is not None and self.separate_master:
                         self._write_own(slot, slot.chunk.master, state_dict[key].float())
         return apply
-
-
-class _GatherPipeline:
-    """All-gathers the updated shards of a step's chunks, each started as soon as its chunk is updated,
-    so that its collective runs while the next chunks are updated. Each rank's shard is gathered in place
-    (it is its own slot of the chunk's working buffer)."""
-
-    def __init__(self, shards: ShardGroup) -> None:
-        self.shards = shards
-        self.pending: list[Any] = []
-
-    def start(self, chunk: FlatChunk) -> None:
-        """Start gathering ``chunk``'s updated parameters into its full working buffer."""
-        if self.shards.sharded:
-            self.pending.append(start_all_gather(self.shards, chunk.param, chunk.own(chunk.param),
-                                                 what=f"chunk{chunk.index} updated parameters"))
-
-    def finish(self) -> None:
-        """Wait for every gather started."""
-        pending, self.pending = self.pending, []
-        for handle in pending:
-            handle.wait()
