@@ -99,7 +99,7 @@ KEY_TABLE: dict[str, tuple[str, str]] = {
     "bf16.enabled": ("map", "dtype torch.bfloat16 (unscaled)"),
     "optimizer.type": ("map", "Adam, AdamW, HybridAdam, CPUAdam: HybridAdam (Adam: adam_w_mode, default True)"),
     "optimizer.params": ("map", "lr, betas, eps, weight_decay, bias_correction, adam_w_mode"),
-    "gradient_clipping": ("map", "stages 1, 2: clip_grad_norm; stage 3: no effect, call optimizer.clip_grad_norm"),
+    "gradient_clipping": ("map", "stages 1, 2: clip_grad_norm; stage 3: ShardedOptimizerV2(max_norm=), applied in step()"),
     "<loop keys>": ("warn", "no effect (the training loop's business): train_batch_size, "
                             "train_micro_batch_size_per_gpu, gradient_accumulation_steps, steps_per_print, "
                             "wall_clock_breakdown"),
@@ -319,8 +319,6 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
         _build_optimizer(optimizer_section, [torch.zeros(1, requires_grad=True)])
 
     if stage == 3:
-        if clipping:
-            _no_effect("gradient_clipping", "with stage 3 call optimizer.clip_grad_norm(max_norm) before step()")
         if overlap:
             _no_effect("zero_optimization.overlap_comm", "with stage 3 the chunk transfers always overlap compute")
         kwargs = _stage3_model_kwargs(optim_device, param_device, ratio, offload_optimizer, offload_param)
@@ -333,8 +331,9 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
             if not optimizer_section:
                 return wrapped, None
             optimizer = _build_optimizer(optimizer_section, wrapped.parameters())
-        return wrapped, _rename_errors("fp16.", lambda: ShardedOptimizerV2(wrapped, optimizer, **scaler),
-                                       _SCALER_KEYS)
+        return wrapped, _rename_errors("fp16.", lambda: ShardedOptimizerV2(wrapped, optimizer, **scaler,
+                                                                           max_norm=float(clipping)),
+                                       dict(_SCALER_KEYS, max_norm="gradient_clipping"))
 
     # stages 1 and 2: the model stays a plain module
     if param_device != "none":

@@ -276,7 +276,9 @@ class LowLevelZeroOptimizer:
     def step(self) -> bool:
         """Unscale, check for overflow, clip, update this rank's shard of every chunk with Adam, and
         all-gather the updated parameters. Returns ``True`` if the parameters changed; ``False`` when
-        the step was skipped (an overflow on some rank, or no gradients since the last step). With fp16,
+        the step was skipped (an overflow on some rank, or no gradients since the last step). Either way
+        the gradients it consumed are released (as the reference's step does), so the next backward
+        starts from zero without a ``zero_grad()``. With fp16,
         gradients from a backward that bypassed :meth:`backward` raise
         :class:`~chunkmem.UnscaledBackwardError` and change nothing."""
         if self._unscaled_backward:
@@ -309,6 +311,7 @@ class LowLevelZeroOptimizer:
             gathering.wait()
         if self.grad_scaler is not None:
             self.grad_scaler.update(overflow=False)
+        self.zero_grad()  # the step releases the gradients it consumed, as the reference does
         return True
 
     def _update(self, chunk: FlatChunk, multiplier: float) -> None:

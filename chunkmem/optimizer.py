@@ -75,7 +75,8 @@ class ShardedOptimizerV2(Optimizer):
                  initial_scale: float = 2**32, min_scale: float = 1, growth_factor: float = 2,
                  backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2,
                  max_scale: float = 2**32, dp_process_group: Any = None, mp_process_group: Any = None,
-                 verbose: bool = False, *, step_in_backward: bool = False) -> None:
+                 verbose: bool = False, *, max_norm: float = 0.0, norm_type: float = 2.0,
+                 step_in_backward: bool = False) -> None:
         if not isinstance(sharded_model, ShardedModelV2):
             raise ArgumentTypeError("sharded_model", type(sharded_model).__name__, "a chunkmem.ShardedModelV2")
         check_supported_optimizer(optimizer)
@@ -89,7 +90,12 @@ class ShardedOptimizerV2(Optimizer):
         if mp_process_group is not None:
             ShardGroup.of(mp_process_group, "mp_process_group")
         check_type("verbose", verbose, bool, "True or False")
+        check_number("max_norm", max_norm, low=0.0, finite=True, allowed="a finite number >= 0 (0: no clipping)")
+        check_number("norm_type", norm_type, low=0.0, low_open=True)
         self._check_step_in_backward(sharded_model, step_in_backward)
+        if step_in_backward and max_norm > 0:
+            raise InvalidArgumentError("max_norm", max_norm, "0 with step_in_backward=True (the chunks on disk are "
+                                       "updated during the backward, before the norm of all gradients exists)")
         if sharded_model.optimizer_attached:
             raise InvalidArgumentError("sharded_model", "a model that already has a ShardedOptimizerV2",
                                        "a ShardedModelV2 without an optimizer")
@@ -113,6 +119,8 @@ class ShardedOptimizerV2(Optimizer):
         self._accounted_backwards = self.manager.backward_count
         self._broken_by: DiskStepError | None = None  # a failed step that could not be undone
         self.step_in_backward = step_in_backward
+        self.max_norm = float(max_norm)
+        self.norm_type = float(norm_type)
         self._step_in_flight: StreamedStep | None = None  # step_in_backward: started by this backward
         self._init_optimizer_hooks()
 
@@ -371,15 +379,21 @@ class ShardedOptimizerV2(Optimizer):
         """Unscale, check for overflow, clip, and update every chunk where its optimizer state lives.
 
         Returns ``True`` if the parameters were updated, ``False`` if the step was skipped (overflow,
-        or no gradients since the last step). A skipped step leaves masters and optimizer state
-        untouched and discards the gradients. With fp16, gradients from a backward that bypassed
-        :meth:`backward` raise :class:`~chunkmem.UnscaledBackwardError` and change nothing. Hooks
-        registered with ``register_step_pre_hook`` / ``register_step_post_hook`` run before and after.
+        or no gradients since the last step). Either way the step releases the gradients it consumed,
+        as the reference does, so a loop without ``zero_grad()`` trains like one with it; several
+        backwards before one step accumulate. A skipped step leaves masters and optimizer state
+        untouched. With ``max_norm`` the gradients are clipped to that total norm inside the step (unless
+        :meth:`clip_grad_norm` was called since the backward: its clipping is the one applied). With
+        fp16, gradients from a backward that bypassed :meth:`backward` raise
+        :class:`~chunkmem.UnscaledBackwardError` and change nothing. Hooks registered with
+        ``register_step_pre_hook`` / ``register_step_post_hook`` run before and after.
         """
         self.manager.scheduler.close_finished_traces()
         if not self.manager.grads_pending:
             return False
         self._check_backward_was_scaled()
+        if self.max_norm > 0 and self._grad_norm is None:
+            self.clip_grad_norm(self.max_norm, self.norm_type)
         if self.grad_scaler is not None:
             norm = self._grad_norm if self._grad_norm is not None else self._total_norm()
             if not math.isfinite(norm):
@@ -399,9 +413,7 @@ class ShardedOptimizerV2(Optimizer):
         self.manager.flush_stale()
         if self.grad_scaler is not None:
             self.grad_scaler.update(overflow=False)
-        if self.model.reuse_fp16_shard:
-            self.manager.grads_pending = False
-        self._clip_coef, self._grad_norm = 1.0, None
+        self._release_grads()
         return True
 
     step = Optimizer.profile_hook_step(step)  # runs torch's step pre/post hooks around it
@@ -498,6 +510,10 @@ class ShardedOptimizerV2(Optimizer):
                     tier = self.manager.policy.compute_tier(chunk)
                     self.manager.param_update_target(chunk, tier).copy_(chunk.optim[MASTER].read())
                     self.manager.params_updated(chunk, tier)
+        self._release_grads()
+
+    def _release_grads(self) -> None:
+        """The gradients were consumed (or discarded): free them and forget the backward passes."""
         self.manager.zero_grad(set_to_none=True)
         self._clip_coef, self._grad_norm = 1.0, None
         self._forget_backwards()

@@ -20,9 +20,8 @@ When each value exists (the getters return ``None`` otherwise, as DeepSpeed does
 * fp32 parameter: a 16-bit model has fp32 masters once its :class:`~chunkmem.ShardedOptimizerV2` is
   built (``None`` before); an fp32 model's parameters are their own masters (always there); a frozen
   (``requires_grad=False``) 16-bit parameter has no master: its 16-bit value, widened, is returned.
-* gradient: after a backward, until the gradients are dropped: ``optim.zero_grad()`` (set to none),
-  a skipped step, or with ``reuse_fp16_shard`` the step itself (the gradient shares the parameters'
-  memory, which the step overwrites). Between backward and step the value is the one the step will
+* gradient: after a backward, until the gradients are dropped: ``optim.zero_grad()`` (set to none)
+  or the step (applied or skipped: it releases the gradients it consumed, as the reference does). Between backward and step the value is the one the step will
   apply: unscaled (divided by the loss scale) and clipped if ``optim.clip_grad_norm`` ran, as
   ``p.grad`` is in plain PyTorch after ``scaler.unscale_`` and ``clip_grad_norm_``. Sharded, it is the
   mean over the data-parallel ranks (what the step applies). 16-bit models keep gradients in 16 bits:

@@ -39,7 +39,9 @@ def test_bytes_by_hand(policy, dtype, reuse):
     optim.backward(model(x).float().pow(2).sum())
     grads = {} if reuse else {"grad": CHUNKS * NUMEL * size}
     assert model.tier_bytes() == {rest: {**expected, **grads}, other: {}}
-    optim.step()
+    optim.step()  # releases the gradients it consumed (the reference's step semantics)
+    assert model.tier_bytes() == {rest: expected, other: {}}
+    optim.backward(model(x).float().pow(2).sum())
     optim.zero_grad(set_to_none=False)
     assert model.tier_bytes() == {rest: {**expected, **grads}, other: {}}
     optim.zero_grad(set_to_none=True)
