@@ -168,7 +168,7 @@ def chunk_layout(cfg: GPTConfig, element_size: int, chunk_size: int | None = Non
     """``(chunk_numel, n_chunks, padding_elements)`` that ``ShardedModelV2`` will choose for this GPT
     (one param group, every parameter trainable; ``chunk_size``: the bytes per chunk it is given, else
     searched), computed from the element counts alone."""
-    from chunkmem.layout import pack, search_chunk_numel
+    from chunkmem.core.layout import pack, search_chunk_numel
 
     numels = param_numels(cfg)
     keys = [0] * len(numels)

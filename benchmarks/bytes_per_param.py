@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 import chunkmem as cm
-from chunkmem import host_adam_ext
+from chunkmem.optim import host_adam_ext
 
 from _gpt import (GPT, GPTConfig, chunk_layout, count_params, machine_header, mib, peak_rss_bytes, rss_bytes)
 

@@ -50,8 +50,8 @@ import time
 
 import torch
 
-from chunkmem import host_adam_ext
-from chunkmem.adam_kernels import AdamHyper, adam_update_torch_
+from chunkmem.optim import host_adam_ext
+from chunkmem.optim.adam_kernels import AdamHyper, adam_update_torch_
 
 TARGET = 0.95
 LOSS_SCALE = 1024.0

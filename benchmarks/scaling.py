@@ -19,7 +19,7 @@ Printed: parameters, chunks, periods, capacity, bytes moved per step, step time 
 then the least-squares slopes of log(step time) against log(parameters) and of log(planning time)
 against log(periods). Target: both slopes <= 1.15 (neither grows faster than linearly).
 
-Informational, not part of the verdict: the planner alone (``chunkmem.belady.plan_moves``) over
+Informational, not part of the verdict: the planner alone (``chunkmem.runtime.belady.plan_moves``) over
 synthetic GPT-like schedules of up to ~100k periods, with slots growing with the model (half the
 chunks) and with fixed slots, to see the planner's growth beyond the periods small models give.
 
@@ -55,7 +55,7 @@ SYNTH_FIXED_SLOTS = 8
 
 def synthetic_planning(sizes: list[int]) -> list[tuple[int, int, float, float]]:
     """(chunks, periods, seconds with slots = chunks // 2, seconds with fixed slots) of plan_moves."""
-    from chunkmem.belady import plan_moves
+    from chunkmem.runtime.belady import plan_moves
 
     out = []
     for n in sizes:
@@ -224,7 +224,7 @@ def main() -> int:
 
     # Belady's planner alone, over synthetic schedules far longer than the models above give
     print()
-    print(f"planner alone (chunkmem.belady.plan_moves) on synthetic GPT-like schedules: each chunk used by "
+    print(f"planner alone (chunkmem.runtime.belady.plan_moves) on synthetic GPT-like schedules: each chunk used by "
           f"{SYNTH_PERIODS_PER_CHUNK} consecutive forward periods, then the backward in reverse; slots = half the "
           f"chunks (a capacity that grows with the model) or a fixed {SYNTH_FIXED_SLOTS}; least of 3 runs")
     synth = synthetic_planning(args.synthetic_chunks)

@@ -1,26 +1,26 @@
 """chunkmem: train PyTorch models whose parameters, gradients and optimizer states do not fit in GPU
 memory, by packing them into chunks that move between the device, host and disk tiers."""
 from . import utils
-from .adam import CPUAdam, HybridAdam
-from .agreement import LayoutMismatchError
-from .checkpoint import CheckpointError, consolidate_checkpoint, load_checkpoint, save_checkpoint
-from .collectives import CollectiveError, CollectiveTimeoutError, collective_timeout, set_collective_timeout
+from .optim.adam import CPUAdam, HybridAdam
+from .dist.agreement import LayoutMismatchError
+from .io.checkpoint import CheckpointError, consolidate_checkpoint, load_checkpoint, save_checkpoint
+from .dist.collectives import CollectiveError, CollectiveTimeoutError, collective_timeout, set_collective_timeout
 from .config import NoEffectWarning, initialize
-from .disk_io import DiskIOError
-from .disk_step import DiskStepError
-from .errors import (ArgumentTypeError, ChunkmemError, DeviceCapacityError, GradientAccumulationError,
+from .io.disk_io import DiskIOError
+from .optim.disk_step import DiskStepError
+from .core.errors import (ArgumentTypeError, ChunkmemError, DeviceCapacityError, GradientAccumulationError,
                      HostCapacityError, InvalidArgumentError, UnscaledBackwardError, UnsupportedOperationError)
 from .init_context import ZeroInitContext
-from .loss_scaler import DynamicGradScaler
-from .low_level_zero import LowLevelZeroOptimizer
+from .optim.loss_scaler import DynamicGradScaler
+from .optim.low_level_zero import LowLevelZeroOptimizer
 from .model import ShardedModelV2
-from .optimizer import ShardedOptimizerV2
-from .param_guard import ChunkGradient, ChunkParameter, ParameterAccessError
-from .parameter_access import GatheredParameters, register_external_parameter
+from .optim.sharded_optimizer import ShardedOptimizerV2
+from .core.param_guard import ChunkGradient, ChunkParameter, ParameterAccessError
+from .runtime.parameter_access import GatheredParameters, register_external_parameter
 from .plan import PolicyPlan, plan
-from .shard_strategy import BaseShardStrategy, BucketTensorShardStrategy, TensorShardStrategy
-from .states import ChunkStateError
-from .tiers import (Tier, device_memory_capacity, host_memory_capacity, parse_size, set_device_memory_capacity,
+from .dist.shard_strategy import BaseShardStrategy, BucketTensorShardStrategy, TensorShardStrategy
+from .core.states import ChunkStateError
+from .core.tiers import (Tier, device_memory_capacity, host_memory_capacity, parse_size, set_device_memory_capacity,
                     set_host_memory_capacity)
 
 __version__ = "0.1.0"

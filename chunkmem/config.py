@@ -25,12 +25,12 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from .adam import HybridAdam
-from .loss_scaler import DynamicGradScaler
-from .errors import ArgumentTypeError, InvalidArgumentError, UnsupportedOperationError
+from .optim.adam import HybridAdam
+from .optim.loss_scaler import DynamicGradScaler
+from .core.errors import ArgumentTypeError, InvalidArgumentError, UnsupportedOperationError
 from .model import ShardedModelV2
-from .optimizer import ShardedOptimizerV2
-from .shard_strategy import BaseShardStrategy, BucketTensorShardStrategy, TensorShardStrategy
+from .optim.sharded_optimizer import ShardedOptimizerV2
+from .dist.shard_strategy import BaseShardStrategy, BucketTensorShardStrategy, TensorShardStrategy
 
 __all__ = ["NoEffectWarning", "initialize", "KEY_TABLE"]
 

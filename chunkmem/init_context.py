@@ -6,18 +6,18 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .agreement import InitAgreement
-from .chunk import Chunk, ChunkKey
-from .errors import ArgumentTypeError, InvalidArgumentError, check_type
-from .layout import ALIGN_ELEMENTS, aligned_numel
-from .ledger import TierLedger
-from .collectives import SINGLE_PROCESS, ShardGroup
-from .manager import allocate_param_copy, slot_of
-from .param_guard import adopt
-from .pretrained import patched_from_pretrained
-from .sharded_init import ShardedParamWrites
-from .shard_strategy import BaseShardStrategy
-from .tiers import device_memory_capacity, device_of_tier, tier_of_device
+from .dist.agreement import InitAgreement
+from .core.chunk import Chunk, ChunkKey
+from .core.errors import ArgumentTypeError, InvalidArgumentError, check_type
+from .core.layout import ALIGN_ELEMENTS, aligned_numel
+from .core.ledger import TierLedger
+from .dist.collectives import SINGLE_PROCESS, ShardGroup
+from .runtime.manager import allocate_param_copy, slot_of
+from .core.param_guard import adopt
+from .io.pretrained import patched_from_pretrained
+from .runtime.sharded_init import ShardedParamWrites
+from .dist.shard_strategy import BaseShardStrategy
+from .core.tiers import device_memory_capacity, device_of_tier, tier_of_device
 
 DEFAULT_INIT_CHUNK_BYTES = 64 * 2**20
 MIN_INIT_CHUNK_ELEMENTS = ALIGN_ELEMENTS
@@ -75,10 +75,10 @@ class ZeroInitContext:
     Each module's parameters are converted as soon as the module's ``__init__`` returns (so its own
     initialisation ran in fp32), which keeps at most one module's parameters in fp32 at a time. Later
     ``nn.init`` calls write into the chunk storage and work as usual (sharded over several ranks, see
-    :mod:`chunkmem.sharded_init`: the same values as on one process). Floating-point buffers are cast to
+    :mod:`chunkmem.runtime.sharded_init`: the same values as on one process). Floating-point buffers are cast to
     ``dtype`` and moved to ``target_device``. While it is open (and transformers was imported before),
     ``SomeModel.from_pretrained(directory)`` of a Hugging Face model class reads a local safetensors
-    checkpoint straight into the chunks, one tensor at a time (:mod:`chunkmem.pretrained`).
+    checkpoint straight into the chunks, one tensor at a time (:mod:`chunkmem.io.pretrained`).
 
     Args:
         target_device: where the chunks are created: a CUDA device (device tier) or the CPU (host tier),

@@ -13,23 +13,23 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
-from . import memstats
-from .agreement import agree_on_model_layout
-from .atomic_file import write_json_atomically
-from .chunk import MASTER, PARAM, Chunk, ChunkKey
-from .errors import HostCapacityError, DeviceCapacityError, GradientAccumulationError, InvalidArgumentError, check_number, check_type
-from .hooks import ChunkHooks
+from .runtime import memstats
+from .dist.agreement import agree_on_model_layout
+from .io.atomic_file import write_json_atomically
+from .core.chunk import MASTER, PARAM, Chunk, ChunkKey
+from .core.errors import HostCapacityError, DeviceCapacityError, GradientAccumulationError, InvalidArgumentError, check_number, check_type
+from .runtime.hooks import ChunkHooks
 from .init_context import check_chunk_size, check_dtype, check_param_dtypes
 from .wrap_marker import check_not_wrapped, mark_unwrapped, mark_wrapped
-from .collectives import ShardGroup
-from .layout import aligned_numel, pack, search_chunk_numel
-from .ledger import TierLedger
-from .manager import ChunkManager, GradientReduction, build_chunks, slot_of
-from .param_guard import ParameterAccessError, disown
-from .placement import make_policy
-from .shard_strategy import BaseShardStrategy
-from .disk_tier import DEFAULT_BUFFER_COUNT, DEFAULT_BUFFER_SIZE, DiskTier, check_disk_arguments
-from .tiers import Tier, device_memory_capacity, device_of_tier, host_memory_capacity
+from .dist.collectives import ShardGroup
+from .core.layout import aligned_numel, pack, search_chunk_numel
+from .core.ledger import TierLedger
+from .runtime.manager import ChunkManager, GradientReduction, build_chunks, slot_of
+from .core.param_guard import ParameterAccessError, disown
+from .runtime.placement import make_policy
+from .dist.shard_strategy import BaseShardStrategy
+from .core.disk_tier import DEFAULT_BUFFER_COUNT, DEFAULT_BUFFER_SIZE, DiskTier, check_disk_arguments
+from .core.tiers import Tier, device_memory_capacity, device_of_tier, host_memory_capacity
 
 logger = logging.getLogger("chunkmem")
 
@@ -58,7 +58,7 @@ class ShardedModelV2(nn.Module):
         tensor_placement_policy: ``"cuda"`` (everything on the device tier), ``"cpu"`` (everything rests
             on the host; parameters visit the device for compute), ``"auto"`` (traced first iteration,
             then Belady's eviction within the capacity) or ``"static"`` (fixed fractions offloaded);
-            see :mod:`chunkmem.placement`.
+            see :mod:`chunkmem.runtime.placement`.
         gradient_predivide_factor: gradients are divided by this before reduction (finite, > 0).
         reuse_fp16_shard: store each gradient in its 16-bit parameter's memory (no grad buffer; needs a
             16-bit dtype; no gradient accumulation).
@@ -70,11 +70,11 @@ class ShardedModelV2(nn.Module):
             chunks and of optimizer chunk groups that rest on the host.
         offload_optimizer: ``"disk"``: the optimizer state the policy keeps on the host (fp32 master,
             exp_avg, exp_avg_sq) rests in files under ``nvme_path`` instead, and each step streams it
-            through the host (:mod:`chunkmem.disk_step`); ``None`` (default): no disk tier. Needs
+            through the host (:mod:`chunkmem.optim.disk_step`); ``None`` (default): no disk tier. Needs
             placement ``"cpu"``, ``"auto"`` or ``"static"``.
         offload_param: ``None`` only for now (parameters on the disk tier are not built yet).
         nvme_path: an existing writable directory on a fast disk; the model's files go into a private
-            subdirectory removed with the model, at exit and after an exception (:mod:`chunkmem.disk_io`).
+            subdirectory removed with the model, at exit and after an exception (:mod:`chunkmem.io.disk_io`).
         buffer_count: I/O buffers per streamed family (>= 1; 2 or more overlap reads, updates and
             writes). Host memory of the disk tier: ``buffer_count`` × families × ``buffer_size`` bytes.
         buffer_size: bytes per I/O buffer and per piece of a streamed step (a multiple of 8192).
@@ -485,7 +485,7 @@ class ShardedModelV2(nn.Module):
 
     def cached_bytes(self) -> int:
         """Bytes of freed chunk buffers the model's block pool keeps for reuse (CPU-only machines, see
-        :mod:`chunkmem.block_pool`; 0 with CUDA, whose cache ``torch.cuda.memory_reserved`` reports)."""
+        :mod:`chunkmem.core.block_pool`; 0 with CUDA, whose cache ``torch.cuda.memory_reserved`` reports)."""
         blocks = self.chunk_manager.ledger.blocks
         return 0 if blocks is None else blocks.cached_bytes
 
@@ -498,7 +498,7 @@ class ShardedModelV2(nn.Module):
             blocks.clear()
 
     def memory_stats(self) -> dict[str, Any]:
-        """The memory statistics document (schema in :mod:`chunkmem.memstats`)."""
+        """The memory statistics document (schema in :mod:`chunkmem.runtime.memstats`)."""
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
         return memstats.collect(self.chunk_manager, rank, world)
 
@@ -573,7 +573,7 @@ class ShardedModelV2(nn.Module):
         so when that loses bits): build :class:`~chunkmem.ShardedOptimizerV2` first to keep fp32
         masters. No collective: every rank may load on its own. ``assign`` must be ``False``.
         """
-        from .state_dicts import plan_model_load
+        from .io.state_dicts import plan_model_load
 
         if assign is not False:
             raise InvalidArgumentError("assign", assign, "False (values are always copied into the chunks)")

@@ -5,7 +5,7 @@ shapes and dtypes but no memory, while every byte count stays exact. The model i
 on the meta device and wrapped in a real :class:`~chunkmem.ShardedModelV2` (the same chunk-size search,
 packing, capacity check, hooks, tracer, Belady planner and byte ledger as a real run), which then runs
 three forward/backward iterations on the sample batch: the first is traced (the tracer's
-:class:`~chunkmem.tracer.StorageCounter` gives the non-model peak: activations, temporaries,
+:class:`~chunkmem.runtime.tracer.StorageCounter` gives the non-model peak: activations, temporaries,
 autograd's gradients), the later ones follow the schedule, and the ledger counts the bytes the last one
 moves (attention on meta tensors is counted as the fused kernel real devices run, see
 :func:`flash_attention_on_meta`). The optimizer's families (``master`` for 16-bit models, ``exp_avg``, ``exp_avg_sq``, all fp32)
@@ -35,15 +35,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves, tree_map
 
-from . import block_pool, tiers
-from .errors import ArgumentTypeError, DeviceCapacityError, InvalidArgumentError, UnsupportedOperationError
-from .errors import check_choice
+from .core import block_pool, tiers
+from .core.errors import ArgumentTypeError, DeviceCapacityError, InvalidArgumentError, UnsupportedOperationError
+from .core.errors import check_choice
 from .init_context import check_chunk_size, check_dtype
 from .model import ShardedModelV2
-from .param_guard import slot_of
-from .placement import make_policy
-from .shard_strategy import TensorShardStrategy
-from .tiers import parse_size
+from .core.param_guard import slot_of
+from .runtime.placement import make_policy
+from .dist.shard_strategy import TensorShardStrategy
+from .core.tiers import parse_size
 
 __all__ = ["PolicyPlan", "plan", "format_table"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from .errors import InvalidArgumentError
+from .core.errors import InvalidArgumentError
 
 WRAPPED_ATTR = "_chunkmem_wrapped"
 """Set to ``True`` on a wrapped module and on each of its submodules."""

@@ -5,7 +5,7 @@ The loop is the tutorial's (``GPTLMModel`` wrapping ``GPT2LMHeadModel`` with gra
 ``HybridAdam`` in ``ShardedOptimizerV2``), plus what a real fine-tuning run needs:
 
 * weights from a local ``save_pretrained`` directory (``--model DIR``): ``GPT2LMHeadModel.from_pretrained``
-  inside ``ZeroInitContext`` reads them straight into the chunks (see ``chunkmem.pretrained``); without
+  inside ``ZeroInitContext`` reads them straight into the chunks (see ``chunkmem.io.pretrained``); without
   ``--model`` a tiny GPT-2 config is built on the fly;
 * gradient clipping (``optim.clip_grad_norm``), a cosine learning-rate schedule with warm-up (a
   ``torch.optim.lr_scheduler.LambdaLR`` over the ShardedOptimizerV2), an eval loss on held-out batches;
@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import chunkmem as cm
-from chunkmem import pretrained
+from chunkmem.io import pretrained
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 import chunkmem as cm
-from chunkmem import block_pool, native_build
-from chunkmem.block_pool import BlockPool
-from chunkmem.manager import slot_of
+from chunkmem.core import block_pool, native_build
+from chunkmem.core.block_pool import BlockPool
+from chunkmem.runtime.manager import slot_of
 from models import TinyGPT
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the pool serves CPU-only machines")

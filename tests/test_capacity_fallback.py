@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import chunkmem as cm
-from chunkmem.placement import AutoPlacement
+from chunkmem.runtime.placement import AutoPlacement
 from models import TinyGPT, batches, build_sharded, lm_loss, train
 
 

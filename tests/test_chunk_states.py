@@ -5,13 +5,13 @@ import pytest
 import torch
 
 import chunkmem as cm
-from chunkmem.chunk import Chunk, ChunkKey
-from chunkmem.ledger import TierLedger
-from chunkmem.placement import AutoPlacement, HostPlacement
-from chunkmem.schedule import IterationMode, Scheduler
-from chunkmem.states import ChunkStateError, Contents, CopyLife, CopyState
-from chunkmem.tiers import Tier
-from chunkmem.transfer import PinnedStagingPool, Transfer, start_copy
+from chunkmem.core.chunk import Chunk, ChunkKey
+from chunkmem.core.ledger import TierLedger
+from chunkmem.runtime.placement import AutoPlacement, HostPlacement
+from chunkmem.runtime.schedule import IterationMode, Scheduler
+from chunkmem.core.states import ChunkStateError, Contents, CopyLife, CopyState
+from chunkmem.core.tiers import Tier
+from chunkmem.core.transfer import PinnedStagingPool, Transfer, start_copy
 
 S = CopyState
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import chunkmem as cm
-from chunkmem.transfer import PINNED_STAGING_BUFFERS, PinnedStagingPool, staging_pool, start_copy
+from chunkmem.core.transfer import PINNED_STAGING_BUFFERS, PinnedStagingPool, staging_pool, start_copy
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -77,9 +77,9 @@ def train_mlp(reference: nn.Module, policy: str, prefetch: bool, steps: int = 4)
 
 
 def test_host_tier_buffers_are_pageable(monkeypatch):
-    import chunkmem.transfer
+    import chunkmem.core.transfer
 
-    monkeypatch.setattr(chunkmem.transfer, "_pool", None)  # a fresh pool: its peak is this model's
+    monkeypatch.setattr(chunkmem.core.transfer, "_pool", None)  # a fresh pool: its peak is this model's
     model, _ = train_mlp(mlp(), "cpu", prefetch=True, steps=2)
     host = [c.param.shard.tensor for c in model.chunks if c.param.shard.allocated]
     host += [c.optim["exp_avg"].tensor for c in model.chunks if c.optim["exp_avg"].allocated]

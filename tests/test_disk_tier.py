@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import chunkmem as cm
-from chunkmem.disk_io import inject_faults
+from chunkmem.io.disk_io import inject_faults
 from tests.distributed import run_ranks
 from tests.models import TinyGPT, batches, lm_loss
 
@@ -93,7 +93,7 @@ def test_exact_bytes_per_tier_and_files(tmp_path, dtype):
     streamed = len(families) + (1 if dtype == torch.float32 else 0)
     assert model.tier_bytes()["host"]["disk_io"] == 3 * streamed * PIECE
     assert sorted(os.listdir(model.disk_path)) == sorted([f + ".bin" for f in families + (
-        ["journal"] if dtype == torch.float32 else [])] + [cm.disk_io.OWNER_FILE])
+        ["journal"] if dtype == torch.float32 else [])] + [cm.io.disk_io.OWNER_FILE])
     doc = model.memory_stats()
     assert doc["tiers"] == model.tier_bytes() and doc["disk"]["file_bytes"] == model.disk_file_bytes()
     assert doc["optimizer"]["disk_chunks"] == [c.index for c in trainable] and doc["optimizer"]["host_chunks"] == []
@@ -167,7 +167,7 @@ def test_a_checkpoint_saved_from_disk_state_resumes_bitwise(nvme, dtype, sharded
     _train(a, oa, data[:2])
     if sharded:  # streamed: no disk-resident buffer is read whole into memory
         with monkeypatch.context() as patch:
-            patch.setattr(cm.disk_tier.DiskTier, "load", lambda *_: pytest.fail("a whole buffer was read"))
+            patch.setattr(cm.core.disk_tier.DiskTier, "load", lambda *_: pytest.fail("a whole buffer was read"))
             cm.save_checkpoint(tmp_path / "ckpt", a, oa, sharded=True)
     else:
         cm.save_checkpoint(tmp_path / "ckpt", a, oa)

@@ -1,4 +1,4 @@
-"""The one-pass C++ host Adam kernel (chunkmem.host_adam_ext) against an fp64 oracle and against the
+"""The one-pass C++ host Adam kernel (chunkmem.optim.host_adam_ext) against an fp64 oracle and against the
 torch-op formulation, and the fallback to torch ops when it is disabled or cannot be built.
 
 Nothing here skips: on a machine where the kernel cannot be built, test_kernel_builds and every test
@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from adam_oracle import adam_fp64
-from chunkmem import host_adam_ext, native_build
-from chunkmem.adam_kernels import AdamHyper, adam_update_, adam_update_torch_
+from chunkmem.optim import host_adam_ext
+from chunkmem.core import native_build
+from chunkmem.optim.adam_kernels import AdamHyper, adam_update_, adam_update_torch_
 
 ULP = 2.0**-24
 N = 10_007  # no multiple of the vector width (8) or of the loop step (16)
@@ -210,7 +211,7 @@ def test_build_failure_falls_back(monkeypatch, tmp_path):
 
 
 def test_no_build_at_import():
-    code = ("import chunkmem, chunkmem.host_adam_ext as h, chunkmem.adam_kernels; "
+    code = ("import chunkmem, chunkmem.optim.host_adam_ext as h, chunkmem.optim.adam_kernels; "
             "assert not h._KERNEL.tried and h._KERNEL.value is None; print('ok')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr

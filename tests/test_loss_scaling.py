@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import chunkmem as cm
-from chunkmem.chunk import EXP_AVG, EXP_AVG_SQ, MASTER
+from chunkmem.core.chunk import EXP_AVG, EXP_AVG_SQ, MASTER
 from models import TinyGPT, batches, build_sharded, lm_loss
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import chunkmem as cm
-from chunkmem.chunk import EXP_AVG, MASTER
+from chunkmem.core.chunk import EXP_AVG, MASTER
 from models import TinyGPT, batches, build_sharded, lm_loss, train
 
 

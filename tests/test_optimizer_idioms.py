@@ -8,7 +8,7 @@ import torch
 from torch.optim import lr_scheduler
 
 import chunkmem as cm
-from chunkmem.chunk import EXP_AVG, EXP_AVG_SQ, MASTER
+from chunkmem.core.chunk import EXP_AVG, EXP_AVG_SQ, MASTER
 from models import TinyGPT, batches, build_sharded, lm_loss
 
 LR, WD, STEPS = 1e-2, 0.01, 6

@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import chunkmem as cm
-from chunkmem.param_guard import ChunkParameter
+from chunkmem.core.param_guard import ChunkParameter
 from distributed import run_ranks
 from models import TinyGPT, batches, build_sharded, lm_loss, train
 

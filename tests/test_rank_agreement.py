@@ -16,9 +16,9 @@ import torch
 import torch.nn as nn
 
 import chunkmem as cm
-from chunkmem.agreement import LayoutDescription, ParamRecord, mismatch_message
-from chunkmem.collectives import COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT, ShardGroup
-from chunkmem.manager import slot_of
+from chunkmem.dist.agreement import LayoutDescription, ParamRecord, mismatch_message
+from chunkmem.dist.collectives import COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT, ShardGroup
+from chunkmem.runtime.manager import slot_of
 from distributed import run_ranks
 
 AGREEMENT_TIMEOUT = 60.0  # seconds: a disagreement must be reported far sooner

@@ -4,7 +4,7 @@ import random
 import pytest
 
 import chunkmem as cm
-from chunkmem.layout import ALIGN_ELEMENTS, pack, padding_elements, search_chunk_numel
+from chunkmem.core.layout import ALIGN_ELEMENTS, pack, padding_elements, search_chunk_numel
 
 
 @pytest.mark.parametrize("text,nbytes", [("1048576", 2**20), ("2GiB", 2 * 2**30), ("512 MiB", 512 * 2**20),

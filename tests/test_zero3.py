@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import chunkmem as cm
-from chunkmem.chunk import ChunkKey
-from chunkmem.collectives import ShardGroup
-from chunkmem.ledger import TierLedger
-from chunkmem.manager import GradientReduction, build_chunks
+from chunkmem.core.chunk import ChunkKey
+from chunkmem.dist.collectives import ShardGroup
+from chunkmem.core.ledger import TierLedger
+from chunkmem.runtime.manager import GradientReduction, build_chunks
 from distributed import run_ranks
 from models import TinyGPT, batches, lm_loss
 

@@ -1,0 +1,1 @@
+"""What a chunk is: chunks and their copy states, the layout, the memory tiers, the byte ledger."""

@@ -1,0 +1,700 @@
+"""A chunk: one fixed-size flat buffer per state family, holding a run of whole parameters.
+
+Every state family of a chunk (16-bit or fp32 ``param``, ``grad``, fp32 ``master``, ``exp_avg``,
+``exp_avg_sq``) has the same length and layout, so a parameter's slot is one (chunk, offset, numel) for
+all of them and the optimizer updates a chunk with one call over flat buffers.
+
+The ``param`` family is special: parameters are views (``param.data``) into its device-tier buffer,
+whose storage is freed (0 bytes) when the chunk is not resident and given memory again, in place,
+when it is fetched. Views made by autograd during forward stay valid through such a round trip. When
+the CPU holds both tiers, every family's memory comes from the model's
+:class:`~chunkmem.core.block_pool.BlockPool`, else from torch's allocators (the storage is then resized).
+
+States (:mod:`chunkmem.core.states`). Each copy of a chunk's memory has a :class:`~chunkmem.core.states.CopyState`,
+changed only by the transitions of its :class:`~chunkmem.core.states.CopyLife`, which the class owning the
+copy calls (:class:`ParamBuffer` for the device copy and the shard, :class:`FlatBuffer` for the others):
+
+====================  ============  ==========  ========================================================
+transition            from          to          when
+====================  ============  ==========  ========================================================
+``allocated``         FREED         STALE       memory given (device copy fetched, shard or grad made)
+``fill_started``      STALE         FETCHING    a transfer into the copy issued (returns a handle)
+``fill_finished``     FETCHING      CURRENT     the handle waited on: the copy may be used
+``written``           STALE,        CURRENT     new contents written in place (the update, a gradient
+                      CURRENT                   reduced into the shard, a checkpoint loaded)
+``outdated``          CURRENT       STALE       the other copy was written (the device copy after an
+                                                update of the shard, the shard after one on the device)
+``freed``             STALE,        FREED       memory returned (a CURRENT device copy whose shard is
+                      CURRENT                   not current is first written back to the shard)
+====================  ============  ==========  ========================================================
+
+A FETCHING copy is waited on before anything else happens to it. A chunk *rests* with one CURRENT
+copy on its resting tier; it is *resident* while its device copy is CURRENT. What the parameter memory
+holds is a second, smaller machine owned by :class:`ParamBuffer`: :class:`~chunkmem.core.states.Contents`
+``VALUES`` -> ``GRADS`` when a backward with ``reuse_fp16_shard`` finishes the chunk's gradients in it,
+``GRADS`` -> ``VALUES`` when the optimizer step (or a skipped step, or a checkpoint load) writes values.
+"""
+from __future__ import annotations
+
+import enum
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from ..dist.collectives import SINGLE_PROCESS, PendingCollective, ShardGroup, start_all_gather
+from .ledger import TierLedger
+from .states import ChunkStateError, Contents, CopyLife, CopyState
+from .tiers import Tier, device_of_tier, empty_on_tier
+from .transfer import Transfer, start_copy
+
+PARAM = "param"
+GRAD = "grad"
+GRAD_STAGING = "grad_staging"
+MASTER = "master"
+EXP_AVG = "exp_avg"
+EXP_AVG_SQ = "exp_avg_sq"
+OPTIM_FAMILIES = (MASTER, EXP_AVG, EXP_AVG_SQ)
+
+
+@dataclass(frozen=True)
+class ChunkKey:
+    """What all parameters of one chunk share: trainability and optimizer param-group index."""
+
+    trainable: bool
+    group: int = 0
+
+
+@dataclass(eq=False)
+class ParamSlot:
+    """Where one parameter lives: ``numel`` elements from ``offset`` (elements) in ``chunk``."""
+
+    param: nn.Parameter
+    name: str
+    chunk: "Chunk"
+    offset: int
+    numel: int
+    shape: torch.Size
+    index_in_chunk: int = 0
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        """This parameter's slice of a flat buffer of the chunk, shaped like the parameter."""
+        return flat[self.offset:self.offset + self.numel].view(self.shape)
+
+
+class FlatBuffer:
+    """One state family of one chunk: a flat buffer on one tier at a time, its bytes on the ledger.
+
+    ``life`` is the buffer's :class:`~chunkmem.core.states.CopyLife` (read it; only this class's methods
+    change it).
+    """
+
+    def __init__(self, family: str, numel: int, dtype: torch.dtype, ledger: TierLedger, owner: str,
+                 rank: int = 0, index: int = 0) -> None:
+        self.family = family
+        self.numel = numel
+        self.dtype = dtype
+        self.ledger = ledger
+        self.owner = owner
+        self.index = index  # the chunk's index: where its regions lie in the disk tier's files
+        self.tensor: torch.Tensor | None = None  # None while FREED or resting on the disk tier
+        self.tier: Tier | None = None
+        self.disk_slot = 0  # on the disk tier: which of the chunk's regions holds the current contents
+        self.life = CopyLife(f"{owner}.{family}", rank)
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffer when allocated."""
+        return self.numel * self.element_size
+
+    @property
+    def on_disk(self) -> bool:
+        return self.tier is Tier.DISK
+
+    def read(self) -> torch.Tensor:
+        """The current contents: the buffer itself on the device or host (do not write into it), a new
+        host tensor read from the disk tier's file otherwise."""
+        self.life.check("be read", CopyState.CURRENT)
+        return self.ledger.disk.load(self) if self.on_disk else self.tensor
+
+    def write(self, values: torch.Tensor) -> None:
+        """Make ``values`` (``numel`` elements) the current contents, wherever the buffer rests (-> CURRENT).
+        On the disk tier the current slot is overwritten in place (not part of an atomic step)."""
+        self.life.check("be written", CopyState.CURRENT, CopyState.STALE)
+        if self.on_disk:
+            self.ledger.disk.store(self, values.reshape(-1), self.disk_slot)
+        else:
+            self.tensor.copy_(values.reshape(-1))
+        self.life.written()
+
+    def switch_disk_slot(self) -> None:
+        """An atomic step wrote the new contents into the other slot and committed: it is current now."""
+        self.life.check("switch its disk slot", CopyState.CURRENT)
+        self.disk_slot = 1 - self.disk_slot
+
+    @property
+    def allocated(self) -> bool:
+        return self.life.holds_memory
+
+    @property
+    def state(self) -> CopyState:
+        return self.life.state
+
+    def allocate(self, tier: Tier, zero: bool = False) -> torch.Tensor | None:
+        """Allocate the buffer on ``tier`` (FREED -> STALE; zero-filled and CURRENT if ``zero``); returns
+        the tensor, or ``None`` on the disk tier (its region in the file; see :meth:`write`)."""
+        self.life.check("allocate", CopyState.FREED)
+        self.ledger.reserve(tier, self.family, self.nbytes, f"{self.owner}.{self.family}")
+        self.tier = tier
+        if tier is Tier.DISK:
+            self.disk_slot = 0
+            self.life.allocated()
+            if zero:
+                self.ledger.disk.store(self, None, self.disk_slot)
+                self.life.written()
+            return None
+        self.tensor = self._empty(tier)
+        self.life.allocated()
+        if zero:
+            self.tensor.zero_()
+            self.life.written()
+        return self.tensor
+
+    def mark_written(self) -> None:
+        """The buffer now holds the chunk's current contents of its family (-> CURRENT)."""
+        self.life.written()
+
+    def mark_outdated(self) -> None:
+        """Another copy now holds the current contents (CURRENT -> STALE)."""
+        self.life.outdated()
+
+    def move_to(self, tier: Tier) -> None:
+        """Copy the buffer into a new buffer on ``tier`` and free the old one (its state is kept)."""
+        self.life.check("move to another tier", CopyState.CURRENT, CopyState.STALE)
+        if tier is self.tier:
+            return
+        old, old_tier = self.tensor, self.tier
+        self.ledger.reserve(tier, self.family, self.nbytes, f"{self.owner}.{self.family}")
+        try:
+            if tier is Tier.DISK:
+                self.disk_slot = 0
+                self.ledger.disk.store(self, old, self.disk_slot)
+                new = None
+            else:
+                new = self._empty(tier)
+                if old_tier is Tier.DISK:
+                    self.ledger.disk.read_all(self, new)
+                else:
+                    new.copy_(old)
+        except BaseException:
+            self.ledger.release(tier, self.family, self.nbytes)
+            raise
+        if Tier.DISK not in (tier, old_tier):
+            self.ledger.count_move(tier, self.nbytes)
+        self.tensor, self.tier = new, tier
+        self.ledger.release(old_tier, self.family, self.nbytes)
+        if old is not None:
+            self._give_back(old)
+
+    def free(self) -> None:
+        """Return the buffer's memory (-> FREED); nothing to do when it has none."""
+        if not self.life.holds_memory:
+            return
+        self.life.freed()
+        self.ledger.release(self.tier, self.family, self.nbytes)
+        old, self.tensor, self.tier = self.tensor, None, None
+        if old is not None:
+            self._give_back(old)
+
+    def _empty(self, tier: Tier) -> torch.Tensor:
+        if self.ledger.blocks is not None:
+            return self.ledger.blocks.empty(self.numel, self.dtype)
+        return empty_on_tier(tier, self.numel, self.dtype)
+
+    def _give_back(self, tensor: torch.Tensor) -> None:
+        if self.ledger.blocks is not None:
+            self.ledger.blocks.give_back(tensor)
+
+
+class ParamBuffer:
+    """The ``param`` family of a chunk: a full device-tier copy that parameters view, and this rank's shard.
+
+    ``device`` holds all ``numel`` elements (gathered from every rank's shard when the chunk is
+    sharded); its storage is freed (0 bytes) when the chunk is not resident. ``shard`` holds this rank's
+    ``shard_numel`` elements on the host tier, or on the device tier when the chunk is sharded and rests
+    there (with one rank the shard is the whole chunk, and a chunk resting on the device keeps only its
+    full copy). The two copies' states (``device_state``, ``shard_state``; see the module docstring)
+    say which holds the current contents; ``device_valid`` / ``shard_valid`` are their CURRENT-ness.
+    ``contents`` (``holds_grads``) says whether the memory holds values or, with ``reuse_fp16_shard``,
+    gradients. When sharded, parameters change only through the shard, so the shard is always current
+    and the full copy is either a gathered copy of it or stale.
+    """
+
+    def __init__(self, numel: int, dtype: torch.dtype, ledger: TierLedger, owner: str,
+                 shards: ShardGroup = SINGLE_PROCESS, index: int = 0) -> None:
+        self.numel = numel
+        self.dtype = dtype
+        self.ledger = ledger
+        self.owner = owner
+        self.shards = shards
+        self.shard_numel = numel // shards.world
+        self.shard_offset = shards.rank * self.shard_numel
+        self.nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        self.device = torch.empty(numel, dtype=dtype, device=device_of_tier(Tier.DEVICE))
+        self.device.untyped_storage().resize_(0)
+        self._lent: torch.Tensor | None = None  # with a block pool: holds the 0 bytes while memory is lent
+        self._device_life = CopyLife(f"{owner}.param device copy", shards.rank)
+        self._transfer: Transfer | None = None
+        self._contents = Contents.VALUES
+        self.shard = FlatBuffer(PARAM, self.shard_numel, dtype, ledger, owner, shards.rank, index)
+
+    # ---- state (read-only views of the two machines) --------------------------------------------------
+
+    @property
+    def device_state(self) -> CopyState:
+        return self._device_life.state
+
+    @property
+    def shard_state(self) -> CopyState:
+        return self.shard.life.state
+
+    @property
+    def contents(self) -> Contents:
+        return self._contents
+
+    @property
+    def device_valid(self) -> bool:
+        """Whether the full device copy is allocated and holds the current contents."""
+        return self._device_life.current
+
+    @property
+    def shard_valid(self) -> bool:
+        """Whether the shard holds the current contents."""
+        return self.shard.life.current
+
+    @property
+    def holds_grads(self) -> bool:
+        """Whether the parameter memory holds gradients (``reuse_fp16_shard``), not values."""
+        return self._contents is Contents.GRADS
+
+    @property
+    def sharded(self) -> bool:
+        return self.shards.sharded
+
+    @property
+    def device_allocated(self) -> bool:
+        return self._device_life.holds_memory
+
+    @property
+    def fetching(self) -> bool:
+        """Whether a transfer into the device copy is in flight (wait it with :meth:`wait`)."""
+        return self._device_life.state is CopyState.FETCHING
+
+    def own_slice(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's elements of a full-length flat tensor."""
+        return full[self.shard_offset:self.shard_offset + self.shard_numel]
+
+    # ---- the device copy -----------------------------------------------------------------------------
+
+    def allocate_device(self) -> None:
+        """Give the device copy its memory back (FREED -> STALE, contents undefined until written)."""
+        if self._device_life.holds_memory:
+            return
+        self.ledger.reserve(Tier.DEVICE, PARAM, self.nbytes, f"{self.owner}.{PARAM}")
+        if self.ledger.blocks is not None:
+            self._lent = self.ledger.blocks.lend(self.device.untyped_storage(), self.nbytes)
+        else:
+            self.device.untyped_storage().resize_(self.nbytes)
+        self._device_life.allocated()
+
+    def start_fetch(self) -> Transfer:
+        """Issue the transfer that makes the device copy current (-> FETCHING): a copy of the shard, or a
+        gather of every rank's shard (a collective, started asynchronously: a prefetched gather runs
+        while the current period computes). :meth:`wait` before use."""
+        self._device_life.check("be fetched", CopyState.FREED, CopyState.STALE)
+        self.shard.life.check("be fetched from", CopyState.CURRENT)
+        self.allocate_device()
+        self._device_life.fill_started()
+        if self.sharded:
+            gathering = start_all_gather(self.shards, self.device, self.shard.read(), what=f"{self.owner} parameters")
+            transfer = Transfer(lambda: self._gathered(gathering))
+        elif self.shard.on_disk:  # read on the disk tier's fetch thread: overlaps compute when prefetched
+            reading = self.ledger.disk.start_read_all(self.shard, self.device)
+            transfer = Transfer(lambda: self._fetched_from_disk(reading))
+        else:
+            transfer = start_copy(self.device, self.shard.tensor, self._fetched)
+        if self.shard.tier is Tier.HOST:
+            self.ledger.count_move(Tier.DEVICE, self.shard.nbytes)
+        self._transfer = transfer
+        return transfer
+
+    def _fetched(self) -> None:
+        self._transfer = None
+        self._device_life.fill_finished()
+
+    def _gathered(self, gathering: PendingCollective) -> None:
+        gathering.wait()
+        self._fetched()
+
+    def _fetched_from_disk(self, reading: "Future[None]") -> None:
+        """Complete a fetch from the disk tier; a failed read leaves the device copy freed (and raises
+        the :class:`~chunkmem.DiskIOError` naming the file and the chunk)."""
+        try:
+            reading.result()
+        except BaseException:
+            self._fetched()
+            self._device_life.outdated()
+            self._drop_device()
+            raise
+        self._fetched()
+
+    def filled_together(self) -> None:
+        """The device copy was written by a gather of several chunks at once (:func:`gather_together`)."""
+        self.allocate_device()
+        self._device_life.fill_started()
+        self._transfer = Transfer(self._fetched)
+
+    def wait(self) -> None:
+        """Wait for the transfer into the device copy, if one is in flight (FETCHING -> CURRENT)."""
+        if self._transfer is not None:
+            self._transfer.wait()
+
+    def fetch_to_device(self) -> None:
+        """Make the full device copy current (fetching it if needed) and wait for it."""
+        if self._device_life.state is CopyState.CURRENT:
+            return
+        if self._device_life.state is not CopyState.FETCHING:
+            self.start_fetch()
+        self.wait()
+
+    def mark_device_written(self) -> None:
+        """The device copy holds new contents written in place; a held shard is now out of date."""
+        self._device_life.written()
+        if self.shard.life.current:
+            self.shard.mark_outdated()
+
+    def free_device(self) -> None:
+        """Free the device copy, first copying it to the shard if the shard is not current."""
+        if not self._device_life.holds_memory:
+            return
+        self.wait()
+        if self._device_life.current and not self.shard.life.current:
+            self.write_back_shard()
+        self._drop_device()
+
+    def drop_device_copy(self) -> None:
+        """Free the device copy without writing it back: the shard is current (its contents are what
+        the device copy held before a backward part-overwrote it with gradients)."""
+        self.shard.life.check("stand for the dropped device copy", CopyState.CURRENT)
+        if self._device_life.holds_memory:
+            self._drop_device()
+
+    def _drop_device(self) -> None:
+        """Free the device copy's memory whatever it holds (-> FREED)."""
+        self.wait()
+        if self._lent is not None:
+            self.ledger.blocks.take_back(self.device.untyped_storage(), self._lent)
+            self._lent = None
+        else:
+            self.device.untyped_storage().resize_(0)
+        self.ledger.release(Tier.DEVICE, PARAM, self.nbytes)
+        self._device_life.freed()
+
+    # ---- the shard -----------------------------------------------------------------------------------
+
+    def write_back_shard(self) -> None:
+        """Copy this rank's part of the current device copy into the shard (allocated on the host if
+        missing) and mark the shard current."""
+        self._device_life.check("be written back", CopyState.CURRENT)
+        if not self.shard.allocated:
+            self.shard.allocate(Tier.HOST)
+        self.shard.write(self.own_slice(self.device))
+        if self.shard.tier is Tier.HOST:
+            self.ledger.count_move(Tier.HOST, self.shard.nbytes)
+
+    def free_shard(self) -> None:
+        """Free the shard, first making the device copy current if the shard is the only current copy
+        (one rank only: a sharded chunk always keeps its shard)."""
+        if not self.shard.allocated:
+            return
+        if self.sharded:
+            raise ChunkStateError(f"{self.owner}.param shard", "be freed (a sharded chunk keeps its shard)",
+                                  self.shard_state, (), self.shards.rank)
+        if self.shard.life.current and not self._device_life.current:
+            self.fetch_to_device()
+        self.shard.free()
+
+    def first_copy(self, tier: Tier) -> torch.Tensor:
+        """Allocate the chunk's first parameter copy on ``tier`` and return it, CURRENT (the caller writes
+        the values at once): the shard, or with one rank on the device tier the device copy."""
+        if tier is Tier.DEVICE and not self.sharded:
+            self.allocate_device()
+            self._device_life.written()
+            return self.device
+        self.shard.allocate(tier)
+        self.shard.mark_written()
+        return self.shard.tensor
+
+    # ---- values and gradients ------------------------------------------------------------------------
+
+    def load_values(self, local: torch.Tensor) -> None:
+        """Make ``local`` (this rank's elements) the values: written into the shard (allocated on the
+        host if missing), the device copy dropped."""
+        if not self.shard.allocated:
+            self.shard.allocate(Tier.HOST)
+        self.shard.write(local)
+        self._contents = Contents.VALUES
+        if self._device_life.holds_memory:
+            self._drop_device()
+
+    def grads_in_device_copy(self) -> None:
+        """One rank, ``reuse_fp16_shard``: the device copy now holds the finished gradients (VALUES ->
+        GRADS); a held shard is out of date."""
+        self._take_grads()
+        self.mark_device_written()
+
+    def grads_in_shard(self, reduced: torch.Tensor) -> None:
+        """Sharded, ``reuse_fp16_shard``: ``reduced`` (this rank's shard of the reduced gradients) is
+        written into the shard (VALUES -> GRADS); the gathered device copy is out of date."""
+        self._take_grads()
+        self.shard.tensor.copy_(reduced)
+        self.shard.mark_written()
+        if self._device_life.current:
+            self._device_life.outdated()
+
+    def _take_grads(self) -> None:
+        if self._contents is not Contents.VALUES:
+            raise ChunkStateError(f"{self.owner}.param memory", "take gradients", self._contents,
+                                  (Contents.VALUES,), self.shards.rank)
+        self._contents = Contents.GRADS
+
+    def updated_on(self, tier: Tier, keep_device_copy: bool) -> None:
+        """The optimizer wrote new values into the copy on ``tier`` (the shard when sharded): it becomes
+        the current copy (contents VALUES); the other is freed, or with ``keep_device_copy`` (sharded)
+        kept, out of date."""
+        self._contents = Contents.VALUES
+        if self.sharded or tier in (Tier.HOST, Tier.DISK):
+            self.shard.mark_written()
+            if self._device_life.current:
+                self._device_life.outdated()
+            if self._device_life.holds_memory and not (self.sharded and keep_device_copy):
+                self._drop_device()
+        else:
+            self._device_life.written()
+            self.shard.free()
+
+    def free_all(self) -> None:
+        """Free both copies (the chunk is no longer used)."""
+        if self._device_life.holds_memory:
+            self._drop_device()
+        self.shard.free()
+
+    def current(self) -> torch.Tensor:
+        """A full-length tensor holding the current contents (one rank only): the device copy if current,
+        else the shard."""
+        if self.sharded:
+            raise ChunkStateError(f"{self.owner}.param", "be read whole without a gather (sharded)",
+                                  self.shard_state, (), self.shards.rank)
+        self.wait()
+        if self._device_life.current:
+            return self.device
+        self.shard.life.check("be read (no copy of the parameters is current)", CopyState.CURRENT)
+        return self.shard.read()
+
+    def local(self) -> torch.Tensor:
+        """This rank's ``shard_numel`` elements of the current contents (the whole chunk with one rank)."""
+        if self.shard.life.current:
+            return self.shard.read()
+        self.wait()
+        self._device_life.check("be read (no copy of the parameters is current)", CopyState.CURRENT)
+        return self.own_slice(self.device)
+
+
+def gather_together(buffers: list[ParamBuffer]) -> None:
+    """Make the full device copies of several sharded chunks of equal size current with one all-gather
+    (what :class:`~chunkmem.BucketTensorShardStrategy` does for the chunks of one module)."""
+    first = buffers[0]
+    shards, count, shard_numel = first.shards, len(buffers), first.shard_numel
+    device = first.device.device
+    local = torch.cat([b.shard.tensor.to(device) for b in buffers])
+    gathered = torch.empty(shards.world * count * shard_numel, dtype=first.dtype, device=device)
+    shards.all_gather(gathered, local, what="parameters of " + ", ".join(b.owner for b in buffers))
+    by_rank = gathered.view(shards.world, count, shard_numel)
+    for i, buf in enumerate(buffers):
+        buf.filled_together()
+        buf.device.view(shards.world, shard_numel).copy_(by_rank[:, i])
+        if buf.shard.tier is Tier.HOST:
+            buf.ledger.count_move(Tier.DEVICE, buf.shard.nbytes)
+        buf.wait()
+
+
+class _Use(enum.Enum):
+    UNUSED = "unused"
+    USED = "used"
+
+
+class Chunk:
+    """A fixed number of elements (``numel``) holding whole parameters of one :class:`ChunkKey`."""
+
+    def __init__(self, index: int, numel: int, dtype: torch.dtype, key: ChunkKey, ledger: TierLedger,
+                 shards: ShardGroup = SINGLE_PROCESS) -> None:
+        if numel % shards.world:
+            raise ValueError(f"chunk of {numel} elements cannot be split into {shards.world} equal shards")
+        self.index = index
+        self.numel = numel
+        self.shards = shards
+        self.dtype = dtype
+        self.key = key
+        self.ledger = ledger
+        self.name = f"chunk{index}"
+        self.slots: list[ParamSlot] = []
+        self.used_numel = 0
+        self.size_was_given = False
+        self.built_with: list["Chunk"] = [self]  # the chunks built together with this one
+        self.param = ParamBuffer(numel, dtype, ledger, self.name, shards, index)
+        # Finished gradients and optimizer state are per shard; the staging buffer the backward writes
+        # into is full-length (reduce-scattered into ``grad`` when sharded).
+        self.grad = FlatBuffer(GRAD, self.shard_numel, dtype, ledger, self.name, shards.rank, index)
+        self.grad_staging = FlatBuffer(GRAD_STAGING, numel, dtype, ledger, self.name, shards.rank, index)
+        self.optim: dict[str, FlatBuffer] = {
+            family: FlatBuffer(family, self.shard_numel, torch.float32, ledger, self.name, shards.rank, index)
+            for family in OPTIM_FAMILIES}
+        self._buffer_sizes = {self.param.nbytes, *(b.nbytes for b in self.flat_buffers())}  # bytes
+        if ledger.blocks is not None:
+            ledger.blocks.use_sizes(self._buffer_sizes)
+        # Per-backward bookkeeping, reset by the manager.
+        self.grad_slots_received: set[int] = set()
+        self.grads_finished = False
+        self.accumulator_fresh = False
+        self._users = 0  # modules computing with the chunk now
+        self._held = False  # kept on the device until its gradients of this backward are finished
+        self.step = 0
+
+    # ---- use (changed only here) ---------------------------------------------------------------------
+
+    @property
+    def users(self) -> int:
+        """Modules whose forward is computing with the chunk now."""
+        return self._users
+
+    @property
+    def held_for_backward(self) -> bool:
+        """Whether the backward keeps the chunk on the device until its gradients are finished."""
+        return self._held
+
+    @property
+    def in_use(self) -> bool:
+        return self._users > 0 or self._held
+
+    def add_user(self) -> None:
+        self._users += 1
+
+    def remove_user(self) -> None:
+        if self._users <= 0:
+            raise ChunkStateError(f"{self.name} use count", "lose a user", _Use.UNUSED, (_Use.USED,),
+                                  self.shards.rank)
+        self._users -= 1
+
+    def hold(self) -> None:
+        self._held = True
+
+    def unhold(self) -> None:
+        self._held = False
+
+    @property
+    def trainable(self) -> bool:
+        return self.key.trainable
+
+    def flat_buffers(self) -> tuple[FlatBuffer, ...]:
+        """Every family's buffer but the device copy of the parameters."""
+        return (self.param.shard, self.grad, self.grad_staging, *self.optim.values())
+
+    def free_all(self) -> None:
+        """Free every buffer of a chunk that is no longer used (a re-pack replaced it); the block pool
+        stops keeping blocks of its sizes unless another chunk has them."""
+        self.param.free_all()
+        for buf in self.flat_buffers():
+            buf.free()
+        if self.ledger.blocks is not None:
+            self.ledger.blocks.stop_using_sizes(self._buffer_sizes)
+            self._buffer_sizes = set()
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements of the chunk this rank keeps in every family (all of them with one rank)."""
+        return self.param.shard_numel
+
+    @property
+    def shard_offset(self) -> int:
+        """Where this rank's elements start in the chunk (elements)."""
+        return self.param.shard_offset
+
+    @property
+    def has_master(self) -> bool:
+        """Whether the fp32 master is a separate family (16-bit params) or the params themselves (fp32)."""
+        return self.trainable and self.dtype != torch.float32
+
+    @property
+    def element_size(self) -> int:
+        return self.param.nbytes // self.numel
+
+    def fits(self, numel: int) -> bool:
+        return self.used_numel + numel <= self.numel
+
+    def add_slot(self, param: nn.Parameter, name: str) -> ParamSlot:
+        slot = ParamSlot(param, name, self, self.used_numel, param.numel(), param.shape, len(self.slots))
+        self.slots.append(slot)
+        self.used_numel += slot.numel
+        return slot
+
+    def bind_views(self, flat: torch.Tensor, slots: list[ParamSlot] | None = None) -> None:
+        """Point the ``.data`` of every parameter (or of those in ``slots``) at its slice of ``flat``. A
+        view can only be cut from allocated storage, so storage freed to 0 bytes is given its size for
+        the moment of cutting."""
+        storage = flat.untyped_storage()
+        freed = storage.nbytes() == 0
+        if freed:
+            storage.resize_(flat.numel() * flat.element_size())
+        with torch._C.DisableTorchFunctionSubclass():  # chunkmem's own write, past the parameter guard
+            for slot in self.slots if slots is None else slots:
+                slot.param.data = slot.view(flat)
+        if freed:
+            storage.resize_(0)
+
+    def trainable_slots(self) -> list[ParamSlot]:
+        """The slots whose parameters require grad now (read past the parameter guard: this runs for
+        every gradient of a backward)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            return [s for s in self.slots if s.param.requires_grad]
+
+    def own_range(self, slot: ParamSlot) -> tuple[int, int] | None:
+        """The elements ``(start, end)`` of ``slot``'s parameter (0 = its first element) that lie in this
+        rank's shard, or ``None`` when none do."""
+        start = max(slot.offset, self.shard_offset)
+        end = min(slot.offset + slot.numel, self.shard_offset + self.shard_numel)
+        return (start - slot.offset, end - slot.offset) if start < end else None
+
+    def write_own_part(self, slot: ParamSlot, local: torch.Tensor, value: torch.Tensor) -> None:
+        """Copy this rank's part of ``value`` (``slot``'s whole parameter) into ``local``, a buffer of
+        ``shard_numel`` elements of this chunk."""
+        part = self.own_range(slot)
+        if part is not None:
+            begin, end = part
+            start = slot.offset + begin - self.shard_offset
+            local[start:start + end - begin].copy_(value.reshape(-1)[begin:end])
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """A new full-length tensor from every rank's ``local`` shard (a collective when sharded: every
+        rank calls it for the same chunks in the same order)."""
+        full = torch.empty(self.numel, dtype=local.dtype, device=local.device)
+        self.shards.all_gather(full, local, what=self.name)
+        return full
+
+    def __repr__(self) -> str:
+        return (f"Chunk({self.index}, numel={self.numel}, used={self.used_numel}, dtype={self.dtype}, "
+                f"key={self.key}, params={len(self.slots)})")

@@ -1,0 +1,253 @@
+"""The disk tier of one model: chunk buffers resting in files, read and written through aligned buffers.
+
+Each state family that rests on disk has one file in the model's private scratch directory under
+``nvme_path`` (:class:`~chunkmem.io.disk_io.ScratchSpace`: created with the model, removed with it, at
+exit and after an exception). A chunk's buffer of that family is a region of the file at a fixed place
+given by the chunk's index; with ``atomic_step`` there are two regions per chunk (two *slots*) and the
+buffer's ``disk_slot`` says which one holds the current contents: an optimizer step writes the other
+slot and the step commits by switching slots only when every chunk was written on every rank (see
+:mod:`chunkmem.optim.disk_step`). Regions start at multiples of :data:`~chunkmem.io.disk_io.ALIGNMENT`.
+
+All disk I/O goes through the pool of ``buffer_count`` × (families streamed) aligned host buffers of
+``buffer_size`` bytes each (pinned only when CUDA exists), counted in the host ledger as the family
+``"disk_io"``. Reads and writes run on the I/O worker threads; whole buffers are moved in pieces of
+``buffer_size`` bytes.
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Iterable
+
+import numpy
+import torch
+
+from ..io.disk_io import ALIGNMENT, AlignedBufferPool, DiskFile, IOHandle, ScratchSpace, aligned_nbytes
+from .errors import InvalidArgumentError, check_type
+from .tiers import Tier
+
+if TYPE_CHECKING:
+    from .chunk import FlatBuffer
+    from .ledger import TierLedger
+
+DEFAULT_BUFFER_COUNT = 4
+DEFAULT_BUFFER_SIZE = 16 * 2**20  # bytes
+PIECE_ALIGNMENT = 2 * ALIGNMENT   # bytes: a piece of a 16-bit and of an fp32 family both start aligned
+DISK_IO_FAMILY = "disk_io"
+JOURNAL = "journal"  # the old values of fp32 parameters kept while an atomic step runs (see disk_step)
+
+
+def check_disk_arguments(offload_optimizer: str | None, offload_param: str | None, nvme_path: object,
+                         buffer_count: object, buffer_size: object, atomic_step: object, policy: str,
+                         reuse_fp16_shard: bool) -> None:
+    """Validate the disk-tier arguments of :class:`~chunkmem.ShardedModelV2` (changing nothing)."""
+    for name, value in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
+        if value is not None and value != "disk":
+            raise InvalidArgumentError(name, value, "None or 'disk'")
+    check_type("atomic_step", atomic_step, bool, "True or False")
+    check_type("buffer_count", buffer_count, int, "an int >= 1")
+    if buffer_count < 1:
+        raise InvalidArgumentError("buffer_count", buffer_count, "an int >= 1 (2 or more overlap reads and writes)")
+    buffer_size_allowed = f"a whole number of bytes (int), a multiple of {PIECE_ALIGNMENT}"
+    check_type("buffer_size", buffer_size, int, buffer_size_allowed)
+    if buffer_size < PIECE_ALIGNMENT or buffer_size % PIECE_ALIGNMENT:
+        raise InvalidArgumentError("buffer_size", buffer_size, buffer_size_allowed)
+    on_disk = offload_optimizer == "disk" or offload_param == "disk"
+    if not on_disk:
+        if nvme_path is not None:
+            raise InvalidArgumentError("nvme_path", nvme_path, "None unless offload_optimizer or offload_param "
+                                                               "is 'disk'")
+        return
+    if nvme_path is None:
+        raise InvalidArgumentError("nvme_path", nvme_path, "a directory (str or path) for the disk tier's files, "
+                                                           "needed with offload_optimizer/offload_param='disk'")
+    check_type("nvme_path", nvme_path, (str, os.PathLike), "a directory (str or os.PathLike)")
+    if offload_param == "disk" and reuse_fp16_shard:
+        raise InvalidArgumentError("offload_param", offload_param,
+                                   "None with reuse_fp16_shard=True (the gradients would live in the parameters' "
+                                   "disk files)")
+    if policy not in ("cpu", "auto", "static"):
+        raise InvalidArgumentError("tensor_placement_policy", policy,
+                                   "'cpu', 'auto' or 'static' with the disk tier (under 'cuda' nothing rests "
+                                   "off the device)")
+
+
+class DiskTier:
+    """The files, slots and I/O buffers of one model's disk tier (see the module docstring).
+
+    ``file_bytes`` is what the files occupy on disk (regions rounded up to the alignment, both slots
+    with ``atomic_step``); the ledger's ``disk`` figures are the buffers' own bytes.
+    """
+
+    def __init__(self, nvme_path: str | os.PathLike, buffer_count: int, buffer_size: int, atomic_step: bool,
+                 ledger: "TierLedger") -> None:
+        self.scratch = ScratchSpace(nvme_path)
+        self.buffer_count = buffer_count
+        self.buffer_size = buffer_size
+        self.atomic_step = atomic_step
+        self.slots = 2 if atomic_step else 1
+        self.ledger = ledger
+        self._files: dict[str, DiskFile] = {}
+        self._region: dict[str, int] = {}  # bytes per chunk region of each family
+        self._slots: dict[str, int] = {}   # regions per chunk of each family
+        self._pool: AlignedBufferPool | None = None
+        self._fetcher: ThreadPoolExecutor | None = None  # reads parameter chunks for compute, one at a time
+        self._fetch_pool: AlignedBufferPool | None = None
+        self._fetch_buffer: torch.Tensor | None = None
+
+    @property
+    def path(self) -> str:
+        """The private scratch directory."""
+        return self.scratch.path
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes the disk tier's files occupy (preallocated)."""
+        return self.scratch.bytes_on_disk()
+
+    def close(self) -> None:
+        """Remove the files (the model is gone)."""
+        self.release_buffers()
+        self.scratch.close()
+
+    # ---- files and regions ---------------------------------------------------------------------------
+
+    def reserve(self, family: str, region_nbytes: int, chunks: int, slots: int | None = None) -> None:
+        """Make the family's file hold ``chunks`` × ``slots`` (default: 2 with ``atomic_step``, else 1)
+        regions of ``region_nbytes`` bytes each, preallocated, so that a full disk shows here, before any
+        state changes. Raises :class:`~chunkmem.io.disk_io.DiskIOError` naming the file."""
+        region = aligned_nbytes(region_nbytes)
+        slots = self.slots if slots is None else slots
+        if self._region.get(family, region) != region or self._slots.get(family, slots) != slots:
+            raise ValueError(f"internal error: {family} regions of {self._region[family]} bytes × "
+                             f"{self._slots[family]} and {region} × {slots}")
+        need = region * slots * chunks
+        if family not in self._files:
+            self._files[family] = self.scratch.file(f"{family}.bin", need)
+            self._region[family], self._slots[family] = region, slots
+        elif self._files[family].nbytes < need:
+            self._files[family].grow(need)
+
+    def offset(self, family: str, chunk_index: int, slot: int) -> int:
+        """Byte offset of the chunk's region ``slot`` in the family's file."""
+        return (chunk_index * self._slots[family] + slot) * self._region[family]
+
+    def file(self, family: str) -> DiskFile:
+        return self._files[family]
+
+    # ---- I/O buffers ---------------------------------------------------------------------------------
+
+    def buffers(self, families: int) -> AlignedBufferPool:
+        """The pool of aligned buffers for streaming ``families`` families at once (grown if needed; held
+        bytes on the host ledger)."""
+        count = self.buffer_count * families
+        if self._pool is None or self._pool.count < count:
+            self._release_pool()
+            self.ledger.reserve(Tier.HOST, DISK_IO_FAMILY, count * aligned_nbytes(self.buffer_size),
+                                "the disk tier's I/O buffers")
+            self._pool = AlignedBufferPool(count, self.buffer_size)
+        return self._pool
+
+    def release_buffers(self) -> None:
+        """Give back the I/O buffers and stop the fetch thread (their bytes leave the host ledger)."""
+        self._release_pool()
+        if self._fetcher is not None:
+            self._fetcher.shutdown(wait=True)
+            self.ledger.release(Tier.HOST, DISK_IO_FAMILY, self._fetch_pool.total_nbytes)
+            self._fetcher = self._fetch_pool = self._fetch_buffer = None
+
+    def _release_pool(self) -> None:
+        if self._pool is not None:
+            self.ledger.release(Tier.HOST, DISK_IO_FAMILY, self._pool.count * aligned_nbytes(self.buffer_size))
+            self._pool = None
+
+    def start_read_all(self, buf: "FlatBuffer", out: torch.Tensor) -> "Future[None]":
+        """Start copying ``buf``'s current contents into ``out`` on the fetch thread (through its own
+        aligned buffer of ``buffer_size`` bytes, on the host ledger); the future's result raises a
+        failed read's :class:`~chunkmem.io.disk_io.DiskIOError`."""
+        if self._fetcher is None:
+            self.ledger.reserve(Tier.HOST, DISK_IO_FAMILY, aligned_nbytes(self.buffer_size),
+                                "the disk tier's fetch buffer")
+            self._fetch_pool = AlignedBufferPool(1, self.buffer_size)
+            self._fetch_buffer = self._fetch_pool.take()
+            self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="chunkmem-disk-fetch")
+        self.ledger.count_disk(read=buf.nbytes)  # here, not on the thread: the counters are the caller's
+        return self._fetcher.submit(self._copy_into, buf, out, self._fetch_buffer, buf.disk_slot)
+
+    def _copy_into(self, buf: "FlatBuffer", out: torch.Tensor, staging: torch.Tensor, slot: int) -> None:
+        """Read ``buf``'s ``slot`` piece by piece through ``staging`` into ``out`` (bytes already counted)."""
+        for start, end in self.pieces(buf.numel, buf.element_size):
+            self.read_piece(buf, start, end, staging, slot, count=False).wait()
+            out[start:end].copy_(_typed(staging, buf.dtype, end - start))
+
+    # ---- whole-buffer reads and writes (checkpoints, setup, accessors) -------------------------------
+
+    def pieces(self, numel: int, element_size: int) -> Iterable[tuple[int, int]]:
+        """``(start, end)`` element ranges of at most ``buffer_size`` bytes covering ``numel`` elements."""
+        step = self.buffer_size // element_size
+        return ((a, min(a + step, numel)) for a in range(0, numel, step))
+
+    def read_piece(self, buf: "FlatBuffer", start: int, end: int, into: torch.Tensor, slot: int | None = None,
+                   count: bool = True) -> IOHandle:
+        """Start reading elements ``[start, end)`` of ``buf``'s current (or given) slot into the aligned
+        uint8 buffer ``into`` (``count``: add the bytes to the ledger's disk reads)."""
+        esize = buf.element_size
+        nbytes = aligned_nbytes((end - start) * esize)
+        offset = self.offset(buf.family, buf.index, buf.disk_slot if slot is None else slot) + start * esize
+        if count:
+            self.ledger.count_disk(read=(end - start) * esize)
+        return self._files[buf.family].read_into(into[:nbytes], offset, f"{buf.owner}.{buf.family}")
+
+    def write_piece(self, buf: "FlatBuffer", start: int, end: int, data: torch.Tensor, slot: int) -> IOHandle:
+        """Start writing the aligned uint8 buffer ``data`` (elements ``[start, end)`` of ``buf``) into
+        ``slot``."""
+        esize = buf.element_size
+        nbytes = aligned_nbytes((end - start) * esize)
+        offset = self.offset(buf.family, buf.index, slot) + start * esize
+        self.ledger.count_disk(written=(end - start) * esize)
+        return self._files[buf.family].write_from(data[:nbytes], offset, f"{buf.owner}.{buf.family}")
+
+    def load(self, buf: "FlatBuffer") -> torch.Tensor:
+        """A new host tensor holding ``buf``'s current contents (read piece by piece)."""
+        out = torch.empty(buf.numel, dtype=buf.dtype)
+        self.read_all(buf, out)
+        return out
+
+    def read_all(self, buf: "FlatBuffer", out: torch.Tensor) -> None:
+        """Copy ``buf``'s current contents into ``out`` (``buf.numel`` elements, any device), piece by piece."""
+        pool = self.buffers(1)
+        staging = pool.take()
+        self.ledger.count_disk(read=buf.nbytes)
+        try:
+            self._copy_into(buf, out, staging, buf.disk_slot)
+        finally:
+            pool.give_back(staging)
+
+    def mapped(self, buf: "FlatBuffer") -> torch.Tensor:
+        """``buf``'s current contents as a read-only CPU tensor mapped from its file (pages are read as
+        they are touched and can be dropped again: a checkpoint streams through it without holding it)."""
+        offset = self.offset(buf.family, buf.index, buf.disk_slot)
+        raw = numpy.memmap(self._files[buf.family].path, dtype=numpy.uint8, mode="c", offset=offset,
+                           shape=(buf.nbytes,))
+        return torch.from_numpy(raw).view(buf.dtype)
+
+    def store(self, buf: "FlatBuffer", values: torch.Tensor | None, slot: int) -> None:
+        """Write ``values`` (``buf.numel`` elements; ``None``: zeros) into ``buf``'s ``slot``, piece by
+        piece, waiting for the writes."""
+        pool = self.buffers(1)
+        staging = pool.take()
+        try:
+            if values is None:
+                staging.zero_()
+            for start, end in self.pieces(buf.numel, buf.element_size):
+                if values is not None:
+                    _typed(staging, buf.dtype, end - start).copy_(values[start:end])
+                self.write_piece(buf, start, end, staging, slot).wait()
+        finally:
+            pool.give_back(staging)
+
+
+def _typed(raw: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """The first ``numel`` elements of the uint8 buffer ``raw`` seen as ``dtype``."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return raw[:numel * size].view(dtype)

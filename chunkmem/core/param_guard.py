@@ -1,0 +1,440 @@
+"""Chunk-managed parameters that are always safe to touch.
+
+A parameter packed into a chunk is a view into the chunk's device copy, whose memory exists only while
+a module computes (and, sharded, holds other ranks' elements too). Reading such a view between uses
+would read freed memory. So when a parameter enters a chunk its class becomes :class:`ChunkParameter`
+(an ``nn.Parameter`` subclass; ``isinstance(p, nn.Parameter)`` still holds), whose
+``__torch_function__`` sees every Python-level use of it and decides:
+
+================================  =================================  ======================================
+where the use happens             reads (print, sum, detach, clone,  in-place writes (``copy_``,
+                                  ``.float()``, ``state_dict()``)    ``nn.init.*``, ``p[...] = v``)
+================================  =================================  ======================================
+inside a forward of its model     the parameter itself (a module     the parameter itself (as before)
+                                  using another module's parameter
+                                  fetches that chunk first)
+inside ``GatheredParameters``     the gathered parameter             the gathered parameter; with
+                                                                     ``modifier_rank`` written back on exit
+anywhere else, one rank           a copy of the current values;      written into the chunk if it has no
+                                  plain tensors, no autograd: a use  separate fp32 master; otherwise
+                                  that needs a gradient is refused   refused (use ``GatheredParameters``)
+anywhere else, sharded chunk      refused unless gathered            refused (use ``GatheredParameters``)
+================================  =================================  ======================================
+
+Refusals raise :class:`ParameterAccessError` naming the parameter and the documented way. Metadata
+(``shape``, ``dtype``, ``requires_grad_``, hook registration...) always passes through.
+``param.data`` outside a forward gives a copy whose in-place changes are applied to the parameter by
+the rules above. ``param.grad`` is ``None`` until a backward, then a stand-in that refuses every use
+(gradients live in chunks: ``optim.clip_grad_norm``); setting it to ``None`` zeroes the parameter's
+gradient. ``copy.deepcopy`` and pickling of a chunk-managed parameter are refused.
+
+A tensor that a module's forward got from a parameter and kept past the forward (``w = p.data`` inside
+``forward``, stored on ``self``) still views chunk memory: keep copies, not views.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch._C import DisableTorchFunctionSubclass
+from torch.utils._pytree import tree_leaves, tree_map
+
+from .chunk import MASTER, Chunk, ParamSlot
+from .errors import UnsupportedOperationError
+
+SLOT_ATTR = "_chunkmem_slot"
+
+READ_HELP = ("read it inside `with chunkmem.GatheredParameters([param]):` (every rank enters it), or take "
+             "a copy with `model.full_parameter(param)` or `model.state_dict()`")
+WRITE_HELP = ("change it inside `with chunkmem.GatheredParameters([param], modifier_rank=0):` (every rank "
+              "enters it), which writes the new values into the chunk and its fp32 master")
+
+
+class ParameterAccessError(UnsupportedOperationError):
+    """A use of a chunk-managed parameter (or a conversion of the model) that chunkmem cannot serve
+    correctly; the message names the parameter and the documented way."""
+
+
+# ---- who owns a chunk, and which chunks are gathered for writing ---------------------------------
+
+_owners: "weakref.WeakKeyDictionary[Chunk, weakref.ref]" = weakref.WeakKeyDictionary()  # values weak too:
+# the hooks reference their chunks, so a strong value would keep every wrapped model alive
+_writable: "weakref.WeakKeyDictionary[Chunk, int]" = weakref.WeakKeyDictionary()
+_readable: "weakref.WeakKeyDictionary[Chunk, int]" = weakref.WeakKeyDictionary()
+
+
+def set_owner(chunk: Chunk, hooks: Any) -> None:
+    """Record the :class:`~chunkmem.runtime.hooks.ChunkHooks` of the model that owns ``chunk``."""
+    _owners[chunk] = weakref.ref(hooks)
+
+
+def owner_of(chunk: Chunk) -> Any:
+    """The hooks of the model owning ``chunk``, or ``None`` before it is wrapped."""
+    ref = _owners.get(chunk)
+    return None if ref is None else ref()
+
+
+def open_gathered(chunks: list[Chunk], writable: bool) -> None:
+    """``GatheredParameters`` made the chunks' device copies current: reads (and, if ``writable``,
+    writes) of their parameters pass through until :func:`close_gathered`."""
+    for chunk in chunks:
+        _readable[chunk] = _readable.get(chunk, 0) + 1
+        if writable:
+            _writable[chunk] = _writable.get(chunk, 0) + 1
+
+
+def close_gathered(chunks: list[Chunk], writable: bool) -> None:
+    for chunk in chunks:
+        for table, on in ((_readable, True), (_writable, writable)):
+            if on:
+                table[chunk] -= 1
+                if not table[chunk]:
+                    del table[chunk]
+
+
+# ---- adopting and releasing parameters -----------------------------------------------------------
+
+def slot_of(param: Any) -> ParamSlot | None:
+    """The slot of a chunk-managed parameter, or ``None`` for an ordinary one."""
+    return getattr(param, SLOT_ATTR, None)
+
+
+def adopt(param: nn.Parameter, slot: ParamSlot) -> None:
+    """Make ``param`` a chunk-managed parameter living in ``slot``."""
+    setattr(param, SLOT_ATTR, slot)
+    if not isinstance(param, ChunkParameter):
+        param.__class__ = _guarded_class(type(param))
+
+
+def disown(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Give ``param`` back its plain class, holding ``value`` (its chunk no longer holds it)."""
+    if isinstance(param, ChunkParameter):
+        param.__class__ = _unguarded[type(param)]
+    with DisableTorchFunctionSubclass():
+        param.data = value
+    if hasattr(param, SLOT_ATTR):
+        delattr(param, SLOT_ATTR)
+
+
+_guarded_classes: dict[type, type] = {}  # a parameter class -> its guarded subclass
+_unguarded: dict[type, type] = {}  # and back
+
+
+def _guarded_class(cls: type) -> type:
+    if cls not in _guarded_classes:
+        guarded = ChunkParameter if cls is nn.Parameter else type(f"Chunk{cls.__name__}", (ChunkParameter, cls), {})
+        _guarded_classes[cls], _unguarded[guarded] = guarded, cls
+    return _guarded_classes[cls]
+
+
+# ---- classifying torch functions -----------------------------------------------------------------
+
+_METADATA_ATTRIBUTES = frozenset({
+    "shape", "dtype", "device", "requires_grad", "is_leaf", "grad_fn", "ndim", "layout", "names", "is_cuda",
+    "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "is_nested", "itemsize", "nbytes",
+    "output_nr", "_version", "_backward_hooks", "_post_accumulate_grad_hooks", "__dict__", "_base", "is_xpu",
+    "is_mps", "_cdata", "__class__"})
+_METADATA_METHODS = frozenset({
+    "size", "dim", "numel", "nelement", "element_size", "is_floating_point", "is_complex", "is_contiguous",
+    "stride", "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "retain_grad",
+    "get_device", "__hash__", "__len__", "_is_view", "is_signed", "_has_compatible_shallow_copy_type",
+    "__setstate__", "_increment_version", "increment_version"})
+_INPLACE_DUNDERS = frozenset({
+    "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+    "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"})
+
+
+def _attribute(func: Any) -> tuple[str, str] | None:
+    """``(name, "get" | "set")`` when ``func`` is a tensor attribute's getter or setter."""
+    kind = getattr(func, "__name__", "")
+    if kind not in ("__get__", "__set__"):
+        return None
+    return getattr(getattr(func, "__self__", None), "__name__", ""), kind[2:5]
+
+
+_METADATA = ("metadata",)
+_kinds: dict[Any, Any] = {}  # func -> _METADATA, an attribute's (name, "get"|"set"), or () (a call)
+
+
+def _kind_of(func: Any) -> Any:
+    """What ``func`` is to the guard, classified once per function."""
+    kind = _kinds.get(func)
+    if kind is None:
+        attribute = _attribute(func)
+        kind = _kinds[func] = _METADATA if _is_metadata(func, attribute) else (attribute or ())
+    return kind
+
+
+def _is_metadata(func: Any, attribute: tuple[str, str] | None) -> bool:
+    if attribute is not None:
+        return attribute[0] in _METADATA_ATTRIBUTES and attribute[1] == "get"
+    return getattr(func, "__name__", "") in _METADATA_METHODS
+
+
+def _written_target(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The tensor an in-place call modifies (its first argument, or ``out=``), or ``None``."""
+    out = kwargs.get("out")
+    if out is not None:
+        return out
+    name = getattr(func, "__name__", "")
+    modifies = (getattr(func, "__module__", "") == "torch.nn.init" or name in _INPLACE_DUNDERS
+                or (name.endswith("_") and not name.startswith("_")))
+    if not modifies:
+        return None
+    if args:
+        return args[0]
+    return next((kwargs[k] for k in ("tensor", "input", "self") if k in kwargs), None)
+
+
+# ---- the guarded parameter -----------------------------------------------------------------------
+
+class ChunkParameter(nn.Parameter):
+    """An ``nn.Parameter`` whose values live in a chunk; see the module docstring for what each use
+    does. Created by chunkmem (``ZeroInitContext``, ``ShardedModelV2``), never directly."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        kind = _kind_of(func)
+        if kind is _METADATA:
+            with DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        attribute = kind
+        params = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, ChunkParameter)]
+        if attribute:
+            return _attribute_access(params[0], attribute, func, args, kwargs)
+        target = _written_target(func, args, kwargs)
+        if all(_passes(p, p is target) for p in params):
+            return _plain(func, args, kwargs)
+        if isinstance(target, ChunkParameter):
+            return _write_outside_compute(target, func, args, kwargs)
+        return _read_outside_compute(params, func, args, kwargs)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise ParameterAccessError(
+            f"copy.deepcopy of the chunk-managed parameter {_name(self)!r}: its values live in a chunk shared "
+            "with other parameters. Copy the model's weights with model.state_dict() (and build a new model "
+            "from them), or take a plain module back with model.unwrap()")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise ParameterAccessError(
+            f"pickling (torch.save) the chunk-managed parameter {_name(self)!r} directly: save "
+            "model.state_dict() or use chunkmem.save_checkpoint")
+
+
+def _plain(func: Callable, args: tuple, kwargs: dict) -> Any:
+    with DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+def _name(param: Any) -> str:
+    slot = slot_of(param)
+    return slot.name if slot is not None else "<parameter>"
+
+
+def _in_forward(chunk: Chunk) -> Any:
+    """The owner's hooks when its model is inside a forward, else ``None``."""
+    hooks = owner_of(chunk)
+    return hooks if hooks is not None and hooks.stack else None
+
+
+def _passes(param: ChunkParameter, written: bool) -> bool:
+    """Whether a use of ``param`` runs on the parameter itself (see the module docstring)."""
+    slot = slot_of(param)
+    if slot is None:
+        return True
+    chunk = slot.chunk
+    hooks = _in_forward(chunk)
+    if hooks is not None:
+        hooks.use_foreign(param)
+        return True
+    if owner_of(chunk) is None:  # built in ZeroInitContext, not wrapped yet: views hold the values
+        with DisableTorchFunctionSubclass():
+            return param.untyped_storage().nbytes() > 0
+    if chunk in (_writable if written else _readable):
+        return True
+    return False
+
+
+def _attribute_access(param: ChunkParameter, attribute: tuple[str, str], func: Any, args: tuple,
+                      kwargs: dict) -> Any:
+    name, kind = attribute
+    slot = slot_of(param)
+    if slot is not None and name == "grad" and owner_of(slot.chunk) is not None:
+        return _gradient_stand_in(param, slot) if kind == "get" else _set_gradient(slot, args[1], func, args)
+    if slot is None or _passes(param, written=kind == "set" or name == "data"):
+        return _plain(func, args, kwargs)
+    if name == "data" and kind == "get":
+        return _DataCopy.of(param, _current_values(slot))
+    if kind == "set":
+        raise ParameterAccessError(
+            f"assigning .{name} of the chunk-managed parameter {slot.name!r}: its memory belongs to a chunk. "
+            f"To change its values, {WRITE_HELP}; dtype and placement are chunkmem's (ShardedModelV2 arguments)")
+    return _plain(func, (_current_values(slot),) + tuple(args[1:]), kwargs)
+
+
+def _gradient_stand_in(param: ChunkParameter, slot: ParamSlot) -> Any:
+    hooks = owner_of(slot.chunk)
+    with DisableTorchFunctionSubclass():
+        requires_grad = param.requires_grad
+    if hooks is None or not hooks.manager.grads_pending or not requires_grad or not slot.chunk.trainable:
+        return None
+    return ChunkGradient(slot.name, slot.shape, slot.chunk.dtype, slot.chunk.param.device.device)
+
+
+def _set_gradient(slot: ParamSlot, value: Any, func: Any, args: tuple) -> None:
+    if value is not None:
+        raise ParameterAccessError(
+            f"assigning .grad of the chunk-managed parameter {slot.name!r}: gradients live in chunks and are "
+            "written by backward; clip them with optim.clip_grad_norm(max_norm)")
+    hooks = owner_of(slot.chunk)
+    grad = hooks.manager.grad_of(slot.chunk) if hooks is not None else None
+    part = slot.chunk.own_range(slot)
+    if grad is not None and part is not None:  # no 'no gradient' state per parameter: zero its part
+        start = slot.offset + part[0] - slot.chunk.shard_offset
+        grad[start:start + part[1] - part[0]].zero_()
+    _plain(func, args, {})
+
+
+def _current_values(slot: ParamSlot) -> torch.Tensor:
+    """A new tensor with the parameter's current values (its chunk's dtype, where the chunk is)."""
+    chunk = slot.chunk
+    buf = chunk.param
+    with torch.no_grad():
+        if buf.holds_grads:  # reuse_fp16_shard between backward and step: the values are in the master
+            master = chunk.optim[MASTER]
+            if buf.sharded or not master.allocated:
+                raise ParameterAccessError(
+                    f"the chunk of parameter {slot.name!r} holds gradients until optim.step() "
+                    f"(reuse_fp16_shard=True); read it after the step, or {READ_HELP}")
+            return slot.view(master.read()).to(chunk.dtype)
+        if buf.device_valid:
+            return slot.view(buf.device).clone()
+        if buf.sharded:
+            raise ParameterAccessError(
+                f"parameter {slot.name!r} is sharded over {buf.shards.world} ranks and not gathered now: {READ_HELP}")
+        return slot.view(buf.current()).clone()
+
+
+def _read_outside_compute(params: list[ChunkParameter], func: Any, args: tuple, kwargs: dict) -> Any:
+    """Run a reading call on copies of the parameters' current values (see the module docstring)."""
+    copies: dict[int, torch.Tensor] = {}
+    needs_grad = False
+    for param in params:
+        slot = slot_of(param)
+        if slot is None or id(param) in copies or _passes(param, written=False):
+            continue
+        value = _current_values(slot)
+        with DisableTorchFunctionSubclass():
+            if torch.is_grad_enabled() and param.requires_grad:
+                value.requires_grad_(True)
+                needs_grad = True
+        copies[id(param)] = value
+    swapped = tree_map(lambda x: copies.get(id(x), x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
+    result = _plain(func, *swapped)
+    if needs_grad and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(result)):
+        names = ", ".join(repr(_name(p)) for p in params if id(p) in copies)
+        raise ParameterAccessError(
+            f"{getattr(func, '__name__', func)} of the chunk-managed parameter {names} outside the model's forward "
+            "would need a gradient, which chunkmem delivers only for uses inside the forward. Use it inside the "
+            "forward, or read it without autograd (torch.no_grad() or param.detach())")
+    return result
+
+
+def _write_outside_compute(param: ChunkParameter, func: Any, args: tuple, kwargs: dict) -> Any:
+    """An in-place call on a parameter outside a forward: into the chunk where no fp32 master needs
+    the change too (one rank), else refused (see the module docstring)."""
+    slot = slot_of(param)
+    chunk, buf = slot.chunk, slot.chunk.param
+    if chunk in _readable:
+        raise ParameterAccessError(
+            f"{getattr(func, '__name__', func)} would change the parameter {slot.name!r} inside a read-only "
+            "GatheredParameters block: give it modifier_rank= to keep the change")
+    if buf.sharded or buf.holds_grads or chunk.optim[MASTER].allocated:
+        why = ("it is sharded over ranks" if buf.sharded else
+               "its chunk holds gradients until optim.step()" if buf.holds_grads else "it has an fp32 master copy")
+        raise ParameterAccessError(
+            f"{getattr(func, '__name__', func)} would change the chunk-managed parameter {slot.name!r} outside the "
+            f"model's forward, and {why}: {WRITE_HELP}")
+    with torch.no_grad():
+        current = buf.current()
+        view = slot.view(current)
+        swapped = tree_map(lambda x: view if x is param else x, (args, kwargs))
+        others = [p for p in tree_leaves(swapped) if isinstance(p, ChunkParameter)]
+        if others:
+            result = _read_outside_compute(others, func, *swapped)
+        else:
+            result = _plain(func, *swapped)
+        if buf.shard.on_disk:  # ``current`` was read from the disk, or is the device copy: the file follows
+            buf.shard.write(current)
+        elif buf.device_valid and buf.shard.allocated:  # a host copy that is current too stays current
+            slot.view(buf.shard.tensor).copy_(view)
+    return param if result is view else result
+
+
+# ---- stand-ins handed out instead of chunk memory ------------------------------------------------
+
+class _DataCopy(torch.Tensor):
+    """What ``param.data`` gives outside a forward: a copy of the values; in-place changes of it are
+    applied to the parameter (by the parameter's write rules) and copied back."""
+
+    _param: ChunkParameter
+
+    @staticmethod
+    def of(param: ChunkParameter, values: torch.Tensor) -> "_DataCopy":
+        copy = torch.Tensor._make_subclass(_DataCopy, values, False)
+        copy._param = param
+        return copy
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        target = _written_target(func, args, kwargs)
+        if isinstance(target, _DataCopy):
+            param = target._param
+            with torch.no_grad():
+                new_args, new_kwargs = tree_map(lambda x: param if x is target else x, (args, kwargs))
+                result = func(*new_args, **new_kwargs)
+                with DisableTorchFunctionSubclass():
+                    target.copy_(_current_values(slot_of(param)))
+            return target if result is param else result
+        return _plain(func, args, kwargs)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo: dict) -> torch.Tensor:
+        return self.as_subclass(torch.Tensor).clone()
+
+
+class ChunkGradient(torch.Tensor):
+    """What ``param.grad`` of a chunk-managed parameter gives once a backward wrote gradients: a
+    stand-in with the gradient's shape, dtype and device that refuses every other use (the gradients
+    live in chunks, possibly scaled by the loss scale and sharded over ranks)."""
+
+    _name: str
+
+    @staticmethod
+    def __new__(cls, name: str, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> "ChunkGradient":
+        stand_in = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
+        stand_in._name = name
+        return stand_in
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if _kind_of(func) is _METADATA:
+            return _plain(func, args, kwargs or {})
+        if getattr(func, "__name__", "") == "__repr__":
+            return f"ChunkGradient({args[0]._name!r}, shape={tuple(args[0].shape)}, dtype={args[0].dtype})"
+        stand_in = next(t for t in tree_leaves((args, kwargs)) if isinstance(t, ChunkGradient))
+        raise ParameterAccessError(
+            f"{getattr(func, '__name__', func)} on the gradient of the chunk-managed parameter {stand_in._name!r}: "
+            "gradients live in chunks (scaled by the loss scale with fp16, sharded over ranks). Clip them with "
+            "optim.clip_grad_norm(max_norm) (instead of torch.nn.utils.clip_grad_norm_), zero them with "
+            "optim.zero_grad()")
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        raise ParameterAccessError(f"{func} on a chunk-managed parameter's gradient stand-in: see ChunkGradient")

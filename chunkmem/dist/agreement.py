@@ -1,0 +1,236 @@
+"""Ranks agree on what they shard before the first collective that depends on it.
+
+Ranks that build different models, or the same model with another dtype or chunk size, would run
+collectives of different sizes or meanings: gloo aborts the process or mixes the bits of one dtype
+into another, or one rank waits for ever. So before such a collective every rank contributes a
+fixed-size digest (32 bytes, SHA-256) of a :class:`LayoutDescription`: where it is (``step``), its
+settings (world size, dtype, chunk size in elements, placement policy, ...) and its parameters
+(name, shape, trainable) in packing order. The digests travel in one all-gather of fixed length, so
+ranks that disagree cannot crash it. If any digest differs, the ranks exchange the descriptions
+themselves and every rank raises the same :class:`LayoutMismatchError` naming what differs.
+
+``ShardedModelV2`` agrees once its layout plan is known, before it builds or changes any chunk.
+``ZeroInitContext(shard_param=True)`` agrees before every gather its parameter writes need while the
+model is built (:class:`InitAgreement`) and when it closes: every collective of the context is then
+preceded by an agreement, so ranks that build different models stop at the first agreement after
+they diverge instead of pairing mismatched gathers.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+from .collectives import ShardGroup
+from ..core.errors import ChunkmemError
+from ..runtime.manager import slot_of
+
+if TYPE_CHECKING:  # only for type hints: these modules import this one
+    from ..core.chunk import ParamSlot
+    from ..init_context import ZeroInitContext
+    from ..model import ShardedModelV2, _LayoutPlan
+
+DIGEST_BYTES = 32  # SHA-256
+_MAX_PARAM_DIFFERENCES = 3  # parameters named in one message
+
+
+class LayoutMismatchError(ChunkmemError, RuntimeError):
+    """The ranks of a data-parallel group hold different models or settings. Raised on every rank with
+    the same message, which names each setting and the first parameters that differ, rank by rank."""
+
+
+@dataclass
+class ParamRecord:
+    """A rank's parameters as ``(name, shape, trainable)`` entries, hashed as they are added (so a
+    record that grows is not hashed again from the start)."""
+
+    entries: list[tuple[str, tuple[int, ...], bool]] = field(default_factory=list)
+    _hash: Any = field(default_factory=hashlib.sha256, repr=False)
+
+    def add(self, name: str, shape: Sequence[int], trainable: bool) -> None:
+        entry = (name, tuple(int(n) for n in shape), bool(trainable))
+        self.entries.append(entry)
+        self._hash.update(json.dumps(entry).encode() + b"\n")
+
+    def digest(self) -> bytes:
+        return self._hash.copy().digest()
+
+
+@dataclass
+class LayoutDescription:
+    """What the ranks must agree on: ``step`` (where they compare), ``settings`` (name and value text,
+    in a fixed order) and ``params``."""
+
+    step: str
+    settings: list[tuple[str, str]]
+    params: ParamRecord
+
+    def digest(self) -> bytes:
+        """:data:`DIGEST_BYTES` bytes that differ (but for a hash collision) when the descriptions do."""
+        head = json.dumps([self.step, self.settings]).encode()
+        return hashlib.sha256(head + b"\0" + self.params.digest()).digest()
+
+    def encode(self) -> bytes:
+        return json.dumps({"step": self.step, "settings": self.settings, "params": self.params.entries}).encode()
+
+    @staticmethod
+    def decode(data: bytes) -> "LayoutDescription":
+        doc = json.loads(data.decode())
+        record = ParamRecord()
+        for name, shape, trainable in doc["params"]:
+            record.add(name, shape, trainable)
+        return LayoutDescription(doc["step"], [tuple(s) for s in doc["settings"]], record)
+
+
+def agree(shards: ShardGroup, description: LayoutDescription) -> None:
+    """Raise :class:`LayoutMismatchError` on every rank of ``shards`` unless all hold an equal
+    ``description`` (a collective when sharded: every rank calls it at the same point)."""
+    if not shards.sharded:
+        return
+    mine = torch.frombuffer(bytearray(description.digest()), dtype=torch.uint8)
+    everyone = torch.empty(shards.world * DIGEST_BYTES, dtype=torch.uint8)
+    shards.all_gather(everyone, mine, what=f"the layout digests ({description.step})")
+    by_rank = everyone.view(shards.world, DIGEST_BYTES)
+    if bool((by_rank == by_rank[0]).all()):
+        return
+    texts = shards.all_gather_bytes(description.encode(), f"the layout descriptions ({description.step})")
+    raise LayoutMismatchError(mismatch_message([LayoutDescription.decode(t) for t in texts]))
+
+
+def mismatch_message(descriptions: list[LayoutDescription]) -> str:
+    """What differs between the ranks' descriptions (index = rank), the same text on every rank."""
+    differences = []
+    steps = [d.step for d in descriptions]
+    if len(set(steps)) > 1:
+        differences.append("where they compare: " + _by_rank(steps))
+    names = list(dict.fromkeys(name for d in descriptions for name, _ in d.settings))
+    for name in names:
+        values = [dict(d.settings).get(name, "(not set)") for d in descriptions]
+        if len(set(values)) > 1:
+            differences.append(f"{name}: " + _by_rank(values))
+    differences.extend(_param_differences([d.params.entries for d in descriptions]))
+    where = steps[0] if len(set(steps)) == 1 else "at different points"
+    return (f"the {len(descriptions)} ranks disagree on the model they shard ({where}); every rank must build "
+            f"the same model with the same settings. " + ("; ".join(differences) or "The descriptions differ"))
+
+
+def _param_differences(params: list[list[tuple[str, tuple[int, ...], bool]]]) -> list[str]:
+    out = []
+    counts = [len(p) for p in params]
+    if len(set(counts)) > 1:
+        out.append("number of parameters: " + _by_rank([str(c) for c in counts]))
+    listed = 0
+    for i in range(max(counts)):
+        entries = [p[i] if i < len(p) else None for p in params]
+        if all(e == entries[0] for e in entries):
+            continue
+        if listed == _MAX_PARAM_DIFFERENCES:
+            out.append("and more parameters differ")
+            break
+        listed += 1
+        names = {e[0] for e in entries if e is not None}
+        if len(names) == 1 and None not in entries:
+            name = names.pop()
+            if len({e[1] for e in entries}) > 1:
+                out.append(f"parameter {name!r} shape: " + _by_rank([str(e[1]) for e in entries]))
+            if len({e[2] for e in entries}) > 1:
+                out.append(f"parameter {name!r} requires_grad: " + _by_rank([str(e[2]) for e in entries]))
+        else:
+            out.append(f"parameter #{i} in packing order: "
+                       + _by_rank(["none" if e is None else f"{e[0]!r} {e[1]}" for e in entries]))
+    return out
+
+
+def _by_rank(values: list[str]) -> str:
+    """``"a on rank 0, b on ranks 1-3"``: each distinct value with the ranks that hold it."""
+    ranks: dict[str, list[int]] = {}
+    for rank, value in enumerate(values):
+        ranks.setdefault(value, []).append(rank)
+    return ", ".join(f"{value} on {_ranks_text(rs)}" for value, rs in ranks.items())
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and runs[-1][1] == r - 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return ("rank " if len(ranks) == 1 else "ranks ") + text
+
+
+# ---- the two places that agree -------------------------------------------------------------------
+
+
+def agree_on_model_layout(model: "ShardedModelV2", plan: "_LayoutPlan", step: str = "ShardedModelV2") -> None:
+    """The agreement of :class:`~chunkmem.ShardedModelV2`: its settings (read from the half-built
+    ``model``: ``shards``, ``dtype``, ``chunk_numel``, the constructor's arguments) and ``plan``'s
+    parameters in packing order, plus where the parameters come from (the chunks of a
+    ``ZeroInitContext`` or a plain module), since re-packing gathers from sharded source chunks."""
+    if not model.shards.sharded:
+        return
+    params = ParamRecord()
+    sources: dict[int, Any] = {}
+    for name, param, key in plan.entries:
+        params.add(name, param.shape, key.trainable)
+        slot = slot_of(param)
+        if slot is not None:
+            sources.setdefault(slot.chunk.index, slot.chunk)
+    if sources:
+        chunks = [sources[i] for i in sorted(sources)]
+        source = ("ZeroInitContext chunks of " + ", ".join(str(c.numel) for c in chunks)
+                  + f" elements sharded over {chunks[0].shards.world} ranks")
+    else:
+        source = "a module built outside ZeroInitContext"
+    settings = [
+        ("world size", str(model.shards.world)),
+        ("dtype", str(model.dtype)),
+        ("chunk size", f"{model.chunk_numel} elements"),
+        ("tensor_placement_policy", repr(model.tensor_placement_policy)),
+        ("reuse_fp16_shard", str(model.reuse_fp16_shard)),
+        ("shard strategy", type(model.shard_strategy).__name__),
+        ("fp32_reduce_scatter", str(model.fp32_reduce_scatter)),
+        ("reduce_scatter_bucket_size_mb", str(model.reduce_scatter_bucket_size_mb)),
+        ("gradient_predivide_factor", str(model.gradient_predivide_factor)),
+        ("parameters from", source),
+        ("optimizer param group of each parameter", ",".join(str(key.group) for _, _, key in plan.entries)),
+    ]
+    agree(model.shards, LayoutDescription(step, settings, params))
+
+
+class InitAgreement:
+    """The agreements of a sharded :class:`~chunkmem.ZeroInitContext`: :meth:`before_gather` (called
+    before each gather its parameter writes run) and :meth:`at_exit`. Each compares the context's
+    settings and every parameter created so far; the record of parameters grows as the model does."""
+
+    def __init__(self, context: "ZeroInitContext") -> None:
+        self.context = context
+        self.params = ParamRecord()
+        self._recorded: dict[int, int] = {}  # chunk index -> slots recorded
+
+    def before_gather(self, slot: "ParamSlot") -> None:
+        """Agree before gathering ``slot``'s chunk (what is gathered is part of the step compared)."""
+        self._agree(f"ZeroInitContext: gather of {slot.chunk.name} for parameter {slot.name!r}")
+
+    def at_exit(self) -> None:
+        """Agree when the context closes (not when it closes with an exception)."""
+        self._agree("ZeroInitContext: exit")
+
+    def _agree(self, step: str) -> None:
+        context = self.context
+        for chunk in context.chunks:  # only the slots added since the last agreement
+            for slot in chunk.slots[self._recorded.get(chunk.index, 0):]:
+                self.params.add(slot.name, slot.shape, chunk.key.trainable)
+            self._recorded[chunk.index] = len(chunk.slots)
+        settings = [
+            ("world size", str(context.shards.world)),
+            ("dtype", str(context.dtype)),
+            ("chunk size", f"{context.chunk_numel} elements"),
+            ("shard strategy", type(context.shard_strategy).__name__),
+            ("chunks", ", ".join(str(c.numel) for c in context.chunks) + " elements"),
+        ]
+        agree(context.shards, LayoutDescription(step, settings, self.params))

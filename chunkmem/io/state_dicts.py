@@ -1,0 +1,415 @@
+"""Full state dicts in and out of chunks: what ``ShardedModelV2.load_state_dict`` and
+``ShardedOptimizerV2.state_dict`` / ``load_state_dict`` do.
+
+A *full* state dict holds every parameter whole, under the wrapped module's own keys (the model) or
+in ``torch.optim`` layout (the optimizer), whatever the number of ranks the chunks are sharded over.
+Each rank owns elements ``[chunk.shard_offset, chunk.shard_offset + chunk.shard_numel)`` of every
+chunk, in every state family; loading writes only that range of each parameter
+(``chunk.write_own_part``), so loading needs no collective, while exporting the optimizer moments
+gathers each chunk (``chunk.gather``, called by every rank in chunk order).
+
+Loading is done in two phases: a *plan* checks everything and changes nothing (so a bad state dict
+leaves the model and optimizer as they were), then ``apply()`` writes. The plan checks every value so
+that the writes cannot fail: a tensor with data (not on the ``meta`` device), dense, of a real floating
+dtype where the chunks need one, of the right size; a finite positive loss scale. Writing a
+parameter's values bumps its autograd version counter, as ``param.copy_`` does in plain PyTorch, so
+that a backward through a graph built before the load raises torch's "modified by an inplace
+operation" error instead of mixing old activations with new weights.
+
+The optimizer format is ``torch.optim.Optimizer.state_dict()``'s:
+
+* ``"state"``: ``{index: {"step": tensor(float32 scalar), "exp_avg": fp32 tensor shaped like the
+  parameter, "exp_avg_sq": the same}}``, indices numbered over ``optimizer.param_groups`` in order;
+  a parameter whose chunk has never stepped has no entry (torch creates state at the first step).
+* ``"param_groups"``: each group's hyper-parameters with ``"params"`` the group's indices. The
+  decoupled-weight-decay flag is written in both spellings, ``adamw_mode`` (HybridAdam) and
+  ``decoupled_weight_decay`` (torch), so that ``torch.optim.Adam`` and ``AdamW`` read it.
+* ``"loss_scaler"`` (chunkmem's addition): the :class:`~chunkmem.DynamicGradScaler` state, or
+  ``None`` when the model trains unscaled. ``torch.optim.Optimizer.load_state_dict`` reads only
+  ``"state"`` and ``"param_groups"`` and ignores it.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.nn.modules.module import _IncompatibleKeys
+
+from ..optim.adam import hyper_of_group
+from ..core.chunk import EXP_AVG, EXP_AVG_SQ, MASTER, Chunk, ParamSlot
+from ..core.errors import ArgumentTypeError, ChunkmemError, InvalidArgumentError, check_type
+from ..runtime.manager import slot_of
+
+UNSUPPORTED_OPTIONS = ("amsgrad", "maximize", "capturable", "differentiable")
+"""torch Adam options the chunked update does not run; a group that sets one is refused."""
+_HYPER = "a param group with lr, betas (two numbers), eps and weight_decay"
+
+
+class CheckpointError(ChunkmemError, RuntimeError):
+    """A state dict or checkpoint cannot be taken or restored in the current state of training (the
+    parameters' memory holds gradients), or another rank failed its part of a checkpoint."""
+
+
+# ---- shared checks -------------------------------------------------------------------------------
+
+
+def refuse_grads_in_param_memory(model: Any, what: str) -> None:
+    """Raise :class:`CheckpointError` while a chunk's parameter memory holds gradients
+    (``reuse_fp16_shard`` between backward and step): the parameter values are not there."""
+    holding = [c.name for c in model.chunk_manager.chunks if c.param.holds_grads]
+    if holding:
+        raise CheckpointError(
+            f"{what}: the parameters' memory of {len(holding)} chunks holds the gradients of the last backward "
+            f"(reuse_fp16_shard=True), not parameter values; call optim.step() or optim.zero_grad() first")
+
+
+def refuse_chunks_in_use(model: Any, what: str) -> None:
+    """Raise :class:`CheckpointError` while a forward is running or a backward started and did not
+    finish (a chunk is in use or held for backward): its parameters cannot be written then."""
+    busy = [c.name for c in model.chunk_manager.chunks if c.users or c.held_for_backward]
+    if busy:
+        raise CheckpointError(
+            f"{what}: {len(busy)} chunks are in use by a forward that is running or a backward that started and "
+            f"did not finish ({_few(busy)}); load between iterations, or after a complete forward (a backward of "
+            f"that forward then raises, as in plain PyTorch)")
+
+
+def check_tensor_data(where: str, value: Any, *, floating: bool = False, numel: int | None = None) -> torch.Tensor:
+    """Raise :class:`InvalidArgumentError` naming ``where`` unless ``value`` is a dense tensor with
+    data (not on the ``meta`` device) and, as asked, of a real floating dtype and ``numel`` elements;
+    the checks that make copying it into a chunk unable to fail."""
+    if not isinstance(value, torch.Tensor):
+        raise ArgumentTypeError(where, type(value).__name__, "a tensor")
+    if value.is_meta:
+        raise InvalidArgumentError(where, f"a tensor on the meta device (shape {tuple(value.shape)}, no data)",
+                                   "a tensor with data")
+    if value.layout != torch.strided:
+        raise InvalidArgumentError(where, f"a tensor of layout {value.layout}", "a dense (torch.strided) tensor")
+    if floating and not value.is_floating_point():
+        raise InvalidArgumentError(where, f"a tensor of dtype {value.dtype}", "a floating-point tensor")
+    if numel is not None and value.numel() != numel:
+        raise InvalidArgumentError(where, f"a tensor of {value.numel()} elements", f"{numel} elements")
+    return value
+
+
+def bump_versions(params: Any) -> None:
+    """Mark ``params`` as modified in place for autograd (what ``param.copy_`` does in plain PyTorch):
+    a graph that saved them before a load can no longer be run backward."""
+    torch.autograd.graph.increment_version(list(params))
+
+
+def warn_if_masters_lose_precision(chunk: Chunk, key: str, value: torch.Tensor) -> None:
+    """Warn when a 16-bit chunk without allocated masters (no optimizer yet) receives values its
+    dtype cannot hold exactly: the masters will be widened from the rounded values."""
+    if not (chunk.has_master and not chunk.optim[MASTER].allocated and value.dtype == torch.float32):
+        return
+    if not torch.equal(value.to(chunk.dtype).to(torch.float32), value):
+        warnings.warn(
+            f"{key!r}: the fp32 values are rounded to {chunk.dtype} because no ShardedOptimizerV2 (which holds "
+            f"the fp32 masters) is attached yet; to keep them exactly, build the optimizer first, then load",
+            stacklevel=4)
+
+
+# ---- the model -------------------------------------------------------------------------------------
+
+
+class ModelLoad:
+    """A checked plan to load a full state dict into a :class:`~chunkmem.ShardedModelV2`."""
+
+    def __init__(self, model: Any, writes: dict[Chunk, list[tuple[ParamSlot, str, torch.Tensor]]],
+                 buffers: list[tuple[torch.Tensor, torch.Tensor]], missing: list[str], unexpected: list[str]) -> None:
+        self.model = model
+        self.writes = writes
+        self.buffers = buffers
+        self.incompatible = _IncompatibleKeys(missing, unexpected)
+
+    def apply(self) -> _IncompatibleKeys:
+        """Write this rank's part of every parameter (16-bit copy and fp32 master) and every buffer."""
+        manager = self.model.chunk_manager
+        with torch.no_grad():
+            for chunk, writes in self.writes.items():
+                values = chunk.param.local().clone()
+                master_buf = chunk.optim[MASTER] if chunk.has_master and chunk.optim[MASTER].allocated else None
+                master = master_buf.read().clone() if master_buf is not None else None
+                for slot, key, value in writes:
+                    chunk.write_own_part(slot, values, value)
+                    if master is not None:
+                        chunk.write_own_part(slot, master, value)
+                    else:
+                        warn_if_masters_lose_precision(chunk, key, value)
+                if master_buf is not None:
+                    master_buf.write(master)
+                manager.write_params(chunk, values)
+                bump_versions(slot.param for slot, _, _ in writes)
+            for target, value in self.buffers:
+                target.copy_(value)
+        return self.incompatible
+
+
+def plan_model_load(model: Any, state_dict: Any, strict: bool) -> ModelLoad:
+    """Check ``state_dict`` against ``model`` (keys, shapes, dtypes, tied parameters) without
+    changing anything. Missing or unexpected keys raise only when ``strict``; a wrong shape always."""
+    check_type("state_dict", state_dict, Mapping, "a mapping from the wrapped module's state_dict() keys to tensors")
+    check_type("strict", strict, bool, "True or False")
+    refuse_grads_in_param_memory(model, "load_state_dict")
+    refuse_chunks_in_use(model, "load_state_dict")
+    own = model.module.state_dict(keep_vars=True)
+    missing = [k for k in own if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in own]
+    if strict and (missing or unexpected):
+        raise InvalidArgumentError(
+            "state_dict", f"a state dict with missing keys {_few(missing)} and unexpected keys {_few(unexpected)}",
+            "exactly the keys of the wrapped module's state_dict(), or strict=False")
+    writes: dict[Chunk, list[tuple[ParamSlot, str, torch.Tensor]]] = {}
+    seen: dict[int, tuple[str, torch.Tensor]] = {}
+    buffers = []
+    for key, target in own.items():
+        if key not in state_dict:
+            continue
+        value = state_dict[key]
+        slot = slot_of(target) if isinstance(target, nn.Parameter) else None
+        _check_value(key, value, tuple(slot.shape) if slot is not None else tuple(target.shape), slot is not None)
+        if slot is None:
+            buffers.append((target, value))
+            continue
+        if id(slot) in seen:
+            first_key, first = seen[id(slot)]
+            if not torch.equal(first.detach().cpu().double(), value.detach().cpu().double()):
+                raise InvalidArgumentError(f"state_dict[{key!r}]", f"a value different from state_dict[{first_key!r}]",
+                                           "equal values: both keys name one (tied) parameter")
+            continue
+        seen[id(slot)] = (key, value)
+        writes.setdefault(slot.chunk, []).append((slot, key, value))
+    return ModelLoad(model, writes, buffers, missing, unexpected)
+
+
+def _check_value(key: str, value: Any, shape: tuple[int, ...], floating: bool) -> None:
+    check_tensor_data(f"state_dict[{key!r}]", value, floating=floating)
+    if tuple(value.shape) != shape:
+        raise InvalidArgumentError(f"state_dict[{key!r}]", f"a tensor of shape {tuple(value.shape)}",
+                                   f"shape {shape}, the model's")
+
+
+def _few(keys: list[str]) -> list[str]:
+    return keys[:5] + (["..."] if len(keys) > 5 else [])
+
+
+# ---- the optimizer ---------------------------------------------------------------------------------
+
+
+def export_group(group: Mapping[str, Any], indices: list[int]) -> dict[str, Any]:
+    """One packed param group: its hyper-parameters, the decoupled-weight-decay flag in both
+    spellings, and ``"params"``: ``indices``."""
+    packed = {k: v for k, v in group.items() if k != "params"}
+    if "adamw_mode" in packed and "decoupled_weight_decay" not in packed:
+        packed["decoupled_weight_decay"] = bool(packed["adamw_mode"])
+    packed["params"] = list(indices)
+    return packed
+
+
+def export_param_groups(optim: Any) -> tuple[list[dict[str, Any]], list[nn.Parameter]]:
+    """The packed param groups of ``optim.optim`` and its parameters in index order (torch's
+    numbering: consecutive over the groups in order)."""
+    groups, params = [], []
+    for group in optim.optim.param_groups:
+        groups.append(export_group(group, list(range(len(params), len(params) + len(group["params"])))))
+        params.extend(group["params"])
+    return groups, params
+
+
+def adam_entry(step: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, shape: Any) -> dict[str, torch.Tensor]:
+    """One parameter's state as ``torch.optim.Adam`` keeps it: a float32 scalar ``step`` and fp32
+    moments shaped like the parameter (copies, on the CPU)."""
+    return {"step": torch.tensor(float(step), dtype=torch.float32),
+            "exp_avg": exp_avg.detach().to("cpu", torch.float32, copy=True).view(tuple(shape)),
+            "exp_avg_sq": exp_avg_sq.detach().to("cpu", torch.float32, copy=True).view(tuple(shape))}
+
+
+def optimizer_state_dict(optim: Any, rank0_only: bool) -> dict[str, Any]:
+    """The full optimizer state dict (module docstring). Gathers the moments of every chunk that has
+    stepped: every rank must call it; with ``rank0_only`` the other ranks get ``{}``."""
+    check_type("rank0_only", rank0_only, bool, "True or False")
+    groups, params = export_param_groups(optim)
+    index_of = {id(p): i for i, p in enumerate(params)}
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for chunk in optim.manager.chunks:
+        if not chunk.trainable or chunk.step == 0:
+            continue
+        exp_avg = chunk.gather(chunk.optim[EXP_AVG].read())  # collectives, in chunk order on every rank
+        exp_avg_sq = chunk.gather(chunk.optim[EXP_AVG_SQ].read())
+        for slot in chunk.slots:
+            if id(slot.param) in index_of:
+                state[index_of[id(slot.param)]] = adam_entry(chunk.step, slot.view(exp_avg), slot.view(exp_avg_sq),
+                                                             slot.shape)
+    if rank0_only and optim.manager.chunks and optim.manager.chunks[0].shards.rank != 0:
+        return {}
+    scaler = optim.grad_scaler.state_dict() if optim.grad_scaler is not None else None
+    return {"state": dict(sorted(state.items())), "param_groups": groups, "loss_scaler": scaler}
+
+
+class OptimizerLoad:
+    """A checked plan to load a full optimizer state dict into a :class:`~chunkmem.ShardedOptimizerV2`."""
+
+    def __init__(self, optim: Any, groups: list[Mapping[str, Any]],
+                 chunks: list[tuple[Chunk, int, list[tuple[ParamSlot, Mapping[str, Any]]]]],
+                 scaler: Mapping[str, Any] | None) -> None:
+        self.optim = optim
+        self.groups = groups
+        self.chunks = chunks
+        self.scaler = scaler
+
+    def apply(self) -> None:
+        """Write each chunk's step and this rank's part of the moments, the hyper-parameters and the
+        loss scaler state."""
+        with torch.no_grad():
+            for chunk, step, entries in self.chunks:
+                exp_avg = torch.zeros(chunk.shard_numel, dtype=torch.float32)
+                exp_avg_sq = torch.zeros(chunk.shard_numel, dtype=torch.float32)
+                for slot, entry in entries:
+                    chunk.write_own_part(slot, exp_avg, entry["exp_avg"])
+                    chunk.write_own_part(slot, exp_avg_sq, entry["exp_avg_sq"])
+                chunk.optim[EXP_AVG].write(exp_avg)
+                chunk.optim[EXP_AVG_SQ].write(exp_avg_sq)
+                chunk.step = step
+        for group, saved in zip(self.optim.optim.param_groups, self.groups):
+            import_group(group, saved)
+        if self.scaler is not None and self.optim.grad_scaler is not None:
+            self.optim.grad_scaler.load_state_dict(self.scaler)
+        self.optim._broken_by = None  # a step that failed half-way over disk state: replaced by what was loaded
+
+
+def import_group(group: dict[str, Any], saved: Mapping[str, Any]) -> None:
+    """Set ``group``'s hyper-parameters to ``saved``'s (every key but ``"params"``), with the
+    decoupled-weight-decay and bias-correction flags in the spellings the wrapped optimizer uses."""
+    hyper = hyper_of_group(saved)
+    group.update((k, v) for k, v in saved.items() if k != "params")
+    if "adamw_mode" in group:
+        group["adamw_mode"] = hyper.adamw_mode
+    if "decoupled_weight_decay" in group:
+        group["decoupled_weight_decay"] = hyper.adamw_mode
+    if "bias_correction" in group:
+        group["bias_correction"] = hyper.bias_correction
+
+
+def plan_optimizer_load(optim: Any, state_dict: Any) -> OptimizerLoad:
+    """Check an optimizer state dict (chunkmem's or ``torch.optim.Adam``/``AdamW``'s) against
+    ``optim`` without changing anything."""
+    allowed = "an optimizer state dict with 'state' and 'param_groups' (ShardedOptimizerV2.state_dict() or " \
+              "torch.optim.AdamW.state_dict())"
+    check_type("state_dict", state_dict, Mapping, allowed)
+    for key in ("state", "param_groups"):
+        if key not in state_dict:
+            raise InvalidArgumentError("state_dict", f"a dict without {key!r} (keys {list(state_dict)[:5]})", allowed)
+    plan = plan_hyper_load(optim, state_dict["param_groups"], state_dict.get("loss_scaler"))
+    param_of = {}
+    for group, saved in zip(optim.optim.param_groups, plan.groups):
+        param_of.update(zip(saved["params"], group["params"]))
+    state = state_dict["state"]
+    check_type("state_dict['state']", state, Mapping, "a mapping from parameter index to its Adam state")
+    entry_of = {}
+    for index, entry in state.items():
+        if index not in param_of:
+            raise InvalidArgumentError("state_dict['state']", f"a state for index {index!r}",
+                                       f"indices of the param_groups' 'params' ({len(param_of)} parameters)")
+        entry_of[id(param_of[index])] = (index, entry)
+    names = optim.model._param_names
+    for chunk in optim.manager.chunks:
+        if not chunk.trainable:
+            continue
+        steps: dict[int, list[str]] = {}
+        entries = []
+        for slot in chunk.slots:
+            index, entry = entry_of.get(id(slot.param), (None, None))
+            name = names.get(id(slot.param), slot.name)
+            step = 0 if entry is None else _check_entry(index, name, entry, slot)
+            steps.setdefault(step, []).append(name)
+            if entry is not None and step > 0:
+                entries.append((slot, entry))
+        if len(steps) > 1:
+            detail = "; ".join(f"step {s}: {_few(n)}" for s, n in sorted(steps.items()))
+            raise InvalidArgumentError(
+                "state_dict['state']", f"different Adam steps for parameters of one chunk ({detail})",
+                "one step for all parameters that share a chunk (chunkmem steps a chunk's parameters together; "
+                "a parameter without state counts as step 0)")
+        plan.chunks.append((chunk, next(iter(steps)) if steps else 0, entries))
+    return plan
+
+
+def plan_hyper_load(optim: Any, param_groups: Any, loss_scaler: Any) -> OptimizerLoad:
+    """A checked plan that loads only the param groups' hyper-parameters and the loss scaler state
+    (``None``: leave the scaler as it is); the caller may add chunk states to ``plan.chunks``."""
+    groups = _check_groups(optim.optim.param_groups, param_groups)
+    if loss_scaler is not None:
+        _check_loss_scaler(loss_scaler)
+    return OptimizerLoad(optim, groups, [], loss_scaler)
+
+
+def _check_loss_scaler(state: Any) -> None:
+    """Raise unless ``state`` is a loss scaler state a :class:`~chunkmem.DynamicGradScaler` can run
+    from: a finite scale > 0 and counts that are non-negative integers."""
+    where = "state_dict['loss_scaler']"
+    check_type(where, state, Mapping, "None or DynamicGradScaler.state_dict()")
+    for key in ("scale", "overflows_since_growth", "clean_steps"):
+        if key not in state:
+            raise InvalidArgumentError(where, f"a dict without {key!r}",
+                                       "DynamicGradScaler.state_dict() (scale, overflows_since_growth, clean_steps)")
+    scale = state["scale"]
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise InvalidArgumentError(f"{where}['scale']", scale, "a finite number > 0")
+    for key in ("overflows_since_growth", "clean_steps"):
+        value = state[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidArgumentError(f"{where}[{key!r}]", value, "an integer >= 0")
+
+
+def _check_groups(groups: list[dict[str, Any]], saved_groups: Any) -> list[Mapping[str, Any]]:
+    if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(groups):
+        count = len(saved_groups) if isinstance(saved_groups, (list, tuple)) else type(saved_groups).__name__
+        raise InvalidArgumentError("state_dict['param_groups']", f"{count} groups",
+                                   f"{len(groups)} groups, as the optimizer has")
+    for n, (group, saved) in enumerate(zip(groups, saved_groups)):
+        where = f"state_dict['param_groups'][{n}]"
+        check_type(where, saved, Mapping, "a param group dict")
+        if len(saved.get("params", ())) != len(group["params"]):
+            raise InvalidArgumentError(where, f"a group of {len(saved.get('params', ()))} parameters",
+                                       f"{len(group['params'])} parameters, as the optimizer's group {n}")
+        for option in UNSUPPORTED_OPTIONS:
+            if saved.get(option):
+                raise InvalidArgumentError(f"{where}[{option!r}]", saved[option],
+                                           "False (not supported by the chunked Adam update)")
+        if isinstance(saved.get("lr"), torch.Tensor):
+            raise InvalidArgumentError(f"{where}['lr']", saved["lr"], "a Python float")
+        try:
+            hyper_of_group(saved)
+        except KeyError as exc:
+            raise InvalidArgumentError(where, f"a group without {exc}", _HYPER) from None
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(where, f"a group with an unreadable hyper-parameter ({exc})", _HYPER) from None
+    return list(saved_groups)
+
+
+def _check_entry(index: Any, name: str, entry: Any, slot: ParamSlot) -> int:
+    """The step of one parameter's saved state, after checking its moments; raises naming both."""
+    where = f"state_dict['state'][{index!r}] (parameter {name!r})"
+    check_type(where, entry, Mapping, "a dict with step, exp_avg and exp_avg_sq")
+    for key in ("step", "exp_avg", "exp_avg_sq"):
+        if key not in entry:
+            raise InvalidArgumentError(where, f"a state without {key!r}", "step, exp_avg and exp_avg_sq")
+    for key in ("exp_avg", "exp_avg_sq"):
+        value = entry[key]
+        if isinstance(value, torch.Tensor) and value.numel() != slot.numel:
+            raise InvalidArgumentError(f"{where}[{key!r}]", f"a tensor of shape {tuple(value.shape)}",
+                                       f"a floating-point tensor of shape {tuple(slot.shape)}")
+        check_tensor_data(f"{where}[{key!r}]", value, floating=True)
+    step = entry["step"]
+    if isinstance(step, torch.Tensor):
+        check_tensor_data(f"{where}['step']", step)
+    step = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
+    if (isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step) or step < 0
+            or step != int(step)):
+        raise InvalidArgumentError(f"{where}['step']", entry["step"], "a non-negative whole number")
+    return int(step)

@@ -1,0 +1,1 @@
+"""The optimizers: the mixed-precision step, Adam kernels, ShardedOptimizerV2, LowLevelZeroOptimizer, the disk step."""

@@ -1,0 +1,125 @@
+"""HybridAdam and CPUAdam: Adam for ordinary parameters, and the hyper-parameters ShardedOptimizerV2
+reads to update whole chunks."""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.optim import Optimizer
+
+from .adam_kernels import AdamHyper, adam_update_, fused_device_adam_
+from ..core.errors import ArgumentTypeError, InvalidArgumentError, check_number, check_type
+
+
+class HybridAdam(Optimizer):
+    """Adam / AdamW that updates each parameter where it lives.
+
+    Host (CPU) tensors are updated by the host kernel, CUDA tensors by torch's fused device kernel.
+    Used alone it behaves like ``torch.optim.AdamW`` (``adamw_mode=True``, decoupled weight decay) or
+    ``torch.optim.Adam`` (``adamw_mode=False``, L2 added to the gradient). Given to
+    :class:`~chunkmem.ShardedOptimizerV2` it supplies the hyper-parameters of each param group, and
+    the update runs over whole chunks instead.
+
+    Args:
+        params: parameters or param-group dicts.
+        lr: learning rate, a finite number >= 0.
+        bias_correction: divide the moments by ``1 - beta**step`` (a bool).
+        betas: moment decay rates, two numbers, each in [0, 1).
+        eps: added to the denominator, a finite number >= 0.
+        weight_decay: a finite number >= 0.
+        adamw_mode: decoupled (AdamW) instead of L2 weight decay (a bool).
+
+    A value of the wrong type raises :class:`~chunkmem.ArgumentTypeError` (a ``TypeError``), a value
+    out of range :class:`~chunkmem.InvalidArgumentError`.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 adamw_mode: bool = True) -> None:
+        check_number("lr", lr, low=0.0, finite=True)
+        check_number("eps", eps, low=0.0, finite=True)
+        check_number("weight_decay", weight_decay, low=0.0, finite=True)
+        check_betas(betas)
+        check_type("bias_correction", bias_correction, bool, "True or False")
+        check_type("adamw_mode", adamw_mode, bool, "True or False")
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
+                        weight_decay=weight_decay, adamw_mode=adamw_mode)
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Update every parameter that has a gradient; returns the closure's loss if one is given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            hyper = hyper_of_group(group)
+            device_batch: tuple[list, list, list, list, list] = ([], [], [], [], [])
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32,
+                                                           memory_format=torch.preserve_format)
+                if p.is_cuda and hyper.bias_correction and p.dtype == torch.float32:
+                    for batch, tensor in zip(device_batch, (p, p.grad, state["exp_avg"], state["exp_avg_sq"],
+                                                           state["step"])):
+                        batch.append(tensor)
+                    continue
+                state["step"] += 1
+                master = p if p.dtype == torch.float32 else p.float()
+                adam_update_(master, p.grad, state["exp_avg"], state["exp_avg_sq"], int(state["step"].item()),
+                             hyper, param_out=None if master is p else p)
+            if device_batch[0]:
+                fused_device_adam_(*device_batch, hyper=hyper)
+        return loss
+
+
+class CPUAdam(HybridAdam):
+    """The same optimizer as :class:`HybridAdam`, under the name users of host-offloaded training know.
+
+    Host tensors use the host kernel; CUDA tensors still work (device kernel).
+    """
+
+
+def check_betas(betas: Any) -> None:
+    """Raise unless ``betas`` is a pair of numbers, each in [0, 1)."""
+    allowed = "two numbers, each in [0, 1)"
+    if not isinstance(betas, (tuple, list)):
+        raise ArgumentTypeError("betas", betas, allowed)
+    if len(betas) != 2:
+        raise InvalidArgumentError("betas", betas, allowed)
+    if not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas):
+        raise ArgumentTypeError("betas", betas, allowed)
+    if not all(0.0 <= b < 1.0 for b in betas):
+        raise InvalidArgumentError("betas", betas, allowed)
+
+
+def hyper_of_group(group: dict[str, Any]) -> AdamHyper:
+    """The Adam hyper-parameters of one param group of a HybridAdam, torch Adam or torch AdamW."""
+    beta1, beta2 = group["betas"]
+    adamw_mode = group.get("adamw_mode", group.get("decoupled_weight_decay", False))
+    return AdamHyper(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                     weight_decay=float(group["weight_decay"]), adamw_mode=bool(adamw_mode),
+                     bias_correction=bool(group.get("bias_correction", True)))
+
+
+def check_supported_optimizer(optimizer: Any) -> None:
+    """Raise unless ``optimizer`` is one whose update ShardedOptimizerV2 can run per chunk."""
+    if isinstance(optimizer, HybridAdam):
+        return
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        for group in optimizer.param_groups:
+            for option in ("amsgrad", "maximize", "capturable", "differentiable"):
+                if group.get(option):
+                    raise InvalidArgumentError(f"optimizer.param_groups[..]['{option}']", True,
+                                               "False (not supported by the chunked Adam update)")
+            if isinstance(group["lr"], torch.Tensor):
+                raise ArgumentTypeError("optimizer lr", group["lr"], "a Python float")
+        return
+    raise ArgumentTypeError("optimizer", type(optimizer).__name__,
+                               "a chunkmem.HybridAdam, chunkmem.CPUAdam, torch.optim.Adam or torch.optim.AdamW")

@@ -1,0 +1,359 @@
+"""An optimizer step over optimizer state that rests on the disk tier: streamed, pipelined, all or nothing.
+
+Adam is elementwise, so each chunk is updated in pieces of ``buffer_size`` bytes of fp32 state. For
+every piece, in chunk order, the fp32 master (16-bit models), exp_avg and exp_avg_sq are read from the
+chunk's current disk slot into a group of aligned I/O buffers, updated there (the 16-bit parameters
+are written into host memory as the update's ``param_out``), and written back. ``buffer_count`` groups
+circulate: while piece k is updated, pieces k+1... are being read and k−1... written (DeepSpeed's
+``pipeline_read`` / ``pipeline_write``, always on).
+
+All or nothing (``atomic_step``, the default). New state goes to the chunk's *other* slot; the step
+commits, switching every buffer's slot, only when every piece of every chunk was written and every
+data-parallel rank agrees that it succeeded. If any read or write fails (a full disk, an I/O error, a
+short read) the remaining I/O is drained, the current slots are untouched, the parameters already
+overwritten are restored (16-bit: the rounding of the old master, read back from disk; fp32: their old
+values, which were first written to a journal file), the chunks' step counts are restored, and
+:class:`DiskStepError` is raised naming the file and the chunk. Gradients are kept for another
+``step()``, except with ``reuse_fp16_shard``, where the update overwrote them in place: they are then
+dropped, as by ``zero_grad()``.
+
+Without ``atomic_step`` the disk holds one slot (half the files), the state is written in place, and
+a failed step leaves the chunks before the failure updated: the optimizer then refuses to step until a
+checkpoint or state dict is loaded (the error says so).
+
+In the backward (``ShardedOptimizerV2(..., step_in_backward=True)``) the same stream runs on a thread of
+its own: :meth:`StreamedStep.start` starts it, :meth:`StreamedStep.add` hands it each chunk as soon as
+the backward has finished the chunk's gradients, and :meth:`StreamedStep.finish` (in ``step()``) waits
+for it and commits or undoes exactly as :meth:`StreamedStep.run` does.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterator, NoReturn
+
+import torch
+
+from .adam_kernels import AdamHyper, adam_update_
+from ..core.chunk import EXP_AVG, EXP_AVG_SQ, MASTER, Chunk, FlatBuffer
+from ..io.disk_io import DiskIOError, IOHandle, aligned_nbytes
+from ..core.disk_tier import JOURNAL, DiskTier, _typed
+from ..core.errors import ChunkmemError
+
+
+class DiskStepError(ChunkmemError, RuntimeError):
+    """An optimizer step over disk-resident state failed. ``undone`` says whether the state is as it
+    was before the step (``atomic_step``); ``cause`` is the I/O error (``None`` on a rank that undid
+    its step because another rank failed)."""
+
+    def __init__(self, message: str, undone: bool, cause: DiskIOError | None) -> None:
+        super().__init__(message)
+        self.undone = undone
+        self.cause = cause
+
+
+@dataclass
+class ChunkUpdate:
+    """What one chunk's streamed update needs: its host gradient (this rank's ``shard_numel``
+    elements), where its parameters are (``param``: a host tensor, or ``None`` when the parameter shard
+    rests on disk too and is streamed like the state), the step number after the update,
+    hyper-parameters and gradient multiplier."""
+
+    chunk: Chunk
+    grad: torch.Tensor
+    param: torch.Tensor | None
+    step: int
+    hyper: AdamHyper
+    multiplier: float
+    updated_to: int = 0  # elements [0, updated_to) were updated (pieces run in order)
+
+    @property
+    def reads(self) -> list[FlatBuffer]:
+        """The disk buffers read for the update: the fp32 master (a separate one, or the fp32
+        parameters resting on disk), exp_avg, exp_avg_sq."""
+        chunk = self.chunk
+        if chunk.has_master:
+            master = [chunk.optim[MASTER]]
+        else:
+            master = [chunk.param.shard] if self.param is None else []
+        return master + [chunk.optim[EXP_AVG], chunk.optim[EXP_AVG_SQ]]
+
+    @property
+    def writes(self) -> list[FlatBuffer]:
+        """The disk buffers written: those read, and 16-bit parameters resting on disk."""
+        extra = [self.chunk.param.shard] if self.param is None and self.chunk.has_master else []
+        return self.reads + extra
+
+
+def streamed_families(chunk: Chunk, params_on_disk: bool, atomic_step: bool) -> int:
+    """I/O buffers one piece of ``chunk``'s streamed update holds: one per family read or written (see
+    :attr:`ChunkUpdate.writes`), plus the journal of fp32 parameters overwritten in host memory by an
+    atomic step."""
+    if chunk.has_master:
+        return 4 if params_on_disk else 3
+    if params_on_disk:
+        return 3
+    return 3 if atomic_step else 2
+
+
+@dataclass
+class _Piece:
+    update: ChunkUpdate
+    start: int
+    end: int
+    buffers: list[torch.Tensor]
+    reads: list[IOHandle]
+    journal: torch.Tensor | None = None
+
+    @property
+    def held(self) -> list[torch.Tensor]:
+        """Every I/O buffer the piece holds (given back once its writes are done)."""
+        return self.buffers + ([self.journal] if self.journal is not None else [])
+
+
+class StreamedStep:
+    """Runs one step over chunks whose optimizer state rests on ``disk``; see the module docstring.
+    ``agree(failed)`` returns whether any data-parallel rank failed (a collective); ``families``: the
+    most I/O buffers one piece holds (:func:`streamed_families` of the chunks to come)."""
+
+    def __init__(self, disk: DiskTier, agree: Callable[[bool], bool], families: int) -> None:
+        self.disk = disk
+        self.agree = agree
+        self.updates: list[ChunkUpdate] = []  # every update handed over so far, in order
+        self._families = families
+        self._incoming: queue.SimpleQueue[ChunkUpdate | None] = queue.SimpleQueue()
+        self._closed = False  # no more updates will come (the queue ends with None)
+        self._drained = False  # the stream has taken the closing None
+        self._current: Iterator[tuple[ChunkUpdate, int, int]] = iter(())
+        self._thread: threading.Thread | None = None
+        self._crash: BaseException | None = None  # an exception other than an I/O error, on the thread
+        self._error: DiskIOError | None = None
+
+    @classmethod
+    def over(cls, disk: DiskTier, updates: list[ChunkUpdate], agree: Callable[[bool], bool]) -> "StreamedStep":
+        """A step over ``updates``, all known now."""
+        families = max((streamed_families(u.chunk, u.param is None, disk.atomic_step) for u in updates), default=0)
+        step = cls(disk, agree, families)
+        for update in updates:
+            step.add(update)
+        return step
+
+    def add(self, update: ChunkUpdate) -> None:
+        """Hand over one more chunk's update (its gradient final)."""
+        if self._closed:
+            raise RuntimeError("StreamedStep.add after finish(): the step is closed")
+        self.updates.append(update)
+        self._incoming.put(update)
+
+    def run(self) -> None:
+        """Update every chunk handed over on this thread and commit, or undo and raise
+        :class:`DiskStepError`."""
+        self._close()
+        if self.updates:
+            self._stream()
+        self._commit()
+
+    def start(self) -> None:
+        """Start streaming on a thread of its own, chunk by chunk as :meth:`add` hands them over."""
+        self.disk.buffers(self._families)  # here: the host ledger is not changed from two threads
+        self._thread = threading.Thread(target=self._stream_on_thread, name="chunkmem-disk-step", daemon=True)
+        self._thread.start()
+
+    def finish(self) -> None:
+        """No more chunks: wait for the thread to update every chunk handed over, then commit, or undo
+        and raise :class:`DiskStepError`."""
+        self._close_and_join()
+        if self._crash is not None:
+            raise self._crash
+        self._commit()
+
+    def abandon(self) -> None:
+        """No more chunks, and no commit (``atomic_step`` only): wait for the thread, put back the
+        parameters it overwrote; every slot stays as it was (the state before the step)."""
+        assert self.disk.atomic_step, "only an atomic step can be abandoned"
+        self._close_and_join()
+        for update in self.updates:
+            if update.updated_to and update.param is not None:
+                self._restore_params(update)
+        if self._crash is not None:
+            raise self._crash
+
+    def _close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._incoming.put(None)
+
+    def _close_and_join(self) -> None:
+        """No more chunks; wait for the thread (if one was started) to stream those handed over."""
+        self._close()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _stream_on_thread(self) -> None:
+        try:
+            self._stream()
+        except BaseException as exc:  # re-raised by finish() on the caller's thread
+            self._crash = exc
+
+    def _commit(self) -> None:
+        if self.agree(self._error is not None):  # (every rank agrees, also one without chunks on disk)
+            self._fail()
+        if self.disk.atomic_step:
+            for update in self.updates:
+                for buf in update.writes:
+                    buf.switch_disk_slot()
+
+    def _next_piece(self, block: bool) -> tuple[ChunkUpdate, int, int] | None:
+        """The next piece to read: of the current chunk, else of the next one handed over (waiting for it
+        when ``block``); ``None`` when there is none yet or no more."""
+        while True:
+            piece = next(self._current, None)
+            if piece is not None:
+                return piece
+            if self._drained:
+                return None
+            try:
+                update = self._incoming.get(block=block)
+            except queue.Empty:
+                return None
+            if update is None:
+                self._drained = True
+                return None
+            self._current = ((update, a, b) for a, b in self.disk.pieces(update.chunk.shard_numel, 4))
+
+    def _stream(self) -> None:
+        """Read, update and write every piece; stop issuing at the first failed I/O, drain what is in
+        flight, and leave the error in ``_error``."""
+        pool = self.disk.buffers(self._families)
+        write_slot: dict[int, list[int]] = {}
+        reading: deque[_Piece] = deque()
+        writing: deque[tuple[list[torch.Tensor], list[IOHandle]]] = deque()
+        # pieces read (or being read) but not yet updated: every group but one, kept for the writes
+        most_reading = max(self.disk.buffer_count - 1, 1)
+
+        def reclaim(block: bool) -> None:
+            while writing and (block or all(h.done() for h in writing[0][1])):
+                buffers, handles = writing.popleft()
+                self._wait(handles)
+                for buf in buffers:
+                    pool.give_back(buf)
+                block = False
+
+        def issue(update: ChunkUpdate, start: int, end: int) -> None:
+            while pool.free < self._families:
+                reclaim(block=True)
+            if id(update) not in write_slot:
+                write_slot[id(update)] = [(1 - b.disk_slot) if self.disk.atomic_step else b.disk_slot
+                                          for b in update.writes]
+            buffers = [pool.take() for _ in update.writes]
+            reads = [self.disk.read_piece(buf, start, end, raw) for buf, raw in zip(update.reads, buffers)]
+            piece = _Piece(update, start, end, buffers, reads)
+            if self._journals(update):
+                piece.journal = pool.take()
+                _typed(piece.journal, torch.float32, end - start).copy_(update.param[start:end])
+                piece.reads.append(self.disk.file(JOURNAL).write_from(
+                    piece.journal[:_aligned(end - start)], self._journal_offset(update, start),
+                    f"{update.chunk.name}.{JOURNAL}"))
+            reading.append(piece)
+
+        while self._error is None:
+            while len(reading) < most_reading and self._error is None:
+                upcoming = self._next_piece(block=not reading)  # wait for a chunk only with nothing to do
+                if upcoming is None:
+                    break
+                issue(*upcoming)
+            if self._error is not None or not reading:
+                break
+            piece = reading.popleft()
+            if not self._wait(piece.reads):
+                writing.append((piece.held, []))
+                break
+            self._update(piece)
+            handles = [self.disk.write_piece(buf, piece.start, piece.end, raw, slot)
+                       for buf, raw, slot in zip(piece.update.writes, piece.buffers, write_slot[id(piece.update)])]
+            writing.append((piece.held, handles))
+            reclaim(block=False)
+        for piece in reading:  # drained after a failure
+            self._wait(piece.reads)
+            writing.append((piece.held, []))
+        while writing:
+            reclaim(block=True)
+
+    def _wait(self, handles: list[IOHandle]) -> bool:
+        """Wait for every handle; remember the first error. Returns whether all succeeded."""
+        ok = True
+        for handle in handles:
+            try:
+                handle.wait()
+            except DiskIOError as exc:
+                ok = False
+                if self._error is None:
+                    self._error = exc
+        return ok
+
+    def _journals(self, update: ChunkUpdate) -> bool:
+        """Whether the update overwrites fp32 parameters in host memory (their old values are journaled)."""
+        return self.disk.atomic_step and not update.chunk.has_master and update.param is not None
+
+    def _update(self, piece: _Piece) -> None:
+        update, a, b = piece.update, piece.start, piece.end
+        views = [_typed(raw, torch.float32, b - a) for raw in piece.buffers[:len(update.reads)]]
+        if update.chunk.has_master:
+            master, exp_avg, exp_avg_sq = views
+            if update.param is None:
+                param_out = _typed(piece.buffers[-1], update.chunk.dtype, b - a)
+            else:
+                param_out = update.param[a:b]
+        elif update.param is None:
+            master, exp_avg, exp_avg_sq = views
+            param_out = None
+        else:
+            exp_avg, exp_avg_sq = views
+            master, param_out = update.param[a:b], None
+        adam_update_(master, update.grad[a:b], exp_avg, exp_avg_sq, update.step, update.hyper,
+                     grad_multiplier=update.multiplier, param_out=param_out)
+        update.updated_to = b
+
+    def _journal_offset(self, update: ChunkUpdate, start: int) -> int:
+        return self.disk.offset(JOURNAL, update.chunk.index, 0) + start * 4
+
+    def _fail(self) -> NoReturn:
+        """Undo what can be undone and raise :class:`DiskStepError`."""
+        error = self._error
+        where = (f"{error.operation} of {error.what} in {error.path} failed" if error is not None
+                 else "another data-parallel rank's disk I/O failed")
+        if not self.disk.atomic_step:
+            raise DiskStepError(
+                f"optimizer step failed: {where}. The state was being written in place (atomic_step=False), so "
+                f"the chunks before the failure are updated and the others are not: load a checkpoint "
+                f"(chunkmem.load_checkpoint) or a state dict before stepping again", undone=False, cause=error)
+        for update in self.updates:
+            if update.updated_to and update.param is not None:
+                self._restore_params(update)
+        raise DiskStepError(f"optimizer step undone: {where}. Masters and optimizer state are as they were "
+                            f"before the step; free the cause (e.g. disk space) and step again, or load a "
+                            f"checkpoint", undone=True, cause=error)
+
+    def _restore_params(self, update: ChunkUpdate) -> None:
+        """Put back the parameter values the failed step overwrote."""
+        chunk = update.chunk
+        if chunk.has_master:
+            update.param.copy_(chunk.optim[MASTER].read())
+            return
+        pool = self.disk.buffers(1)
+        staging = pool.take()
+        try:
+            for a, b in self.disk.pieces(update.updated_to, 4):
+                self.disk.file(JOURNAL).read_into(staging[:_aligned(b - a)], self._journal_offset(update, a),
+                                                  f"{chunk.name}.{JOURNAL}").wait()
+                update.param[a:b].copy_(_typed(staging, torch.float32, b - a))
+        finally:
+            pool.give_back(staging)
+
+
+def _aligned(numel: int) -> int:
+    """Bytes of ``numel`` fp32 elements rounded up to the I/O alignment."""
+    return aligned_nbytes(numel * 4)

@@ -1,0 +1,510 @@
+"""LowLevelZeroOptimizer: ZeRO stage 1 and 2 over a plain module's parameters.
+
+The module stays an ordinary module (replicated parameters, no hooks that move them). What is sharded
+over the data-parallel ranks is the optimizer's: the fp32 masters and Adam moments (stage 1) and, with
+``partition_grad=True``, the gradients (stage 2). With ``cpu_offload=True`` the masters and moments
+live on the host and chunkmem's host Adam kernel updates them (ZeRO-Offload). Layout:
+:mod:`chunkmem.optim.zero_partition`; gradient reduction: :mod:`chunkmem.optim.zero_buckets`.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+import torch.nn as nn
+
+from .adam import check_supported_optimizer, hyper_of_group
+from .adam_kernels import adam_update_
+from ..dist.collectives import ShardGroup, all_reduce_over, start_all_gather
+from ..core.errors import (InvalidArgumentError, UnscaledBackwardError, check_choice, check_number,
+                     check_type)
+from .loss_scaler import DynamicGradScaler
+from ..core.param_guard import slot_of
+from .zero_buckets import GradientBuckets
+from .zero_partition import FlatChunk, FlatSlot, build_partition
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class LowLevelZeroOptimizer:
+    """ZeRO-1/2 mixed-precision Adam over a plain module's parameters.
+
+    Build the model as usual (parameters in fp16, bf16 or fp32, all on one device), then wrap its Adam::
+
+        optim = LowLevelZeroOptimizer(HybridAdam(model.parameters(), lr=1e-3), partition_grad=True)
+        optim.backward(loss_fn(model(x), y))   # scales the loss (fp16), reduces the gradients
+        optim.step()
+        optim.zero_grad()
+
+    The parameters are packed into flat chunks (every rank holds them whole; each parameter becomes a
+    view into its chunk) and each rank owns an equal contiguous shard of every chunk: it keeps the fp32
+    master, ``exp_avg`` and ``exp_avg_sq`` of that shard only, updates it, and all-gathers the updated
+    parameters after the step. Gradients are reduced (mean over the ranks) in buckets during the
+    backward and kept in a store per chunk: whole (stage 1) or only this rank's shard (stage 2);
+    ``param.grad`` stays ``None``. Every parameter the optimizer holds that requires grad is stepped at
+    every step (one that got no gradient counts as zero, as in :class:`~chunkmem.ShardedOptimizerV2`);
+    parameters with ``requires_grad=False`` are left alone. All ranks must run the same backward graph
+    (the buckets are filled in the order autograd finishes gradients). It is not a
+    ``torch.optim.Optimizer``: attach learning-rate schedulers to the wrapped optimizer, whose param
+    groups are the ones read.
+
+    Loss scaling applies to fp16 working parameters only (bf16 and fp32 train unscaled and never skip):
+    with fp16, backward must go through :meth:`backward`. A step whose gradients hold inf/NaN on any
+    rank is skipped on every rank with nothing changed (the gradients are dropped) and the scale backs
+    off.
+
+    Args:
+        optimizer: a :class:`~chunkmem.HybridAdam` / :class:`~chunkmem.CPUAdam`, ``torch.optim.Adam`` or
+            ``torch.optim.AdamW`` (plain options) over the parameters; its param groups give the
+            hyper-parameters, read at every step. Its own ``step`` must not be called.
+        initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale:
+            the :class:`~chunkmem.DynamicGradScaler` rules (defaults: 2**16, 1, 2, 0.5, 2000, 2, 2**24).
+        clip_grad_norm: clip the unscaled gradients to this global 2-norm before the update (0: no
+            clipping); a finite number >= 0.
+        verbose: print skipped steps.
+        reduce_bucket_size: gradient elements (not bytes) collected before one reduction collective is
+            started; an integer >= 1.
+        communication_dtype: dtype of the reduction collectives (``None``: the working dtype);
+            torch.float16, torch.bfloat16 or torch.float32.
+        overlap_communication: start each bucket's collective asynchronously and wait for all of them at
+            the end of the backward, so communication overlaps the rest of the backward.
+        partition_grad: stage 2: keep only this rank's shard of the gradients (reduce-scatter instead of
+            all-reduce).
+        cpu_offload: keep the fp32 masters and Adam moments on the host and update them with the host
+            Adam kernel; the working parameters stay where the module is.
+        forced_dtype: cast the working parameters to this dtype (torch.float16, torch.bfloat16 or
+            torch.float32; ``None``: keep the parameters' dtype, which must be the same for all). The
+            fp32 masters start from the values before the cast. Inputs must then match it: the module is
+            not wrapped.
+        dp_process_group: the data-parallel group (``None``: the default group once
+            ``torch.distributed`` is initialised, else one process). Keyword only.
+
+    A wrong type raises :class:`~chunkmem.ArgumentTypeError`, a value out of range
+    :class:`~chunkmem.InvalidArgumentError`; nothing is changed then.
+    """
+
+    def __init__(self, optimizer: Any, initial_scale: float = 2**16, min_scale: float = 1,
+                 growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000,
+                 hysteresis: int = 2, max_scale: float = 2**24, clip_grad_norm: float = 0.0, verbose: bool = False,
+                 reduce_bucket_size: int = 1024 * 1024, communication_dtype: torch.dtype | None = None,
+                 overlap_communication: bool = False, partition_grad: bool = False, cpu_offload: bool = False,
+                 forced_dtype: torch.dtype | None = None, *, dp_process_group: Any = None) -> None:
+        check_supported_optimizer(optimizer)
+        scaler = DynamicGradScaler(initial_scale, min_scale, growth_factor, backoff_factor, growth_interval,
+                                   hysteresis, max_scale)
+        check_number("clip_grad_norm", clip_grad_norm, low=0.0, finite=True)
+        check_type("verbose", verbose, bool, "True or False")
+        check_number("reduce_bucket_size", reduce_bucket_size, low=1, integer=True,
+                     allowed="an integer >= 1 (gradient elements per reduction)")
+        for name, value in (("communication_dtype", communication_dtype), ("forced_dtype", forced_dtype)):
+            if value is not None:
+                check_choice(name, value, _DTYPES)
+        for name, value in (("overlap_communication", overlap_communication), ("partition_grad", partition_grad),
+                            ("cpu_offload", cpu_offload)):
+            check_type(name, value, bool, "True or False")
+        shards = ShardGroup.of(dp_process_group, "dp_process_group")
+        groups = self._check_params(optimizer, forced_dtype)
+        trainable = [p for group in groups for p in group]
+        dtype = forced_dtype or trainable[0].dtype
+        device = trainable[0].device
+        master_device = torch.device("cpu") if cpu_offload else device
+        separate = dtype != torch.float32 or master_device != device
+
+        self.optim = optimizer
+        self.grad_scaler = scaler if dtype == torch.float16 else None
+        self.clip_grad_norm = float(clip_grad_norm)
+        self.verbose = verbose
+        self.reduce_bucket_size = reduce_bucket_size
+        self.communication_dtype = communication_dtype or dtype
+        self.overlap_communication = overlap_communication
+        self.partition_grad = partition_grad
+        self.cpu_offload = cpu_offload
+        self.dtype = dtype
+        self.dp_process_group = dp_process_group
+        self.shards = shards
+        self.separate_master = separate
+        self.chunks = build_partition(groups, dtype, shards.world, shards.rank, master_device, separate)
+        self._slot_of = {id(s.param): s for c in self.chunks for s in c.slots}
+        self._index_of = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                self._index_of.setdefault(id(p), len(self._index_of))
+        for slot in self._slot_of.values():
+            slot.index = self._index_of[id(slot.param)]
+        self.buckets = GradientBuckets(shards, partition_grad, self.communication_dtype, reduce_bucket_size,
+                                       overlap_communication, self._grad_store)
+        self._no_sync = False
+        self._in_backward = False
+        self._unscaled_backward = False
+        self.grads_pending = False
+        self._hooks = [slot.param.register_post_accumulate_grad_hook(self._on_grad)
+                       for slot in self._slot_of.values()]
+
+    @staticmethod
+    def _check_params(optimizer: Any, forced_dtype: torch.dtype | None) -> list[list[nn.Parameter]]:
+        """The trainable parameters per param group, after checking them (nothing changed)."""
+        seen: set[int] = set()
+        groups: list[list[nn.Parameter]] = []
+        devices, dtypes = set(), set()
+        for group in optimizer.param_groups:
+            params = []
+            for p in group["params"]:
+                if id(p) in seen:
+                    raise InvalidArgumentError("optimizer", f"a parameter of shape {tuple(p.shape)} listed twice",
+                                               "param_groups that hold each parameter once")
+                seen.add(id(p))
+                if slot_of(p) is not None or hasattr(p, "_low_level_zero"):
+                    raise InvalidArgumentError("optimizer", f"a parameter of shape {tuple(p.shape)} already managed "
+                                               "by chunkmem", "parameters of a plain module, not wrapped yet")
+                if not p.requires_grad:
+                    continue
+                if p.dtype not in _DTYPES:
+                    raise InvalidArgumentError("optimizer", f"a parameter of dtype {p.dtype}",
+                                               "parameters of dtype torch.float16, torch.bfloat16 or torch.float32")
+                devices.add(p.device)
+                dtypes.add(p.dtype)
+                params.append(p)
+            groups.append(params)
+        if not any(groups):
+            raise InvalidArgumentError("optimizer", "an optimizer without trainable parameters",
+                                       "an optimizer over at least one parameter that requires grad")
+        if len(devices) > 1:
+            raise InvalidArgumentError("optimizer", f"parameters on {sorted(map(str, devices))}",
+                                       "parameters on one device")
+        if forced_dtype is None and len(dtypes) > 1:
+            raise InvalidArgumentError("forced_dtype", None, f"a dtype, as the parameters have several "
+                                                             f"({sorted(map(str, dtypes))})")
+        for params in groups:
+            for p in params:
+                p._low_level_zero = True  # type: ignore[attr-defined]
+        return groups
+
+    # ---- torch.optim.Optimizer-like views ----------------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's param groups (hyper-parameters are read from here at every step)."""
+        return self.optim.param_groups
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The wrapped optimizer's default hyper-parameters."""
+        return self.optim.defaults
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without a scaler: bf16 and fp32)."""
+        return self.grad_scaler.scale if self.grad_scaler is not None else 1.0
+
+    # ---- backward ----------------------------------------------------------------------------------
+
+    def _grad_store(self, chunk: FlatChunk) -> torch.Tensor:
+        if chunk.grad is None:
+            if chunk.spare_grad is not None:  # memory already touched: no page faults, no allocator call
+                chunk.grad, chunk.spare_grad = chunk.spare_grad.zero_(), None
+            else:
+                numel = chunk.shard_numel if self.partition_grad else chunk.numel
+                chunk.grad = torch.zeros(numel, dtype=self.dtype, device=chunk.param.device)
+        return chunk.grad
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        if self._no_sync or param.grad is None:
+            return
+        if self.grad_scaler is not None and not self._in_backward:
+            self._unscaled_backward = True
+        grad, param.grad = param.grad, None
+        self.buckets.add(self._slot_of[id(param)], grad)
+        self.grads_pending = True
+
+    def _finish_reduction(self) -> None:
+        """Take gradients autograd left in ``param.grad`` (accumulated inside :meth:`no_sync` and not
+        touched since), then reduce what is left and wait for every collective in flight."""
+        if self._no_sync:
+            return
+        for slot in self._slot_of.values():
+            if slot.param.grad is not None:
+                self._on_grad(slot.param)
+        self.buckets.finish()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss`` times the loss scale; the gradients are reduced over the ranks into the
+        stores (inside :meth:`no_sync`: left to accumulate locally in ``param.grad``)."""
+        check_type("loss", loss, torch.Tensor, "a scalar torch.Tensor")
+        self._in_backward = True
+        try:
+            (loss * self.loss_scale if self.grad_scaler is not None else loss).backward()
+        finally:
+            self._in_backward = False
+        self._finish_reduction()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Inside, backward passes accumulate the local gradients in ``param.grad`` without any
+        collective; the first backward outside reduces their sum with its own gradients (as DDP's
+        ``no_sync``). Every rank must use it alike."""
+        if self._no_sync:
+            raise InvalidArgumentError("no_sync", "a nested no_sync()", "one no_sync() at a time")
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
+
+    # ---- the step ----------------------------------------------------------------------------------
+
+    def _own_grad(self, chunk: FlatChunk) -> torch.Tensor:
+        store = self._grad_store(chunk)
+        return store if self.partition_grad else chunk.own(store)
+
+    def _norm_and_overflow(self) -> tuple[float, bool]:
+        """The global 2-norm of the unscaled gradients and whether any rank's gradients hold inf/NaN
+        (one all-reduce over the group)."""
+        total = torch.zeros(2, dtype=torch.float64)
+        for chunk in self.chunks:
+            grad = self._own_grad(chunk)
+            norm = torch.linalg.vector_norm(grad, 2, dtype=torch.float32).double().cpu()
+            if torch.isfinite(norm):
+                total[0] += norm * norm
+            else:
+                total[1] = 1.0
+        if self.shards.sharded:
+            all_reduce_over(self.shards.group, total, what="the gradient norm and its overflow flag")
+        return math.sqrt(total[0].item()) / self.loss_scale, bool(total[1].item())
+
+    def step(self) -> bool:
+        """Unscale, check for overflow, clip, update this rank's shard of every chunk with Adam, and
+        all-gather the updated parameters. Returns ``True`` if the parameters changed; ``False`` when
+        the step was skipped (an overflow on some rank, or no gradients since the last step). Either way
+        the gradients it consumed are released (as the reference's step does), so the next backward
+        starts from zero without a ``zero_grad()``. With fp16,
+        gradients from a backward that bypassed :meth:`backward` raise
+        :class:`~chunkmem.UnscaledBackwardError` and change nothing."""
+        if self._unscaled_backward:
+            raise UnscaledBackwardError(
+                "a backward pass of the fp16 parameters did not go through the loss scaler (loss.backward()?): "
+                f"its gradients are not multiplied by the loss scale ({self.loss_scale}). Call optim.backward(loss) "
+                "instead; call optim.zero_grad() to drop the gradients already reduced")
+        self._finish_reduction()
+        if not self.grads_pending:
+            return False
+        coef = 1.0
+        if self.grad_scaler is not None or self.clip_grad_norm > 0:
+            norm, overflow = self._norm_and_overflow()
+            if overflow and self.grad_scaler is not None:
+                if self.verbose:
+                    print(f"chunkmem: gradient overflow, step skipped (loss scale {self.loss_scale})")
+                self.grad_scaler.update(overflow=True)
+                self.zero_grad()
+                return False
+            if self.clip_grad_norm > 0 and math.isfinite(norm):
+                coef = min(1.0, self.clip_grad_norm / (norm + 1e-6))
+        multiplier = coef / self.loss_scale
+        gathers = []
+        for chunk in self.chunks:
+            self._update(chunk, multiplier)
+            if self.shards.sharded:  # in place (the shard is this rank's slot); runs while the next chunk is updated
+                gathers.append(start_all_gather(self.shards, chunk.param, chunk.own(chunk.param),
+                                                what=f"chunk{chunk.index} updated parameters"))
+        for gathering in gathers:
+            gathering.wait()
+        if self.grad_scaler is not None:
+            self.grad_scaler.update(overflow=False)
+        self.zero_grad()  # the step releases the gradients it consumed, as the reference does
+        return True
+
+    def _update(self, chunk: FlatChunk, multiplier: float) -> None:
+        hyper = hyper_of_group(self.optim.param_groups[chunk.group])
+        grad = self._own_grad(chunk)
+        if grad.device != chunk.master.device:
+            grad = grad.to(chunk.master.device)
+        own = chunk.own(chunk.param)
+        same_device = own.device == chunk.master.device
+        chunk.step += 1
+        adam_update_(chunk.master, grad, chunk.exp_avg, chunk.exp_avg_sq, chunk.step, hyper,
+                     grad_multiplier=multiplier,
+                     param_out=own if self.separate_master and same_device else None)
+        if self.separate_master and not same_device:
+            own.copy_(chunk.master, non_blocking=False)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop (``set_to_none``) or zero the reduced gradients, and drop gradients accumulated inside
+        :meth:`no_sync` and collectives in flight."""
+        check_type("set_to_none", set_to_none, bool, "True or False")
+        if not self.buckets.idle:  # the collectives every rank started must complete on every rank
+            self.buckets.finish()
+        for chunk in self.chunks:
+            if chunk.grad is not None:
+                if set_to_none:
+                    chunk.grad, chunk.spare_grad = None, chunk.grad
+                else:
+                    chunk.grad.zero_()
+        for slot in self._slot_of.values():
+            slot.param.grad = None
+        self.grads_pending = False
+        self._unscaled_backward = False
+
+    # ---- inspection --------------------------------------------------------------------------------
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Exact bytes this rank holds per family: ``"params"`` (the working flat chunks, whole),
+        ``"grads"`` (the gradient stores allocated now, the ones kept for the next backward after
+        ``zero_grad`` included), ``"master"`` (separate fp32 masters; 0 when the fp32 working shard is its
+        own master), ``"exp_avg"``, ``"exp_avg_sq"``. Not counted: the reduction's scratch buffers (a
+        few buckets)."""
+        def size(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+        return {"params": sum(size(c.param) for c in self.chunks),
+                "grads": sum(size(c.grad if c.grad is not None else c.spare_grad) for c in self.chunks),
+                "master": sum(size(c.master) for c in self.chunks) if self.separate_master else 0,
+                "exp_avg": sum(size(c.exp_avg) for c in self.chunks),
+                "exp_avg_sq": sum(size(c.exp_avg_sq) for c in self.chunks)}
+
+    def master_of(self, param: nn.Parameter) -> torch.Tensor:
+        """A CPU fp32 copy of ``param``'s full master value (gathered over the ranks: every rank calls
+        it, for the parameters in the same order)."""
+        slot = self._slot_of.get(id(param))
+        if slot is None:
+            raise InvalidArgumentError("param", tuple(param.shape), "a trainable parameter of this optimizer")
+        return slot.view(self._gather(slot.chunk, slot.chunk.master)).clone()
+
+    def _gather(self, chunk: FlatChunk, shard: torch.Tensor) -> torch.Tensor:
+        full = torch.empty(chunk.numel, dtype=torch.float32, device="cpu")
+        self.shards.all_gather(full, shard.detach().to("cpu", torch.float32), what=f"chunk{chunk.index} state")
+        return full
+
+    # ---- checkpoints -------------------------------------------------------------------------------
+
+    def state_dict(self, *, rank0_only: bool = False) -> dict[str, Any]:
+        """The full optimizer state in ``torch.optim.Adam``/``AdamW`` layout (as
+        :meth:`ShardedOptimizerV2.state_dict`): ``"state"`` ``{index: {"step", "exp_avg", "exp_avg_sq"}}``
+        (fp32, on the CPU, shaped like the parameters; parameters not stepped yet have none),
+        ``"param_groups"`` and ``"loss_scaler"``. Loadable by torch's Adam/AdamW, by
+        :class:`~chunkmem.ShardedOptimizerV2` and by :meth:`load_state_dict` at any world size. The
+        moments are gathered: every rank calls it; with ``rank0_only`` the others get ``{}``."""
+        from ..io.state_dicts import adam_entry, export_param_groups
+
+        check_type("rank0_only", rank0_only, bool, "True or False")
+        groups, _ = export_param_groups(self)
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for chunk in self.chunks:
+            if chunk.step == 0:
+                continue
+            exp_avg, exp_avg_sq = self._gather(chunk, chunk.exp_avg), self._gather(chunk, chunk.exp_avg_sq)
+            for slot in chunk.slots:
+                state[slot.index] = adam_entry(chunk.step, slot.view(exp_avg), slot.view(exp_avg_sq), slot.shape)
+        if rank0_only and self.shards.rank != 0:
+            return {}
+        scaler = self.grad_scaler.state_dict() if self.grad_scaler is not None else None
+        return {"state": dict(sorted(state.items())), "param_groups": groups, "loss_scaler": scaler}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a full optimizer state dict (this class's, :class:`~chunkmem.ShardedOptimizerV2`'s or
+        ``torch.optim.Adam``/``AdamW``'s over the same parameters in the same group order): each
+        chunk's step, this rank's part of the moments, the hyper-parameters and (fp16) the loss scaler.
+        Everything is checked first (:class:`~chunkmem.InvalidArgumentError` naming the entry; all
+        parameters of one chunk must share a step); nothing changes on an error. No collective."""
+        self.plan_load_state_dict(state_dict)()
+
+    def plan_load_state_dict(self, state_dict: Mapping[str, Any]) -> Callable[[], None]:
+        """Check ``state_dict`` as :meth:`load_state_dict` does and return the function that loads it
+        (nothing changes until it is called)."""
+        from ..io.state_dicts import _check_entry, plan_hyper_load
+
+        allowed = "an optimizer state dict with 'state' and 'param_groups'"
+        check_type("state_dict", state_dict, Mapping, allowed)
+        for key in ("state", "param_groups"):
+            if key not in state_dict:
+                raise InvalidArgumentError("state_dict", f"a dict without {key!r}", allowed)
+        plan = plan_hyper_load(self, state_dict["param_groups"], state_dict.get("loss_scaler"))
+        state = state_dict["state"]
+        check_type("state_dict['state']", state, Mapping, "a mapping from parameter index to its Adam state")
+        total = len(self._index_of)
+        for index in state:
+            if not isinstance(index, int) or not 0 <= index < total:
+                raise InvalidArgumentError("state_dict['state']", f"a state for index {index!r}",
+                                           f"indices of the param_groups' 'params' ({total} parameters)")
+        writes: list[tuple[FlatChunk, int, list[tuple[FlatSlot, Mapping[str, Any]]]]] = []
+        for chunk in self.chunks:
+            steps, entries = set(), []
+            for slot in chunk.slots:
+                entry = state.get(slot.index)
+                step = 0 if entry is None else _check_entry(slot.index, f"index {slot.index}", entry, slot)
+                steps.add(step)
+                if entry is not None and step > 0:
+                    entries.append((slot, entry))
+            if len(steps) > 1:
+                raise InvalidArgumentError("state_dict['state']", f"steps {sorted(steps)} within chunk{chunk.index}",
+                                           "one step for the parameters that share a chunk")
+            writes.append((chunk, steps.pop(), entries))
+
+        def apply() -> None:
+            plan.apply()
+            with torch.no_grad():
+                for chunk, step, entries in writes:
+                    chunk.exp_avg.zero_()
+                    chunk.exp_avg_sq.zero_()
+                    for slot, entry in entries:
+                        self._write_own(slot, chunk.exp_avg, entry["exp_avg"])
+                        self._write_own(slot, chunk.exp_avg_sq, entry["exp_avg_sq"])
+                    chunk.step = step
+        return apply
+
+    @staticmethod
+    def _write_own(slot: FlatSlot, shard: torch.Tensor, value: torch.Tensor) -> None:
+        """Write the part of a parameter-shaped ``value`` this rank owns into ``shard``."""
+        part = slot.owned()
+        if part is None:
+            return
+        a, b = part
+        start = slot.offset + a - slot.chunk.own_start
+        shard[start:start + b - a].copy_(value.detach().reshape(-1)[a:b])
+
+    def model_state_dict(self, module: nn.Module, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """``module.state_dict()`` on the CPU with every parameter this optimizer trains replaced by its
+        fp32 master (gathered: every rank calls it; ``rank0_only``: the others get ``{}``). Loadable by
+        the plain module in fp32, by :class:`~chunkmem.ShardedModelV2` and by
+        :meth:`load_model_state_dict`."""
+        check_type("module", module, nn.Module, "the torch.nn.Module whose parameters this optimizer trains")
+        masters: dict[int, torch.Tensor] = {}
+        for chunk in self.chunks:
+            full = self._gather(chunk, chunk.master)
+            for slot in chunk.slots:
+                masters[id(slot.param)] = slot.view(full).clone()
+        if rank0_only and self.shards.rank != 0:
+            return {}
+        return {key: masters.get(id(value), value.detach().to("cpu", copy=True)) if isinstance(value, torch.Tensor)
+                else value for key, value in module.state_dict(keep_vars=True).items()}
+
+    def load_model_state_dict(self, module: nn.Module, state_dict: Mapping[str, Any]) -> None:
+        """Load a full state dict into ``module``: the working parameters (cast to the working dtype) and
+        this rank's part of the fp32 masters of the parameters this optimizer trains, the rest as
+        ``module.load_state_dict`` does (strict). No collective."""
+        self.plan_load_model_state_dict(module, state_dict)()
+
+    def plan_load_model_state_dict(self, module: nn.Module, state_dict: Mapping[str, Any]) -> Callable[[], None]:
+        """Check as :meth:`load_model_state_dict` does and return the function that loads (nothing
+        changes until it is called)."""
+        check_type("module", module, nn.Module, "the torch.nn.Module whose parameters this optimizer trains")
+        check_type("state_dict", state_dict, Mapping, "a mapping from the module's state_dict() keys to tensors")
+        own = module.state_dict(keep_vars=True)
+        missing = [k for k in own if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in own]
+        if missing or unexpected:
+            raise InvalidArgumentError("state_dict", f"a state dict with missing keys {missing[:5]} and unexpected "
+                                       f"keys {unexpected[:5]}", "exactly the keys of module.state_dict()")
+        for key, target in own.items():
+            value = state_dict[key]
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(target.shape):
+                raise InvalidArgumentError(f"state_dict[{key!r}]", getattr(value, "shape", type(value).__name__),
+                                           f"a tensor of shape {tuple(target.shape)}")
+
+        def apply() -> None:
+            with torch.no_grad():
+                for key, target in own.items():
+                    slot = self._slot_of.get(id(target))
+                    target.copy_(state_dict[key])
+                    if slot is not None and self.separate_master:
+                        self._write_own(slot, slot.chunk.master, state_dict[key].float())
+        return apply

@@ -1,0 +1,614 @@
+"""ShardedOptimizerV2: mixed-precision Adam over the chunks of a ShardedModelV2."""
+from __future__ import annotations
+
+import math
+import warnings
+import weakref
+from collections import OrderedDict
+from typing import Any, Callable, NoReturn
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from .adam import check_supported_optimizer, hyper_of_group
+from .adam_kernels import adam_update_
+from ..core.chunk import EXP_AVG, EXP_AVG_SQ, MASTER, Chunk
+from .disk_step import ChunkUpdate, DiskStepError, StreamedStep, streamed_families
+from ..core.disk_tier import JOURNAL
+from ..dist.collectives import ShardGroup, all_reduce_over
+from ..core.errors import (ArgumentTypeError, DeviceCapacityError, GradientAccumulationError, InvalidArgumentError,
+                     UnscaledBackwardError, UnsupportedOperationError, check_number, check_type)
+from .loss_scaler import DynamicGradScaler
+from ..runtime.manager import slot_of
+from ..model import ShardedModelV2
+from ..runtime.placement import AutoPlacement
+from ..core.tiers import Tier
+
+
+class ShardedOptimizerV2(Optimizer):
+    """Runs Adam over whole chunks where each chunk's optimizer state lives, with loss scaling.
+
+    fp16 models get a :class:`~chunkmem.DynamicGradScaler` configured by the scaler arguments; bf16 and
+    fp32 models train unscaled (``loss_scale`` stays 1) and, as in plain PyTorch, do not skip steps.
+    With fp16, backward must go through :meth:`backward` (or :meth:`backward_by_grad`): after a plain
+    ``loss.backward()`` :meth:`step` and :meth:`clip_grad_norm` raise
+    :class:`~chunkmem.UnscaledBackwardError`. bf16 and fp32 models may use either.
+    A separate fp32 master exists only for 16-bit models; fp32 parameters are their own masters.
+
+    It is a ``torch.optim.Optimizer``, so the schedulers of ``torch.optim.lr_scheduler`` take it
+    directly. It holds no state of its own in torch's sense: ``param_groups`` and ``defaults`` are the
+    wrapped optimizer's (every step reads each group's current hyper-parameters, ``lr`` and ``betas``
+    included), step counts and moments live in the chunks (read them with :meth:`state_dict`; ``state``
+    is the wrapped optimizer's and stays empty). Step pre/post hooks run around :meth:`step`, state-dict
+    hooks around :meth:`state_dict` and :meth:`load_state_dict`. :meth:`add_param_group` and pickling
+    are refused with :class:`~chunkmem.UnsupportedOperationError`.
+
+    Args:
+        sharded_model: the :class:`~chunkmem.ShardedModelV2` whose parameters ``optimizer`` holds.
+        optimizer: a :class:`~chunkmem.HybridAdam` / :class:`~chunkmem.CPUAdam`, or ``torch.optim.Adam``
+            / ``AdamW`` (plain options only) over ``sharded_model.parameters()``.
+        gpu_margin_mem_ratio: share in [0, 1] of the device memory left after the traced peak that may
+            hold optimizer state; only meaningful with placement ``"auto"`` (a warning otherwise).
+        initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale:
+            the loss scaler's rules (see :class:`~chunkmem.DynamicGradScaler`).
+        dp_process_group: the data-parallel group the overflow flag and gradient norm are reduced over
+            (``None``: the model's ``process_group``; otherwise a group of the same ranks).
+        mp_process_group: a model-parallel group whose ranks hold different parts of the model: the
+            overflow flag and the gradient norm are reduced over it too (``None``: no model parallelism).
+        verbose: log skipped steps and scale changes.
+        step_in_backward: (chunkmem addition, keyword only) with ``offload_optimizer="disk"``, update each
+            chunk whose optimizer state rests on disk as soon as the backward has finished its
+            gradients, on a thread of its own, so that its disk reads and writes overlap the rest of the
+            backward; :meth:`step` waits for those updates, commits them (or undoes them, as any disk step)
+            and updates the chunks whose state is in memory. The results are bitwise those of a step
+            after the backward, when the hyper-parameters do not change between the backward and
+            :meth:`step` (they are read when each chunk's update starts). So: one backward per step (a
+            second one before :meth:`step` is refused), no :meth:`clip_grad_norm`, not with fp16 (the
+            loss scaler decides at the step whether to skip it), not with ``offload_param="disk"``.
+            ``zero_grad()`` before :meth:`step` undoes the updates with ``atomic_step=True``; without it
+            they cannot be undone, so it is refused (call :meth:`step`). Between the backward and
+            :meth:`step` the disk chunks' parameters are being overwritten: read them after the step.
+    """
+
+    def __init__(self, sharded_model: ShardedModelV2, optimizer: Any, gpu_margin_mem_ratio: float = 0.0,
+                 initial_scale: float = 2**32, min_scale: float = 1, growth_factor: float = 2,
+                 backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2,
+                 max_scale: float = 2**32, dp_process_group: Any = None, mp_process_group: Any = None,
+                 verbose: bool = False, *, max_norm: float = 0.0, norm_type: float = 2.0,
+                 step_in_backward: bool = False) -> None:
+        if not isinstance(sharded_model, ShardedModelV2):
+            raise ArgumentTypeError("sharded_model", type(sharded_model).__name__, "a chunkmem.ShardedModelV2")
+        check_supported_optimizer(optimizer)
+        check_number("gpu_margin_mem_ratio", gpu_margin_mem_ratio, low=0.0, high=1.0)
+        if gpu_margin_mem_ratio > 0 and sharded_model.tensor_placement_policy != "auto":
+            warnings.warn(f"gpu_margin_mem_ratio={gpu_margin_mem_ratio} has no effect with "
+                          f"tensor_placement_policy={sharded_model.tensor_placement_policy!r}; it is used only "
+                          f"with 'auto'", stacklevel=2)
+        dp_shards = sharded_model.shards.of_same_ranks(dp_process_group, "dp_process_group",
+                                                       "the model's data-parallel ranks (its process_group)")
+        if mp_process_group is not None:
+            ShardGroup.of(mp_process_group, "mp_process_group")
+        check_type("verbose", verbose, bool, "True or False")
+        check_number("max_norm", max_norm, low=0.0, finite=True, allowed="a finite number >= 0 (0: no clipping)")
+        check_number("norm_type", norm_type, low=0.0, low_open=True)
+        self._check_step_in_backward(sharded_model, step_in_backward)
+        if step_in_backward and max_norm > 0:
+            raise InvalidArgumentError("max_norm", max_norm, "0 with step_in_backward=True (the chunks on disk are "
+                                       "updated during the backward, before the norm of all gradients exists)")
+        if sharded_model.optimizer_attached:
+            raise InvalidArgumentError("sharded_model", "a model that already has a ShardedOptimizerV2",
+                                       "a ShardedModelV2 without an optimizer")
+        scaler = DynamicGradScaler(initial_scale, min_scale, growth_factor, backoff_factor, growth_interval,
+                                   hysteresis, max_scale)  # validates the arguments whatever the dtype
+        group_of = self._groups_of(sharded_model, optimizer)
+
+        self.model = sharded_model
+        self.optim = optimizer
+        self.gpu_margin_mem_ratio = gpu_margin_mem_ratio
+        self.grad_scaler = scaler if sharded_model.dtype == torch.float16 else None
+        self.dp_process_group = dp_process_group
+        self.mp_process_group = mp_process_group
+        self._dp_shards = dp_shards
+        self.verbose = verbose
+        self.manager = sharded_model.chunk_manager
+        self._clip_coef = 1.0
+        self._grad_norm: float | None = None
+        # backward passes of the model whose gradients may be stepped on (all of them without a scaler;
+        # with one, those run by backward() / backward_by_grad())
+        self._accounted_backwards = self.manager.backward_count
+        self._broken_by: DiskStepError | None = None  # a failed step that could not be undone
+        self.step_in_backward = step_in_backward
+        self.max_norm = float(max_norm)
+        self.norm_type = float(norm_type)
+        self._step_in_flight: StreamedStep | None = None  # step_in_backward: started by this backward
+        self._init_optimizer_hooks()
+
+        plan = sharded_model._plan_for_groups(group_of)
+        self._check_capacity(plan)
+        self._reserve_disk(plan)
+        sharded_model._repack(plan)
+        self._keep_optimizer_state_on_host()
+        for chunk in self._trainable_chunks():
+            self.manager.place_optimizer_state(chunk)
+        if isinstance(self.manager.policy, AutoPlacement):
+            self.manager.policy.gpu_margin_mem_ratio = gpu_margin_mem_ratio
+        sharded_model.optimizer_attached = True
+        self.manager.optimizer_ref = weakref.ref(self)  # chunkmem.utils reads the loss scale and clip factor
+        if step_in_backward:
+            update_when_final = weakref.WeakMethod(self._update_when_final)
+
+            def on_grads_final(chunk: Chunk) -> None:
+                method = update_when_final()
+                if method is not None:  # (the optimizer may be gone while the model lives on)
+                    method(chunk)
+            self.manager.on_grads_final = on_grads_final
+
+    @staticmethod
+    def _check_step_in_backward(model: ShardedModelV2, step_in_backward: bool) -> None:
+        check_type("step_in_backward", step_in_backward, bool, "True or False")
+        if not step_in_backward:
+            return
+        policy = model.chunk_manager.policy
+        if not policy.optimizer_on_disk:
+            raise InvalidArgumentError("step_in_backward", True, "False, or True on a ShardedModelV2 built with "
+                                       "offload_optimizer='disk'")
+        if model.dtype == torch.float16:
+            raise InvalidArgumentError("step_in_backward", True, "False with fp16 (its loss scaler decides at "
+                                       "step() whether the step is skipped); True with bf16 or fp32")
+        if policy.params_on_disk:
+            raise InvalidArgumentError("step_in_backward", True, "False with offload_param='disk'")
+
+    @staticmethod
+    def _groups_of(model: ShardedModelV2, optimizer: Any) -> dict[int, int]:
+        group_of: dict[int, int] = {}
+        for index, group in enumerate(optimizer.param_groups):
+            for param in group["params"]:
+                if slot_of(param) is None or model._param_names.get(id(param)) is None:
+                    raise InvalidArgumentError("optimizer", f"a parameter of shape {tuple(param.shape)}",
+                                               "an optimizer over the ShardedModelV2's own parameters only")
+                group_of[id(param)] = index
+        missing = [name for name, p in model.module.named_parameters() if p.requires_grad and id(p) not in group_of]
+        if missing:
+            raise InvalidArgumentError("optimizer", f"param_groups without {missing[:5]}",
+                                       "param_groups holding every parameter that requires grad "
+                                       "(freeze the others with requires_grad_(False))")
+        return group_of
+
+    def _check_capacity(self, plan: Any) -> None:
+        """Refuse before any change if the optimizer state the policy puts on the device cannot fit."""
+        fp32_families = 3 if self.model.dtype != torch.float32 else 2
+        chunk_numel = plan.chunk_bytes // self.model._element_size // self.model.shards.world
+        trainable = sum(1 for i in range(len(plan.groups)) if plan.key_of(i).trainable)
+        on_device = sum(1 for k in range(trainable) if self.manager.policy.optim_on_device(k, trainable))
+        need = on_device * fp32_families * chunk_numel * 4
+        ledger = self.manager.ledger
+        free = ledger.capacity - ledger.tier_bytes(Tier.DEVICE)
+        if need > free:
+            raise DeviceCapacityError(
+                f"the optimizer state placed on the device needs {need} bytes, but only {free} of the device "
+                f"tier's capacity of {ledger.capacity} bytes are free; use placement 'cpu' or raise the capacity")
+
+    def _reserve_disk(self, plan: Any) -> None:
+        """Preallocate the disk tier's files for the optimizer state (a full disk is refused here, before
+        the model changes)."""
+        disk = self.manager.ledger.disk
+        if disk is None or not self.manager.policy.optimizer_on_disk:
+            return
+        shard_numel = plan.chunk_bytes // self.model._element_size // self.model.shards.world
+        families = (EXP_AVG, EXP_AVG_SQ) + ((MASTER,) if self.model.dtype != torch.float32 else ())
+        for family in families:
+            disk.reserve(family, shard_numel * 4, len(plan.groups))
+        if self.model.dtype == torch.float32 and disk.atomic_step:
+            disk.reserve(JOURNAL, shard_numel * 4, len(plan.groups), slots=1)
+
+    def _keep_optimizer_state_on_host(self) -> None:
+        """Under ``auto`` with ``offload_optimizer="disk"`` and a host capacity: the optimizer state of the
+        first trainable chunks that fits in the host capacity, after what the host already holds, the
+        gradients the step will hold there and the disk tier's I/O buffers, stays on the host; the rest
+        rests on disk. (Each chunk's state is used once per step, so which chunks stay does not change
+        the bytes moved. The first chunks stay: their gradients are finished last in the backward, so
+        with ``step_in_backward`` the disk chunks' updates overlap the rest of the backward.)"""
+        policy, ledger = self.manager.policy, self.manager.ledger
+        if not (isinstance(policy, AutoPlacement) and policy.optimizer_on_disk and ledger.host_capacity):
+            return
+        chunks = self._trainable_chunks()
+        first = chunks[0]
+        state_bytes = (3 if first.has_master else 2) * first.shard_numel * 4
+        grads = 0 if self.model.reuse_fp16_shard else len(chunks) * first.param.shard.nbytes
+        streamed = streamed_families(first, policy.params_on_disk, ledger.disk.atomic_step)
+        io_bytes = ledger.disk.buffer_count * streamed * ledger.disk.buffer_size
+        free = ledger.host_capacity - ledger.tier_bytes(Tier.HOST) - grads - io_bytes
+        count = min(max(free, 0) // state_bytes, len(chunks))
+        policy.optim_host_chunks = frozenset(c.index for c in chunks[:count])
+
+    def _trainable_chunks(self) -> list[Chunk]:
+        return [c for c in self.manager.chunks if c.trainable]
+
+    # ---- torch.optim.Optimizer ---------------------------------------------------------------------
+    # Optimizer.__init__ is not called: it would build a second list of param groups and a second state.
+
+    def _init_optimizer_hooks(self) -> None:
+        self._optimizer_step_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """The wrapped optimizer's param groups, the same list (hyper-parameters are read from here at
+        every step, so a scheduler that changes ``lr`` or ``betas`` changes the next step)."""
+        return self.optim.param_groups
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        """The wrapped optimizer's default hyper-parameters."""
+        return self.optim.defaults
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        """The wrapped optimizer's per-parameter state, which stays empty: the step counts and moments
+        live in the chunks; :meth:`state_dict` returns them in torch's layout."""
+        return self.optim.state
+
+    def add_param_group(self, param_group: dict[str, Any]) -> NoReturn:
+        """Refused: the chunks are packed per param group when the optimizer is attached, so groups
+        cannot be added afterwards. Give the wrapped optimizer every group before building this one."""
+        raise UnsupportedOperationError(
+            "ShardedOptimizerV2.add_param_group is not supported: the chunk layout is fixed per param group "
+            "once the optimizer is attached; pass every param group to the wrapped optimizer before building "
+            "ShardedOptimizerV2")
+
+    def __getstate__(self) -> NoReturn:
+        raise UnsupportedOperationError(
+            "a ShardedOptimizerV2 cannot be pickled or copied (its state lives in the model's chunks); save "
+            "optim.state_dict() or use chunkmem.save_checkpoint")
+
+    def __repr__(self) -> str:
+        lines = [f"ShardedOptimizerV2 ({type(self.optim).__name__}, dtype={self.model.dtype}, "
+                 f"loss_scale={self.loss_scale}"]
+        for index, group in enumerate(self.param_groups):
+            lines.append(f"Parameter Group {index}")
+            lines.extend(f"    {key}: {group[key]}" for key in sorted(group) if key != "params")
+        return "\n".join(lines) + "\n)"
+
+    # ---- the training step -------------------------------------------------------------------------
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without a scaler)."""
+        return self.grad_scaler.scale if self.grad_scaler else 1.0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss`` times the loss scale; gradients land in the chunks."""
+        self._check_can_accumulate()
+        self._run_backward(lambda: (loss * self.loss_scale if self.grad_scaler else loss).backward())
+        self.manager.scheduler.close_finished_traces()
+
+    def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
+        """Backward from ``tensor`` with the upstream gradient ``grad`` (not scaled: with fp16, ``grad``
+        is expected to carry the loss scale already)."""
+        self._check_can_accumulate()
+        self._run_backward(lambda: torch.autograd.backward(tensor, grad))
+        self.manager.scheduler.close_finished_traces()
+
+    def _run_backward(self, run: Callable[[], None]) -> None:
+        """Run a backward and count the model's backward passes it made as scaled."""
+        before = self.manager.backward_count
+        try:
+            run()
+        finally:
+            self._accounted_backwards += self.manager.backward_count - before
+
+    def _check_backward_was_scaled(self) -> None:
+        """With a loss scaler, raise if a backward pass of the model did not go through :meth:`backward`."""
+        if self.grad_scaler is None:
+            return
+        unscaled = self.manager.backward_count - self._accounted_backwards
+        if unscaled:
+            raise UnscaledBackwardError(
+                f"{unscaled} backward pass(es) of the fp16 model since the last zero_grad() did not go through "
+                f"the loss scaler (loss.backward()?): their gradients are not multiplied by the loss scale "
+                f"({self.loss_scale}), so the step would divide them by it. Call optim.backward(loss) instead "
+                f"of loss.backward(); call optim.zero_grad() to drop the gradients already accumulated")
+
+    def _forget_backwards(self) -> None:
+        """The gradients were dropped: earlier backward passes no longer matter."""
+        self._accounted_backwards = self.manager.backward_count
+
+    def _check_can_accumulate(self) -> None:
+        if self._step_in_flight is not None:
+            raise GradientAccumulationError(
+                "step_in_backward=True: the last backward already started this step's updates of the chunks on "
+                "disk, so a second backward cannot add to their gradients; call optim.step() first")
+        if self.model.reuse_fp16_shard and self.manager.grads_pending:
+            raise GradientAccumulationError(
+                "reuse_fp16_shard=True cannot accumulate gradients over two backward passes: call "
+                "optim.step() or optim.zero_grad() between them, or use reuse_fp16_shard=False")
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Clip the gradients of the coming step to total norm ``max_norm``; returns the total norm of the
+        unscaled gradients (inf or NaN if they overflowed). Clipping is folded into the update."""
+        check_number("max_norm", max_norm, low=0.0, low_open=True)
+        check_number("norm_type", norm_type, low=0.0, low_open=True)
+        if self.step_in_backward:
+            raise UnsupportedOperationError(
+                "clip_grad_norm with step_in_backward=True: the chunks on disk are updated during the backward, "
+                "before the norm of all gradients exists; build the ShardedOptimizerV2 without step_in_backward "
+                "to clip")
+        self._check_backward_was_scaled()
+        norm = self._total_norm(float(norm_type))
+        self._grad_norm = norm
+        self._clip_coef = min(1.0, max_norm / (norm + 1e-6)) if math.isfinite(norm) else 1.0
+        return norm
+
+    def _total_norm(self, norm_type: float = 2.0) -> float:
+        """Norm of all unscaled gradients, with one host synchronisation per tier holding gradients and,
+        over several ranks, one all-reduce over the data-parallel group (and ``mp_process_group``)."""
+        per_chunk = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
+                     for g in (self.manager.grad_of(c) for c in self._trainable_chunks()) if g is not None]
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for n in per_chunk:
+            by_device.setdefault(n.device, []).append(n)
+        if math.isinf(norm_type):
+            local = max((torch.stack(ns).max().item() for ns in by_device.values()), default=0.0)
+        else:
+            local = sum(torch.stack(ns).pow(norm_type).sum().item() for ns in by_device.values())
+        total = self._reduce_over_ranks(local, maximum=math.isinf(norm_type))
+        if not math.isinf(norm_type):
+            total = total ** (1 / norm_type)
+        return total / self.loss_scale
+
+    def _reduce_over_ranks(self, local: float, maximum: bool) -> float:
+        """Sum (or max) of ``local`` over the data-parallel ranks, then over ``mp_process_group``; a rank
+        whose value is inf or NaN makes the result NaN (a max reduction would drop a NaN)."""
+        groups = [g for g in (self._dp_shards.group if self._dp_shards.sharded else None, self.mp_process_group)
+                  if g is not None and dist.get_world_size(g) > 1]
+        if not groups:
+            return local
+        pair = torch.tensor([local if math.isfinite(local) else 0.0, 0.0 if math.isfinite(local) else 1.0],
+                            dtype=torch.float64)
+        for group in groups:
+            all_reduce_over(group, pair, dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM,
+                            what="the gradient norm and its non-finite flag")
+        return float("nan") if pair[1].item() else pair[0].item()
+
+    def step(self) -> bool:  # type: ignore[override]
+        """Unscale, check for overflow, clip, and update every chunk where its optimizer state lives.
+
+        Returns ``True`` if the parameters were updated, ``False`` if the step was skipped (overflow,
+        or no gradients since the last step). Either way the step releases the gradients it consumed,
+        as the reference does, so a loop without ``zero_grad()`` trains like one with it; several
+        backwards before one step accumulate. A skipped step leaves masters and optimizer state
+        untouched. With ``max_norm`` the gradients are clipped to that total norm inside the step (unless
+        :meth:`clip_grad_norm` was called since the backward: its clipping is the one applied). With
+        fp16, gradients from a backward that bypassed :meth:`backward` raise
+        :class:`~chunkmem.UnscaledBackwardError` and change nothing. Hooks registered with
+        ``register_step_pre_hook`` / ``register_step_post_hook`` run before and after.
+        """
+        self.manager.scheduler.close_finished_traces()
+        if not self.manager.grads_pending:
+            return False
+        self._check_backward_was_scaled()
+        if self.max_norm > 0 and self._grad_norm is None:
+            self.clip_grad_norm(self.max_norm, self.norm_type)
+        if self.grad_scaler is not None:
+            norm = self._grad_norm if self._grad_norm is not None else self._total_norm()
+            if not math.isfinite(norm):
+                if self.verbose:
+                    print(f"chunkmem: gradient overflow, step skipped (loss scale {self.loss_scale})")
+                self.grad_scaler.update(overflow=True)
+                self._discard_grads()
+                return False
+        if self._broken_by is not None:
+            raise self._broken_by
+        multiplier = self._clip_coef / self.loss_scale
+        on_disk = [c for c in self._trainable_chunks() if self.manager.policy.optim_tier(c) is Tier.DISK]
+        self._update_on_disk(on_disk, multiplier)  # first: the only part that can fail half-way
+        for chunk in self._trainable_chunks():
+            if self.manager.policy.optim_tier(chunk) is not Tier.DISK:
+                self._update_chunk(chunk, multiplier)
+        self.manager.flush_stale()
+        if self.grad_scaler is not None:
+            self.grad_scaler.update(overflow=False)
+        self._release_grads()
+        return True
+
+    step = Optimizer.profile_hook_step(step)  # runs torch's step pre/post hooks around it
+    step.hooked = True  # type: ignore[attr-defined]  # tells torch not to wrap it again
+
+    def _update_chunk(self, chunk: Chunk, multiplier: float) -> None:
+        tier = self.manager.policy.optim_tier(chunk)
+        hyper = hyper_of_group(self.optim.param_groups[chunk.key.group])
+        grad = self.manager.grad_of(chunk)
+        target = self.manager.param_update_target(chunk, tier)
+        if grad.device != target.device:
+            grad = grad.to(target.device)
+        chunk.step += 1
+        master = chunk.optim[MASTER].tensor if chunk.has_master else target
+        adam_update_(master, grad, chunk.optim[EXP_AVG].tensor, chunk.optim[EXP_AVG_SQ].tensor, chunk.step, hyper,
+                     grad_multiplier=multiplier, param_out=target if chunk.has_master else None)
+        self.manager.params_updated(chunk, tier)
+
+    def _disk_update(self, chunk: Chunk, multiplier: float) -> ChunkUpdate:
+        """What the streamed step needs to update ``chunk`` (its gradients final)."""
+        param = None if chunk.param.shard.on_disk else self.manager.param_update_target(chunk, Tier.HOST)
+        return ChunkUpdate(chunk, self.manager.grad_of(chunk), param, chunk.step + 1,
+                           hyper_of_group(self.optim.param_groups[chunk.key.group]), multiplier)
+
+    def _update_when_final(self, chunk: Chunk) -> None:
+        """``step_in_backward``: hand a chunk whose optimizer state rests on disk to this backward's
+        streamed step (started with the first such chunk) as soon as its gradients are final."""
+        if not chunk.trainable or self.manager.policy.optim_tier(chunk) is not Tier.DISK or self._broken_by:
+            return
+        step = self._step_in_flight
+        if step is None:
+            disk = self.manager.ledger.disk
+            families = max(streamed_families(c, c.param.shard.on_disk, disk.atomic_step)
+                           for c in self._trainable_chunks() if self.manager.policy.optim_tier(c) is Tier.DISK)
+            step = self._step_in_flight = StreamedStep(disk, self._any_rank_failed, families)
+            step.start()
+        elif any(update.chunk is chunk for update in step.updates):
+            raise GradientAccumulationError(
+                f"step_in_backward=True: {chunk.name} received gradients again before optim.step(), but its update "
+                f"already started (a second backward, e.g. loss.backward() called twice); call optim.step() "
+                f"after each backward")
+        step.add(self._disk_update(chunk, 1.0))  # no scaler, no clipping: the multiplier is 1
+
+    def _update_on_disk(self, chunks: list[Chunk], multiplier: float) -> None:
+        """Update the chunks whose optimizer state rests on disk in one streamed step (see
+        :mod:`chunkmem.optim.disk_step`): all of them, or none (then :class:`DiskStepError`). With
+        ``step_in_backward``, the step the backward started, completed with any chunk it did not get."""
+        if not self.manager.policy.optimizer_on_disk:
+            return  # (with a disk tier every rank runs the step below, even with no chunk on disk: it agrees)
+        step, self._step_in_flight = self._step_in_flight, None
+        if step is None:
+            step = StreamedStep.over(self.manager.ledger.disk, [self._disk_update(c, multiplier) for c in chunks],
+                                     self._any_rank_failed)
+            finish = step.run
+        else:
+            started = {id(update.chunk) for update in step.updates}
+            for chunk in chunks:
+                if id(chunk) not in started:
+                    step.add(self._disk_update(chunk, multiplier))
+            finish = step.finish
+        updates = step.updates
+        try:
+            finish()
+        except DiskStepError as exc:
+            if not exc.undone:
+                self._broken_by = exc
+            elif self.model.reuse_fp16_shard:
+                self._discard_grads()  # the update overwrote them in place
+            else:
+                for update in updates:
+                    if update.updated_to and update.param is not None:
+                        self.manager.params_updated(update.chunk, Tier.HOST)
+            raise
+        for update in updates:
+            update.chunk.step = update.step
+            self.manager.params_updated(update.chunk, Tier.DISK if update.param is None else Tier.HOST)
+
+    def check_no_step_in_flight(self, action: str) -> None:
+        """Raise :class:`~chunkmem.UnsupportedOperationError` if a backward with ``step_in_backward``
+        started updates that :meth:`step` has not completed yet (``action``: what was attempted)."""
+        if self._step_in_flight is not None:
+            raise UnsupportedOperationError(
+                f"{action} between a backward and optim.step() with step_in_backward=True: the backward's "
+                f"updates of the chunks on disk are still running; call optim.step() first")
+
+    def _any_rank_failed(self, failed: bool) -> bool:
+        """Whether ``failed`` holds on any data-parallel rank (one small all-reduce when sharded)."""
+        return math.isnan(self._reduce_over_ranks(float("nan") if failed else 0.0, maximum=True))
+
+    def _discard_grads(self) -> None:
+        if self.model.reuse_fp16_shard:
+            for chunk in self._trainable_chunks():
+                if chunk.param.holds_grads:
+                    tier = self.manager.policy.compute_tier(chunk)
+                    self.manager.param_update_target(chunk, tier).copy_(chunk.optim[MASTER].read())
+                    self.manager.params_updated(chunk, tier)
+        self._release_grads()
+
+    def _release_grads(self) -> None:
+        """The gradients were consumed (or discarded): free them and forget the backward passes."""
+        self.manager.zero_grad(set_to_none=True)
+        self._clip_coef, self._grad_norm = 1.0, None
+        self._forget_backwards()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients (``set_to_none``) or zero them. With ``reuse_fp16_shard`` and no step since
+        the backward, the parameters are restored from the masters. With ``step_in_backward`` and no
+        step since the backward, the updates the backward started are undone (``atomic_step=True``) or,
+        as they cannot be (``atomic_step=False``), :class:`~chunkmem.UnsupportedOperationError` is raised
+        with nothing changed."""
+        check_type("set_to_none", set_to_none, bool, "True or False")
+        if self._step_in_flight is not None:
+            if not self.manager.ledger.disk.atomic_step:
+                raise UnsupportedOperationError(
+                    "zero_grad() after a backward with step_in_backward=True and atomic_step=False: the backward "
+                    "already updated chunks in place on disk and that cannot be undone; call optim.step() to "
+                    "complete the step")
+            step, self._step_in_flight = self._step_in_flight, None
+            step.abandon()
+        self._forget_backwards()
+        if self.model.reuse_fp16_shard:
+            self._discard_grads()
+        else:
+            self.manager.zero_grad(set_to_none)
+            self._clip_coef, self._grad_norm = 1.0, None
+
+    def get_memory_usage(self, with_disk: bool = False) -> tuple[int, ...]:
+        """``(device_bytes, host_bytes)`` of the fp32 masters (the fp32 parameters when there is no
+        separate master), exp_avg and exp_avg_sq; with ``with_disk=True``, ``(device_bytes,
+        host_bytes, disk_bytes)``, the third being what rests on the disk tier (the buffers' own bytes;
+        the files' size is ``model.disk_file_bytes()``)."""
+        check_type("with_disk", with_disk, bool, "True or False")
+        usage = {Tier.DEVICE: 0, Tier.HOST: 0, Tier.DISK: 0}
+        for chunk in self._trainable_chunks():
+            tier = self.manager.policy.compute_tier(chunk)
+            for family in (EXP_AVG, EXP_AVG_SQ) + ((MASTER,) if chunk.has_master else ()):
+                buf = chunk.optim[family]
+                if buf.allocated:
+                    usage[buf.tier] += buf.nbytes
+            if not chunk.has_master:
+                usage[tier] += chunk.param.shard.nbytes
+        if with_disk:
+            return usage[Tier.DEVICE], usage[Tier.HOST], usage[Tier.DISK]
+        return usage[Tier.DEVICE], usage[Tier.HOST]
+
+    # ---- checkpoints -------------------------------------------------------------------------------
+
+    def state_dict(self, *, rank0_only: bool = False) -> dict[str, Any]:
+        """The full optimizer state in ``torch.optim.Adam``/``AdamW`` layout, loadable by those and by
+        :meth:`load_state_dict` at any number of ranks and any placement:
+
+        * ``"state"``: ``{index: {"step": tensor(float32 scalar), "exp_avg": fp32 tensor shaped like the
+          parameter, "exp_avg_sq": the same}}`` on the CPU; indices number the parameters of
+          ``self.optim.param_groups`` in order, as torch does. Parameters whose chunk has not stepped
+          yet have no entry (torch creates state at the first step). A chunk's parameters share its step.
+        * ``"param_groups"``: each group's hyper-parameters and ``"params"`` (its indices); the
+          decoupled-weight-decay flag is given both as ``adamw_mode`` and as ``decoupled_weight_decay``.
+        * ``"loss_scaler"``: :meth:`DynamicGradScaler.state_dict` (fp16), or ``None``. torch's
+          ``Optimizer.load_state_dict`` reads only the two keys above and ignores this one.
+
+        The fp32 masters are not here: they are the model's parameters, in ``model.state_dict()``.
+        The moments of each chunk are gathered over the data-parallel ranks, so every rank must call
+        it; with ``rank0_only=True`` the other ranks get ``{}``.
+        """
+        from ..io.state_dicts import optimizer_state_dict
+
+        check_type("rank0_only", rank0_only, bool, "True or False")
+        self.check_no_step_in_flight("optim.state_dict()")
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state = optimizer_state_dict(self, rank0_only)
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            replaced = post_hook(self, state)
+            state = state if replaced is None else replaced
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a full optimizer state dict: this object's :meth:`state_dict` or
+        ``torch.optim.Adam``/``AdamW.state_dict()`` over the same parameters in the same group order.
+
+        Sets each chunk's step and this rank's part of exp_avg and exp_avg_sq, every group's
+        hyper-parameters (all saved keys but ``"params"``; the decoupled-weight-decay flag in the
+        wrapped optimizer's spelling) and, when present and the model is fp16, the loss scaler. All
+        parameters of one chunk must have the same step (a parameter without state counts as step 0);
+        otherwise, or for a wrong group count, group size, moment shape or an option the chunked
+        update does not run (amsgrad, maximize...), :class:`~chunkmem.InvalidArgumentError` is raised
+        before anything changes. Saved state of parameters that are frozen in this model is ignored.
+        The fp32 masters come with the model: ``model.load_state_dict``. No collective.
+        """
+        from ..io.state_dicts import plan_optimizer_load
+
+        self.check_no_step_in_flight("optim.load_state_dict()")
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            replaced = pre_hook(self, state_dict)
+            state_dict = state_dict if replaced is None else replaced
+        plan_optimizer_load(self, state_dict).apply()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)

@@ -1,0 +1,120 @@
+"""The flat per-rank partitions of :class:`~chunkmem.LowLevelZeroOptimizer` (ZeRO-1/2).
+
+The optimizer's parameters are packed with chunkmem's chunk layout (:func:`chunkmem.core.layout.pack`, the
+chunk size from :func:`chunkmem.core.layout.search_chunk_numel`, rounded to whole 64-element groups per
+rank): each chunk is one flat working buffer that every rank holds in full (the parameters become views
+into it, so the module stays a plain module), and rank ``r`` owns elements ``[r * shard_numel,
+(r + 1) * shard_numel)`` of it, as a sharded :class:`~chunkmem.core.chunk.Chunk` does. The fp32 master,
+the Adam moments and (ZeRO-2) the gradient exist only for the owned elements.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from ..core.layout import aligned_numel, pack, search_chunk_numel
+
+
+@dataclass(eq=False)
+class FlatSlot:
+    """Where one parameter lives in its chunk: ``offset`` and ``numel`` in elements."""
+
+    param: nn.Parameter
+    index: int  # torch's numbering: position over the optimizer's param groups, in order
+    chunk: "FlatChunk"
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        """This parameter's elements of a full-chunk flat tensor, shaped like the parameter."""
+        return flat[self.offset:self.offset + self.numel].view(self.shape)
+
+    def owned(self) -> tuple[int, int] | None:
+        """The part of this parameter (element range within it) that lies in this rank's shard, or
+        ``None`` when it has none."""
+        return self.part_of_rank(self.chunk.rank)
+
+    def part_of_rank(self, rank: int) -> tuple[int, int] | None:
+        """The element range within this parameter that lies in ``rank``'s shard, or ``None``."""
+        start = max(self.offset, rank * self.chunk.shard_numel)
+        end = min(self.offset + self.numel, (rank + 1) * self.chunk.shard_numel)
+        if start >= end:
+            return None
+        return start - self.offset, end - self.offset
+
+
+@dataclass(eq=False)
+class FlatChunk:
+    """One chunk: the full working ``param`` buffer (``numel`` elements, every rank), this rank's
+    ``master`` / ``exp_avg`` / ``exp_avg_sq`` (``shard_numel`` fp32 elements each), the finished
+    gradient store ``grad`` (``None`` until a backward reduced into it; after ``zero_grad`` its memory is
+    kept in ``spare_grad`` for the next backward, as DDP keeps its buckets) and the Adam ``step``."""
+
+    index: int
+    group: int
+    numel: int
+    world: int
+    rank: int
+    param: torch.Tensor
+    slots: list[FlatSlot] = field(default_factory=list)
+    master: torch.Tensor | None = None
+    exp_avg: torch.Tensor | None = None
+    exp_avg_sq: torch.Tensor | None = None
+    grad: torch.Tensor | None = None
+    spare_grad: torch.Tensor | None = None
+    step: int = 0
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements each rank owns."""
+        return self.numel // self.world
+
+    @property
+    def own_start(self) -> int:
+        """The first element of this rank's shard."""
+        return self.rank * self.shard_numel
+
+    def own(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a full-chunk flat tensor (a view)."""
+        return flat[self.own_start:self.own_start + self.shard_numel]
+
+
+def build_partition(groups: list[list[nn.Parameter]], dtype: torch.dtype, world: int, rank: int,
+                    master_device: torch.device, separate_master: bool) -> list[FlatChunk]:
+    """Pack the parameters of ``groups`` (chunks never mix groups) into flat chunks of ``dtype`` on
+    the parameters' device, make every parameter a view into its chunk, and allocate this rank's fp32
+    master (a copy of the values before any cast, when ``separate_master``; else the owned elements of
+    the working buffer are the masters) and zero moments on ``master_device``. Padding is zero."""
+    entries = [(g, p) for g, params in enumerate(groups) for p in params]
+    numels = [p.numel() for _, p in entries]
+    keys = [g for g, _ in entries]
+    element_size = torch.empty((), dtype=dtype).element_size()
+    chunk_numel = aligned_numel(search_chunk_numel(numels, keys, element_size), world)
+    chunks = []
+    for n, members in enumerate(pack(numels, keys, chunk_numel)):
+        device = entries[members[0]][1].device
+        flat = torch.zeros(chunk_numel, dtype=dtype, device=device)
+        exact = torch.zeros(chunk_numel, dtype=torch.float32, device=device) if separate_master else None
+        chunk = FlatChunk(n, entries[members[0]][0], chunk_numel, world, rank, flat)
+        offset = 0
+        for i in members:
+            param = entries[i][1]
+            slot = FlatSlot(param, i, chunk, offset, param.numel(), tuple(param.shape))
+            with torch.no_grad():
+                slot.view(flat).copy_(param.data)
+                if exact is not None:
+                    slot.view(exact).copy_(param.data)
+            param.data = slot.view(flat)
+            chunk.slots.append(slot)
+            offset += param.numel()
+        if exact is not None:
+            chunk.master = chunk.own(exact).to(master_device, copy=True)
+        else:
+            chunk.master = chunk.own(flat)
+        chunk.exp_avg = torch.zeros(chunk.shard_numel, dtype=torch.float32, device=master_device)
+        chunk.exp_avg_sq = torch.zeros(chunk.shard_numel, dtype=torch.float32, device=master_device)
+        chunks.append(chunk)
+    return chunks

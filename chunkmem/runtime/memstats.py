@@ -1,0 +1,149 @@
+"""Memory statistics: what the tracer and the chunk manager saw, as a JSON document and a text summary.
+
+Schema ``chunkmem.memstats/1`` (every size in bytes, chunk ids are chunk indices):
+
+* ``schema``, ``rank``, ``world_size``, ``policy`` (placement name), ``capacity_bytes`` (device tier),
+  ``iterations`` (training iterations begun), ``traces`` (of them traced), ``last_iteration_mode``
+  (``tracing``, ``following``, ``diverged``, ``untraced``, ``idle``, or ``interrupted``: the last
+  iteration stopped on an error, and what it held was released).
+* ``chunks``: ``count``, ``numel`` (elements per chunk), ``shard_numel`` (elements of each chunk this rank
+  keeps: ``numel / world_size``), ``param_bytes`` (one chunk's full parameters),
+  ``dtype``, ``trainable`` (ids of chunks with trainable parameters).
+* ``periods``: one per period of the traced schedule, in order: ``index``, ``name`` (module),
+  ``phase`` (``forward``/``backward``), ``chunks`` (ids that had to be on the device),
+  ``non_model_peak_bytes`` (traced), ``grads_started``/``grads_finished`` (ids), and, from the last
+  iteration (``null`` where it did not reach that period): ``device_model_bytes`` (peak chunk bytes on
+  the device), ``host_model_bytes`` (chunk bytes on the host at the period's end),
+  ``moved_to_device_bytes``, ``moved_to_host_bytes``; under ``auto``: ``plan`` with ``slots`` (chunks
+  that fit), ``evict`` and ``fetch`` (ids), and ``fallback`` (the period's chunks did not fit its slots:
+  it runs as under ``cpu``).
+* ``last_iteration``: the same per-period figures for every period the last iteration ran (also when
+  it left the schedule): ``name``, ``phase``, ``device_model_bytes``, ``host_model_bytes``,
+  ``moved_to_device_bytes``, ``moved_to_host_bytes``.
+* ``totals``: ``moved_to_device_bytes`` and ``moved_to_host_bytes`` of the last iteration,
+  ``peak_device_bytes`` (chunk bytes, largest over its periods), ``peak_device_with_non_model_bytes``.
+* ``tiers``: chunk bytes now, ``{"device": {family: bytes}, "host": {...}}``, and ``"disk": {...}`` when
+  the model has a disk tier (the host figure then includes ``disk_io``, its I/O buffers).
+* ``disk``: ``null`` without a disk tier, else ``path`` (its private directory), ``file_bytes`` (what
+  its files occupy), ``read_bytes`` and ``written_bytes`` (moved so far), ``atomic_step``.
+* ``block_pool``: ``null`` with CUDA (or the pool off), else ``cached_bytes`` (freed chunk buffers kept
+  for reuse) and ``blocks_mapped`` (mappings made so far); see :mod:`chunkmem.core.block_pool`.
+* ``optimizer``: ``device_chunks``, ``host_chunks`` and ``disk_chunks`` (ids by where their optimizer
+  state lives), ``device_bytes``, ``host_bytes`` and ``disk_bytes`` (fp32 masters, exp_avg,
+  exp_avg_sq), ``margin_bytes`` and
+  ``gpu_margin_mem_ratio`` (``auto``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ..core.chunk import EXP_AVG, EXP_AVG_SQ, MASTER
+from .placement import AutoPlacement
+from ..core.tiers import Tier
+
+SCHEMA = "chunkmem.memstats/1"
+
+
+def collect(manager: Any, rank: int = 0, world_size: int = 1) -> dict[str, Any]:
+    """The statistics document (see the module docstring) for one chunk manager."""
+    scheduler = manager.scheduler
+    policy = manager.policy
+    chunks = manager.chunks
+    auto = policy if isinstance(policy, AutoPlacement) else None
+    stats = [_stats_dict(s) for s in scheduler.stats]
+    periods = []
+    for i, period in enumerate(scheduler.periods or []):
+        entry: dict[str, Any] = {
+            "index": i, "name": period.name, "phase": period.phase, "chunks": list(period.needed),
+            "non_model_peak_bytes": period.non_model_peak, "grads_started": list(period.grads_started),
+            "grads_finished": list(period.grads_finished)}
+        matches = i < len(stats) and (stats[i]["name"], stats[i]["phase"]) == (period.name, period.phase)
+        for key in ("device_model_bytes", "host_model_bytes", "moved_to_device_bytes", "moved_to_host_bytes"):
+            entry[key] = stats[i][key] if matches else None
+        if auto is not None and auto.plan is not None:
+            step = auto.plan.periods[i]
+            entry["plan"] = {"slots": step.slots, "evict": list(step.evict), "fetch": list(step.fetch),
+                             "fallback": step.fallback}
+        periods.append(entry)
+    non_model = [p["non_model_peak_bytes"] for p in periods]
+    by_tier: dict[Tier, list[int]] = {Tier.DEVICE: [], Tier.HOST: [], Tier.DISK: []}
+    usage = {Tier.DEVICE: 0, Tier.HOST: 0, Tier.DISK: 0}
+    for chunk in chunks:
+        if not chunk.trainable or not chunk.optim[EXP_AVG].allocated:
+            continue
+        by_tier[chunk.optim[EXP_AVG].tier].append(chunk.index)
+        for family in (MASTER, EXP_AVG, EXP_AVG_SQ):
+            buf = chunk.optim[family]
+            if buf.allocated:
+                usage[buf.tier] += buf.nbytes
+    blocks, ledger = manager.ledger.blocks, manager.ledger
+    return {
+        "schema": SCHEMA,
+        "rank": rank,
+        "world_size": world_size,
+        "policy": policy.name,
+        "capacity_bytes": manager.ledger.capacity,
+        "iterations": scheduler.iterations,
+        "traces": scheduler.traces,
+        "last_iteration_mode": scheduler.mode.value,
+        "chunks": {
+            "count": len(chunks),
+            "numel": chunks[0].numel if chunks else 0,
+            "shard_numel": chunks[0].shard_numel if chunks else 0,
+            "param_bytes": chunks[0].param.nbytes if chunks else 0,
+            "dtype": str(chunks[0].dtype).replace("torch.", "") if chunks else None,
+            "trainable": [c.index for c in chunks if c.trainable],
+        },
+        "periods": periods,
+        "last_iteration": stats,
+        "totals": {
+            "moved_to_device_bytes": sum(s["moved_to_device_bytes"] for s in stats),
+            "moved_to_host_bytes": sum(s["moved_to_host_bytes"] for s in stats),
+            "peak_device_bytes": max((s["device_model_bytes"] for s in stats), default=0),
+            "peak_device_with_non_model_bytes": max(
+                (s["device_model_bytes"] + (non_model[i] if i < len(non_model) else 0)
+                 for i, s in enumerate(stats)), default=0),
+        },
+        "tiers": manager.ledger.breakdown(),
+        "block_pool": None if blocks is None else {"cached_bytes": blocks.cached_bytes,
+                                                   "blocks_mapped": blocks.blocks_mapped},
+        "disk": None if ledger.disk is None else {
+            "path": ledger.disk.path, "file_bytes": ledger.disk.file_bytes, "read_bytes": ledger.read_from_disk,
+            "written_bytes": ledger.written_to_disk, "atomic_step": ledger.disk.atomic_step},
+        "optimizer": {
+            "device_chunks": by_tier[Tier.DEVICE], "host_chunks": by_tier[Tier.HOST], "disk_chunks": by_tier[Tier.DISK],
+            "device_bytes": usage[Tier.DEVICE], "host_bytes": usage[Tier.HOST], "disk_bytes": usage[Tier.DISK],
+            "margin_bytes": scheduler.margin_bytes,
+            "gpu_margin_mem_ratio": auto.gpu_margin_mem_ratio if auto else None,
+        },
+    }
+
+
+def _stats_dict(stats: Any) -> dict[str, Any]:
+    return {"name": stats.name, "phase": stats.phase, "device_model_bytes": stats.device_model_peak,
+            "host_model_bytes": stats.host_model_bytes, "moved_to_device_bytes": stats.moved_to_device,
+            "moved_to_host_bytes": stats.moved_to_host}
+
+
+def summary(doc: dict[str, Any]) -> str:
+    """A few lines for the log."""
+    mib = 2**20
+    totals, chunks, optim = doc["totals"], doc["chunks"], doc["optimizer"]
+    lines = [
+        f"chunkmem memory stats (rank {doc['rank']}): policy {doc['policy']}, capacity "
+        f"{doc['capacity_bytes'] / mib:.1f} MiB, {chunks['count']} chunks of {chunks['param_bytes'] / mib:.2f} MiB "
+        f"({chunks['dtype']}), {len(doc['periods'])} periods, {doc['traces']} trace(s) in {doc['iterations']} "
+        f"iteration(s)",
+        f"  last iteration ({doc['last_iteration_mode']}): peak chunk bytes on device "
+        f"{totals['peak_device_bytes'] / mib:.2f} MiB, with non-model {totals['peak_device_with_non_model_bytes'] / mib:.2f}"
+        f" MiB; moved to device {totals['moved_to_device_bytes'] / mib:.2f} MiB, to host "
+        f"{totals['moved_to_host_bytes'] / mib:.2f} MiB",
+        f"  optimizer state: {len(optim['device_chunks'])} chunk groups on device ({optim['device_bytes'] / mib:.2f} MiB),"
+        f" {len(optim['host_chunks'])} on host ({optim['host_bytes'] / mib:.2f} MiB), {len(optim['disk_chunks'])} on "
+        f"disk ({optim['disk_bytes'] / mib:.2f} MiB)",
+    ]
+    if doc["disk"] is not None:
+        disk = doc["disk"]
+        lines.append(f"  disk tier {disk['path']}: files {disk['file_bytes'] / mib:.2f} MiB, read "
+                     f"{disk['read_bytes'] / mib:.2f} MiB, written {disk['written_bytes'] / mib:.2f} MiB")
+    return "\n".join(lines)

@@ -1,0 +1,364 @@
+"""The iteration scheduler: traces an iteration, checks later ones against it, and plans each period.
+
+Iterations are delimited by the wrapped model's forward (start) and the end of autograd's backward
+(end). The first training iteration is traced (:mod:`chunkmem.runtime.tracer`); so is any iteration whose
+inputs have other shapes than the traced one, and the one after an iteration that left the schedule
+(another branch) or was interrupted by an error. Forwards without autograd (``torch.no_grad()``) are
+neither traced nor planned.
+
+The scheduler only decides: it holds no reference to the chunk manager and moves nothing. Each of its
+event methods returns what the :class:`~chunkmem.runtime.manager.ChunkManager` is to do (a
+:class:`PeriodOrders` at a period's start), and the manager alone executes. What the trace and the
+margin decide under ``auto`` lives in one :class:`~chunkmem.runtime.placement.PlanState`, written here only.
+
+The iteration's mode is an :class:`IterationMode`; its transitions:
+
+==================  ==================================  =================================================
+from                to                                  on
+==================  ==================================  =================================================
+any but the four    TRACING / FOLLOWING / UNTRACED      ``begin_iteration`` (an iteration still running
+running modes                                           is first ended as interrupted, see below)
+FOLLOWING           DIVERGED                            a period or chunk the schedule does not have
+TRACING             IDLE                                ``end_iteration``: the trace becomes the schedule
+FOLLOWING,          IDLE                                ``end_iteration``
+DIVERGED
+TRACING, FOLLOWING  INTERRUPTED                         ``interrupt``: the next forward found the last
+DIVERGED                                                iteration unfinished (an error in its forward or
+                                                        backward, or no backward); an unfinished trace
+                                                        is taken again
+==================  ==================================  =================================================
+"""
+from __future__ import annotations
+
+import enum
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, ContextManager, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..dist.collectives import ShardGroup
+from ..core.ledger import TierLedger
+from .placement import AutoPlacement, PlacementPolicy, PlanState
+from ..core.states import ChunkStateError
+from ..core.tiers import Tier
+from .tracer import IterationTrace, Period
+
+
+class IterationMode(str, enum.Enum):
+    """What the running iteration does (compares equal to its value, e.g. ``"following"``)."""
+
+    IDLE = "idle"              # between iterations
+    TRACING = "tracing"        # recording the schedule
+    FOLLOWING = "following"    # executing the plan of the recorded schedule
+    DIVERGED = "diverged"      # left the schedule: evict after use until it ends
+    UNTRACED = "untraced"      # a forward without autograd
+    INTERRUPTED = "interrupted"  # the last iteration stopped on an error; the next one is traced
+
+
+RUNNING = (IterationMode.TRACING, IterationMode.FOLLOWING, IterationMode.DIVERGED)
+
+
+@dataclass
+class PeriodStats:
+    """What one period of the last iteration did on the device tier (bytes)."""
+
+    name: str
+    phase: str
+    device_model_peak: int = 0
+    host_model_bytes: int = 0
+    moved_to_device: int = 0
+    moved_to_host: int = 0
+
+
+@dataclass
+class PeriodOrders:
+    """What the manager does at the start of a period, in this order: free the stale device copies but
+    those of ``keep``; with ``evict_unpinned`` free every unused device copy outside the margin; free the
+    device copies of ``evict`` (unused ones); fetch ``fetch``; then, once the period's own chunks are on
+    the device, start fetching ``prefetch`` (the next period's chunks) where the capacity allows it,
+    keeping ``reserve`` bytes free for the period's non-model memory and gradient staging, and room for
+    the chunks of ``needed`` (the period's, as traced) not on the device yet."""
+
+    keep: list[int] = field(default_factory=list)
+    evict_unpinned: bool = False
+    evict: list[int] = field(default_factory=list)
+    fetch: list[int] = field(default_factory=list)
+    prefetch: list[int] = field(default_factory=list)
+    reserve: int = 0
+    needed: list[int] = field(default_factory=list)
+
+
+@dataclass
+class PlanInputs:
+    """What the planner needs to know of the chunks (bytes): one chunk's parameter bytes, one optimizer
+    chunk group's device bytes (0 before the optimizer exists), the device capacity, whether gradients
+    reuse the parameter memory, and the data-parallel group (peaks are agreed over it)."""
+
+    capacity: int
+    param_bytes: int
+    group_bytes: int
+    reuse_grads: bool
+    shards: ShardGroup
+
+
+class Scheduler:
+    """Owned by the :class:`~chunkmem.runtime.manager.ChunkManager`; see the module docstring. ``ledger`` is read
+    (bytes per tier and moves, for the per-period statistics), never written."""
+
+    def __init__(self, ledger: TierLedger, policy: PlacementPolicy, device: torch.device) -> None:
+        self.ledger = ledger
+        self.device = device
+        self.policy = policy
+        self.state = PlanState()
+        if isinstance(policy, AutoPlacement):
+            policy.read_state_from(self.state)
+        self.periods: list[Period] | None = None
+        self.trace: IterationTrace | None = None
+        self.signature: Any = None
+        self._mode = IterationMode.IDLE
+        self.index = 0
+        self.retrace = True
+        self.iterations = 0
+        self.traces = 0
+        self.stats: list[PeriodStats] = []
+        self._moved_mark = (0, 0)
+        self._periods_changed = False
+        self._to_close: list[IterationTrace] = []
+        self._staging: list[int] = []  # per period, gradient staging buffers alive at most (prefetch reserve)
+        self._param_bytes = 0
+
+    @property
+    def mode(self) -> IterationMode:
+        return self._mode
+
+    def _enter(self, mode: IterationMode, *allowed: IterationMode) -> None:
+        if self._mode not in allowed:
+            raise ChunkStateError("the iteration scheduler", f"enter {mode.name}", self._mode, allowed,
+                                  _rank())
+        self._mode = mode
+
+    @property
+    def auto(self) -> bool:
+        return isinstance(self.policy, AutoPlacement)
+
+    @property
+    def margin_bytes(self) -> int:
+        return self.state.margin_bytes
+
+    @property
+    def running(self) -> bool:
+        """Whether an iteration is under way (begun, not ended)."""
+        return self._mode in RUNNING
+
+    # ---- iteration boundaries ----------------------------------------------------------------------
+
+    def interrupt(self) -> None:
+        """The running iteration will not end normally (an error stopped its forward or backward, or a
+        forward had no backward): an unfinished trace is dropped and the next iteration traced again; a
+        schedule it was following stays valid."""
+        if self.trace is not None:
+            self._to_close.append(self.trace)
+            self.trace = None
+            self.retrace = True
+        self._enter(IterationMode.INTERRUPTED, *RUNNING)
+        self.state.following = False
+        self._close_stats()
+
+    def begin_iteration(self, signature: Any, training: bool) -> bool:
+        """Start an iteration; returns whether the manager is to evict every unused chunk outside the
+        margin first (an iteration that follows the plan starts from its empty device)."""
+        if self.running:
+            self.interrupt()
+        self.close_finished_traces()
+        self.state.following = False
+        self.index = 0
+        self.stats = []
+        self._mark_moves()
+        starts_from = (IterationMode.IDLE, IterationMode.UNTRACED, IterationMode.INTERRUPTED)
+        if not training:
+            self._enter(IterationMode.UNTRACED, *starts_from)
+            return False
+        self.iterations += 1
+        if self.retrace or self.periods is None or signature != self.signature:
+            self._enter(IterationMode.TRACING, *starts_from)
+            self.signature = signature
+            self.trace = IterationTrace(self.device, lambda: self.ledger.tier_bytes(Tier.DEVICE))
+            self.traces += 1
+            return False
+        self._enter(IterationMode.FOLLOWING, *starts_from)
+        self.state.following = True
+        return self.auto
+
+    def end_iteration(self) -> bool:
+        """After backward: close the iteration. Returns ``True`` when a finished trace became the new
+        schedule: the manager then calls :meth:`make_plan`."""
+        self._close_stats()
+        self.state.following = False
+        if self._mode is IterationMode.TRACING:
+            self.periods = self.trace.finish()
+            for period in self.periods:
+                period.needed_set = set(period.needed)
+            self._to_close.append(self.trace)
+            self.trace = None
+            self.retrace = self._periods_changed
+            self._periods_changed = False
+            self.state.forget_plan()
+            self._enter(IterationMode.IDLE, IterationMode.TRACING)
+            return True
+        if self._mode is IterationMode.FOLLOWING and self.index != len(self.periods):
+            self.retrace = True
+        if self._mode in RUNNING:
+            self._enter(IterationMode.IDLE, *RUNNING)
+        return False
+
+    def close_finished_traces(self) -> None:
+        """Leave the counting modes of finished traces; called where no backward is running (after
+        ``optim.backward``, at ``optim.step`` and at the next forward)."""
+        while self._to_close:
+            self._to_close.pop().close()
+
+    # ---- periods -----------------------------------------------------------------------------------
+
+    def begin_period(self, name: str, phase: str, chunks: Sequence[int], required: Sequence[int]) -> PeriodOrders:
+        """A period starts (``chunks``: the module's; ``required``: chunks in use or held now)."""
+        self._close_stats()
+        orders = PeriodOrders(keep=list(chunks))
+        if self._mode is IterationMode.TRACING:
+            self.trace.begin_period(name, phase, list(required) + list(chunks))
+        elif self._mode is IterationMode.FOLLOWING:
+            if self.index >= len(self.periods) or self.periods[self.index].key() != (name, phase):
+                orders.evict_unpinned = self.diverge()
+            else:
+                self._fill_orders(orders, self.index)
+        self.stats.append(PeriodStats(name, phase))
+        self.index += 1
+        return orders
+
+    def _fill_orders(self, orders: PeriodOrders, index: int) -> None:
+        plan = self.state.plan
+        if plan is not None:
+            step = plan.periods[index]
+            orders.evict, orders.fetch = list(step.evict), list(step.fetch)
+        if index + 1 >= len(self.periods):
+            return
+        ahead = self.periods[index + 1]
+        if plan is not None:
+            orders.prefetch = list(plan.periods[index + 1].fetch)
+        else:
+            orders.prefetch = list(ahead.needed)
+        period = self.periods[index]
+        orders.needed = list(period.needed)
+        staging = self._staging[index] if index < len(self._staging) else 0
+        orders.reserve = period.non_model_peak + staging * self._param_bytes
+
+    def need(self, chunk_index: int) -> bool:
+        """A chunk is being made resident for the current period; returns whether the iteration just
+        left the schedule (the manager then evicts every unused chunk outside the margin)."""
+        if self._mode is IterationMode.TRACING:
+            self.trace.need(chunk_index)
+        elif self._mode is IterationMode.FOLLOWING:
+            current = self.periods[self.index - 1] if self.index else None
+            if current is None or chunk_index not in current.needed_set:
+                return self.diverge()
+        return False
+
+    def grads_started(self, chunk_index: int) -> None:
+        if self._mode is IterationMode.TRACING:
+            self.trace.grads_started(chunk_index)
+
+    def grads_finished(self, chunk_index: int) -> None:
+        if self._mode is IterationMode.TRACING:
+            self.trace.grads_finished(chunk_index)
+
+    def paused(self) -> ContextManager[None]:
+        """A context in which the tracer does not count allocations (chunk memory of the manager)."""
+        if self.trace is not None:
+            return self.trace.paused()
+        return nullcontext()
+
+    def module_chunks_changed(self) -> None:
+        """A module was found to need another chunk: the periods of the next iteration will differ
+        from this one's, so it is traced again."""
+        self._periods_changed = True
+
+    def diverge(self) -> bool:
+        """The iteration left the schedule: evict after use from now on, and trace the next one. Returns
+        whether the manager is to evict every unused chunk outside the margin (under ``auto``)."""
+        self._enter(IterationMode.DIVERGED, IterationMode.FOLLOWING)
+        self.retrace = True
+        self.state.following = False
+        return self.auto
+
+    # ---- the plan ----------------------------------------------------------------------------------
+
+    def make_plan(self, inputs: PlanInputs) -> list[int]:
+        """Plan the recorded schedule. Returns the chunks whose optimizer state the manager moves to the
+        device (``auto``'s margin). If planning fails, no plan is kept and the next iteration is traced
+        again (never run on the plan of another schedule)."""
+        self.state.forget_plan()
+        self._param_bytes = inputs.param_bytes
+        self._staging = self.staging_counts(inputs.reuse_grads, set())
+        if not self.periods:
+            return []
+        try:
+            self._agree_on_peaks(inputs.shards)  # (every policy: prefetch decisions use the peaks too)
+            if not isinstance(self.policy, AutoPlacement):
+                return []
+            margin_bytes, margin = self.policy.choose_margin_chunks(
+                self.periods, inputs.capacity, inputs.param_bytes, self._staging, inputs.group_bytes)
+            # Sharded, every gradient is reduced from a staging buffer, the margin chunks' too.
+            staging = self.staging_counts(inputs.reuse_grads, set() if inputs.shards.sharded else margin)
+            forced = [[c for c in p.grads_finished if c not in margin] if inputs.reuse_grads else []
+                      for p in self.periods]
+            plan = self.policy.make_plan(self.periods, inputs.capacity, inputs.param_bytes, staging,
+                                         len(margin) * inputs.group_bytes, forced, margin)
+        except BaseException:
+            self.retrace = True
+            raise
+        self.state.adopt(plan, margin, margin_bytes)
+        return sorted(margin)
+
+    def _agree_on_peaks(self, shards: ShardGroup) -> None:
+        """Sharded, every rank must fetch (gather) the same chunks in the same order, so every rank plans
+        and prefetches with the largest non-model peak any rank traced for each period."""
+        if not shards.sharded:
+            return
+        peaks = torch.tensor([p.non_model_peak for p in self.periods], dtype=torch.int64)
+        shards.all_reduce_(peaks, dist.ReduceOp.MAX, what="the traced non-model memory peaks")
+        for period, peak in zip(self.periods, peaks.tolist()):
+            period.non_model_peak = int(peak)
+
+    def staging_counts(self, reuse_grads: bool, excluded: set[int]) -> list[int]:
+        """Per period, the most gradient staging buffers alive at once (none with reuse_fp16_shard)."""
+        if reuse_grads or not self.periods:
+            return [0] * len(self.periods or [])
+        live, counts = 0, []
+        for period in self.periods:
+            started = [c for c in period.grads_started if c not in excluded]
+            counts.append(live + len(started))
+            live += len(started) - len([c for c in period.grads_finished if c not in excluded])
+        return counts
+
+    # ---- statistics of the last iteration ----------------------------------------------------------
+
+    def _mark_moves(self) -> None:
+        self._moved_mark = (self.ledger.moved_to_device, self.ledger.moved_to_host)
+
+    def _close_stats(self) -> None:
+        if not self.stats:
+            self._mark_moves()
+            return
+        ledger = self.ledger
+        last = self.stats[-1]
+        last.device_model_peak = max(last.device_model_peak, ledger.peak_device_bytes)
+        last.host_model_bytes = ledger.tier_bytes(Tier.HOST)
+        last.moved_to_device += ledger.moved_to_device - self._moved_mark[0]
+        last.moved_to_host += ledger.moved_to_host - self._moved_mark[1]
+        self._mark_moves()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
