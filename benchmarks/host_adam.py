@@ -51,7 +51,7 @@ import time
 import torch
 
 from chunkmem.optim import host_adam_ext
-from chunkmem.optim.adam_kernels import AdamHyper, adam_update_torch_
+from chunkmem.optim.adam_math import AdamHyper, adam_update_torch_
 
 TARGET = 0.95
 LOSS_SCALE = 1024.0

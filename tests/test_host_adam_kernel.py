@@ -12,7 +12,8 @@ import torch
 from adam_oracle import adam_fp64
 from chunkmem.optim import host_adam_ext
 from chunkmem.core import native_build
-from chunkmem.optim.adam_kernels import AdamHyper, adam_update_, adam_update_torch_
+from chunkmem.optim.adam_kernels import adam_update_
+from chunkmem.optim.adam_math import AdamHyper, adam_update_torch_
 
 ULP = 2.0**-24
 N = 10_007  # no multiple of the vector width (8) or of the loop step (16)

@@ -6,7 +6,8 @@ import torch
 
 import chunkmem as cm
 from adam_oracle import adam_fp64
-from chunkmem.optim.adam_kernels import AdamHyper, adam_update_
+from chunkmem.optim.adam_kernels import adam_update_
+from chunkmem.optim.adam_math import AdamHyper
 
 
 @pytest.mark.parametrize("cls", [cm.HybridAdam, cm.CPUAdam])

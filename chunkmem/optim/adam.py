@@ -7,7 +7,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.optim import Optimizer
 
-from .adam_kernels import AdamHyper, adam_update_, fused_device_adam_
+from .adam_kernels import adam_update_
+from .adam_math import AdamHyper, fused_device_adam_
 from ..core.errors import ArgumentTypeError, InvalidArgumentError, check_number, check_type
 
 

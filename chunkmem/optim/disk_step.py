@@ -36,7 +36,8 @@ from typing import Callable, Iterator, NoReturn
 
 import torch
 
-from .adam_kernels import AdamHyper, adam_update_
+from .adam_kernels import adam_update_
+from .adam_math import AdamHyper
 from ..core.chunk import EXP_AVG, EXP_AVG_SQ, MASTER, Chunk, FlatBuffer
 from ..io.disk_io import DiskIOError, IOHandle, aligned_nbytes
 from ..core.disk_tier import JOURNAL, DiskTier, _typed

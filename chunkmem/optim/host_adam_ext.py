@@ -200,7 +200,7 @@ def _pick_rounding(k: HostAdamKernel) -> tuple[bool, str, bool]:
     none) with which everything (moments, masters, 16-bit copies) equals the torch-op path bit for bit
     on a sample, with ``exact=True``; where none does, the IEEE square root, the rounding with which the
     moments are equal, and ``exact=False``."""
-    from .adam_kernels import AdamHyper, adam_update_torch_
+    from .adam_math import AdamHyper, adam_update_torch_
 
     gen = torch.Generator().manual_seed(20240605)
     n = 4099  # vector body, tails, and a size that is no multiple of the vector width
