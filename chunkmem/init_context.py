@@ -10,7 +10,7 @@ from .dist.agreement import InitAgreement
 from .core.chunk import Chunk, ChunkKey
 from .core.errors import ArgumentTypeError, InvalidArgumentError, check_type
 from .core.layout import ALIGN_ELEMENTS, aligned_numel
-from .core.ledger import TierLedger
+from .core.memory import TierMemory
 from .dist.collectives import SINGLE_PROCESS, ShardGroup
 from .runtime.manager import allocate_param_copy, slot_of
 from .core.param_guard import adopt
@@ -122,7 +122,7 @@ class ZeroInitContext:
         self.shards = ShardGroup.of(None) if shard_param else SINGLE_PROCESS
         element_size = torch.empty((), dtype=dtype).element_size()
         self.chunk_numel = aligned_numel((chunk_size or DEFAULT_INIT_CHUNK_BYTES) // element_size, self.shards.world)
-        self.ledger = TierLedger(device_memory_capacity())
+        self.memory = TierMemory.for_this_machine(device_memory_capacity())
         self.chunks: list[Chunk] = []
         self._open: dict[ChunkKey, Chunk] = {}
         self._init_depth: dict[int, int] = {}
@@ -210,7 +210,7 @@ class ZeroInitContext:
         chunk = self._open.get(key)
         if chunk is None or not chunk.fits(param.numel()):
             numel = max(self.chunk_numel, aligned_numel(param.numel(), self.shards.world))
-            chunk = Chunk(len(self.chunks), numel, self.dtype, key, self.ledger, self.shards)
+            chunk = Chunk(len(self.chunks), numel, self.dtype, key, self.memory, self.shards)
             chunk.size_was_given = self.chunk_size is not None and numel == self.chunk_numel
             chunk.built_with = self.chunks
             allocate_param_copy(chunk, self.tier).zero_()

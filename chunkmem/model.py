@@ -24,6 +24,7 @@ from .wrap_marker import check_not_wrapped, mark_unwrapped, mark_wrapped
 from .dist.collectives import ShardGroup
 from .core.layout import aligned_numel, pack, search_chunk_numel
 from .core.ledger import TierLedger
+from .core.memory import TierMemory
 from .runtime.manager import ChunkManager, GradientReduction, build_chunks, slot_of
 from .core.param_guard import ParameterAccessError, disown
 from .runtime.placement import make_policy
@@ -174,15 +175,15 @@ class ShardedModelV2(nn.Module):
         agree_on_model_layout(self, plan)  # sharded: every rank the same, before any layout collective
         capacity = device_memory_capacity()
         self._check_capacity(plan, capacity)
-        ledger = slots[0].chunk.ledger if from_context else TierLedger(capacity)
-        ledger.capacity = capacity
-        ledger.host_capacity = host_capacity
-        self._check_host_capacity(plan, ledger)
+        memory = slots[0].chunk.memory if from_context else TierMemory.for_this_machine(capacity)
+        memory.ledger.capacity = capacity
+        memory.ledger.host_capacity = host_capacity
+        self._check_host_capacity(plan, memory.ledger)
         if nvme_path is not None:
-            ledger.disk = DiskTier(nvme_path, buffer_count, buffer_size, atomic_step, ledger)
-            weakref.finalize(self, ledger.disk.close)
-        self._reserve_param_files(plan, ledger)
-        chunks = self._build(plan, _unique_chunks(slots) if from_context else [], ledger)
+            memory.disk = DiskTier(nvme_path, buffer_count, buffer_size, atomic_step, memory.ledger)
+            weakref.finalize(self, memory.disk.close)
+        self._reserve_param_files(plan, memory)
+        chunks = self._build(plan, _unique_chunks(slots) if from_context else [], memory)
         if from_context:  # chunks of parameters replaced after creation (the original weight of a tied head)
             for chunk in slots[0].chunk.built_with:
                 if chunk not in chunks:
@@ -190,7 +191,7 @@ class ShardedModelV2(nn.Module):
         self._cast_buffers()
         reduction = GradientReduction(reduce_shards, int(reduce_scatter_bucket_size_mb * 2**20), fp32_reduce_scatter,
                                       gradient_predivide_factor)
-        self.chunk_manager = ChunkManager(chunks, ledger, policy, reuse_fp16_shard, reduction,
+        self.chunk_manager = ChunkManager(chunks, memory, policy, reuse_fp16_shard, reduction,
                                           gather_together=shard_strategy.bucketed)
         self.chunk_manager.settle_all()
         self.chunk_manager.bind_views_to_device()
@@ -216,7 +217,7 @@ class ShardedModelV2(nn.Module):
                     and all(_same_sharding(c.shards, self.shards) for c in current)
                     and all(c.key == plan.entries[g[0]][2] for c, g in zip(current, plan.groups)))
 
-    def _build(self, plan: "_LayoutPlan", current: list[Chunk], ledger: TierLedger) -> list[Chunk]:
+    def _build(self, plan: "_LayoutPlan", current: list[Chunk], memory: TierMemory) -> list[Chunk]:
         """Chunks laid out as ``plan`` says: ``current`` if it already is, else new chunks (the current
         ones are freed)."""
         if self._laid_out_as(plan, current):
@@ -237,18 +238,18 @@ class ShardedModelV2(nn.Module):
                 gathered[slot.chunk] = slot.chunk.gather(buf.local()) if buf.sharded else buf.current()
             return slot.view(gathered[slot.chunk])
 
-        chunks = build_chunks(plan.entries, self.chunk_numel, self.dtype, ledger, Tier.HOST, self.shards,
+        chunks = build_chunks(plan.entries, self.chunk_numel, self.dtype, memory, Tier.HOST, self.shards,
                               value_of=value_of, to_disk=self.policy.params_on_disk)
         gathered.clear()
         for chunk in current:
             _free_chunk(chunk)
         return chunks
 
-    def _reserve_param_files(self, plan: "_LayoutPlan", ledger: TierLedger) -> None:
+    def _reserve_param_files(self, plan: "_LayoutPlan", memory: TierMemory) -> None:
         """With ``offload_param="disk"``: preallocate the parameter file for the chunks of ``plan`` (a
         full disk is refused here, before the module changes)."""
         if self.policy.params_on_disk:
-            ledger.disk.reserve(PARAM, plan.chunk_bytes // self.shards.world, len(plan.groups))
+            memory.disk.reserve(PARAM, plan.chunk_bytes // self.shards.world, len(plan.groups))
 
     def _check_host_capacity(self, plan: "_LayoutPlan", ledger: TierLedger) -> None:
         """Refuse, before the module changes, a host capacity below the parameter chunks that rest on the
@@ -274,8 +275,8 @@ class ShardedModelV2(nn.Module):
         """Adopt ``plan`` (called once, by the optimizer, before any optimizer state exists)."""
         if not self._laid_out_as(plan, self.chunk_manager.chunks):  # a re-pack gathers: the ranks must agree
             agree_on_model_layout(self, plan, step="ShardedOptimizerV2 re-pack")
-        self._reserve_param_files(plan, self.chunk_manager.ledger)
-        chunks = self._build(plan, self.chunk_manager.chunks, self.chunk_manager.ledger)
+        self._reserve_param_files(plan, self.chunk_manager.memory)
+        chunks = self._build(plan, self.chunk_manager.chunks, self.chunk_manager.memory)
         if chunks is self.chunk_manager.chunks:
             return
         self.chunk_manager.chunks = chunks
@@ -468,32 +469,32 @@ class ShardedModelV2(nn.Module):
 
     def tier_bytes(self) -> dict[str, dict[str, int]]:
         """Exact bytes of chunk memory per tier and family: ``{"device": {"param": n, ...}, "host": ...}``."""
-        return self.chunk_manager.ledger.breakdown()
+        return self.chunk_manager.memory.breakdown()
 
     @property
     def disk_path(self) -> str | None:
         """The private directory of the model's disk-tier files under ``nvme_path`` (``None`` without a
         disk tier). It is removed with the model, at exit and after an exception."""
-        disk = self.chunk_manager.ledger.disk
+        disk = self.chunk_manager.memory.disk
         return None if disk is None else disk.path
 
     def disk_file_bytes(self) -> int:
         """Bytes the disk tier's files occupy (preallocated: regions rounded up to 4096 bytes, two per
         chunk with ``atomic_step``, and the fp32 journal); 0 without a disk tier."""
-        disk = self.chunk_manager.ledger.disk
+        disk = self.chunk_manager.memory.disk
         return 0 if disk is None else disk.file_bytes
 
     def cached_bytes(self) -> int:
         """Bytes of freed chunk buffers the model's block pool keeps for reuse (CPU-only machines, see
         :mod:`chunkmem.core.block_pool`; 0 with CUDA, whose cache ``torch.cuda.memory_reserved`` reports)."""
-        blocks = self.chunk_manager.ledger.blocks
+        blocks = self.chunk_manager.memory.blocks
         return 0 if blocks is None else blocks.cached_bytes
 
     def empty_cache(self) -> None:
         """Unmap the freed chunk buffers the block pool keeps (CPU-only machines; with CUDA,
         ``torch.cuda.empty_cache()`` does this for the device). Buffers in use stay; the next step maps
         what it needs again."""
-        blocks = self.chunk_manager.ledger.blocks
+        blocks = self.chunk_manager.memory.blocks
         if blocks is not None:
             blocks.clear()
 

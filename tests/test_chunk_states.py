@@ -7,6 +7,7 @@ import torch
 import chunkmem as cm
 from chunkmem.core.chunk import Chunk, ChunkKey
 from chunkmem.core.ledger import TierLedger
+from chunkmem.core.memory import TierMemory
 from chunkmem.runtime.placement import AutoPlacement, HostPlacement
 from chunkmem.runtime.schedule import IterationMode, Scheduler
 from chunkmem.core.states import ChunkStateError, Contents, CopyLife, CopyState
@@ -73,7 +74,7 @@ def test_illegal_transition_message_names_allowed_states():
 
 def make_chunk(numel: int = 8) -> Chunk:
     ledger = TierLedger(capacity=10**6)
-    chunk = Chunk(0, numel, torch.float32, ChunkKey(True), ledger)
+    chunk = Chunk(0, numel, torch.float32, ChunkKey(True), TierMemory(ledger))
     return chunk
 
 
@@ -89,14 +90,14 @@ def test_param_buffer_states_through_a_fetch_an_update_and_a_free():
     assert not handle.on_side_stream  # the CPU copy is done when issued; the state waits for wait()
     handle.wait()
     assert buf.device_state is S.CURRENT and buf.device_valid and torch.equal(buf.device, torch.arange(8.0))
-    assert chunk.ledger.tier_bytes(Tier.DEVICE) == 8 * 4
+    assert chunk.memory.ledger.tier_bytes(Tier.DEVICE) == 8 * 4
     buf.device.add_(1)
     buf.mark_device_written()  # the device copy changed: the shard is out of date
     assert (buf.device_state, buf.shard_state) == (S.CURRENT, S.STALE)
     buf.free_device()  # writes back first
     assert (buf.device_state, buf.shard_state) == (S.FREED, S.CURRENT)
     assert torch.equal(buf.shard.tensor, torch.arange(8.0) + 1)
-    assert chunk.ledger.tier_bytes(Tier.DEVICE) == 0
+    assert chunk.memory.ledger.tier_bytes(Tier.DEVICE) == 0
     with pytest.raises(ChunkStateError, match="chunk0.param device copy is FREED; be written back"):
         buf.write_back_shard()
     buf.start_fetch()

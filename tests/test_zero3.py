@@ -15,6 +15,7 @@ import chunkmem as cm
 from chunkmem.core.chunk import ChunkKey
 from chunkmem.dist.collectives import ShardGroup
 from chunkmem.core.ledger import TierLedger
+from chunkmem.core.memory import TierMemory
 from chunkmem.runtime.manager import GradientReduction, build_chunks
 from distributed import run_ranks
 from models import TinyGPT, batches, lm_loss
@@ -194,7 +195,7 @@ def _reduction_worker(rank: int, world: int) -> dict:
     random = (torch.rand(4096, generator=generator) * 8 - 4).to(torch.float16)
     big = torch.full((4096,), 40000.0, dtype=torch.float16)
     param = torch.nn.Parameter(torch.zeros(4096))
-    chunk = build_chunks([("w", param, ChunkKey(True))], 4096, torch.float16, TierLedger(2**30), cm.Tier.HOST,
+    chunk = build_chunks([("w", param, ChunkKey(True))], 4096, torch.float16, TierMemory(TierLedger(2**30)), cm.Tier.HOST,
                          shards)[0]
     out = {"random": random, "rank": rank}
     for fp32 in (False, True):

@@ -44,9 +44,10 @@ import torch
 import torch.nn as nn
 
 from ..dist.collectives import SINGLE_PROCESS, PendingCollective, ShardGroup, start_all_gather
-from .ledger import TierLedger
+from .disk_tier import DiskRegion
+from .memory import TierMemory
 from .states import ChunkStateError, Contents, CopyLife, CopyState
-from .tiers import Tier, device_of_tier, empty_on_tier
+from .tiers import Tier, device_of_tier
 from .transfer import Transfer, start_copy
 
 PARAM = "param"
@@ -84,20 +85,20 @@ class ParamSlot:
 
 
 class FlatBuffer:
-    """One state family of one chunk: a flat buffer on one tier at a time, its bytes on the ledger.
+    """One state family of one chunk: a flat buffer on one tier at a time, its memory from ``memory``.
 
     ``life`` is the buffer's :class:`~chunkmem.core.states.CopyLife` (read it; only this class's methods
-    change it).
+    change it). ``region`` is where it lies in the disk tier's files when it rests there.
     """
 
-    def __init__(self, family: str, numel: int, dtype: torch.dtype, ledger: TierLedger, owner: str,
+    def __init__(self, family: str, numel: int, dtype: torch.dtype, memory: TierMemory, owner: str,
                  rank: int = 0, index: int = 0) -> None:
         self.family = family
         self.numel = numel
         self.dtype = dtype
-        self.ledger = ledger
+        self.memory = memory
         self.owner = owner
-        self.index = index  # the chunk's index: where its regions lie in the disk tier's files
+        self.region = DiskRegion(family, index, numel, dtype, f"{owner}.{family}")
         self.tensor: torch.Tensor | None = None  # None while FREED or resting on the disk tier
         self.tier: Tier | None = None
         self.disk_slot = 0  # on the disk tier: which of the chunk's regions holds the current contents
@@ -120,14 +121,14 @@ class FlatBuffer:
         """The current contents: the buffer itself on the device or host (do not write into it), a new
         host tensor read from the disk tier's file otherwise."""
         self.life.check("be read", CopyState.CURRENT)
-        return self.ledger.disk.load(self) if self.on_disk else self.tensor
+        return self.memory.disk.load(self.region, self.disk_slot) if self.on_disk else self.tensor
 
     def write(self, values: torch.Tensor) -> None:
         """Make ``values`` (``numel`` elements) the current contents, wherever the buffer rests (-> CURRENT).
         On the disk tier the current slot is overwritten in place (not part of an atomic step)."""
         self.life.check("be written", CopyState.CURRENT, CopyState.STALE)
         if self.on_disk:
-            self.ledger.disk.store(self, values.reshape(-1), self.disk_slot)
+            self.memory.disk.store(self.region, self.disk_slot, values.reshape(-1))
         else:
             self.tensor.copy_(values.reshape(-1))
         self.life.written()
@@ -149,16 +150,15 @@ class FlatBuffer:
         """Allocate the buffer on ``tier`` (FREED -> STALE; zero-filled and CURRENT if ``zero``); returns
         the tensor, or ``None`` on the disk tier (its region in the file; see :meth:`write`)."""
         self.life.check("allocate", CopyState.FREED)
-        self.ledger.reserve(tier, self.family, self.nbytes, f"{self.owner}.{self.family}")
+        self.tensor = self.memory.take(tier, self.family, self.numel, self.dtype, self.region.label)
         self.tier = tier
         if tier is Tier.DISK:
             self.disk_slot = 0
             self.life.allocated()
             if zero:
-                self.ledger.disk.store(self, None, self.disk_slot)
+                self.memory.disk.store(self.region, self.disk_slot, None)
                 self.life.written()
             return None
-        self.tensor = self._empty(tier)
         self.life.allocated()
         if zero:
             self.tensor.zero_()
@@ -178,47 +178,32 @@ class FlatBuffer:
         self.life.check("move to another tier", CopyState.CURRENT, CopyState.STALE)
         if tier is self.tier:
             return
-        old, old_tier = self.tensor, self.tier
-        self.ledger.reserve(tier, self.family, self.nbytes, f"{self.owner}.{self.family}")
+        old, old_tier, old_slot = self.tensor, self.tier, self.disk_slot
+        new = self.memory.take(tier, self.family, self.numel, self.dtype, self.region.label)
         try:
             if tier is Tier.DISK:
-                self.disk_slot = 0
-                self.ledger.disk.store(self, old, self.disk_slot)
-                new = None
+                self.memory.disk.store(self.region, 0, old)
+            elif old_tier is Tier.DISK:
+                self.memory.disk.read_all(self.region, old_slot, new)
             else:
-                new = self._empty(tier)
-                if old_tier is Tier.DISK:
-                    self.ledger.disk.read_all(self, new)
-                else:
-                    new.copy_(old)
+                new.copy_(old)
         except BaseException:
-            self.ledger.release(tier, self.family, self.nbytes)
+            self.memory.give_back(tier, self.family, self.nbytes, new)
             raise
         if Tier.DISK not in (tier, old_tier):
-            self.ledger.count_move(tier, self.nbytes)
+            self.memory.ledger.count_move(tier, self.nbytes)
         self.tensor, self.tier = new, tier
-        self.ledger.release(old_tier, self.family, self.nbytes)
-        if old is not None:
-            self._give_back(old)
+        if tier is Tier.DISK:
+            self.disk_slot = 0
+        self.memory.give_back(old_tier, self.family, self.nbytes, old)
 
     def free(self) -> None:
         """Return the buffer's memory (-> FREED); nothing to do when it has none."""
         if not self.life.holds_memory:
             return
         self.life.freed()
-        self.ledger.release(self.tier, self.family, self.nbytes)
-        old, self.tensor, self.tier = self.tensor, None, None
-        if old is not None:
-            self._give_back(old)
-
-    def _empty(self, tier: Tier) -> torch.Tensor:
-        if self.ledger.blocks is not None:
-            return self.ledger.blocks.empty(self.numel, self.dtype)
-        return empty_on_tier(tier, self.numel, self.dtype)
-
-    def _give_back(self, tensor: torch.Tensor) -> None:
-        if self.ledger.blocks is not None:
-            self.ledger.blocks.give_back(tensor)
+        old, tier, self.tensor, self.tier = self.tensor, self.tier, None, None
+        self.memory.give_back(tier, self.family, self.nbytes, old)
 
 
 class ParamBuffer:
@@ -235,11 +220,11 @@ class ParamBuffer:
     and the full copy is either a gathered copy of it or stale.
     """
 
-    def __init__(self, numel: int, dtype: torch.dtype, ledger: TierLedger, owner: str,
+    def __init__(self, numel: int, dtype: torch.dtype, memory: TierMemory, owner: str,
                  shards: ShardGroup = SINGLE_PROCESS, index: int = 0) -> None:
         self.numel = numel
         self.dtype = dtype
-        self.ledger = ledger
+        self.memory = memory
         self.owner = owner
         self.shards = shards
         self.shard_numel = numel // shards.world
@@ -251,7 +236,7 @@ class ParamBuffer:
         self._device_life = CopyLife(f"{owner}.param device copy", shards.rank)
         self._transfer: Transfer | None = None
         self._contents = Contents.VALUES
-        self.shard = FlatBuffer(PARAM, self.shard_numel, dtype, ledger, owner, shards.rank, index)
+        self.shard = FlatBuffer(PARAM, self.shard_numel, dtype, memory, owner, shards.rank, index)
 
     # ---- state (read-only views of the two machines) --------------------------------------------------
 
@@ -305,11 +290,8 @@ class ParamBuffer:
         """Give the device copy its memory back (FREED -> STALE, contents undefined until written)."""
         if self._device_life.holds_memory:
             return
-        self.ledger.reserve(Tier.DEVICE, PARAM, self.nbytes, f"{self.owner}.{PARAM}")
-        if self.ledger.blocks is not None:
-            self._lent = self.ledger.blocks.lend(self.device.untyped_storage(), self.nbytes)
-        else:
-            self.device.untyped_storage().resize_(self.nbytes)
+        self._lent = self.memory.fill_storage(self.device.untyped_storage(), PARAM, self.nbytes,
+                                              f"{self.owner}.{PARAM}")
         self._device_life.allocated()
 
     def start_fetch(self) -> Transfer:
@@ -324,12 +306,12 @@ class ParamBuffer:
             gathering = start_all_gather(self.shards, self.device, self.shard.read(), what=f"{self.owner} parameters")
             transfer = Transfer(lambda: self._gathered(gathering))
         elif self.shard.on_disk:  # read on the disk tier's fetch thread: overlaps compute when prefetched
-            reading = self.ledger.disk.start_read_all(self.shard, self.device)
+            reading = self.memory.disk.start_read_all(self.shard.region, self.shard.disk_slot, self.device)
             transfer = Transfer(lambda: self._fetched_from_disk(reading))
         else:
             transfer = start_copy(self.device, self.shard.tensor, self._fetched)
         if self.shard.tier is Tier.HOST:
-            self.ledger.count_move(Tier.DEVICE, self.shard.nbytes)
+            self.memory.ledger.count_move(Tier.DEVICE, self.shard.nbytes)
         self._transfer = transfer
         return transfer
 
@@ -397,12 +379,8 @@ class ParamBuffer:
     def _drop_device(self) -> None:
         """Free the device copy's memory whatever it holds (-> FREED)."""
         self.wait()
-        if self._lent is not None:
-            self.ledger.blocks.take_back(self.device.untyped_storage(), self._lent)
-            self._lent = None
-        else:
-            self.device.untyped_storage().resize_(0)
-        self.ledger.release(Tier.DEVICE, PARAM, self.nbytes)
+        self.memory.empty_storage(self.device.untyped_storage(), PARAM, self.nbytes, self._lent)
+        self._lent = None
         self._device_life.freed()
 
     # ---- the shard -----------------------------------------------------------------------------------
@@ -415,7 +393,7 @@ class ParamBuffer:
             self.shard.allocate(Tier.HOST)
         self.shard.write(self.own_slice(self.device))
         if self.shard.tier is Tier.HOST:
-            self.ledger.count_move(Tier.HOST, self.shard.nbytes)
+            self.memory.ledger.count_move(Tier.HOST, self.shard.nbytes)
 
     def free_shard(self) -> None:
         """Free the shard, first making the device copy current if the shard is the only current copy
@@ -529,7 +507,7 @@ def gather_together(buffers: list[ParamBuffer]) -> None:
         buf.filled_together()
         buf.device.view(shards.world, shard_numel).copy_(by_rank[:, i])
         if buf.shard.tier is Tier.HOST:
-            buf.ledger.count_move(Tier.DEVICE, buf.shard.nbytes)
+            buf.memory.ledger.count_move(Tier.DEVICE, buf.shard.nbytes)
         buf.wait()
 
 
@@ -541,7 +519,7 @@ class _Use(enum.Enum):
 class Chunk:
     """A fixed number of elements (``numel``) holding whole parameters of one :class:`ChunkKey`."""
 
-    def __init__(self, index: int, numel: int, dtype: torch.dtype, key: ChunkKey, ledger: TierLedger,
+    def __init__(self, index: int, numel: int, dtype: torch.dtype, key: ChunkKey, memory: TierMemory,
                  shards: ShardGroup = SINGLE_PROCESS) -> None:
         if numel % shards.world:
             raise ValueError(f"chunk of {numel} elements cannot be split into {shards.world} equal shards")
@@ -550,23 +528,23 @@ class Chunk:
         self.shards = shards
         self.dtype = dtype
         self.key = key
-        self.ledger = ledger
+        self.memory = memory
         self.name = f"chunk{index}"
         self.slots: list[ParamSlot] = []
         self.used_numel = 0
         self.size_was_given = False
         self.built_with: list["Chunk"] = [self]  # the chunks built together with this one
-        self.param = ParamBuffer(numel, dtype, ledger, self.name, shards, index)
+        self.param = ParamBuffer(numel, dtype, memory, self.name, shards, index)
         # Finished gradients and optimizer state are per shard; the staging buffer the backward writes
         # into is full-length (reduce-scattered into ``grad`` when sharded).
-        self.grad = FlatBuffer(GRAD, self.shard_numel, dtype, ledger, self.name, shards.rank, index)
-        self.grad_staging = FlatBuffer(GRAD_STAGING, numel, dtype, ledger, self.name, shards.rank, index)
+        self.grad = FlatBuffer(GRAD, self.shard_numel, dtype, memory, self.name, shards.rank, index)
+        self.grad_staging = FlatBuffer(GRAD_STAGING, numel, dtype, memory, self.name, shards.rank, index)
         self.optim: dict[str, FlatBuffer] = {
-            family: FlatBuffer(family, self.shard_numel, torch.float32, ledger, self.name, shards.rank, index)
+            family: FlatBuffer(family, self.shard_numel, torch.float32, memory, self.name, shards.rank, index)
             for family in OPTIM_FAMILIES}
         self._buffer_sizes = {self.param.nbytes, *(b.nbytes for b in self.flat_buffers())}  # bytes
-        if ledger.blocks is not None:
-            ledger.blocks.use_sizes(self._buffer_sizes)
+        if memory.blocks is not None:
+            memory.blocks.use_sizes(self._buffer_sizes)
         # Per-backward bookkeeping, reset by the manager.
         self.grad_slots_received: set[int] = set()
         self.grads_finished = False
@@ -620,8 +598,8 @@ class Chunk:
         self.param.free_all()
         for buf in self.flat_buffers():
             buf.free()
-        if self.ledger.blocks is not None:
-            self.ledger.blocks.stop_using_sizes(self._buffer_sizes)
+        if self.memory.blocks is not None:
+            self.memory.blocks.stop_using_sizes(self._buffer_sizes)
             self._buffer_sizes = set()
 
     @property

@@ -17,24 +17,43 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Iterable
+from dataclasses import dataclass
+from typing import Iterable
 
 import numpy
 import torch
 
 from ..io.disk_io import ALIGNMENT, AlignedBufferPool, DiskFile, IOHandle, ScratchSpace, aligned_nbytes
 from .errors import InvalidArgumentError, check_type
+from .ledger import TierLedger
 from .tiers import Tier
-
-if TYPE_CHECKING:
-    from .chunk import FlatBuffer
-    from .ledger import TierLedger
 
 DEFAULT_BUFFER_COUNT = 4
 DEFAULT_BUFFER_SIZE = 16 * 2**20  # bytes
 PIECE_ALIGNMENT = 2 * ALIGNMENT   # bytes: a piece of a 16-bit and of an fp32 family both start aligned
 DISK_IO_FAMILY = "disk_io"
 JOURNAL = "journal"  # the old values of fp32 parameters kept while an atomic step runs (see disk_step)
+
+
+@dataclass(frozen=True)
+class DiskRegion:
+    """What the disk tier knows of one buffer that may rest on it: its ``family`` (which file), the
+    chunk ``index`` (where in the file), its length (``numel`` elements of ``dtype``) and a ``label``
+    for error messages. Each of the chunk's slots (see the module docstring) is one region of the file."""
+
+    family: str
+    index: int
+    numel: int
+    dtype: torch.dtype
+    label: str
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.element_size
 
 
 def check_disk_arguments(offload_optimizer: str | None, offload_param: str | None, nvme_path: object,
@@ -80,7 +99,7 @@ class DiskTier:
     """
 
     def __init__(self, nvme_path: str | os.PathLike, buffer_count: int, buffer_size: int, atomic_step: bool,
-                 ledger: "TierLedger") -> None:
+                 ledger: TierLedger) -> None:
         self.scratch = ScratchSpace(nvme_path)
         self.buffer_count = buffer_count
         self.buffer_size = buffer_size
@@ -161,24 +180,24 @@ class DiskTier:
             self.ledger.release(Tier.HOST, DISK_IO_FAMILY, self._pool.count * aligned_nbytes(self.buffer_size))
             self._pool = None
 
-    def start_read_all(self, buf: "FlatBuffer", out: torch.Tensor) -> "Future[None]":
-        """Start copying ``buf``'s current contents into ``out`` on the fetch thread (through its own
-        aligned buffer of ``buffer_size`` bytes, on the host ledger); the future's result raises a
-        failed read's :class:`~chunkmem.io.disk_io.DiskIOError`."""
+    def start_read_all(self, region: DiskRegion, slot: int, out: torch.Tensor) -> "Future[None]":
+        """Start copying ``region``'s ``slot`` into ``out`` on the fetch thread (through its own aligned
+        buffer of ``buffer_size`` bytes, on the host ledger); the future's result raises a failed read's
+        :class:`~chunkmem.io.disk_io.DiskIOError`."""
         if self._fetcher is None:
             self.ledger.reserve(Tier.HOST, DISK_IO_FAMILY, aligned_nbytes(self.buffer_size),
                                 "the disk tier's fetch buffer")
             self._fetch_pool = AlignedBufferPool(1, self.buffer_size)
             self._fetch_buffer = self._fetch_pool.take()
             self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="chunkmem-disk-fetch")
-        self.ledger.count_disk(read=buf.nbytes)  # here, not on the thread: the counters are the caller's
-        return self._fetcher.submit(self._copy_into, buf, out, self._fetch_buffer, buf.disk_slot)
+        self.ledger.count_disk(read=region.nbytes)  # here, not on the thread: the counters are the caller's
+        return self._fetcher.submit(self._copy_into, region, slot, out, self._fetch_buffer)
 
-    def _copy_into(self, buf: "FlatBuffer", out: torch.Tensor, staging: torch.Tensor, slot: int) -> None:
-        """Read ``buf``'s ``slot`` piece by piece through ``staging`` into ``out`` (bytes already counted)."""
-        for start, end in self.pieces(buf.numel, buf.element_size):
-            self.read_piece(buf, start, end, staging, slot, count=False).wait()
-            out[start:end].copy_(_typed(staging, buf.dtype, end - start))
+    def _copy_into(self, region: DiskRegion, slot: int, out: torch.Tensor, staging: torch.Tensor) -> None:
+        """Read ``region``'s ``slot`` piece by piece through ``staging`` into ``out`` (bytes already counted)."""
+        for start, end in self.pieces(region.numel, region.element_size):
+            self.read_piece(region, slot, start, end, staging, count=False).wait()
+            out[start:end].copy_(_typed(staging, region.dtype, end - start))
 
     # ---- whole-buffer reads and writes (checkpoints, setup, accessors) -------------------------------
 
@@ -187,62 +206,62 @@ class DiskTier:
         step = self.buffer_size // element_size
         return ((a, min(a + step, numel)) for a in range(0, numel, step))
 
-    def read_piece(self, buf: "FlatBuffer", start: int, end: int, into: torch.Tensor, slot: int | None = None,
+    def read_piece(self, region: DiskRegion, slot: int, start: int, end: int, into: torch.Tensor,
                    count: bool = True) -> IOHandle:
-        """Start reading elements ``[start, end)`` of ``buf``'s current (or given) slot into the aligned
-        uint8 buffer ``into`` (``count``: add the bytes to the ledger's disk reads)."""
-        esize = buf.element_size
+        """Start reading elements ``[start, end)`` of ``region``'s ``slot`` into the aligned uint8 buffer
+        ``into`` (``count``: add the bytes to the ledger's disk reads)."""
+        esize = region.element_size
         nbytes = aligned_nbytes((end - start) * esize)
-        offset = self.offset(buf.family, buf.index, buf.disk_slot if slot is None else slot) + start * esize
+        offset = self.offset(region.family, region.index, slot) + start * esize
         if count:
             self.ledger.count_disk(read=(end - start) * esize)
-        return self._files[buf.family].read_into(into[:nbytes], offset, f"{buf.owner}.{buf.family}")
+        return self._files[region.family].read_into(into[:nbytes], offset, region.label)
 
-    def write_piece(self, buf: "FlatBuffer", start: int, end: int, data: torch.Tensor, slot: int) -> IOHandle:
-        """Start writing the aligned uint8 buffer ``data`` (elements ``[start, end)`` of ``buf``) into
+    def write_piece(self, region: DiskRegion, slot: int, start: int, end: int, data: torch.Tensor) -> IOHandle:
+        """Start writing the aligned uint8 buffer ``data`` (elements ``[start, end)`` of ``region``) into
         ``slot``."""
-        esize = buf.element_size
+        esize = region.element_size
         nbytes = aligned_nbytes((end - start) * esize)
-        offset = self.offset(buf.family, buf.index, slot) + start * esize
+        offset = self.offset(region.family, region.index, slot) + start * esize
         self.ledger.count_disk(written=(end - start) * esize)
-        return self._files[buf.family].write_from(data[:nbytes], offset, f"{buf.owner}.{buf.family}")
+        return self._files[region.family].write_from(data[:nbytes], offset, region.label)
 
-    def load(self, buf: "FlatBuffer") -> torch.Tensor:
-        """A new host tensor holding ``buf``'s current contents (read piece by piece)."""
-        out = torch.empty(buf.numel, dtype=buf.dtype)
-        self.read_all(buf, out)
+    def load(self, region: DiskRegion, slot: int) -> torch.Tensor:
+        """A new host tensor holding ``region``'s ``slot`` (read piece by piece)."""
+        out = torch.empty(region.numel, dtype=region.dtype)
+        self.read_all(region, slot, out)
         return out
 
-    def read_all(self, buf: "FlatBuffer", out: torch.Tensor) -> None:
-        """Copy ``buf``'s current contents into ``out`` (``buf.numel`` elements, any device), piece by piece."""
+    def read_all(self, region: DiskRegion, slot: int, out: torch.Tensor) -> None:
+        """Copy ``region``'s ``slot`` into ``out`` (``region.numel`` elements, any device), piece by piece."""
         pool = self.buffers(1)
         staging = pool.take()
-        self.ledger.count_disk(read=buf.nbytes)
+        self.ledger.count_disk(read=region.nbytes)
         try:
-            self._copy_into(buf, out, staging, buf.disk_slot)
+            self._copy_into(region, slot, out, staging)
         finally:
             pool.give_back(staging)
 
-    def mapped(self, buf: "FlatBuffer") -> torch.Tensor:
-        """``buf``'s current contents as a read-only CPU tensor mapped from its file (pages are read as
-        they are touched and can be dropped again: a checkpoint streams through it without holding it)."""
-        offset = self.offset(buf.family, buf.index, buf.disk_slot)
-        raw = numpy.memmap(self._files[buf.family].path, dtype=numpy.uint8, mode="c", offset=offset,
-                           shape=(buf.nbytes,))
-        return torch.from_numpy(raw).view(buf.dtype)
+    def mapped(self, region: DiskRegion, slot: int) -> torch.Tensor:
+        """``region``'s ``slot`` as a read-only CPU tensor mapped from its file (pages are read as they are
+        touched and can be dropped again: a checkpoint streams through it without holding it)."""
+        offset = self.offset(region.family, region.index, slot)
+        raw = numpy.memmap(self._files[region.family].path, dtype=numpy.uint8, mode="c", offset=offset,
+                           shape=(region.nbytes,))
+        return torch.from_numpy(raw).view(region.dtype)
 
-    def store(self, buf: "FlatBuffer", values: torch.Tensor | None, slot: int) -> None:
-        """Write ``values`` (``buf.numel`` elements; ``None``: zeros) into ``buf``'s ``slot``, piece by
-        piece, waiting for the writes."""
+    def store(self, region: DiskRegion, slot: int, values: torch.Tensor | None) -> None:
+        """Write ``values`` (``region.numel`` elements; ``None``: zeros) into ``region``'s ``slot``, piece
+        by piece, waiting for the writes."""
         pool = self.buffers(1)
         staging = pool.take()
         try:
             if values is None:
                 staging.zero_()
-            for start, end in self.pieces(buf.numel, buf.element_size):
+            for start, end in self.pieces(region.numel, region.element_size):
                 if values is not None:
-                    _typed(staging, buf.dtype, end - start).copy_(values[start:end])
-                self.write_piece(buf, start, end, staging, slot).wait()
+                    _typed(staging, region.dtype, end - start).copy_(values[start:end])
+                self.write_piece(region, slot, start, end, staging).wait()
         finally:
             pool.give_back(staging)
 

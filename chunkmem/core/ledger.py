@@ -2,14 +2,9 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING
 
-from .block_pool import BlockPool, pool_for_this_machine
 from .errors import ChunkmemError, DeviceCapacityError, HostCapacityError
 from .tiers import Tier
-
-if TYPE_CHECKING:
-    from .disk_tier import DiskTier
 
 
 class LedgerError(ChunkmemError, RuntimeError):
@@ -23,16 +18,13 @@ class TierLedger:
     raises :class:`DeviceCapacityError` before anything is allocated. ``host_capacity`` (bytes, or
     ``None`` for no bound) does the same for the host tier with :class:`HostCapacityError`. Bytes on the
     disk tier are the chunk buffers' own sizes (the files' sizes, with alignment and the spare copies of
-    an atomic step, are :attr:`~chunkmem.core.disk_tier.DiskTier.file_bytes`). ``blocks`` is where the counted
-    buffers' memory comes from when the CPU holds both tiers (see :mod:`chunkmem.core.block_pool`), else
-    ``None`` (torch's allocators).
+    an atomic step, are :attr:`~chunkmem.core.disk_tier.DiskTier.file_bytes`). It only counts: the
+    memory itself comes from :class:`~chunkmem.core.memory.TierMemory`.
     """
 
     def __init__(self, capacity: int, host_capacity: int | None = None) -> None:
         self.capacity = capacity
         self.host_capacity = host_capacity
-        self.blocks: BlockPool | None = pool_for_this_machine()
-        self.disk: "DiskTier | None" = None  # the model's disk tier, where one is configured
         self._bytes: dict[tuple[Tier, str], int] = defaultdict(int)
         self.peak_device_bytes = 0
         self.moved_to_device = 0
@@ -84,10 +76,10 @@ class TierLedger:
         """Bytes on ``tier``, over all families or only those named."""
         return sum(n for (t, f), n in self._bytes.items() if t is tier and (families is None or f in families))
 
-    def breakdown(self) -> dict[str, dict[str, int]]:
+    def breakdown(self, with_disk: bool = False) -> dict[str, dict[str, int]]:
         """``{tier: {family: bytes}}`` for every family with bytes on a tier (the ``"disk"`` tier is listed
-        when the model has one)."""
-        tiers = [t for t in Tier if t is not Tier.DISK or self.disk is not None]
+        when ``with_disk``: the model has one)."""
+        tiers = [t for t in Tier if t is not Tier.DISK or with_disk]
         out: dict[str, dict[str, int]] = {t.value: {} for t in tiers}
         for (tier, family), n in sorted(self._bytes.items(), key=lambda kv: (kv[0][0].value, kv[0][1])):
             if n:

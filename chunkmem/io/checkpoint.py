@@ -677,7 +677,7 @@ def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
 def _saved(buf: Any) -> torch.Tensor:
     """What a rank file holds of a chunk buffer: a copy, or for a buffer on the disk tier its file region
     mapped (the save then streams it from disk instead of holding every chunk in memory)."""
-    return buf.ledger.disk.mapped(buf) if buf.on_disk else _cpu_copy(buf.read())
+    return buf.memory.disk.mapped(buf.region, buf.disk_slot) if buf.on_disk else _cpu_copy(buf.read())
 
 
 # ---- files ---------------------------------------------------------------------------------------

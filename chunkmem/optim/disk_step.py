@@ -250,7 +250,8 @@ class StreamedStep:
                 write_slot[id(update)] = [(1 - b.disk_slot) if self.disk.atomic_step else b.disk_slot
                                           for b in update.writes]
             buffers = [pool.take() for _ in update.writes]
-            reads = [self.disk.read_piece(buf, start, end, raw) for buf, raw in zip(update.reads, buffers)]
+            reads = [self.disk.read_piece(buf.region, buf.disk_slot, start, end, raw)
+                     for buf, raw in zip(update.reads, buffers)]
             piece = _Piece(update, start, end, buffers, reads)
             if self._journals(update):
                 piece.journal = pool.take()
@@ -273,7 +274,7 @@ class StreamedStep:
                 writing.append((piece.held, []))
                 break
             self._update(piece)
-            handles = [self.disk.write_piece(buf, piece.start, piece.end, raw, slot)
+            handles = [self.disk.write_piece(buf.region, slot, piece.start, piece.end, raw)
                        for buf, raw, slot in zip(piece.update.writes, piece.buffers, write_slot[id(piece.update)])]
             writing.append((piece.held, handles))
             reclaim(block=False)

@@ -192,7 +192,7 @@ class ShardedOptimizerV2(Optimizer):
     def _reserve_disk(self, plan: Any) -> None:
         """Preallocate the disk tier's files for the optimizer state (a full disk is refused here, before
         the model changes)."""
-        disk = self.manager.ledger.disk
+        disk = self.manager.memory.disk
         if disk is None or not self.manager.policy.optimizer_on_disk:
             return
         shard_numel = plan.chunk_bytes // self.model._element_size // self.model.shards.world
@@ -209,15 +209,15 @@ class ShardedOptimizerV2(Optimizer):
         rests on disk. (Each chunk's state is used once per step, so which chunks stay does not change
         the bytes moved. The first chunks stay: their gradients are finished last in the backward, so
         with ``step_in_backward`` the disk chunks' updates overlap the rest of the backward.)"""
-        policy, ledger = self.manager.policy, self.manager.ledger
+        policy, ledger, disk = self.manager.policy, self.manager.ledger, self.manager.memory.disk
         if not (isinstance(policy, AutoPlacement) and policy.optimizer_on_disk and ledger.host_capacity):
             return
         chunks = self._trainable_chunks()
         first = chunks[0]
         state_bytes = (3 if first.has_master else 2) * first.shard_numel * 4
         grads = 0 if self.model.reuse_fp16_shard else len(chunks) * first.param.shard.nbytes
-        streamed = streamed_families(first, policy.params_on_disk, ledger.disk.atomic_step)
-        io_bytes = ledger.disk.buffer_count * streamed * ledger.disk.buffer_size
+        streamed = streamed_families(first, policy.params_on_disk, disk.atomic_step)
+        io_bytes = disk.buffer_count * streamed * disk.buffer_size
         free = ledger.host_capacity - ledger.tier_bytes(Tier.HOST) - grads - io_bytes
         count = min(max(free, 0) // state_bytes, len(chunks))
         policy.optim_host_chunks = frozenset(c.index for c in chunks[:count])
@@ -445,7 +445,7 @@ class ShardedOptimizerV2(Optimizer):
             return
         step = self._step_in_flight
         if step is None:
-            disk = self.manager.ledger.disk
+            disk = self.manager.memory.disk
             families = max(streamed_families(c, c.param.shard.on_disk, disk.atomic_step)
                            for c in self._trainable_chunks() if self.manager.policy.optim_tier(c) is Tier.DISK)
             step = self._step_in_flight = StreamedStep(disk, self._any_rank_failed, families)
@@ -465,7 +465,7 @@ class ShardedOptimizerV2(Optimizer):
             return  # (with a disk tier every rank runs the step below, even with no chunk on disk: it agrees)
         step, self._step_in_flight = self._step_in_flight, None
         if step is None:
-            step = StreamedStep.over(self.manager.ledger.disk, [self._disk_update(c, multiplier) for c in chunks],
+            step = StreamedStep.over(self.manager.memory.disk, [self._disk_update(c, multiplier) for c in chunks],
                                      self._any_rank_failed)
             finish = step.run
         else:
@@ -526,7 +526,7 @@ class ShardedOptimizerV2(Optimizer):
         with nothing changed."""
         check_type("set_to_none", set_to_none, bool, "True or False")
         if self._step_in_flight is not None:
-            if not self.manager.ledger.disk.atomic_step:
+            if not self.manager.memory.disk.atomic_step:
                 raise UnsupportedOperationError(
                     "zero_grad() after a backward with step_in_backward=True and atomic_step=False: the backward "
                     "already updated chunks in place on disk and that cannot be undone; call optim.step() to "

@@ -17,6 +17,7 @@ from ..dist.collectives import SINGLE_PROCESS, ShardGroup
 from ..core.errors import GradientAccumulationError
 from ..core.layout import pack
 from ..core.ledger import TierLedger
+from ..core.memory import TierMemory
 from .belady import MovePlan
 from .placement import PlacementPolicy
 from .schedule import IterationMode, PeriodOrders, PeriodStats, PlanInputs, Scheduler
@@ -28,7 +29,7 @@ from ..core.param_guard import adopt, slot_of  # noqa: F401  (slot_of re-exporte
 
 
 def build_chunks(entries: Sequence[tuple[str, nn.Parameter, ChunkKey]], chunk_numel: int, dtype: torch.dtype,
-                 ledger: TierLedger, tier: Tier, shards: ShardGroup = SINGLE_PROCESS, first_index: int = 0,
+                 memory: TierMemory, tier: Tier, shards: ShardGroup = SINGLE_PROCESS, first_index: int = 0,
                  value_of: Callable[[nn.Parameter], torch.Tensor] | None = None, to_disk: bool = False) -> list[Chunk]:
     """Pack ``entries`` (in order) into new chunks and point each parameter into its chunk.
 
@@ -42,7 +43,7 @@ def build_chunks(entries: Sequence[tuple[str, nn.Parameter, ChunkKey]], chunk_nu
     groups = pack([p.numel() for _, p, _ in entries], [k for _, _, k in entries], chunk_numel)
     chunks = []
     for n, indices in enumerate(groups):
-        chunk = Chunk(first_index + n, chunk_numel, dtype, entries[indices[0]][2], ledger, shards)
+        chunk = Chunk(first_index + n, chunk_numel, dtype, entries[indices[0]][2], memory, shards)
         local = allocate_param_copy(chunk, tier)
         local.zero_()
         for i in indices:
@@ -173,10 +174,10 @@ class ChunkManager:
     "demand")`` at each fetch it issues (for tests and debugging; ``None`` records nothing).
     """
 
-    def __init__(self, chunks: list[Chunk], ledger: TierLedger, policy: PlacementPolicy,
+    def __init__(self, chunks: list[Chunk], memory: TierMemory, policy: PlacementPolicy,
                  reuse_param_memory_for_grads: bool, reduction: GradientReduction | None = None,
                  gather_together: bool = False) -> None:
-        self.ledger = ledger
+        self.memory = memory
         self.policy = policy
         self.reuse_grads = reuse_param_memory_for_grads
         self.reduction = reduction or GradientReduction(SINGLE_PROCESS)
@@ -194,7 +195,7 @@ class ChunkManager:
         self.events: list[tuple] | None = None
         self.stale: dict[Chunk, None] = {}
         self._pending_prefetch: PeriodOrders | None = None
-        self.scheduler = ScheduleDriver(self, Scheduler(ledger, policy, device_of_tier(Tier.DEVICE)))
+        self.scheduler = ScheduleDriver(self, Scheduler(memory.ledger, policy, device_of_tier(Tier.DEVICE)))
         self.chunks = chunks
 
     @property
@@ -205,6 +206,11 @@ class ChunkManager:
     def chunks(self, chunks: list[Chunk]) -> None:
         self._chunks = chunks
         self.policy.configure(chunks)
+
+    @property
+    def ledger(self) -> TierLedger:
+        """The byte counts of the chunks' memory."""
+        return self.memory.ledger
 
     @property
     def sharded(self) -> bool:

@@ -76,7 +76,7 @@ def collect(manager: Any, rank: int = 0, world_size: int = 1) -> dict[str, Any]:
             buf = chunk.optim[family]
             if buf.allocated:
                 usage[buf.tier] += buf.nbytes
-    blocks, ledger = manager.ledger.blocks, manager.ledger
+    blocks, ledger, disk = manager.memory.blocks, manager.ledger, manager.memory.disk
     return {
         "schema": SCHEMA,
         "rank": rank,
@@ -104,12 +104,12 @@ def collect(manager: Any, rank: int = 0, world_size: int = 1) -> dict[str, Any]:
                 (s["device_model_bytes"] + (non_model[i] if i < len(non_model) else 0)
                  for i, s in enumerate(stats)), default=0),
         },
-        "tiers": manager.ledger.breakdown(),
+        "tiers": manager.memory.breakdown(),
         "block_pool": None if blocks is None else {"cached_bytes": blocks.cached_bytes,
                                                    "blocks_mapped": blocks.blocks_mapped},
-        "disk": None if ledger.disk is None else {
-            "path": ledger.disk.path, "file_bytes": ledger.disk.file_bytes, "read_bytes": ledger.read_from_disk,
-            "written_bytes": ledger.written_to_disk, "atomic_step": ledger.disk.atomic_step},
+        "disk": None if disk is None else {
+            "path": disk.path, "file_bytes": disk.file_bytes, "read_bytes": ledger.read_from_disk,
+            "written_bytes": ledger.written_to_disk, "atomic_step": disk.atomic_step},
         "optimizer": {
             "device_chunks": by_tier[Tier.DEVICE], "host_chunks": by_tier[Tier.HOST], "disk_chunks": by_tier[Tier.DISK],
             "device_bytes": usage[Tier.DEVICE], "host_bytes": usage[Tier.HOST], "disk_bytes": usage[Tier.DISK],

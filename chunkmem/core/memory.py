@@ -1,0 +1,77 @@
+"""Where chunk buffers get their memory on each tier, and the ledger that counts it.
+
+Every buffer of every chunk takes its memory from the model's :class:`TierMemory` and gives it back
+there: device and host buffers from the :class:`~chunkmem.core.block_pool.BlockPool` when the CPU holds
+both tiers (else from torch's allocators), disk-tier buffers as regions of the
+:class:`~chunkmem.core.disk_tier.DiskTier`'s files. Each allocation is first counted on the
+:class:`~chunkmem.core.ledger.TierLedger`, which refuses bytes past a tier's capacity before anything
+is allocated.
+"""
+from __future__ import annotations
+
+import torch
+
+from .block_pool import BlockPool, pool_for_this_machine
+from .disk_tier import DiskTier
+from .ledger import TierLedger
+from .tiers import Tier, empty_on_tier
+
+
+class TierMemory:
+    """The device, host and disk memory of one model's chunk buffers (see the module docstring).
+
+    ``ledger`` counts; ``blocks`` (``None`` with CUDA or without the native helper) lends device and host
+    memory when the CPU holds both tiers; ``disk`` is the model's disk tier, or ``None`` without one.
+    """
+
+    def __init__(self, ledger: TierLedger, blocks: BlockPool | None = None, disk: DiskTier | None = None) -> None:
+        self.ledger = ledger
+        self.blocks = blocks
+        self.disk = disk
+
+    @staticmethod
+    def for_this_machine(capacity: int, host_capacity: int | None = None) -> "TierMemory":
+        """A new ledger with the given capacities (bytes), the machine's block pool, no disk tier."""
+        return TierMemory(TierLedger(capacity, host_capacity), pool_for_this_machine())
+
+    def take(self, tier: Tier, family: str, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor | None:
+        """Count, then allocate, a flat buffer of ``numel`` elements of ``family`` on ``tier`` (contents
+        undefined); on the disk tier nothing is allocated here (the buffer is a file region) and ``None``
+        is returned. Past the tier's capacity the ledger raises and nothing changes."""
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        self.ledger.reserve(tier, family, nbytes, what)
+        if tier is Tier.DISK:
+            return None
+        try:
+            return self.blocks.empty(numel, dtype) if self.blocks is not None else empty_on_tier(tier, numel, dtype)
+        except BaseException:
+            self.ledger.release(tier, family, nbytes)
+            raise
+
+    def give_back(self, tier: Tier, family: str, nbytes: int, tensor: torch.Tensor | None) -> None:
+        """Return a buffer taken with :meth:`take` (``tensor`` ``None`` on the disk tier)."""
+        self.ledger.release(tier, family, nbytes)
+        if tensor is not None and self.blocks is not None:
+            self.blocks.give_back(tensor)
+
+    def fill_storage(self, storage: torch.UntypedStorage, family: str, nbytes: int, what: str) -> torch.Tensor | None:
+        """Count ``nbytes`` on the device tier and give the freed (0-byte) ``storage`` that much memory in
+        place, so tensors viewing it stay valid. Returns the block pool's token for :meth:`empty_storage`
+        (``None`` when torch's allocator resized the storage)."""
+        self.ledger.reserve(Tier.DEVICE, family, nbytes, what)
+        if self.blocks is not None:
+            return self.blocks.lend(storage, nbytes)
+        storage.resize_(nbytes)
+        return None
+
+    def empty_storage(self, storage: torch.UntypedStorage, family: str, nbytes: int, lent: torch.Tensor | None) -> None:
+        """Take back the memory :meth:`fill_storage` gave ``storage`` (it has 0 bytes again)."""
+        if lent is not None:
+            self.blocks.take_back(storage, lent)
+        else:
+            storage.resize_(0)
+        self.ledger.release(Tier.DEVICE, family, nbytes)
+
+    def breakdown(self) -> dict[str, dict[str, int]]:
+        """Bytes per tier and family (see :meth:`TierLedger.breakdown`; the disk tier listed when there is one)."""
+        return self.ledger.breakdown(with_disk=self.disk is not None)
