@@ -13,7 +13,7 @@ run before the first configuration and after each one; each configuration's boun
 measurements just before and just after it (a shared disk's bandwidth drifts). The bound adds the read
 and write times as if they ran one after the other; the step overlaps them (reads of the next pieces,
 writes of the previous ones), so a disk that serves reads and writes at once can beat it (> 100%). The bytes are the
-ledger's counters (``model.chunk_manager.ledger.read_from_disk`` / ``written_to_disk``) over the timed
+ledger's counters (``model.runtime.ledger.read_from_disk`` / ``written_to_disk``) over the timed
 steps, cross-checked against the formula 12 B x the trainable chunks' elements, each way.
 
 Only ``optim.step()`` is timed (after a backward), ``--steps`` steps after one warm-up step; the figure is
@@ -99,7 +99,7 @@ def run_config(args, dtype: torch.dtype, buffer_count: int) -> dict:
                               buffer_size=args.buffer_size, atomic_step=args.atomic_step)
     del net
     optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-4), initial_scale=2**8)
-    ledger = model.chunk_manager.ledger
+    ledger = model.runtime.ledger
     elements = sum(c.shard_numel for c in model.chunks if c.trainable)
     x = torch.randn(1, 8, generator=torch.Generator().manual_seed(1))
     times, reads, writes, skipped = [], [], [], 0

@@ -396,7 +396,7 @@ def main() -> int:
         buffer_count=args.buffer_count, buffer_size=args.buffer_size, atomic_step=args.atomic_step)
     model = cm.ShardedModelV2(net, cm.TensorShardStrategy(), tensor_placement_policy=args.placement,
                               reuse_fp16_shard=not args.offload_param, chunk_size=chunk_size, **disk_kwargs)
-    ledger = model.chunk_manager.ledger
+    ledger = model.runtime.ledger
     optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-4), initial_scale=2**16,
                                   step_in_backward=args.step_in_backward)
     gc.collect()  # the ZeroInitContext chunks the wrap did not free (see bytes_per_param.py)

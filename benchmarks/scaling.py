@@ -88,7 +88,7 @@ def build(cfg: GPTConfig, placement: str) -> tuple[cm.ShardedModelV2, cm.Sharded
 def train_step(model, optim, x, y, vocab: int) -> tuple[float, str]:
     """One step; returns the loss and the scheduler's mode during it (tracing, following, ...)."""
     logits = model(x)
-    mode = model.chunk_manager.scheduler.mode
+    mode = model.runtime.scheduler.mode
     loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
     optim.backward(loss)
     optim.step()
@@ -116,16 +116,19 @@ def measure(cfg: GPTConfig, batch: int, warmup: int, steps: int, replans: int) -
     # 2. the measured run under "auto"
     cm.set_device_memory_capacity(capacity)
     model, optim = build(cfg, "auto")
-    scheduler = model.chunk_manager.scheduler
-    make_plan = scheduler._make_plan
+    scheduler = model.runtime.scheduler
+    make_plan = scheduler.make_plan
     plan_times: list[float] = []
+    last_inputs: list = []
 
-    def timed_make_plan() -> None:
+    def timed_make_plan(inputs):
+        last_inputs[:] = [inputs]
         t0 = time.perf_counter()
-        make_plan()
+        margin = make_plan(inputs)
         plan_times.append(time.perf_counter() - t0)
+        return margin
 
-    scheduler._make_plan = timed_make_plan  # the instance attribute shadows the method end_iteration calls
+    scheduler.make_plan = timed_make_plan  # the instance attribute shadows the method the runtime calls
     times, moved, modes = [], [], []
     for i in range(1 + warmup + steps):
         tokens = data[i % len(data)]
@@ -142,16 +145,16 @@ def measure(cfg: GPTConfig, batch: int, warmup: int, steps: int, replans: int) -
     replan_times = []
     for _ in range(replans):
         t0 = time.perf_counter()
-        make_plan()
+        make_plan(last_inputs[0])
         replan_times.append(time.perf_counter() - t0)
-    policy = model.chunk_manager.policy
+    plan = model.runtime.state.plan
     out = dict(
         params=sum(p.numel() for p in model.parameters()), chunks=len(model.chunks), chunk_bytes=chunk_bytes,
         periods=len(scheduler.periods), traces=scheduler.traces, modes=modes,
         capacity=capacity, need=need, step_s=statistics.median(times), step_min_s=min(times),
         plan_first_s=first_plan, plan_calls=len(plan_times), plan_s=statistics.median(replan_times),
         plan_min_s=min(replan_times),
-        moved=statistics.median(moved), fetched=policy.plan.fetched_chunks if policy.plan else None,
+        moved=statistics.median(moved), fetched=plan.fetched_chunks if plan else None,
         accesses=sum(len(p.needed) for p in scheduler.periods), loss=loss,
         peak_device=doc["totals"]["peak_device_with_non_model_bytes"])
     del model, optim, doc

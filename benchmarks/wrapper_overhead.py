@@ -123,8 +123,8 @@ def child(config: str, size: str, warmup: int, steps: int, threads: int | None) 
         out["chunk_bytes"] = model.chunk_numel * model._element_size
         out["tier_bytes"] = model.tier_bytes()
         out["tier_bytes_after_backward"] = after_backward
-        out["ledger_peak_device_bytes"] = model.chunk_manager.ledger.peak_device_bytes
-        out["capacity_bytes"] = model.chunk_manager.ledger.capacity
+        out["ledger_peak_device_bytes"] = model.runtime.ledger.peak_device_bytes
+        out["capacity_bytes"] = model.runtime.ledger.capacity
     return out
 
 

@@ -16,7 +16,6 @@ DeepSpeed keys and what each becomes.
 """
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import warnings
@@ -30,6 +29,7 @@ from .optim.loss_scaler import DynamicGradScaler
 from .core.errors import ArgumentTypeError, InvalidArgumentError, UnsupportedOperationError
 from .model import ShardedModelV2
 from .optim.sharded_optimizer import ShardedOptimizerV2
+from .settings import MODEL_KEYWORDS, OPTIMIZER_KEYWORDS, ModelSettings, OptimizerSettings
 from .dist.shard_strategy import BaseShardStrategy, BucketTensorShardStrategy, TensorShardStrategy
 
 __all__ = ["NoEffectWarning", "initialize", "KEY_TABLE"]
@@ -234,9 +234,8 @@ def _initialize_colossal(model: nn.Module, optimizer: Any, zero: Any) -> tuple[n
     _check_keys(zero, {"model_config", "optimizer_config"}, "zero")
     model_config = dict(_section(zero, "model_config", "zero.model_config"))
     optimizer_config = dict(_section(zero, "optimizer_config", "zero.optimizer_config"))
-    _check_keys(model_config, _keywords(ShardedModelV2, skip=("module",)), "zero.model_config")
-    _check_keys(optimizer_config, _keywords(ShardedOptimizerV2, skip=("sharded_model", "optimizer")),
-                "zero.optimizer_config")
+    _check_keys(model_config, set(MODEL_KEYWORDS), "zero.model_config")
+    _check_keys(optimizer_config, set(OPTIMIZER_KEYWORDS), "zero.optimizer_config")
     if optimizer_config and optimizer is None:
         raise InvalidArgumentError("optimizer", None, "a torch optimizer over model.parameters() when "
                                                       "zero.optimizer_config is given")
@@ -250,18 +249,15 @@ def _initialize_colossal(model: nn.Module, optimizer: Any, zero: Any) -> tuple[n
                                 "a shard strategy instance or " + _listing(_STRATEGIES))
     if isinstance(model_config.get("dtype"), str):
         model_config["dtype"] = _dtype_named(model_config["dtype"], "zero.model_config.dtype")
-    wrapped = _rename_errors("zero.model_config.",
-                             lambda: ShardedModelV2(model, strategy, **model_config))
+    model_settings = _rename_errors("zero.model_config.",
+                                    lambda: ModelSettings.from_arguments(strategy, **model_config))
+    optimizer_settings = _rename_errors("zero.optimizer_config.",
+                                        lambda: OptimizerSettings.from_arguments(**optimizer_config))
+    wrapped = _rename_errors("zero.model_config.", lambda: ShardedModelV2.from_settings(model, model_settings))
     if optimizer is None:
         return wrapped, None
     return wrapped, _rename_errors("zero.optimizer_config.",
-                                   lambda: ShardedOptimizerV2(wrapped, optimizer, **optimizer_config))
-
-
-def _keywords(cls: type, skip: tuple[str, ...]) -> set[str]:
-    params = inspect.signature(cls.__init__).parameters
-    return {name for name, p in params.items() if name != "self" and name not in skip
-            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+                                   lambda: ShardedOptimizerV2.from_settings(wrapped, optimizer, optimizer_settings))
 
 
 def _dtype_named(name: str, path: str) -> torch.dtype:
@@ -324,16 +320,18 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
         kwargs = _stage3_model_kwargs(optim_device, param_device, ratio, offload_optimizer, offload_param)
         if bucket is not None:
             kwargs["reduce_scatter_bucket_size_mb"] = bucket * torch.empty((), dtype=dtype).element_size() / 2**20
-        wrapped = _rename_errors("zero_optimization.", lambda: ShardedModelV2(
-            model, TensorShardStrategy(), dtype=dtype, **kwargs),
+        model_settings = _rename_errors(
+            "zero_optimization.", lambda: ModelSettings.from_arguments(TensorShardStrategy(), dtype=dtype, **kwargs),
             {"dtype": "fp16.enabled/bf16.enabled", "reduce_scatter_bucket_size_mb": "zero_optimization.reduce_bucket_size"})
+        optimizer_settings = _rename_errors("fp16.", lambda: OptimizerSettings.from_arguments(
+            **scaler, max_norm=float(clipping)), dict(_SCALER_KEYS, max_norm="gradient_clipping"))
+        wrapped = _rename_errors("zero_optimization.", lambda: ShardedModelV2.from_settings(model, model_settings),
+                                 {"dtype": "fp16.enabled/bf16.enabled"})
         if optimizer is None:
             if not optimizer_section:
                 return wrapped, None
             optimizer = _build_optimizer(optimizer_section, wrapped.parameters())
-        return wrapped, _rename_errors("fp16.", lambda: ShardedOptimizerV2(wrapped, optimizer, **scaler,
-                                                                           max_norm=float(clipping)),
-                                       dict(_SCALER_KEYS, max_norm="gradient_clipping"))
+        return wrapped, ShardedOptimizerV2.from_settings(wrapped, optimizer, optimizer_settings)
 
     # stages 1 and 2: the model stays a plain module
     if param_device != "none":
@@ -428,10 +426,6 @@ def _stage3_model_kwargs(optim_device: str, param_device: str, ratio: float, off
         kwargs = dict(tensor_placement_policy="static", offload_param_frac=1.0 if params_off else 0.0,
                       offload_optim_frac=float(ratio) if optim_off else 0.0)
     if "nvme" in (optim_device, param_device):
-        accepted = _keywords(ShardedModelV2, skip=("module",))
-        if not {"offload_optimizer", "offload_param", "nvme_path"} <= accepted:
-            raise UnsupportedOperationError("zero_optimization.offload_*.device='nvme' needs the disk tier, which "
-                                            "this build of chunkmem does not have; use 'cpu'")
         paths = {s["nvme_path"] for s, d in ((offload_optimizer, optim_device), (offload_param, param_device))
                  if d == "nvme"}
         if len(paths) > 1:

@@ -6,61 +6,23 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .dist.agreement import InitAgreement
-from .core.chunk import Chunk, ChunkKey
+from .core.chunk import Chunk, ChunkKey, ParamSlot
 from .core.errors import ArgumentTypeError, InvalidArgumentError, check_type
 from .core.layout import ALIGN_ELEMENTS, aligned_numel
 from .core.memory import TierMemory
+from .core.param_guard import adopt, slot_of
+from .core.tiers import device_memory_capacity, device_of_tier, tier_of_device
+from .dist.agreement import LayoutDescription, ParamRecord, agree
 from .dist.collectives import SINGLE_PROCESS, ShardGroup
-from .runtime.manager import allocate_param_copy, slot_of
-from .core.param_guard import adopt
+from .dist.shard_strategy import BaseShardStrategy
 from .io.pretrained import patched_from_pretrained
 from .runtime.sharded_init import ShardedParamWrites
-from .dist.shard_strategy import BaseShardStrategy
-from .core.tiers import device_memory_capacity, device_of_tier, tier_of_device
+from .settings import check_chunk_size, check_dtype, check_param_dtypes
 
 DEFAULT_INIT_CHUNK_BYTES = 64 * 2**20
 MIN_INIT_CHUNK_ELEMENTS = ALIGN_ELEMENTS
 """The smallest ``chunk_size`` ZeroInitContext takes, in elements: chunks are laid out in whole groups of
 this many elements, so a smaller size could not be kept as given."""
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-SUPPORTED_DTYPE_NAMES = "torch.float16, torch.bfloat16 or torch.float32"
-
-
-def check_dtype(argument: str, dtype: Any) -> None:
-    """Raise unless ``dtype`` is one chunks can store: a ``torch.dtype`` among :data:`SUPPORTED_DTYPES`."""
-    check_type(argument, dtype, torch.dtype, SUPPORTED_DTYPE_NAMES)
-    if dtype not in SUPPORTED_DTYPES:
-        raise InvalidArgumentError(argument, dtype, SUPPORTED_DTYPE_NAMES)
-
-
-def check_chunk_size(chunk_size: Any, dtype: torch.dtype | None = None, min_elements: int = 1) -> None:
-    """Raise unless ``chunk_size`` is ``None`` or a positive byte count; given ``dtype``, also unless it
-    is a whole number of elements of ``dtype``, at least ``min_elements`` of them."""
-    allowed = "None (searched) or a positive byte count"
-    if chunk_size is None:
-        return
-    check_type("chunk_size", chunk_size, int, allowed)
-    if chunk_size <= 0:
-        raise InvalidArgumentError("chunk_size", chunk_size, allowed)
-    if dtype is not None:
-        size = torch.empty((), dtype=dtype).element_size()
-        if chunk_size % size or chunk_size < min_elements * size:
-            least = f", at least {min_elements * size} bytes" if min_elements > 1 else ""
-            raise InvalidArgumentError("chunk_size", chunk_size,
-                                       f"None or a multiple of {size} bytes (the element size of {dtype}){least}")
-
-
-def check_param_dtypes(named_params: Any, argument: str = "module") -> None:
-    """Raise unless every ``(name, parameter)`` has a dtype chunks can hold (16- or 32-bit floating
-    point): an integer, float64 or complex parameter would be silently rounded into the chunk."""
-    for name, param in named_params:
-        if param is not None and param.dtype not in SUPPORTED_DTYPES:
-            raise InvalidArgumentError(f"{argument} parameter {name!r} of dtype", param.dtype,
-                                       f"a parameter of dtype {SUPPORTED_DTYPE_NAMES} (convert the module, "
-                                       f"e.g. with .float(), or keep it as a buffer)")
 
 
 def check_device(argument: str, device: Any) -> None:
@@ -206,14 +168,14 @@ class ZeroInitContext:
                 module._buffers[name] = buf.to(device=device, dtype=dtype)
 
     def _add_param(self, name: str, param: nn.Parameter) -> None:
-        key = ChunkKey(param.requires_grad, 0)
+        key = ChunkKey(param.requires_grad)
         chunk = self._open.get(key)
         if chunk is None or not chunk.fits(param.numel()):
             numel = max(self.chunk_numel, aligned_numel(param.numel(), self.shards.world))
             chunk = Chunk(len(self.chunks), numel, self.dtype, key, self.memory, self.shards)
             chunk.size_was_given = self.chunk_size is not None and numel == self.chunk_numel
             chunk.built_with = self.chunks
-            allocate_param_copy(chunk, self.tier).zero_()
+            chunk.param.first_copy(self.tier).zero_()
             self.chunks.append(chunk)
             self._open[key] = chunk
         local = chunk.param.shard.tensor if chunk.param.shard_valid else chunk.param.device
@@ -234,3 +196,37 @@ def _all_module_classes() -> list[type]:
                 seen.append(sub)
                 todo.append(sub)
     return seen
+
+
+class InitAgreement:
+    """The agreements of a sharded :class:`~chunkmem.ZeroInitContext`: :meth:`before_gather` (called
+    before each gather its parameter writes run) and :meth:`at_exit`. Each compares the context's
+    settings and every parameter created so far; the record of parameters grows as the model does."""
+
+    def __init__(self, context: ZeroInitContext) -> None:
+        self.context = context
+        self.params = ParamRecord()
+        self._recorded: dict[int, int] = {}  # chunk index -> slots recorded
+
+    def before_gather(self, slot: ParamSlot) -> None:
+        """Agree before gathering ``slot``'s chunk (what is gathered is part of the step compared)."""
+        self._agree(f"ZeroInitContext: gather of {slot.chunk.name} for parameter {slot.name!r}")
+
+    def at_exit(self) -> None:
+        """Agree when the context closes (not when it closes with an exception)."""
+        self._agree("ZeroInitContext: exit")
+
+    def _agree(self, step: str) -> None:
+        context = self.context
+        for chunk in context.chunks:  # only the slots added since the last agreement
+            for slot in chunk.slots[self._recorded.get(chunk.index, 0):]:
+                self.params.add(slot.name, slot.shape, chunk.key.trainable)
+            self._recorded[chunk.index] = len(chunk.slots)
+        settings = [
+            ("world size", str(context.shards.world)),
+            ("dtype", str(context.dtype)),
+            ("chunk size", f"{context.chunk_numel} elements"),
+            ("shard strategy", type(context.shard_strategy).__name__),
+            ("chunks", ", ".join(str(c.numel) for c in context.chunks) + " elements"),
+        ]
+        agree(context.shards, LayoutDescription(step, settings, self.params))

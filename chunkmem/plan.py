@@ -16,7 +16,7 @@ While :func:`plan` runs, chunkmem's tier functions point at the meta device (pro
 train in another thread meanwhile. One process is planned (no ZeRO-3 sharding over ranks).
 
 ``python -m chunkmem.plan --preset gpt2-small --batch-size 8 --seq-len 1024 --device-memory 24GiB``
-prints the table (run from the repository root: the presets are ``benchmarks/_gpt.py``'s GPT);
+prints the table (the presets are :mod:`chunkmem.gpt`'s GPT, the model the benchmarks train);
 ``--builder module:function`` plans any model.
 """
 from __future__ import annotations
@@ -38,10 +38,10 @@ from torch.utils._pytree import tree_leaves, tree_map
 from .core import block_pool, tiers
 from .core.errors import ArgumentTypeError, DeviceCapacityError, InvalidArgumentError, UnsupportedOperationError
 from .core.errors import check_choice
-from .init_context import check_chunk_size, check_dtype
+from .gpt import GPT, GPTConfig
+from .settings import check_chunk_size, check_dtype
 from .model import ShardedModelV2
 from .core.param_guard import slot_of
-from .runtime.placement import make_policy
 from .dist.shard_strategy import TensorShardStrategy
 from .core.tiers import parse_size
 
@@ -118,7 +118,7 @@ def plan(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: An
                                 "a torch.nn.Module or a function that builds one")
     args = tree_map(lambda x: x.to(META) if isinstance(x, torch.Tensor) else x,
                     sample_batch if isinstance(sample_batch, tuple) else (sample_batch,))
-    saved_capacity = tiers._capacity_override  # the user's setting, restored after the meta runs
+    saved_capacity = tiers.device_memory_capacity_setting()  # the user's setting, restored after the meta runs
     template = _meta_model(model_or_builder)  # built once; each wrapped model below gets a (free) meta copy
     plans = {}
     try:
@@ -211,8 +211,8 @@ def _plan_policy(name: str, template: nn.Module, args: tuple, loss_fn: Any, devi
         tiers.set_device_memory_capacity(2**62)  # first the layout, to know the optimizer state's bytes
         probe = ShardedModelV2(module, TensorShardStrategy(), tensor_placement_policy=name, dtype=dtype,
                                chunk_size=chunk_size, reuse_fp16_shard=reuse_fp16_shard)
-        optim = _optimizer_bytes(make_policy(name), probe)
-        chunk_bytes, num_chunks = probe.chunk_numel * probe._element_size, len(probe.chunks)
+        optim = _optimizer_bytes(probe.runtime.policy, probe)
+        chunk_bytes, num_chunks = probe.layout.chunk_bytes, len(probe.chunks)
         del probe, module
         optim_device = sum(optim["device"].values())
         tiers.set_device_memory_capacity(max(device_capacity - optim_device, 1))
@@ -222,14 +222,14 @@ def _plan_policy(name: str, template: nn.Module, args: tuple, loss_fn: Any, devi
             model = ShardedModelV2(copy.deepcopy(template), TensorShardStrategy(), tensor_placement_policy=name,
                                    dtype=dtype, chunk_size=chunk_size, reuse_fp16_shard=reuse_fp16_shard)
             resting = model.tier_bytes()
-            ledger = model.chunk_manager.ledger
+            ledger = model.runtime.ledger
             for _ in range(ITERATIONS):
                 before = ledger.moved_to_device, ledger.moved_to_host
                 out = model(*args)
                 loss = loss_fn(out, args[0] if len(args) == 1 else args) if loss_fn else _mean_of(out)
                 loss.backward()
                 model.zero_grad()
-            planner = model.chunk_manager.scheduler.planner
+            planner = model.runtime.scheduler
             planner.close_finished_traces()
             result.non_model_peak = max((p.non_model_peak for p in planner.periods or []), default=0)
             result.moved_to_device_per_step = ledger.moved_to_device - before[0]
@@ -237,7 +237,7 @@ def _plan_policy(name: str, template: nn.Module, args: tuple, loss_fn: Any, devi
             result.device_peak_bytes = ledger.peak_device_bytes + optim_device
         except DeviceCapacityError as e:
             if model is not None:  # stopped inside an iteration: leave the tracer's counting mode
-                planner = model.chunk_manager.scheduler.planner
+                planner = model.runtime.scheduler
                 if planner.running:
                     planner.interrupt()
                 planner.close_finished_traces()
@@ -289,7 +289,8 @@ PRESETS = {  # (vocab, d_model, layers, heads)
 def _main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m chunkmem.plan", description="Will it fit? Plan one training "
                                 "step per placement policy without allocating the model.")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="a GPT of examples/train_gpt.py's shape")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+                   help="a GPT of chunkmem.gpt (the benchmarks' model) in this shape")
     p.add_argument("--builder", default=None, help="MODULE:FUNCTION building the model instead of --preset "
                                                    "(called with no argument; the batch is token ids)")
     p.add_argument("--batch-size", type=int, default=8)
@@ -307,13 +308,8 @@ def _main(argv: Sequence[str] | None = None) -> None:
         vocab = args.vocab or 2
     else:
         vocab_size, d_model, layers, heads = PRESETS[args.preset]
-        try:  # the benchmarks' GPT: run from the repository root
-            gpt = importlib.import_module("benchmarks._gpt")
-        except ImportError as e:
-            raise SystemExit(f"--preset needs benchmarks/_gpt.py (run from the repository root), or use --builder: {e}")
-
         def builder() -> nn.Module:
-            return gpt.GPT(gpt.GPTConfig(vocab_size, d_model, layers, heads, args.seq_len))
+            return GPT(GPTConfig(vocab_size, d_model, layers, heads, args.seq_len))
         vocab = args.vocab or vocab_size
     print(format_table(plan(builder, torch.randint(0, vocab, (args.batch_size, args.seq_len)), args.device_memory,
                             args.host_memory, dtype=dtype, chunk_size=args.chunk_size)))

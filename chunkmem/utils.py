@@ -43,7 +43,7 @@ import torch.nn as nn
 
 from .core.chunk import EXP_AVG, EXP_AVG_SQ, MASTER, Chunk, ParamSlot
 from .core.errors import ArgumentTypeError, InvalidArgumentError, UnsupportedOperationError, check_type
-from .core.param_guard import ParameterAccessError, owner_of, slot_of
+from .core.param_guard import ParameterAccessError, slot_of
 from .io.state_dicts import bump_versions
 
 OPTIMIZER_STATE_KEYS = (EXP_AVG, EXP_AVG_SQ)
@@ -63,24 +63,14 @@ def _slot(param: Any) -> ParamSlot:
     """The slot of a parameter of a wrapped model; refuses others and calls inside the forward."""
     check_type("param", param, nn.Parameter, "a parameter of a chunkmem.ShardedModelV2")
     slot = slot_of(param)
-    hooks = None if slot is None else owner_of(slot.chunk)
-    if hooks is None or slot.chunk not in hooks.manager.chunks:
+    host = None if slot is None else slot.chunk.host
+    if host is None or not host.owns(slot.chunk):
         raise InvalidArgumentError("param", f"a parameter of shape {tuple(param.shape)}",
                                    "a parameter of a chunkmem.ShardedModelV2 (built inside ZeroInitContext "
                                    "or wrapped)")
-    if hooks.stack:
+    if host.in_forward:
         raise ParameterAccessError("the chunkmem.utils accessors inside the model's forward: call them outside")
     return slot
-
-
-def _manager(slot: ParamSlot) -> Any:
-    return owner_of(slot.chunk).manager
-
-
-def _optimizer(slot: ParamSlot) -> Any:
-    """The :class:`~chunkmem.ShardedOptimizerV2` of the parameter's model, or ``None``."""
-    ref = getattr(_manager(slot), "optimizer_ref", None)
-    return None if ref is None else ref()
 
 
 def _check_key(optim_state_key: Any) -> str:
@@ -142,16 +132,11 @@ def _fp32_shard(slot: ParamSlot) -> torch.Tensor | None:
 
 def _grad_shard(slot: ParamSlot) -> tuple[torch.Tensor, float] | None:
     """This rank's shard of the chunk's finished gradient and the factor that unscales/clips it."""
-    manager = _manager(slot)
-    chunk = slot.chunk
-    if not chunk.trainable or (not manager.reuse_grads and not chunk.grad.allocated):
-        return None
-    grad = manager.grad_of(chunk)
+    host, chunk = slot.chunk.host, slot.chunk
+    grad = host.grad_of(chunk) if chunk.trainable else None
     if grad is None:
         return None
-    optim = _optimizer(slot)
-    multiplier = 1.0 if optim is None else optim._clip_coef / optim.loss_scale
-    return grad, multiplier
+    return grad, host.grad_multiplier()
 
 
 def _state_shard(slot: ParamSlot, key: str) -> torch.Tensor | None:
@@ -258,7 +243,7 @@ def _set_fp32(slot: ParamSlot, local: torch.Tensor) -> None:
             _write_family(chunk, MASTER, start, local.to(torch.float32))
         values = chunk.param.local().clone()
         values[start:start + count].copy_(local.to(torch.float32).to(chunk.dtype))
-        _manager(slot).write_params(chunk, values)
+        chunk.host.write_params(chunk, values)
     bump_versions([slot.param])
 
 

@@ -149,8 +149,8 @@ def test_changing_sequence_length_retraces_and_trains_correctly():
         popt.zero_grad()
         assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
         if i == 2:
-            assert model.chunk_manager.scheduler.traces == 2
-    assert model.chunk_manager.scheduler.traces == 3
+            assert model.runtime.scheduler.traces == 2
+    assert model.runtime.scheduler.traces == 3
     assert model.memory_stats()["last_iteration_mode"] == "idle"
 
 
@@ -172,7 +172,7 @@ def test_capacity_too_small_for_one_period_falls_back_to_cpu_for_it():
     assert train(model, optim, data) == cpu_losses
     for name, value in cpu_model.state_dict().items():
         assert torch.equal(value, model.state_dict()[name]), name
-    plan = model.chunk_manager.scheduler.plan
+    plan = model.runtime.scheduler.plan
     assert plan is not None and plan.periods[worst].fallback
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import chunkmem as cm
 from chunkmem.core import block_pool, native_build
 from chunkmem.core.block_pool import BlockPool
-from chunkmem.runtime.manager import slot_of
+from chunkmem.core.param_guard import slot_of
 from models import TinyGPT
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the pool serves CPU-only machines")
@@ -116,7 +116,7 @@ def _train(steps, placement, dtype=torch.float32):
         optim.step()
         optim.zero_grad(set_to_none=True)
         losses.append(loss.item())
-        blocks = model.chunk_manager.memory.blocks
+        blocks = model.runtime.memory.blocks
         mapped.append(None if blocks is None else blocks.blocks_mapped)
     return losses, model.state_dict(), mapped
 
@@ -159,7 +159,7 @@ def test_repack_unmaps_the_replaced_chunks_blocks_and_empty_cache_unmaps_the_res
     context_sizes = {slot_of(p).chunk.param.nbytes for p in net.parameters()}
     model = cm.ShardedModelV2(net, cm.TensorShardStrategy(), tensor_placement_policy="cpu",
                               dtype=torch.float32, chunk_size=8192 * 4)  # another size: a re-pack
-    blocks = model.chunk_manager.memory.blocks
+    blocks = model.runtime.memory.blocks
     assert context_sizes == {4096 * 4} and blocks.cached_bytes == 0
     assert all(n not in blocks._free for n in context_sizes)
     optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-2))

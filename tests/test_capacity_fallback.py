@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import chunkmem as cm
-from chunkmem.runtime.placement import AutoPlacement
+from chunkmem.runtime import schedule
 from models import TinyGPT, batches, build_sharded, lm_loss, train
 
 
@@ -62,7 +62,7 @@ def test_failed_backward_releases_what_it_held_and_training_goes_on():
     plain_model, plain_optim = build_sharded(reference, "cpu", torch.float32)
     want = train(plain_model, plain_optim, data)
     model, optim = build_sharded(reference, "cpu", torch.float32)
-    manager = model.chunk_manager
+    manager = model.runtime
     ledger = manager.ledger
     capacity = ledger.capacity
     # A backward that needs more than the device holds (here: the capacity lowered behind the model's
@@ -118,8 +118,8 @@ def test_auto_trains_wherever_cpu_does_bitwise_equal(dtype, reuse, batch):
         assert train(model, optim, data) == cpu_losses, capacity
         for name, value in cpu_model.state_dict().items():
             assert torch.equal(value, model.state_dict()[name]), (capacity, name)
-        plan = model.chunk_manager.scheduler.plan
-        assert plan is not None and len(plan.periods) == len(model.chunk_manager.scheduler.periods)
+        plan = model.runtime.scheduler.plan
+        assert plan is not None and len(plan.periods) == len(model.runtime.scheduler.periods)
         fallbacks += sum(p.fallback for p in plan.periods)
         doc = model.memory_stats()
         assert doc["last_iteration_mode"] == "idle" and doc["traces"] == 2
@@ -135,17 +135,17 @@ def test_new_shapes_get_their_own_plan_and_a_failed_plan_is_never_followed(monke
     cpu_model, cpu_optim = build_sharded(reference, "cpu", torch.float32)
     cpu_losses = train(cpu_model, cpu_optim, data)
     model, optim = build_sharded(reference, "auto", torch.float32)
-    scheduler = model.chunk_manager.scheduler
-    original = AutoPlacement.make_plan
+    scheduler = model.runtime.scheduler
+    original = schedule.plan_belady
     fail = {"left": 0}
 
-    def make_plan(self, *args, **kwargs):
+    def plan_belady(*args, **kwargs):
         if fail["left"]:
             fail["left"] -= 1
             raise cm.DeviceCapacityError("planning failed (simulated)")
-        return original(self, *args, **kwargs)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(AutoPlacement, "make_plan", make_plan)
+    monkeypatch.setattr(schedule, "plan_belady", plan_belady)
     losses = []
     for i, x in enumerate(data):
         fail["left"] = 1 if i == 2 else 0  # the trace of the first large batch fails to plan

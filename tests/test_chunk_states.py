@@ -1,6 +1,8 @@
 """The state machines of issue #10: a chunk copy's life (CopyLife), what parameter memory holds
 (Contents), a chunk's use count, the scheduler's IterationMode, and transfer handles. Each: every legal
 transition, and an illegal one raising the internal ChunkStateError (chunk, state, allowed states, rank)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -8,7 +10,7 @@ import chunkmem as cm
 from chunkmem.core.chunk import Chunk, ChunkKey
 from chunkmem.core.ledger import TierLedger
 from chunkmem.core.memory import TierMemory
-from chunkmem.runtime.placement import AutoPlacement, HostPlacement
+from chunkmem.runtime.placement import AutoPlacement, HostPlacement, PlacementState
 from chunkmem.runtime.schedule import IterationMode, Scheduler
 from chunkmem.core.states import ChunkStateError, Contents, CopyLife, CopyState
 from chunkmem.core.tiers import Tier
@@ -135,7 +137,7 @@ def test_chunk_use_count_cannot_go_below_zero():
 
 
 def scheduler(policy=None) -> Scheduler:
-    return Scheduler(TierLedger(capacity=10**6), policy or HostPlacement(), torch.device("cpu"))
+    return Scheduler(TierLedger(capacity=10**6), policy or HostPlacement(), PlacementState(), torch.device("cpu"))
 
 
 def test_iteration_mode_transitions():
@@ -181,14 +183,19 @@ def test_iteration_mode_illegal_transition_raises():
     assert s.mode is IterationMode.IDLE
 
 
-def test_auto_policy_reads_but_never_writes_the_plan_state():
+def test_auto_policy_is_a_frozen_value_that_reads_the_plan_state_it_is_given():
     policy = AutoPlacement()
     s = scheduler(policy)
-    assert policy.plan is None and policy.margin_chunks == frozenset()
-    assert not hasattr(policy, "following_plan") or policy.following_plan is False
-    with pytest.raises(AttributeError):
-        policy.plan = None  # read-only: the scheduler's PlanState is the one owner
-    assert s.state.plan is None
+    assert not hasattr(policy, "plan") and s.state.plan is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        policy.params_on_disk = True  # a policy never changes once chosen
+    chunk = make_chunk()
+    state = PlacementState(num_chunks=1, trainable=(0,))
+    assert policy.param_rest_tier(chunk, state) is Tier.HOST  # no plan yet: evicted after use, as under cpu
+    state.following = True
+    assert policy.param_rest_tier(chunk, state) is None  # following a plan: the plan decides
+    state.adopt_plan(None, {0}, 1)
+    assert policy.param_rest_tier(chunk, state) is Tier.DEVICE and policy.compute_tier(chunk, state) is Tier.DEVICE
 
 
 def test_transfer_handle_runs_its_completion_once():

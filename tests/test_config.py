@@ -260,11 +260,12 @@ def test_ratio_maps_to_a_static_optimizer_fraction():
     model = make_model()
     m, _ = cm.initialize(model, cm.HybridAdam(model.parameters()), config)
     assert m.tensor_placement_policy == "static"
-    assert (m.policy.offload_param_frac, m.policy.offload_optim_frac) == (0.0, 0.5)
+    assert (m.settings.placement.offload_param_frac, m.settings.placement.offload_optim_frac) == (0.0, 0.5)
     config = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}  # parameters only
     model = make_model()
     m, o = cm.initialize(model, cm.HybridAdam(model.parameters()), config)
-    assert (m.tensor_placement_policy, m.policy.offload_param_frac, m.policy.offload_optim_frac) == ("static", 1.0, 0.0)
+    placement = m.settings.placement
+    assert (m.tensor_placement_policy, placement.offload_param_frac, placement.offload_optim_frac) == ("static", 1.0, 0.0)
     n, chunk_bytes = len(m.chunks), m.chunk_numel * 4
     assert m.tier_bytes() == {"device": {"exp_avg": n * chunk_bytes, "exp_avg_sq": n * chunk_bytes},
                               "host": {"param": n * chunk_bytes}}

@@ -63,7 +63,7 @@ def train_mlp(reference: nn.Module, policy: str, prefetch: bool, steps: int = 4)
     model = cm.ShardedModelV2(copy.deepcopy(reference), cm.TensorShardStrategy(), tensor_placement_policy=policy,
                               dtype=torch.float32, chunk_size=256 * 256 * 4)
     optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-3))
-    model.chunk_manager.prefetch = prefetch
+    model.runtime.executor.prefetch = prefetch
     g = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(steps):
@@ -95,8 +95,8 @@ def test_prefetch_on_cuda_matches_no_prefetch_bitwise(policy):
     reference = mlp()
     off_model, off_losses = train_mlp(reference, policy, prefetch=False)
     on_model, on_losses = train_mlp(reference, policy, prefetch=True)
-    assert off_model.chunk_manager.prefetched == 0
-    assert on_model.chunk_manager.prefetched > 0
+    assert off_model.runtime.executor.prefetched == 0
+    assert on_model.runtime.executor.prefetched > 0
     assert on_losses == off_losses
     for name, value in off_model.state_dict().items():
         assert torch.equal(value, on_model.state_dict()[name]), name
@@ -107,7 +107,7 @@ def test_prefetch_on_cuda_matches_no_prefetch_bitwise(policy):
 def test_prefetched_chunk_is_in_flight_until_its_period_waits():
     reference = mlp()
     model, _ = train_mlp(reference, "cpu", prefetch=True, steps=2)
-    manager = model.chunk_manager
+    manager = model.runtime
     states = []
 
     def look(module, args):

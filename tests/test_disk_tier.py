@@ -72,7 +72,7 @@ def test_training_with_optimizer_state_on_disk_is_bitwise_cpu_placement(tmp_path
     _train(a, oa, data)
     _train(b, ob, data)
     _same_state(a, oa, b, ob)
-    assert b.chunk_manager.ledger.read_from_disk > 0 and b.chunk_manager.ledger.written_to_disk > 0
+    assert b.runtime.ledger.read_from_disk > 0 and b.runtime.ledger.written_to_disk > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
@@ -98,7 +98,7 @@ def test_exact_bytes_per_tier_and_files(tmp_path, dtype):
     assert doc["tiers"] == model.tier_bytes() and doc["disk"]["file_bytes"] == model.disk_file_bytes()
     assert doc["optimizer"]["disk_chunks"] == [c.index for c in trainable] and doc["optimizer"]["host_chunks"] == []
     assert doc["optimizer"]["disk_bytes"] == len(trainable) * shard * 4 * len(families)
-    assert doc["disk"]["read_bytes"] == model.chunk_manager.ledger.read_from_disk > 0
+    assert doc["disk"]["read_bytes"] == model.runtime.ledger.read_from_disk > 0
 
 
 def _fail_one_step(tmp_path, dtype, reuse, fault):
@@ -351,7 +351,7 @@ def test_auto_keeps_what_fits_the_host_capacity_on_the_host_and_matches_cpu(tmp_
         b, ob = _build(reference, dtype, policy="auto", **_on_disk(tmp_path))
     finally:
         cm.set_host_memory_capacity(None)
-    tiers = [ob.manager.policy.optim_tier(c) for c in b.chunks if c.trainable]
+    tiers = [ob.runtime.optim_tier(c) for c in b.chunks if c.trainable]
     assert tiers == [cm.Tier.HOST] * 2 + [cm.Tier.DISK] * (len(trainable) - 2)  # the last finished in backward
     if dtype != torch.float32:  # (fp32 counts its parameters, the masters, on the host too)
         assert ob.get_memory_usage(with_disk=True)[1:] == (2 * state_bytes, (len(trainable) - 2) * state_bytes)
@@ -396,10 +396,10 @@ def test_parameters_on_disk_are_prefetched_from_the_schedule(tmp_path, policy):
     b, ob = _build(reference, torch.float16, policy=policy, offload_param="disk", **_on_disk(tmp_path))
     _train(a, oa, data[:3])
     _train(b, ob, data[:3])
-    b.chunk_manager.events = []
+    b.runtime.executor.events = []
     _train(a, oa, data[3:])
     _train(b, ob, data[3:])
-    fetches = [e for e in b.chunk_manager.events if e[0] == "fetch"]
+    fetches = [e for e in b.runtime.executor.events if e[0] == "fetch"]
     assert any(kind == "prefetch" for _, _, kind in fetches), fetches  # read on the fetch thread ahead of use
     _same_state(a, oa, b, ob)
 
@@ -435,8 +435,8 @@ def test_any_buffer_count_gives_the_same_training(tmp_path, buffer_count):
 def _watch_updates_during_backward(model, optim):
     """Record, each time a chunk's gradients become final, how many chunks the backward's step holds; at
     the last one (still inside the backward) wait until the step thread has read from disk."""
-    seen, original = [], model.chunk_manager.on_grads_final
-    ledger = model.chunk_manager.ledger
+    seen, original = [], optim.on_grads_final
+    ledger = model.runtime.ledger
 
     def watching(chunk):
         original(chunk)
@@ -449,7 +449,7 @@ def _watch_updates_during_backward(model, optim):
                     break
                 time.sleep(0.01)
             seen.append(("read during backward", ledger.read_from_disk > start))
-    model.chunk_manager.on_grads_final = watching
+    optim.on_grads_final = watching  # the runtime calls its optimizer's listener method
     return seen
 
 
@@ -461,12 +461,12 @@ def test_step_in_backward_trains_bitwise_like_cpu_placement(tmp_path, dtype, reu
     a, oa = _build(reference, dtype, reuse=reuse)
     b, ob = _build(reference, dtype, policy=policy, reuse=reuse, step_in_backward=True,
                    **_on_disk(tmp_path, atomic_step=atomic))
-    disk_chunks = [c for c in b.chunks if c.trainable and ob.manager.policy.optim_tier(c) is cm.Tier.DISK]
+    disk_chunks = [c for c in b.chunks if c.trainable and ob.runtime.optim_tier(c) is cm.Tier.DISK]
     assert len(disk_chunks) >= 3
     _train(a, oa, data)
-    hand_over = b.chunk_manager.on_grads_final
+    hand_over = ob.on_grads_final
     for x in data:
-        b.chunk_manager.on_grads_final = hand_over
+        ob.on_grads_final = hand_over
         seen = _watch_updates_during_backward(b, ob)
         ob.backward(lm_loss(b(x), x))
         # every disk chunk went to the step as the backward finished it; the step thread read from disk
@@ -556,4 +556,4 @@ def test_step_in_backward_bad_combinations_are_refused_before_anything_changes(t
         cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters()), step_in_backward=True)
     with pytest.raises(cm.ArgumentTypeError, match="step_in_backward"):
         cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters()), step_in_backward=1)
-    assert not model.optimizer_attached and model.chunk_manager.on_grads_final is None
+    assert not model.optimizer_attached

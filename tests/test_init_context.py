@@ -3,7 +3,7 @@ import torch
 import torch.nn as nn
 
 import chunkmem as cm
-from chunkmem.runtime.manager import slot_of
+from chunkmem.core.param_guard import slot_of
 from models import TinyGPT
 
 

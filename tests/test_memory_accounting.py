@@ -52,7 +52,7 @@ def test_cpu_placement_device_peak_is_one_module_at_a_time():
     model = cm.ShardedModelV2(two_linears(), cm.TensorShardStrategy(), tensor_placement_policy="cpu",
                               reuse_fp16_shard=True, dtype=torch.float16, chunk_size=NUMEL * 2)
     optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters()), initial_scale=1.0)
-    ledger = model.chunk_manager.ledger
+    ledger = model.runtime.ledger
     ledger.peak_device_bytes = 0
     optim.backward(model(torch.randn(4, 8)).float().sum())
     optim.step()

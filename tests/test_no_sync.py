@@ -27,7 +27,7 @@ def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def _ranks(rank: int, world: int) -> dict:
     model = cm.ShardedModelV2(make_model(), cm.TensorShardStrategy(), dtype=torch.float32, chunk_size=1024)
     optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=LR, weight_decay=WD))
-    reduction = model.chunk_manager.reduction
+    reduction = model.runtime.reduction
     quiet = True
     for x, y in data(2, 2 * world * K):
         mine = slice(rank * 2 * K, (rank + 1) * 2 * K)
@@ -72,7 +72,7 @@ def test_no_sync_is_refused_with_reuse_fp16_shard():
     with pytest.raises(cm.GradientAccumulationError, match="reuse_fp16_shard"):
         with model.no_sync():
             pass
-    assert not model.chunk_manager.no_sync
+    assert not model.runtime.no_sync
 
 
 def test_no_sync_cannot_nest_and_one_rank_trains_as_without_it():
@@ -84,7 +84,7 @@ def test_no_sync_cannot_nest_and_one_rank_trains_as_without_it():
                 pass
         x, y = data(1, 4)[0]
         optim.backward(loss_fn(model(x), y))
-    assert not model.chunk_manager.no_sync
+    assert not model.runtime.no_sync
     reference = make_model()
     ref_optim = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.0, foreach=False)
     loss_fn(reference(x), y).backward()

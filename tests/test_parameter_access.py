@@ -182,12 +182,12 @@ def test_register_external_parameter_before_and_after_wrapping():
     cm.register_external_parameter(built, built.b.weight)
     model = cm.ShardedModelV2(built, cm.TensorShardStrategy(), tensor_placement_policy="cpu")
     chunk_of_b = model.module.b.weight._chunkmem_slot.chunk
-    assert chunk_of_b in model._hooks.module_chunks[model.module]  # known before any forward
+    assert chunk_of_b in model.runtime.module_chunks[model.module]  # known before any forward
     torch.manual_seed(1)
     other = cm.ShardedModelV2(Shared(), cm.TensorShardStrategy(), tensor_placement_policy="cpu", dtype=torch.float32,
                               chunk_size=512)
     cm.register_external_parameter(other.module, other.module.b.weight)
-    assert other.module.b.weight._chunkmem_slot.chunk in other._hooks.module_chunks[other.module]
+    assert other.module.b.weight._chunkmem_slot.chunk in other.runtime.module_chunks[other.module]
     with pytest.raises(cm.InvalidArgumentError, match="parameter"):
         cm.register_external_parameter(other.module, nn.Parameter(torch.zeros(2)))
 
@@ -221,7 +221,7 @@ def test_a_forward_that_raises_releases_its_chunks():
     with pytest.raises(ValueError, match="boom"):
         model(torch.randn(2, 4))
     assert all(c.users == 0 and not c.held_for_backward for c in model.chunks)
-    assert not model._hooks.stack
+    assert not model.runtime.in_forward
     model.module[1].fail = plain[1].fail = False
     x = torch.randn(2, 4)
     assert torch.equal(model(x), plain(x))
@@ -271,7 +271,7 @@ def test_unwrap_gives_a_plain_module_with_the_current_values(dtype_name):
     loss = lm_loss(plain(x), x)
     loss.backward()
     assert plain.wte.weight.grad is not None
-    assert model.chunk_manager.ledger.tier_bytes(cm.Tier.HOST) == 0
+    assert model.runtime.ledger.tier_bytes(cm.Tier.HOST) == 0
 
 
 def test_model_zero_grad_and_param_grad_stand_in():
@@ -285,7 +285,7 @@ def test_model_zero_grad_and_param_grad_stand_in():
     assert "ChunkGradient" in repr(param.grad)
     param.grad = None  # zeroes this parameter's part of the chunk gradient
     slot = param._chunkmem_slot
-    assert torch.count_nonzero(slot.view(model.chunk_manager.grad_of(slot.chunk))) == 0
+    assert torch.count_nonzero(slot.view(model.runtime.grad_of(slot.chunk))) == 0
     model.zero_grad()
     assert param.grad is None and not optim.step()
     assert isinstance(param, ChunkParameter) and isinstance(param, nn.Parameter)

@@ -26,7 +26,7 @@ def real_run(policy: str, dtype: torch.dtype, batch: torch.Tensor, builder=build
     m = cm.ShardedModelV2(builder(), cm.TensorShardStrategy(), tensor_placement_policy=policy, dtype=dtype,
                           chunk_size=chunk)
     o = cm.ShardedOptimizerV2(m, cm.HybridAdam(m.parameters(), lr=1e-3), initial_scale=2**8)
-    ledger = m.chunk_manager.ledger
+    ledger = m.runtime.ledger
     for _ in range(3):  # auto plans after its traced first step: compare the last
         before = ledger.moved_to_device, ledger.moved_to_host
         out = m(batch)
@@ -34,7 +34,7 @@ def real_run(policy: str, dtype: torch.dtype, batch: torch.Tensor, builder=build
         o.backward(loss)
         o.step()
         o.zero_grad()
-    traced_peak = max(p.non_model_peak for p in m.chunk_manager.scheduler.planner.periods)
+    traced_peak = max(p.non_model_peak for p in m.runtime.scheduler.periods)
     return m.tier_bytes(), (ledger.moved_to_device - before[0], ledger.moved_to_host - before[1]), traced_peak
 
 
@@ -84,7 +84,7 @@ def test_attention_is_counted_as_the_fused_kernel_of_a_real_run(monkeypatch):
     """The meta run counts scaled_dot_product_attention as the CPU's fused kernel does (no sequence x
     sequence matrices): its traced peak equals the real run's."""
     monkeypatch.syspath_prepend(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from benchmarks._gpt import GPT, GPTConfig
+    from chunkmem.gpt import GPT, GPTConfig
 
     def builder():
         torch.manual_seed(0)

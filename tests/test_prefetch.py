@@ -21,20 +21,21 @@ def run(prefetch: bool, data, record: bool):
     net = _gpt.GPT(CFG)
     model = cm.ShardedModelV2(net, cm.TensorShardStrategy(), tensor_placement_policy="cpu", dtype=torch.float32)
     optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-3, weight_decay=0.01))
-    manager = model.chunk_manager
-    manager.prefetch = prefetch
+    runtime = model.runtime
+    executor = runtime.executor
+    executor.prefetch = prefetch
     names = {module: name or "root" for name, module in net.named_modules()}
 
     def computes(module, args):
-        if manager.events is not None:
-            manager.events.append(("compute", names[module]))
+        if executor.events is not None:
+            executor.events.append(("compute", names[module]))
 
     for module in net.modules():
         module.register_forward_pre_hook(computes)  # after the wrapper's hooks: runs once chunks are fetched
     losses, events, moved = [], None, []
     for i, tokens in enumerate(data):
         if record and i == len(data) - 1:
-            manager.events = []
+            executor.events = []
         x, y = tokens[:, :-1], tokens[:, 1:]
         loss = F.cross_entropy(model(x).reshape(-1, CFG.vocab), y.reshape(-1))
         optim.backward(loss)
@@ -42,11 +43,11 @@ def run(prefetch: bool, data, record: bool):
         optim.zero_grad()
         losses.append(loss.item())
         moved.append(model.memory_stats()["totals"]["moved_to_device_bytes"])
-    events, manager.events = manager.events, None
+    events, executor.events = executor.events, None
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    periods = [(p.name, p.phase, list(p.needed)) for p in manager.scheduler.periods]
-    prefetched = manager.prefetched
-    del model, optim, net, manager
+    periods = [(p.name, p.phase, list(p.needed)) for p in runtime.scheduler.periods]
+    prefetched = executor.prefetched
+    del model, optim, net, runtime, executor
     gc.collect()
     return losses, state, events, periods, prefetched, moved
 

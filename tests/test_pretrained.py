@@ -15,7 +15,7 @@ import chunkmem as cm
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from chunkmem.io import pretrained# noqa: E402  (needs transformers)
+from chunkmem.io import pretrained  # noqa: E402  (needs transformers)
 from distributed import run_ranks  # noqa: E402
 
 

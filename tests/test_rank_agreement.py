@@ -18,7 +18,7 @@ import torch.nn as nn
 import chunkmem as cm
 from chunkmem.dist.agreement import LayoutDescription, ParamRecord, mismatch_message
 from chunkmem.dist.collectives import COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT, ShardGroup
-from chunkmem.runtime.manager import slot_of
+from chunkmem.core.param_guard import slot_of
 from distributed import run_ranks
 
 AGREEMENT_TIMEOUT = 60.0  # seconds: a disagreement must be reported far sooner

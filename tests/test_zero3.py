@@ -12,11 +12,8 @@ import pytest
 import torch
 
 import chunkmem as cm
-from chunkmem.core.chunk import ChunkKey
 from chunkmem.dist.collectives import ShardGroup
-from chunkmem.core.ledger import TierLedger
-from chunkmem.core.memory import TierMemory
-from chunkmem.runtime.manager import GradientReduction, build_chunks
+from chunkmem.dist.reduction import GradientReduction
 from distributed import run_ranks
 from models import TinyGPT, batches, lm_loss
 
@@ -38,7 +35,7 @@ def run_training(policy: str, dtype: torch.dtype, data: list[torch.Tensor], *, r
                               reuse_fp16_shard=reuse, dtype=dtype, chunk_size=16384, **model_kwargs)
     optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-2, weight_decay=0.01),
                                   initial_scale=2**10, gpu_margin_mem_ratio=margin)
-    model.chunk_manager.prefetch = prefetch
+    model.runtime.executor.prefetch = prefetch
     losses, norms, at_rest = [], [], None
     for x in data:
         loss = lm_loss(model(x), x)
@@ -52,8 +49,8 @@ def run_training(policy: str, dtype: torch.dtype, data: list[torch.Tensor], *, r
     cm.set_device_memory_capacity(None)
     return {"state": model.state_dict(), "losses": losses, "norms": norms, "bytes": at_rest,
             "optim_bytes": optim.get_memory_usage(), "chunk_numel": model.chunks[0].shard_numel,
-            "collectives": model.chunk_manager.reduction.collectives, "gathers": model.chunk_manager.gathers,
-            "prefetched": model.chunk_manager.prefetched}
+            "collectives": model.runtime.reduction.collectives, "gathers": model.runtime.executor.gathers,
+            "prefetched": model.runtime.executor.prefetched}
 
 
 def _half(data: list[torch.Tensor], rank: int, world: int) -> list[torch.Tensor]:
@@ -194,16 +191,13 @@ def _reduction_worker(rank: int, world: int) -> dict:
     generator = torch.Generator().manual_seed(rank)
     random = (torch.rand(4096, generator=generator) * 8 - 4).to(torch.float16)
     big = torch.full((4096,), 40000.0, dtype=torch.float16)
-    param = torch.nn.Parameter(torch.zeros(4096))
-    chunk = build_chunks([("w", param, ChunkKey(True))], 4096, torch.float16, TierMemory(TierLedger(2**30)), cm.Tier.HOST,
-                         shards)[0]
     out = {"random": random, "rank": rank}
     for fp32 in (False, True):
         for factor in (1.0, 2.0, 3.0):
             reduction = GradientReduction(shards, 2**20, fp32, factor)
             # (a result is valid until the next reduce: its buffer is reused)
-            out[("random", fp32, factor)] = reduction.reduce(chunk, random.clone()).clone()
-            out[("big", fp32, factor)] = reduction.reduce(chunk, big.clone()).clone()
+            out[("random", fp32, factor)] = reduction.reduce(random.clone(), "random gradients").clone()
+            out[("big", fp32, factor)] = reduction.reduce(big.clone(), "large gradients").clone()
     return out
 
 
@@ -265,7 +259,7 @@ def _mixed_worker(rank: int, world: int) -> dict:
     slot.param.register_hook(poison)
     x = data[0]
     optim.backward(lm_loss(model(x), x))
-    out["finite_here"] = bool(torch.isfinite(model.chunk_manager.grad_of(chunk)).all())
+    out["finite_here"] = bool(torch.isfinite(model.runtime.grad_of(chunk)).all())
     out["overflow_step"] = optim.step()
     out["overflow_scale"] = optim.loss_scale
 

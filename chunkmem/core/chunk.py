@@ -37,8 +37,10 @@ holds is a second, smaller machine owned by :class:`ParamBuffer`: :class:`~chunk
 from __future__ import annotations
 
 import enum
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn as nn
@@ -61,10 +63,10 @@ OPTIM_FAMILIES = (MASTER, EXP_AVG, EXP_AVG_SQ)
 
 @dataclass(frozen=True)
 class ChunkKey:
-    """What all parameters of one chunk share: trainability and optimizer param-group index."""
+    """What all parameters of one chunk share: whether they were trainable when the chunk was laid out
+    (a frozen chunk has no gradient or optimizer state)."""
 
     trainable: bool
-    group: int = 0
 
 
 @dataclass(eq=False)
@@ -82,6 +84,48 @@ class ParamSlot:
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         """This parameter's slice of a flat buffer of the chunk, shaped like the parameter."""
         return flat[self.offset:self.offset + self.numel].view(self.shape)
+
+
+class ChunkHost(Protocol):
+    """The runtime that owns a model's chunks, as the code that meets a chunk-managed parameter outside
+    the runtime sees it: the parameter guard (:mod:`chunkmem.core.param_guard`), ``GatheredParameters``
+    and the ``chunkmem.utils`` accessors. A runtime attaches itself to its chunks
+    (:meth:`Chunk.attach_host`); a chunk without a host belongs to a model still being built."""
+
+    @property
+    def in_forward(self) -> bool:
+        """Whether the model's forward is running."""
+
+    @property
+    def grads_pending(self) -> bool:
+        """Whether a backward left gradients that no step or ``zero_grad`` consumed yet."""
+
+    def owns(self, chunk: "Chunk") -> bool:
+        """Whether ``chunk`` is one of this model's chunks now."""
+
+    def use_in_forward(self, param: nn.Parameter) -> None:
+        """``param`` is used by the running module although that module does not hold its chunk."""
+
+    def is_open(self, chunk: "Chunk", for_writing: bool) -> bool:
+        """Whether a ``GatheredParameters`` block opened the chunk (for writing, if asked)."""
+
+    def open_chunks(self, chunks: list["Chunk"], for_writing: bool) -> None:
+        """Fetch the chunks for a ``GatheredParameters`` block and open them."""
+
+    def close_chunks(self, chunks: list["Chunk"], for_writing: bool) -> None:
+        """Close what :meth:`open_chunks` opened and release the chunks."""
+
+    def write_params(self, chunk: "Chunk", local: torch.Tensor) -> None:
+        """Make ``local`` (this rank's elements) the chunk's parameter values."""
+
+    def grad_of(self, chunk: "Chunk") -> torch.Tensor | None:
+        """This rank's shard of the chunk's finished gradient, or ``None``."""
+
+    def grad_multiplier(self) -> float:
+        """What the next step multiplies the gradients by (unscaling and clipping; 1 without optimizer)."""
+
+    def register_external(self, module: nn.Module, param: nn.Parameter) -> None:
+        """Fetch ``param``'s chunk with ``module`` (a submodule of the model) from now on."""
 
 
 class FlatBuffer:
@@ -534,6 +578,7 @@ class Chunk:
         self.used_numel = 0
         self.size_was_given = False
         self.built_with: list["Chunk"] = [self]  # the chunks built together with this one
+        self._host: weakref.ref | None = None
         self.param = ParamBuffer(numel, dtype, memory, self.name, shards, index)
         # Finished gradients and optimizer state are per shard; the staging buffer the backward writes
         # into is full-length (reduce-scattered into ``grad`` when sharded).
@@ -552,6 +597,17 @@ class Chunk:
         self._users = 0  # modules computing with the chunk now
         self._held = False  # kept on the device until its gradients of this backward are finished
         self.step = 0
+
+    # ---- the owning runtime ---------------------------------------------------------------------------
+
+    @property
+    def host(self) -> ChunkHost | None:
+        """The runtime that owns the chunk (held weakly), or ``None`` while its model is being built."""
+        return None if self._host is None else self._host()
+
+    def attach_host(self, host: ChunkHost | None) -> None:
+        """Make ``host`` the chunk's owner (``None``: the chunk leaves its model)."""
+        self._host = None if host is None else weakref.ref(host)
 
     # ---- use (changed only here) ---------------------------------------------------------------------
 

@@ -4,7 +4,8 @@ Pure functions over element counts: no tensors, so they are cheap to test and to
 """
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any, Hashable, Sequence
 
 ALIGN_ELEMENTS = 64
 DEFAULT_MIN_CHUNK_BYTES = 4 * 2**20
@@ -65,3 +66,49 @@ def aligned_numel(numel: int, world: int = 1) -> int:
     """``numel`` rounded up to whole 64-element groups in each of ``world`` equal shards (elements)."""
     unit = ALIGN_ELEMENTS * world
     return -(-numel // unit) * unit
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Which parameters go into which chunk, settled once when a model is wrapped.
+
+    ``entries`` are ``(name, parameter, trainable)`` in packing order (the parameters of the kind, trainable
+    or frozen at wrapping time, that comes first in ``named_parameters()``, then those of the other kind,
+    each in that order); ``groups`` lists
+    the entry indices of each chunk; every chunk holds ``chunk_numel`` elements of ``element_size`` bytes
+    (this rank's share is ``chunk_numel // world``). Chunks never mix trainable and frozen parameters, so
+    a frozen chunk has no gradient or optimizer state; optimizer param groups may share a chunk (the
+    update runs per contiguous range of one group).
+    """
+
+    entries: tuple[tuple[str, Any, bool], ...]
+    groups: tuple[tuple[int, ...], ...]
+    chunk_numel: int
+    element_size: int
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of one chunk's parameters (all ranks' shards)."""
+        return self.chunk_numel * self.element_size
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.groups)
+
+    def trainable(self, chunk_index: int) -> bool:
+        return self.entries[self.groups[chunk_index][0]][2]
+
+    def chunk_of_param(self) -> dict[int, int]:
+        """``id(parameter)`` -> the index of its chunk."""
+        return {id(self.entries[i][1]): c for c, group in enumerate(self.groups) for i in group}
+
+
+def plan_layout(named: Sequence[tuple[str, Any]], trainable: Sequence[bool], chunk_numel: int,
+                element_size: int) -> ChunkLayout:
+    """The layout of ``named`` parameters (``trainable[i]`` for each): the parameters of the kind that
+    comes first, then the others, each kind in the given order, packed with :func:`pack`."""
+    first = bool(trainable[0]) if trainable else True
+    order = sorted(range(len(named)), key=lambda i: bool(trainable[i]) != first)
+    entries = tuple((named[i][0], named[i][1], bool(trainable[i])) for i in order)
+    groups = pack([p.numel() for _, p, _ in entries], [t for _, _, t in entries], chunk_numel)
+    return ChunkLayout(entries, tuple(tuple(g) for g in groups), chunk_numel, element_size)

@@ -33,7 +33,6 @@ A tensor that a module's forward got from a parameter and kept past the forward 
 """
 from __future__ import annotations
 
-import weakref
 from typing import Any, Callable
 
 import torch
@@ -57,44 +56,23 @@ class ParameterAccessError(UnsupportedOperationError):
     correctly; the message names the parameter and the documented way."""
 
 
-# ---- who owns a chunk, and which chunks are gathered for writing ---------------------------------
-
-_owners: "weakref.WeakKeyDictionary[Chunk, weakref.ref]" = weakref.WeakKeyDictionary()  # values weak too:
-# the hooks reference their chunks, so a strong value would keep every wrapped model alive
-_writable: "weakref.WeakKeyDictionary[Chunk, int]" = weakref.WeakKeyDictionary()
-_readable: "weakref.WeakKeyDictionary[Chunk, int]" = weakref.WeakKeyDictionary()
-
-
-def set_owner(chunk: Chunk, hooks: Any) -> None:
-    """Record the :class:`~chunkmem.runtime.hooks.ChunkHooks` of the model that owns ``chunk``."""
-    _owners[chunk] = weakref.ref(hooks)
-
-
-def owner_of(chunk: Chunk) -> Any:
-    """The hooks of the model owning ``chunk``, or ``None`` before it is wrapped."""
-    ref = _owners.get(chunk)
-    return None if ref is None else ref()
-
-
-def open_gathered(chunks: list[Chunk], writable: bool) -> None:
-    """``GatheredParameters`` made the chunks' device copies current: reads (and, if ``writable``,
-    writes) of their parameters pass through until :func:`close_gathered`."""
-    for chunk in chunks:
-        _readable[chunk] = _readable.get(chunk, 0) + 1
-        if writable:
-            _writable[chunk] = _writable.get(chunk, 0) + 1
-
-
-def close_gathered(chunks: list[Chunk], writable: bool) -> None:
-    for chunk in chunks:
-        for table, on in ((_readable, True), (_writable, writable)):
-            if on:
-                table[chunk] -= 1
-                if not table[chunk]:
-                    del table[chunk]
-
-
 # ---- adopting and releasing parameters -----------------------------------------------------------
+
+EXTERNAL_ATTR = "_chunkmem_external_params"
+
+
+def remember_external(module: nn.Module, param: nn.Parameter) -> None:
+    """Record, before ``module``'s model is wrapped, that ``module``'s forward uses ``param`` of another
+    module (read by the runtime when it is built: :func:`remembered_externals`)."""
+    pending = module.__dict__.setdefault(EXTERNAL_ATTR, [])
+    if not any(p is param for p in pending):
+        pending.append(param)
+
+
+def remembered_externals(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters :func:`remember_external` recorded for ``module``."""
+    return list(module.__dict__.get(EXTERNAL_ATTR, ()))
+
 
 def slot_of(param: Any) -> ParamSlot | None:
     """The slot of a chunk-managed parameter, or ``None`` for an ordinary one."""
@@ -234,35 +212,26 @@ def _name(param: Any) -> str:
     return slot.name if slot is not None else "<parameter>"
 
 
-def _in_forward(chunk: Chunk) -> Any:
-    """The owner's hooks when its model is inside a forward, else ``None``."""
-    hooks = owner_of(chunk)
-    return hooks if hooks is not None and hooks.stack else None
-
-
 def _passes(param: ChunkParameter, written: bool) -> bool:
     """Whether a use of ``param`` runs on the parameter itself (see the module docstring)."""
     slot = slot_of(param)
     if slot is None:
         return True
-    chunk = slot.chunk
-    hooks = _in_forward(chunk)
-    if hooks is not None:
-        hooks.use_foreign(param)
-        return True
-    if owner_of(chunk) is None:  # built in ZeroInitContext, not wrapped yet: views hold the values
+    host = slot.chunk.host
+    if host is None:  # built in ZeroInitContext, not wrapped yet: views hold the values
         with DisableTorchFunctionSubclass():
             return param.untyped_storage().nbytes() > 0
-    if chunk in (_writable if written else _readable):
+    if host.in_forward:
+        host.use_in_forward(param)
         return True
-    return False
+    return host.is_open(slot.chunk, for_writing=written)
 
 
 def _attribute_access(param: ChunkParameter, attribute: tuple[str, str], func: Any, args: tuple,
                       kwargs: dict) -> Any:
     name, kind = attribute
     slot = slot_of(param)
-    if slot is not None and name == "grad" and owner_of(slot.chunk) is not None:
+    if slot is not None and name == "grad" and slot.chunk.host is not None:
         return _gradient_stand_in(param, slot) if kind == "get" else _set_gradient(slot, args[1], func, args)
     if slot is None or _passes(param, written=kind == "set" or name == "data"):
         return _plain(func, args, kwargs)
@@ -276,10 +245,10 @@ def _attribute_access(param: ChunkParameter, attribute: tuple[str, str], func: A
 
 
 def _gradient_stand_in(param: ChunkParameter, slot: ParamSlot) -> Any:
-    hooks = owner_of(slot.chunk)
+    host = slot.chunk.host
     with DisableTorchFunctionSubclass():
         requires_grad = param.requires_grad
-    if hooks is None or not hooks.manager.grads_pending or not requires_grad or not slot.chunk.trainable:
+    if host is None or not host.grads_pending or not requires_grad or not slot.chunk.trainable:
         return None
     return ChunkGradient(slot.name, slot.shape, slot.chunk.dtype, slot.chunk.param.device.device)
 
@@ -289,8 +258,8 @@ def _set_gradient(slot: ParamSlot, value: Any, func: Any, args: tuple) -> None:
         raise ParameterAccessError(
             f"assigning .grad of the chunk-managed parameter {slot.name!r}: gradients live in chunks and are "
             "written by backward; clip them with optim.clip_grad_norm(max_norm)")
-    hooks = owner_of(slot.chunk)
-    grad = hooks.manager.grad_of(slot.chunk) if hooks is not None else None
+    host = slot.chunk.host
+    grad = host.grad_of(slot.chunk) if host is not None else None
     part = slot.chunk.own_range(slot)
     if grad is not None and part is not None:  # no 'no gradient' state per parameter: zero its part
         start = slot.offset + part[0] - slot.chunk.shard_offset
@@ -348,7 +317,7 @@ def _write_outside_compute(param: ChunkParameter, func: Any, args: tuple, kwargs
     the change too (one rank), else refused (see the module docstring)."""
     slot = slot_of(param)
     chunk, buf = slot.chunk, slot.chunk.param
-    if chunk in _readable:
+    if chunk.host is not None and chunk.host.is_open(chunk, for_writing=False):
         raise ParameterAccessError(
             f"{getattr(func, '__name__', func)} would change the parameter {slot.name!r} inside a read-only "
             "GatheredParameters block: give it modifier_rank= to keep the change")

@@ -88,6 +88,12 @@ def set_device_memory_capacity(nbytes: int | str | None) -> None:
     _capacity_override = None if nbytes is None else parse_size(nbytes, "nbytes", minimum=1)
 
 
+def device_memory_capacity_setting() -> int | None:
+    """What :func:`set_device_memory_capacity` set (bytes), or ``None`` when the default rule applies (to
+    put a caller's setting back after changing it for a while)."""
+    return _capacity_override
+
+
 def device_memory_capacity() -> int:
     """The capacity of the device tier in bytes, as set by :func:`set_device_memory_capacity`."""
     if _capacity_override is not None:

@@ -9,29 +9,24 @@ settings (world size, dtype, chunk size in elements, placement policy, ...) and 
 ranks that disagree cannot crash it. If any digest differs, the ranks exchange the descriptions
 themselves and every rank raises the same :class:`LayoutMismatchError` naming what differs.
 
-``ShardedModelV2`` agrees once its layout plan is known, before it builds or changes any chunk.
-``ZeroInitContext(shard_param=True)`` agrees before every gather its parameter writes need while the
-model is built (:class:`InitAgreement`) and when it closes: every collective of the context is then
-preceded by an agreement, so ranks that build different models stop at the first agreement after
-they diverge instead of pairing mismatched gathers.
+``ShardedModelV2`` agrees once its layout is known, before it builds or changes any chunk
+(:mod:`chunkmem.builder`). ``ZeroInitContext(shard_param=True)`` agrees before every gather its
+parameter writes need while the model is built and when it closes (:mod:`chunkmem.init_context`):
+every collective of the context is then preceded by an agreement, so ranks that build different models
+stop at the first agreement after they diverge instead of pairing mismatched gathers. The optimizers
+agree on their settings when they are built (:mod:`chunkmem.optim.mixed_precision`).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import torch
 
-from .collectives import ShardGroup
 from ..core.errors import ChunkmemError
-from ..runtime.manager import slot_of
-
-if TYPE_CHECKING:  # only for type hints: these modules import this one
-    from ..core.chunk import ParamSlot
-    from ..init_context import ZeroInitContext
-    from ..model import ShardedModelV2, _LayoutPlan
+from .collectives import ShardGroup
 
 DIGEST_BYTES = 32  # SHA-256
 _MAX_PARAM_DIFFERENCES = 3  # parameters named in one message
@@ -161,76 +156,3 @@ def _ranks_text(ranks: list[int]) -> str:
             runs.append([r, r])
     text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
     return ("rank " if len(ranks) == 1 else "ranks ") + text
-
-
-# ---- the two places that agree -------------------------------------------------------------------
-
-
-def agree_on_model_layout(model: "ShardedModelV2", plan: "_LayoutPlan", step: str = "ShardedModelV2") -> None:
-    """The agreement of :class:`~chunkmem.ShardedModelV2`: its settings (read from the half-built
-    ``model``: ``shards``, ``dtype``, ``chunk_numel``, the constructor's arguments) and ``plan``'s
-    parameters in packing order, plus where the parameters come from (the chunks of a
-    ``ZeroInitContext`` or a plain module), since re-packing gathers from sharded source chunks."""
-    if not model.shards.sharded:
-        return
-    params = ParamRecord()
-    sources: dict[int, Any] = {}
-    for name, param, key in plan.entries:
-        params.add(name, param.shape, key.trainable)
-        slot = slot_of(param)
-        if slot is not None:
-            sources.setdefault(slot.chunk.index, slot.chunk)
-    if sources:
-        chunks = [sources[i] for i in sorted(sources)]
-        source = ("ZeroInitContext chunks of " + ", ".join(str(c.numel) for c in chunks)
-                  + f" elements sharded over {chunks[0].shards.world} ranks")
-    else:
-        source = "a module built outside ZeroInitContext"
-    settings = [
-        ("world size", str(model.shards.world)),
-        ("dtype", str(model.dtype)),
-        ("chunk size", f"{model.chunk_numel} elements"),
-        ("tensor_placement_policy", repr(model.tensor_placement_policy)),
-        ("reuse_fp16_shard", str(model.reuse_fp16_shard)),
-        ("shard strategy", type(model.shard_strategy).__name__),
-        ("fp32_reduce_scatter", str(model.fp32_reduce_scatter)),
-        ("reduce_scatter_bucket_size_mb", str(model.reduce_scatter_bucket_size_mb)),
-        ("gradient_predivide_factor", str(model.gradient_predivide_factor)),
-        ("parameters from", source),
-        ("optimizer param group of each parameter", ",".join(str(key.group) for _, _, key in plan.entries)),
-    ]
-    agree(model.shards, LayoutDescription(step, settings, params))
-
-
-class InitAgreement:
-    """The agreements of a sharded :class:`~chunkmem.ZeroInitContext`: :meth:`before_gather` (called
-    before each gather its parameter writes run) and :meth:`at_exit`. Each compares the context's
-    settings and every parameter created so far; the record of parameters grows as the model does."""
-
-    def __init__(self, context: "ZeroInitContext") -> None:
-        self.context = context
-        self.params = ParamRecord()
-        self._recorded: dict[int, int] = {}  # chunk index -> slots recorded
-
-    def before_gather(self, slot: "ParamSlot") -> None:
-        """Agree before gathering ``slot``'s chunk (what is gathered is part of the step compared)."""
-        self._agree(f"ZeroInitContext: gather of {slot.chunk.name} for parameter {slot.name!r}")
-
-    def at_exit(self) -> None:
-        """Agree when the context closes (not when it closes with an exception)."""
-        self._agree("ZeroInitContext: exit")
-
-    def _agree(self, step: str) -> None:
-        context = self.context
-        for chunk in context.chunks:  # only the slots added since the last agreement
-            for slot in chunk.slots[self._recorded.get(chunk.index, 0):]:
-                self.params.add(slot.name, slot.shape, chunk.key.trainable)
-            self._recorded[chunk.index] = len(chunk.slots)
-        settings = [
-            ("world size", str(context.shards.world)),
-            ("dtype", str(context.dtype)),
-            ("chunk size", f"{context.chunk_numel} elements"),
-            ("shard strategy", type(context.shard_strategy).__name__),
-            ("chunks", ", ".join(str(c.numel) for c in context.chunks) + " elements"),
-        ]
-        agree(context.shards, LayoutDescription(step, settings, self.params))

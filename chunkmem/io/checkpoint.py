@@ -49,7 +49,7 @@ from .checksums import HashingWriter, content_checksum, file_checksum
 from ..core.chunk import EXP_AVG, EXP_AVG_SQ, MASTER
 from ..dist.collectives import SINGLE_PROCESS, ShardGroup, all_reduce_over, distributed_ready
 from ..core.errors import ArgumentTypeError, InvalidArgumentError, check_type
-from ..runtime.manager import slot_of
+from ..core.param_guard import slot_of
 from ..model import ShardedModelV2
 from ..optim.sharded_optimizer import ShardedOptimizerV2
 from .state_dicts import (CheckpointError, adam_entry, bump_versions, check_tensor_data, export_param_groups,
@@ -392,7 +392,7 @@ def _optimizer_small_state(optimizer: ShardedOptimizerV2) -> dict[str, Any]:
     name of the parameter behind each index, and the loss scaler."""
     groups, params = export_param_groups(optimizer)
     scaler = optimizer.grad_scaler.state_dict() if optimizer.grad_scaler is not None else None
-    return {"param_groups": groups, "param_names": [optimizer.model._param_names[id(p)] for p in params],
+    return {"param_groups": groups, "param_names": [optimizer.model.parameter_name(p) for p in params],
             "loss_scaler": scaler}
 
 
@@ -418,7 +418,7 @@ def _plan_sharded(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV
                                        f"None: the checkpoint {path!r} was saved without optimizer state")
         small = payload["optimizer"]
         _, params = export_param_groups(optimizer)
-        if small["param_names"] != [model._param_names[id(p)] for p in params]:
+        if small["param_names"] != [model.parameter_name(p) for p in params]:
             raise InvalidArgumentError("optimizer", "a ShardedOptimizerV2 whose param_groups hold other parameters "
                                                     "or another order", "the param groups the checkpoint was saved with")
         optimizer_load = plan_hyper_load(optimizer, small["param_groups"], small["loss_scaler"])
@@ -427,9 +427,8 @@ def _plan_sharded(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV
     buffers = model.module.state_dict(keep_vars=True)
 
     def apply() -> None:
-        manager = model.chunk_manager
         for chunk, entry in zip(model.chunks, saved["chunks"]):
-            manager.write_params(chunk, entry["param"])
+            model.runtime.write_params(chunk, entry["param"])
             bump_versions(slot.param for slot in chunk.slots)
             if chunk.has_master and chunk.optim[MASTER].allocated:
                 chunk.optim[MASTER].write(entry["master"] if entry["master"] is not None else entry["param"])

@@ -316,10 +316,9 @@ def save_pretrained(model: Any, save_directory: str | os.PathLike, max_shard_siz
     written (empty on other ranks)."""
     from safetensors.torch import save_file
 
-    from ..model import ShardedModelV2
-
     transformers = _transformers()
-    check_type("model", model, ShardedModelV2, "a chunkmem.ShardedModelV2 wrapping a transformers model")
+    if not (isinstance(model, nn.Module) and callable(getattr(model, "full_values", None))):
+        raise ArgumentTypeError("model", type(model).__name__, "a chunkmem.ShardedModelV2 wrapping a transformers model")
     if module is None:
         check_type("model.module", model.module, transformers.PreTrainedModel,
                    "a transformers.PreTrainedModel (or pass module=, the one inside it to save)")
@@ -374,7 +373,7 @@ def save_pretrained(model: Any, save_directory: str | os.PathLike, max_shard_siz
     for chunk in model.chunks:
         if not any(id(s.param) in key_of for s in chunk.slots):
             continue  # nothing to save here (the same on every rank: no gather)
-        full = model._full_values(chunk)  # collective when sharded, in chunk order on every rank
+        full = model.full_values(chunk)  # collective when sharded, in chunk order on every rank
         for slot in chunk.slots:
             key = key_of.get(id(slot.param))
             if key is not None and is_main_process:

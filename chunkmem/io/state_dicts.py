@@ -42,7 +42,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from ..optim.adam import hyper_of_group
 from ..core.chunk import EXP_AVG, EXP_AVG_SQ, MASTER, Chunk, ParamSlot
 from ..core.errors import ArgumentTypeError, ChunkmemError, InvalidArgumentError, check_type
-from ..runtime.manager import slot_of
+from ..core.param_guard import slot_of
 
 UNSUPPORTED_OPTIONS = ("amsgrad", "maximize", "capturable", "differentiable")
 """torch Adam options the chunked update does not run; a group that sets one is refused."""
@@ -60,7 +60,7 @@ class CheckpointError(ChunkmemError, RuntimeError):
 def refuse_grads_in_param_memory(model: Any, what: str) -> None:
     """Raise :class:`CheckpointError` while a chunk's parameter memory holds gradients
     (``reuse_fp16_shard`` between backward and step): the parameter values are not there."""
-    holding = [c.name for c in model.chunk_manager.chunks if c.param.holds_grads]
+    holding = [c.name for c in model.chunks if c.param.holds_grads]
     if holding:
         raise CheckpointError(
             f"{what}: the parameters' memory of {len(holding)} chunks holds the gradients of the last backward "
@@ -70,7 +70,7 @@ def refuse_grads_in_param_memory(model: Any, what: str) -> None:
 def refuse_chunks_in_use(model: Any, what: str) -> None:
     """Raise :class:`CheckpointError` while a forward is running or a backward started and did not
     finish (a chunk is in use or held for backward): its parameters cannot be written then."""
-    busy = [c.name for c in model.chunk_manager.chunks if c.users or c.held_for_backward]
+    busy = [c.name for c in model.chunks if c.users or c.held_for_backward]
     if busy:
         raise CheckpointError(
             f"{what}: {len(busy)} chunks are in use by a forward that is running or a backward that started and "
@@ -129,7 +129,7 @@ class ModelLoad:
 
     def apply(self) -> _IncompatibleKeys:
         """Write this rank's part of every parameter (16-bit copy and fp32 master) and every buffer."""
-        manager = self.model.chunk_manager
+        runtime = self.model.runtime
         with torch.no_grad():
             for chunk, writes in self.writes.items():
                 values = chunk.param.local().clone()
@@ -143,7 +143,7 @@ class ModelLoad:
                         warn_if_masters_lose_precision(chunk, key, value)
                 if master_buf is not None:
                     master_buf.write(master)
-                manager.write_params(chunk, values)
+                runtime.write_params(chunk, values)
                 bump_versions(slot.param for slot, _, _ in writes)
             for target, value in self.buffers:
                 target.copy_(value)
@@ -236,7 +236,7 @@ def optimizer_state_dict(optim: Any, rank0_only: bool) -> dict[str, Any]:
     groups, params = export_param_groups(optim)
     index_of = {id(p): i for i, p in enumerate(params)}
     state: dict[int, dict[str, torch.Tensor]] = {}
-    for chunk in optim.manager.chunks:
+    for chunk in optim.runtime.chunks:
         if not chunk.trainable or chunk.step == 0:
             continue
         exp_avg = chunk.gather(chunk.optim[EXP_AVG].read())  # collectives, in chunk order on every rank
@@ -245,7 +245,7 @@ def optimizer_state_dict(optim: Any, rank0_only: bool) -> dict[str, Any]:
             if id(slot.param) in index_of:
                 state[index_of[id(slot.param)]] = adam_entry(chunk.step, slot.view(exp_avg), slot.view(exp_avg_sq),
                                                              slot.shape)
-    if rank0_only and optim.manager.chunks and optim.manager.chunks[0].shards.rank != 0:
+    if rank0_only and optim.model.shards.rank != 0:
         return {}
     scaler = optim.grad_scaler.state_dict() if optim.grad_scaler is not None else None
     return {"state": dict(sorted(state.items())), "param_groups": groups, "loss_scaler": scaler}
@@ -279,7 +279,7 @@ class OptimizerLoad:
             import_group(group, saved)
         if self.scaler is not None and self.optim.grad_scaler is not None:
             self.optim.grad_scaler.load_state_dict(self.scaler)
-        self.optim._broken_by = None  # a step that failed half-way over disk state: replaced by what was loaded
+        self.optim.state_loaded()
 
 
 def import_group(group: dict[str, Any], saved: Mapping[str, Any]) -> None:
@@ -316,15 +316,14 @@ def plan_optimizer_load(optim: Any, state_dict: Any) -> OptimizerLoad:
             raise InvalidArgumentError("state_dict['state']", f"a state for index {index!r}",
                                        f"indices of the param_groups' 'params' ({len(param_of)} parameters)")
         entry_of[id(param_of[index])] = (index, entry)
-    names = optim.model._param_names
-    for chunk in optim.manager.chunks:
+    for chunk in optim.runtime.chunks:
         if not chunk.trainable:
             continue
         steps: dict[int, list[str]] = {}
         entries = []
         for slot in chunk.slots:
             index, entry = entry_of.get(id(slot.param), (None, None))
-            name = names.get(id(slot.param), slot.name)
+            name = optim.model.parameter_name(slot.param) or slot.name
             step = 0 if entry is None else _check_entry(index, name, entry, slot)
             steps.setdefault(step, []).append(name)
             if entry is not None and step > 0:

@@ -59,14 +59,15 @@ class DiskStepError(ChunkmemError, RuntimeError):
 class ChunkUpdate:
     """What one chunk's streamed update needs: its host gradient (this rank's ``shard_numel``
     elements), where its parameters are (``param``: a host tensor, or ``None`` when the parameter shard
-    rests on disk too and is streamed like the state), the step number after the update,
-    hyper-parameters and gradient multiplier."""
+    rests on disk too and is streamed like the state), the step number after the update, the ranges
+    updated with their hyper-parameters (``(start, end, hyper)``, elements of this rank's shard, one per
+    run of one param group's trainable parameters) and the gradient multiplier."""
 
     chunk: Chunk
     grad: torch.Tensor
     param: torch.Tensor | None
     step: int
-    hyper: AdamHyper
+    ranges: list[tuple[int, int, AdamHyper]]
     multiplier: float
     updated_to: int = 0  # elements [0, updated_to) were updated (pieces run in order)
 
@@ -86,6 +87,20 @@ class ChunkUpdate:
         """The disk buffers written: those read, and 16-bit parameters resting on disk."""
         extra = [self.chunk.param.shard] if self.param is None and self.chunk.has_master else []
         return self.reads + extra
+
+
+def gaps(ranges: list[tuple[int, int, AdamHyper]], start: int, end: int) -> list[tuple[int, int]]:
+    """The element ranges within ``[start, end)`` that none of ``ranges`` (sorted, disjoint) covers."""
+    out, position = [], start
+    for a, b, _ in ranges:
+        if a > position:
+            out.append((position, min(a, end)))
+        position = max(position, b)
+        if position >= end:
+            break
+    if position < end:
+        out.append((position, end))
+    return [(a, b) for a, b in out if a < b]
 
 
 def streamed_families(chunk: Chunk, params_on_disk: bool, atomic_step: bool) -> int:
@@ -315,8 +330,17 @@ class StreamedStep:
         else:
             exp_avg, exp_avg_sq = views
             master, param_out = update.param[a:b], None
-        adam_update_(master, update.grad[a:b], exp_avg, exp_avg_sq, update.step, update.hyper,
-                     grad_multiplier=update.multiplier, param_out=param_out)
+        for start, end, hyper in update.ranges:
+            lo, hi = max(start, a), min(end, b)
+            if lo >= hi:
+                continue
+            piece = slice(lo - a, hi - a)
+            adam_update_(master[piece], update.grad[lo:hi], exp_avg[piece], exp_avg_sq[piece], update.step, hyper,
+                         grad_multiplier=update.multiplier,
+                         param_out=None if param_out is None else param_out[piece])
+        if param_out is not None:  # what no range wrote (frozen parameters, padding): the master's rounding
+            for lo, hi in gaps(update.ranges, a, b):
+                param_out[lo - a:hi - a].copy_(master[lo - a:hi - a])
         update.updated_to = b
 
     def _journal_offset(self, update: ChunkUpdate, start: int) -> int:

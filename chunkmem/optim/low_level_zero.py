@@ -9,7 +9,6 @@ live on the host and chunkmem's host Adam kernel updates them (ZeRO-Offload). La
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -17,10 +16,11 @@ import torch.nn as nn
 
 from .adam import check_supported_optimizer, hyper_of_group
 from .adam_kernels import adam_update_
-from ..dist.collectives import ShardGroup, all_reduce_over, start_all_gather
+from ..dist.collectives import ShardGroup, start_all_gather
 from ..core.errors import (InvalidArgumentError, UnscaledBackwardError, check_choice, check_number,
                      check_type)
 from .loss_scaler import DynamicGradScaler
+from .mixed_precision import MixedPrecisionStep
 from ..core.param_guard import slot_of
 from .zero_buckets import GradientBuckets
 from .zero_partition import FlatChunk, FlatSlot, build_partition
@@ -113,7 +113,8 @@ class LowLevelZeroOptimizer:
         separate = dtype != torch.float32 or master_device != device
 
         self.optim = optimizer
-        self.grad_scaler = scaler if dtype == torch.float16 else None
+        self.mixed = MixedPrecisionStep(scaler if dtype == torch.float16 else None,
+                                        (shards.group if shards.sharded else None,), verbose)
         self.clip_grad_norm = float(clip_grad_norm)
         self.verbose = verbose
         self.reduce_bucket_size = reduce_bucket_size
@@ -194,9 +195,14 @@ class LowLevelZeroOptimizer:
         return self.optim.defaults
 
     @property
+    def grad_scaler(self) -> DynamicGradScaler | None:
+        """The loss scaler (fp16 working parameters), or ``None``."""
+        return self.mixed.scaler
+
+    @property
     def loss_scale(self) -> float:
         """The current loss scale (1.0 without a scaler: bf16 and fp32)."""
-        return self.grad_scaler.scale if self.grad_scaler is not None else 1.0
+        return self.mixed.loss_scale
 
     # ---- backward ----------------------------------------------------------------------------------
 
@@ -258,21 +264,6 @@ class LowLevelZeroOptimizer:
         store = self._grad_store(chunk)
         return store if self.partition_grad else chunk.own(store)
 
-    def _norm_and_overflow(self) -> tuple[float, bool]:
-        """The global 2-norm of the unscaled gradients and whether any rank's gradients hold inf/NaN
-        (one all-reduce over the group)."""
-        total = torch.zeros(2, dtype=torch.float64)
-        for chunk in self.chunks:
-            grad = self._own_grad(chunk)
-            norm = torch.linalg.vector_norm(grad, 2, dtype=torch.float32).double().cpu()
-            if torch.isfinite(norm):
-                total[0] += norm * norm
-            else:
-                total[1] = 1.0
-        if self.shards.sharded:
-            all_reduce_over(self.shards.group, total, what="the gradient norm and its overflow flag")
-        return math.sqrt(total[0].item()) / self.loss_scale, bool(total[1].item())
-
     def step(self) -> bool:
         """Unscale, check for overflow, clip, update this rank's shard of every chunk with Adam, and
         all-gather the updated parameters. Returns ``True`` if the parameters changed; ``False`` when
@@ -289,18 +280,10 @@ class LowLevelZeroOptimizer:
         self._finish_reduction()
         if not self.grads_pending:
             return False
-        coef = 1.0
-        if self.grad_scaler is not None or self.clip_grad_norm > 0:
-            norm, overflow = self._norm_and_overflow()
-            if overflow and self.grad_scaler is not None:
-                if self.verbose:
-                    print(f"chunkmem: gradient overflow, step skipped (loss scale {self.loss_scale})")
-                self.grad_scaler.update(overflow=True)
-                self.zero_grad()
-                return False
-            if self.clip_grad_norm > 0 and math.isfinite(norm):
-                coef = min(1.0, self.clip_grad_norm / (norm + 1e-6))
-        multiplier = coef / self.loss_scale
+        multiplier = self.mixed.decide([self._own_grad(c) for c in self.chunks], self.clip_grad_norm)
+        if multiplier is None:
+            self.zero_grad()
+            return False
         gathers = []
         for chunk in self.chunks:
             self._update(chunk, multiplier)
@@ -309,8 +292,7 @@ class LowLevelZeroOptimizer:
                                                 what=f"chunk{chunk.index} updated parameters"))
         for gathering in gathers:
             gathering.wait()
-        if self.grad_scaler is not None:
-            self.grad_scaler.update(overflow=False)
+        self.mixed.stepped()
         self.zero_grad()  # the step releases the gradients it consumed, as the reference does
         return True
 
@@ -406,6 +388,9 @@ class LowLevelZeroOptimizer:
         Everything is checked first (:class:`~chunkmem.InvalidArgumentError` naming the entry; all
         parameters of one chunk must share a step); nothing changes on an error. No collective."""
         self.plan_load_state_dict(state_dict)()
+
+    def state_loaded(self) -> None:
+        """A state dict or checkpoint was loaded (nothing to forget here: every step is all or nothing)."""
 
     def plan_load_state_dict(self, state_dict: Mapping[str, Any]) -> Callable[[], None]:
         """Check ``state_dict`` as :meth:`load_state_dict` does and return the function that loads it

@@ -1,29 +1,28 @@
 """ShardedOptimizerV2: mixed-precision Adam over the chunks of a ShardedModelV2."""
 from __future__ import annotations
 
-import math
 import warnings
-import weakref
 from collections import OrderedDict
 from typing import Any, Callable, NoReturn
 
 import torch
-import torch.distributed as dist
 from torch.optim import Optimizer
 
+from ..core.chunk import EXP_AVG, EXP_AVG_SQ, MASTER, Chunk
+from ..core.disk_tier import JOURNAL
+from ..core.errors import (ArgumentTypeError, DeviceCapacityError, GradientAccumulationError, InvalidArgumentError,
+                           UnscaledBackwardError, UnsupportedOperationError, check_number, check_type)
+from ..core.param_guard import slot_of
+from ..core.tiers import Tier
+from ..dist.collectives import ShardGroup
+from ..model import ShardedModelV2
+from ..settings import OptimizerSettings
 from .adam import check_supported_optimizer, hyper_of_group
 from .adam_kernels import adam_update_
-from ..core.chunk import EXP_AVG, EXP_AVG_SQ, MASTER, Chunk
-from .disk_step import ChunkUpdate, DiskStepError, StreamedStep, streamed_families
-from ..core.disk_tier import JOURNAL
-from ..dist.collectives import ShardGroup, all_reduce_over
-from ..core.errors import (ArgumentTypeError, DeviceCapacityError, GradientAccumulationError, InvalidArgumentError,
-                     UnscaledBackwardError, UnsupportedOperationError, check_number, check_type)
+from .adam_math import AdamHyper
+from .disk_step import ChunkUpdate, DiskStepError, StreamedStep, gaps, streamed_families
 from .loss_scaler import DynamicGradScaler
-from ..runtime.manager import slot_of
-from ..model import ShardedModelV2
-from ..runtime.placement import AutoPlacement
-from ..core.tiers import Tier
+from .mixed_precision import MixedPrecisionStep
 
 
 class ShardedOptimizerV2(Optimizer):
@@ -42,7 +41,8 @@ class ShardedOptimizerV2(Optimizer):
     included), step counts and moments live in the chunks (read them with :meth:`state_dict`; ``state``
     is the wrapped optimizer's and stays empty). Step pre/post hooks run around :meth:`step`, state-dict
     hooks around :meth:`state_dict` and :meth:`load_state_dict`. :meth:`add_param_group` and pickling
-    are refused with :class:`~chunkmem.UnsupportedOperationError`.
+    are refused with :class:`~chunkmem.UnsupportedOperationError`. It is the model's runtime's
+    :class:`~chunkmem.runtime.runtime.OptimizerListener`.
 
     Args:
         sharded_model: the :class:`~chunkmem.ShardedModelV2` whose parameters ``optimizer`` holds.
@@ -69,6 +69,13 @@ class ShardedOptimizerV2(Optimizer):
             ``zero_grad()`` before :meth:`step` undoes the updates with ``atomic_step=True``; without it
             they cannot be undone, so it is refused (call :meth:`step`). Between the backward and
             :meth:`step` the disk chunks' parameters are being overwritten: read them after the step.
+        max_norm, norm_type: (chunkmem additions, keyword only) clip the unscaled gradients to total norm
+            ``max_norm`` (``norm_type`` norm) inside every :meth:`step` (0: no clipping); what DeepSpeed's
+            ``gradient_clipping`` maps to. Refused with ``step_in_backward``.
+
+    Param groups may share a chunk: each chunk is updated per contiguous range of one group, with that
+    group's hyper-parameters. A parameter whose ``requires_grad`` is ``False`` at the step is not updated
+    (no weight decay, no moment update), as torch's optimizers skip a parameter without a gradient.
     """
 
     def __init__(self, sharded_model: ShardedModelV2, optimizer: Any, gpu_margin_mem_ratio: float = 0.0,
@@ -80,91 +87,115 @@ class ShardedOptimizerV2(Optimizer):
         if not isinstance(sharded_model, ShardedModelV2):
             raise ArgumentTypeError("sharded_model", type(sharded_model).__name__, "a chunkmem.ShardedModelV2")
         check_supported_optimizer(optimizer)
-        check_number("gpu_margin_mem_ratio", gpu_margin_mem_ratio, low=0.0, high=1.0)
-        if gpu_margin_mem_ratio > 0 and sharded_model.tensor_placement_policy != "auto":
-            warnings.warn(f"gpu_margin_mem_ratio={gpu_margin_mem_ratio} has no effect with "
+        settings = OptimizerSettings.from_arguments(
+            gpu_margin_mem_ratio, initial_scale, min_scale, growth_factor, backoff_factor, growth_interval,
+            hysteresis, max_scale, dp_process_group, mp_process_group, verbose, max_norm=max_norm,
+            norm_type=norm_type, step_in_backward=step_in_backward)
+        self._attach(sharded_model, optimizer, settings)
+
+    @classmethod
+    def from_settings(cls, sharded_model: ShardedModelV2, optimizer: Any,
+                      settings: OptimizerSettings) -> "ShardedOptimizerV2":
+        """Build the optimizer as ``settings`` say (what the constructor does with its arguments parsed;
+        :func:`chunkmem.initialize` builds the settings from a configuration)."""
+        if not isinstance(sharded_model, ShardedModelV2):
+            raise ArgumentTypeError("sharded_model", type(sharded_model).__name__, "a chunkmem.ShardedModelV2")
+        check_supported_optimizer(optimizer)
+        check_type("settings", settings, OptimizerSettings, "a chunkmem.settings.OptimizerSettings")
+        optim = cls.__new__(cls)
+        optim._attach(sharded_model, optimizer, settings)
+        return optim
+
+    def _attach(self, sharded_model: ShardedModelV2, optimizer: Any, settings: OptimizerSettings) -> None:
+        """Check everything against the model, then place the optimizer state in its chunks."""
+        if settings.gpu_margin_mem_ratio > 0 and sharded_model.tensor_placement_policy != "auto":
+            warnings.warn(f"gpu_margin_mem_ratio={settings.gpu_margin_mem_ratio} has no effect with "
                           f"tensor_placement_policy={sharded_model.tensor_placement_policy!r}; it is used only "
-                          f"with 'auto'", stacklevel=2)
-        dp_shards = sharded_model.shards.of_same_ranks(dp_process_group, "dp_process_group",
+                          f"with 'auto'", stacklevel=3)
+        dp_shards = sharded_model.shards.of_same_ranks(settings.dp_process_group, "dp_process_group",
                                                        "the model's data-parallel ranks (its process_group)")
-        if mp_process_group is not None:
-            ShardGroup.of(mp_process_group, "mp_process_group")
-        check_type("verbose", verbose, bool, "True or False")
-        check_number("max_norm", max_norm, low=0.0, finite=True, allowed="a finite number >= 0 (0: no clipping)")
-        check_number("norm_type", norm_type, low=0.0, low_open=True)
-        self._check_step_in_backward(sharded_model, step_in_backward)
-        if step_in_backward and max_norm > 0:
-            raise InvalidArgumentError("max_norm", max_norm, "0 with step_in_backward=True (the chunks on disk are "
-                                       "updated during the backward, before the norm of all gradients exists)")
+        if settings.mp_process_group is not None:
+            ShardGroup.of(settings.mp_process_group, "mp_process_group")
+        self._check_step_in_backward(sharded_model, settings.step_in_backward)
         if sharded_model.optimizer_attached:
             raise InvalidArgumentError("sharded_model", "a model that already has a ShardedOptimizerV2",
                                        "a ShardedModelV2 without an optimizer")
-        scaler = DynamicGradScaler(initial_scale, min_scale, growth_factor, backoff_factor, growth_interval,
-                                   hysteresis, max_scale)  # validates the arguments whatever the dtype
+        scaler = settings.scaler.scaler()
         group_of = self._groups_of(sharded_model, optimizer)
+        self._check_capacity(sharded_model)
+        self._reserve_disk(sharded_model)
 
         self.model = sharded_model
         self.optim = optimizer
-        self.gpu_margin_mem_ratio = gpu_margin_mem_ratio
-        self.grad_scaler = scaler if sharded_model.dtype == torch.float16 else None
-        self.dp_process_group = dp_process_group
-        self.mp_process_group = mp_process_group
-        self._dp_shards = dp_shards
-        self.verbose = verbose
-        self.manager = sharded_model.chunk_manager
-        self._clip_coef = 1.0
-        self._grad_norm: float | None = None
+        self.settings = settings
+        self.runtime = sharded_model.runtime
+        self._group_of = group_of
+        self.mixed = MixedPrecisionStep(scaler if sharded_model.dtype == torch.float16 else None,
+                                        (dp_shards.group if dp_shards.sharded else None, settings.mp_process_group),
+                                        settings.verbose)
         # backward passes of the model whose gradients may be stepped on (all of them without a scaler;
         # with one, those run by backward() / backward_by_grad())
-        self._accounted_backwards = self.manager.backward_count
+        self._accounted_backwards = self.runtime.backward_count
         self._broken_by: DiskStepError | None = None  # a failed step that could not be undone
-        self.step_in_backward = step_in_backward
-        self.max_norm = float(max_norm)
-        self.norm_type = float(norm_type)
         self._step_in_flight: StreamedStep | None = None  # step_in_backward: started by this backward
         self._init_optimizer_hooks()
+        self.runtime.attach_optimizer(self, settings.gpu_margin_mem_ratio, self._optimizer_state_kept_on_host())
 
-        plan = sharded_model._plan_for_groups(group_of)
-        self._check_capacity(plan)
-        self._reserve_disk(plan)
-        sharded_model._repack(plan)
-        self._keep_optimizer_state_on_host()
-        for chunk in self._trainable_chunks():
-            self.manager.place_optimizer_state(chunk)
-        if isinstance(self.manager.policy, AutoPlacement):
-            self.manager.policy.gpu_margin_mem_ratio = gpu_margin_mem_ratio
-        sharded_model.optimizer_attached = True
-        self.manager.optimizer_ref = weakref.ref(self)  # chunkmem.utils reads the loss scale and clip factor
-        if step_in_backward:
-            update_when_final = weakref.WeakMethod(self._update_when_final)
+    # ---- the settings, under the reference's names --------------------------------------------------
 
-            def on_grads_final(chunk: Chunk) -> None:
-                method = update_when_final()
-                if method is not None:  # (the optimizer may be gone while the model lives on)
-                    method(chunk)
-            self.manager.on_grads_final = on_grads_final
+    @property
+    def gpu_margin_mem_ratio(self) -> float:
+        return self.settings.gpu_margin_mem_ratio
+
+    @property
+    def dp_process_group(self) -> Any:
+        return self.settings.dp_process_group
+
+    @property
+    def mp_process_group(self) -> Any:
+        return self.settings.mp_process_group
+
+    @property
+    def verbose(self) -> bool:
+        return self.settings.verbose
+
+    @property
+    def max_norm(self) -> float:
+        return self.settings.max_norm
+
+    @property
+    def norm_type(self) -> float:
+        return self.settings.norm_type
+
+    @property
+    def step_in_backward(self) -> bool:
+        return self.settings.step_in_backward
+
+    @property
+    def grad_scaler(self) -> DynamicGradScaler | None:
+        """The loss scaler (fp16), or ``None``."""
+        return self.mixed.scaler
 
     @staticmethod
     def _check_step_in_backward(model: ShardedModelV2, step_in_backward: bool) -> None:
-        check_type("step_in_backward", step_in_backward, bool, "True or False")
         if not step_in_backward:
             return
-        policy = model.chunk_manager.policy
-        if not policy.optimizer_on_disk:
+        if not model.settings.disk.optimizer_on_disk:
             raise InvalidArgumentError("step_in_backward", True, "False, or True on a ShardedModelV2 built with "
                                        "offload_optimizer='disk'")
         if model.dtype == torch.float16:
             raise InvalidArgumentError("step_in_backward", True, "False with fp16 (its loss scaler decides at "
                                        "step() whether the step is skipped); True with bf16 or fp32")
-        if policy.params_on_disk:
+        if model.settings.disk.params_on_disk:
             raise InvalidArgumentError("step_in_backward", True, "False with offload_param='disk'")
 
     @staticmethod
     def _groups_of(model: ShardedModelV2, optimizer: Any) -> dict[int, int]:
+        """``id(parameter)`` -> the index of its param group; every trainable parameter must have one."""
         group_of: dict[int, int] = {}
         for index, group in enumerate(optimizer.param_groups):
             for param in group["params"]:
-                if slot_of(param) is None or model._param_names.get(id(param)) is None:
+                if slot_of(param) is None or model.parameter_name(param) is None:
                     raise InvalidArgumentError("optimizer", f"a parameter of shape {tuple(param.shape)}",
                                                "an optimizer over the ShardedModelV2's own parameters only")
                 group_of[id(param)] = index
@@ -175,55 +206,79 @@ class ShardedOptimizerV2(Optimizer):
                                        "(freeze the others with requires_grad_(False))")
         return group_of
 
-    def _check_capacity(self, plan: Any) -> None:
+    @staticmethod
+    def _check_capacity(model: ShardedModelV2) -> None:
         """Refuse before any change if the optimizer state the policy puts on the device cannot fit."""
-        fp32_families = 3 if self.model.dtype != torch.float32 else 2
-        chunk_numel = plan.chunk_bytes // self.model._element_size // self.model.shards.world
-        trainable = sum(1 for i in range(len(plan.groups)) if plan.key_of(i).trainable)
-        on_device = sum(1 for k in range(trainable) if self.manager.policy.optim_on_device(k, trainable))
-        need = on_device * fp32_families * chunk_numel * 4
-        ledger = self.manager.ledger
+        layout, runtime = model.layout, model.runtime
+        fp32_families = 3 if model.dtype != torch.float32 else 2
+        shard_numel = layout.chunk_numel // model.shards.world
+        trainable = sum(1 for i in range(layout.num_chunks) if layout.trainable(i))
+        on_device = sum(1 for k in range(trainable) if runtime.policy.optim_on_device(k, trainable))
+        need = on_device * fp32_families * shard_numel * 4
+        ledger = runtime.ledger
         free = ledger.capacity - ledger.tier_bytes(Tier.DEVICE)
         if need > free:
             raise DeviceCapacityError(
                 f"the optimizer state placed on the device needs {need} bytes, but only {free} of the device "
                 f"tier's capacity of {ledger.capacity} bytes are free; use placement 'cpu' or raise the capacity")
 
-    def _reserve_disk(self, plan: Any) -> None:
+    @staticmethod
+    def _reserve_disk(model: ShardedModelV2) -> None:
         """Preallocate the disk tier's files for the optimizer state (a full disk is refused here, before
-        the model changes)."""
-        disk = self.manager.memory.disk
-        if disk is None or not self.manager.policy.optimizer_on_disk:
+        anything changes)."""
+        disk = model.runtime.memory.disk
+        if disk is None or not model.settings.disk.optimizer_on_disk:
             return
-        shard_numel = plan.chunk_bytes // self.model._element_size // self.model.shards.world
-        families = (EXP_AVG, EXP_AVG_SQ) + ((MASTER,) if self.model.dtype != torch.float32 else ())
+        layout = model.layout
+        shard_numel = layout.chunk_numel // model.shards.world
+        families = (EXP_AVG, EXP_AVG_SQ) + ((MASTER,) if model.dtype != torch.float32 else ())
         for family in families:
-            disk.reserve(family, shard_numel * 4, len(plan.groups))
-        if self.model.dtype == torch.float32 and disk.atomic_step:
-            disk.reserve(JOURNAL, shard_numel * 4, len(plan.groups), slots=1)
+            disk.reserve(family, shard_numel * 4, layout.num_chunks)
+        if model.dtype == torch.float32 and disk.atomic_step:
+            disk.reserve(JOURNAL, shard_numel * 4, layout.num_chunks, slots=1)
 
-    def _keep_optimizer_state_on_host(self) -> None:
-        """Under ``auto`` with ``offload_optimizer="disk"`` and a host capacity: the optimizer state of the
-        first trainable chunks that fits in the host capacity, after what the host already holds, the
-        gradients the step will hold there and the disk tier's I/O buffers, stays on the host; the rest
-        rests on disk. (Each chunk's state is used once per step, so which chunks stay does not change
+    def _optimizer_state_kept_on_host(self) -> list[int]:
+        """Under ``auto`` with ``offload_optimizer="disk"`` and a host capacity: the chunks whose optimizer
+        state stays on the host, the first trainable ones that fit in the host capacity after what the
+        host already holds, the gradients the step will hold there and the disk tier's I/O buffers; the
+        rest rests on disk. (Each chunk's state is used once per step, so which chunks stay does not change
         the bytes moved. The first chunks stay: their gradients are finished last in the backward, so
         with ``step_in_backward`` the disk chunks' updates overlap the rest of the backward.)"""
-        policy, ledger, disk = self.manager.policy, self.manager.ledger, self.manager.memory.disk
-        if not (isinstance(policy, AutoPlacement) and policy.optimizer_on_disk and ledger.host_capacity):
-            return
-        chunks = self._trainable_chunks()
+        runtime, disk = self.runtime, self.runtime.memory.disk
+        ledger = runtime.ledger
+        if not (runtime.policy.plans_from_trace and runtime.policy.optimizer_on_disk and ledger.host_capacity):
+            return []
+        chunks = runtime.trainable_chunks()
         first = chunks[0]
         state_bytes = (3 if first.has_master else 2) * first.shard_numel * 4
         grads = 0 if self.model.reuse_fp16_shard else len(chunks) * first.param.shard.nbytes
-        streamed = streamed_families(first, policy.params_on_disk, disk.atomic_step)
+        streamed = streamed_families(first, runtime.policy.params_on_disk, disk.atomic_step)
         io_bytes = disk.buffer_count * streamed * disk.buffer_size
         free = ledger.host_capacity - ledger.tier_bytes(Tier.HOST) - grads - io_bytes
         count = min(max(free, 0) // state_bytes, len(chunks))
-        policy.optim_host_chunks = frozenset(c.index for c in chunks[:count])
+        return [c.index for c in chunks[:count]]
 
     def _trainable_chunks(self) -> list[Chunk]:
-        return [c for c in self.manager.chunks if c.trainable]
+        return self.runtime.trainable_chunks()
+
+    def _ranges(self, chunk: Chunk) -> list[tuple[int, int, AdamHyper]]:
+        """``(start, end, hyper)``: the runs of this rank's shard of ``chunk`` (elements) whose parameters
+        are trainable now and in one param group, with that group's current hyper-parameters."""
+        runs: list[list[Any]] = []
+        shard_start = chunk.shard_offset
+        with torch._C.DisableTorchFunctionSubclass():  # requires_grad of a chunk-managed parameter
+            for slot in chunk.slots:
+                part = chunk.own_range(slot)
+                group = self._group_of.get(id(slot.param))
+                if part is None or group is None or not slot.param.requires_grad:
+                    continue
+                start = slot.offset + part[0] - shard_start
+                end = start + part[1] - part[0]
+                if runs and runs[-1][1] == start and runs[-1][2] == group:
+                    runs[-1][1] = end
+                else:
+                    runs.append([start, end, group])
+        return [(a, b, hyper_of_group(self.optim.param_groups[g])) for a, b, g in runs]
 
     # ---- torch.optim.Optimizer ---------------------------------------------------------------------
     # Optimizer.__init__ is not called: it would build a second list of param groups and a second state.
@@ -254,12 +309,11 @@ class ShardedOptimizerV2(Optimizer):
         return self.optim.state
 
     def add_param_group(self, param_group: dict[str, Any]) -> NoReturn:
-        """Refused: the chunks are packed per param group when the optimizer is attached, so groups
-        cannot be added afterwards. Give the wrapped optimizer every group before building this one."""
+        """Refused: every trainable parameter is in a param group from the start. Give the wrapped
+        optimizer every group before building this one."""
         raise UnsupportedOperationError(
-            "ShardedOptimizerV2.add_param_group is not supported: the chunk layout is fixed per param group "
-            "once the optimizer is attached; pass every param group to the wrapped optimizer before building "
-            "ShardedOptimizerV2")
+            "ShardedOptimizerV2.add_param_group is not supported: every trainable parameter is in a param group "
+            "from the start; pass every param group to the wrapped optimizer before building ShardedOptimizerV2")
 
     def __getstate__(self) -> NoReturn:
         raise UnsupportedOperationError(
@@ -279,34 +333,33 @@ class ShardedOptimizerV2(Optimizer):
     @property
     def loss_scale(self) -> float:
         """The current loss scale (1.0 without a scaler)."""
-        return self.grad_scaler.scale if self.grad_scaler else 1.0
+        return self.mixed.loss_scale
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` times the loss scale; gradients land in the chunks."""
         self._check_can_accumulate()
         self._run_backward(lambda: (loss * self.loss_scale if self.grad_scaler else loss).backward())
-        self.manager.scheduler.close_finished_traces()
 
     def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
         """Backward from ``tensor`` with the upstream gradient ``grad`` (not scaled: with fp16, ``grad``
         is expected to carry the loss scale already)."""
         self._check_can_accumulate()
         self._run_backward(lambda: torch.autograd.backward(tensor, grad))
-        self.manager.scheduler.close_finished_traces()
 
     def _run_backward(self, run: Callable[[], None]) -> None:
         """Run a backward and count the model's backward passes it made as scaled."""
-        before = self.manager.backward_count
+        before = self.runtime.backward_count
         try:
             run()
         finally:
-            self._accounted_backwards += self.manager.backward_count - before
+            self._accounted_backwards += self.runtime.backward_count - before
+            self.runtime.begin_step()  # no backward runs now: finished traces leave the dispatch-mode stack
 
     def _check_backward_was_scaled(self) -> None:
         """With a loss scaler, raise if a backward pass of the model did not go through :meth:`backward`."""
         if self.grad_scaler is None:
             return
-        unscaled = self.manager.backward_count - self._accounted_backwards
+        unscaled = self.runtime.backward_count - self._accounted_backwards
         if unscaled:
             raise UnscaledBackwardError(
                 f"{unscaled} backward pass(es) of the fp16 model since the last zero_grad() did not go through "
@@ -316,17 +369,14 @@ class ShardedOptimizerV2(Optimizer):
 
     def _forget_backwards(self) -> None:
         """The gradients were dropped: earlier backward passes no longer matter."""
-        self._accounted_backwards = self.manager.backward_count
+        self._accounted_backwards = self.runtime.backward_count
 
     def _check_can_accumulate(self) -> None:
         if self._step_in_flight is not None:
             raise GradientAccumulationError(
                 "step_in_backward=True: the last backward already started this step's updates of the chunks on "
                 "disk, so a second backward cannot add to their gradients; call optim.step() first")
-        if self.model.reuse_fp16_shard and self.manager.grads_pending:
-            raise GradientAccumulationError(
-                "reuse_fp16_shard=True cannot accumulate gradients over two backward passes: call "
-                "optim.step() or optim.zero_grad() between them, or use reuse_fp16_shard=False")
+        self.runtime.check_can_accumulate()
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Clip the gradients of the coming step to total norm ``max_norm``; returns the total norm of the
@@ -339,41 +389,15 @@ class ShardedOptimizerV2(Optimizer):
                 "before the norm of all gradients exists; build the ShardedOptimizerV2 without step_in_backward "
                 "to clip")
         self._check_backward_was_scaled()
-        norm = self._total_norm(float(norm_type))
-        self._grad_norm = norm
-        self._clip_coef = min(1.0, max_norm / (norm + 1e-6)) if math.isfinite(norm) else 1.0
-        return norm
+        return self.mixed.clip(self._grads(), max_norm, float(norm_type))
 
-    def _total_norm(self, norm_type: float = 2.0) -> float:
-        """Norm of all unscaled gradients, with one host synchronisation per tier holding gradients and,
-        over several ranks, one all-reduce over the data-parallel group (and ``mp_process_group``)."""
-        per_chunk = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
-                     for g in (self.manager.grad_of(c) for c in self._trainable_chunks()) if g is not None]
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for n in per_chunk:
-            by_device.setdefault(n.device, []).append(n)
-        if math.isinf(norm_type):
-            local = max((torch.stack(ns).max().item() for ns in by_device.values()), default=0.0)
-        else:
-            local = sum(torch.stack(ns).pow(norm_type).sum().item() for ns in by_device.values())
-        total = self._reduce_over_ranks(local, maximum=math.isinf(norm_type))
-        if not math.isinf(norm_type):
-            total = total ** (1 / norm_type)
-        return total / self.loss_scale
+    def _grads(self) -> list[torch.Tensor | None]:
+        return [self.runtime.grad_of(c) for c in self._trainable_chunks()]
 
-    def _reduce_over_ranks(self, local: float, maximum: bool) -> float:
-        """Sum (or max) of ``local`` over the data-parallel ranks, then over ``mp_process_group``; a rank
-        whose value is inf or NaN makes the result NaN (a max reduction would drop a NaN)."""
-        groups = [g for g in (self._dp_shards.group if self._dp_shards.sharded else None, self.mp_process_group)
-                  if g is not None and dist.get_world_size(g) > 1]
-        if not groups:
-            return local
-        pair = torch.tensor([local if math.isfinite(local) else 0.0, 0.0 if math.isfinite(local) else 1.0],
-                            dtype=torch.float64)
-        for group in groups:
-            all_reduce_over(group, pair, dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM,
-                            what="the gradient norm and its non-finite flag")
-        return float("nan") if pair[1].item() else pair[0].item()
+    def grad_multiplier(self) -> float:
+        """What the coming step multiplies the gradients by: the clipping over the loss scale (the
+        runtime's :class:`~chunkmem.runtime.runtime.OptimizerListener` side, read by the accessors)."""
+        return self.mixed.multiplier
 
     def step(self) -> bool:  # type: ignore[override]
         """Unscale, check for overflow, clip, and update every chunk where its optimizer state lives.
@@ -388,67 +412,64 @@ class ShardedOptimizerV2(Optimizer):
         :class:`~chunkmem.UnscaledBackwardError` and change nothing. Hooks registered with
         ``register_step_pre_hook`` / ``register_step_post_hook`` run before and after.
         """
-        self.manager.scheduler.close_finished_traces()
-        if not self.manager.grads_pending:
+        self.runtime.begin_step()
+        if not self.runtime.grads_pending:
             return False
         self._check_backward_was_scaled()
-        if self.max_norm > 0 and self._grad_norm is None:
-            self.clip_grad_norm(self.max_norm, self.norm_type)
-        if self.grad_scaler is not None:
-            norm = self._grad_norm if self._grad_norm is not None else self._total_norm()
-            if not math.isfinite(norm):
-                if self.verbose:
-                    print(f"chunkmem: gradient overflow, step skipped (loss scale {self.loss_scale})")
-                self.grad_scaler.update(overflow=True)
-                self._discard_grads()
-                return False
+        multiplier = self.mixed.decide(self._grads(), self.max_norm, self.norm_type)
+        if multiplier is None:
+            self._discard_grads()
+            return False
         if self._broken_by is not None:
             raise self._broken_by
-        multiplier = self._clip_coef / self.loss_scale
-        on_disk = [c for c in self._trainable_chunks() if self.manager.policy.optim_tier(c) is Tier.DISK]
+        on_disk = [c for c in self._trainable_chunks() if self.runtime.optim_tier(c) is Tier.DISK]
         self._update_on_disk(on_disk, multiplier)  # first: the only part that can fail half-way
         for chunk in self._trainable_chunks():
-            if self.manager.policy.optim_tier(chunk) is not Tier.DISK:
+            if self.runtime.optim_tier(chunk) is not Tier.DISK:
                 self._update_chunk(chunk, multiplier)
-        self.manager.flush_stale()
-        if self.grad_scaler is not None:
-            self.grad_scaler.update(overflow=False)
-        self._release_grads()
+        self.mixed.stepped()
+        self.runtime.end_step(release_gradients=True)
+        self._forget_backwards()
         return True
 
     step = Optimizer.profile_hook_step(step)  # runs torch's step pre/post hooks around it
     step.hooked = True  # type: ignore[attr-defined]  # tells torch not to wrap it again
 
     def _update_chunk(self, chunk: Chunk, multiplier: float) -> None:
-        tier = self.manager.policy.optim_tier(chunk)
-        hyper = hyper_of_group(self.optim.param_groups[chunk.key.group])
-        grad = self.manager.grad_of(chunk)
-        target = self.manager.param_update_target(chunk, tier)
-        if grad.device != target.device:
-            grad = grad.to(target.device)
-        chunk.step += 1
-        master = chunk.optim[MASTER].tensor if chunk.has_master else target
-        adam_update_(master, grad, chunk.optim[EXP_AVG].tensor, chunk.optim[EXP_AVG_SQ].tensor, chunk.step, hyper,
-                     grad_multiplier=multiplier, param_out=target if chunk.has_master else None)
-        self.manager.params_updated(chunk, tier)
+        tier = self.runtime.compute_tier(chunk)
+        grad = self.runtime.grad_of(chunk)
+        with self.runtime.updating(chunk, tier) as target:
+            if grad.device != target.device:
+                grad = grad.to(target.device)
+            chunk.step += 1
+            master = chunk.optim[MASTER].tensor if chunk.has_master else target
+            exp_avg, exp_avg_sq = chunk.optim[EXP_AVG].tensor, chunk.optim[EXP_AVG_SQ].tensor
+            ranges = self._ranges(chunk)
+            for a, b, hyper in ranges:
+                adam_update_(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], chunk.step, hyper,
+                             grad_multiplier=multiplier, param_out=target[a:b] if chunk.has_master else None)
+            if chunk.has_master:  # the copy written may be new memory: what no range wrote is the master's rounding
+                for a, b in gaps(ranges, 0, chunk.shard_numel):
+                    target[a:b].copy_(master[a:b])
 
     def _disk_update(self, chunk: Chunk, multiplier: float) -> ChunkUpdate:
         """What the streamed step needs to update ``chunk`` (its gradients final)."""
-        param = None if chunk.param.shard.on_disk else self.manager.param_update_target(chunk, Tier.HOST)
-        return ChunkUpdate(chunk, self.manager.grad_of(chunk), param, chunk.step + 1,
-                           hyper_of_group(self.optim.param_groups[chunk.key.group]), multiplier)
+        param = None if chunk.param.shard.on_disk else self.runtime.update_target(chunk, Tier.HOST)
+        return ChunkUpdate(chunk, self.runtime.grad_of(chunk), param, chunk.step + 1, self._ranges(chunk), multiplier)
 
-    def _update_when_final(self, chunk: Chunk) -> None:
+    def on_grads_final(self, chunk: Chunk) -> None:
         """``step_in_backward``: hand a chunk whose optimizer state rests on disk to this backward's
-        streamed step (started with the first such chunk) as soon as its gradients are final."""
-        if not chunk.trainable or self.manager.policy.optim_tier(chunk) is not Tier.DISK or self._broken_by:
+        streamed step (started with the first such chunk) as soon as its gradients are final (the
+        runtime's :class:`~chunkmem.runtime.runtime.OptimizerListener` side)."""
+        if (not self.step_in_backward or not chunk.trainable or self.runtime.optim_tier(chunk) is not Tier.DISK
+                or self._broken_by):
             return
         step = self._step_in_flight
         if step is None:
-            disk = self.manager.memory.disk
+            disk = self.runtime.memory.disk
             families = max(streamed_families(c, c.param.shard.on_disk, disk.atomic_step)
-                           for c in self._trainable_chunks() if self.manager.policy.optim_tier(c) is Tier.DISK)
-            step = self._step_in_flight = StreamedStep(disk, self._any_rank_failed, families)
+                           for c in self._trainable_chunks() if self.runtime.optim_tier(c) is Tier.DISK)
+            step = self._step_in_flight = StreamedStep(disk, self.mixed.any_rank, families)
             step.start()
         elif any(update.chunk is chunk for update in step.updates):
             raise GradientAccumulationError(
@@ -461,12 +482,12 @@ class ShardedOptimizerV2(Optimizer):
         """Update the chunks whose optimizer state rests on disk in one streamed step (see
         :mod:`chunkmem.optim.disk_step`): all of them, or none (then :class:`DiskStepError`). With
         ``step_in_backward``, the step the backward started, completed with any chunk it did not get."""
-        if not self.manager.policy.optimizer_on_disk:
+        if not self.runtime.policy.optimizer_on_disk:
             return  # (with a disk tier every rank runs the step below, even with no chunk on disk: it agrees)
         step, self._step_in_flight = self._step_in_flight, None
         if step is None:
-            step = StreamedStep.over(self.manager.memory.disk, [self._disk_update(c, multiplier) for c in chunks],
-                                     self._any_rank_failed)
+            step = StreamedStep.over(self.runtime.memory.disk, [self._disk_update(c, multiplier) for c in chunks],
+                                     self.mixed.any_rank)
             finish = step.run
         else:
             started = {id(update.chunk) for update in step.updates}
@@ -485,11 +506,16 @@ class ShardedOptimizerV2(Optimizer):
             else:
                 for update in updates:
                     if update.updated_to and update.param is not None:
-                        self.manager.params_updated(update.chunk, Tier.HOST)
+                        self.runtime.mark_updated(update.chunk, Tier.HOST)
             raise
         for update in updates:
             update.chunk.step = update.step
-            self.manager.params_updated(update.chunk, Tier.DISK if update.param is None else Tier.HOST)
+            self.runtime.mark_updated(update.chunk, Tier.DISK if update.param is None else Tier.HOST)
+
+    def state_loaded(self) -> None:
+        """A state dict or checkpoint was loaded: a step over disk-resident state that had failed half-way
+        (``atomic_step=False``, after which the optimizer refused to step) is forgotten."""
+        self._broken_by = None
 
     def check_no_step_in_flight(self, action: str) -> None:
         """Raise :class:`~chunkmem.UnsupportedOperationError` if a backward with ``step_in_backward``
@@ -499,23 +525,11 @@ class ShardedOptimizerV2(Optimizer):
                 f"{action} between a backward and optim.step() with step_in_backward=True: the backward's "
                 f"updates of the chunks on disk are still running; call optim.step() first")
 
-    def _any_rank_failed(self, failed: bool) -> bool:
-        """Whether ``failed`` holds on any data-parallel rank (one small all-reduce when sharded)."""
-        return math.isnan(self._reduce_over_ranks(float("nan") if failed else 0.0, maximum=True))
-
     def _discard_grads(self) -> None:
-        if self.model.reuse_fp16_shard:
-            for chunk in self._trainable_chunks():
-                if chunk.param.holds_grads:
-                    tier = self.manager.policy.compute_tier(chunk)
-                    self.manager.param_update_target(chunk, tier).copy_(chunk.optim[MASTER].read())
-                    self.manager.params_updated(chunk, tier)
-        self._release_grads()
-
-    def _release_grads(self) -> None:
-        """The gradients were consumed (or discarded): free them and forget the backward passes."""
-        self.manager.zero_grad(set_to_none=True)
-        self._clip_coef, self._grad_norm = 1.0, None
+        """Drop the gradients (a skipped step, a failed disk step that overwrote them): with
+        ``reuse_fp16_shard`` the parameters' memory gets its values back from the masters."""
+        self.runtime.drop_gradients(set_to_none=True)
+        self.mixed.forget()
         self._forget_backwards()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -526,19 +540,16 @@ class ShardedOptimizerV2(Optimizer):
         with nothing changed."""
         check_type("set_to_none", set_to_none, bool, "True or False")
         if self._step_in_flight is not None:
-            if not self.manager.memory.disk.atomic_step:
+            if not self.runtime.memory.disk.atomic_step:
                 raise UnsupportedOperationError(
                     "zero_grad() after a backward with step_in_backward=True and atomic_step=False: the backward "
                     "already updated chunks in place on disk and that cannot be undone; call optim.step() to "
                     "complete the step")
             step, self._step_in_flight = self._step_in_flight, None
             step.abandon()
+        self.runtime.drop_gradients(set_to_none)
+        self.mixed.forget()
         self._forget_backwards()
-        if self.model.reuse_fp16_shard:
-            self._discard_grads()
-        else:
-            self.manager.zero_grad(set_to_none)
-            self._clip_coef, self._grad_norm = 1.0, None
 
     def get_memory_usage(self, with_disk: bool = False) -> tuple[int, ...]:
         """``(device_bytes, host_bytes)`` of the fp32 masters (the fp32 parameters when there is no
@@ -548,7 +559,7 @@ class ShardedOptimizerV2(Optimizer):
         check_type("with_disk", with_disk, bool, "True or False")
         usage = {Tier.DEVICE: 0, Tier.HOST: 0, Tier.DISK: 0}
         for chunk in self._trainable_chunks():
-            tier = self.manager.policy.compute_tier(chunk)
+            tier = self.runtime.compute_tier(chunk)
             for family in (EXP_AVG, EXP_AVG_SQ) + ((MASTER,) if chunk.has_master else ()):
                 buf = chunk.optim[family]
                 if buf.allocated:

@@ -1,4 +1,4 @@
-"""Memory statistics: what the tracer and the chunk manager saw, as a JSON document and a text summary.
+"""Memory statistics: what the tracer and the runtime saw, as a JSON document and a text summary.
 
 Schema ``chunkmem.memstats/1`` (every size in bytes, chunk ids are chunk indices):
 
@@ -38,18 +38,18 @@ from __future__ import annotations
 from typing import Any
 
 from ..core.chunk import EXP_AVG, EXP_AVG_SQ, MASTER
-from .placement import AutoPlacement
 from ..core.tiers import Tier
 
 SCHEMA = "chunkmem.memstats/1"
 
 
-def collect(manager: Any, rank: int = 0, world_size: int = 1) -> dict[str, Any]:
-    """The statistics document (see the module docstring) for one chunk manager."""
-    scheduler = manager.scheduler
-    policy = manager.policy
-    chunks = manager.chunks
-    auto = policy if isinstance(policy, AutoPlacement) else None
+def collect(runtime: Any, rank: int = 0, world_size: int = 1) -> dict[str, Any]:
+    """The statistics document (see the module docstring) for one model's runtime."""
+    scheduler = runtime.scheduler
+    policy = runtime.policy
+    chunks = runtime.chunks
+    auto = policy.plans_from_trace
+    plan = runtime.state.plan
     stats = [_stats_dict(s) for s in scheduler.stats]
     periods = []
     for i, period in enumerate(scheduler.periods or []):
@@ -60,8 +60,8 @@ def collect(manager: Any, rank: int = 0, world_size: int = 1) -> dict[str, Any]:
         matches = i < len(stats) and (stats[i]["name"], stats[i]["phase"]) == (period.name, period.phase)
         for key in ("device_model_bytes", "host_model_bytes", "moved_to_device_bytes", "moved_to_host_bytes"):
             entry[key] = stats[i][key] if matches else None
-        if auto is not None and auto.plan is not None:
-            step = auto.plan.periods[i]
+        if auto and plan is not None:
+            step = plan.periods[i]
             entry["plan"] = {"slots": step.slots, "evict": list(step.evict), "fetch": list(step.fetch),
                              "fallback": step.fallback}
         periods.append(entry)
@@ -76,13 +76,13 @@ def collect(manager: Any, rank: int = 0, world_size: int = 1) -> dict[str, Any]:
             buf = chunk.optim[family]
             if buf.allocated:
                 usage[buf.tier] += buf.nbytes
-    blocks, ledger, disk = manager.memory.blocks, manager.ledger, manager.memory.disk
+    blocks, ledger, disk = runtime.memory.blocks, runtime.ledger, runtime.memory.disk
     return {
         "schema": SCHEMA,
         "rank": rank,
         "world_size": world_size,
         "policy": policy.name,
-        "capacity_bytes": manager.ledger.capacity,
+        "capacity_bytes": ledger.capacity,
         "iterations": scheduler.iterations,
         "traces": scheduler.traces,
         "last_iteration_mode": scheduler.mode.value,
@@ -104,7 +104,7 @@ def collect(manager: Any, rank: int = 0, world_size: int = 1) -> dict[str, Any]:
                 (s["device_model_bytes"] + (non_model[i] if i < len(non_model) else 0)
                  for i, s in enumerate(stats)), default=0),
         },
-        "tiers": manager.memory.breakdown(),
+        "tiers": runtime.memory.breakdown(),
         "block_pool": None if blocks is None else {"cached_bytes": blocks.cached_bytes,
                                                    "blocks_mapped": blocks.blocks_mapped},
         "disk": None if disk is None else {
@@ -114,7 +114,7 @@ def collect(manager: Any, rank: int = 0, world_size: int = 1) -> dict[str, Any]:
             "device_chunks": by_tier[Tier.DEVICE], "host_chunks": by_tier[Tier.HOST], "disk_chunks": by_tier[Tier.DISK],
             "device_bytes": usage[Tier.DEVICE], "host_bytes": usage[Tier.HOST], "disk_bytes": usage[Tier.DISK],
             "margin_bytes": scheduler.margin_bytes,
-            "gpu_margin_mem_ratio": auto.gpu_margin_mem_ratio if auto else None,
+            "gpu_margin_mem_ratio": runtime.state.margin_ratio if auto else None,
         },
     }
 

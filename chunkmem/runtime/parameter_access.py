@@ -13,16 +13,14 @@ forward; registering makes it explicit and needs no first discovery).
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.nn as nn
 
-from ..core.chunk import MASTER, Chunk, ParamSlot
+from ..core.chunk import MASTER, Chunk, ChunkHost, ParamSlot
 from ..core.errors import InvalidArgumentError, check_type
-from ..core.param_guard import ParameterAccessError, close_gathered, open_gathered, owner_of, slot_of
-
-EXTERNAL_ATTR = "_chunkmem_external_params"
+from ..core.param_guard import ParameterAccessError, remember_external, slot_of
 
 
 class GatheredParameters:
@@ -63,12 +61,12 @@ class GatheredParameters:
         self.enabled = enabled
         self.modifier_rank = modifier_rank
         self.fwd_module = fwd_module
-        self.slots = [s for s in (slot_of(p) for p in params) if s is not None and owner_of(s.chunk) is not None]
+        self.slots = [s for s in (slot_of(p) for p in params) if s is not None and s.chunk.host is not None]
         # the same gathers in the same order on every rank: models in the order their parameters come,
         # each model's chunks in packing order
-        models = {id(owner_of(s.chunk)): n for n, s in reversed(list(enumerate(self.slots)))}
+        models = {id(s.chunk.host): n for n, s in reversed(list(enumerate(self.slots)))}
         self.chunks = sorted({id(s.chunk): s.chunk for s in self.slots}.values(),
-                             key=lambda c: (models[id(owner_of(c))], c.index))
+                             key=lambda c: (models[id(c.host)], c.index))
         self._entered = False
         if enabled and modifier_rank is not None:
             for chunk in self.chunks:
@@ -81,11 +79,10 @@ class GatheredParameters:
         if not self.enabled:
             return self
         for chunk in self.chunks:
-            if owner_of(chunk).stack:
+            if chunk.host.in_forward:
                 raise ParameterAccessError("GatheredParameters inside the model's forward: use it outside")
-        for hooks, chunks in _by_owner(self.chunks):
-            hooks.manager.acquire(chunks)
-        open_gathered(self.chunks, writable=self.modifier_rank is not None)
+        for host, chunks in _by_host(self.chunks):
+            host.open_chunks(chunks, for_writing=self.modifier_rank is not None)
         self._entered = True
         if self.fwd_module is not None:
             for slot in self.slots:
@@ -97,7 +94,6 @@ class GatheredParameters:
             return
         self._entered = False
         writable = self.modifier_rank is not None
-        close_gathered(self.chunks, writable)
         new_values: dict[int, torch.Tensor] = {}
         if writable and exc[0] is None:
             with torch.no_grad():
@@ -105,26 +101,23 @@ class GatheredParameters:
                     chunk.shards.broadcast_(chunk.param.device, self.modifier_rank, what=f"{chunk.name} parameters")
                 for slot in self.slots:
                     new_values[id(slot)] = slot.view(slot.chunk.param.device).clone()
-        for hooks, chunks in _by_owner(self.chunks):
-            hooks.manager.release(chunks)
-            # A released chunk's device copy is only marked stale, to be freed at the next period boundary
-            # of an iteration; outside one there is none, so free it now.
-            hooks.manager.flush_stale()
+        for host, chunks in _by_host(self.chunks):
+            host.close_chunks(chunks, for_writing=writable)
         if new_values:
-            for hooks, chunks in _by_owner(self.chunks):
+            for host, chunks in _by_host(self.chunks):
                 for chunk in chunks:
-                    _write_back(hooks.manager, chunk, [s for s in self.slots if s.chunk is chunk], new_values)
+                    _write_back(host, chunk, [s for s in self.slots if s.chunk is chunk], new_values)
 
 
-def _by_owner(chunks: list[Chunk]) -> list[tuple[Any, list[Chunk]]]:
-    groups: dict[int, tuple[Any, list[Chunk]]] = {}
+def _by_host(chunks: list[Chunk]) -> list[tuple[ChunkHost, list[Chunk]]]:
+    groups: dict[int, tuple[ChunkHost, list[Chunk]]] = {}
     for chunk in chunks:
-        hooks = owner_of(chunk)
-        groups.setdefault(id(hooks), (hooks, []))[1].append(chunk)
+        host = chunk.host
+        groups.setdefault(id(host), (host, []))[1].append(chunk)
     return list(groups.values())
 
 
-def _write_back(manager: Any, chunk: Chunk, slots: list[ParamSlot], new_values: dict[int, torch.Tensor]) -> None:
+def _write_back(host: ChunkHost, chunk: Chunk, slots: list[ParamSlot], new_values: dict[int, torch.Tensor]) -> None:
     """Write this rank's part of the new values into the chunk's parameter copy, and into its fp32 master
     where the master's rounding differs from the new value."""
     master_buf = chunk.optim[MASTER] if chunk.has_master and chunk.optim[MASTER].allocated else None
@@ -144,7 +137,7 @@ def _write_back(manager: Any, chunk: Chunk, slots: list[ParamSlot], new_values: 
                 own_master[changed] = new[changed].float()
         if master_buf is not None:
             master_buf.write(master)
-        manager.write_params(chunk, values)
+        host.write_params(chunk, values)
 
 
 def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
@@ -158,18 +151,8 @@ def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> N
     if slot is None:
         raise InvalidArgumentError("parameter", tuple(parameter.shape),
                                    "a parameter created inside ZeroInitContext or wrapped by ShardedModelV2")
-    hooks = owner_of(slot.chunk)
-    if hooks is None:
-        pending = module.__dict__.setdefault(EXTERNAL_ATTR, [])
-        if not any(p is parameter for p in pending):
-            pending.append(parameter)
-        return
-    if module not in hooks.module_names:
-        raise InvalidArgumentError("module", type(module).__name__, "a submodule of the model that owns the parameter")
-    hooks.hook_module(module)
-    hooks.add_foreign(module, parameter)
-
-
-def registered_external_parameters(module: nn.Module) -> Iterable[nn.Parameter]:
-    """The parameters registered on ``module`` before it was wrapped."""
-    return module.__dict__.get(EXTERNAL_ATTR, ())
+    host = slot.chunk.host
+    if host is None:
+        remember_external(module, parameter)
+    else:
+        host.register_external(module, parameter)

@@ -6,10 +6,12 @@ inputs have other shapes than the traced one, and the one after an iteration tha
 (another branch) or was interrupted by an error. Forwards without autograd (``torch.no_grad()``) are
 neither traced nor planned.
 
-The scheduler only decides: it holds no reference to the chunk manager and moves nothing. Each of its
-event methods returns what the :class:`~chunkmem.runtime.manager.ChunkManager` is to do (a
-:class:`PeriodOrders` at a period's start), and the manager alone executes. What the trace and the
-margin decide under ``auto`` lives in one :class:`~chunkmem.runtime.placement.PlanState`, written here only.
+The scheduler only decides: it moves nothing, runs no collective and holds no reference to what
+executes. Each of its event methods returns what the model's runtime is to do (a :class:`PeriodOrders`
+at a period's start), and the :class:`~chunkmem.runtime.executor.ChunkExecutor` alone executes. What the
+trace and the margin decide under ``auto`` is written here, and only here, into the runtime's
+:class:`~chunkmem.runtime.placement.PlacementState`. Figures that must agree over the ranks (the traced
+peaks) are agreed by the runtime and handed in (:meth:`Scheduler.make_plan`).
 
 The iteration's mode is an :class:`IterationMode`; its transitions:
 
@@ -38,11 +40,10 @@ from typing import Any, ContextManager, Sequence
 import torch
 import torch.distributed as dist
 
-from ..dist.collectives import ShardGroup
 from ..core.ledger import TierLedger
-from .placement import AutoPlacement, PlacementPolicy, PlanState
 from ..core.states import ChunkStateError
 from ..core.tiers import Tier
+from .placement import PlacementPolicy, PlacementState, choose_margin_chunks, plan_belady
 from .tracer import IterationTrace, Period
 
 
@@ -92,28 +93,31 @@ class PeriodOrders:
 
 @dataclass
 class PlanInputs:
-    """What the planner needs to know of the chunks (bytes): one chunk's parameter bytes, one optimizer
-    chunk group's device bytes (0 before the optimizer exists), the device capacity, whether gradients
-    reuse the parameter memory, and the data-parallel group (peaks are agreed over it)."""
+    """What the planner needs to know of the chunks (bytes): the device capacity, one chunk's parameter
+    bytes, one optimizer chunk group's device bytes (0 before the optimizer exists), whether gradients
+    live in the parameter memory (no staging buffers), whether the chunks are sharded (then every
+    gradient is reduced from a staging buffer), and each period's non-model peak as agreed over the ranks
+    (the largest any rank traced: every rank must fetch the same chunks in the same order)."""
 
     capacity: int
     param_bytes: int
     group_bytes: int
-    reuse_grads: bool
-    shards: ShardGroup
+    grads_in_param_memory: bool
+    sharded: bool
+    agreed_peaks: list[int]
 
 
 class Scheduler:
-    """Owned by the :class:`~chunkmem.runtime.manager.ChunkManager`; see the module docstring. ``ledger`` is read
-    (bytes per tier and moves, for the per-period statistics), never written."""
+    """Owned by the model's runtime; see the module docstring. ``ledger`` is read (bytes per tier and
+    moves, for the per-period statistics), never written; ``state`` is the runtime's placement state,
+    whose plan, margin and ``following`` fields only the scheduler writes."""
 
-    def __init__(self, ledger: TierLedger, policy: PlacementPolicy, device: torch.device) -> None:
+    def __init__(self, ledger: TierLedger, policy: PlacementPolicy, state: PlacementState,
+                 device: torch.device) -> None:
         self.ledger = ledger
         self.device = device
         self.policy = policy
-        self.state = PlanState()
-        if isinstance(policy, AutoPlacement):
-            policy.read_state_from(self.state)
+        self.state = state
         self.periods: list[Period] | None = None
         self.trace: IterationTrace | None = None
         self.signature: Any = None
@@ -140,8 +144,9 @@ class Scheduler:
         self._mode = mode
 
     @property
-    def auto(self) -> bool:
-        return isinstance(self.policy, AutoPlacement)
+    def plan(self) -> Any:
+        """The move plan in force (``auto``), or ``None``."""
+        return self.state.plan
 
     @property
     def margin_bytes(self) -> int:
@@ -189,7 +194,7 @@ class Scheduler:
             return False
         self._enter(IterationMode.FOLLOWING, *starts_from)
         self.state.following = True
-        return self.auto
+        return self.policy.plans_from_trace
 
     def end_iteration(self) -> bool:
         """After backward: close the iteration. Returns ``True`` when a finished trace became the new
@@ -289,50 +294,41 @@ class Scheduler:
         self._enter(IterationMode.DIVERGED, IterationMode.FOLLOWING)
         self.retrace = True
         self.state.following = False
-        return self.auto
+        return self.policy.plans_from_trace
 
     # ---- the plan ----------------------------------------------------------------------------------
 
     def make_plan(self, inputs: PlanInputs) -> list[int]:
-        """Plan the recorded schedule. Returns the chunks whose optimizer state the manager moves to the
-        device (``auto``'s margin). If planning fails, no plan is kept and the next iteration is traced
-        again (never run on the plan of another schedule)."""
+        """Plan the recorded schedule with the agreed peaks. Returns the chunks whose optimizer state the
+        executor moves to the device (``auto``'s margin). If planning fails, no plan is kept and the next
+        iteration is traced again (never run on the plan of another schedule)."""
         self.state.forget_plan()
         self._param_bytes = inputs.param_bytes
-        self._staging = self.staging_counts(inputs.reuse_grads, set())
+        self._staging = self.staging_counts(inputs.grads_in_param_memory, set())
         if not self.periods:
             return []
+        for period, peak in zip(self.periods, inputs.agreed_peaks):
+            period.non_model_peak = peak  # (every policy: prefetch decisions read the peaks too)
+        if not self.policy.plans_from_trace:
+            return []
         try:
-            self._agree_on_peaks(inputs.shards)  # (every policy: prefetch decisions use the peaks too)
-            if not isinstance(self.policy, AutoPlacement):
-                return []
-            margin_bytes, margin = self.policy.choose_margin_chunks(
-                self.periods, inputs.capacity, inputs.param_bytes, self._staging, inputs.group_bytes)
+            margin_bytes, margin = choose_margin_chunks(self.periods, self.state, inputs.capacity,
+                                                        inputs.param_bytes, self._staging, inputs.group_bytes)
             # Sharded, every gradient is reduced from a staging buffer, the margin chunks' too.
-            staging = self.staging_counts(inputs.reuse_grads, set() if inputs.shards.sharded else margin)
-            forced = [[c for c in p.grads_finished if c not in margin] if inputs.reuse_grads else []
+            staging = self.staging_counts(inputs.grads_in_param_memory, set() if inputs.sharded else margin)
+            forced = [[c for c in p.grads_finished if c not in margin] if inputs.grads_in_param_memory else []
                       for p in self.periods]
-            plan = self.policy.make_plan(self.periods, inputs.capacity, inputs.param_bytes, staging,
-                                         len(margin) * inputs.group_bytes, forced, margin)
+            plan = plan_belady(self.periods, inputs.capacity, inputs.param_bytes, staging,
+                               len(margin) * inputs.group_bytes, forced, margin)
         except BaseException:
             self.retrace = True
             raise
-        self.state.adopt(plan, margin, margin_bytes)
+        self.state.adopt_plan(plan, margin, margin_bytes)
         return sorted(margin)
 
-    def _agree_on_peaks(self, shards: ShardGroup) -> None:
-        """Sharded, every rank must fetch (gather) the same chunks in the same order, so every rank plans
-        and prefetches with the largest non-model peak any rank traced for each period."""
-        if not shards.sharded:
-            return
-        peaks = torch.tensor([p.non_model_peak for p in self.periods], dtype=torch.int64)
-        shards.all_reduce_(peaks, dist.ReduceOp.MAX, what="the traced non-model memory peaks")
-        for period, peak in zip(self.periods, peaks.tolist()):
-            period.non_model_peak = int(peak)
-
-    def staging_counts(self, reuse_grads: bool, excluded: set[int]) -> list[int]:
+    def staging_counts(self, grads_in_param_memory: bool, excluded: set[int]) -> list[int]:
         """Per period, the most gradient staging buffers alive at once (none with reuse_fp16_shard)."""
-        if reuse_grads or not self.periods:
+        if grads_in_param_memory or not self.periods:
             return [0] * len(self.periods or [])
         live, counts = 0, []
         for period in self.periods:

@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ..core.chunk import ParamSlot
-from .manager import slot_of
+from ..core.param_guard import slot_of
 
 # Tensor methods that overwrite every element, so the temporary needs no gathered values.
 _OVERWRITING_METHODS = frozenset({

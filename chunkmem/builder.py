@@ -1,0 +1,376 @@
+"""Building a wrapped model's runtime from a module and its :class:`~chunkmem.settings.ModelSettings`.
+
+:func:`build_runtime` checks everything first (the module, the groups, the dtypes, the ranks'
+agreement on the layout, the device and host capacities, the disk space) and only then changes the
+module: its parameters move into chunks laid out once (:class:`~chunkmem.core.layout.ChunkLayout`), its
+buffers are cast, and the :class:`~chunkmem.runtime.runtime.ChunkRuntime` hooks it. Also here: freeing
+chunks a model no longer uses (:func:`free_chunk`), which ``unwrap`` shares.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from .core.chunk import PARAM, Chunk, ChunkKey
+from .core.disk_tier import DiskTier
+from .core.errors import DeviceCapacityError, HostCapacityError, InvalidArgumentError, check_type
+from .core.layout import ChunkLayout, aligned_numel, plan_layout, search_chunk_numel
+from .core.memory import TierMemory
+from .core.param_guard import adopt, disown, slot_of
+from .core.tiers import Tier, device_memory_capacity, device_of_tier, host_memory_capacity
+from .dist.agreement import LayoutDescription, ParamRecord, agree
+from .dist.collectives import ShardGroup
+from .dist.reduction import GradientReduction
+from .runtime.placement import PlacementPolicy
+from .runtime.runtime import ChunkRuntime
+from .settings import ModelSettings, check_chunk_size, check_param_dtypes
+
+WRAPPED_ATTR = "_chunkmem_wrapped"
+"""Set to ``True`` on a wrapped module and on each of its submodules: a second wrapper over the same
+module (or over one containing it, or one of its submodules) would re-pack parameters the first uses."""
+
+
+@dataclass
+class BuiltModel:
+    """What :func:`build_runtime` gives the model: its runtime, compute dtype, data-parallel group, layout
+    and parameter names (``id(parameter)`` -> name)."""
+
+    runtime: ChunkRuntime
+    dtype: torch.dtype
+    shards: ShardGroup
+    layout: ChunkLayout
+    param_names: dict[int, str]
+
+
+def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
+    """Wrap ``module`` as ``settings`` say (see the module docstring). Raises before the module changes."""
+    check_type("module", module, nn.Module, "a torch.nn.Module")
+    check_not_wrapped(module)
+    shards = ShardGroup.of(settings.process_group, "process_group")
+    reduce_shards = shards.of_same_ranks(settings.reduce_scatter_process_group, "reduce_scatter_process_group",
+                                         "process_group")
+    policy = settings.policy()
+    named = list(module.named_parameters())
+    if not named:
+        raise InvalidArgumentError("module", type(module).__name__, "a module with at least one parameter")
+    check_param_dtypes(named)
+    slots = [slot_of(p) for _, p in named]
+    from_context = all(s is not None for s in slots)
+    if not from_context and any(s is not None for s in slots):
+        raise InvalidArgumentError("module", type(module).__name__,
+                                   "a module built wholly inside or wholly outside ZeroInitContext")
+    dtype = _dtype(settings, slots[0].chunk.dtype if from_context else None)
+    check_chunk_size(settings.chunk_size, dtype)
+    element_size = torch.empty((), dtype=dtype).element_size()
+    chunk_numel = _chunk_numel(settings, named, slots if from_context else None, element_size)
+    chunk_numel = aligned_numel(chunk_numel, shards.world) if shards.sharded else chunk_numel
+    layout = plan_layout(named, [p.requires_grad for _, p in named], chunk_numel, element_size)
+    _agree_on_layout(settings, layout, shards, dtype, slots if from_context else None)
+    capacity = device_memory_capacity()
+    host_capacity = host_memory_capacity()
+    _check_device_capacity(module, layout, policy, shards, settings.reuse_fp16_shard, capacity)
+    _check_host_capacity(layout, policy, shards, host_capacity)
+
+    memory = slots[0].chunk.memory if from_context else TierMemory.for_this_machine(capacity)
+    memory.ledger.capacity, memory.ledger.host_capacity = capacity, host_capacity
+    disk = settings.disk
+    if disk.enabled:
+        memory.disk = DiskTier(disk.nvme_path, disk.buffer_count, disk.buffer_size, disk.atomic_step, memory.ledger)
+        if policy.params_on_disk:
+            memory.disk.reserve(PARAM, layout.chunk_bytes // shards.world, layout.num_chunks)
+    param_names = {id(p): name for name, p in named}
+    chunks = _chunks_for(layout, _unique_chunks(slots) if from_context else [], dtype, memory, shards, policy,
+                         param_names)
+    if from_context:  # chunks of parameters replaced after creation (the original weight of a tied head)
+        for chunk in slots[0].chunk.built_with:
+            if chunk not in chunks:
+                free_chunk(chunk)
+    _cast_buffers(module, dtype)
+    reduction = GradientReduction(reduce_shards, settings.reduction.bucket_bytes,
+                                  settings.reduction.fp32_reduce_scatter, settings.reduction.gradient_predivide_factor)
+    runtime = ChunkRuntime(module, chunks, memory, policy, settings.reuse_fp16_shard, reduction,
+                           settings.shard_strategy.bucketed)
+    if memory.disk is not None:
+        weakref.finalize(runtime, memory.disk.close)
+    runtime.executor.settle_all()
+    runtime.executor.bind_views_to_device()
+    for sub in module.modules():
+        setattr(sub, WRAPPED_ATTR, True)
+    return BuiltModel(runtime, dtype, shards, layout, param_names)
+
+
+# ---- wrapped once --------------------------------------------------------------------------------------
+
+def check_not_wrapped(module: nn.Module) -> None:
+    """Raise :class:`InvalidArgumentError` if ``module`` or any of its submodules is already wrapped."""
+    for name, sub in module.named_modules():
+        if getattr(sub, WRAPPED_ATTR, False):
+            which = "it is" if not name else f"its submodule {name!r} is"
+            raise InvalidArgumentError("module", type(module).__name__,
+                                       f"a module no ShardedModelV2 wraps yet ({which} already wrapped; wrap a "
+                                       f"module once and use the wrapper)")
+
+
+def mark_unwrapped(module: nn.Module) -> None:
+    """Forget that ``module`` was wrapped (``ShardedModelV2.unwrap`` gave it back as a plain module)."""
+    for sub in module.modules():
+        sub.__dict__.pop(WRAPPED_ATTR, None)
+
+
+# ---- the layout ----------------------------------------------------------------------------------------
+
+def _dtype(settings: ModelSettings, context_dtype: torch.dtype | None) -> torch.dtype:
+    """The compute dtype: the context's for a module built in ``ZeroInitContext``, else ``dtype`` (fp16)."""
+    dtype = settings.dtype
+    if context_dtype is not None:
+        if dtype is not None and dtype != context_dtype:
+            raise InvalidArgumentError("dtype", dtype, f"None or {context_dtype} (the ZeroInitContext dtype)")
+        dtype = context_dtype
+    dtype = dtype or torch.float16
+    if settings.reuse_fp16_shard and dtype == torch.float32:
+        raise InvalidArgumentError("reuse_fp16_shard", True,
+                                   "False with dtype torch.float32 (the fp32 parameters are the masters)")
+    return dtype
+
+
+def _chunk_numel(settings: ModelSettings, named: list[tuple[str, nn.Parameter]], context_slots: list[Any] | None,
+                 element_size: int) -> int:
+    """Elements per chunk: ``chunk_size`` when given (it must hold the largest parameter), the context's
+    when every chunk of it was built at a given size, else searched for the least padding."""
+    numels = [p.numel() for _, p in named]
+    if settings.chunk_size is not None:
+        chunk_numel = settings.chunk_size // element_size
+        largest = max(numels)
+        if chunk_numel < largest:
+            name = named[numels.index(largest)][0]
+            raise InvalidArgumentError("chunk_size", settings.chunk_size,
+                                       f">= {largest * element_size} bytes (parameter {name!r} has {largest} "
+                                       f"elements of {element_size} bytes)")
+        return chunk_numel
+    if context_slots is not None and all(s.chunk.size_was_given for s in context_slots):
+        return context_slots[0].chunk.numel
+    return search_chunk_numel(numels, [p.requires_grad for _, p in named], element_size)
+
+
+def _agree_on_layout(settings: ModelSettings, layout: ChunkLayout, shards: ShardGroup, dtype: torch.dtype,
+                     context_slots: list[Any] | None) -> None:
+    """Sharded, every rank must build the same chunks before any collective depends on them: agree on
+    the settings and on the parameters in packing order, plus where the parameters come from (re-packing
+    the chunks of a ``ZeroInitContext`` gathers them)."""
+    if not shards.sharded:
+        return
+    params = ParamRecord()
+    for name, param, trainable in layout.entries:
+        params.add(name, param.shape, trainable)
+    if context_slots is not None:
+        chunks = {s.chunk.index: s.chunk for s in context_slots}
+        numels = ", ".join(str(chunks[i].numel) for i in sorted(chunks))
+        source = f"ZeroInitContext chunks of {numels} elements sharded over {context_slots[0].chunk.shards.world} ranks"
+    else:
+        source = "a module built outside ZeroInitContext"
+    disk, reduction = settings.disk, settings.reduction
+    description = [
+        ("world size", str(shards.world)),
+        ("dtype", str(dtype)),
+        ("chunk size", f"{layout.chunk_numel} elements"),
+        ("tensor_placement_policy", repr(settings.placement.tensor_placement_policy)),
+        ("offload fractions", f"{settings.placement.offload_param_frac}, {settings.placement.offload_optim_frac}"),
+        ("reuse_fp16_shard", str(settings.reuse_fp16_shard)),
+        ("shard strategy", type(settings.shard_strategy).__name__),
+        ("fp32_reduce_scatter", str(reduction.fp32_reduce_scatter)),
+        ("reduce_scatter_bucket_size_mb", str(reduction.reduce_scatter_bucket_size_mb)),
+        ("gradient_predivide_factor", str(reduction.gradient_predivide_factor)),
+        ("offload_optimizer", repr(disk.offload_optimizer)),
+        ("offload_param", repr(disk.offload_param)),
+        ("disk buffers", f"{disk.buffer_count} x {disk.buffer_size} bytes" if disk.enabled else "none"),
+        ("atomic_step", str(disk.atomic_step) if disk.enabled else "none"),
+        ("parameters from", source),
+    ]
+    agree(shards, LayoutDescription("ShardedModelV2", description, params))
+
+
+def _check_device_capacity(module: nn.Module, layout: ChunkLayout, policy: PlacementPolicy, shards: ShardGroup,
+                           reuse_grads: bool, capacity: int) -> None:
+    """Refuse a capacity that cannot hold what the policy needs on the device at one time: the chunks
+    resting there (with their gradients), plus the most any module's forward or backward holds.
+
+    A module's forward holds its own chunks. Its backward holds them with their gradient staging,
+    and also every chunk whose backward began earlier and whose gradients are not finished yet: a
+    chunk stays on the device from the backward of its first user (in backward order) to that of
+    its last (a tied embedding from the head's backward to the embedding's; a chunk without
+    trainable parameters to the end of the backward). The backward order taken is the reverse of
+    the modules' registration order, the usual execution order.
+    """
+    count = layout.num_chunks
+    grads_per_chunk = 0 if reuse_grads else 1
+
+    def need_of(chunk_indices: set[int], chunk_bytes: int, staging: set[int] | None = None) -> int:
+        staged = chunk_indices if staging is None else chunk_indices & staging
+        trainable = sum(1 for i in staged if layout.trainable(i))
+        return (len(chunk_indices) + grads_per_chunk * trainable) * chunk_bytes
+
+    # Sharded, what rests is one shard of each chunk, and every chunk a module uses is gathered.
+    resting = {i for i in range(count) if policy.params_on_device_at_rest(i, count)}
+    need = need_of(resting, layout.chunk_bytes // shards.world)
+    what = f"the {len(resting)} chunks resting on the device with their gradients" if resting else ""
+    chunk_of = layout.chunk_of_param()
+    backward = []  # (module name, its parameters) in backward order
+    for name, sub in reversed(list(module.named_modules())):
+        params = list(sub.parameters(recurse=False))
+        if params:
+            backward.append((name or type(sub).__name__, params))
+    first: dict[int, int] = {}  # chunk -> backward position of its first user
+    last: dict[int, int] = {}  # chunk -> position where its gradients are finished
+    grad_at: dict[int, int] = {}  # parameter -> position of its last user (autograd's AccumulateGrad)
+    for position, (_, params) in enumerate(backward):
+        for p in params:
+            c = chunk_of[id(p)]
+            first.setdefault(c, position)
+            last[c] = position if layout.trainable(c) else len(backward)
+            grad_at[id(p)] = position
+    staging_from: dict[int, int] = {}  # chunk -> position where its first gradient arrives
+    for param_id, position in grad_at.items():
+        c = chunk_of[param_id]
+        staging_from[c] = min(staging_from.get(c, position), position)
+    visiting_need, visiting_what = 0, ""
+    for position, (name, params) in enumerate(backward):
+        own = {chunk_of[id(p)] for p in params}
+        held = {c for c in first if first[c] <= position <= last[c]} | own
+        staging = {c for c in held if staging_from.get(c, position) <= position} | own
+        if not shards.sharded:
+            held -= resting
+            own = own - resting
+        held_need = need_of(held, layout.chunk_bytes, staging)
+        if held_need > visiting_need or (held_need == visiting_need > 0):  # ties: the first in forward order
+            visiting_need = held_need
+            others = len(held - own)
+            visiting_what = f"the chunks of module {name!r} with their gradients" + (
+                f" and the {others} other chunk(s) its backward holds (first used by a later module's "
+                f"backward, their gradients not finished yet)" if others else "")
+    need += visiting_need
+    what = " and ".join(w for w in (what, visiting_what) if w)
+    if need > capacity:
+        remedy = "use placement 'cpu'" if resting else "use smaller chunks (chunk_size=)"
+        raise DeviceCapacityError(
+            f"the device tier capacity of {capacity} bytes is smaller than the {need} bytes of {what}; "
+            f"raise it with chunkmem.set_device_memory_capacity or CHUNKMEM_DEVICE_MEMORY, or {remedy}")
+
+
+def _check_host_capacity(layout: ChunkLayout, policy: PlacementPolicy, shards: ShardGroup,
+                         host_capacity: int | None) -> None:
+    """Refuse a host capacity below the parameter chunks that rest on the host (this rank's shards)."""
+    if host_capacity is None or policy.params_on_disk:
+        return
+    count = layout.num_chunks
+    resting = sum(1 for i in range(count) if not policy.params_on_device_at_rest(i, count))
+    need = resting * (layout.chunk_bytes // shards.world)
+    if need > host_capacity:
+        raise HostCapacityError(
+            f"host tier too small: the {resting} parameter chunks resting on the host need {need} bytes, the "
+            f"capacity is {host_capacity} bytes (set chunkmem.set_host_memory_capacity or "
+            f"CHUNKMEM_HOST_MEMORY higher, or offload_param='disk')")
+
+
+# ---- the chunks ----------------------------------------------------------------------------------------
+
+def _chunks_for(layout: ChunkLayout, current: list[Chunk], dtype: torch.dtype, memory: TierMemory,
+                shards: ShardGroup, policy: PlacementPolicy, param_names: dict[int, str]) -> list[Chunk]:
+    """Chunks laid out as ``layout`` says: ``current`` (a ``ZeroInitContext``'s) if it already is, else new
+    chunks filled from the current values (the current chunks are freed)."""
+    if _laid_out_as(layout, current, shards):
+        for chunk in current:
+            for slot in chunk.slots:
+                slot.name = param_names[id(slot.param)]
+        return current
+
+    gathered: dict[Chunk, torch.Tensor] = {}
+
+    def value_of(param: nn.Parameter) -> torch.Tensor:
+        slot = slot_of(param)
+        if slot is None:
+            return param.data
+        if slot.chunk not in gathered:  # sharded: the same gathers in the same order on every rank
+            gathered.clear()
+            buf = slot.chunk.param
+            gathered[slot.chunk] = slot.chunk.gather(buf.local()) if buf.sharded else buf.current()
+        return slot.view(gathered[slot.chunk])
+
+    chunks = build_chunks(layout, dtype, memory, Tier.HOST, shards, value_of, to_disk=policy.params_on_disk)
+    gathered.clear()
+    for chunk in current:
+        free_chunk(chunk)
+    return chunks
+
+
+def _laid_out_as(layout: ChunkLayout, current: list[Chunk], shards: ShardGroup) -> bool:
+    """Whether ``current`` already holds the parameters as ``layout`` says (nothing to re-pack)."""
+    wanted_ids = [[id(layout.entries[i][1]) for i in group] for group in layout.groups]
+    current_ids = [[id(s.param) for s in c.slots] for c in current]
+    same_sharding = all(c.shards.same_ranks(shards) and (not shards.sharded or c.shards.group == shards.group)
+                        for c in current)
+    return bool(current and current_ids == wanted_ids and all(c.numel == layout.chunk_numel for c in current)
+                and same_sharding
+                and all(c.trainable == layout.trainable(i) for i, c in enumerate(current)))
+
+
+def build_chunks(layout: ChunkLayout, dtype: torch.dtype, memory: TierMemory, tier: Tier,
+                 shards: ShardGroup, value_of: Callable[[nn.Parameter], torch.Tensor],
+                 to_disk: bool = False) -> list[Chunk]:
+    """New chunks as ``layout`` says, each parameter pointed into its chunk.
+
+    Each chunk keeps this rank's shard of the parameters on ``tier`` (one rank: the whole chunk, on
+    the device tier as its device copy); parameters view the (freed) full device copy when sharded.
+    ``value_of(param)`` gives the parameter's full current value; it is cast to ``dtype``. Padding
+    elements are zero. ``to_disk``: each chunk's shard goes to the disk tier as soon as it is filled
+    (``offload_param="disk"``: host memory holds one chunk at a time).
+    """
+    chunks = []
+    for n, indices in enumerate(layout.groups):
+        chunk = Chunk(n, layout.chunk_numel, dtype, ChunkKey(layout.trainable(n)), memory, shards)
+        local = chunk.param.first_copy(tier)
+        local.zero_()
+        for i in indices:
+            name, param, _ = layout.entries[i]
+            chunk.write_own_part(chunk.add_slot(param, name), local, value_of(param))
+        chunk.bind_views(chunk.param.device if shards.sharded else local)
+        if to_disk:
+            chunk.param.shard.move_to(Tier.DISK)
+            chunk.bind_views(chunk.param.device)
+        for slot in chunk.slots:
+            adopt(slot.param, slot)
+        chunks.append(chunk)
+    return chunks
+
+
+def free_chunk(chunk: Chunk, values: dict[int, torch.Tensor] | None = None) -> None:
+    """Free every buffer of a chunk that no longer holds the model's parameters. Parameters still in it
+    become plain parameters holding ``values[id(param)]`` (``unwrap``), or else empty tensors (ones the
+    model no longer uses), so the memory goes now, not at the next garbage collection."""
+    chunk.free_all()
+    for slot in chunk.slots:
+        if slot_of(slot.param) is slot:
+            value = values[id(slot.param)] if values is not None else torch.empty(0, dtype=slot.chunk.dtype)
+            disown(slot.param, value)
+
+
+def _unique_chunks(slots: list[Any]) -> list[Chunk]:
+    chunks: list[Chunk] = []
+    seen: set[int] = set()
+    for slot in slots:
+        if slot is not None and id(slot.chunk) not in seen:
+            seen.add(id(slot.chunk))
+            chunks.append(slot.chunk)
+    return sorted(chunks, key=lambda c: c.index)
+
+
+def _cast_buffers(module: nn.Module, dtype: torch.dtype) -> None:
+    """Floating-point buffers to the compute dtype, every buffer to the compute device (assigning a
+    module's buffer by name keeps it a buffer, persistent or not)."""
+    device = device_of_tier(Tier.DEVICE)
+    for sub in module.modules():
+        for name, buf in list(sub.named_buffers(recurse=False)):
+            setattr(sub, name, buf.to(device=device, dtype=dtype if buf.is_floating_point() else buf.dtype))

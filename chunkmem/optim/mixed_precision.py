@@ -1,0 +1,113 @@
+"""What a mixed-precision step decides before any update, the same for both optimizers.
+
+:class:`MixedPrecisionStep` holds the loss scaler (fp16 only: bf16 and fp32 train unscaled and never
+skip a step, as plain PyTorch) and the clipping of the step to come. :meth:`MixedPrecisionStep.decide`
+takes this rank's gradient shards and returns the multiplier the update applies to them (unscaling
+and clipping folded into one factor), or ``None`` when the step is skipped: some rank's gradients hold
+inf or NaN while a loss scaler is in use. The gradient norm is reduced over the data-parallel ranks
+(and a model-parallel group) with one small all-reduce, so every rank decides the same.
+
+Clipping follows ``torch.nn.utils.clip_grad_norm_``: ``coef = min(1, max_norm / (norm + 1e-6))`` over the
+unscaled gradients; a non-finite norm (possible without a scaler) clips nothing.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from ..dist.collectives import all_reduce_over
+from .loss_scaler import DynamicGradScaler
+
+
+class MixedPrecisionStep:
+    """The scaler and clipping of one optimizer (see the module docstring). ``groups``: the process groups
+    the norm is reduced over (``None`` entries and groups of one rank are skipped)."""
+
+    def __init__(self, scaler: DynamicGradScaler | None, groups: Iterable[Any], verbose: bool = False) -> None:
+        self.scaler = scaler
+        self.groups = [g for g in groups if g is not None and dist.get_world_size(g) > 1]
+        self.verbose = verbose
+        self.clip_coef = 1.0
+        self.norm: float | None = None  # the unscaled norm an explicit clip computed for the coming step
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without a scaler)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    @property
+    def multiplier(self) -> float:
+        """What the coming step multiplies the gradients by: the clipping coefficient over the loss scale."""
+        return self.clip_coef / self.loss_scale
+
+    def total_norm(self, grads: Iterable[torch.Tensor | None], norm_type: float = 2.0) -> float:
+        """The ``norm_type`` norm of all unscaled gradients (this rank's shards of them, reduced over the
+        ranks): inf or NaN when some rank's gradients overflowed. One host synchronisation per device
+        holding gradients and one all-reduce per group."""
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for grad in grads:
+            if grad is not None:
+                norm = torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32)
+                by_device.setdefault(norm.device, []).append(norm)
+        if math.isinf(norm_type):
+            local = max((torch.stack(ns).max().item() for ns in by_device.values()), default=0.0)
+        else:
+            local = sum(torch.stack(ns).double().pow(norm_type).sum().item() for ns in by_device.values())
+        total = self._reduce_over_ranks(local, maximum=math.isinf(norm_type))
+        if not math.isinf(norm_type):
+            total = total ** (1 / norm_type)
+        return total / self.loss_scale
+
+    def clip(self, grads: Iterable[torch.Tensor | None], max_norm: float, norm_type: float = 2.0) -> float:
+        """Clip the coming step's gradients to total norm ``max_norm``; returns the unscaled total norm."""
+        norm = self.total_norm(grads, norm_type)
+        self.norm = norm
+        self.clip_coef = min(1.0, max_norm / (norm + 1e-6)) if math.isfinite(norm) else 1.0
+        return norm
+
+    def decide(self, grads: Iterable[torch.Tensor | None], max_norm: float = 0.0,
+               norm_type: float = 2.0) -> float | None:
+        """The multiplier of the coming update, or ``None`` when the step is skipped (an overflow with a
+        loss scaler: the scale backs off). ``max_norm`` > 0 clips, unless :meth:`clip` already ran for
+        this step (the explicit clipping is the one applied)."""
+        grads = list(grads)
+        if max_norm > 0 and self.norm is None:
+            self.clip(grads, max_norm, norm_type)
+        if self.scaler is not None:
+            norm = self.norm if self.norm is not None else self.total_norm(grads)
+            if not math.isfinite(norm):
+                if self.verbose:
+                    print(f"chunkmem: gradient overflow, step skipped (loss scale {self.loss_scale})")
+                self.scaler.update(overflow=True)
+                self.forget()
+                return None
+        return self.multiplier
+
+    def stepped(self) -> None:
+        """The update ran: the scaler counts a good step and the clipping is forgotten."""
+        if self.scaler is not None:
+            self.scaler.update(overflow=False)
+        self.forget()
+
+    def forget(self) -> None:
+        """The gradients are gone (stepped, skipped or dropped): no clipping decided for the next step."""
+        self.clip_coef, self.norm = 1.0, None
+
+    def any_rank(self, failed: bool) -> bool:
+        """Whether ``failed`` holds on any rank of the groups (one small all-reduce)."""
+        return math.isnan(self._reduce_over_ranks(float("nan") if failed else 0.0, maximum=True))
+
+    def _reduce_over_ranks(self, local: float, maximum: bool) -> float:
+        """Sum (or max) of ``local`` over the groups; a rank whose value is inf or NaN makes the result NaN
+        (a max reduction would drop a NaN)."""
+        if not self.groups:
+            return local
+        pair = torch.tensor([local if math.isfinite(local) else 0.0, 0.0 if math.isfinite(local) else 1.0],
+                            dtype=torch.float64)
+        for group in self.groups:
+            all_reduce_over(group, pair, dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM,
+                            what="the gradient norm and its non-finite flag")
+        return float("nan") if pair[1].item() else pair[0].item()

@@ -1,0 +1,517 @@
+"""The runtime of one wrapped model: the one owner of every edge of a training step.
+
+Everything that happens to a model's chunks during a step enters here, each edge through one method:
+
+==========================  =======================================  =====================================
+edge                        called by                                what it does
+==========================  =======================================  =====================================
+:meth:`begin_iteration`     ``ShardedModelV2.forward``               recover an interrupted iteration;
+                                                                     the scheduler decides trace or follow
+:meth:`pre_forward`         a module's forward pre-hook              the period's orders, then fetch
+:meth:`use_in_forward`      the parameter guard                      fetch a chunk used from elsewhere
+:meth:`post_forward`        a module's forward hook                  release the module's chunks
+:meth:`pre_backward`        the gradient hook of a module's output   the period's orders, then hold
+:meth:`gradient_ready`      a parameter's post-accumulate hook       the gradient into its chunk
+:meth:`post_backward`       autograd's end-of-backward callback      finish every chunk, plan the schedule
+:meth:`begin_step` /        the optimizer's ``step``                 close traces; settle; release
+:meth:`end_step`                                                     the gradients the step consumed
+==========================  =======================================  =====================================
+
+The scheduler (:mod:`chunkmem.runtime.schedule`) decides and returns orders; the executor
+(:mod:`chunkmem.runtime.executor`) moves; the gradient strategy (:mod:`chunkmem.runtime.gradients`) takes
+gradients in; the runtime passes between them and runs the one collective the planning needs (the
+agreement on the traced peaks). One rule keeps chunkmem's own memory out of the traced non-model
+memory: every entry point runs with the tracer paused (:func:`_untraced`).
+
+The optimizer is told of each chunk whose gradients are final through a declared listener
+(:class:`OptimizerListener`, attached with :meth:`attach_optimizer`), and updates a chunk through
+:meth:`updating`. Code outside the step that meets a chunk-managed parameter (the parameter guard,
+``GatheredParameters``, the accessors) sees the runtime as the chunk's
+:class:`~chunkmem.core.chunk.ChunkHost`.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from collections import Counter
+from typing import Any, Callable, Iterable, Iterator, Protocol
+
+import torch
+import torch.nn as nn
+from torch._C import DisableTorchFunctionSubclass
+from torch.utils._pytree import tree_leaves
+
+from ..core.chunk import Chunk
+from ..core.errors import GradientAccumulationError, InvalidArgumentError
+from ..core.memory import TierMemory
+from ..core.param_guard import remembered_externals, slot_of
+from ..core.tiers import Tier, device_of_tier
+from ..dist.reduction import GradientReduction
+from .executor import ChunkExecutor
+from .gradients import gradient_store
+from .hooks import ModelHooks
+from .placement import PlacementPolicy, PlacementState
+from .schedule import PlanInputs, Scheduler
+
+
+class OptimizerListener(Protocol):
+    """What the runtime tells the optimizer attached to its model, and asks of it."""
+
+    def on_grads_final(self, chunk: Chunk) -> None:
+        """``chunk``'s gradients of this backward are reduced and rest where its update runs (outside
+        ``no_sync``)."""
+
+    def grad_multiplier(self) -> float:
+        """What the next step multiplies the gradients by (unscaling and clipping)."""
+
+
+def _untraced(method: Callable) -> Callable:
+    """The one tracer rule: chunkmem's own allocations are not the model's non-model memory, so every
+    entry point of the runtime runs with the tracer paused (what a traced period counts is what the
+    model's own code allocates between the runtime's edges)."""
+    @functools.wraps(method)
+    def run(self: "ChunkRuntime", *args: Any, **kwargs: Any) -> Any:
+        if self.scheduler.trace is None:
+            return method(self, *args, **kwargs)
+        with self.scheduler.paused():
+            return method(self, *args, **kwargs)
+    return run
+
+
+class _Running:
+    """One module call in progress: the module and the chunks it holds."""
+
+    __slots__ = ("module", "chunks")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.chunks: list[Chunk] = []
+
+
+class ChunkRuntime:
+    """The runtime of one model (see the module docstring). Built by the model's builder; read-only
+    attributes for inspection: ``chunks``, ``memory`` (``ledger``), ``policy``, ``state`` (the
+    :class:`~chunkmem.runtime.placement.PlacementState`), ``scheduler``, ``executor``, ``reduction``,
+    ``gradients`` (the strategy), ``backward_count``, ``grads_pending``.
+    """
+
+    def __init__(self, root: nn.Module, chunks: list[Chunk], memory: TierMemory, policy: PlacementPolicy,
+                 gradients_in_param_memory: bool, reduction: GradientReduction, gather_together: bool) -> None:
+        self.root = root
+        self.policy = policy
+        self.state = PlacementState()
+        self.executor = ChunkExecutor(chunks, memory, policy, self.state, gather_together)
+        self.scheduler = Scheduler(memory.ledger, policy, self.state, device_of_tier(Tier.DEVICE))
+        self.reduction = reduction
+        self.gradients = gradient_store(gradients_in_param_memory, self.executor, reduction, self._hold_for_backward)
+        self.grads_pending = False
+        self.backward_count = 0  # backward passes finished (autograd's end of backward) so far
+        self._no_sync = False
+        self._listener: weakref.ref | None = None
+        self._stack: list[_Running] = []
+        self._end_of_backward_queued = False
+        self._open_for_reading: Counter[Chunk] = Counter()
+        self._open_for_writing: Counter[Chunk] = Counter()
+        self.module_names = {module: name or type(module).__name__ for name, module in root.named_modules()}
+        self.module_chunks: dict[nn.Module, list[Chunk]] = {}
+        self._foreign: dict[nn.Module, list[nn.Parameter]] = {}
+        self.hooks = ModelHooks(self)
+        for module in root.modules():
+            owns = any(slot_of(p) is not None for p in module.parameters(recurse=False))
+            external = remembered_externals(module)
+            if owns or external or module is root:
+                self._hook(module)
+            for param in external:
+                self._add_foreign(module, param)
+        self.hooks.watch_gradients(p for p in root.parameters() if p.requires_grad and slot_of(p) is not None)
+        for chunk in chunks:
+            chunk.attach_host(self)
+
+    # ---- inspection --------------------------------------------------------------------------------
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        """The chunks, in packing order."""
+        return self.executor.chunks
+
+    @property
+    def memory(self) -> TierMemory:
+        return self.executor.memory
+
+    @property
+    def ledger(self) -> Any:
+        """The byte counts of the chunks' memory (:class:`~chunkmem.core.ledger.TierLedger`)."""
+        return self.executor.memory.ledger
+
+    def trainable_chunks(self) -> list[Chunk]:
+        return [c for c in self.chunks if c.trainable]
+
+    def rest_tier(self, chunk: Chunk) -> Tier | None:
+        return self.executor.rest_tier(chunk)
+
+    def compute_tier(self, chunk: Chunk) -> Tier:
+        return self.executor.compute_tier(chunk)
+
+    def optim_tier(self, chunk: Chunk) -> Tier:
+        return self.executor.optim_tier(chunk)
+
+    @property
+    def in_forward(self) -> bool:
+        """Whether the model's forward is running."""
+        return bool(self._stack)
+
+    @property
+    def no_sync(self) -> bool:
+        """Whether backward passes accumulate sharded gradients unreduced now (``model.no_sync()``)."""
+        return self._no_sync
+
+    def owns(self, chunk: Chunk) -> bool:
+        return chunk in self.executor.chunks
+
+    # ---- the edges of a step -----------------------------------------------------------------------
+
+    @_untraced
+    def begin_iteration(self, inputs: Any, training: bool) -> None:
+        """The wrapped model's forward begins with ``inputs`` (its arguments, already cast)."""
+        if any(c.param.holds_grads for c in self.chunks):
+            raise GradientAccumulationError(
+                "forward called while gradients from the last backward are still in the parameters' memory "
+                "(reuse_fp16_shard=True): call optim.step() or optim.zero_grad() first; gradient "
+                "accumulation needs reuse_fp16_shard=False")
+        while self._stack:  # a forward interrupted where its post hooks could not run (KeyboardInterrupt)
+            self.executor.release(self._stack.pop().chunks)
+        self._end_of_backward_queued = False  # autograd drops the callback of a backward that raised
+        if self.scheduler.running:  # the last iteration stopped on an error: release what it held
+            self._recover_interrupted()
+        if self.scheduler.begin_iteration(_shapes_of(inputs), training):
+            self.executor.evict_unpinned()
+
+    @_untraced
+    def pre_forward(self, module: nn.Module) -> None:
+        running = _Running(module)
+        self._stack.append(running)  # first: the post hook runs even if what follows raises
+        chunks = list(self.module_chunks[module])
+        if chunks:
+            self._begin_period(module, "forward", chunks)
+        self._acquire(chunks)
+        running.chunks = chunks
+
+    @_untraced
+    def use_in_forward(self, param: nn.Parameter) -> None:
+        """``param`` is used while the innermost running module does not hold its chunk: fetch it for that
+        module now and from then on (a parameter of another module: a tied head, ``F.linear(x, w)``)."""
+        running = self._stack[-1]
+        chunk = slot_of(param).chunk
+        if chunk in running.chunks:
+            return
+        self._acquire([chunk])  # refuses a chunk whose memory holds gradients (reuse_fp16_shard)
+        running.chunks.append(chunk)
+        self._add_foreign(running.module, param)
+
+    @_untraced
+    def post_forward(self, module: nn.Module) -> bool:
+        """The module's forward returned (or raised): release its chunks. Returns ``False`` when the call
+        is not the running one (the stack was cleared by a later forward), so nothing is to be watched."""
+        if not self._stack or self._stack[-1].module is not module:
+            return False
+        self.executor.release(self._stack.pop().chunks)
+        if module is self.root and not torch.is_grad_enabled():
+            self.executor.flush_stale()  # no backward will come to free what the forward left stale
+        return True
+
+    @_untraced
+    def pre_backward(self, module: nn.Module, first: bool) -> None:
+        """A gradient of one of ``module``'s outputs arrived (``first``: the first of that forward call's
+        outputs): the call's backward begins."""
+        if module is self.root and not self._end_of_backward_queued:
+            self._end_of_backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.post_backward)
+        if not first:
+            return
+        chunks = self.module_chunks[module]
+        if chunks:
+            self._begin_period(module, "backward", chunks)
+        self._hold_for_backward(chunks)
+
+    @_untraced
+    def gradient_ready(self, param: nn.Parameter) -> None:
+        """Autograd accumulated ``param``'s gradient: take it into the chunk."""
+        with DisableTorchFunctionSubclass():
+            grad = param.grad
+            param.grad = None
+        slot = slot_of(param)
+        chunk = slot.chunk
+        if not chunk.grad_slots_received:
+            self.scheduler.grads_started(chunk.index)
+        self.gradients.accumulate(chunk, slot, grad)
+        chunk.grad_slots_received.add(slot.index_in_chunk)
+        if len(chunk.grad_slots_received) == len(chunk.trainable_slots()):
+            self._finish_grads(chunk)
+
+    @_untraced
+    def post_backward(self) -> None:
+        """After autograd finished: finish every trainable chunk not finished yet (parameters that got no
+        gradient get zero), release what the backward held, close the iteration, plan a new schedule."""
+        self._end_of_backward_queued = False
+        self.executor.cancel_prefetch()
+        for chunk in self.chunks:
+            if chunk.trainable and not chunk.grads_finished:
+                self._finish_grads(chunk)
+            elif chunk.held_for_backward:
+                self.executor.release_backward_hold(chunk)
+            chunk.grads_finished = False
+        self.executor.flush_stale()
+        self.backward_count += 1
+        if self.scheduler.end_iteration():
+            self._plan()
+        self.memory.ledger.context = ""
+
+    @_untraced
+    def begin_step(self) -> None:
+        """The optimizer's step (or its backward) runs: no backward is running, so finished traces can
+        leave autograd's dispatch-mode stack."""
+        self.scheduler.close_finished_traces()
+
+    @_untraced
+    def end_step(self, release_gradients: bool) -> None:
+        """The optimizer's step is over: free what it left stale on the device and, when it consumed the
+        gradients (applied or skipped), release them."""
+        self.executor.flush_stale()
+        if release_gradients:
+            self.drop_gradients(set_to_none=True)
+
+    # ---- the optimizer's side ----------------------------------------------------------------------
+
+    def attach_optimizer(self, listener: OptimizerListener, margin_ratio: float,
+                         optim_host_chunks: Iterable[int] = ()) -> None:
+        """Attach the model's optimizer (held weakly: the model may outlive it), with its
+        ``gpu_margin_mem_ratio`` and the chunks whose optimizer state stays on the host under ``auto``
+        with the disk tier; then place every trainable chunk's optimizer state."""
+        self._listener = weakref.ref(listener)
+        self.state.margin_ratio = margin_ratio
+        self.state.optim_host_chunks = frozenset(optim_host_chunks)
+        for chunk in self.trainable_chunks():
+            self._place_optimizer_state(chunk)
+
+    @_untraced
+    def _place_optimizer_state(self, chunk: Chunk) -> None:
+        self.executor.place_optimizer_state(chunk)
+
+    def detach_optimizer(self) -> None:
+        self._listener = None
+
+    @property
+    def optimizer_attached(self) -> bool:
+        return self._listener is not None
+
+    def _optimizer(self) -> OptimizerListener | None:
+        return None if self._listener is None else self._listener()
+
+    def grad_multiplier(self) -> float:
+        optimizer = self._optimizer()
+        return 1.0 if optimizer is None else optimizer.grad_multiplier()
+
+    def grad_of(self, chunk: Chunk) -> torch.Tensor | None:
+        """This rank's shard of the chunk's finished gradient (where it rests), or ``None``."""
+        return self.gradients.grad_of(chunk)
+
+    @contextlib.contextmanager
+    def updating(self, chunk: Chunk, tier: Tier) -> Iterator[torch.Tensor]:
+        """``with runtime.updating(chunk, tier) as target:`` the copy of this rank's parameters on ``tier``
+        that an update running there writes; when the block ends normally it holds the new values."""
+        target = self.update_target(chunk, tier)
+        yield target
+        self.mark_updated(chunk, tier)
+
+    @_untraced
+    def update_target(self, chunk: Chunk, tier: Tier) -> torch.Tensor:
+        """The first half of :meth:`updating`, alone for updates that complete later, per chunk (the
+        streamed disk step, whose updates run on a thread of its own and commit in ``step()``)."""
+        return self.executor.update_target(chunk, tier)
+
+    @_untraced
+    def mark_updated(self, chunk: Chunk, tier: Tier) -> None:
+        """The second half of :meth:`updating` (see :meth:`update_target`)."""
+        self.executor.mark_updated(chunk, tier)
+
+    @_untraced
+    def drop_gradients(self, set_to_none: bool) -> None:
+        """Drop (``set_to_none``) or zero every finished gradient, and what ``no_sync`` accumulated."""
+        self.gradients.drop(set_to_none)
+        self.grads_pending = False
+
+    def check_can_accumulate(self) -> None:
+        self.gradients.check_can_accumulate()
+
+    @contextlib.contextmanager
+    def deferring_reduction(self) -> Any:
+        """``model.no_sync()``: sharded gradients accumulate locally, unreduced, inside."""
+        if self.gradients.in_param_memory:
+            raise GradientAccumulationError(
+                "no_sync() accumulates gradients over several backward passes, which reuse_fp16_shard=True cannot "
+                "do (the gradients share the parameters' memory); build ShardedModelV2 with reuse_fp16_shard=False")
+        if self._no_sync:
+            raise InvalidArgumentError("no_sync", "a nested no_sync()", "one no_sync() at a time")
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
+
+    # ---- the parameter guard's side (ChunkHost) ----------------------------------------------------
+
+    def is_open(self, chunk: Chunk, for_writing: bool) -> bool:
+        return chunk in (self._open_for_writing if for_writing else self._open_for_reading)
+
+    @_untraced
+    def open_chunks(self, chunks: list[Chunk], for_writing: bool) -> None:
+        self._acquire(chunks)
+        for chunk in chunks:
+            self._open_for_reading[chunk] += 1
+            if for_writing:
+                self._open_for_writing[chunk] += 1
+
+    @_untraced
+    def close_chunks(self, chunks: list[Chunk], for_writing: bool) -> None:
+        for chunk in chunks:
+            self._open_for_reading[chunk] -= 1
+            if for_writing:
+                self._open_for_writing[chunk] -= 1
+        self._open_for_reading = +self._open_for_reading  # (drops the chunks no block holds open)
+        self._open_for_writing = +self._open_for_writing
+        self.executor.release(chunks)
+        # A released chunk's device copy is only marked stale, to be freed at the next period boundary of
+        # an iteration; outside one there is none, so free it now.
+        self.executor.flush_stale()
+
+    @_untraced
+    def write_params(self, chunk: Chunk, local: torch.Tensor) -> None:
+        self.executor.write_params(chunk, local)
+
+    def register_external(self, module: nn.Module, param: nn.Parameter) -> None:
+        if module not in self.module_names:
+            raise InvalidArgumentError("module", type(module).__name__,
+                                       "a submodule of the model that owns the parameter")
+        self._hook(module)
+        self._add_foreign(module, param)
+
+    # ---- the model's side --------------------------------------------------------------------------
+
+    def remove_hooks(self) -> None:
+        """The model is being unwrapped: no hook of the runtime stays, and the chunks leave it."""
+        self.hooks.remove()
+        for chunk in self.chunks:
+            chunk.attach_host(None)
+
+    # ---- inside ------------------------------------------------------------------------------------
+
+    def _hook(self, module: nn.Module) -> None:
+        if module not in self.module_chunks:
+            self.module_chunks[module] = []
+            for param in module.parameters(recurse=False):
+                slot = slot_of(param)
+                if slot is not None and slot.chunk not in self.module_chunks[module]:
+                    self.module_chunks[module].append(slot.chunk)
+            self.hooks.watch_module(module)
+
+    def _add_foreign(self, module: nn.Module, param: nn.Parameter) -> None:
+        """Fetch ``param``'s chunk with ``module`` from now on."""
+        params = self._foreign.setdefault(module, [])
+        if not any(p is param for p in params):
+            params.append(param)
+        chunk = slot_of(param).chunk
+        if chunk not in self.module_chunks[module]:
+            self.module_chunks[module].append(chunk)
+            self.scheduler.module_chunks_changed()
+
+    def _begin_period(self, module: nn.Module, phase: str, chunks: list[Chunk]) -> None:
+        required = [c.index for c in self.chunks if c.in_use]
+        name = self.module_names[module]
+        orders = self.scheduler.begin_period(name, phase, [c.index for c in chunks], required)
+        period = self.scheduler.index - 1
+        self.memory.ledger.context = f"period {period} ({name} {phase})"
+        self.executor.log_event("period", period, name, phase)
+        self.executor.execute(orders)
+
+    def _need(self, chunks: list[Chunk]) -> None:
+        for chunk in chunks:
+            self.executor.check_free_of_grads(chunk)
+        for chunk in chunks:
+            if self.scheduler.need(chunk.index):
+                self.executor.evict_unpinned()
+
+    def _acquire(self, chunks: list[Chunk]) -> None:
+        self._need(chunks)
+        self.executor.acquire(chunks)
+
+    def _hold_for_backward(self, chunks: list[Chunk]) -> None:
+        chunks = [c for c in chunks if not c.held_for_backward]
+        self._need(chunks)
+        self.executor.hold_for_backward(chunks)
+
+    def _finish_grads(self, chunk: Chunk) -> None:
+        """The chunk's gradients of this backward are complete: reduce them over the ranks (sharded),
+        let them rest where the update runs, let the parameters go back to their resting tier, and tell
+        the optimizer."""
+        deferred = self._no_sync and chunk.param.sharded
+        self.gradients.finish(chunk, deferred)
+        chunk.grad_slots_received.clear()
+        chunk.grads_finished = True
+        chunk.unhold()
+        self.grads_pending = self.grads_pending or not deferred
+        self.scheduler.grads_finished(chunk.index)
+        self.executor.settle(chunk)
+        optimizer = self._optimizer()
+        if optimizer is not None and not self._no_sync:
+            optimizer.on_grads_final(chunk)
+
+    def _recover_interrupted(self) -> None:
+        """The last iteration stopped on an error (e.g. :class:`~chunkmem.DeviceCapacityError` in its
+        backward): release what its backward held, drop its unfinished gradients, and put every chunk
+        where it rests, so the next iteration starts as after a finished one. Gradients of chunks the
+        backward had finished stay (``optim.zero_grad()`` drops them)."""
+        self.executor.cancel_prefetch()
+        for chunk in self.chunks:
+            chunk.unhold()
+            self.gradients.abandon(chunk)
+            chunk.grad_slots_received.clear()
+            chunk.grads_finished = False
+        self.executor.settle_all()
+        self.executor.flush_stale()
+
+    def _plan(self) -> None:
+        """A new schedule was traced: agree on its peaks over the ranks, plan it, and move the margin's
+        optimizer state to the device."""
+        chunks = self.chunks
+        if not chunks:
+            return
+        peaks = [p.non_model_peak for p in self.scheduler.periods or []]
+        shards = self.reduction.shards
+        if shards.sharded and peaks:  # every rank must fetch the same chunks in the same order
+            agreed = torch.tensor(peaks, dtype=torch.int64)
+            shards.all_reduce_(agreed, torch.distributed.ReduceOp.MAX, what="the traced non-model memory peaks")
+            peaks = [int(p) for p in agreed.tolist()]
+        first = chunks[0]
+        optimizer_state = first.trainable and first.optim["exp_avg"].allocated
+        inputs = PlanInputs(self.memory.ledger.capacity, first.param.nbytes,
+                            self._optimizer_group_bytes(first) if optimizer_state else 0,
+                            self.gradients.in_param_memory, shards.sharded, peaks)
+        for index in self.scheduler.make_plan(inputs):
+            self.executor.move_optimizer_state(chunks[index], Tier.DEVICE)
+            self.executor.settle(chunks[index])
+
+    def _optimizer_group_bytes(self, chunk: Chunk) -> int:
+        """Device bytes of one chunk kept there with its optimizer state: this rank's shard of the fp32
+        families and of the gradient, the full parameter copy, and (sharded) the parameter shard."""
+        fp32 = 4 * chunk.shard_numel
+        families = 3 if chunk.has_master else 2
+        shard_bytes = chunk.param.shard.nbytes
+        grad = 0 if self.gradients.in_param_memory else shard_bytes
+        return families * fp32 + chunk.param.nbytes + (shard_bytes if chunk.param.sharded else 0) + grad
+
+
+def _shapes_of(tree: Any) -> tuple:
+    """What must stay the same for a recorded schedule to apply: the shapes and dtypes of the inputs."""
+    return tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
+                 for t in tree_leaves(tree))
