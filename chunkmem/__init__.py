@@ -2,9 +2,9 @@
 memory, by packing them into chunks that move between the device, host and disk tiers."""
 from . import utils
 from .optim.adam import CPUAdam, HybridAdam
-from .dist.agreement import LayoutMismatchError
+from .distributed.agreement import LayoutMismatchError
 from .io.checkpoint import CheckpointError, consolidate_checkpoint, load_checkpoint, save_checkpoint
-from .dist.collectives import CollectiveError, CollectiveTimeoutError, collective_timeout, set_collective_timeout
+from .distributed.collectives import CollectiveError, CollectiveTimeoutError, collective_timeout, set_collective_timeout
 from .config import NoEffectWarning, initialize
 from .io.disk_io import DiskIOError
 from .optim.disk_step import DiskStepError
@@ -18,7 +18,7 @@ from .optim.sharded_optimizer import ShardedOptimizerV2
 from .core.param_guard import ChunkGradient, ChunkParameter, ParameterAccessError
 from .runtime.parameter_access import GatheredParameters, register_external_parameter
 from .plan import PolicyPlan, plan
-from .dist.shard_strategy import BaseShardStrategy, BucketTensorShardStrategy, TensorShardStrategy
+from .distributed.shard_strategy import BaseShardStrategy, BucketTensorShardStrategy, TensorShardStrategy
 from .core.states import ChunkStateError
 from .core.tiers import (Tier, device_memory_capacity, host_memory_capacity, parse_size, set_device_memory_capacity,
                     set_host_memory_capacity)

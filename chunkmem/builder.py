@@ -22,9 +22,9 @@ from .core.layout import ChunkLayout, aligned_numel, plan_layout, search_chunk_n
 from .core.memory import TierMemory
 from .core.param_guard import adopt, disown, slot_of
 from .core.tiers import Tier, device_memory_capacity, device_of_tier, host_memory_capacity
-from .dist.agreement import LayoutDescription, ParamRecord, agree
-from .dist.collectives import ShardGroup
-from .dist.reduction import GradientReduction
+from .distributed.agreement import LayoutDescription, ParamRecord, agree
+from .distributed.collectives import ShardGroup
+from .distributed.reduction import GradientReduction
 from .runtime.placement import PlacementPolicy
 from .runtime.runtime import ChunkRuntime
 from .settings import ModelSettings, check_chunk_size, check_param_dtypes

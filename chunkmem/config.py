@@ -30,7 +30,7 @@ from .core.errors import ArgumentTypeError, InvalidArgumentError, UnsupportedOpe
 from .model import ShardedModelV2
 from .optim.sharded_optimizer import ShardedOptimizerV2
 from .settings import MODEL_KEYWORDS, OPTIMIZER_KEYWORDS, ModelSettings, OptimizerSettings
-from .dist.shard_strategy import BaseShardStrategy, BucketTensorShardStrategy, TensorShardStrategy
+from .distributed.shard_strategy import BaseShardStrategy, BucketTensorShardStrategy, TensorShardStrategy
 
 __all__ = ["NoEffectWarning", "initialize", "KEY_TABLE"]
 

@@ -12,9 +12,9 @@ from .core.layout import ALIGN_ELEMENTS, aligned_numel
 from .core.memory import TierMemory
 from .core.param_guard import adopt, slot_of
 from .core.tiers import device_memory_capacity, device_of_tier, tier_of_device
-from .dist.agreement import LayoutDescription, ParamRecord, agree
-from .dist.collectives import SINGLE_PROCESS, ShardGroup
-from .dist.shard_strategy import BaseShardStrategy
+from .distributed.agreement import LayoutDescription, ParamRecord, agree
+from .distributed.collectives import SINGLE_PROCESS, ShardGroup
+from .distributed.shard_strategy import BaseShardStrategy
 from .io.pretrained import patched_from_pretrained
 from .runtime.sharded_init import ShardedParamWrites
 from .settings import check_chunk_size, check_dtype, check_param_dtypes

@@ -17,7 +17,7 @@ from .core.disk_tier import DEFAULT_BUFFER_COUNT, DEFAULT_BUFFER_SIZE
 from .core.errors import GradientAccumulationError, InvalidArgumentError, check_type
 from .core.param_guard import ParameterAccessError, slot_of
 from .core.tiers import Tier, device_of_tier
-from .dist.shard_strategy import BaseShardStrategy
+from .distributed.shard_strategy import BaseShardStrategy
 from .io.atomic_file import write_json_atomically
 from .runtime import memstats
 from .settings import ModelSettings

@@ -42,7 +42,7 @@ from .gpt import GPT, GPTConfig
 from .settings import check_chunk_size, check_dtype
 from .model import ShardedModelV2
 from .core.param_guard import slot_of
-from .dist.shard_strategy import TensorShardStrategy
+from .distributed.shard_strategy import TensorShardStrategy
 from .core.tiers import parse_size
 
 __all__ = ["PolicyPlan", "plan", "format_table"]

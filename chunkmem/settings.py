@@ -18,7 +18,7 @@ import torch
 
 from .core.disk_tier import DEFAULT_BUFFER_COUNT, DEFAULT_BUFFER_SIZE, check_disk_arguments
 from .core.errors import InvalidArgumentError, check_number, check_type
-from .dist.shard_strategy import BaseShardStrategy
+from .distributed.shard_strategy import BaseShardStrategy
 from .optim.loss_scaler import DynamicGradScaler
 from .runtime.placement import PlacementPolicy, make_policy
 

@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 
 import chunkmem as cm
-from chunkmem.dist.agreement import LayoutDescription, ParamRecord, mismatch_message
-from chunkmem.dist.collectives import COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT, ShardGroup
+from chunkmem.distributed.agreement import LayoutDescription, ParamRecord, mismatch_message
+from chunkmem.distributed.collectives import COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT, ShardGroup
 from chunkmem.core.param_guard import slot_of
 from distributed import run_ranks
 

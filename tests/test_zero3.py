@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import chunkmem as cm
-from chunkmem.dist.collectives import ShardGroup
-from chunkmem.dist.reduction import GradientReduction
+from chunkmem.distributed.collectives import ShardGroup
+from chunkmem.distributed.reduction import GradientReduction
 from distributed import run_ranks
 from models import TinyGPT, batches, lm_loss
 

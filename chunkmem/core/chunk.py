@@ -45,7 +45,7 @@ from typing import Protocol
 import torch
 import torch.nn as nn
 
-from ..dist.collectives import SINGLE_PROCESS, PendingCollective, ShardGroup, start_all_gather
+from ..distributed.collectives import SINGLE_PROCESS, PendingCollective, ShardGroup, start_all_gather
 from .disk_tier import DiskRegion
 from .memory import TierMemory
 from .states import ChunkStateError, Contents, CopyLife, CopyState

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from .atomic_file import remove_stale_temporaries, temporary_target, write_atomically, write_json_atomically
 from .checksums import HashingWriter, content_checksum, file_checksum
 from ..core.chunk import EXP_AVG, EXP_AVG_SQ, MASTER
-from ..dist.collectives import SINGLE_PROCESS, ShardGroup, all_reduce_over, distributed_ready
+from ..distributed.collectives import SINGLE_PROCESS, ShardGroup, all_reduce_over, distributed_ready
 from ..core.errors import ArgumentTypeError, InvalidArgumentError, check_type
 from ..core.param_guard import slot_of
 from ..model import ShardedModelV2
@@ -717,7 +717,7 @@ def _collective(group: ShardGroup) -> bool:
 def _new_token(group: ShardGroup) -> str:
     """A fresh name for one save, made by rank 0 and shared with the other ranks."""
     token = secrets.token_hex(8)
-    if _collective(group):  # rank 0's, through a bounded collective (see chunkmem.dist.collectives)
+    if _collective(group):  # rank 0's, through a bounded collective (see chunkmem.distributed.collectives)
         token = group.all_gather_bytes(token.encode(), "the checkpoint's name token")[0].decode()
     return token
 

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from .adam import check_supported_optimizer, hyper_of_group
 from .adam_kernels import adam_update_
-from ..dist.collectives import ShardGroup, start_all_gather
+from ..distributed.collectives import ShardGroup, start_all_gather
 from ..core.errors import (InvalidArgumentError, UnscaledBackwardError, check_choice, check_number,
                      check_type)
 from .loss_scaler import DynamicGradScaler

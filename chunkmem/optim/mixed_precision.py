@@ -18,7 +18,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from ..dist.collectives import all_reduce_over
+from ..distributed.collectives import all_reduce_over
 from .loss_scaler import DynamicGradScaler
 
 

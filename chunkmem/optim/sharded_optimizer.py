@@ -14,7 +14,7 @@ from ..core.errors import (ArgumentTypeError, DeviceCapacityError, GradientAccum
                            UnscaledBackwardError, UnsupportedOperationError, check_number, check_type)
 from ..core.param_guard import slot_of
 from ..core.tiers import Tier
-from ..dist.collectives import ShardGroup
+from ..distributed.collectives import ShardGroup
 from ..model import ShardedModelV2
 from ..settings import OptimizerSettings
 from .adam import check_supported_optimizer, hyper_of_group

@@ -10,7 +10,7 @@ most :data:`MAX_IN_FLIGHT` at once):
 * ZeRO-2 (``partition_grad=True``): a reduce-scatter whose piece ``r`` holds the elements of the
   bucket's gradients that rank ``r`` owns (padded to the longest piece); each rank adds the mean of its
   piece into its shard-sized gradient store. Over gloo the bucket is all-reduced instead and each rank
-  keeps its part (:func:`~chunkmem.dist.collectives.all_reduce_is_faster`): the store is still shard-sized.
+  keeps its part (:func:`~chunkmem.distributed.collectives.all_reduce_is_faster`): the store is still shard-sized.
 
 The mean is the sum over the ranks divided by the world size, both in the communication dtype, then
 cast to the store's dtype. With ``overlap`` the collectives are started asynchronously and waited for in
@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from ..dist.collectives import (PendingCollective, ShardGroup, all_reduce_is_faster, start_all_reduce,
+from ..distributed.collectives import (PendingCollective, ShardGroup, all_reduce_is_faster, start_all_reduce,
                           start_reduce_scatter)
 from .zero_partition import FlatChunk, FlatSlot
 

@@ -23,7 +23,7 @@ import torch
 from ..core.chunk import MASTER, Chunk, ParamSlot
 from ..core.errors import GradientAccumulationError
 from ..core.tiers import Tier
-from ..dist.reduction import GradientReduction
+from ..distributed.reduction import GradientReduction
 from .executor import ChunkExecutor
 
 

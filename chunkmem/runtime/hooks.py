@@ -14,15 +14,24 @@ Which modules are watched, and what each call does, is the runtime's business.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable, Protocol
 
 import torch
 import torch.nn as nn
 from torch._C import DisableTorchFunctionSubclass
 from torch.utils._pytree import tree_leaves
 
-if TYPE_CHECKING:
-    from .runtime import ChunkRuntime
+
+class StepEdges(Protocol):
+    """What the hooks call (:class:`~chunkmem.runtime.runtime.ChunkRuntime` implements it)."""
+
+    def pre_forward(self, module: nn.Module) -> None: ...
+
+    def post_forward(self, module: nn.Module) -> bool: ...
+
+    def pre_backward(self, module: nn.Module, first: bool) -> None: ...
+
+    def gradient_ready(self, param: nn.Parameter) -> None: ...
 
 
 class ModelHooks:
@@ -30,7 +39,7 @@ class ModelHooks:
     through a weak reference: they are held from C++, where a strong reference would keep the model
     alive forever (a cycle the collector cannot see). The modules' hooks hold it like any attribute."""
 
-    def __init__(self, runtime: "ChunkRuntime") -> None:
+    def __init__(self, runtime: StepEdges) -> None:
         self._runtime = weakref.ref(runtime)
         self._handles: list[Any] = []
         self._watched: set[nn.Module] = set()
@@ -73,7 +82,7 @@ class ModelHooks:
         self._watched.clear()
 
 
-def _watch_outputs(runtime: "ChunkRuntime", module: nn.Module, output: Any) -> None:
+def _watch_outputs(runtime: StepEdges, module: nn.Module, output: Any) -> None:
     """Hook the gradients of one forward call's outputs: the call's backward begins with the first."""
     fired = False
 

@@ -47,7 +47,7 @@ from ..core.errors import GradientAccumulationError, InvalidArgumentError
 from ..core.memory import TierMemory
 from ..core.param_guard import remembered_externals, slot_of
 from ..core.tiers import Tier, device_of_tier
-from ..dist.reduction import GradientReduction
+from ..distributed.reduction import GradientReduction
 from .executor import ChunkExecutor
 from .gradients import gradient_store
 from .hooks import ModelHooks

@@ -65,7 +65,7 @@ def _overwrites(func: Any) -> bool:
 class ShardedParamWrites(TorchFunctionMode):
     """See the module docstring. Active only while a sharded ``ZeroInitContext`` is open.
     ``before_gather`` (if given) is called with the slot before each gather (the ranks' agreement,
-    see :mod:`chunkmem.dist.agreement`)."""
+    see :mod:`chunkmem.distributed.agreement`)."""
 
     def __init__(self, before_gather: Callable[[ParamSlot], None] | None = None) -> None:
         super().__init__()

@@ -1,0 +1,1 @@
+"""Across ranks: collectives with bounded waits, the ranks' agreements, shard strategies."""

@@ -1,0 +1,56 @@
+"""How finished gradients of a sharded chunk are reduce-scattered over the data-parallel ranks (ZeRO-3)."""
+from __future__ import annotations
+
+import torch
+
+from .collectives import ShardGroup
+
+
+class GradientReduction:
+    """Reduce-scatters full-length gradients into this rank's shard of their mean over the ranks.
+
+    Each rank's full-length gradient is divided by ``predivide_factor``, summed over the ranks (in fp32
+    when ``fp32`` is set, else in the gradient's dtype), and this rank's shard of the sum is divided by
+    ``world / predivide_factor``: the mean over the ranks. A gradient is reduced in pieces of at most
+    ``bucket_bytes`` of collective input (every rank's part of the piece, in the reduction dtype), so the
+    fp32 temporaries stay within one bucket. ``collectives`` counts the collectives run so far.
+    """
+
+    def __init__(self, shards: ShardGroup, bucket_bytes: int = 25 * 2**20, fp32: bool = False,
+                 predivide_factor: float = 1.0) -> None:
+        self.shards = shards
+        self.bucket_bytes = bucket_bytes
+        self.fp32 = fp32
+        self.predivide_factor = predivide_factor
+        self.collectives = 0
+        self._out: torch.Tensor | None = None  # the reduced shard's buffer, reused from chunk to chunk
+
+    def _out_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        out = self._out
+        if out is None or out.numel() != numel or out.dtype != dtype or out.device != device:
+            out = self._out = torch.empty(numel, dtype=dtype, device=device)
+        return out
+
+    def reduce(self, full: torch.Tensor, what: str) -> torch.Tensor:
+        """This rank's shard of the mean over the ranks of ``full`` (a chunk's full-length gradient on the
+        device tier, ``world × shard`` elements; it may be overwritten), in ``full``'s dtype. ``what``
+        names the gradients for a collective's error. The result is valid until the next call (its
+        buffer is reused: copy it out)."""
+        world = self.shards.world
+        shard_numel = full.numel() // world
+        dtype = torch.float32 if self.fp32 else full.dtype
+        out = self._out_buffer(shard_numel, dtype, full.device)
+        piece = max(self.bucket_bytes // (world * out.element_size()), 1)
+        for start in range(0, shard_numel, piece):
+            end = min(start + piece, shard_numel)
+            parts = [full[r * shard_numel + start:r * shard_numel + end] for r in range(world)]
+            parts = [p.to(dtype) for p in parts]
+            if self.predivide_factor != 1.0:
+                for p in parts:
+                    p.div_(self.predivide_factor)
+            self.shards.reduce_scatter(out[start:end], parts, what=what)
+            self.collectives += 1
+        post = world / self.predivide_factor
+        if post != 1.0:
+            out.div_(post)
+        return out.to(full.dtype)
