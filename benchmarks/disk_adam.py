@@ -8,7 +8,7 @@ chunk's three fp32 families in pieces of ``buffer_size`` bytes: it reads 12 byte
 
     bytes read / read bandwidth + bytes written / write bandwidth
 
-with the bandwidths of ``chunkmem.io.disk_io.measure_bandwidth`` on the same directory, measured in the same
+with the bandwidths of ``chunkmem.storage.disk_io.measure_bandwidth`` on the same directory, measured in the same
 run before the first configuration and after each one; each configuration's bound uses the mean of the
 measurements just before and just after it (a shared disk's bandwidth drifts). The bound adds the read
 and write times as if they ran one after the other; the step overlaps them (reads of the next pieces,
@@ -46,7 +46,7 @@ import torch
 import torch.nn as nn
 
 import chunkmem as cm
-from chunkmem.io import disk_io
+from chunkmem.storage import disk_io
 
 from _gpt import gib, machine_header, mib, peak_rss_bytes
 
@@ -85,7 +85,7 @@ class PlaneStack(nn.Module):
 def measure_bandwidth(directory: str, nbytes: int, block: int) -> tuple[float, float, str]:
     """(read B/s, write B/s, what measured them): the disk tier's own engine on ``directory``."""
     read, write = disk_io.measure_bandwidth(directory, nbytes, block)
-    return read, write, "chunkmem.io.disk_io.measure_bandwidth"
+    return read, write, "chunkmem.storage.disk_io.measure_bandwidth"
 
 
 # ---- one configuration -----------------------------------------------------------------------------------
@@ -160,7 +160,7 @@ def main() -> int:
 
     print(machine_header())
     print(f"CPU: {_cpu_flags_note()}")
-    print(f"disk engine: chunkmem.io.disk_io, O_DIRECT {'on' if _direct(args.nvme_path) else 'refused: buffered'}; "
+    print(f"disk engine: chunkmem.storage.disk_io, O_DIRECT {'on' if _direct(args.nvme_path) else 'refused: buffered'}; "
           f"nvme_path {args.nvme_path}")
     print(f"model: {args.layers} x a {args.width} x {args.width} weight (forward: input + its sum), {args.dtype}, placement 'cpu', "
           f"offload_optimizer='disk', buffer_size {mib(args.buffer_size)}, atomic_step={args.atomic_step}; "

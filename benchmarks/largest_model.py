@@ -94,7 +94,7 @@ import torch.nn.functional as F
 
 import chunkmem as cm
 from chunkmem.optim import host_adam_ext
-from chunkmem.io.disk_io import aligned_nbytes
+from chunkmem.storage.disk_io import aligned_nbytes
 
 from _gpt import (GPT, GPTConfig, chunk_layout, count_params, gib, machine_header, mib,
                   peak_rss_bytes, rss_bytes)

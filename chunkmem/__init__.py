@@ -3,12 +3,12 @@ memory, by packing them into chunks that move between the device, host and disk 
 from . import utils
 from .optim.adam import CPUAdam, HybridAdam
 from .distributed.agreement import LayoutMismatchError
-from .io.checkpoint import CheckpointError, consolidate_checkpoint, load_checkpoint, save_checkpoint
+from .io.checkpoint import consolidate_checkpoint, load_checkpoint, save_checkpoint
 from .distributed.collectives import CollectiveError, CollectiveTimeoutError, collective_timeout, set_collective_timeout
 from .config import NoEffectWarning, initialize
-from .io.disk_io import DiskIOError
+from .storage.disk_io import DiskIOError
 from .optim.disk_step import DiskStepError
-from .core.errors import (ArgumentTypeError, ChunkmemError, DeviceCapacityError, GradientAccumulationError,
+from .errors import (ArgumentTypeError, CheckpointError, ChunkmemError, DeviceCapacityError, GradientAccumulationError,
                      HostCapacityError, InvalidArgumentError, UnscaledBackwardError, UnsupportedOperationError)
 from .init_context import ZeroInitContext
 from .optim.loss_scaler import DynamicGradScaler

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from .core.chunk import PARAM, Chunk, ChunkKey
 from .core.disk_tier import DiskTier
-from .core.errors import DeviceCapacityError, HostCapacityError, InvalidArgumentError, check_type
+from .errors import DeviceCapacityError, HostCapacityError, InvalidArgumentError, check_type
 from .core.layout import ChunkLayout, aligned_numel, plan_layout, search_chunk_numel
 from .core.memory import TierMemory
 from .core.param_guard import adopt, disown, slot_of

@@ -26,8 +26,9 @@ import torch.nn as nn
 
 from .optim.adam import HybridAdam
 from .optim.loss_scaler import DynamicGradScaler
-from .core.errors import ArgumentTypeError, InvalidArgumentError, UnsupportedOperationError
+from .errors import ArgumentTypeError, InvalidArgumentError
 from .model import ShardedModelV2
+from .optim.low_level_zero import LowLevelZeroOptimizer
 from .optim.sharded_optimizer import ShardedOptimizerV2
 from .settings import MODEL_KEYWORDS, OPTIMIZER_KEYWORDS, ModelSettings, OptimizerSettings
 from .distributed.shard_strategy import BaseShardStrategy, BucketTensorShardStrategy, TensorShardStrategy
@@ -342,7 +343,6 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
                                    "'none' or 'cpu' with stage 1 or 2 (the disk tier needs stage 3)")
     if ratio != 1.0:
         raise InvalidArgumentError("zero_optimization.offload_optimizer.ratio", ratio, "1.0 with stage 1 or 2")
-    low_level = _low_level_zero_class()
     model.to(dtype)
     if optimizer is None:
         if not optimizer_section:
@@ -354,7 +354,7 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
         kwargs["reduce_bucket_size"] = bucket
     if overlap is not None:
         kwargs["overlap_communication"] = overlap
-    return model, _rename_errors("zero_optimization.", lambda: low_level(optimizer, **kwargs),
+    return model, _rename_errors("zero_optimization.", lambda: LowLevelZeroOptimizer(optimizer, **kwargs),
                                  dict(_SCALER_KEYS, clip_grad_norm="gradient_clipping"))
 
 
@@ -493,12 +493,3 @@ def _build_optimizer(section: dict[str, Any], params: Any) -> HybridAdam:
     if "betas" in options and isinstance(options["betas"], list):
         options["betas"] = tuple(options["betas"])
     return _rename_errors("optimizer.params.", lambda: HybridAdam(params, adamw_mode=adamw, **options))
-
-
-def _low_level_zero_class() -> type:
-    import chunkmem
-    cls = getattr(chunkmem, "LowLevelZeroOptimizer", None)
-    if cls is None:
-        raise UnsupportedOperationError("zero_optimization.stage 1 and 2 need chunkmem.LowLevelZeroOptimizer, "
-                                        "which this build of chunkmem does not have; use stage 3")
-    return cls

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from .core.chunk import Chunk, ChunkKey, ParamSlot
-from .core.errors import ArgumentTypeError, InvalidArgumentError, check_type
+from .errors import ArgumentTypeError, InvalidArgumentError, check_type
 from .core.layout import ALIGN_ELEMENTS, aligned_numel
 from .core.memory import TierMemory
 from .core.param_guard import adopt, slot_of

@@ -14,11 +14,11 @@ from torch.utils._pytree import tree_map
 from .builder import build_runtime, free_chunk, mark_unwrapped
 from .core.chunk import MASTER, Chunk
 from .core.disk_tier import DEFAULT_BUFFER_COUNT, DEFAULT_BUFFER_SIZE
-from .core.errors import GradientAccumulationError, InvalidArgumentError, check_type
+from .errors import GradientAccumulationError, InvalidArgumentError, check_type
 from .core.param_guard import ParameterAccessError, slot_of
 from .core.tiers import Tier, device_of_tier
 from .distributed.shard_strategy import BaseShardStrategy
-from .io.atomic_file import write_json_atomically
+from .storage.atomic_file import write_json_atomically
 from .runtime import memstats
 from .settings import ModelSettings
 
@@ -65,7 +65,7 @@ class ShardedModelV2(nn.Module):
             placement ``"cpu"``, ``"auto"`` or ``"static"``.
         offload_param: ``None`` only for now (parameters on the disk tier are not built yet).
         nvme_path: an existing writable directory on a fast disk; the model's files go into a private
-            subdirectory removed with the model, at exit and after an exception (:mod:`chunkmem.io.disk_io`).
+            subdirectory removed with the model, at exit and after an exception (:mod:`chunkmem.storage.disk_io`).
         buffer_count: I/O buffers per streamed family (>= 1; 2 or more overlap reads, updates and
             writes). Host memory of the disk tier: ``buffer_count`` × families × ``buffer_size`` bytes.
         buffer_size: bytes per I/O buffer and per piece of a streamed step (a multiple of 8192).
@@ -367,7 +367,7 @@ class ShardedModelV2(nn.Module):
         so when that loses bits): build :class:`~chunkmem.ShardedOptimizerV2` first to keep fp32
         masters. No collective: every rank may load on its own. ``assign`` must be ``False``.
         """
-        from .io.state_dicts import plan_model_load
+        from .state_dicts import plan_model_load
 
         if assign is not False:
             raise InvalidArgumentError("assign", assign, "False (values are always copied into the chunks)")

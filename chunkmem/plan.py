@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .core import block_pool, tiers
-from .core.errors import ArgumentTypeError, DeviceCapacityError, InvalidArgumentError, UnsupportedOperationError
-from .core.errors import check_choice
+from .errors import ArgumentTypeError, DeviceCapacityError, InvalidArgumentError, UnsupportedOperationError
+from .errors import check_choice
 from .gpt import GPT, GPTConfig
 from .settings import check_chunk_size, check_dtype
 from .model import ShardedModelV2

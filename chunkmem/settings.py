@@ -11,15 +11,14 @@ objects). A value that is refused raises :class:`~chunkmem.ArgumentTypeError` or
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .core.disk_tier import DEFAULT_BUFFER_COUNT, DEFAULT_BUFFER_SIZE, check_disk_arguments
-from .core.errors import InvalidArgumentError, check_number, check_type
+from .errors import InvalidArgumentError, check_number, check_type
 from .distributed.shard_strategy import BaseShardStrategy
-from .optim.loss_scaler import DynamicGradScaler
 from .runtime.placement import PlacementPolicy, make_policy
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -185,10 +184,24 @@ MODEL_KEYWORDS = ("shard_strategy", "process_group", "reduce_scatter_process_gro
 the ColossalAI form's ``model_config``)."""
 
 
+MIN_SCALE_BOUND = 2.0**-126
+"""The smallest loss scale allowed: the smallest normal fp32 number."""
+MAX_SCALE_BOUND = 2.0**126
+"""The largest loss scale allowed: a scale and its reciprocal (which unscales the gradients) both stay
+normal fp32 numbers within [MIN_SCALE_BOUND, MAX_SCALE_BOUND]."""
+
+
 @dataclass(frozen=True)
 class ScalerSettings:
     """The dynamic loss scaler's rules (see :class:`~chunkmem.DynamicGradScaler`); the defaults are
-    ``ShardedOptimizerV2``'s."""
+    ``ShardedOptimizerV2``'s.
+
+    Every scale the rules can reach lies in [``min_scale``, ``max_scale``], so requiring
+    ``2**-126 <= min_scale <= max_scale <= 2**126`` keeps every reachable scale, and its reciprocal,
+    finite (and normal) in fp32: no choice of knobs can make the scale infinite and skip every later
+    step. All values must be finite; ``growth_factor`` > 1, ``backoff_factor`` in (0, 1],
+    ``growth_interval`` and ``hysteresis`` integers >= 1, ``initial_scale`` within
+    [``min_scale``, ``max_scale``]."""
 
     initial_scale: float = 2**32
     min_scale: float = 1
@@ -199,11 +212,18 @@ class ScalerSettings:
     max_scale: float = 2**32
 
     def __post_init__(self) -> None:
-        self.scaler()  # checks every rule
-
-    def scaler(self) -> DynamicGradScaler:
-        """A new scaler with these rules."""
-        return DynamicGradScaler(*(getattr(self, f.name) for f in fields(self)))
+        for name in ("initial_scale", "min_scale", "max_scale"):
+            check_number(name, getattr(self, name), low=MIN_SCALE_BOUND, high=MAX_SCALE_BOUND, finite=True,
+                         allowed="a number within [2**-126, 2**126] (scale and 1/scale finite in fp32)")
+        check_number("growth_factor", self.growth_factor, low=1.0, low_open=True, finite=True)
+        check_number("backoff_factor", self.backoff_factor, low=0.0, high=1.0, low_open=True, finite=True)
+        check_number("growth_interval", self.growth_interval, low=1, integer=True)
+        check_number("hysteresis", self.hysteresis, low=1, integer=True)
+        if self.min_scale > self.max_scale:
+            raise InvalidArgumentError("min_scale", self.min_scale, f"<= max_scale ({self.max_scale})")
+        if not self.min_scale <= self.initial_scale <= self.max_scale:
+            raise InvalidArgumentError("initial_scale", self.initial_scale, f"within [min_scale, max_scale] = "
+                                                                            f"[{self.min_scale}, {self.max_scale}]")
 
 
 @dataclass(frozen=True)

@@ -42,9 +42,9 @@ import torch
 import torch.nn as nn
 
 from .core.chunk import EXP_AVG, EXP_AVG_SQ, MASTER, Chunk, ParamSlot
-from .core.errors import ArgumentTypeError, InvalidArgumentError, UnsupportedOperationError, check_type
+from .errors import ArgumentTypeError, InvalidArgumentError, UnsupportedOperationError, check_type
 from .core.param_guard import ParameterAccessError, slot_of
-from .io.state_dicts import bump_versions
+from .state_dicts import bump_versions
 
 OPTIMIZER_STATE_KEYS = (EXP_AVG, EXP_AVG_SQ)
 """The optimizer-state keys the accessors take: Adam's first and second moments."""

@@ -50,7 +50,7 @@ def test_argument_type_error_is_type_value_and_chunkmem_error():
 
 
 def test_check_helpers_split_type_from_value():
-    from chunkmem.core.errors import check_choice, check_number, check_type
+    from chunkmem.errors import check_choice, check_number, check_type
 
     for call in (lambda: check_type("a", 1, str, "a str"), lambda: check_type("a", True, int, "an int"),
                  lambda: check_number("a", "1"), lambda: check_number("a", None), lambda: check_number("a", True),

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import chunkmem as cm
-from chunkmem.io.checksums import content_checksum
+from chunkmem.storage.checksums import content_checksum
 from models import batches, build_sharded, lm_loss, train
 from test_checkpoint import assert_same_optimizer_state, assert_same_state, reference
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 import chunkmem as cm
+from chunkmem import config as config_module
 from chunkmem.config import NoEffectWarning
 
 # ---- the configs of the reference documents ----------------------------------------------------------
@@ -357,7 +358,7 @@ def test_bad_json_file_names_the_path(tmp_path):
 # ---- stages 1 and 2 (LowLevelZeroOptimizer) -----------------------------------------------------------
 
 class _Recorder:
-    """Stands in for chunkmem.LowLevelZeroOptimizer: records the arguments the config maps to."""
+    """Stands in for LowLevelZeroOptimizer (in chunkmem.config): records the arguments the config maps to."""
 
     def __init__(self, optimizer, **kwargs):
         self.optimizer = optimizer
@@ -365,7 +366,7 @@ class _Recorder:
 
 
 def test_stage_1_and_2_argument_mapping(monkeypatch):
-    monkeypatch.setattr(cm, "LowLevelZeroOptimizer", _Recorder, raising=False)
+    monkeypatch.setattr(config_module, "LowLevelZeroOptimizer", _Recorder)
     config = {"zero_optimization": {"stage": 2, "reduce_bucket_size": 4096, "overlap_comm": True,
                                     "offload_optimizer": {"device": "cpu"}},
               "fp16": {"enabled": True, "initial_scale_power": 10}, "gradient_clipping": 1.5,

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from chunkmem import ArgumentTypeError, ChunkmemError, InvalidArgumentError
-from chunkmem.io import disk_io
-from chunkmem.io.disk_io import (ALIGNMENT, AlignedBufferPool, DiskIOError, ScratchSpace, aligned_nbytes, inject_faults,
+from chunkmem.storage import disk_io
+from chunkmem.storage.disk_io import (ALIGNMENT, AlignedBufferPool, DiskIOError, ScratchSpace, aligned_nbytes, inject_faults,
                               measure_bandwidth)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -161,7 +161,7 @@ def test_directory_removed_after_garbage_collection(tmp_path):
 
 
 def test_directory_removed_at_exit_also_after_an_exception(tmp_path):
-    start = ("import os, sys\nfrom chunkmem.io.disk_io import ScratchSpace, AlignedBufferPool\n"
+    start = ("import os, sys\nfrom chunkmem.storage.disk_io import ScratchSpace, AlignedBufferPool\n"
              f"s = ScratchSpace({str(tmp_path)!r}); f = s.file('f', 8192)\n"
              "f.write_from(AlignedBufferPool(1, 8192).take(), 0, 'f')\n"  # perhaps still in flight at exit
              "print(s.path, flush=True)\n")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import chunkmem as cm
-from chunkmem.io.disk_io import inject_faults
+from chunkmem.storage.disk_io import inject_faults
 from tests.distributed import run_ranks
 from tests.models import TinyGPT, batches, lm_loss
 
@@ -93,7 +93,7 @@ def test_exact_bytes_per_tier_and_files(tmp_path, dtype):
     streamed = len(families) + (1 if dtype == torch.float32 else 0)
     assert model.tier_bytes()["host"]["disk_io"] == 3 * streamed * PIECE
     assert sorted(os.listdir(model.disk_path)) == sorted([f + ".bin" for f in families + (
-        ["journal"] if dtype == torch.float32 else [])] + [cm.io.disk_io.OWNER_FILE])
+        ["journal"] if dtype == torch.float32 else [])] + [cm.storage.disk_io.OWNER_FILE])
     doc = model.memory_stats()
     assert doc["tiers"] == model.tier_bytes() and doc["disk"]["file_bytes"] == model.disk_file_bytes()
     assert doc["optimizer"]["disk_chunks"] == [c.index for c in trainable] and doc["optimizer"]["host_chunks"] == []

@@ -1,12 +1,12 @@
 """The disk tier of one model: chunk buffers resting in files, read and written through aligned buffers.
 
 Each state family that rests on disk has one file in the model's private scratch directory under
-``nvme_path`` (:class:`~chunkmem.io.disk_io.ScratchSpace`: created with the model, removed with it, at
+``nvme_path`` (:class:`~chunkmem.storage.disk_io.ScratchSpace`: created with the model, removed with it, at
 exit and after an exception). A chunk's buffer of that family is a region of the file at a fixed place
 given by the chunk's index; with ``atomic_step`` there are two regions per chunk (two *slots*) and the
 buffer's ``disk_slot`` says which one holds the current contents: an optimizer step writes the other
 slot and the step commits by switching slots only when every chunk was written on every rank (see
-:mod:`chunkmem.optim.disk_step`). Regions start at multiples of :data:`~chunkmem.io.disk_io.ALIGNMENT`.
+:mod:`chunkmem.optim.disk_step`). Regions start at multiples of :data:`~chunkmem.storage.disk_io.ALIGNMENT`.
 
 All disk I/O goes through the pool of ``buffer_count`` × (families streamed) aligned host buffers of
 ``buffer_size`` bytes each (pinned only when CUDA exists), counted in the host ledger as the family
@@ -23,8 +23,8 @@ from typing import Iterable
 import numpy
 import torch
 
-from ..io.disk_io import ALIGNMENT, AlignedBufferPool, DiskFile, IOHandle, ScratchSpace, aligned_nbytes
-from .errors import InvalidArgumentError, check_type
+from ..storage.disk_io import ALIGNMENT, AlignedBufferPool, DiskFile, IOHandle, ScratchSpace, aligned_nbytes
+from ..errors import InvalidArgumentError, check_type
 from .ledger import TierLedger
 from .tiers import Tier
 
@@ -134,7 +134,7 @@ class DiskTier:
     def reserve(self, family: str, region_nbytes: int, chunks: int, slots: int | None = None) -> None:
         """Make the family's file hold ``chunks`` × ``slots`` (default: 2 with ``atomic_step``, else 1)
         regions of ``region_nbytes`` bytes each, preallocated, so that a full disk shows here, before any
-        state changes. Raises :class:`~chunkmem.io.disk_io.DiskIOError` naming the file."""
+        state changes. Raises :class:`~chunkmem.storage.disk_io.DiskIOError` naming the file."""
         region = aligned_nbytes(region_nbytes)
         slots = self.slots if slots is None else slots
         if self._region.get(family, region) != region or self._slots.get(family, slots) != slots:
@@ -183,7 +183,7 @@ class DiskTier:
     def start_read_all(self, region: DiskRegion, slot: int, out: torch.Tensor) -> "Future[None]":
         """Start copying ``region``'s ``slot`` into ``out`` on the fetch thread (through its own aligned
         buffer of ``buffer_size`` bytes, on the host ledger); the future's result raises a failed read's
-        :class:`~chunkmem.io.disk_io.DiskIOError`."""
+        :class:`~chunkmem.storage.disk_io.DiskIOError`."""
         if self._fetcher is None:
             self.ledger.reserve(Tier.HOST, DISK_IO_FAMILY, aligned_nbytes(self.buffer_size),
                                 "the disk tier's fetch buffer")
@@ -197,7 +197,7 @@ class DiskTier:
         """Read ``region``'s ``slot`` piece by piece through ``staging`` into ``out`` (bytes already counted)."""
         for start, end in self.pieces(region.numel, region.element_size):
             self.read_piece(region, slot, start, end, staging, count=False).wait()
-            out[start:end].copy_(_typed(staging, region.dtype, end - start))
+            out[start:end].copy_(typed_view(staging, region.dtype, end - start))
 
     # ---- whole-buffer reads and writes (checkpoints, setup, accessors) -------------------------------
 
@@ -260,13 +260,13 @@ class DiskTier:
                 staging.zero_()
             for start, end in self.pieces(region.numel, region.element_size):
                 if values is not None:
-                    _typed(staging, region.dtype, end - start).copy_(values[start:end])
+                    typed_view(staging, region.dtype, end - start).copy_(values[start:end])
                 self.write_piece(region, slot, start, end, staging).wait()
         finally:
             pool.give_back(staging)
 
 
-def _typed(raw: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:
+def typed_view(raw: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:
     """The first ``numel`` elements of the uint8 buffer ``raw`` seen as ``dtype``."""
     size = torch.empty((), dtype=dtype).element_size()
     return raw[:numel * size].view(dtype)

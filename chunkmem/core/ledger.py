@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .errors import ChunkmemError, DeviceCapacityError, HostCapacityError
+from ..errors import ChunkmemError, DeviceCapacityError, HostCapacityError
 from .tiers import Tier
 
 

@@ -40,8 +40,8 @@ import torch.nn as nn
 from torch._C import DisableTorchFunctionSubclass
 from torch.utils._pytree import tree_leaves, tree_map
 
-from .chunk import MASTER, Chunk, ParamSlot
-from .errors import UnsupportedOperationError
+from .chunk import MASTER, ParamSlot
+from ..errors import UnsupportedOperationError
 
 SLOT_ATTR = "_chunkmem_slot"
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 
-from .errors import ChunkmemError
+from ..errors import ChunkmemError
 
 
 class ChunkStateError(ChunkmemError, RuntimeError):

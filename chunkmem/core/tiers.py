@@ -18,7 +18,7 @@ from fractions import Fraction
 import psutil
 import torch
 
-from .errors import ArgumentTypeError, InvalidArgumentError
+from ..errors import ArgumentTypeError, InvalidArgumentError
 
 DEVICE_MEMORY_ENV = "CHUNKMEM_DEVICE_MEMORY"
 HOST_MEMORY_ENV = "CHUNKMEM_HOST_MEMORY"

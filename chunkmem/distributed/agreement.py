@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..core.errors import ChunkmemError
+from ..errors import ChunkmemError
 from .collectives import ShardGroup
 
 DIGEST_BYTES = 32  # SHA-256

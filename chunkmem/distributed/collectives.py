@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..core.errors import ArgumentTypeError, ChunkmemError, InvalidArgumentError, check_number
+from ..errors import ArgumentTypeError, ChunkmemError, InvalidArgumentError, check_number
 
 # torch >= 2.10 names them *_single; older releases only have the *_tensor names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -5,7 +5,7 @@ Two formats:
 * **full** (``sharded=False``): one file, written by rank 0 of the model's data-parallel group with
   ``torch.save``: ``{"format": "chunkmem.checkpoint.full/2", "model": model.state_dict(),
   "optimizer": optimizer.state_dict() or None, "checksum": "sha256:<hex>"}``, the checksum being
-  :func:`~chunkmem.io.checksums.content_checksum` of the dict without it. Every rank calls the save (the
+  :func:`~chunkmem.storage.checksums.content_checksum` of the dict without it. Every rank calls the save (the
   state dicts gather the shards). It loads at any world size, under any placement policy, and its two
   dicts load into a plain module and ``torch.optim.AdamW``. Version 1 files (no checksum) still load.
 * **sharded** (``sharded=True``): a directory in which every rank writes only what it holds, with no
@@ -44,17 +44,18 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .atomic_file import remove_stale_temporaries, temporary_target, write_atomically, write_json_atomically
-from .checksums import HashingWriter, content_checksum, file_checksum
+from ..storage.atomic_file import remove_stale_temporaries, temporary_target, write_atomically, write_json_atomically
+from ..storage.checksums import HashingWriter, content_checksum, file_checksum
 from ..core.chunk import EXP_AVG, EXP_AVG_SQ, MASTER
 from ..distributed.collectives import SINGLE_PROCESS, ShardGroup, all_reduce_over, distributed_ready
-from ..core.errors import ArgumentTypeError, InvalidArgumentError, check_type
+from ..errors import ArgumentTypeError, InvalidArgumentError, check_type
 from ..core.param_guard import slot_of
 from ..model import ShardedModelV2
 from ..optim.sharded_optimizer import ShardedOptimizerV2
-from .state_dicts import (CheckpointError, adam_entry, bump_versions, check_tensor_data, export_param_groups,
-                          plan_hyper_load, plan_model_load, plan_optimizer_load, refuse_chunks_in_use,
-                          refuse_grads_in_param_memory, warn_if_masters_lose_precision)
+from ..errors import CheckpointError
+from ..optim.state_dict import adam_entry, export_param_groups, plan_hyper_load, plan_optimizer_load
+from ..state_dicts import (bump_versions, check_tensor_data, first_few, plan_model_load, refuse_chunks_in_use,
+                           refuse_grads_in_param_memory, warn_if_masters_lose_precision)
 
 FULL_FORMAT = "chunkmem.checkpoint.full/2"
 """The ``"format"`` of a full checkpoint file this version writes (with a ``"checksum"``)."""
@@ -464,17 +465,13 @@ def _check_rank_values(name: str, model: ShardedModelV2, saved: dict[str, Any], 
     own = model.module.state_dict(keep_vars=True)
     expected = [key for key, slot in saved["keys"] if slot is None]
     if sorted(saved["buffers"]) != sorted(expected):
-        raise InvalidArgumentError(f"{name}: model.buffers", f"buffers {_few(sorted(saved['buffers']))}",
-                                   f"the model's buffers {_few(sorted(expected))}")
+        raise InvalidArgumentError(f"{name}: model.buffers", f"buffers {first_few(sorted(saved['buffers']))}",
+                                   f"the model's buffers {first_few(sorted(expected))}")
     for key, value in saved["buffers"].items():
         check_tensor_data(f"{name}: model.buffers[{key!r}]", value)
         if tuple(value.shape) != tuple(own[key].shape):
             raise InvalidArgumentError(f"{name}: model.buffers[{key!r}]", f"a tensor of shape {tuple(value.shape)}",
                                        f"shape {tuple(own[key].shape)}, the model's")
-
-
-def _few(names: list[str]) -> list[str]:
-    return names[:5] + (["..."] if len(names) > 5 else [])
 
 
 _LAYOUT_FIELDS = ("numel", "shard_numel", "shard_offset", "dtype", "trainable", "parameters")

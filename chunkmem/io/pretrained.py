@@ -36,7 +36,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-from ..core.errors import ArgumentTypeError, InvalidArgumentError, check_type
+from ..errors import ArgumentTypeError, InvalidArgumentError, check_type
 from ..core.param_guard import slot_of
 from ..core.tiers import parse_size
 

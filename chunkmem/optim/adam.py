@@ -9,7 +9,7 @@ from torch.optim import Optimizer
 
 from .adam_kernels import adam_update_
 from .adam_math import AdamHyper, fused_device_adam_
-from ..core.errors import ArgumentTypeError, InvalidArgumentError, check_number, check_type
+from ..errors import ArgumentTypeError, InvalidArgumentError, check_number, check_type
 
 
 class HybridAdam(Optimizer):

@@ -39,9 +39,9 @@ import torch
 from .adam_kernels import adam_update_
 from .adam_math import AdamHyper
 from ..core.chunk import EXP_AVG, EXP_AVG_SQ, MASTER, Chunk, FlatBuffer
-from ..io.disk_io import DiskIOError, IOHandle, aligned_nbytes
-from ..core.disk_tier import JOURNAL, DiskTier, _typed
-from ..core.errors import ChunkmemError
+from ..storage.disk_io import DiskIOError, IOHandle, aligned_nbytes
+from ..core.disk_tier import JOURNAL, DiskTier, typed_view
+from ..errors import ChunkmemError
 
 
 class DiskStepError(ChunkmemError, RuntimeError):
@@ -270,7 +270,7 @@ class StreamedStep:
             piece = _Piece(update, start, end, buffers, reads)
             if self._journals(update):
                 piece.journal = pool.take()
-                _typed(piece.journal, torch.float32, end - start).copy_(update.param[start:end])
+                typed_view(piece.journal, torch.float32, end - start).copy_(update.param[start:end])
                 piece.reads.append(self.disk.file(JOURNAL).write_from(
                     piece.journal[:_aligned(end - start)], self._journal_offset(update, start),
                     f"{update.chunk.name}.{JOURNAL}"))
@@ -317,11 +317,11 @@ class StreamedStep:
 
     def _update(self, piece: _Piece) -> None:
         update, a, b = piece.update, piece.start, piece.end
-        views = [_typed(raw, torch.float32, b - a) for raw in piece.buffers[:len(update.reads)]]
+        views = [typed_view(raw, torch.float32, b - a) for raw in piece.buffers[:len(update.reads)]]
         if update.chunk.has_master:
             master, exp_avg, exp_avg_sq = views
             if update.param is None:
-                param_out = _typed(piece.buffers[-1], update.chunk.dtype, b - a)
+                param_out = typed_view(piece.buffers[-1], update.chunk.dtype, b - a)
             else:
                 param_out = update.param[a:b]
         elif update.param is None:
@@ -375,7 +375,7 @@ class StreamedStep:
             for a, b in self.disk.pieces(update.updated_to, 4):
                 self.disk.file(JOURNAL).read_into(staging[:_aligned(b - a)], self._journal_offset(update, a),
                                                   f"{chunk.name}.{JOURNAL}").wait()
-                update.param[a:b].copy_(_typed(staging, torch.float32, b - a))
+                update.param[a:b].copy_(typed_view(staging, torch.float32, b - a))
         finally:
             pool.give_back(staging)
 

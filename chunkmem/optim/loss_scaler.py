@@ -1,13 +1,9 @@
 """Dynamic loss scaling for fp16 training."""
 from __future__ import annotations
 
-from ..core.errors import InvalidArgumentError, check_number
+from dataclasses import asdict
 
-MIN_SCALE_BOUND = 2.0**-126
-"""The smallest loss scale allowed: the smallest normal fp32 number."""
-MAX_SCALE_BOUND = 2.0**126
-"""The largest loss scale allowed: a scale and its reciprocal (which unscales the gradients) both stay
-normal fp32 numbers within [MIN_SCALE_BOUND, MAX_SCALE_BOUND]."""
+from ..settings import ScalerSettings
 
 
 class DynamicGradScaler:
@@ -19,30 +15,16 @@ class DynamicGradScaler:
     ``growth_factor`` (not above ``max_scale``) and the hysteresis count starts again. An overflow
     restarts the count of clean steps.
 
-    Every scale the rules can reach lies in [``min_scale``, ``max_scale``], so requiring
-    ``2**-126 <= min_scale <= max_scale <= 2**126`` keeps every reachable scale, and its reciprocal,
-    finite (and normal) in fp32: no choice of knobs can make the scale infinite and skip every later
-    step. All arguments must be finite; ``growth_factor`` > 1, ``backoff_factor`` in (0, 1],
-    ``growth_interval`` and ``hysteresis`` integers >= 1, ``initial_scale`` within
-    [``min_scale``, ``max_scale``]. A wrong type raises :class:`~chunkmem.ArgumentTypeError`, a value
-    out of range :class:`~chunkmem.InvalidArgumentError`.
+    The rules are checked as :class:`~chunkmem.settings.ScalerSettings` checks them (every reachable
+    scale and its reciprocal stay finite in fp32). A wrong type raises :class:`~chunkmem.ArgumentTypeError`,
+    a value out of range :class:`~chunkmem.InvalidArgumentError`.
     """
 
     def __init__(self, initial_scale: float = 2**32, min_scale: float = 1, growth_factor: float = 2,
                  backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2,
                  max_scale: float = 2**32) -> None:
-        for name, value in (("initial_scale", initial_scale), ("min_scale", min_scale), ("max_scale", max_scale)):
-            check_number(name, value, low=MIN_SCALE_BOUND, high=MAX_SCALE_BOUND, finite=True,
-                         allowed="a number within [2**-126, 2**126] (scale and 1/scale finite in fp32)")
-        check_number("growth_factor", growth_factor, low=1.0, low_open=True, finite=True)
-        check_number("backoff_factor", backoff_factor, low=0.0, high=1.0, low_open=True, finite=True)
-        check_number("growth_interval", growth_interval, low=1, integer=True)
-        check_number("hysteresis", hysteresis, low=1, integer=True)
-        if min_scale > max_scale:
-            raise InvalidArgumentError("min_scale", min_scale, f"<= max_scale ({max_scale})")
-        if not min_scale <= initial_scale <= max_scale:
-            raise InvalidArgumentError("initial_scale", initial_scale, f"within [min_scale, max_scale] = "
-                                                                       f"[{min_scale}, {max_scale}]")
+        ScalerSettings(initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
+                       max_scale)
         self.scale = float(initial_scale)
         self.min_scale = float(min_scale)
         self.max_scale = float(max_scale)
@@ -52,6 +34,11 @@ class DynamicGradScaler:
         self.hysteresis = int(hysteresis)
         self.overflows_since_growth = 0
         self.clean_steps = 0
+
+    @staticmethod
+    def from_settings(rules: ScalerSettings) -> "DynamicGradScaler":
+        """A new scaler with ``rules``."""
+        return DynamicGradScaler(**asdict(rules))
 
     def update(self, overflow: bool) -> None:
         """Apply the rules after one step that did (``overflow``) or did not see inf/NaN gradients."""

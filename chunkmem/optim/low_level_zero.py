@@ -17,7 +17,7 @@ import torch.nn as nn
 from .adam import check_supported_optimizer, hyper_of_group
 from .adam_kernels import adam_update_
 from ..distributed.collectives import ShardGroup, start_all_gather
-from ..core.errors import (InvalidArgumentError, UnscaledBackwardError, check_choice, check_number,
+from ..errors import (InvalidArgumentError, UnscaledBackwardError, check_choice, check_number,
                      check_type)
 from .loss_scaler import DynamicGradScaler
 from .mixed_precision import MixedPrecisionStep
@@ -365,7 +365,7 @@ class LowLevelZeroOptimizer:
         ``"param_groups"`` and ``"loss_scaler"``. Loadable by torch's Adam/AdamW, by
         :class:`~chunkmem.ShardedOptimizerV2` and by :meth:`load_state_dict` at any world size. The
         moments are gathered: every rank calls it; with ``rank0_only`` the others get ``{}``."""
-        from ..io.state_dicts import adam_entry, export_param_groups
+        from .state_dict import adam_entry, export_param_groups
 
         check_type("rank0_only", rank0_only, bool, "True or False")
         groups, _ = export_param_groups(self)
@@ -395,7 +395,7 @@ class LowLevelZeroOptimizer:
     def plan_load_state_dict(self, state_dict: Mapping[str, Any]) -> Callable[[], None]:
         """Check ``state_dict`` as :meth:`load_state_dict` does and return the function that loads it
         (nothing changes until it is called)."""
-        from ..io.state_dicts import _check_entry, plan_hyper_load
+        from .state_dict import check_entry, plan_hyper_load
 
         allowed = "an optimizer state dict with 'state' and 'param_groups'"
         check_type("state_dict", state_dict, Mapping, allowed)
@@ -415,7 +415,7 @@ class LowLevelZeroOptimizer:
             steps, entries = set(), []
             for slot in chunk.slots:
                 entry = state.get(slot.index)
-                step = 0 if entry is None else _check_entry(slot.index, f"index {slot.index}", entry, slot)
+                step = 0 if entry is None else check_entry(slot.index, f"index {slot.index}", entry, slot)
                 steps.add(step)
                 if entry is not None and step > 0:
                     entries.append((slot, entry))

@@ -10,7 +10,7 @@ from torch.optim import Optimizer
 
 from ..core.chunk import EXP_AVG, EXP_AVG_SQ, MASTER, Chunk
 from ..core.disk_tier import JOURNAL
-from ..core.errors import (ArgumentTypeError, DeviceCapacityError, GradientAccumulationError, InvalidArgumentError,
+from ..errors import (ArgumentTypeError, DeviceCapacityError, GradientAccumulationError, InvalidArgumentError,
                            UnscaledBackwardError, UnsupportedOperationError, check_number, check_type)
 from ..core.param_guard import slot_of
 from ..core.tiers import Tier
@@ -120,7 +120,7 @@ class ShardedOptimizerV2(Optimizer):
         if sharded_model.optimizer_attached:
             raise InvalidArgumentError("sharded_model", "a model that already has a ShardedOptimizerV2",
                                        "a ShardedModelV2 without an optimizer")
-        scaler = settings.scaler.scaler()
+        scaler = DynamicGradScaler.from_settings(settings.scaler)
         group_of = self._groups_of(sharded_model, optimizer)
         self._check_capacity(sharded_model)
         self._reserve_disk(sharded_model)
@@ -589,7 +589,7 @@ class ShardedOptimizerV2(Optimizer):
         The moments of each chunk are gathered over the data-parallel ranks, so every rank must call
         it; with ``rank0_only=True`` the other ranks get ``{}``.
         """
-        from ..io.state_dicts import optimizer_state_dict
+        from .state_dict import optimizer_state_dict
 
         check_type("rank0_only", rank0_only, bool, "True or False")
         self.check_no_step_in_flight("optim.state_dict()")
@@ -614,7 +614,7 @@ class ShardedOptimizerV2(Optimizer):
         before anything changes. Saved state of parameters that are frozen in this model is ignored.
         The fp32 masters come with the model: ``model.load_state_dict``. No collective.
         """
-        from ..io.state_dicts import plan_optimizer_load
+        from .state_dict import plan_optimizer_load
 
         self.check_no_step_in_flight("optim.load_state_dict()")
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():

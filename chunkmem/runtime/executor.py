@@ -16,7 +16,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 
 from ..core.chunk import MASTER, OPTIM_FAMILIES, Chunk, gather_together
-from ..core.errors import GradientAccumulationError
+from ..errors import GradientAccumulationError
 from ..core.memory import TierMemory
 from ..core.states import ChunkStateError, CopyState
 from ..core.tiers import Tier

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from ..core.chunk import MASTER, Chunk, ParamSlot
-from ..core.errors import GradientAccumulationError
+from ..errors import GradientAccumulationError
 from ..core.tiers import Tier
 from ..distributed.reduction import GradientReduction
 from .executor import ChunkExecutor

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from ..core.chunk import MASTER, Chunk, ChunkHost, ParamSlot
-from ..core.errors import InvalidArgumentError, check_type
+from ..errors import InvalidArgumentError, check_type
 from ..core.param_guard import ParameterAccessError, remember_external, slot_of
 
 

@@ -24,11 +24,11 @@ disk instead: all of it, except (``auto`` with a host capacity) the optimizer st
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 from ..core.chunk import Chunk
-from ..core.errors import InvalidArgumentError, check_choice, check_number
+from ..errors import InvalidArgumentError, check_choice, check_number
 from ..core.tiers import Tier
 from .belady import MovePlan, plan_moves
 from .tracer import Period

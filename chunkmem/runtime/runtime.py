@@ -43,7 +43,7 @@ from torch._C import DisableTorchFunctionSubclass
 from torch.utils._pytree import tree_leaves
 
 from ..core.chunk import Chunk
-from ..core.errors import GradientAccumulationError, InvalidArgumentError
+from ..errors import GradientAccumulationError, InvalidArgumentError
 from ..core.memory import TierMemory
 from ..core.param_guard import remembered_externals, slot_of
 from ..core.tiers import Tier, device_of_tier

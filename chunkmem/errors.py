@@ -53,6 +53,11 @@ class UnsupportedOperationError(ChunkmemError, RuntimeError):
     fixed once attached)."""
 
 
+class CheckpointError(ChunkmemError, RuntimeError):
+    """A state dict or checkpoint cannot be taken or restored in the current state of training (the
+    parameters' memory holds gradients), or another rank failed its part of a checkpoint."""
+
+
 def check_type(argument: str, value: Any, expected: type | tuple[type, ...], allowed: str) -> None:
     """Raise :class:`ArgumentTypeError` unless ``value`` is an instance of ``expected`` (a ``bool`` only
     where ``bool`` is expected itself)."""

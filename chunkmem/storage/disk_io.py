@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from ..core.errors import ChunkmemError, InvalidArgumentError, check_number, check_type
+from ..errors import ChunkmemError, InvalidArgumentError, check_number, check_type
 
 ALIGNMENT = 4096
 """Bytes: the offset, the length and the buffer address of every disk I/O are multiples of it."""
