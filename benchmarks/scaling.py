@@ -9,7 +9,7 @@ Three GPTs of one width and growing depth (default d_model 256, depths 4, 16, 64
    the model's chunk bytes, so that the plan has to evict (Belady) and the device tier is a real
    constraint;
 2. the measured run: placement ``auto`` under that capacity; the first step is traced and ends with
-   the plan, whose creation (``scheduler._make_plan``, wrapped with a timer inside this script) is the
+   the plan, whose creation (``scheduler.make_plan``, wrapped with a timer inside this script) is the
    planning time; then warm-up steps, then timed steps (step time = their median). The plan is also
    re-made ``--replans`` times after training; the least of those times (other jobs only add time)
    is used for the fit, their median is shown too (the single first call is a few milliseconds and

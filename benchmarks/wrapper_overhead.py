@@ -120,7 +120,7 @@ def child(config: str, size: str, warmup: int, steps: int, threads: int | None) 
                torch=torch.__version__)
     if config != "plain":
         out["n_chunks"] = len(model.chunks)
-        out["chunk_bytes"] = model.chunk_numel * model._element_size
+        out["chunk_bytes"] = model.layout.chunk_bytes
         out["tier_bytes"] = model.tier_bytes()
         out["tier_bytes_after_backward"] = after_backward
         out["ledger_peak_device_bytes"] = model.runtime.ledger.peak_device_bytes

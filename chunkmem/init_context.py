@@ -156,16 +156,15 @@ class ZeroInitContext:
     # ---- moving a finished module into chunks ------------------------------------------------------
 
     def _convert(self, module: nn.Module) -> None:
-        check_param_dtypes(((f"{type(module).__name__}.{name}", p) for name, p in module._parameters.items()),
-                           "ZeroInitContext: module")
-        for name, param in module._parameters.items():
-            if param is not None and slot_of(param) is None:
+        own = list(module.named_parameters(recurse=False))
+        check_param_dtypes(((f"{type(module).__name__}.{name}", p) for name, p in own), "ZeroInitContext: module")
+        for name, param in own:
+            if slot_of(param) is None:
                 self._add_param(f"{type(module).__name__}.{name}", param)
         device = device_of_tier(self.tier)
-        for name, buf in module._buffers.items():
-            if buf is not None:
-                dtype = self.dtype if buf.is_floating_point() else buf.dtype
-                module._buffers[name] = buf.to(device=device, dtype=dtype)
+        for name, buf in list(module.named_buffers(recurse=False)):
+            dtype = self.dtype if buf.is_floating_point() else buf.dtype
+            setattr(module, name, buf.to(device=device, dtype=dtype))
 
     def _add_param(self, name: str, param: nn.Parameter) -> None:
         key = ChunkKey(param.requires_grad)

@@ -161,7 +161,7 @@ def test_repack_unmaps_the_replaced_chunks_blocks_and_empty_cache_unmaps_the_res
                               dtype=torch.float32, chunk_size=8192 * 4)  # another size: a re-pack
     blocks = model.runtime.memory.blocks
     assert context_sizes == {4096 * 4} and blocks.cached_bytes == 0
-    assert all(n not in blocks._free for n in context_sizes)
+    assert all(blocks.cached_blocks(n) == 0 for n in context_sizes)
     optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-2))
     tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
     for _ in range(2):

@@ -201,7 +201,7 @@ def make_leftover(directory, pid: int, start_time, token: str = "ab12") -> str:
 
 def test_leftovers_of_ended_processes_are_removed(tmp_path):
     dead = make_leftover(tmp_path, ended_pid(), "123")
-    live = make_leftover(tmp_path, os.getpid(), disk_io._process_start_time(os.getpid()), "cd34")
+    live = make_leftover(tmp_path, os.getpid(), disk_io.process_start_time(os.getpid()), "cd34")
     reused_pid = make_leftover(tmp_path, os.getpid(), "1", "ef56")  # same pid, another process's start time
     unmarked_dead = os.path.join(tmp_path, f"chunkmem-{ended_pid()}-0a")  # no marker: judged by the pid
     unmarked_live = os.path.join(tmp_path, f"chunkmem-{os.getpid()}-0b")

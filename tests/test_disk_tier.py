@@ -440,12 +440,11 @@ def _watch_updates_during_backward(model, optim):
 
     def watching(chunk):
         original(chunk)
-        step = optim._step_in_flight
-        seen.append(len(step.updates) if step is not None else 0)
+        seen.append(optim.backward_updates)
         if chunk is model.chunks[0]:  # the last chunk the backward finishes (embeddings, first layer)
             start = ledger.read_from_disk
             for _ in range(500):
-                if ledger.read_from_disk > start or step is None:
+                if ledger.read_from_disk > start or optim.backward_updates == 0:
                     break
                 time.sleep(0.01)
             seen.append(("read during backward", ledger.read_from_disk > start))

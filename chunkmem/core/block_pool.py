@@ -76,6 +76,10 @@ class BlockPool:
                 del self._chunks_using[nbytes]
                 self.cached_bytes -= nbytes * len(self._free.pop(nbytes, ()))
 
+    def cached_blocks(self, nbytes: int) -> int:
+        """How many freed blocks of ``nbytes`` bytes the pool keeps for reuse."""
+        return len(self._free.get(nbytes, ()))
+
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised flat tensor of ``numel`` elements of ``dtype``: a cached block of that byte
         size if there is one, else a new mapping."""

@@ -512,6 +512,12 @@ class ShardedOptimizerV2(Optimizer):
             update.chunk.step = update.step
             self.runtime.mark_updated(update.chunk, Tier.DISK if update.param is None else Tier.HOST)
 
+    @property
+    def backward_updates(self) -> int:
+        """With ``step_in_backward``: how many chunks' updates the running (or last) backward started and
+        :meth:`step` has not completed yet (0 when none)."""
+        return 0 if self._step_in_flight is None else len(self._step_in_flight.updates)
+
     def state_loaded(self) -> None:
         """A state dict or checkpoint was loaded: a step over disk-resident state that had failed half-way
         (``atomic_step=False``, after which the optimizer refused to step) is forgotten."""

@@ -138,8 +138,8 @@ class GradientBuckets:
                     parts[r].append((slot, flat_grad, *part))
         longest = max(1, max(sum(b - a for _, _, a, b in rows) for rows in parts))
         device = entries[0][1].device
-        buffer = self.scratch.take((world + 1) * longest, self.comm_dtype, device)
-        joined, out = buffer[:world * longest], buffer[world * longest:]
+        block = self.scratch.take((world + 1) * longest, self.comm_dtype, device)
+        joined, out = block[:world * longest], block[world * longest:(world + 1) * longest]
         for r, rows in enumerate(parts):
             position = r * longest
             for _, flat_grad, a, b in rows:
@@ -160,15 +160,15 @@ class GradientBuckets:
                 start = slot.offset + a - slot.chunk.own_start
                 store[start:start + b - a].add_(out[position:position + b - a].to(store.device, store.dtype))
                 position += b - a
-            self.scratch.give(buffer)  # only now: the collective reads ``joined`` until it is done
+            self.scratch.give(block)  # only now: the collective reads ``joined`` until it is done
         return pending, finish
 
 
 class _ScratchBuffers:
     """The communication buffers of the reduce-scatters, kept from bucket to bucket and from step to
     step (at most ``keep`` of them, the largest), so a backward does not allocate and first-touch
-    fresh memory for every bucket. :meth:`take` returns a prefix view of a free buffer large enough,
-    or of a new one; :meth:`give` returns it."""
+    fresh memory for every bucket. :meth:`take` returns a free buffer of at least the size asked (or a
+    new one); :meth:`give` returns it."""
 
     def __init__(self, keep: int) -> None:
         self.keep = keep
@@ -177,11 +177,10 @@ class _ScratchBuffers:
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         for i, buffer in enumerate(self.free):
             if buffer.numel() >= numel and buffer.dtype == dtype and buffer.device == device:
-                return self.free.pop(i)[:numel]
-        return torch.empty(numel, dtype=dtype, device=device)[:numel]
+                return self.free.pop(i)
+        return torch.empty(numel, dtype=dtype, device=device)
 
-    def give(self, view: torch.Tensor) -> None:
-        buffer = view._base if view._base is not None else view
+    def give(self, buffer: torch.Tensor) -> None:
         self.free.append(buffer)
         self.free.sort(key=lambda t: t.numel(), reverse=True)
         del self.free[self.keep:]

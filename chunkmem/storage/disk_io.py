@@ -292,6 +292,13 @@ class DiskFile:
         Do not change ``buf`` until the handle's :meth:`IOHandle.wait`."""
         return self._start(buf, offset, what, reading=False)
 
+    def flush(self, drop_cache: bool = False) -> None:
+        """Wait until the file's writes are on the disk (``fsync``); ``drop_cache``: then ask the kernel to
+        drop its cached pages, so the next read comes from the disk (files opened without direct I/O)."""
+        os.fsync(self._fd)
+        if drop_cache:
+            os.posix_fadvise(self._fd, 0, self.nbytes, os.POSIX_FADV_DONTNEED)
+
     def grow(self, nbytes: int) -> None:
         """Preallocate the file up to ``nbytes`` (bytes, rounded up to :data:`ALIGNMENT`, not smaller
         than :attr:`nbytes`). A full disk raises :class:`DiskIOError` and leaves the file as it was."""
@@ -505,7 +512,7 @@ def _checked_directory(nvme_path: Any, argument: str) -> str:
     return os.path.abspath(directory)
 
 
-def _process_start_time(pid: int) -> str | None:
+def process_start_time(pid: int) -> str | None:
     """When process ``pid`` started (clock ticks after boot, as text), ``""`` where that cannot be
     read, or ``None`` when there is no such process."""
     try:
@@ -527,7 +534,7 @@ def _process_start_time(pid: int) -> str | None:
 
 def _write_owner(path: str) -> None:
     owner = {"pid": os.getpid(), "hostname": socket.gethostname(),
-             "start_time": _process_start_time(os.getpid()), "created": time.time()}
+             "start_time": process_start_time(os.getpid()), "created": time.time()}
     marker = os.path.join(path, OWNER_FILE)
     try:
         with open(marker, "w") as f:
@@ -547,7 +554,7 @@ def _owner_gone(path: str, pid: int) -> bool:
         owner = {}
     if owner.get("hostname") not in (None, socket.gethostname()):
         return False  # another host's process: cannot tell
-    now = _process_start_time(pid)
+    now = process_start_time(pid)
     if now is None:
         return True
     then = owner.get("start_time")
@@ -712,9 +719,7 @@ def measure_bandwidth(directory: str | os.PathLike, nbytes: int = 2**30, block: 
             for handle in in_flight:
                 handle.wait()
             if not reading:
-                os.fsync(disk_file._fd)
-                if not space.direct:
-                    os.posix_fadvise(disk_file._fd, 0, total, os.POSIX_FADV_DONTNEED)
+                disk_file.flush(drop_cache=not space.direct)
             return total / (time.perf_counter() - begin)
 
         run(reading=False)  # allocates the blocks
