@@ -47,6 +47,7 @@ import torch.nn as nn
 
 from ..distributed.collectives import SINGLE_PROCESS, PendingCollective, ShardGroup, start_all_gather
 from .disk_tier import DiskRegion
+from .layout import part_in_shard
 from .memory import TierMemory
 from .states import ChunkStateError, Contents, CopyLife, CopyState
 from .tiers import Tier, device_of_tier
@@ -709,9 +710,7 @@ class Chunk:
     def own_range(self, slot: ParamSlot) -> tuple[int, int] | None:
         """The elements ``(start, end)`` of ``slot``'s parameter (0 = its first element) that lie in this
         rank's shard, or ``None`` when none do."""
-        start = max(slot.offset, self.shard_offset)
-        end = min(slot.offset + slot.numel, self.shard_offset + self.shard_numel)
-        return (start - slot.offset, end - slot.offset) if start < end else None
+        return part_in_shard(slot.offset, slot.numel, self.shard_offset, self.shard_numel)
 
     def write_own_part(self, slot: ParamSlot, local: torch.Tensor, value: torch.Tensor) -> None:
         """Copy this rank's part of ``value`` (``slot``'s whole parameter) into ``local``, a buffer of

@@ -62,6 +62,15 @@ def search_chunk_numel(numels: Sequence[int], keys: Sequence[Hashable], element_
     return best
 
 
+def part_in_shard(offset: int, numel: int, shard_offset: int, shard_numel: int) -> tuple[int, int] | None:
+    """The elements ``(start, end)`` of a parameter at ``offset`` of ``numel`` elements in its chunk (0 =
+    its first element) that lie in the shard ``[shard_offset, shard_offset + shard_numel)`` of that chunk,
+    or ``None`` when none do (both chunk engines shard a chunk into equal contiguous ranges)."""
+    start = max(offset, shard_offset)
+    end = min(offset + numel, shard_offset + shard_numel)
+    return (start - offset, end - offset) if start < end else None
+
+
 def aligned_numel(numel: int, world: int = 1) -> int:
     """``numel`` rounded up to whole 64-element groups in each of ``world`` equal shards (elements)."""
     unit = ALIGN_ELEMENTS * world

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from ..core.layout import aligned_numel, pack, search_chunk_numel
+from ..core.layout import aligned_numel, pack, part_in_shard, search_chunk_numel
 
 
 @dataclass(eq=False)
@@ -39,11 +39,8 @@ class FlatSlot:
 
     def part_of_rank(self, rank: int) -> tuple[int, int] | None:
         """The element range within this parameter that lies in ``rank``'s shard, or ``None``."""
-        start = max(self.offset, rank * self.chunk.shard_numel)
-        end = min(self.offset + self.numel, (rank + 1) * self.chunk.shard_numel)
-        if start >= end:
-            return None
-        return start - self.offset, end - self.offset
+        shard_numel = self.chunk.shard_numel
+        return part_in_shard(self.offset, self.numel, rank * shard_numel, shard_numel)
 
 
 @dataclass(eq=False)
