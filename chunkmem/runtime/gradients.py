@@ -16,8 +16,6 @@ chunk's padding.
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
 from ..core.chunk import MASTER, Chunk, ParamSlot
@@ -29,17 +27,15 @@ from .executor import ChunkExecutor
 
 class GradientStore:
     """One model's gradient strategy (see the module docstring). The runtime calls it; it moves chunk
-    memory only through the executor, and keeps a chunk on the device for the backward with ``hold``
-    (the runtime's, which tells the scheduler too)."""
+    memory only through the executor."""
 
     in_param_memory = False
-    """Whether the gradients live in the parameters' memory (no gradient or staging buffers)."""
+    """Whether the gradients live in the parameters' memory (no gradient or staging buffers): the
+    runtime then holds a chunk's parameters on the device before handing it a gradient or finishing it."""
 
-    def __init__(self, executor: ChunkExecutor, reduction: GradientReduction,
-                 hold: Callable[[list[Chunk]], None]) -> None:
+    def __init__(self, executor: ChunkExecutor, reduction: GradientReduction) -> None:
         self.executor = executor
         self.reduction = reduction
-        self.hold = hold
 
     def accumulate(self, chunk: Chunk, slot: ParamSlot, grad: torch.Tensor) -> None:
         """Take one parameter's gradient (from autograd) into its chunk."""
@@ -145,12 +141,10 @@ class GradientsInParamMemory(GradientStore):
             raise GradientAccumulationError(
                 f"parameter {slot.name!r} received a second gradient in one backward pass (reentrant "
                 "activation checkpointing?); reuse_fp16_shard=True needs each gradient in one piece")
-        self.hold([chunk])
-        slot.view(chunk.param.device).copy_(grad)
+        slot.view(chunk.param.device).copy_(grad)  # (the runtime holds the chunk on the device)
 
     def finish(self, chunk: Chunk, deferred: bool) -> None:
         buf = chunk.param
-        self.hold([chunk])
         self._zero_unwritten(chunk, buf.device)
         if buf.sharded:
             buf.grads_in_shard(self.reduction.reduce(buf.device, f"{chunk.name} gradients"))
@@ -183,7 +177,6 @@ class GradientsInParamMemory(GradientStore):
                 "optim.step() or optim.zero_grad() between them, or use reuse_fp16_shard=False")
 
 
-def gradient_store(in_param_memory: bool, executor: ChunkExecutor, reduction: GradientReduction,
-                   hold: Callable[[list[Chunk]], None]) -> GradientStore:
+def gradient_store(in_param_memory: bool, executor: ChunkExecutor, reduction: GradientReduction) -> GradientStore:
     """The strategy for ``reuse_fp16_shard`` (``in_param_memory``)."""
-    return (GradientsInParamMemory if in_param_memory else StagedGradients)(executor, reduction, hold)
+    return (GradientsInParamMemory if in_param_memory else StagedGradients)(executor, reduction)

@@ -104,7 +104,7 @@ class ChunkRuntime:
         self.executor = ChunkExecutor(chunks, memory, policy, self.state, gather_together)
         self.scheduler = Scheduler(memory.ledger, policy, self.state, device_of_tier(Tier.DEVICE))
         self.reduction = reduction
-        self.gradients = gradient_store(gradients_in_param_memory, self.executor, reduction, self._hold_for_backward)
+        self.gradients = gradient_store(gradients_in_param_memory, self.executor, reduction)
         self.grads_pending = False
         self.backward_count = 0  # backward passes finished (autograd's end of backward) so far
         self._no_sync = False
@@ -244,6 +244,8 @@ class ChunkRuntime:
         chunk = slot.chunk
         if not chunk.grad_slots_received:
             self.scheduler.grads_started(chunk.index)
+        if self.gradients.in_param_memory:
+            self._hold_for_backward([chunk])
         self.gradients.accumulate(chunk, slot, grad)
         chunk.grad_slots_received.add(slot.index_in_chunk)
         if len(chunk.grad_slots_received) == len(chunk.trainable_slots()):
@@ -455,6 +457,8 @@ class ChunkRuntime:
         let them rest where the update runs, let the parameters go back to their resting tier, and tell
         the optimizer."""
         deferred = self._no_sync and chunk.param.sharded
+        if self.gradients.in_param_memory:
+            self._hold_for_backward([chunk])
         self.gradients.finish(chunk, deferred)
         chunk.grad_slots_received.clear()
         chunk.grads_finished = True
