@@ -2,7 +2,7 @@
 memory, by packing them into chunks that move between the device, host and disk tiers."""
 from . import utils
 from .optim.adam import CPUAdam, HybridAdam
-from .distributed.agreement import LayoutMismatchError
+from .distributed.agreement import LayoutMismatchError, StepMismatchError
 from .io.checkpoint import consolidate_checkpoint, load_checkpoint, save_checkpoint
 from .distributed.collectives import CollectiveError, CollectiveTimeoutError, collective_timeout, set_collective_timeout
 from .config import NoEffectWarning, initialize
@@ -31,7 +31,7 @@ __all__ = [
     "CollectiveTimeoutError", "DeviceCapacityError", "DiskIOError", "DiskStepError", "DynamicGradScaler",
     "GatheredParameters", "GradientAccumulationError", "HostCapacityError", "HybridAdam", "InvalidArgumentError",
     "LayoutMismatchError", "LowLevelZeroOptimizer", "NoEffectWarning", "ParameterAccessError", "PolicyPlan",
-    "ShardedModelV2", "ShardedOptimizerV2", "TensorShardStrategy", "Tier", "UnscaledBackwardError",
+    "ShardedModelV2", "ShardedOptimizerV2", "StepMismatchError", "TensorShardStrategy", "Tier", "UnscaledBackwardError",
     "UnsupportedOperationError",
     "ZeroInitContext", "collective_timeout", "consolidate_checkpoint", "device_memory_capacity",
     "host_memory_capacity", "initialize", "load_checkpoint", "parse_size", "plan", "register_external_parameter",

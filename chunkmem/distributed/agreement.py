@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 
 from ..errors import ChunkmemError
 from .collectives import ShardGroup
@@ -156,3 +157,49 @@ def _ranks_text(ranks: list[int]) -> str:
             runs.append([r, r])
     text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
     return ("rank " if len(ranks) == 1 else "ranks ") + text
+
+
+# ---- where the ranks are during training ----------------------------------------------------------
+
+class StepMismatchError(LayoutMismatchError):
+    """The ranks of a data-parallel group reached different points of training (one skipped or repeated
+    ``step()``, a forward or a backward; one called ``clip_grad_norm`` and another did not) or hold
+    different per-step values (the loss scale, the clipping). Raised on every rank, at the first point
+    where they differ, before any collective of that point pairs mismatched data."""
+
+
+POINTS = ("forward", "backward", "clip", "step")
+"""The points of training the ranks compare (:func:`agree_on_point`)."""
+POINT_FIELDS = 6
+"""Values compared at each point (unused ones are 0): the record has the same shape at every point, so
+ranks at different points meet in the same collective and see that they differ."""
+
+
+def agree_on_point(shards: ShardGroup, point: str, where: str, fields: Sequence[tuple[str, float]]) -> None:
+    """Raise :class:`StepMismatchError` on every rank of ``shards`` unless all are at ``point`` (one of
+    :data:`POINTS`; ``where`` names it for the message, e.g. ``"ShardedOptimizerV2.step()"``) with equal
+    ``fields`` (at most :data:`POINT_FIELDS` named values). One all-reduce (max) of a fixed-size record
+    and of its negation: every rank learns each value's largest and smallest, equal only when all agree.
+    A collective: every rank calls it at the same point (that is what it checks)."""
+    if not shards.sharded:
+        return
+    if len(fields) > POINT_FIELDS:
+        raise ValueError(f"internal error: {len(fields)} fields at {where}, at most {POINT_FIELDS}")
+    record = [float(POINTS.index(point))] + [float(v) for _, v in fields]
+    record += [0.0] * (1 + POINT_FIELDS - len(record))
+    both = torch.tensor(record + [-v for v in record], dtype=torch.float64)
+    shards.all_reduce_(both, dist.ReduceOp.MAX, what=f"the ranks' agreement at {where}")
+    high, low = both[:len(record)].tolist(), [-v for v in both[len(record):].tolist()]
+    if high == low:
+        return
+    if high[0] != low[0]:
+        reached = sorted({POINTS[int(low[0])], POINTS[int(high[0])]})
+        raise StepMismatchError(
+            f"the {shards.world} ranks are at different points of training: some reached {reached[0]!r}, "
+            f"others {reached[1]!r} (this rank: {where}). Every rank must run the same forwards, backwards, "
+            f"clip_grad_norm and step calls in the same order; the training state now differs between the ranks: "
+            f"restart from a checkpoint")
+    differing = [f"{name}: from {low[i + 1]:g} to {high[i + 1]:g} over the ranks (this rank: {value:g})"
+                 for i, (name, value) in enumerate(fields) if high[i + 1] != low[i + 1]]
+    raise StepMismatchError(f"the {shards.world} ranks disagree at {where}: " + "; ".join(differing)
+                            + ". Every rank must train with the same settings and call the same steps")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Sequence
@@ -42,6 +43,17 @@ COLLECTIVE_TIMEOUT_ENV = "CHUNKMEM_COLLECTIVE_TIMEOUT"
 DEFAULT_COLLECTIVE_TIMEOUT = 600.0
 
 _timeout_override: float | None = None
+
+_FINISHED_WORKS_KEPT = 8
+_finished_works: deque = deque(maxlen=_FINISHED_WORKS_KEPT)
+"""The last collectives waited for, kept referenced. gloo's worker thread releases a finished work's
+tensors a moment after the work completes; if that release drops the last reference while the
+interpreter is finalizing, the process aborts (``terminate called without an active exception``: 5 of
+12 two-rank runs of ``all_reduce(async_op=True).wait()`` on a temporary tensor, torch 2.13). Holding the
+last few works here makes the worker's release never the last one: these are released by the main
+thread, at finalization at the latest. A few collectives' inputs stay alive that much longer."""
+
+_bounded_groups: dict[int, float] = {}  # id(group) -> the timeout (seconds) set on its gloo backend
 
 
 class CollectiveError(ChunkmemError, RuntimeError):
@@ -164,6 +176,7 @@ class ShardGroup:
         if not self.sharded:
             shard.copy_(full_pieces[0])
             return
+        bound_gloo_timeout(self.group)
         device = _comm_device(self.group, shard)
         out = shard if shard.device == device else torch.empty_like(shard, device=device)
         pieces = [p.to(device) for p in full_pieces]
@@ -261,6 +274,7 @@ def start_all_reduce(shards: ShardGroup, tensor: torch.Tensor, what: str) -> Pen
     returned handle's ``wait()`` returned (one rank: at once)."""
     if not shards.sharded:
         return PendingCollective("all_reduce", what, None, None, tensor, tensor)
+    bound_gloo_timeout(shards.group)
     work_tensor = tensor.to(_comm_device(shards.group, tensor))
     work = dist.all_reduce(work_tensor, op=dist.ReduceOp.SUM, group=shards.group, async_op=True)
     return PendingCollective("all_reduce", what, shards.group, work, work_tensor, tensor)
@@ -305,6 +319,7 @@ def start_all_gather(shards: ShardGroup, full: torch.Tensor, shard: torch.Tensor
         if full.data_ptr() != shard.data_ptr():
             full.copy_(shard)
         return PendingCollective("all_gather", what, None, None, full, full)
+    bound_gloo_timeout(shards.group)
     device = _comm_device(shards.group, full)
     work_out = full if full.device == device else torch.empty_like(full, device=device)
     local = shard.to(device)
@@ -327,6 +342,7 @@ def start_reduce_scatter(shards: ShardGroup, out: torch.Tensor, joined: torch.Te
     if not shards.sharded:
         out.copy_(joined)
         return PendingCollective("reduce_scatter", what, None, None, out, out)
+    bound_gloo_timeout(shards.group)
     device = _comm_device(shards.group, out)
     work_out = out if out.device == device else torch.empty_like(out, device=device)
     work = _reduce_scatter_flat(work_out, joined.to(device), group=shards.group, async_op=True)
@@ -336,11 +352,36 @@ def start_reduce_scatter(shards: ShardGroup, out: torch.Tensor, joined: torch.Te
 def _complete(collective: str, what: str, group: Any, start: Callable[[], Any]) -> None:
     """Start a collective (``start`` launches it with ``async_op=True``) and wait for it, at most
     :func:`collective_timeout` seconds except with NCCL (see the module docstring)."""
+    bound_gloo_timeout(group)
     _wait(collective, what, group, start())
 
 
+def bound_gloo_timeout(group: Any) -> None:
+    """Lower a gloo group's own collective timeout to :func:`collective_timeout` (never raise it), before
+    chunkmem starts a collective on it. Waiting for a collective is bounded here, but gloo's worker
+    thread would stay inside a collective whose partner never comes until the group's timeout (30
+    minutes by default), and interpreter exit joins that thread: with the group bounded too, a process
+    whose collective timed out exits promptly. The user's own collectives on the group get the lower
+    bound as well."""
+    if group is None or dist.get_backend(group) != "gloo":
+        return
+    bound = collective_timeout()
+    if _bounded_groups.get(id(group)) == bound:
+        return
+    try:
+        options = group._get_backend(torch.device("cpu")).options
+        current = getattr(options, "_timeout", None) or getattr(options, "timeout", None)
+    except (AttributeError, RuntimeError):  # a torch without these: the group keeps its own timeout
+        return
+    if current is None or current.total_seconds() > bound:
+        group.set_timeout(timedelta(seconds=bound))
+    _bounded_groups[id(group)] = bound
+
+
 def _wait(collective: str, what: str, group: Any, work: Any) -> None:
-    """Wait for a started collective's ``work`` handle (see :func:`_complete`)."""
+    """Wait for a started collective's ``work`` handle (see :func:`_complete`); the handle is then kept
+    among the last few finished (see ``_finished_works``)."""
+    _finished_works.append(work)
     if dist.get_backend(group) == "nccl":
         work.wait()
         return

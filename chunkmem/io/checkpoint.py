@@ -723,9 +723,7 @@ def _gather_strings(group: ShardGroup, text: str) -> list[str]:
     """Every rank's ``text``, in rank order (on every rank)."""
     if not _collective(group):
         return [text]
-    gathered: list[Any] = [None] * group.world
-    dist.all_gather_object(gathered, text, group=group.group)
-    return gathered
+    return [data.decode() for data in group.all_gather_bytes(text.encode(), "the ranks' checkpoint file names")]
 
 
 def _agree(group: ShardGroup, error: Exception | None, what: str) -> None:

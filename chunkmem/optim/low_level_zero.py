@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from .adam import check_supported_optimizer, hyper_of_group
 from .adam_kernels import adam_update_
+from ..distributed.agreement import LayoutDescription, ParamRecord, agree, agree_on_point
 from ..distributed.collectives import ShardGroup, start_all_gather
 from ..errors import (InvalidArgumentError, UnscaledBackwardError, check_choice, check_number,
                      check_type)
@@ -108,6 +109,14 @@ class LowLevelZeroOptimizer:
         groups = self._check_params(optimizer, forced_dtype)
         trainable = [p for group in groups for p in group]
         dtype = forced_dtype or trainable[0].dtype
+        _agree_on_settings(shards, groups, dict(
+            dtype=dtype, communication_dtype=communication_dtype or dtype, reduce_bucket_size=reduce_bucket_size,
+            overlap_communication=overlap_communication, partition_grad=partition_grad, cpu_offload=cpu_offload,
+            clip_grad_norm=clip_grad_norm,
+            loss_scaler=(initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
+                         max_scale) if dtype == torch.float16 else None))
+        for p in trainable:
+            p._low_level_zero = True  # type: ignore[attr-defined]
         device = trainable[0].device
         master_device = torch.device("cpu") if cpu_offload else device
         separate = dtype != torch.float32 or master_device != device
@@ -140,6 +149,9 @@ class LowLevelZeroOptimizer:
         self._in_backward = False
         self._unscaled_backward = False
         self.grads_pending = False
+        self._backwards = 0  # backward passes with gradients so far
+        self._steps = 0  # step() calls so far
+        self._backward_agreed = False  # the running backward's agreement ran
         self._hooks = [slot.param.register_post_accumulate_grad_hook(self._on_grad)
                        for slot in self._slot_of.values()]
 
@@ -177,9 +189,6 @@ class LowLevelZeroOptimizer:
         if forced_dtype is None and len(dtypes) > 1:
             raise InvalidArgumentError("forced_dtype", None, f"a dtype, as the parameters have several "
                                                              f"({sorted(map(str, dtypes))})")
-        for params in groups:
-            for p in params:
-                p._low_level_zero = True  # type: ignore[attr-defined]
         return groups
 
     # ---- torch.optim.Optimizer-like views ----------------------------------------------------------
@@ -216,6 +225,21 @@ class LowLevelZeroOptimizer:
         return chunk.grad
 
     def _on_grad(self, param: nn.Parameter) -> None:
+        """A parameter's gradient is final in this backward (autograd's hook): the first of a backward
+        runs the ranks' agreement first, then the gradient goes to the buckets."""
+        if not self._backward_agreed:
+            self._backward_agreed = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+            agree_on_point(self.shards, "backward", "LowLevelZeroOptimizer's backward",
+                           [("backward passes so far", self._backwards), ("optimizer steps so far", self._steps),
+                            ("inside no_sync", self._no_sync)])
+        self._take_grad(param)
+
+    def _backward_ended(self) -> None:
+        self._backward_agreed = False
+        self._backwards += 1
+
+    def _take_grad(self, param: nn.Parameter) -> None:
         if self._no_sync or param.grad is None:
             return
         if self.grad_scaler is not None and not self._in_backward:
@@ -231,7 +255,7 @@ class LowLevelZeroOptimizer:
             return
         for slot in self._slot_of.values():
             if slot.param.grad is not None:
-                self._on_grad(slot.param)
+                self._take_grad(slot.param)
         self.buckets.finish()
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -272,6 +296,10 @@ class LowLevelZeroOptimizer:
         starts from zero without a ``zero_grad()``. With fp16,
         gradients from a backward that bypassed :meth:`backward` raise
         :class:`~chunkmem.UnscaledBackwardError` and change nothing."""
+        agree_on_point(self.shards, "step", "LowLevelZeroOptimizer.step()",
+                       [("optimizer steps so far", self._steps), ("gradients pending", self.grads_pending),
+                        ("loss scale", self.loss_scale), ("unscaled backward", self._unscaled_backward)])
+        self._steps += 1
         if self._unscaled_backward:
             raise UnscaledBackwardError(
                 "a backward pass of the fp16 parameters did not go through the loss scaler (loss.backward()?): "
@@ -493,3 +521,15 @@ class LowLevelZeroOptimizer:
                     if slot is not None and self.separate_master:
                         self._write_own(slot, slot.chunk.master, state_dict[key].float())
         return apply
+
+
+def _agree_on_settings(shards: ShardGroup, groups: list[list[nn.Parameter]], settings: dict[str, Any]) -> None:
+    """Sharded, every rank must reduce the same buckets in the same dtype and step with the same rules:
+    agree, before anything changes, on the trainable parameters (shape, group, in order) and ``settings``
+    (a rank with another bucket size or communication dtype would run mismatched collectives; another
+    loss scale or clipping would update its shard differently)."""
+    params = ParamRecord()
+    for g, group in enumerate(groups):
+        for i, p in enumerate(group):
+            params.add(f"param group {g}, parameter {i}", p.shape, True)
+    agree(shards, LayoutDescription("LowLevelZeroOptimizer", [(k, repr(v)) for k, v in settings.items()], params))

@@ -14,6 +14,7 @@ from ..errors import (ArgumentTypeError, DeviceCapacityError, GradientAccumulati
                            UnscaledBackwardError, UnsupportedOperationError, check_number, check_type)
 from ..core.param_guard import slot_of
 from ..core.tiers import Tier
+from ..distributed.agreement import LayoutDescription, ParamRecord, agree
 from ..distributed.collectives import ShardGroup
 from ..model import ShardedModelV2
 from ..settings import OptimizerSettings
@@ -123,6 +124,7 @@ class ShardedOptimizerV2(Optimizer):
         scaler = DynamicGradScaler.from_settings(settings.scaler)
         group_of = self._groups_of(sharded_model, optimizer)
         self._check_capacity(sharded_model)
+        self._agree_on_settings(sharded_model, optimizer, settings, group_of)
         self._reserve_disk(sharded_model)
 
         self.model = sharded_model
@@ -205,6 +207,24 @@ class ShardedOptimizerV2(Optimizer):
                                        "param_groups holding every parameter that requires grad "
                                        "(freeze the others with requires_grad_(False))")
         return group_of
+
+    @staticmethod
+    def _agree_on_settings(model: ShardedModelV2, optimizer: Any, settings: OptimizerSettings,
+                           group_of: dict[int, int]) -> None:
+        """Sharded, every rank must step with the same rules: agree (before anything changes) on the
+        wrapped optimizer's class and groups, each parameter's group, the loss scaler's rules and the
+        clipping (a rank with another initial scale would unscale its shard by another factor)."""
+        params = ParamRecord()
+        for name, param in model.module.named_parameters():
+            params.add(name, param.shape, param.requires_grad)
+        groups = ",".join(str(group_of.get(id(p), "-")) for _, p in model.module.named_parameters())
+        description = [("optimizer", type(optimizer).__name__), ("param groups", str(len(optimizer.param_groups))),
+                       ("param group of each parameter", groups),
+                       ("loss scaler", repr(settings.scaler) if model.dtype == torch.float16 else "none"),
+                       ("max_norm", str(settings.max_norm)), ("norm_type", str(settings.norm_type)),
+                       ("gpu_margin_mem_ratio", str(settings.gpu_margin_mem_ratio)),
+                       ("step_in_backward", str(settings.step_in_backward))]
+        agree(model.shards, LayoutDescription("ShardedOptimizerV2", description, params))
 
     @staticmethod
     def _check_capacity(model: ShardedModelV2) -> None:
@@ -353,7 +373,7 @@ class ShardedOptimizerV2(Optimizer):
             run()
         finally:
             self._accounted_backwards += self.runtime.backward_count - before
-            self.runtime.begin_step()  # no backward runs now: finished traces leave the dispatch-mode stack
+            self.runtime.backward_returned()
 
     def _check_backward_was_scaled(self) -> None:
         """With a loss scaler, raise if a backward pass of the model did not go through :meth:`backward`."""
@@ -388,6 +408,9 @@ class ShardedOptimizerV2(Optimizer):
                 "clip_grad_norm with step_in_backward=True: the chunks on disk are updated during the backward, "
                 "before the norm of all gradients exists; build the ShardedOptimizerV2 without step_in_backward "
                 "to clip")
+        self.runtime.agree("clip", "ShardedOptimizerV2.clip_grad_norm()",
+                           [("optimizer steps so far", self.runtime.step_count), ("max_norm", max_norm),
+                            ("norm_type", norm_type)])
         self._check_backward_was_scaled()
         return self.mixed.clip(self._grads(), max_norm, float(norm_type))
 
@@ -412,7 +435,9 @@ class ShardedOptimizerV2(Optimizer):
         :class:`~chunkmem.UnscaledBackwardError` and change nothing. Hooks registered with
         ``register_step_pre_hook`` / ``register_step_post_hook`` run before and after.
         """
-        self.runtime.begin_step()
+        self.runtime.begin_step("ShardedOptimizerV2.step()", [("gradients pending", self.runtime.grads_pending),
+                                                              ("loss scale", self.loss_scale),
+                                                              ("max_norm", self.max_norm)])
         if not self.runtime.grads_pending:
             return False
         self._check_backward_was_scaled()

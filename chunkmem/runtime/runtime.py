@@ -47,6 +47,7 @@ from ..errors import GradientAccumulationError, InvalidArgumentError
 from ..core.memory import TierMemory
 from ..core.param_guard import remembered_externals, slot_of
 from ..core.tiers import Tier, device_of_tier
+from ..distributed.agreement import agree_on_point
 from ..distributed.reduction import GradientReduction
 from .executor import ChunkExecutor
 from .gradients import gradient_store
@@ -107,6 +108,8 @@ class ChunkRuntime:
         self.gradients = gradient_store(gradients_in_param_memory, self.executor, reduction)
         self.grads_pending = False
         self.backward_count = 0  # backward passes finished (autograd's end of backward) so far
+        self.forward_count = 0  # forwards of the wrapped model begun so far
+        self.step_count = 0  # optimizer steps begun so far (skipped ones too)
         self._no_sync = False
         self._listener: weakref.ref | None = None
         self._stack: list[_Running] = []
@@ -184,6 +187,10 @@ class ChunkRuntime:
         self._end_of_backward_queued = False  # autograd drops the callback of a backward that raised
         if self.scheduler.running:  # the last iteration stopped on an error: release what it held
             self._recover_interrupted()
+        self.agree("forward", "the model's forward", [("forwards so far", self.forward_count),
+                                                      ("optimizer steps so far", self.step_count),
+                                                      ("autograd on", training)])
+        self.forward_count += 1
         if self.scheduler.begin_iteration(_shapes_of(inputs), training):
             self.executor.evict_unpinned()
 
@@ -270,10 +277,26 @@ class ChunkRuntime:
         self.memory.ledger.context = ""
 
     @_untraced
-    def begin_step(self) -> None:
-        """The optimizer's step (or its backward) runs: no backward is running, so finished traces can
-        leave autograd's dispatch-mode stack."""
+    def backward_returned(self) -> None:
+        """The optimizer's backward returned: no backward is running, so finished traces can leave
+        autograd's dispatch-mode stack."""
         self.scheduler.close_finished_traces()
+
+    @_untraced
+    def begin_step(self, where: str, fields: list[tuple[str, float]]) -> None:
+        """The optimizer's step begins (``where`` names it): finished traces leave the dispatch-mode stack,
+        and, sharded, the ranks check that they all are at this step with equal ``fields`` (the first
+        collective of every step, see :meth:`agree`)."""
+        self.scheduler.close_finished_traces()
+        self.agree("step", where, [("optimizer steps so far", self.step_count), *fields])
+        self.step_count += 1
+
+    def agree(self, point: str, where: str, fields: list[tuple[str, float]]) -> None:
+        """Sharded: raise :class:`~chunkmem.StepMismatchError` on every rank unless all reached ``point``
+        (:data:`~chunkmem.distributed.agreement.POINTS`) with equal ``fields`` (one small all-reduce; the
+        first collective of every forward, ``clip_grad_norm`` and step, so ranks that skipped or repeated
+        a call meet here and stop, instead of pairing mismatched collectives)."""
+        agree_on_point(self.reduction.shards, point, where, fields)
 
     @_untraced
     def end_step(self, release_gradients: bool) -> None:
