@@ -123,6 +123,14 @@ def mark_unwrapped(module: nn.Module) -> None:
 
 # ---- the layout ----------------------------------------------------------------------------------------
 
+def compute_dtype(module: nn.Module, settings: ModelSettings) -> torch.dtype:
+    """The compute dtype :func:`build_runtime` gives ``module`` with ``settings`` (raises as it does when
+    they contradict the ``ZeroInitContext`` the module was built in); changes nothing."""
+    slots = [slot_of(p) for p in module.parameters()]
+    in_context = bool(slots) and all(s is not None for s in slots)
+    return _dtype(settings, slots[0].chunk.dtype if in_context else None)
+
+
 def _dtype(settings: ModelSettings, context_dtype: torch.dtype | None) -> torch.dtype:
     """The compute dtype: the context's for a module built in ``ZeroInitContext``, else ``dtype`` (fp16)."""
     dtype = settings.dtype

@@ -24,9 +24,11 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from .optim.adam import HybridAdam
+from .core.param_guard import slot_of
+from .optim.adam import HybridAdam, check_supported_optimizer, params_mismatch
 from .optim.loss_scaler import DynamicGradScaler
 from .errors import ArgumentTypeError, InvalidArgumentError
+from .builder import compute_dtype
 from .model import ShardedModelV2
 from .optim.low_level_zero import LowLevelZeroOptimizer
 from .optim.sharded_optimizer import ShardedOptimizerV2
@@ -157,6 +159,12 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     Stage 3 (and the ColossalAI form) returns a :class:`~chunkmem.ShardedModelV2` and a
     :class:`~chunkmem.ShardedOptimizerV2`; stages 1 and 2 return the model unwrapped (cast to the
     configured dtype) and a ``chunkmem.LowLevelZeroOptimizer``.
+
+    All or nothing: the optimizer is checked against ``model`` (one chunkmem can step, over ``model``'s
+    parameters: each of its parameters one of ``model``'s, each parameter of ``model`` that requires grad
+    in it; else :class:`~chunkmem.InvalidArgumentError` naming ``optimizer``) and every optimizer argument
+    is checked before the module is cast or wrapped; a failure only the wrapped model can detect (room
+    for the optimizer state) undoes the wrapping before it is re-raised.
     """
     if not isinstance(model, nn.Module):
         raise ArgumentTypeError("model", type(model).__name__, "a torch.nn.Module")
@@ -254,11 +262,59 @@ def _initialize_colossal(model: nn.Module, optimizer: Any, zero: Any) -> tuple[n
                                     lambda: ModelSettings.from_arguments(strategy, **model_config))
     optimizer_settings = _rename_errors("zero.optimizer_config.",
                                         lambda: OptimizerSettings.from_arguments(**optimizer_config))
-    wrapped = _rename_errors("zero.model_config.", lambda: ShardedModelV2.from_settings(model, model_settings))
+    def renamed(build: Callable[[], Any]) -> Any:
+        return _rename_errors("zero.model_config.", build)
     if optimizer is None:
-        return wrapped, None
-    return wrapped, _rename_errors("zero.optimizer_config.",
-                                   lambda: ShardedOptimizerV2.from_settings(wrapped, optimizer, optimizer_settings))
+        return renamed(lambda: ShardedModelV2.from_settings(model, model_settings)), None
+    _check_optimizer(model, optimizer)
+    _rename_errors("zero.optimizer_config.",
+                   lambda: ShardedOptimizerV2.check_before_wrapping(model, model_settings, optimizer_settings))
+    return _wrap_all_or_nothing(model, model_settings, renamed, lambda wrapped: _rename_errors(
+        "zero.optimizer_config.", lambda: ShardedOptimizerV2.from_settings(wrapped, optimizer, optimizer_settings)))
+
+
+def _check_optimizer(model: nn.Module, optimizer: Any) -> None:
+    """Refuse, before anything changes, an optimizer chunkmem cannot step or one that is not over
+    ``model``'s parameters (each of its parameters one of ``model``'s, each trainable parameter of
+    ``model`` in it: what ShardedOptimizerV2 and LowLevelZeroOptimizer require)."""
+    check_supported_optimizer(optimizer)
+    why = params_mismatch(model, [p for group in optimizer.param_groups for p in group["params"]])
+    if why is not None:
+        raise InvalidArgumentError("optimizer", f"a {type(optimizer).__name__} ({why})",
+                                   "an optimizer over model.parameters(): each of its parameters a parameter of model, "
+                                   "each parameter of model that requires grad in it (freeze the others with "
+                                   "requires_grad_(False))")
+
+
+def _wrap_all_or_nothing(model: nn.Module, model_settings: ModelSettings, renamed: Callable[[Callable[[], Any]], Any],
+                         attach: Callable[[ShardedModelV2], Any]) -> tuple[ShardedModelV2, Any]:
+    """Wrap the model with ``model_settings`` (its errors ``renamed``) and ``attach(wrapped)`` its
+    optimizer; if attaching fails (what only the wrapped model can check: room for the optimizer state on
+    the device or the disk), give the module back as it was and re-raise.
+
+    ``ShardedModelV2.unwrap`` returns fp32 CPU values, exact where the wrapped dtype held the values; a
+    plain module's parameters are then put back in their own dtype and on their own device, and those of
+    another dtype than the wrapped one (which the cast may have rounded) get their original tensors back:
+    those are kept (referenced, not copied) until the optimizer is attached. The buffers, which wrapping
+    casts and moves, are the original tensors again. A module built in ``ZeroInitContext`` comes back as
+    a plain module holding its values in fp32 on the CPU."""
+    dtype = renamed(lambda: compute_dtype(model, model_settings))  # raises as the wrapping would, before it
+    kept: list[tuple[nn.Parameter, torch.Tensor | None, torch.dtype, torch.device]] = []
+    buffers: list[tuple[nn.Module, str, torch.Tensor]] = []
+    if not any(slot_of(p) is not None for p in model.parameters()):
+        kept = [(p, p.data if p.dtype != dtype else None, p.dtype, p.device) for p in model.parameters()]
+        buffers = [(sub, name, buf) for sub in model.modules() for name, buf in sub._buffers.items() if buf is not None]
+    wrapped = renamed(lambda: ShardedModelV2.from_settings(model, model_settings))
+    try:
+        return wrapped, attach(wrapped)
+    except BaseException:
+        wrapped.unwrap()
+        with torch.no_grad():
+            for p, data, dtype, device in kept:
+                p.data = data if data is not None else p.data.to(device=device, dtype=dtype)
+        for sub, name, buf in buffers:
+            setattr(sub, name, buf)
+        raise
 
 
 def _dtype_named(name: str, path: str) -> torch.dtype:
@@ -314,6 +370,8 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
                                    "None when the config has an 'optimizer' section (give one or the other)")
     if optimizer_section:  # checked in full before anything is wrapped
         _build_optimizer(optimizer_section, [torch.zeros(1, requires_grad=True)])
+    if optimizer is not None:
+        _check_optimizer(model, optimizer)
 
     if stage == 3:
         if overlap:
@@ -326,13 +384,7 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
             {"dtype": "fp16.enabled/bf16.enabled", "reduce_scatter_bucket_size_mb": "zero_optimization.reduce_bucket_size"})
         optimizer_settings = _rename_errors("fp16.", lambda: OptimizerSettings.from_arguments(
             **scaler, max_norm=float(clipping)), dict(_SCALER_KEYS, max_norm="gradient_clipping"))
-        wrapped = _rename_errors("zero_optimization.", lambda: ShardedModelV2.from_settings(model, model_settings),
-                                 {"dtype": "fp16.enabled/bf16.enabled"})
-        if optimizer is None:
-            if not optimizer_section:
-                return wrapped, None
-            optimizer = _build_optimizer(optimizer_section, wrapped.parameters())
-        return wrapped, ShardedOptimizerV2.from_settings(wrapped, optimizer, optimizer_settings)
+        return _stage3(model, optimizer, optimizer_section, model_settings, optimizer_settings)
 
     # stages 1 and 2: the model stays a plain module
     if param_device != "none":
@@ -343,19 +395,45 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
                                    "'none' or 'cpu' with stage 1 or 2 (the disk tier needs stage 3)")
     if ratio != 1.0:
         raise InvalidArgumentError("zero_optimization.offload_optimizer.ratio", ratio, "1.0 with stage 1 or 2")
-    model.to(dtype)
     if optimizer is None:
         if not optimizer_section:
             raise InvalidArgumentError("optimizer", None, "a torch optimizer or an 'optimizer' config section "
                                                           "with stage 1 or 2")
-        optimizer = _build_optimizer(optimizer_section, model.parameters())
+        optimizer = _build_optimizer(optimizer_section, model.parameters())  # the cast below keeps the parameters
     kwargs = dict(scaler, clip_grad_norm=float(clipping), partition_grad=stage == 2, cpu_offload=optim_device == "cpu")
     if bucket is not None:
         kwargs["reduce_bucket_size"] = bucket
     if overlap is not None:
         kwargs["overlap_communication"] = overlap
-    return model, _rename_errors("zero_optimization.", lambda: LowLevelZeroOptimizer(optimizer, **kwargs),
-                                 dict(_SCALER_KEYS, clip_grad_norm="gradient_clipping"))
+    return _stages_1_and_2(model, optimizer, dtype, kwargs)
+
+
+def _stage3(model: nn.Module, optimizer: Any, optimizer_section: dict[str, Any], model_settings: ModelSettings,
+            optimizer_settings: OptimizerSettings) -> tuple[nn.Module, Any]:
+    """A ShardedModelV2 and a ShardedOptimizerV2 over ``optimizer`` (already checked against the model),
+    or over one built from ``optimizer_section``, or no optimizer; everything checked before the module is
+    wrapped, and the wrapping undone if the optimizer cannot be attached."""
+    def renamed(build: Callable[[], Any]) -> Any:
+        return _rename_errors("zero_optimization.", build, {"dtype": "fp16.enabled/bf16.enabled"})
+    if optimizer is None and not optimizer_section:
+        return renamed(lambda: ShardedModelV2.from_settings(model, model_settings)), None
+    ShardedOptimizerV2.check_before_wrapping(model, model_settings, optimizer_settings)
+
+    def attach(wrapped: ShardedModelV2) -> ShardedOptimizerV2:
+        optim = optimizer if optimizer is not None else _build_optimizer(optimizer_section, wrapped.parameters())
+        return ShardedOptimizerV2.from_settings(wrapped, optim, optimizer_settings)
+    return _wrap_all_or_nothing(model, model_settings, renamed, attach)
+
+
+def _stages_1_and_2(model: nn.Module, optimizer: Any, dtype: torch.dtype,
+                    kwargs: dict[str, Any]) -> tuple[nn.Module, LowLevelZeroOptimizer]:
+    """The module cast to ``dtype`` and a LowLevelZeroOptimizer with ``kwargs``, every argument checked
+    (against the parameters as the cast will leave them) before the module is cast."""
+    keys = dict(_SCALER_KEYS, clip_grad_norm="gradient_clipping")
+    _rename_errors("zero_optimization.", lambda: LowLevelZeroOptimizer.check_arguments(optimizer, cast_to=dtype,
+                                                                                       **kwargs), keys)
+    model.to(dtype)
+    return model, _rename_errors("zero_optimization.", lambda: LowLevelZeroOptimizer(optimizer, **kwargs), keys)
 
 
 def _check_zero_switches(zero: dict[str, Any]) -> None:

@@ -5,7 +5,7 @@ Pure functions over element counts: no tensors, so they are cheap to test and to
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Hashable, Sequence
+from typing import Any, Hashable, Iterable, Sequence
 
 ALIGN_ELEMENTS = 64
 DEFAULT_MIN_CHUNK_BYTES = 4 * 2**20
@@ -69,6 +69,19 @@ def part_in_shard(offset: int, numel: int, shard_offset: int, shard_numel: int) 
     start = max(offset, shard_offset)
     end = min(offset + numel, shard_offset + shard_numel)
     return (start - offset, end - offset) if start < end else None
+
+
+def join_runs(pieces: Iterable[tuple[int, int, Hashable]]) -> list[tuple[int, int, Hashable]]:
+    """``(start, end, key)`` pieces of a shard (elements, in increasing order) joined into maximal runs:
+    a piece that starts where the run before it ends and has its key extends that run. Both optimizers
+    update a shard per run of parameters that are trainable now (one kernel call per run)."""
+    runs: list[tuple[int, int, Hashable]] = []
+    for start, end, key in pieces:
+        if runs and runs[-1][1] == start and runs[-1][2] == key:
+            runs[-1] = (runs[-1][0], end, key)
+        else:
+            runs.append((start, end, key))
+    return runs
 
 
 def aligned_numel(numel: int, world: int = 1) -> int:

@@ -87,12 +87,12 @@ def save_checkpoint(path: str | os.PathLike, model: ShardedModelV2, optimizer: S
     Refused (:class:`CheckpointError`) between a backward and the step with ``reuse_fp16_shard``,
     while the parameters' memory holds gradients instead of values.
 
-    With a :class:`~chunkmem.LowLevelZeroOptimizer`, ``model`` is the plain module it trains and only
-    the full format is written (``sharded=False``); its ``"model"`` holds the fp32 masters, so it loads
+    With a :class:`~chunkmem.LowLevelZeroOptimizer`, ``model`` is the plain module it trains (any other
+    module is refused, naming ``model``) and only the full format is written (``sharded=False``); its ``"model"`` holds the fp32 masters, so it loads
     into a ShardedModelV2 + ShardedOptimizerV2, a plain module + ``torch.optim.AdamW`` and back.
     """
     if _is_low_level_zero(optimizer):
-        _save_low_level_zero(_check_low_level_zero_args(path, model, sharded), model, optimizer)
+        _save_low_level_zero(_check_low_level_zero_args(path, model, optimizer, sharded), model, optimizer)
         return
     path = _check_save_args(path, model, optimizer, sharded)
     refuse_grads_in_param_memory(model, "save_checkpoint")
@@ -113,11 +113,11 @@ def load_checkpoint(path: str | os.PathLike, model: ShardedModelV2, optimizer: S
     backward started and did not finish. A file whose checksum or fields are wrong raises
     :class:`CheckpointError` naming it. Like ``param.copy_`` in plain PyTorch, the load marks the
     parameters modified: a backward of a forward run before it raises. With a
-    :class:`~chunkmem.LowLevelZeroOptimizer` (required then), ``model`` is the plain module it trains and
-    ``path`` a full checkpoint file.
+    :class:`~chunkmem.LowLevelZeroOptimizer` (required then), ``model`` is the plain module it trains (any
+    other module is refused, naming ``model``) and ``path`` a full checkpoint file.
     """
     if _is_low_level_zero(optimizer):
-        path = _check_low_level_zero_args(_check_existing_path(path), model, False)
+        path = _check_low_level_zero_args(_check_existing_path(path), model, optimizer, False)
         error, apply = None, None
         try:
             apply = _plan_low_level_zero(path, model, optimizer)
@@ -278,14 +278,16 @@ def _is_low_level_zero(optimizer: Any) -> bool:
     return isinstance(optimizer, LowLevelZeroOptimizer)
 
 
-def _check_low_level_zero_args(path: Any, model: Any, sharded: Any) -> str:
-    """With a :class:`~chunkmem.LowLevelZeroOptimizer`: ``model`` is the plain module it trains and
-    only the full format is written (the module's state dict holds the fp32 masters)."""
+def _check_low_level_zero_args(path: Any, model: Any, optimizer: Any, sharded: Any) -> str:
+    """With a :class:`~chunkmem.LowLevelZeroOptimizer`: ``model`` is the plain module it trains (its
+    trainable parameters exactly the optimizer's) and only the full format is written (the module's state
+    dict holds the fp32 masters)."""
     path = _check_path(path)
     check_type("model", model, torch.nn.Module, "the torch.nn.Module the LowLevelZeroOptimizer trains")
     if isinstance(model, ShardedModelV2):
         raise ArgumentTypeError("model", type(model).__name__, "the plain torch.nn.Module the LowLevelZeroOptimizer "
                                                                "trains")
+    optimizer.check_module(model, "model")
     check_type("sharded", sharded, bool, "True or False")
     if sharded:
         raise InvalidArgumentError("sharded", True, "False with a LowLevelZeroOptimizer (full format only)")

@@ -2,14 +2,16 @@
 reads to update whole chunks."""
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
+import torch.nn as nn
 from torch.optim import Optimizer
 
 from .adam_kernels import adam_update_
 from .adam_math import AdamHyper, fused_device_adam_
 from ..errors import ArgumentTypeError, InvalidArgumentError, check_number, check_type
+from ..state_dicts import first_few
 
 
 class HybridAdam(Optimizer):
@@ -124,3 +126,21 @@ def check_supported_optimizer(optimizer: Any) -> None:
         return
     raise ArgumentTypeError("optimizer", type(optimizer).__name__,
                                "a chunkmem.HybridAdam, chunkmem.CPUAdam, torch.optim.Adam or torch.optim.AdamW")
+
+
+def params_mismatch(module: nn.Module, params: Sequence[torch.Tensor]) -> str | None:
+    """Why ``params`` (an optimizer's, over its param groups) are not the parameters of ``module`` it
+    trains, or ``None`` when they are: each must be a parameter of ``module`` (compared by identity) and
+    every parameter of ``module`` that requires grad must be one of them (frozen parameters may be left
+    out)."""
+    own = {id(p) for p in module.parameters()}
+    foreign = [(i, tuple(p.shape)) for i, p in enumerate(params) if id(p) not in own]
+    if foreign:
+        return (f"{len(foreign)} of the optimizer's {len(params)} parameters are not parameters of the "
+                f"{type(module).__name__}: (index, shape) {first_few(foreign)}")
+    held = {id(p) for p in params}
+    missing = [name for name, p in module.named_parameters() if p.requires_grad and id(p) not in held]
+    if missing:
+        return (f"the {type(module).__name__}'s trainable parameters {first_few(missing)} are not in the "
+                f"optimizer's param_groups")
+    return None

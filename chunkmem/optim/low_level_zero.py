@@ -9,20 +9,23 @@ live on the host and chunkmem's host Adam kernel updates them (ZeRO-Offload). La
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.nn as nn
 
-from .adam import check_supported_optimizer, hyper_of_group
+from .adam import check_supported_optimizer, hyper_of_group, params_mismatch
 from .adam_kernels import adam_update_
 from ..distributed.agreement import LayoutDescription, ParamRecord, agree, agree_on_point
 from ..distributed.collectives import ShardGroup, start_all_gather
-from ..errors import (InvalidArgumentError, UnscaledBackwardError, check_choice, check_number,
-                     check_type)
+from ..core.layout import join_runs
+from ..errors import (InvalidArgumentError, UnscaledBackwardError, UnsupportedOperationError, check_choice,
+                      check_number, check_type)
 from .loss_scaler import DynamicGradScaler
 from .mixed_precision import MixedPrecisionStep
 from ..core.param_guard import slot_of
+from ..state_dicts import check_tensor_data
 from .zero_buckets import GradientBuckets
 from .zero_partition import FlatChunk, FlatSlot, build_partition
 
@@ -46,8 +49,11 @@ class LowLevelZeroOptimizer:
     backward and kept in a store per chunk: whole (stage 1) or only this rank's shard (stage 2);
     ``param.grad`` stays ``None``. Every parameter the optimizer holds that requires grad is stepped at
     every step (one that got no gradient counts as zero, as in :class:`~chunkmem.ShardedOptimizerV2`);
-    parameters with ``requires_grad=False`` are left alone. All ranks must run the same backward graph
-    (the buckets are filled in the order autograd finishes gradients). It is not a
+    a parameter whose ``requires_grad`` is ``False`` at the step is left alone (no weight decay, no moment
+    update, as torch's AdamW leaves a parameter without a gradient; its step count is its chunk's). A
+    parameter frozen when the optimizer is built has no master and cannot be trained: if it requires grad
+    at a step, :meth:`step` raises :class:`~chunkmem.UnsupportedOperationError`. All ranks must run the
+    same backward graph (the buckets are filled in the order autograd finishes gradients). It is not a
     ``torch.optim.Optimizer``: attach learning-rate schedulers to the wrapped optimizer, whose param
     groups are the ones read.
 
@@ -92,21 +98,13 @@ class LowLevelZeroOptimizer:
                  reduce_bucket_size: int = 1024 * 1024, communication_dtype: torch.dtype | None = None,
                  overlap_communication: bool = False, partition_grad: bool = False, cpu_offload: bool = False,
                  forced_dtype: torch.dtype | None = None, *, dp_process_group: Any = None) -> None:
-        check_supported_optimizer(optimizer)
-        scaler = DynamicGradScaler(initial_scale, min_scale, growth_factor, backoff_factor, growth_interval,
-                                   hysteresis, max_scale)
-        check_number("clip_grad_norm", clip_grad_norm, low=0.0, finite=True)
-        check_type("verbose", verbose, bool, "True or False")
-        check_number("reduce_bucket_size", reduce_bucket_size, low=1, integer=True,
-                     allowed="an integer >= 1 (gradient elements per reduction)")
-        for name, value in (("communication_dtype", communication_dtype), ("forced_dtype", forced_dtype)):
-            if value is not None:
-                check_choice(name, value, _DTYPES)
-        for name, value in (("overlap_communication", overlap_communication), ("partition_grad", partition_grad),
-                            ("cpu_offload", cpu_offload)):
-            check_type(name, value, bool, "True or False")
-        shards = ShardGroup.of(dp_process_group, "dp_process_group")
-        groups = self._check_params(optimizer, forced_dtype)
+        scaler, shards, groups = self._checked(
+            optimizer, initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale,
+            clip_grad_norm, verbose, reduce_bucket_size, communication_dtype, overlap_communication, partition_grad,
+            cpu_offload, forced_dtype, dp_process_group)
+        for params in groups:
+            for p in params:
+                p._low_level_zero = True  # type: ignore[attr-defined]
         trainable = [p for group in groups for p in group]
         dtype = forced_dtype or trainable[0].dtype
         _agree_on_settings(shards, groups, dict(
@@ -143,6 +141,9 @@ class LowLevelZeroOptimizer:
                 self._index_of.setdefault(id(p), len(self._index_of))
         for slot in self._slot_of.values():
             slot.index = self._index_of[id(slot.param)]
+        self._params = [p for group in optimizer.param_groups for p in group["params"]]  # index order
+        # frozen when built: no place in the chunks, no master; they cannot be trained later
+        self._not_packed = [(i, p) for i, p in enumerate(self._params) if id(p) not in self._slot_of]
         self.buckets = GradientBuckets(shards, partition_grad, self.communication_dtype, reduce_bucket_size,
                                        overlap_communication, self._grad_store)
         self._no_sync = False
@@ -155,9 +156,47 @@ class LowLevelZeroOptimizer:
         self._hooks = [slot.param.register_post_accumulate_grad_hook(self._on_grad)
                        for slot in self._slot_of.values()]
 
+    @classmethod
+    def check_arguments(cls, optimizer: Any, *, cast_to: torch.dtype | None = None, **kwargs: Any) -> None:
+        """Raise as ``LowLevelZeroOptimizer(optimizer, **kwargs)`` would, with nothing built and nothing
+        changed. ``cast_to``: check the floating-point parameters as they will be once their module is cast
+        to this dtype (:func:`chunkmem.initialize` checks, then casts, then builds)."""
+        bound = inspect.signature(cls.__init__).bind(None, optimizer, **kwargs)  # a TypeError for an unknown keyword
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        del arguments["self"]
+        cls._checked(**arguments, cast_to=cast_to)
+
+    @classmethod
+    def _checked(cls, optimizer: Any, initial_scale: float, min_scale: float, growth_factor: float,
+                 backoff_factor: float, growth_interval: int, hysteresis: int, max_scale: float, clip_grad_norm: float,
+                 verbose: bool, reduce_bucket_size: int, communication_dtype: torch.dtype | None,
+                 overlap_communication: bool, partition_grad: bool, cpu_offload: bool,
+                 forced_dtype: torch.dtype | None, dp_process_group: Any, cast_to: torch.dtype | None = None
+                 ) -> tuple[DynamicGradScaler, ShardGroup, list[list[nn.Parameter]]]:
+        """Every check of the constructor's arguments (nothing changed): the scaler, the data-parallel
+        group and the trainable parameters per param group."""
+        check_supported_optimizer(optimizer)
+        scaler = DynamicGradScaler(initial_scale, min_scale, growth_factor, backoff_factor, growth_interval,
+                                   hysteresis, max_scale)
+        check_number("clip_grad_norm", clip_grad_norm, low=0.0, finite=True)
+        check_type("verbose", verbose, bool, "True or False")
+        check_number("reduce_bucket_size", reduce_bucket_size, low=1, integer=True,
+                     allowed="an integer >= 1 (gradient elements per reduction)")
+        for name, value in (("communication_dtype", communication_dtype), ("forced_dtype", forced_dtype)):
+            if value is not None:
+                check_choice(name, value, _DTYPES)
+        for name, value in (("overlap_communication", overlap_communication), ("partition_grad", partition_grad),
+                            ("cpu_offload", cpu_offload)):
+            check_type(name, value, bool, "True or False")
+        shards = ShardGroup.of(dp_process_group, "dp_process_group")
+        return scaler, shards, cls._check_params(optimizer, forced_dtype, cast_to)
+
     @staticmethod
-    def _check_params(optimizer: Any, forced_dtype: torch.dtype | None) -> list[list[nn.Parameter]]:
-        """The trainable parameters per param group, after checking them (nothing changed)."""
+    def _check_params(optimizer: Any, forced_dtype: torch.dtype | None,
+                      cast_to: torch.dtype | None = None) -> list[list[nn.Parameter]]:
+        """The trainable parameters per param group, after checking them (nothing changed); ``cast_to``:
+        the dtype the floating-point ones will have when the optimizer is built."""
         seen: set[int] = set()
         groups: list[list[nn.Parameter]] = []
         devices, dtypes = set(), set()
@@ -173,11 +212,12 @@ class LowLevelZeroOptimizer:
                                                "by chunkmem", "parameters of a plain module, not wrapped yet")
                 if not p.requires_grad:
                     continue
-                if p.dtype not in _DTYPES:
-                    raise InvalidArgumentError("optimizer", f"a parameter of dtype {p.dtype}",
+                dtype = cast_to if cast_to is not None and (p.is_floating_point() or p.is_complex()) else p.dtype
+                if dtype not in _DTYPES:
+                    raise InvalidArgumentError("optimizer", f"a parameter of dtype {dtype}",
                                                "parameters of dtype torch.float16, torch.bfloat16 or torch.float32")
                 devices.add(p.device)
-                dtypes.add(p.dtype)
+                dtypes.add(dtype)
                 params.append(p)
             groups.append(params)
         if not any(groups):
@@ -305,6 +345,7 @@ class LowLevelZeroOptimizer:
                 "a backward pass of the fp16 parameters did not go through the loss scaler (loss.backward()?): "
                 f"its gradients are not multiplied by the loss scale ({self.loss_scale}). Call optim.backward(loss) "
                 "instead; call optim.zero_grad() to drop the gradients already reduced")
+        self._refuse_unfrozen()
         self._finish_reduction()
         if not self.grads_pending:
             return False
@@ -324,6 +365,30 @@ class LowLevelZeroOptimizer:
         self.zero_grad()  # the step releases the gradients it consumed, as the reference does
         return True
 
+    def _refuse_unfrozen(self) -> None:
+        """Raise :class:`~chunkmem.UnsupportedOperationError` if a parameter that was frozen when this
+        optimizer was built requires grad now: it has no place in the flat chunks and no master, so it
+        cannot be trained (silently leaving it alone would not be what the user asked)."""
+        for index, param in self._not_packed:
+            if param.requires_grad:
+                raise UnsupportedOperationError(
+                    f"the parameter at index {index} of the optimizer's param groups (shape {tuple(param.shape)}) "
+                    f"requires grad now but was frozen (requires_grad=False) when the LowLevelZeroOptimizer was "
+                    f"built, so it has no fp32 master and cannot be trained: build the LowLevelZeroOptimizer with it "
+                    f"trainable (freeze it after building instead), or freeze it again; nothing was changed")
+
+    def _ranges(self, chunk: FlatChunk) -> list[tuple[int, int, Any]]:
+        """``(start, end, None)``: the runs of this rank's shard of ``chunk`` (elements from the shard's
+        start) whose parameters are trainable now; the rest (frozen parameters, padding) is not updated."""
+        pieces = []
+        for slot in chunk.slots:
+            part = slot.owned()
+            if part is None or not slot.param.requires_grad:
+                continue
+            start = slot.offset + part[0] - chunk.own_start
+            pieces.append((start, start + part[1] - part[0], None))
+        return join_runs(pieces)
+
     def _update(self, chunk: FlatChunk, multiplier: float) -> None:
         hyper = hyper_of_group(self.optim.param_groups[chunk.group])
         grad = self._own_grad(chunk)
@@ -332,11 +397,12 @@ class LowLevelZeroOptimizer:
         own = chunk.own(chunk.param)
         same_device = own.device == chunk.master.device
         chunk.step += 1
-        adam_update_(chunk.master, grad, chunk.exp_avg, chunk.exp_avg_sq, chunk.step, hyper,
-                     grad_multiplier=multiplier,
-                     param_out=own if self.separate_master and same_device else None)
-        if self.separate_master and not same_device:
-            own.copy_(chunk.master, non_blocking=False)
+        for a, b, _ in self._ranges(chunk):
+            adam_update_(chunk.master[a:b], grad[a:b], chunk.exp_avg[a:b], chunk.exp_avg_sq[a:b], chunk.step, hyper,
+                         grad_multiplier=multiplier,
+                         param_out=own[a:b] if self.separate_master and same_device else None)
+            if self.separate_master and not same_device:
+                own[a:b].copy_(chunk.master[a:b], non_blocking=False)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop (``set_to_none``) or zero the reduced gradients, and drop gradients accumulated inside
@@ -474,12 +540,26 @@ class LowLevelZeroOptimizer:
         start = slot.offset + a - slot.chunk.own_start
         shard[start:start + b - a].copy_(value.detach().reshape(-1)[a:b])
 
+    def check_module(self, module: Any, argument: str = "module") -> None:
+        """Raise unless ``module`` is the module this optimizer trains: every parameter of the wrapped
+        optimizer's param groups is a parameter of ``module`` and every parameter of ``module`` that
+        requires grad is one of them (compared by identity; frozen parameters the optimizer does not hold
+        are fine). :class:`~chunkmem.ArgumentTypeError` / :class:`~chunkmem.InvalidArgumentError` naming
+        ``argument``. No collective (every rank decides alike)."""
+        allowed = ("the module whose parameters the optimizer holds (each parameter of its param_groups a "
+                   "parameter of the module, each trainable parameter of the module in its param_groups)")
+        check_type(argument, module, nn.Module, allowed)
+        why = params_mismatch(module, self._params)
+        if why is not None:
+            raise InvalidArgumentError(argument, f"a {type(module).__name__} ({why})", allowed)
+
     def model_state_dict(self, module: nn.Module, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """``module.state_dict()`` on the CPU with every parameter this optimizer trains replaced by its
         fp32 master (gathered: every rank calls it; ``rank0_only``: the others get ``{}``). Loadable by
         the plain module in fp32, by :class:`~chunkmem.ShardedModelV2` and by
-        :meth:`load_model_state_dict`."""
-        check_type("module", module, nn.Module, "the torch.nn.Module whose parameters this optimizer trains")
+        :meth:`load_model_state_dict`. ``module`` must be the module this optimizer trains
+        (:meth:`check_module`)."""
+        self.check_module(module)
         masters: dict[int, torch.Tensor] = {}
         for chunk in self.chunks:
             full = self._gather(chunk, chunk.master)
@@ -491,15 +571,18 @@ class LowLevelZeroOptimizer:
                 else value for key, value in module.state_dict(keep_vars=True).items()}
 
     def load_model_state_dict(self, module: nn.Module, state_dict: Mapping[str, Any]) -> None:
-        """Load a full state dict into ``module``: the working parameters (cast to the working dtype) and
-        this rank's part of the fp32 masters of the parameters this optimizer trains, the rest as
-        ``module.load_state_dict`` does (strict). No collective."""
+        """Load a full state dict into ``module`` (the module this optimizer trains, :meth:`check_module`):
+        the working parameters (cast to the working dtype) and this rank's part of the fp32 masters of the
+        parameters this optimizer trains, the rest as ``module.load_state_dict`` does (strict). Every value
+        is checked before anything is written (a dense tensor with data of the key's shape; of a real
+        floating-point dtype where the module's value is floating-point): a bad one raises
+        :class:`~chunkmem.InvalidArgumentError` naming its key and nothing changes. No collective."""
         self.plan_load_model_state_dict(module, state_dict)()
 
     def plan_load_model_state_dict(self, module: nn.Module, state_dict: Mapping[str, Any]) -> Callable[[], None]:
         """Check as :meth:`load_model_state_dict` does and return the function that loads (nothing
         changes until it is called)."""
-        check_type("module", module, nn.Module, "the torch.nn.Module whose parameters this optimizer trains")
+        self.check_module(module)
         check_type("state_dict", state_dict, Mapping, "a mapping from the module's state_dict() keys to tensors")
         own = module.state_dict(keep_vars=True)
         missing = [k for k in own if k not in state_dict]
@@ -508,9 +591,9 @@ class LowLevelZeroOptimizer:
             raise InvalidArgumentError("state_dict", f"a state dict with missing keys {missing[:5]} and unexpected "
                                        f"keys {unexpected[:5]}", "exactly the keys of module.state_dict()")
         for key, target in own.items():
-            value = state_dict[key]
-            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(target.shape):
-                raise InvalidArgumentError(f"state_dict[{key!r}]", getattr(value, "shape", type(value).__name__),
+            value = check_tensor_data(f"state_dict[{key!r}]", state_dict[key], floating=target.is_floating_point())
+            if tuple(value.shape) != tuple(target.shape):
+                raise InvalidArgumentError(f"state_dict[{key!r}]", f"a tensor of shape {tuple(value.shape)}",
                                            f"a tensor of shape {tuple(target.shape)}")
 
         def apply() -> None:

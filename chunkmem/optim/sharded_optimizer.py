@@ -6,10 +6,12 @@ from collections import OrderedDict
 from typing import Any, Callable, NoReturn
 
 import torch
+import torch.nn as nn
 from torch.optim import Optimizer
 
 from ..core.chunk import EXP_AVG, EXP_AVG_SQ, MASTER, Chunk
 from ..core.disk_tier import JOURNAL
+from ..core.layout import join_runs
 from ..errors import (ArgumentTypeError, DeviceCapacityError, GradientAccumulationError, InvalidArgumentError,
                            UnscaledBackwardError, UnsupportedOperationError, check_number, check_type)
 from ..core.param_guard import slot_of
@@ -17,7 +19,8 @@ from ..core.tiers import Tier
 from ..distributed.agreement import LayoutDescription, ParamRecord, agree
 from ..distributed.collectives import ShardGroup
 from ..model import ShardedModelV2
-from ..settings import OptimizerSettings
+from ..builder import compute_dtype
+from ..settings import ModelSettings, OptimizerSettings
 from .adam import check_supported_optimizer, hyper_of_group
 from .adam_kernels import adam_update_
 from .adam_math import AdamHyper
@@ -117,7 +120,7 @@ class ShardedOptimizerV2(Optimizer):
                                                        "the model's data-parallel ranks (its process_group)")
         if settings.mp_process_group is not None:
             ShardGroup.of(settings.mp_process_group, "mp_process_group")
-        self._check_step_in_backward(sharded_model, settings.step_in_backward)
+        self._check_step_in_backward(sharded_model.settings, sharded_model.dtype, settings.step_in_backward)
         if sharded_model.optimizer_attached:
             raise InvalidArgumentError("sharded_model", "a model that already has a ShardedOptimizerV2",
                                        "a ShardedModelV2 without an optimizer")
@@ -178,17 +181,33 @@ class ShardedOptimizerV2(Optimizer):
         """The loss scaler (fp16), or ``None``."""
         return self.mixed.scaler
 
+    @classmethod
+    def check_before_wrapping(cls, module: nn.Module, model_settings: ModelSettings,
+                              settings: OptimizerSettings) -> None:
+        """Raise as building this optimizer with ``settings`` over ``module`` wrapped with ``model_settings``
+        would, for every check that needs no wrapped model: the process groups and ``step_in_backward``
+        (:func:`chunkmem.initialize` runs it before wrapping; the optimizer itself is checked against the
+        module there). Changes nothing. What only the wrapped model knows (room for the optimizer state on
+        the device or the disk) is checked when the optimizer is built."""
+        check_type("settings", settings, OptimizerSettings, "a chunkmem.settings.OptimizerSettings")
+        ShardGroup.of(model_settings.process_group, "process_group").of_same_ranks(
+            settings.dp_process_group, "dp_process_group", "the model's data-parallel ranks (its process_group)")
+        if settings.mp_process_group is not None:
+            ShardGroup.of(settings.mp_process_group, "mp_process_group")
+        if settings.step_in_backward:
+            cls._check_step_in_backward(model_settings, compute_dtype(module, model_settings), True)
+
     @staticmethod
-    def _check_step_in_backward(model: ShardedModelV2, step_in_backward: bool) -> None:
+    def _check_step_in_backward(model_settings: ModelSettings, dtype: torch.dtype, step_in_backward: bool) -> None:
         if not step_in_backward:
             return
-        if not model.settings.disk.optimizer_on_disk:
+        if not model_settings.disk.optimizer_on_disk:
             raise InvalidArgumentError("step_in_backward", True, "False, or True on a ShardedModelV2 built with "
                                        "offload_optimizer='disk'")
-        if model.dtype == torch.float16:
+        if dtype == torch.float16:
             raise InvalidArgumentError("step_in_backward", True, "False with fp16 (its loss scaler decides at "
                                        "step() whether the step is skipped); True with bf16 or fp32")
-        if model.settings.disk.params_on_disk:
+        if model_settings.disk.params_on_disk:
             raise InvalidArgumentError("step_in_backward", True, "False with offload_param='disk'")
 
     @staticmethod
@@ -284,7 +303,7 @@ class ShardedOptimizerV2(Optimizer):
     def _ranges(self, chunk: Chunk) -> list[tuple[int, int, AdamHyper]]:
         """``(start, end, hyper)``: the runs of this rank's shard of ``chunk`` (elements) whose parameters
         are trainable now and in one param group, with that group's current hyper-parameters."""
-        runs: list[list[Any]] = []
+        pieces = []
         shard_start = chunk.shard_offset
         with torch._C.DisableTorchFunctionSubclass():  # requires_grad of a chunk-managed parameter
             for slot in chunk.slots:
@@ -293,12 +312,8 @@ class ShardedOptimizerV2(Optimizer):
                 if part is None or group is None or not slot.param.requires_grad:
                     continue
                 start = slot.offset + part[0] - shard_start
-                end = start + part[1] - part[0]
-                if runs and runs[-1][1] == start and runs[-1][2] == group:
-                    runs[-1][1] = end
-                else:
-                    runs.append([start, end, group])
-        return [(a, b, hyper_of_group(self.optim.param_groups[g])) for a, b, g in runs]
+                pieces.append((start, start + part[1] - part[0], group))
+        return [(a, b, hyper_of_group(self.optim.param_groups[g])) for a, b, g in join_runs(pieces)]
 
     # ---- torch.optim.Optimizer ---------------------------------------------------------------------
     # Optimizer.__init__ is not called: it would build a second list of param groups and a second state.
