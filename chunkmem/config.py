@@ -505,7 +505,8 @@ def _precision(config: dict[str, Any]) -> tuple[torch.dtype, dict[str, Any]]:
             raise type(e)(_SCALER_KEYS.get(e.argument, f"fp16.{e.argument}"), e.value, e.allowed) from e
         # the user wrote the power, not the scale: name it, and the key on the other side of the comparison
         within = e.allowed.replace("min_scale", "fp16.min_loss_scale")
-        raise type(e)("fp16.initial_scale_power", power, f"a power whose scale 2**{power} = {2**power} is {within}") from e
+        raise type(e)("fp16.initial_scale_power", power,
+                      f"a power whose scale 2**{power} = {2**power} is {within}") from e
     return torch.float16, scaler
 
 
