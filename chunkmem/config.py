@@ -12,8 +12,8 @@ Every key is checked before anything is built. An unknown key, a key chunkmem ca
 keys that contradict each other raise :class:`~chunkmem.InvalidArgumentError` naming the key path
 (``zero_optimization.offload_param.device``) and the allowed values; a value of the wrong type (a string
 for a number, a bool for a count) raises its subclass :class:`~chunkmem.ArgumentTypeError`. A key that
-chunkmem accepts but that changes nothing here warns with :class:`NoEffectWarning`, naming it. ``KEY_TABLE`` lists the
-DeepSpeed keys and what each becomes.
+chunkmem accepts but that changes nothing here warns with :class:`NoEffectWarning`, naming it.
+``KEY_TABLE`` lists the DeepSpeed keys and what each becomes.
 """
 from __future__ import annotations
 
