@@ -10,9 +10,10 @@ Two forms of configuration are read, as a dict or as the path of a JSON file:
 
 Every key is checked before anything is built. An unknown key, a key chunkmem cannot honour and two
 keys that contradict each other raise :class:`~chunkmem.InvalidArgumentError` naming the key path
-(``zero_optimization.offload_param.device``) and the allowed values; a key that chunkmem accepts but
-that changes nothing here warns with :class:`NoEffectWarning`, naming it. ``KEY_TABLE`` lists the
-DeepSpeed keys and what each becomes.
+(``zero_optimization.offload_param.device``) and the allowed values; a value of the wrong type (a string
+for a number, a bool for a count) raises its subclass :class:`~chunkmem.ArgumentTypeError`. A key that
+chunkmem accepts but that changes nothing here warns with :class:`NoEffectWarning`, naming it.
+``KEY_TABLE`` lists the DeepSpeed keys and what each becomes.
 """
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ import torch.nn as nn
 from .core.param_guard import slot_of
 from .optim.adam import HybridAdam, check_supported_optimizer, params_mismatch
 from .optim.loss_scaler import DynamicGradScaler
-from .errors import ArgumentTypeError, InvalidArgumentError
 from .builder import compute_dtype
+from .errors import ArgumentTypeError, InvalidArgumentError, check_number
 from .model import ShardedModelV2
 from .optim.low_level_zero import LowLevelZeroOptimizer
 from .optim.sharded_optimizer import ShardedOptimizerV2
@@ -67,7 +68,8 @@ KEY_TABLE: dict[str, tuple[str, str]] = {
                                                            "chunkmem.set_host_memory_capacity"),
     "zero_optimization.offload_param.pin_memory": ("warn", "no effect (as offload_optimizer.pin_memory)"),
     "zero_optimization.reduce_bucket_size": ("map", "stage 3: reduce_scatter_bucket_size_mb (elements x element "
-                                                    "size); stages 1, 2: reduce_bucket_size (elements)"),
+                                                    "size); stages 1, 2: reduce_bucket_size (elements); an "
+                                                    "integral float (5e8) is taken as that integer"),
     "zero_optimization.overlap_comm": ("map", "stages 1, 2: overlap_communication; stage 3: no effect"),
     "zero_optimization.contiguous_gradients": ("warn", "chunks are always contiguous; False has no effect"),
     "zero_optimization.reduce_scatter": ("warn", "chunkmem always reduce-scatters; False has no effect"),
@@ -222,6 +224,23 @@ def _check_bool(value: Any, path: str) -> bool:
     return value
 
 
+def _count(path: str, value: Any, unit: str) -> int:
+    """``value`` as an int > 0; an integral float (``5e8``, as DeepSpeed's documentation writes sizes) is
+    taken as that integer."""
+    allowed = f"an integer > 0 ({unit}; an integral float such as 5e8 is taken as that integer)"
+    check_number(path, value, low=0, low_open=True, allowed=allowed)
+    if isinstance(value, float) and not value.is_integer():  # NaN and infinities are not integers either
+        raise InvalidArgumentError(path, value, allowed)
+    return int(value)
+
+
+def _disk_keys(optim_device: str, param_device: str) -> dict[str, str]:
+    """The config keys behind ShardedModelV2's disk-tier arguments: those of the offload section that
+    asked for the disk tier (both sections name the same values, see :func:`_stage3_model_kwargs`)."""
+    section = "zero_optimization.offload_optimizer" if optim_device == "nvme" else "zero_optimization.offload_param"
+    return {"nvme_path": f"{section}.nvme_path", "buffer_count": f"{section}.buffer_count"}
+
+
 def _no_effect(path: str, why: str) -> None:
     warnings.warn(f"config key {path} has no effect in chunkmem: {why}", NoEffectWarning, stacklevel=4)
 
@@ -349,17 +368,15 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
     param_device = _offload_device(offload_param, "zero_optimization.offload_param")
     _check_offload_switches(offload_optimizer, offload_param)
     ratio = offload_optimizer.get("ratio", 1.0)
-    if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0.0 <= ratio <= 1.0:
-        raise InvalidArgumentError("zero_optimization.offload_optimizer.ratio", ratio, "a number in [0, 1]")
+    check_number("zero_optimization.offload_optimizer.ratio", ratio, low=0.0, high=1.0, allowed="a number in [0, 1]")
     if ratio != 1.0 and optim_device != "cpu":
         raise InvalidArgumentError("zero_optimization.offload_optimizer.ratio", ratio,
                                    "1.0 unless zero_optimization.offload_optimizer.device is 'cpu'")
     clipping = config.get("gradient_clipping", 0.0)
-    if not isinstance(clipping, (int, float)) or isinstance(clipping, bool) or not clipping >= 0:
-        raise InvalidArgumentError("gradient_clipping", clipping, "a number >= 0 (0: no clipping)")
+    check_number("gradient_clipping", clipping, low=0, allowed="a number >= 0 (0: no clipping)")
     bucket = zero.get("reduce_bucket_size")
-    if bucket is not None and (not isinstance(bucket, int) or isinstance(bucket, bool) or bucket <= 0):
-        raise InvalidArgumentError("zero_optimization.reduce_bucket_size", bucket, "an integer > 0 (elements)")
+    if bucket is not None:
+        bucket = _count("zero_optimization.reduce_bucket_size", bucket, "elements")
     overlap = zero.get("overlap_comm")
     if overlap is not None:
         _check_bool(overlap, "zero_optimization.overlap_comm")
@@ -379,12 +396,15 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
         kwargs = _stage3_model_kwargs(optim_device, param_device, ratio, offload_optimizer, offload_param)
         if bucket is not None:
             kwargs["reduce_scatter_bucket_size_mb"] = bucket * torch.empty((), dtype=dtype).element_size() / 2**20
+        model_keys = {"dtype": "fp16.enabled/bf16.enabled",
+                      "reduce_scatter_bucket_size_mb": "zero_optimization.reduce_bucket_size",
+                      **_disk_keys(optim_device, param_device)}
         model_settings = _rename_errors(
             "zero_optimization.", lambda: ModelSettings.from_arguments(TensorShardStrategy(), dtype=dtype, **kwargs),
-            {"dtype": "fp16.enabled/bf16.enabled", "reduce_scatter_bucket_size_mb": "zero_optimization.reduce_bucket_size"})
+            model_keys)
         optimizer_settings = _rename_errors("fp16.", lambda: OptimizerSettings.from_arguments(
             **scaler, max_norm=float(clipping)), dict(_SCALER_KEYS, max_norm="gradient_clipping"))
-        return _stage3(model, optimizer, optimizer_section, model_settings, optimizer_settings)
+        return _stage3(model, optimizer, optimizer_section, model_settings, optimizer_settings, model_keys)
 
     # stages 1 and 2: the model stays a plain module
     if param_device != "none":
@@ -409,12 +429,13 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
 
 
 def _stage3(model: nn.Module, optimizer: Any, optimizer_section: dict[str, Any], model_settings: ModelSettings,
-            optimizer_settings: OptimizerSettings) -> tuple[nn.Module, Any]:
+            optimizer_settings: OptimizerSettings, model_keys: dict[str, str]) -> tuple[nn.Module, Any]:
     """A ShardedModelV2 and a ShardedOptimizerV2 over ``optimizer`` (already checked against the model),
     or over one built from ``optimizer_section``, or no optimizer; everything checked before the module is
-    wrapped, and the wrapping undone if the optimizer cannot be attached."""
+    wrapped, and the wrapping undone if the optimizer cannot be attached. ``model_keys``: the config key
+    each model argument comes from (for the errors)."""
     def renamed(build: Callable[[], Any]) -> Any:
-        return _rename_errors("zero_optimization.", build, {"dtype": "fp16.enabled/bf16.enabled"})
+        return _rename_errors("zero_optimization.", build, model_keys)
     if optimizer is None and not optimizer_section:
         return renamed(lambda: ShardedModelV2.from_settings(model, model_settings)), None
     ShardedOptimizerV2.check_before_wrapping(model, model_settings, optimizer_settings)
@@ -443,8 +464,9 @@ def _check_zero_switches(zero: dict[str, Any]) -> None:
                                        f"no such key (deprecated by DeepSpeed): use zero_optimization.{replacement}")
     for key, only in _ZERO_ONLY_DEFAULT.items():
         if key in zero and (zero[key] != only or type(zero[key]) is not type(only)):
-            raise InvalidArgumentError(f"zero_optimization.{key}", zero[key],
-                                       f"{json.dumps(only)} (chunkmem does not implement this feature)")
+            error = ArgumentTypeError if type(zero[key]) is not type(only) else InvalidArgumentError
+            raise error(f"zero_optimization.{key}", zero[key],
+                        f"{json.dumps(only)} (chunkmem does not implement this feature)")
     for key in ("contiguous_gradients", "reduce_scatter"):
         if key in zero and not _check_bool(zero[key], f"zero_optimization.{key}"):
             _no_effect(f"zero_optimization.{key}", "chunkmem always does it (False is ignored)")
@@ -457,10 +479,12 @@ def _offload_device(section: dict[str, Any], path: str) -> str:
     if device is None:
         device = "none"
     if device not in _OFFLOAD_DEVICES:
-        raise InvalidArgumentError(f"{path}.device", device, _listing(_OFFLOAD_DEVICES))
-    if device == "nvme" and not isinstance(section.get("nvme_path"), str):
-        raise InvalidArgumentError(f"{path}.nvme_path", section.get("nvme_path"),
-                                   f"a directory path (a string) when {path}.device is 'nvme'")
+        error = InvalidArgumentError if isinstance(device, str) else ArgumentTypeError
+        raise error(f"{path}.device", device, _listing(_OFFLOAD_DEVICES))
+    nvme_path = section.get("nvme_path")
+    if device == "nvme" and not isinstance(nvme_path, str):
+        error = InvalidArgumentError if nvme_path is None else ArgumentTypeError
+        raise error(f"{path}.nvme_path", nvme_path, f"a directory path (a string) when {path}.device is 'nvme'")
     return device
 
 
@@ -474,8 +498,8 @@ def _check_offload_switches(offload_optimizer: dict[str, Any], offload_param: di
         if "nvme_path" in section and section.get("device", "none") != "nvme":
             _no_effect(f"{path}.nvme_path", f"{path}.device is not 'nvme'")
         count = section.get("buffer_count")
-        if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 1):
-            raise InvalidArgumentError(f"{path}.buffer_count", count, "an integer >= 1")
+        if count is not None:
+            check_number(f"{path}.buffer_count", count, low=1, integer=True)
     for key in ("pipeline_read", "pipeline_write"):
         if key in offload_optimizer and not _check_bool(offload_optimizer[key],
                                                         f"zero_optimization.offload_optimizer.{key}"):
@@ -539,12 +563,12 @@ def _precision(config: dict[str, Any]) -> tuple[torch.dtype, dict[str, Any]]:
             _no_effect(f"fp16.{set_keys[0]}", "fp16 is not enabled")
         return (torch.bfloat16 if bf16_on else torch.float32), {}
     loss_scale = fp16.get("loss_scale", 0)
+    static_scale = "0 (dynamic loss scaling; a static loss scale is not implemented)"
+    check_number("fp16.loss_scale", loss_scale, allowed=static_scale)
     if loss_scale != 0:
-        raise InvalidArgumentError("fp16.loss_scale", loss_scale,
-                                   "0 (dynamic loss scaling; a static loss scale is not implemented)")
+        raise InvalidArgumentError("fp16.loss_scale", loss_scale, static_scale)
     power = fp16.get("initial_scale_power", 16)  # DeepSpeed's default: 2**16
-    if not isinstance(power, int) or isinstance(power, bool) or not 0 <= power <= 32:
-        raise InvalidArgumentError("fp16.initial_scale_power", power, "an integer in [0, 32]")
+    check_number("fp16.initial_scale_power", power, low=0, high=32, integer=True, allowed="an integer in [0, 32]")
     scaler: dict[str, Any] = {"initial_scale": float(2**power)}
     for key, argument in (("loss_scale_window", "growth_interval"), ("hysteresis", "hysteresis"),
                           ("min_loss_scale", "min_scale")):
@@ -553,7 +577,15 @@ def _precision(config: dict[str, Any]) -> tuple[torch.dtype, dict[str, Any]]:
     for key in ("consecutive_hysteresis", "auto_cast"):
         if key in fp16:
             _no_effect(f"fp16.{key}", "chunkmem's scaler and input casting have no such switch")
-    _rename_errors("fp16.", lambda: DynamicGradScaler(**scaler), _SCALER_KEYS)  # checked before anything is built
+    try:  # checked before anything is built
+        DynamicGradScaler(**scaler)
+    except InvalidArgumentError as e:
+        if e.argument != "initial_scale":
+            raise type(e)(_SCALER_KEYS.get(e.argument, f"fp16.{e.argument}"), e.value, e.allowed) from e
+        # the user wrote the power, not the scale: name it, and the key on the other side of the comparison
+        within = e.allowed.replace("min_scale", "fp16.min_loss_scale")
+        raise type(e)("fp16.initial_scale_power", power,
+                      f"a power whose scale 2**{power} = {2**power} is {within}") from e
     return torch.float16, scaler
 
 
@@ -561,7 +593,8 @@ def _build_optimizer(section: dict[str, Any], params: Any) -> HybridAdam:
     _check_keys(section, {"type", "params"}, "optimizer")
     kind = section.get("type")
     if not isinstance(kind, str) or kind.lower() not in {t.lower() for t in _OPTIMIZER_TYPES}:
-        raise InvalidArgumentError("optimizer.type", kind, _listing(_OPTIMIZER_TYPES) + " (case-insensitive)")
+        error = InvalidArgumentError if isinstance(kind, str) else ArgumentTypeError
+        raise error("optimizer.type", kind, _listing(_OPTIMIZER_TYPES) + " (case-insensitive)")
     options = dict(_section(section, "params", "optimizer.params"))
     _check_keys(options, _OPTIMIZER_PARAMS, "optimizer.params")
     adamw = options.pop("adam_w_mode", True)

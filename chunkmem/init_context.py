@@ -59,7 +59,12 @@ class ZeroInitContext:
             256 for fp32 chunks).
         model_numel_tensor: if given, a one-element tensor that receives the number of parameter
             elements created inside the context (a parameter later replaced, such as the original
-            weight of a tied lm head, counts too).
+            weight of a tied lm head, counts too), written when the context closes. Its dtype must hold
+            the count exactly: an integer dtype (``torch.int64``; ``torch.int32`` as ColossalAI's
+            examples use, up to 2**31 - 1) or ``torch.float64`` (exact up to 2**53). Other dtypes are
+            refused here (fp16 would write ``inf`` above 65504, fp32 rounds above 2**24); a count larger
+            than an integer dtype holds raises :class:`~chunkmem.InvalidArgumentError` when the context
+            closes, leaving the tensor as it was.
     """
 
     def __init__(self, target_device: torch.device | str | int, shard_strategy: BaseShardStrategy,
@@ -76,6 +81,11 @@ class ZeroInitContext:
             check_type("model_numel_tensor", model_numel_tensor, torch.Tensor, "None or a one-element tensor")
             if model_numel_tensor.numel() != 1:
                 raise InvalidArgumentError("model_numel_tensor", model_numel_tensor, "None or a one-element tensor")
+            if _largest_exact_count(model_numel_tensor.dtype) is None:
+                raise InvalidArgumentError("model_numel_tensor", model_numel_tensor,
+                                           "None or a one-element tensor of an integer dtype (torch.int64, "
+                                           "torch.int32, ...) or torch.float64, which hold a parameter count "
+                                           f"exactly, not {model_numel_tensor.dtype}")
         self.shard_strategy = shard_strategy
         self.shard_param = shard_param
         self.dtype = dtype
@@ -126,11 +136,22 @@ class ZeroInitContext:
             del nn.Module.__init_subclass__
         else:
             nn.Module.__init_subclass__ = self._saved_init_subclass
-        if self.model_numel_tensor is not None:
-            self.model_numel_tensor.fill_(self._numel)
         agreement, self._agreement = self._agreement, None
         if agreement is not None and exc[0] is None:
             agreement.at_exit()
+        if self.model_numel_tensor is not None:
+            self._write_numel(self.model_numel_tensor, raising=exc[0] is None)
+
+    def _write_numel(self, target: torch.Tensor, raising: bool) -> None:
+        """Write the count into ``target``, or (``raising``) refuse a count its dtype cannot hold exactly."""
+        largest = _largest_exact_count(target.dtype)
+        if largest is not None and self._numel <= largest:
+            target.fill_(self._numel)
+        elif raising:
+            raise InvalidArgumentError("model_numel_tensor", target,
+                                       f"a dtype that holds the {self._numel} parameter elements created, not "
+                                       f"{target.dtype} (at most {largest}): torch.int64 or torch.float64; the "
+                                       f"tensor was left as it was")
 
     def _wrap_init(self, cls: type) -> None:
         if "__init__" not in cls.__dict__ or cls in self._patched:
@@ -184,6 +205,16 @@ class ZeroInitContext:
         chunk.bind_views(chunk.param.device if chunk.param.sharded else local, [slot])
         adopt(param, slot)
         self._numel += slot.numel
+
+def _largest_exact_count(dtype: torch.dtype) -> int | None:
+    """The largest count a tensor of ``dtype`` holds exactly (every smaller one too), or ``None`` for a dtype
+    that is no counter (bool, complex, floating point below 64 bits)."""
+    if dtype == torch.float64:
+        return 2**53
+    if dtype == torch.bool or dtype.is_complex or dtype.is_floating_point:
+        return None
+    return torch.iinfo(dtype).max
+
 
 def _all_module_classes() -> list[type]:
     seen: list[type] = []

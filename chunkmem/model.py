@@ -296,10 +296,13 @@ class ShardedModelV2(nn.Module):
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
         return memstats.collect(self.runtime, rank, world)
 
-    def dump_memory_stats(self, filename: str = "memstats.json") -> str:
-        """Write :meth:`memory_stats` as JSON to ``filename`` (with ``.rank{N}`` before the extension when
-        running distributed), log a text summary, and return the path written. Safe to call in an
-        ``except`` handler after an out-of-memory error: it reads what was recorded so far."""
+    def dump_memory_stats(self, filename: str | os.PathLike = "memstats.json") -> str:
+        """Write :meth:`memory_stats` as JSON to ``filename`` (a str or os.PathLike path; with ``.rank{N}``
+        before the extension when running distributed), log a text summary, and return the path written
+        (a str). Safe to call in an ``except`` handler after an out-of-memory error: it reads what was
+        recorded so far."""
+        check_type("filename", filename, (str, os.PathLike), "a str or os.PathLike path of the JSON file to write")
+        filename = os.fspath(filename)
         doc = self.memory_stats()
         if doc["world_size"] > 1:
             root, ext = os.path.splitext(filename)
@@ -322,6 +325,8 @@ class ShardedModelV2(nn.Module):
     def full_parameter(self, param: nn.Parameter) -> torch.Tensor:
         """A CPU fp32 copy of ``param``'s current value: from the fp32 master where one exists. When the
         chunks are sharded this gathers the parameter's chunk: every rank must call it."""
+        check_type("param", param, torch.Tensor, "a parameter of this model (not its name: pass "
+                   "model.module.get_parameter(name))")
         slot = slot_of(param)
         if slot is None or slot.chunk not in self.chunks:
             raise InvalidArgumentError("param", tuple(param.shape), "a parameter of this model")

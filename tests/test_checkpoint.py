@@ -461,7 +461,8 @@ def _two_rank_worker(rank: int, world: int, directory: str) -> dict:
 
 
 def _failure_on_one_rank(rank: int, failing: int, path: str, model, optim, sharded: bool) -> str:
-    """Save with torch.save failing on rank ``failing``; the name of the error this rank raised."""
+    """Save with torch.save failing on rank ``failing``; the name of the error this rank raised (with
+    ``(OSError)`` when it was raised from one: the failing rank's own error)."""
     real_save = torch.save
 
     def disk_full(*args, **kwargs):
@@ -470,7 +471,7 @@ def _failure_on_one_rank(rank: int, failing: int, path: str, model, optim, shard
     try:
         cm.save_checkpoint(path, model, optim, sharded=sharded)
     except (OSError, cm.CheckpointError) as exc:
-        return type(exc).__name__
+        return type(exc).__name__ + ("(OSError)" if isinstance(exc.__cause__, OSError) else "")
     finally:
         torch.save = real_save
     return "no error"
@@ -483,7 +484,8 @@ def test_two_ranks_save_consolidate_and_load_into_one_process(tmp_path):
     assert expected["shard_numel"] * 2 == expected["numel"] and expected["straddling"], "parameters on both ranks"
     assert len(expected["files"]) == 3 and "manifest.json" in expected["files"]
     # a rank that fails its part fails the save on every rank; the last checkpoint stays (loaded below)
-    assert [r["failures"] for r in results] == [["CheckpointError", "OSError"], ["OSError", "CheckpointError"]]
+    assert [r["failures"] for r in results] == [["CheckpointError", "CheckpointError(OSError)"],
+                                                ["CheckpointError(OSError)", "CheckpointError"]]
     for result in results:
         assert_same_state(result["model"], expected["model"])
         for model_state, optimizer_state in result["restored"].values():

@@ -28,11 +28,14 @@ A save that dies part-way leaves the previous checkpoint loadable; the next
 successful save removes the temporary files it left (only names of chunkmem's temporary pattern). Ranks agree on success after each
 phase (an all-reduce of a flag, which is also the barrier), so a failing rank fails the save on every
 rank. Collectives run only when ``torch.distributed`` is initialised and the group has several ranks.
+A write that fails with a system error (a full disk) raises :class:`CheckpointError` naming the
+checkpoint, the file and the cause, chained from the ``OSError``.
 Sharded checkpoints need a directory every rank sees (a shared file system).
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -52,7 +55,7 @@ from ..errors import ArgumentTypeError, InvalidArgumentError, check_type
 from ..core.param_guard import slot_of
 from ..model import ShardedModelV2
 from ..optim.sharded_optimizer import ShardedOptimizerV2
-from ..errors import CheckpointError
+from ..errors import ChunkmemError, CheckpointError
 from ..optim.state_dict import adam_entry, export_param_groups, plan_hyper_load, plan_optimizer_load
 from ..state_dicts import (bump_versions, check_tensor_data, first_few, plan_model_load, refuse_chunks_in_use,
                            refuse_grads_in_param_memory, warn_if_masters_lose_precision)
@@ -220,7 +223,7 @@ def _write_full(path: str, group: ShardGroup, model_state: Any, optimizer_state:
         try:
             write_atomically(path, lambda f: torch.save(payload, f))
         except Exception as exc:  # noqa: BLE001 - re-raised by _agree
-            error = exc
+            error = _save_error(path, path, exc)
         else:
             remove_stale_temporaries(path)
     _agree(group, error, f"saving {path!r}")
@@ -321,7 +324,10 @@ def _plan_low_level_zero(path: str, model: torch.nn.Module, optimizer: Any) -> C
 
 def _save_sharded(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None) -> None:
     group = _group_of(model)
-    os.makedirs(path, exist_ok=True)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise _save_error(path, path, exc) from exc
     token = _new_token(group)
     own = os.path.join(path, _shard_name(token, group.rank, group.world))
     error = None
@@ -330,7 +336,7 @@ def _save_sharded(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV
         payload = _rank_payload(model, optimizer, group, token)
         checksum = _save_hashed(own, payload)
     except Exception as exc:  # noqa: BLE001 - re-raised by _agree
-        error = exc
+        error = _save_error(path, own, exc, model.disk_path)
     try:
         _agree(group, error, f"saving {path!r}")  # every rank file is complete
         checksums = _gather_strings(group, checksum)
@@ -341,7 +347,7 @@ def _save_sharded(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV
             try:
                 write_json_atomically(manifest, os.path.join(path, MANIFEST))
             except Exception as exc:  # noqa: BLE001 - re-raised by _agree
-                error = exc
+                error = _save_error(path, os.path.join(path, MANIFEST), exc)
             else:
                 _remove_stale(path, token)
         _agree(group, error, f"committing {path!r}")  # the manifest names this token
@@ -679,6 +685,44 @@ def _saved(buf: Any) -> torch.Tensor:
 
 
 # ---- files ---------------------------------------------------------------------------------------
+
+
+def _save_error(path: str, written: str, exc: Exception, disk_path: str | None = None) -> Exception:
+    """What a save that failed with ``exc`` while writing ``written`` (the checkpoint ``path`` or a file in
+    it) raises: for a system error (a full disk, a missing directory) a :class:`CheckpointError` naming
+    the checkpoint, the file and the cause, chained from the ``OSError``; ``exc`` itself otherwise.
+    ``disk_path``: the model's disk-tier scratch directory, named when it is gone (a sharded save reads
+    the disk-resident state from its files)."""
+    cause = _os_error_behind(exc)
+    if cause is None or isinstance(exc, ChunkmemError) or isinstance(cause, ChunkmemError):
+        return exc  # chunkmem's own errors (a DiskIOError of the disk tier) name their files already
+    reason = str(cause)
+    if cause.errno is not None:
+        reason = f"{os.strerror(cause.errno)} (errno {errno.errorcode.get(cause.errno, cause.errno)})"
+    if disk_path is not None and not os.path.isdir(disk_path):
+        error = CheckpointError(
+            f"cannot save the checkpoint {path!r}: the model's disk-tier scratch directory (model.disk_path="
+            f"{disk_path!r}) was removed while training, and a sharded save reads the state resting on disk from "
+            f"its files ({reason}: {cause.filename!r}). Nothing was changed or lost: training goes on through the "
+            f"files still open; save with sharded=False, which reads the state through them")
+    else:
+        file = "" if written == path else f" (its file {os.path.basename(written)!r})"
+        error = CheckpointError(f"cannot write the checkpoint {path!r}{file}: {reason}; nothing was changed (a "
+                                f"checkpoint saved at {path!r} before is left as it was)")
+    error.__cause__ = cause
+    return error
+
+
+def _os_error_behind(exc: BaseException | None) -> OSError | None:
+    """``exc`` or the first ``OSError`` it was raised from or while handling (torch.save reports a failed
+    write of its file as a ``RuntimeError`` raised while handling the ``OSError``)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _remove_stale(path: str, token: str) -> None:

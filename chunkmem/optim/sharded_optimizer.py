@@ -372,12 +372,15 @@ class ShardedOptimizerV2(Optimizer):
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` times the loss scale; gradients land in the chunks."""
+        check_type("loss", loss, torch.Tensor, "a scalar torch.Tensor")
         self._check_can_accumulate()
         self._run_backward(lambda: (loss * self.loss_scale if self.grad_scaler else loss).backward())
 
     def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
         """Backward from ``tensor`` with the upstream gradient ``grad`` (not scaled: with fp16, ``grad``
         is expected to carry the loss scale already)."""
+        check_type("tensor", tensor, torch.Tensor, "a torch.Tensor")
+        check_type("grad", grad, torch.Tensor, "a torch.Tensor shaped like tensor")
         self._check_can_accumulate()
         self._run_backward(lambda: torch.autograd.backward(tensor, grad))
 

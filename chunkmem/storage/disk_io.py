@@ -6,7 +6,9 @@ under the user's ``nvme_path`` and removes again on :meth:`ScratchSpace.close`, 
 garbage collected and at interpreter exit (also after an uncaught exception). Its files
 (:class:`DiskFile`) are scratch space, never state: a directory left behind by a killed process is
 found by the next :class:`ScratchSpace` in the same ``nvme_path`` (its owner process is gone) and
-removed with a warning, without reading what it holds.
+removed with a warning, without reading what it holds. A private directory that cannot be removed (made
+read-only meanwhile) is reported with a ``RuntimeWarning`` naming it and the bytes left in it; a
+``nvme_path`` it cannot be created in is an :class:`~chunkmem.InvalidArgumentError` naming ``nvme_path``.
 
 Files are preallocated (``posix_fallocate``) when created, so a full disk is reported then, not in the
 middle of a step, and are opened with ``O_DIRECT`` where the filesystem allows it: reads and writes
@@ -390,7 +392,39 @@ class _SpaceState:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self.fds.clear()
-        shutil.rmtree(self.path, ignore_errors=True)
+        _remove_private_directory(self.path)
+
+
+def _remove_private_directory(path: str) -> None:
+    """Remove the private directory ``path`` (gone already: nothing to do). What cannot be removed (a
+    read-only directory) is warned about with a ``RuntimeWarning`` naming it and the bytes left in it, so
+    the user can delete it: its files are scratch space of the size of what rested on disk."""
+    try:
+        shutil.rmtree(path)
+    except OSError as error:
+        shutil.rmtree(path, ignore_errors=True)  # remove what can be removed
+        if os.path.lexists(path):
+            left = _bytes_under(path)
+            size = "an unknown number of bytes" if left is None else f"{left} bytes"
+            warnings.warn(f"could not remove the chunkmem scratch directory {path!r} ({size} of disk-tier "
+                          f"scratch files left in it): {error}; it holds no state: delete it by hand",
+                          RuntimeWarning, stacklevel=2)
+
+
+def _bytes_under(path: str) -> int | None:
+    """Bytes of the files under ``path`` (their sizes), or ``None`` when it cannot be listed."""
+    total = 0
+    try:
+        for directory, _, names in os.walk(path, onerror=_raise):
+            for name in names:
+                total += os.lstat(os.path.join(directory, name)).st_size
+    except OSError:
+        return None
+    return total
+
+
+def _raise(error: OSError) -> None:
+    raise error
 
 
 class ScratchSpace:
@@ -423,6 +457,9 @@ class ScratchSpace:
         try:
             os.mkdir(path, 0o700)
         except OSError as error:
+            if error.errno in (errno_codes.EACCES, errno_codes.EPERM, errno_codes.EROFS):
+                raise InvalidArgumentError(argument, nvme_path, "a directory this process may write into (creating "
+                                           f"{os.path.basename(path)!r} in it failed: {error.strerror})") from error
             raise DiskIOError.from_os_error(path, "the scratch directory", "create", error) from error
         self.path = path
         self._state = _SpaceState(path)
