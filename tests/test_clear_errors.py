@@ -21,6 +21,7 @@ from chunkmem import config as config_module
 from chunkmem.storage import atomic_file, disk_io
 from chunkmem.storage.disk_io import ScratchSpace
 from models import TinyGPT, batches, build_sharded, lm_loss, train
+from stand_ins import RecordingLowLevelZero
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -169,20 +170,12 @@ def test_a_value_of_the_right_type_that_is_not_allowed_raises_invalid_argument_e
     assert all(p.dtype == torch.float32 and not hasattr(p, "_chunkmem_slot") for p in model.parameters())
 
 
-class _Recorder:
-    """Stands in for LowLevelZeroOptimizer: records the arguments the config maps to."""
-
-    def __init__(self, optimizer, **kwargs):
-        self.optimizer = optimizer
-        self.kwargs = kwargs
-
-
 @pytest.mark.parametrize("value", [5e8, 5e8 + 0.0, 4096.0])
 def test_reduce_bucket_size_written_as_an_integral_float_is_accepted(monkeypatch, value):
     model = make_model()
     m, _ = cm.initialize(model, cm.HybridAdam(model.parameters()), stage3(reduce_bucket_size=value))
     assert m.settings.reduction.reduce_scatter_bucket_size_mb == int(value) * 4 / 2**20  # fp32 elements
-    monkeypatch.setattr(config_module, "LowLevelZeroOptimizer", _Recorder)
+    monkeypatch.setattr(config_module, "LowLevelZeroOptimizer", RecordingLowLevelZero)
     model = make_model()
     _, recorder = cm.initialize(model, cm.HybridAdam(model.parameters()),
                                 {"zero_optimization": {"stage": 2, "reduce_bucket_size": value}})

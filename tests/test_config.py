@@ -13,6 +13,7 @@ import torch.nn as nn
 import chunkmem as cm
 from chunkmem import config as config_module
 from chunkmem.config import NoEffectWarning
+from stand_ins import RecordingLowLevelZero
 
 # ---- the configs of the reference documents ----------------------------------------------------------
 
@@ -357,20 +358,8 @@ def test_bad_json_file_names_the_path(tmp_path):
 
 # ---- stages 1 and 2 (LowLevelZeroOptimizer) -----------------------------------------------------------
 
-class _Recorder:
-    """Stands in for LowLevelZeroOptimizer (in chunkmem.config): records the arguments the config maps to."""
-
-    def __init__(self, optimizer, **kwargs):
-        self.optimizer = optimizer
-        self.kwargs = kwargs
-
-    @staticmethod
-    def check_arguments(optimizer, *, cast_to=None, **kwargs):
-        """initialize checks the arguments before it casts the module (nothing to check here)."""
-
-
 def test_stage_1_and_2_argument_mapping(monkeypatch):
-    monkeypatch.setattr(config_module, "LowLevelZeroOptimizer", _Recorder)
+    monkeypatch.setattr(config_module, "LowLevelZeroOptimizer", RecordingLowLevelZero)
     config = {"zero_optimization": {"stage": 2, "reduce_bucket_size": 4096, "overlap_comm": True,
                                     "offload_optimizer": {"device": "cpu"}},
               "fp16": {"enabled": True, "initial_scale_power": 10}, "gradient_clipping": 1.5,
