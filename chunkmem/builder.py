@@ -17,14 +17,15 @@ import torch.nn as nn
 
 from .core.chunk import PARAM, Chunk, ChunkKey
 from .core.disk_tier import DiskTier
-from .errors import DeviceCapacityError, HostCapacityError, InvalidArgumentError, check_type
+from .errors import HostCapacityError, InvalidArgumentError, check_type
 from .core.layout import ChunkLayout, aligned_numel, plan_layout, search_chunk_numel
 from .core.memory import TierMemory
-from .core.param_guard import adopt, disown, slot_of
+from .core.param_guard import adopt, disown, remembered_externals, slot_of
 from .core.tiers import Tier, device_memory_capacity, device_of_tier, host_memory_capacity
 from .distributed.agreement import LayoutDescription, ParamRecord, agree
 from .distributed.collectives import ShardGroup
 from .distributed.reduction import GradientReduction
+from .runtime.capacity import CapacityCheck
 from .runtime.placement import PlacementPolicy
 from .runtime.runtime import ChunkRuntime
 from .settings import ModelSettings, check_chunk_size, check_param_dtypes
@@ -72,7 +73,8 @@ def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
     _agree_on_layout(settings, layout, shards, dtype, slots if from_context else None)
     capacity = device_memory_capacity()
     host_capacity = host_memory_capacity()
-    _check_device_capacity(module, layout, policy, shards, settings.reuse_fp16_shard, capacity)
+    check_capacity = CapacityCheck(layout, policy, shards, settings.reuse_fp16_shard, capacity)
+    check_capacity(module_users(module))
     _check_host_capacity(layout, policy, shards, host_capacity)
 
     memory = slots[0].chunk.memory if from_context else TierMemory.for_this_machine(capacity)
@@ -93,7 +95,7 @@ def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
     reduction = GradientReduction(reduce_shards, settings.reduction.bucket_bytes,
                                   settings.reduction.fp32_reduce_scatter, settings.reduction.gradient_predivide_factor)
     runtime = ChunkRuntime(module, chunks, memory, policy, settings.reuse_fp16_shard, reduction,
-                           settings.shard_strategy.bucketed)
+                           settings.shard_strategy.bucketed, check_capacity)
     if memory.disk is not None:
         weakref.finalize(runtime, memory.disk.close)
     runtime.executor.settle_all()
@@ -201,71 +203,14 @@ def _agree_on_layout(settings: ModelSettings, layout: ChunkLayout, shards: Shard
     agree(shards, LayoutDescription("ShardedModelV2", description, params))
 
 
-def _check_device_capacity(module: nn.Module, layout: ChunkLayout, policy: PlacementPolicy, shards: ShardGroup,
-                           reuse_grads: bool, capacity: int) -> None:
-    """Refuse a capacity that cannot hold what the policy needs on the device at one time: the chunks
-    resting there (with their gradients), plus the most any module's forward or backward holds.
-
-    A module's forward holds its own chunks. Its backward holds them with their gradient staging,
-    and also every chunk whose backward began earlier and whose gradients are not finished yet: a
-    chunk stays on the device from the backward of its first user (in backward order) to that of
-    its last (a tied embedding from the head's backward to the embedding's; a chunk without
-    trainable parameters to the end of the backward). The backward order taken is the reverse of
-    the modules' registration order, the usual execution order.
-    """
-    count = layout.num_chunks
-    grads_per_chunk = 0 if reuse_grads else 1
-
-    def need_of(chunk_indices: set[int], chunk_bytes: int, staging: set[int] | None = None) -> int:
-        staged = chunk_indices if staging is None else chunk_indices & staging
-        trainable = sum(1 for i in staged if layout.trainable(i))
-        return (len(chunk_indices) + grads_per_chunk * trainable) * chunk_bytes
-
-    # Sharded, what rests is one shard of each chunk, and every chunk a module uses is gathered.
-    resting = {i for i in range(count) if policy.params_on_device_at_rest(i, count)}
-    need = need_of(resting, layout.chunk_bytes // shards.world)
-    what = f"the {len(resting)} chunks resting on the device with their gradients" if resting else ""
-    chunk_of = layout.chunk_of_param()
-    backward = []  # (module name, its parameters) in backward order
-    for name, sub in reversed(list(module.named_modules())):
-        params = list(sub.parameters(recurse=False))
-        if params:
-            backward.append((name or type(sub).__name__, params))
-    first: dict[int, int] = {}  # chunk -> backward position of its first user
-    last: dict[int, int] = {}  # chunk -> position where its gradients are finished
-    grad_at: dict[int, int] = {}  # parameter -> position of its last user (autograd's AccumulateGrad)
-    for position, (_, params) in enumerate(backward):
-        for p in params:
-            c = chunk_of[id(p)]
-            first.setdefault(c, position)
-            last[c] = position if layout.trainable(c) else len(backward)
-            grad_at[id(p)] = position
-    staging_from: dict[int, int] = {}  # chunk -> position where its first gradient arrives
-    for param_id, position in grad_at.items():
-        c = chunk_of[param_id]
-        staging_from[c] = min(staging_from.get(c, position), position)
-    visiting_need, visiting_what = 0, ""
-    for position, (name, params) in enumerate(backward):
-        own = {chunk_of[id(p)] for p in params}
-        held = {c for c in first if first[c] <= position <= last[c]} | own
-        staging = {c for c in held if staging_from.get(c, position) <= position} | own
-        if not shards.sharded:
-            held -= resting
-            own = own - resting
-        held_need = need_of(held, layout.chunk_bytes, staging)
-        if held_need > visiting_need or (held_need == visiting_need > 0):  # ties: the first in forward order
-            visiting_need = held_need
-            others = len(held - own)
-            visiting_what = f"the chunks of module {name!r} with their gradients" + (
-                f" and the {others} other chunk(s) its backward holds (first used by a later module's "
-                f"backward, their gradients not finished yet)" if others else "")
-    need += visiting_need
-    what = " and ".join(w for w in (what, visiting_what) if w)
-    if need > capacity:
-        remedy = "use placement 'cpu'" if resting else "use smaller chunks (chunk_size=)"
-        raise DeviceCapacityError(
-            f"the device tier capacity of {capacity} bytes is smaller than the {need} bytes of {what}; "
-            f"raise it with chunkmem.set_device_memory_capacity or CHUNKMEM_DEVICE_MEMORY, or {remedy}")
+def module_users(module: nn.Module) -> list[tuple[str, list[nn.Parameter]]]:
+    """The modules of ``module`` that use parameters, in backward order (the root first, then the others in
+    reverse registration order, the usual order of their backwards), each with its own parameters and
+    those declared used with ``register_external_parameter``."""
+    named = list(module.named_modules())
+    order = named[:1] + list(reversed(named[1:]))
+    return [(name or type(sub).__name__, list(sub.parameters(recurse=False)) + remembered_externals(sub))
+            for name, sub in order]
 
 
 def _check_host_capacity(layout: ChunkLayout, policy: PlacementPolicy, shards: ShardGroup,

@@ -173,7 +173,11 @@ class ShardedModelV2(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = tree_map(self._cast_input, (args, kwargs))
         self.runtime.begin_iteration((args, kwargs), torch.is_grad_enabled())
-        output = self.module(*args, **kwargs)
+        try:
+            output = self.module(*args, **kwargs)
+        except BaseException as error:
+            self.runtime.abandon_iteration(error)
+            raise
         if self.dtype != torch.float32:
             output = tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
                               output)

@@ -1,6 +1,7 @@
 """Capacity defects of issue #10's appendix: 8 (no stale plan after a failed plan), 11 (a failed backward
 releases what it held), 15 (auto trains wherever cpu does, bitwise equal), 19 (the construction check
-counts what the backward holds, tied weights included)."""
+counts what the backward holds, tied weights included); and issue #20's item 16 (a use of another
+module's parameter that only a forward shows is checked when found)."""
 import pytest
 import torch
 import torch.nn as nn
@@ -55,6 +56,56 @@ def test_tied_weights_construction_check_counts_what_the_backward_holds():
         assert train(model, optim, data) == want, capacity
 
 
+class FunctionalTied(TiedStack):
+    """TiedStack whose head is ``F.linear(x, wte.weight)``: no module declares the tie, only the first
+    forward shows it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.lm_head
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        return nn.functional.linear(self.ln_f(x), self.wte.weight)
+
+
+def test_a_tie_found_in_the_first_forward_is_checked_then_and_leaves_nothing_held():
+    torch.manual_seed(0)
+    reference = FunctionalTied()
+    data = batches(2)
+    S = 2048 * 4
+    cm.set_device_memory_capacity(10**8)
+    want = train(*build_sharded(reference, "cpu", torch.float32, chunk_size=S), data)
+    # Without the tie each backward holds one chunk and its staging: construction accepts 2 chunks.
+    cm.set_device_memory_capacity(2 * S)
+    model, optim = build_sharded(reference, "cpu", torch.float32, chunk_size=S)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for _ in range(2):  # refused again, not remembered half-registered
+        with pytest.raises(cm.DeviceCapacityError,
+                           match=rf"smaller than the {3 * S} bytes .* \(found in a forward: module "
+                                 r"'FunctionalTied' uses parameter 'wte.weight'\)"):
+            model(data[0])
+        assert model.tier_bytes()["device"] == {}
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    cm.set_device_memory_capacity(3 * S)  # the capacity the message names trains as without a limit
+    assert train(*build_sharded(reference, "cpu", torch.float32, chunk_size=S), data) == want
+
+
+def test_a_tie_declared_after_wrapping_is_checked_and_not_registered_when_refused():
+    torch.manual_seed(0)
+    reference = FunctionalTied()
+    S = 2048 * 4
+    cm.set_device_memory_capacity(2 * S)
+    model, _ = build_sharded(reference, "cpu", torch.float32, chunk_size=S)
+    net = model.module
+    with pytest.raises(cm.DeviceCapacityError, match=r"\(declared with register_external_parameter: module "
+                                                      r"'FunctionalTied' uses parameter 'wte.weight'\)"):
+        cm.register_external_parameter(net, net.wte.weight)
+    assert model.runtime.module_chunks[net] == []
+
+
 def test_failed_backward_releases_what_it_held_and_training_goes_on():
     torch.manual_seed(1)
     reference = TinyGPT()
@@ -71,11 +122,14 @@ def test_failed_backward_releases_what_it_held_and_training_goes_on():
     x = data[0]
     with pytest.raises(cm.DeviceCapacityError, match="device tier full during period"):
         optim.backward(lm_loss(model(x), x))
-    assert any(c.held_for_backward for c in model.chunks)  # what the failed backward left behind
+    # The optimizer's backward released what the failed backward held when it raised (issue #20, item 11;
+    # before, the next forward did).
+    assert not any(c.held_for_backward or c.in_use for c in model.chunks)
+    assert ledger.tier_bytes(cm.Tier.DEVICE) == 0
     ledger.capacity = capacity
     optim.zero_grad()
     with torch.no_grad():
-        model(x)  # a later forward works: the interrupted iteration's chunks were released
+        model(x)
     assert not any(c.in_use for c in model.chunks)
     assert ledger.tier_bytes(cm.Tier.DEVICE) == 0
     assert train(model, optim, data) == want

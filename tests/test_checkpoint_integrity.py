@@ -169,13 +169,26 @@ def test_load_while_a_backward_is_unfinished_is_refused_clearly():
     loss = lm_loss(model(x), x)
     model.load_state_dict(model.state_dict())
     with pytest.raises(RuntimeError, match="inplace"):
-        optim.backward(loss)  # dies part-way: some chunks stay held for that backward
+        loss.backward()  # dies part-way: some chunks stay held for that backward
     before = snapshot(model, optim)
     with pytest.raises(cm.CheckpointError, match="load_state_dict: .*backward that started and did not finish"):
         model.load_state_dict(reference(seed=4).state_dict())
     assert_unchanged(before, snapshot(model, optim))
     optim.zero_grad()
     train(model, optim, [x])  # a complete iteration ends it
+    model.load_state_dict(reference(seed=4).state_dict())
+    assert_same_state(model.state_dict(), reference(seed=4).state_dict())
+
+
+def test_load_after_the_optimizers_backward_raised_loads():
+    """The optimizer's backward releases what a failed backward held (issue #20, item 11): a load right
+    after it needs no complete iteration first."""
+    model, optim = trained(torch.float32)
+    x = batches(1, seed=24)[0]
+    loss = lm_loss(model(x), x)
+    model.load_state_dict(model.state_dict())
+    with pytest.raises(RuntimeError, match="inplace"):
+        optim.backward(loss)
     model.load_state_dict(reference(seed=4).state_dict())
     assert_same_state(model.state_dict(), reference(seed=4).state_dict())
 

@@ -184,6 +184,12 @@ def _skipping_worker(rank: int, world: int, workdir: str) -> dict:
         result = {"error": type(exc).__name__, "message": str(exc), "collective": exc.collective,
                   "what": exc.what, "rank": exc.rank, "timeout": exc.timeout, "waited": exc.waited}
     result["seconds"] = time.monotonic() - began
+    try:  # the group is unusable now: the next forward says so at once, naming the first failure
+        model(torch.ones(2, 8))
+        result["next forward"] = None
+    except cm.CollectiveError as exc:
+        result["next forward"] = str(exc)
+    result["dispatch modes left"] = torch.zeros(4).to_sparse().is_sparse  # raised while a trace's mode stayed
     open(done, "w").close()
     cm.set_collective_timeout(None)
     return result
@@ -197,6 +203,9 @@ def test_a_rank_left_alone_in_a_collective_times_out_naming_it(tmp_path):
         "all_gather", "chunk1 parameters", 0, SKIP_TIMEOUT)
     assert result["message"].startswith("all_gather of chunk1 parameters on rank 0 of 2 did not complete within 3.")
     assert "The bound is 3 s (chunkmem.set_collective_timeout or CHUNKMEM_COLLECTIVE_TIMEOUT)" in result["message"]
+    assert result["next forward"].startswith("a forward after a failed collective (all_gather of chunk1 parameters")
+    assert "the process group is unusable" in result["next forward"]
+    assert result["dispatch modes left"]
 
 
 # ---- settings and messages, in one process ---------------------------------------------------------

@@ -178,15 +178,26 @@ ranks at different points meet in the same collective and see that they differ."
 def agree_on_point(shards: ShardGroup, point: str, where: str, fields: Sequence[tuple[str, float]]) -> None:
     """Raise :class:`StepMismatchError` on every rank of ``shards`` unless all are at ``point`` (one of
     :data:`POINTS`; ``where`` names it for the message, e.g. ``"ShardedOptimizerV2.step()"``) with equal
-    ``fields`` (at most :data:`POINT_FIELDS` named values). One all-reduce (max) of a fixed-size record
-    and of its negation: every rank learns each value's largest and smallest, equal only when all agree.
-    A collective: every rank calls it at the same point (that is what it checks)."""
+    ``fields`` (at most :data:`POINT_FIELDS` named values).
+
+    One all-reduce (max) of a 52-bit digest of the record and of its negation: every rank learns the
+    largest and the smallest digest, equal only when all agree. Two values, not the record: gloo
+    all-reduces up to two values in one round trip and longer tensors in two (250 against 450 us on
+    this project's machine). Only when they differ do the ranks all-reduce the records themselves (the
+    same way) to name what differs. A collective: every rank calls it at the same point (that is what
+    it checks)."""
     if not shards.sharded:
         return
     if len(fields) > POINT_FIELDS:
         raise ValueError(f"internal error: {len(fields)} fields at {where}, at most {POINT_FIELDS}")
     record = [float(POINTS.index(point))] + [float(v) for _, v in fields]
     record += [0.0] * (1 + POINT_FIELDS - len(record))
+    digest = float(int.from_bytes(hashlib.blake2b(json.dumps(record).encode(), digest_size=8).digest(), "little")
+                   >> 12)  # 52 bits: exact in a float64
+    extremes = torch.tensor([digest, -digest], dtype=torch.float64)
+    shards.all_reduce_(extremes, dist.ReduceOp.MAX, what=f"the ranks' agreement at {where}")
+    if extremes[0].item() == -extremes[1].item():
+        return
     both = torch.tensor(record + [-v for v in record], dtype=torch.float64)
     shards.all_reduce_(both, dist.ReduceOp.MAX, what=f"the ranks' agreement at {where}")
     high, low = both[:len(record)].tolist(), [-v for v in both[len(record):].tolist()]

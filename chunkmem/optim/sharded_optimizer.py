@@ -389,6 +389,9 @@ class ShardedOptimizerV2(Optimizer):
         before = self.runtime.backward_count
         try:
             run()
+        except BaseException as error:
+            self.runtime.abandon_iteration(error)
+            raise
         finally:
             self._accounted_backwards += self.runtime.backward_count - before
             self.runtime.backward_returned()

@@ -5,22 +5,27 @@ Everything that happens to a model's chunks during a step enters here, each edge
 ==========================  =======================================  =====================================
 edge                        called by                                what it does
 ==========================  =======================================  =====================================
-:meth:`begin_iteration`     ``ShardedModelV2.forward``               recover an interrupted iteration;
-                                                                     the scheduler decides trace or follow
+:meth:`begin_iteration`     ``ShardedModelV2.forward``               sharded: the ranks agree; recover an
+                                                                     interrupted iteration; the scheduler
+                                                                     decides trace or follow
+:meth:`abandon_iteration`   ``ShardedModelV2.forward`` and the       release what a raising forward or
+                            optimizer's backward, when they raise    backward held; leave the trace
 :meth:`pre_forward`         a module's forward pre-hook              the period's orders, then fetch
 :meth:`use_in_forward`      the parameter guard                      fetch a chunk used from elsewhere
 :meth:`post_forward`        a module's forward hook                  release the module's chunks
 :meth:`pre_backward`        the gradient hook of a module's output   the period's orders, then hold
 :meth:`gradient_ready`      a parameter's post-accumulate hook       the gradient into its chunk
 :meth:`post_backward`       autograd's end-of-backward callback      finish every chunk, plan the schedule
-:meth:`begin_step` /        the optimizer's ``step``                 close traces; settle; release
-:meth:`end_step`                                                     the gradients the step consumed
+:meth:`backward_returned`   the optimizer's ``backward``             close finished traces
+:meth:`begin_step` /        the optimizer's ``step``                 close traces; the ranks agree; settle;
+:meth:`end_step`                                                     release the gradients the step consumed
 ==========================  =======================================  =====================================
 
 The scheduler (:mod:`chunkmem.runtime.schedule`) decides and returns orders; the executor
 (:mod:`chunkmem.runtime.executor`) moves; the gradient strategy (:mod:`chunkmem.runtime.gradients`) takes
-gradients in; the runtime passes between them and runs the one collective the planning needs (the
-agreement on the traced peaks). One rule keeps chunkmem's own memory out of the traced non-model
+gradients in; the runtime passes between them and runs the collectives no edge can do without: the
+agreement on the traced peaks that planning needs, and the ranks' agreement on the point of training
+(:meth:`agree`) that opens every sharded forward and step. One rule keeps chunkmem's own memory out of the traced non-model
 memory: every entry point runs with the tracer paused (:func:`_untraced`).
 
 The optimizer is told of each chunk whose gradients are final through a declared listener
@@ -48,7 +53,9 @@ from ..core.memory import TierMemory
 from ..core.param_guard import remembered_externals, slot_of
 from ..core.tiers import Tier, device_of_tier
 from ..distributed.agreement import agree_on_point
+from ..distributed.collectives import CollectiveError
 from ..distributed.reduction import GradientReduction
+from .capacity import CapacityCheck
 from .executor import ChunkExecutor
 from .gradients import gradient_store
 from .hooks import ModelHooks
@@ -98,8 +105,10 @@ class ChunkRuntime:
     """
 
     def __init__(self, root: nn.Module, chunks: list[Chunk], memory: TierMemory, policy: PlacementPolicy,
-                 gradients_in_param_memory: bool, reduction: GradientReduction, gather_together: bool) -> None:
+                 gradients_in_param_memory: bool, reduction: GradientReduction, gather_together: bool,
+                 check_capacity: CapacityCheck) -> None:
         self.root = root
+        self._check_capacity = check_capacity
         self.policy = policy
         self.state = PlacementState()
         self.executor = ChunkExecutor(chunks, memory, policy, self.state, gather_together)
@@ -110,6 +119,7 @@ class ChunkRuntime:
         self.backward_count = 0  # backward passes finished (autograd's end of backward) so far
         self.forward_count = 0  # forwards of the wrapped model begun so far
         self.step_count = 0  # optimizer steps begun so far (skipped ones too)
+        self.group_failed: CollectiveError | None = None  # the collective error that ended an iteration
         self._no_sync = False
         self._listener: weakref.ref | None = None
         self._stack: list[_Running] = []
@@ -177,6 +187,11 @@ class ChunkRuntime:
     @_untraced
     def begin_iteration(self, inputs: Any, training: bool) -> None:
         """The wrapped model's forward begins with ``inputs`` (its arguments, already cast)."""
+        if self.group_failed is not None:
+            failed = self.group_failed
+            raise CollectiveError(f"a forward after a failed collective ({failed}): the process group is unusable; "
+                                  f"end every rank and restart from a checkpoint", failed.collective, failed.what,
+                                  failed.rank, failed.world) from failed
         if any(c.param.holds_grads for c in self.chunks):
             raise GradientAccumulationError(
                 "forward called while gradients from the last backward are still in the parameters' memory "
@@ -212,6 +227,7 @@ class ChunkRuntime:
         chunk = slot_of(param).chunk
         if chunk in running.chunks:
             return
+        self._check_capacity_with(running.module, param, "found in a forward")
         self._acquire([chunk])  # refuses a chunk whose memory holds gradients (reuse_fp16_shard)
         running.chunks.append(chunk)
         self._add_foreign(running.module, param)
@@ -275,6 +291,23 @@ class ChunkRuntime:
         if self.scheduler.end_iteration():
             self._plan()
         self.memory.ledger.context = ""
+
+    @_untraced
+    def abandon_iteration(self, error: BaseException) -> None:
+        """The model's forward, or the optimizer's backward, raised ``error``: release what the iteration
+        held, drop its unfinished gradients and leave the tracer's dispatch mode now (not at the next
+        forward), so no mode, hold or chunk outlives the exception; the next iteration is traced again.
+
+        After a failed collective the process group is unusable and a chunk's gather may still be in
+        flight in it: nothing is released (nothing can be), the tracer's mode is left, and the next
+        forward raises a :class:`~chunkmem.CollectiveError` that names the first failure."""
+        if isinstance(error, CollectiveError):
+            self.group_failed = self.group_failed or error
+        elif self.scheduler.running:
+            self._recover_interrupted()
+        if self.scheduler.running:
+            self.scheduler.interrupt()
+        self.scheduler.close_finished_traces()
 
     @_untraced
     def backward_returned(self) -> None:
@@ -418,6 +451,7 @@ class ChunkRuntime:
         if module not in self.module_names:
             raise InvalidArgumentError("module", type(module).__name__,
                                        "a submodule of the model that owns the parameter")
+        self._check_capacity_with(module, param, "declared with register_external_parameter")
         self._hook(module)
         self._add_foreign(module, param)
 
@@ -439,6 +473,20 @@ class ChunkRuntime:
                 if slot is not None and slot.chunk not in self.module_chunks[module]:
                     self.module_chunks[module].append(slot.chunk)
             self.hooks.watch_module(module)
+
+    def _check_capacity_with(self, module: nn.Module, param: nn.Parameter, how: str) -> None:
+        """Before ``module`` fetches another module's ``param`` from now on: the device tier must still hold
+        the step (the chunk now stays there from ``module``'s backward on); raises DeviceCapacityError, with
+        nothing registered, when it does not."""
+        if any(p is param for p in self._foreign.get(module, ())):
+            return
+        foreign = dict(self._foreign)
+        foreign[module] = foreign.get(module, []) + [param]
+        named = list(self.module_names.items())
+        users = [(name, [p for p in sub.parameters(recurse=False) if slot_of(p) is not None] + foreign.get(sub, []))
+                 for sub, name in named[:1] + list(reversed(named[1:]))]
+        param_name = next((name for name, p in self.root.named_parameters() if p is param), "a parameter")
+        self._check_capacity(users, f" ({how}: module {self.module_names[module]!r} uses parameter {param_name!r})")
 
     def _add_foreign(self, module: nn.Module, param: nn.Parameter) -> None:
         """Fetch ``param``'s chunk with ``module`` from now on."""

@@ -64,9 +64,9 @@ class StorageCounter(TorchDispatchMode):
         out = func(*args, **kwargs)
         if self._paused:
             return out
-        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if _strided(t)}
         for tensor in tree_leaves(out):
-            if not isinstance(tensor, torch.Tensor) or tensor.device != self.device:
+            if not _strided(tensor) or tensor.device != self.device:
                 continue
             storage = tensor.untyped_storage()
             key = storage._cdata
@@ -95,6 +95,12 @@ class StorageCounter(TorchDispatchMode):
             yield
         finally:
             self._paused -= 1
+
+
+def _strided(value: Any) -> bool:
+    """Whether ``value`` is a tensor with one storage to count (sparse, nested and other layouts have none
+    a counter may touch: a counting mode that outlived its iteration must not break them)."""
+    return isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_nested
 
 
 class CudaPeakCounter:

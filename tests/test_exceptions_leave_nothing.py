@@ -1,0 +1,98 @@
+"""No dispatch mode, hold or held chunk outlives an exception raised in a traced forward or backward.
+
+Under ``auto`` the first iteration (and the first with new shapes) is traced by a counting dispatch mode.
+An exception inside that forward (a failing hook, an out-of-memory retry loop) or inside the optimizer's
+backward must not leave the mode installed: later tensor operations of the process, sparse ones
+included, must run as without chunkmem, and training goes on as if the failed iteration never ran.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+import chunkmem as cm
+from models import TinyGPT, batches, lm_loss
+
+
+def _active_modes() -> list:
+    return [m for m in _get_current_dispatch_mode_stack() if not getattr(m, "stopped", False)]
+
+
+def _pair(reference: torch.nn.Module):
+    cm.set_device_memory_capacity(2**30)
+    model = cm.ShardedModelV2(copy.deepcopy(reference), cm.TensorShardStrategy(), tensor_placement_policy="auto",
+                              dtype=torch.float32, chunk_size=16384)
+    return model, cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-2))
+
+
+def _train(model, optim, data) -> list[float]:
+    losses = []
+    for x in data:
+        loss = lm_loss(model(x), x)
+        optim.backward(loss)
+        optim.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _fails_in_forward(model, x) -> None:
+    def boom(module, args, out):
+        raise ValueError("boom in a forward hook")
+    handle = model.module.blocks[0].register_forward_hook(boom)
+    with pytest.raises(ValueError, match="boom"):
+        model(x)
+    handle.remove()
+
+
+def _fails_in_backward(model, optim, x) -> None:
+    def boom(grad):
+        raise ValueError("boom in a backward hook")
+    loss = lm_loss(model(x), x)
+    handle = model.module.blocks[0].fc1.weight.register_hook(boom)
+    with pytest.raises(ValueError, match="boom"):
+        optim.backward(loss)
+    handle.remove()
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_an_exception_in_a_traced_iteration_leaves_no_mode_and_training_is_unchanged(where):
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    data = batches(3, seed=4)
+    expected = _train(*_pair(reference), data)
+    model, optim = _pair(reference)
+    if where == "forward":
+        _fails_in_forward(model, data[0])
+    else:
+        _fails_in_backward(model, optim, data[0])
+        optim.zero_grad()  # (the failed backward's finished gradients are dropped, as after any error)
+    assert _active_modes() == []
+    assert torch.zeros(4).to_sparse().to_dense().sum().item() == 0  # the process's own operations run plainly
+    assert not any(c.in_use for c in model.chunks)
+    assert _train(model, optim, data) == expected
+
+
+def test_a_counting_mode_left_by_a_plain_backward_that_raised_breaks_no_operation():
+    """A plain ``loss.backward()`` that raises cannot be intercepted: the counting mode stays until the next
+    forward; meanwhile it must handle every tensor layout (a sparse tensor has no storage to count)."""
+    torch.manual_seed(0)
+    model, optim = _pair(TinyGPT())
+    x = batches(1)[0]
+    loss = lm_loss(model(x), x)
+
+    def boom(grad):
+        raise ValueError("boom")
+    model.module.blocks[0].fc1.weight.register_hook(boom)
+    with pytest.raises(ValueError):
+        loss.backward()
+    sparse = torch.zeros(4, 4).to_sparse()
+    assert (sparse + sparse).to_dense().sum().item() == 0
+    torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+    model.module.blocks[0].fc1.weight._backward_hooks.clear()
+    optim.zero_grad()
+    optim.backward(lm_loss(model(x), x))  # the next iteration ends the left mode
+    optim.step()
+    assert _active_modes() == []
