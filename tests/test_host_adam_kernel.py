@@ -3,6 +3,7 @@ torch-op formulation, and the fallback to torch ops when it is disabled or canno
 
 Nothing here skips: on a machine where the kernel cannot be built, test_kernel_builds and every test
 that uses the kernel fail (the fallback has tests of its own below)."""
+import copy
 import subprocess
 import sys
 
@@ -158,13 +159,16 @@ def test_adam_update_dispatch():
     master, grad, m, v = make_state(N, torch.float16)
     out = torch.empty(N, dtype=torch.float16)
     assert host_adam_ext.try_update(master, grad, m, v, 1, h, 1.0, out)
-    # fp32 gradients: bitwise the torch-op path, whichever way they go
-    ref = make_state(N, torch.float32)
-    ours = [t.clone() for t in ref]
-    adam_update_torch_(*ref, 5, h)
-    adam_update_(*ours, 5, h)
-    assert all(torch.equal(a, b) for a, b in zip(ref, ours))
-    assert host_adam_ext.try_update(*make_state(N, torch.float32), 5, h, 1.0, None) is k.exact
+    # fp32 gradients: bitwise the torch-op path where the kernel follows it; taken by the kernel where it
+    # reproduces that path or torch's fused AdamW (test_fp32_is_bitwise_torch_fused_adamw)
+    if host_adam_ext.fp32_reference() == "for-loop":
+        ref = make_state(N, torch.float32)
+        ours = [t.clone() for t in ref]
+        adam_update_torch_(*ref, 5, h)
+        adam_update_(*ours, 5, h)
+        assert all(torch.equal(a, b) for a, b in zip(ref, ours))
+    taken = host_adam_ext.try_update(*make_state(N, torch.float32), 5, h, 1.0, None)
+    assert taken is (k.exact or k.fused_tail is not None)
     # not for the kernel: strided, fp64, mismatched sizes, overlapping buffers, fp32 copy out
     master, grad, m, v = make_state(2 * N, torch.float16)
     assert not host_adam_ext.try_update(master[::2], grad[::2], m[::2], v[::2], 1, h, 1.0, None)
@@ -295,10 +299,11 @@ def test_chosen_variant_is_bitwise_the_torch_op_path(grad_dtype):
                 assert torch.equal(ref_out, our_out), (n, h, step)
 
 
-def test_fp32_chunked_training_is_bitwise_the_torch_op_path(monkeypatch):
-    """The chunked optimizer's fp32 training gives the torch-op path's results bit for bit, with the
-    kernel where the probe found it exact on this machine (it is then used) and without it elsewhere."""
-    from models import TinyGPT, batches, build_sharded, train
+def test_fp32_chunked_training_is_bitwise_the_named_torch_reference(monkeypatch):
+    """The chunked optimizer's fp32 training equals, bit for bit, the torch AdamW that
+    ``fp32_reference_options`` names: with the kernel (fused AdamW where the probe found the kernel
+    reproduces it, which it then does) and with it disabled (the for-loop AdamW, the torch-op path)."""
+    from models import TinyGPT, batches, build_sharded, lm_loss, train
 
     k = get_kernel()
     calls = []
@@ -307,24 +312,75 @@ def test_fp32_chunked_training_is_bitwise_the_torch_op_path(monkeypatch):
     torch.manual_seed(0)
     reference = TinyGPT()
     data = batches(4)
-    results = {}
     for disabled in ("1", "0"):
         monkeypatch.setenv(host_adam_ext.DISABLE_ENV, disabled)
+        options = host_adam_ext.fp32_reference_options()
+        assert options == ({"foreach": False} if disabled == "1" or k.fused_tail is None else {"fused": True})
+        plain = copy.deepcopy(reference)
+        adamw = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.01, **options)
+        for x in data:
+            lm_loss(plain(x), x).backward()
+            adamw.step()
+            adamw.zero_grad()
         model, optim = build_sharded(reference, "cpu", torch.float32)
-        results[disabled] = (train(model, optim, data), model.state_dict())
-    assert (len(calls) > 0) is k.exact
-    assert results["0"][0] == results["1"][0]
-    for name, value in results["1"][1].items():
-        assert torch.equal(results["0"][1][name], value), name
+        train(model, optim, data)
+        state = model.state_dict()
+        for name, value in plain.state_dict().items():
+            assert torch.equal(state[name], value), (disabled, name)
+    assert (len(calls) > 0) is (k.exact or k.fused_tail is not None)
+
+
+def test_fp32_is_bitwise_torch_fused_adamw():
+    """Where the probe found it, the kernel with tail runs equals ``torch.optim.Adam/AdamW(fused=True)``
+    on each parameter packed in a flat buffer, beyond the probe's sample: sizes around the vector width,
+    Adam and AdamW, a gradient multiplier (as clipping), 1 to 3 threads, a buffer cut through parameters
+    (a shard: the tails stay where the parameters end)."""
+    k = get_kernel()
+    if k.fused_tail is None:
+        pytest.skip("this torch build's fused AdamW is not reproduced here: fp32 follows the for-loop AdamW")
+    sizes = [3, 8, 13, 16, 29, 64, 1029, 70_001, 5, (1 << 17) + 11]
+    n = sum(sizes)
+    spans, start = [], 0
+    for size in sizes:
+        spans.append((start, start + size))
+        start += size
+    for adamw, wd, mult, nthreads in ((True, 0.01, 1.0, 1), (False, 0.1, 0.25, 3), (True, 0.0, 1.0, 2)):
+        hyper = AdamHyper(1e-3, 0.9, 0.999, 1e-8, wd, adamw, True)
+        gen = torch.Generator().manual_seed(int(mult * 100) + nthreads)
+        start_values = torch.randn(n, generator=gen)
+        grads = [torch.randn(n, generator=gen) * 0.01 for _ in range(3)]
+        params = [torch.nn.Parameter(t.clone()) for t in start_values.split(sizes)]
+        opt = (torch.optim.AdamW if adamw else torch.optim.Adam)(params, lr=1e-3, weight_decay=wd, fused=True)
+        whole = [start_values.clone(), torch.zeros(n), torch.zeros(n)]
+        cut = 70_000  # through the 8th parameter: two shards updated apart
+        halves = [[t[:cut].clone() for t in whole], [t[cut:].clone() for t in whole]]
+        for step, grad in enumerate(grads, 1):
+            for param, g in zip(params, (grad * mult).split(sizes)):
+                param.grad = g.clone()
+            opt.step()
+            assert host_adam_ext.try_update(whole[0], grad, whole[1], whole[2], step, hyper, mult, None,
+                                            param_spans=spans)
+            for (lo, hi), half in zip(((0, cut), (cut, n)), halves):
+                assert host_adam_ext.try_update(half[0], grad[lo:hi], half[1], half[2], step, hyper, mult, None,
+                                                param_spans=[(a - lo, b - lo) for a, b in spans])
+        expected = [torch.cat([p.detach() for p in params]), torch.cat([opt.state[p]["exp_avg"] for p in params]),
+                    torch.cat([opt.state[p]["exp_avg_sq"] for p in params])]
+        for got, want, half0, half1 in zip(whole, expected, *halves):
+            assert torch.equal(got, want), (adamw, wd, mult)
+            assert torch.equal(torch.cat([half0, half1]), want), (adamw, wd, mult)
 
 
 def test_fp32_within_ulp_takes_the_kernel_anyway():
-    """A caller may ask for the kernel on fp32 gradients where it is not exact (speed over bitwise)."""
+    """A caller may ask for the kernel on fp32 gradients where it reproduces no torch reference (speed
+    over bitwise equality)."""
+    k = get_kernel()
+    if k.exact or k.fused_tail is not None:
+        pytest.skip("the kernel reproduces a torch reference here: fp32 gradients take it anyway")
     h = AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True, True)
     ref = make_state(N, torch.float32)
     ours = [t.clone() for t in ref]
     assert host_adam_ext.try_update(*ours, 3, h, 1.0, None, fp32_within_ulp=True)
-    get_kernel().update(*ref, 3, h, 1.0, None)
+    k.update(*ref, 3, h, 1.0, None)
     assert all(torch.equal(a, b) for a, b in zip(ref, ours))
 
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import chunkmem as cm
+from chunkmem.optim.host_adam_ext import fp32_reference_options
 from adam_oracle import adam_fp64
 from chunkmem.optim.adam_kernels import adam_update_
 from chunkmem.optim.adam_math import AdamHyper
@@ -17,7 +18,7 @@ def test_alone_matches_torch(cls, adamw_mode, torch_cls):
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     twin = copy.deepcopy(model)
     ours = cls(model.parameters(), lr=1e-2, weight_decay=0.1, adamw_mode=adamw_mode)
-    ref = torch_cls(twin.parameters(), lr=1e-2, weight_decay=0.1)
+    ref = torch_cls(twin.parameters(), lr=1e-2, weight_decay=0.1, **fp32_reference_options())
     for _ in range(5):
         x = torch.randn(4, 8)
         for m, opt in ((model, ours), (twin, ref)):

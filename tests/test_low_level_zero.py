@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 import chunkmem as cm
+from chunkmem.optim.host_adam_ext import fp32_reference_options
 from distributed import run_ranks
 
 LR, WD, SCALE, STEPS = 1e-2, 0.01, 2.0**10, 3
@@ -80,7 +81,7 @@ def reference_16bit(dtype: torch.dtype, comm: torch.dtype | None = None, world: 
     comm = comm or dtype
     model16 = make_model().to(dtype)
     masters = [p.detach().float().clone().requires_grad_(True) for p in model16.parameters()]
-    optim = torch.optim.AdamW(masters, lr=LR, weight_decay=WD, foreach=False)
+    optim = torch.optim.AdamW(masters, lr=LR, weight_decay=WD, **fp32_reference_options())
     scale = SCALE if dtype == torch.float16 else 1.0
     for x, y in data():
         half = x.shape[0] // world
@@ -104,7 +105,7 @@ def reference_16bit(dtype: torch.dtype, comm: torch.dtype | None = None, world: 
 
 def reference_fp32() -> list[torch.Tensor]:
     model = make_model()
-    optim = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=False)
+    optim = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, **fp32_reference_options())
     for x, y in data():
         loss_fn(model(x), y).backward()
         optim.step()
@@ -158,8 +159,10 @@ def test_two_rank_checkpoint_resumes_bitwise_and_loads_everywhere(two_ranks, che
     full = cm.consolidate_checkpoint(checkpoint_path)
     plain = make_model()
     plain.load_state_dict(full["model"])
-    adamw = torch.optim.AdamW(plain.parameters(), lr=0.5, foreach=False)
+    adamw = torch.optim.AdamW(plain.parameters(), lr=0.5, **fp32_reference_options())
     adamw.load_state_dict(full["optimizer"])
+    for group in adamw.param_groups:  # the loaded groups carry the saving optimizer's fused/foreach
+        group.update(fp32_reference_options())
     single = make_model()
     llz = cm.LowLevelZeroOptimizer(torch.optim.AdamW(single.parameters(), lr=0.5))
     cm.load_checkpoint(checkpoint_path, single, llz)
@@ -273,7 +276,7 @@ def _no_sync_run(rank: int, world: int) -> list:
 def test_no_sync_over_k_micro_batches_equals_one_batch_k_times_larger(two_ranks):
     per_rank = [r["no_sync"] for r in two_ranks]
     model = make_model()
-    optim = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=False)
+    optim = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, **fp32_reference_options())
     for x, y in data(2, batch=2 * 2 * K):
         loss_fn(model(x), y).backward()
         optim.step()
@@ -297,8 +300,10 @@ def test_state_dict_is_torch_adamw_layout_and_resumes_bitwise():
     # into plain torch AdamW: the exact moments and step; then the same next steps, bitwise
     plain = make_model()
     plain.load_state_dict(saved_model)
-    adamw = torch.optim.AdamW(plain.parameters(), lr=0.5, weight_decay=WD, foreach=False)
+    adamw = torch.optim.AdamW(plain.parameters(), lr=0.5, weight_decay=WD, **fp32_reference_options())
     adamw.load_state_dict(saved)
+    for group in adamw.param_groups:  # the loaded groups carry the saving optimizer's fused/foreach
+        group.update(fp32_reference_options())
     assert adamw.param_groups[0]["lr"] == LR
     # into a fresh LowLevelZeroOptimizer
     resumed_model = make_model()

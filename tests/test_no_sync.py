@@ -5,6 +5,7 @@ import torch
 import torch.nn as nn
 
 import chunkmem as cm
+from chunkmem.optim.host_adam_ext import fp32_reference_options
 from distributed import run_ranks
 
 LR, WD, K = 1e-2, 0.01, 3
@@ -54,7 +55,7 @@ def _ranks(rank: int, world: int) -> dict:
 def test_no_sync_over_k_micro_batches_equals_one_batch_k_times_larger():
     per_rank = run_ranks(_ranks, 2)
     reference = make_model()
-    optim = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WD, foreach=False)
+    optim = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WD, **fp32_reference_options())
     batches = data(2, 2 * 2 * K) + [data(3, 4)[2]]
     for x, y in batches:
         loss_fn(reference(x), y).backward()
@@ -86,7 +87,7 @@ def test_no_sync_cannot_nest_and_one_rank_trains_as_without_it():
         optim.backward(loss_fn(model(x), y))
     assert not model.runtime.no_sync
     reference = make_model()
-    ref_optim = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.0, foreach=False)
+    ref_optim = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.0, **fp32_reference_options())
     loss_fn(reference(x), y).backward()
     ref_optim.step()
     optim.step()

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 import chunkmem as cm
+from chunkmem.optim.host_adam_ext import fp32_reference_options
 from distributed import run_ranks
 
 LR, WD = 1e-2, 0.01
@@ -145,7 +146,7 @@ def _freeze_schedule(model: nn.Module, step: int) -> None:
 def test_parameter_frozen_after_construction_matches_torch_adamw():
     model, ref = make_model(), make_model()
     optim = cm.LowLevelZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD))
-    adamw = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, foreach=False)
+    adamw = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, **fp32_reference_options())
     for n, (x, y) in enumerate(data(4)):
         _freeze_schedule(model, n)
         _freeze_schedule(ref, n)
@@ -222,7 +223,7 @@ def _two_ranks(rank: int, world: int) -> dict:
 def test_two_ranks_freeze_like_torch_and_refuse_a_foreign_module():
     results = run_ranks(_two_ranks, 2)
     ref = make_model()
-    adamw = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, foreach=False)
+    adamw = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, **fp32_reference_options())
     for n, (x, y) in enumerate(data(4, batch=4)):
         _freeze_schedule(ref, n)
         loss_fn(ref(x), y).backward()

@@ -26,6 +26,11 @@
 // correctly rounded (MKL builds, whose sqrt goes through MKL VML: one ulp off for some inputs on some
 // CPUs), the same library function torch calls, handed in by the Python side as a function pointer and
 // applied to tiles of the chunk held in the L1 cache (adam_range_tiled).
+//
+// torch.optim.AdamW(fused=True) on the CPU rounds like the FMA variant with the instruction set's square
+// root, except in the last (numel mod 8) elements of each tensor, which its compiled loop handles one
+// by one and rounds exp_avg_sq as fma(v, beta2, (omb2*g)*g). The caller names those elements (tail
+// runs, see chunkmem_host_adam) when it wants that reference's results bit for bit.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -126,6 +131,21 @@ CM_TARGET inline void adam_scalar(float* __restrict p, const void* __restrict g,
                                   float* __restrict v, void* __restrict out, int64_t i, const Args& a) {
   moments1<GD, FMA>(p, g, m, v, i, a);
   finish1<OD>(p, m, out, i, std::sqrt(v[i]), a);
+}
+
+// One element of a tail run: the FMA rounding, except exp_avg_sq = fma(v, beta2, (omb2*g)*g).
+CM_TARGET inline void adam_tail1(float* __restrict p, const float* __restrict g, float* __restrict m,
+                                 float* __restrict v, int64_t i, const Args& a) {
+  float gi = g[i];
+  if (a.flags & kApplyMult) gi = gi * a.mult;
+  float pi = p[i];
+  if (a.flags & kDecoupled) p[i] = pi = pi * a.decay;
+  if (a.flags & kL2) gi = std::fmaf(pi, a.wd, gi);
+  float mi = m[i];
+  float diff = gi - mi;
+  m[i] = a.small ? std::fmaf(a.w, diff, mi) : std::fmaf(a.w - 1.0f, diff, gi);
+  v[i] = std::fmaf(v[i], a.beta2, (a.omb2 * gi) * gi);
+  finish1<kNone>(p, m, nullptr, i, std::sqrt(v[i]), a);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -373,27 +393,47 @@ void parallel_range(int64_t n, int nthreads, int64_t min_per_thread, Body body) 
 // ---------------------------------------------------------------------------------------------------
 // Exported C ABI.
 
-CM_EXPORT int chunkmem_host_adam_abi(void) { return 2; }
+CM_EXPORT int chunkmem_host_adam_abi(void) { return 3; }
 
 CM_EXPORT int chunkmem_host_adam_cpu_ok(void) {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
-// Returns 0 on success, nonzero for an unsupported dtype combination (nothing written then). vsqrt:
-// nullptr for the instruction set's square root, else a VecSqrt called with vsqrt_mode.
+// Returns 0 on success, nonzero for an unsupported combination (nothing written then). vsqrt: nullptr
+// for the instruction set's square root, else a VecSqrt called with vsqrt_mode. tail_runs: ntail
+// [start, end) pairs of elements, sorted and disjoint, updated with adam_tail1 (fp32 gradient, no 16-bit
+// copy, FMA rounding, the instruction set's square root only).
 CM_EXPORT int chunkmem_host_adam(float* p, const void* g, int grad_dtype, float* m, float* v, void* out,
                                  int out_dtype, int64_t n, float mult, float decay, float wd, float w,
                                  float beta2, float omb2, float bc2s, float eps, float nss, int flags, int fma,
-                                 void* vsqrt, int64_t vsqrt_mode, int nthreads, int64_t nt_min) {
+                                 void* vsqrt, int64_t vsqrt_mode, int nthreads, int64_t nt_min,
+                                 const int64_t* tail_runs, int64_t ntail) {
   if (out == nullptr) out_dtype = kNone;
+  if (ntail > 0 && (grad_dtype != kF32 || out_dtype != kNone || fma == 0 || vsqrt != nullptr)) return 2;
   // streaming stores only where some element of the 16-bit copy is 32-byte aligned
   const bool nt = n >= nt_min && (reinterpret_cast<uintptr_t>(out) & 1) == 0;
   RangeFn fn = pick(grad_dtype, out_dtype, nt, fma != 0, vsqrt != nullptr);
   if (fn == nullptr) return 1;
   const Args a{mult, decay, wd, w, beta2, omb2, bc2s, eps, nss, flags, std::fabs(w) < 0.5f,
                reinterpret_cast<VecSqrt>(vsqrt), vsqrt_mode};
-  parallel_range(n, nthreads, 1 << 15, [&](int64_t b, int64_t e) { fn(p, g, m, v, out, b, e, a); });
+  parallel_range(n, nthreads, 1 << 15, [&](int64_t b, int64_t e) {
+    // the runs that end after b (binary search on the ends), in order: the body up to each, then the run
+    int64_t lo = 0, hi = ntail;
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (tail_runs[2 * mid + 1] <= b) lo = mid + 1;
+      else hi = mid;
+    }
+    int64_t i = b;
+    for (int64_t r = lo; r < ntail && tail_runs[2 * r] < e; ++r) {
+      const int64_t run_start = std::max(tail_runs[2 * r], i), run_end = std::min(tail_runs[2 * r + 1], e);
+      if (i < run_start) fn(p, g, m, v, out, i, run_start, a);
+      for (int64_t j = run_start; j < run_end; ++j) adam_tail1(p, static_cast<const float*>(g), m, v, j, a);
+      i = std::max(i, run_end);
+    }
+    if (i < e) fn(p, g, m, v, out, i, e, a);
+  });
   return 0;
 }
 

@@ -9,6 +9,8 @@ kernel is unavailable or disabled with ``CHUNKMEM_DISABLE_CPP_ADAM=1``, the torc
 """
 from __future__ import annotations
 
+from typing import Any, Iterable
+
 import torch
 
 from . import host_adam_ext
@@ -17,11 +19,19 @@ from .adam_math import AdamHyper, adam_update_torch_
 
 def adam_update_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                  step: int, hyper: AdamHyper, grad_multiplier: float = 1.0,
-                 param_out: torch.Tensor | None = None, fp32_within_ulp: bool = False) -> None:
+                 param_out: torch.Tensor | None = None, fp32_within_ulp: bool = False,
+                 param_spans: list[tuple[int, int]] | None = None) -> None:
     """One Adam step on flat buffers, in place (arguments as for :func:`adam_update_torch_`): the host
-    kernel where it applies, else the torch-op formulation. ``fp32_within_ulp``: see
+    kernel where it applies, else the torch-op formulation. ``fp32_within_ulp``, ``param_spans`` (where
+    the parameters packed in the buffers begin and end): see
     :func:`chunkmem.optim.host_adam_ext.try_update`."""
     if not host_adam_ext.try_update(master, grad, exp_avg, exp_avg_sq, step, hyper, grad_multiplier, param_out,
-                                    fp32_within_ulp):
+                                    fp32_within_ulp, param_spans):
         adam_update_torch_(master, grad, exp_avg, exp_avg_sq, step, hyper, grad_multiplier, param_out)
 
+
+def param_spans(slots: Iterable[Any], origin: int) -> list[tuple[int, int]]:
+    """The ``[start, end)`` element spans of the parameters of ``slots`` (each with ``offset`` and
+    ``numel`` in elements of its chunk) relative to element ``origin`` of the chunk (a shard's start):
+    what :func:`adam_update_` takes as ``param_spans``."""
+    return [(slot.offset - origin, slot.offset + slot.numel - origin) for slot in slots]

@@ -68,6 +68,7 @@ class ChunkUpdate:
     param: torch.Tensor | None
     step: int
     ranges: list[tuple[int, int, AdamHyper]]
+    spans: list[tuple[int, int]]  # the parameters' element spans in this rank's shard (see param_spans)
     multiplier: float
     updated_to: int = 0  # elements [0, updated_to) were updated (pieces run in order)
 
@@ -337,7 +338,8 @@ class StreamedStep:
             piece = slice(lo - a, hi - a)
             adam_update_(master[piece], update.grad[lo:hi], exp_avg[piece], exp_avg_sq[piece], update.step, hyper,
                          grad_multiplier=update.multiplier,
-                         param_out=None if param_out is None else param_out[piece])
+                         param_out=None if param_out is None else param_out[piece],
+                         param_spans=[(s - lo, e - lo) for s, e in update.spans])
         if param_out is not None:  # what no range wrote (frozen parameters, padding): the master's rounding
             for lo, hi in gaps(update.ranges, a, b):
                 param_out[lo - a:hi - a].copy_(master[lo - a:hi - a])

@@ -56,7 +56,7 @@ DISABLE_ENV = "CHUNKMEM_DISABLE_CPP_ADAM"
 FP32_ENV = "CHUNKMEM_CPP_ADAM_FP32"
 SOURCE = CSRC / "host_adam.cpp"
 CXXFLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-math-errno")
-ABI_VERSION = 2
+ABI_VERSION = 3
 # VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE: the mode in which torch's Tensor.sqrt calls vmsSqrt
 VML_SQRT_MODE = 0x2 | 0x140000 | 0x100
 SQRT_VARIANTS = ("ieee", "vml")
@@ -85,9 +85,11 @@ class HostAdamKernel:
                  vml_sqrt: int | None = None) -> None:
         self.lib, self.path, self.build_seconds = lib, path, build_seconds
         self.fma, self.sqrt, self.exact = True, "ieee", False
+        self.fused_tail: int | None = None
         self.vml_sqrt = vml_sqrt
         f, i, i64, ptr = ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-        lib.chunkmem_host_adam.argtypes = [ptr, ptr, i, ptr, ptr, ptr, i, i64] + [f] * 9 + [i, i, ptr, i64, i, i64]
+        lib.chunkmem_host_adam.argtypes = ([ptr, ptr, i, ptr, ptr, ptr, i, i64] + [f] * 9
+                                           + [i, i, ptr, i64, i, i64, ptr, i64])
         lib.chunkmem_host_adam.restype = i
         lib.chunkmem_stream_4r3w.argtypes = [ptr, ptr, ptr, ptr, i64, f, i]
         lib.chunkmem_stream_4r3w.restype = None
@@ -98,10 +100,12 @@ class HostAdamKernel:
     def update(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                step: int, hyper, grad_multiplier: float = 1.0, param_out: torch.Tensor | None = None, *,
                fma: bool | None = None, sqrt: str | None = None, nt_min: int | None = None,
-               nthreads: int | None = None) -> None:
+               nthreads: int | None = None, tail_runs: list[int] | None = None) -> None:
         """The update on already validated buffers (see :func:`try_update`); ``hyper`` an AdamHyper.
         ``fma``, ``sqrt``: a variant other than the chosen one; ``nt_min``: streaming stores of the
-        16-bit copy from this many elements on; ``nthreads``: threads (default torch's)."""
+        16-bit copy from this many elements on; ``nthreads``: threads (default torch's); ``tail_runs``:
+        flat ``[start, end, ...]`` element pairs (sorted, disjoint) rounded as the per-element tail of
+        ``torch.optim.AdamW(fused=True)`` (fp32 gradient, no 16-bit copy, FMA, IEEE square root only)."""
         if sqrt is None:  # the probed variant for fp32 gradients, the fast one for 16-bit (module docstring)
             sqrt = self.sqrt if grad.dtype == torch.float32 else "ieee"
         if sqrt not in SQRT_VARIANTS or (sqrt == "vml" and self.vml_sqrt is None):
@@ -128,7 +132,9 @@ class HostAdamKernel:
                           -step_size, flags, int(self.fma if fma is None else fma),
                           self.vml_sqrt if sqrt == "vml" else None, VML_SQRT_MODE,
                           torch.get_num_threads() if nthreads is None else nthreads,
-                          NT_MIN_ELEMENTS if nt_min is None else nt_min)
+                          NT_MIN_ELEMENTS if nt_min is None else nt_min,
+                          (ctypes.c_int64 * len(tail_runs))(*tail_runs) if tail_runs else None,
+                          len(tail_runs) // 2 if tail_runs else 0)
         if rc != 0:
             raise RuntimeError(f"chunkmem host Adam kernel refused dtypes {grad.dtype} -> "
                                f"{None if param_out is None else param_out.dtype}")
@@ -177,6 +183,7 @@ def _load() -> HostAdamKernel:
         raise RuntimeError("the CPU lacks AVX2, FMA or F16C")
     k = HostAdamKernel(lib, path, build_seconds, _find_vml_sqrt())
     k.fma, k.sqrt, k.exact = _pick_rounding(k)
+    k.fused_tail = _probe_fused_tail(k)
     return k
 
 
@@ -237,6 +244,67 @@ def _pick_rounding(k: HostAdamKernel) -> tuple[bool, str, bool]:
     return (False if results[False, "ieee"][0] and not results[True, "ieee"][0] else True), "ieee", False
 
 
+def _probe_fused_tail(k: HostAdamKernel) -> int | None:
+    """The tail length rule with which the kernel (FMA, IEEE square root) equals
+    ``torch.optim.Adam/AdamW(fused=True)`` bit for bit: ``M`` when the last ``numel % M`` elements of each
+    tensor are the tail (tried: 8, 16), ``None`` when no rule does (another torch build or CPU)."""
+    from .adam_math import AdamHyper
+
+    gen = torch.Generator().manual_seed(20261124)
+    sizes = [1, 7, 8, 9, 15, 16, 17, 23, 31, 33, 100, 1029, 4099]
+    n = sum(sizes)
+    spans, start = [], 0
+    for size in sizes:
+        spans.append((start, start + size))
+        start += size
+    params0 = torch.randn(n, generator=gen)
+    grads = [torch.randn(n, generator=gen) * 0.01 for _ in range(2)]
+    cases = [(torch.optim.AdamW, AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True, True), 1.0),
+             (torch.optim.Adam, AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, False, True), 0.37),
+             (torch.optim.AdamW, AdamHyper(2e-3, 0.8, 0.99, 1e-6, 0.0, True, True), 1.0)]
+    references = []
+    try:
+        for optimizer, hyper, mult in cases:
+            params = [torch.nn.Parameter(t.clone()) for t in params0.split(sizes)]
+            opt = optimizer(params, lr=hyper.lr, betas=(hyper.beta1, hyper.beta2), eps=hyper.eps,
+                            weight_decay=hyper.weight_decay, fused=True)
+            for grad in grads:
+                for param, g in zip(params, (grad * mult).split(sizes)):  # (as clipping multiplies in place)
+                    param.grad = g.clone()
+                opt.step()
+            references.append(torch.cat([torch.cat([p.detach() for p in params]),
+                                         torch.cat([opt.state[p]["exp_avg"] for p in params]),
+                                         torch.cat([opt.state[p]["exp_avg_sq"] for p in params])]))
+    except (RuntimeError, TypeError, ValueError):  # a torch without the CPU fused kernel
+        return None
+    for modulus in (8, 16):
+        runs = tail_runs(spans, n, modulus)
+        for (_, hyper, mult), reference in zip(cases, references):
+            master, exp_avg, exp_avg_sq = params0.clone(), torch.zeros(n), torch.zeros(n)
+            for step, grad in enumerate(grads, 1):
+                k.update(master, grad, exp_avg, exp_avg_sq, step, hyper, mult, fma=True, sqrt="ieee",
+                         tail_runs=runs)
+            if not torch.equal(torch.cat([master, exp_avg, exp_avg_sq]), reference):
+                break
+        else:
+            return modulus
+    return None
+
+
+def tail_runs(spans: list[tuple[int, int]], n: int, modulus: int) -> list[int]:
+    """The elements of ``[0, n)`` that ``torch.optim.AdamW(fused=True)`` updates one by one, as flat
+    ``[start, end, ...]`` pairs: the last ``numel % modulus`` elements of each tensor, whose
+    ``[start, end)`` element spans (sorted, disjoint, relative to the buffer; they may reach beyond it,
+    as a parameter cut by a shard does) are ``spans``."""
+    runs: list[int] = []
+    for start, end in spans:
+        tail_start = max(end - (end - start) % modulus, 0)
+        tail_end = min(end, n)
+        if tail_start < tail_end:
+            runs += (tail_start, tail_end)
+    return runs
+
+
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     a0, b0 = a.data_ptr(), b.data_ptr()
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
@@ -244,11 +312,14 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def try_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                step: int, hyper, grad_multiplier: float, param_out: torch.Tensor | None,
-               fp32_within_ulp: bool = False) -> bool:
+               fp32_within_ulp: bool = False, param_spans: list[tuple[int, int]] | None = None) -> bool:
     """Run the update with the kernel if it applies (see the module docstring); ``False``: not done.
-    ``fp32_within_ulp``: use it for fp32 gradients too where it is only within an ulp of the torch-op
-    path (speed over bitwise equality; chunkmem's own optimizers do not ask for it, so that fp32
-    training keeps torch's results bit for bit on every machine)."""
+    ``fp32_within_ulp``: use it for fp32 gradients too where it is only within an ulp of the reference
+    (speed over bitwise equality; chunkmem's own optimizers do not ask for it, so that fp32 training
+    keeps torch's results bit for bit on every machine). ``param_spans``: the ``[start, end)`` element
+    spans of the parameters in these buffers (relative to their start, reaching beyond them where a
+    parameter is cut); default: the buffers are one parameter. With fp32 gradients the update equals
+    ``torch.optim.AdamW(fused=True)`` on those parameters where :func:`fp32_reference` says so."""
     if master.device.type != "cpu" or disabled():
         return False
     n = master.numel()
@@ -264,8 +335,10 @@ def try_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
                                   or param_out.numel() != n):
         return False
     k = kernel()
-    if k is None or (grad.dtype == torch.float32 and not k.exact and not fp32_within_ulp
-                     and not env_flag(FP32_ENV)):
+    if k is None:
+        return False
+    fused = grad.dtype == torch.float32 and param_out is None and k.fused_tail is not None
+    if grad.dtype == torch.float32 and not fused and not k.exact and not fp32_within_ulp and not env_flag(FP32_ENV):
         return False
     if n == 0:
         return True
@@ -279,6 +352,28 @@ def try_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     if param_out is not None and _overlaps(param_out, grad) and (
             param_out.data_ptr() != grad.data_ptr() or param_out.dtype != grad.dtype):
         return False
-    k.update(master, grad, exp_avg, exp_avg_sq, step, hyper, grad_multiplier, param_out)
+    if fused:
+        k.update(master, grad, exp_avg, exp_avg_sq, step, hyper, grad_multiplier, fma=True, sqrt="ieee",
+                 tail_runs=tail_runs(param_spans if param_spans is not None else [(0, n)], n, k.fused_tail))
+    else:
+        k.update(master, grad, exp_avg, exp_avg_sq, step, hyper, grad_multiplier, param_out)
     torch.autograd.graph.increment_version(list(written))
     return True
+
+
+def fp32_reference() -> str:
+    """Which torch optimizer chunkmem's Adam equals bit for bit with fp32 gradients on this machine:
+    ``"fused"`` (``torch.optim.Adam/AdamW(fused=True)``) where the kernel reproduces it (checked when it
+    loads), else ``"for-loop"`` (``foreach=False``, the CPU default), whose formulation is the torch-op
+    path. Loads the kernel."""
+    if disabled():
+        return "for-loop"
+    k = kernel()
+    return "fused" if k is not None and k.fused_tail is not None else "for-loop"
+
+
+def fp32_reference_options() -> dict[str, bool]:
+    """The keyword arguments of ``torch.optim.Adam`` / ``AdamW`` that give, on this machine, the results
+    chunkmem's Adam gives with fp32 gradients, bit for bit: ``{"fused": True}`` or ``{"foreach": False}``
+    (see :func:`fp32_reference`)."""
+    return {"fused": True} if fp32_reference() == "fused" else {"foreach": False}

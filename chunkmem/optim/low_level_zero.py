@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from .adam import check_supported_optimizer, hyper_of_group, params_mismatch
-from .adam_kernels import adam_update_
+from .adam_kernels import adam_update_, param_spans
 from ..distributed.agreement import LayoutDescription, ParamRecord, agree, agree_on_point
 from ..distributed.collectives import ShardGroup, start_all_gather
 from ..core.layout import join_runs
@@ -397,10 +397,12 @@ class LowLevelZeroOptimizer:
         own = chunk.own(chunk.param)
         same_device = own.device == chunk.master.device
         chunk.step += 1
+        spans = param_spans(chunk.slots, chunk.own_start)
         for a, b, _ in self._ranges(chunk):
             adam_update_(chunk.master[a:b], grad[a:b], chunk.exp_avg[a:b], chunk.exp_avg_sq[a:b], chunk.step, hyper,
                          grad_multiplier=multiplier,
-                         param_out=own[a:b] if self.separate_master and same_device else None)
+                         param_out=own[a:b] if self.separate_master and same_device else None,
+                         param_spans=[(s - a, e - a) for s, e in spans])
             if self.separate_master and not same_device:
                 own[a:b].copy_(chunk.master[a:b], non_blocking=False)
 

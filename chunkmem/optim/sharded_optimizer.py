@@ -22,7 +22,7 @@ from ..model import ShardedModelV2
 from ..builder import compute_dtype
 from ..settings import ModelSettings, OptimizerSettings
 from .adam import check_supported_optimizer, hyper_of_group
-from .adam_kernels import adam_update_
+from .adam_kernels import adam_update_, param_spans
 from .adam_math import AdamHyper
 from .disk_step import ChunkUpdate, DiskStepError, StreamedStep, gaps, streamed_families
 from .loss_scaler import DynamicGradScaler
@@ -491,9 +491,11 @@ class ShardedOptimizerV2(Optimizer):
             master = chunk.optim[MASTER].tensor if chunk.has_master else target
             exp_avg, exp_avg_sq = chunk.optim[EXP_AVG].tensor, chunk.optim[EXP_AVG_SQ].tensor
             ranges = self._ranges(chunk)
+            spans = param_spans(chunk.slots, chunk.shard_offset)
             for a, b, hyper in ranges:
                 adam_update_(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], chunk.step, hyper,
-                             grad_multiplier=multiplier, param_out=target[a:b] if chunk.has_master else None)
+                             grad_multiplier=multiplier, param_out=target[a:b] if chunk.has_master else None,
+                             param_spans=[(s - a, e - a) for s, e in spans])
             if chunk.has_master:  # the copy written may be new memory: what no range wrote is the master's rounding
                 for a, b in gaps(ranges, 0, chunk.shard_numel):
                     target[a:b].copy_(master[a:b])
@@ -501,7 +503,8 @@ class ShardedOptimizerV2(Optimizer):
     def _disk_update(self, chunk: Chunk, multiplier: float) -> ChunkUpdate:
         """What the streamed step needs to update ``chunk`` (its gradients final)."""
         param = None if chunk.param.shard.on_disk else self.runtime.update_target(chunk, Tier.HOST)
-        return ChunkUpdate(chunk, self.runtime.grad_of(chunk), param, chunk.step + 1, self._ranges(chunk), multiplier)
+        return ChunkUpdate(chunk, self.runtime.grad_of(chunk), param, chunk.step + 1, self._ranges(chunk),
+                           param_spans(chunk.slots, chunk.shard_offset), multiplier)
 
     def on_grads_final(self, chunk: Chunk) -> None:
         """``step_in_backward``: hand a chunk whose optimizer state rests on disk to this backward's
