@@ -30,6 +30,12 @@ each, chosen at load by comparing the kernel with the torch-op path on a sample 
   and writes each buffer once, computing tiles of 512 elements held in the L1 cache in two halves
   around one ``vmsSqrt`` call per tile.
 
+fp32 gradients first: where the kernel reproduces ``torch.optim.AdamW(fused=True)`` (FMA, IEEE square
+root, and the last ``numel % 8`` elements of each parameter rounded as that kernel's per-element loop
+does: :func:`tail_runs`, checked at load by :func:`_probe_fused_tail`), fp32 updates take that variant,
+one pass at the bandwidth bound, and equal the fused AdamW bit for bit (:func:`fp32_reference`). Only
+where it does not do they follow the torch-op path (the for-loop AdamW) as below.
+
 The first variant (IEEE square root before VML, FMA before none) that equals the torch-op path bit
 for bit on the sample, moments, masters and 16-bit copies alike, is taken (``exact``). Where none does,
 the kernel keeps the IEEE square root and the rounding that gives equal moments; fp32 gradients then
