@@ -310,7 +310,7 @@ def main() -> int:
     start = time.perf_counter()
     available_at_start = psutil.virtual_memory().available
     dtype = DTYPES[args.dtype]
-    element_size = torch.empty((), dtype=dtype).element_size()
+    element_size = dtype.itemsize
     capacity = cm.parse_size(args.device_memory, "--device-memory")
 
     full_layers = args.layers or layers_for(min_params, args.d_model, args.vocab, args.seq, args.heads)

@@ -66,7 +66,7 @@ def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
                                    "a module built wholly inside or wholly outside ZeroInitContext")
     dtype = _dtype(settings, slots[0].chunk.dtype if from_context else None)
     check_chunk_size(settings.chunk_size, dtype)
-    element_size = torch.empty((), dtype=dtype).element_size()
+    element_size = dtype.itemsize
     chunk_numel = _chunk_numel(settings, named, slots if from_context else None, element_size)
     chunk_numel = aligned_numel(chunk_numel, shards.world) if shards.sharded else chunk_numel
     layout = plan_layout(named, [p.requires_grad for _, p in named], chunk_numel, element_size)

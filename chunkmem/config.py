@@ -395,7 +395,7 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
             _no_effect("zero_optimization.overlap_comm", "with stage 3 the chunk transfers always overlap compute")
         kwargs = _stage3_model_kwargs(optim_device, param_device, ratio, offload_optimizer, offload_param)
         if bucket is not None:
-            kwargs["reduce_scatter_bucket_size_mb"] = bucket * torch.empty((), dtype=dtype).element_size() / 2**20
+            kwargs["reduce_scatter_bucket_size_mb"] = bucket * dtype.itemsize / 2**20
         model_keys = {"dtype": "fp16.enabled/bf16.enabled",
                       "reduce_scatter_bucket_size_mb": "zero_optimization.reduce_bucket_size",
                       **_disk_keys(optim_device, param_device)}

@@ -92,7 +92,7 @@ class ZeroInitContext:
         self.chunk_size = chunk_size
         self.model_numel_tensor = model_numel_tensor
         self.shards = ShardGroup.of(None) if shard_param else SINGLE_PROCESS
-        element_size = torch.empty((), dtype=dtype).element_size()
+        element_size = dtype.itemsize
         self.chunk_numel = aligned_numel((chunk_size or DEFAULT_INIT_CHUNK_BYTES) // element_size, self.shards.world)
         self.memory = TierMemory.for_this_machine(device_memory_capacity())
         self.chunks: list[Chunk] = []

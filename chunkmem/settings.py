@@ -42,7 +42,7 @@ def check_chunk_size(chunk_size: Any, dtype: torch.dtype | None = None, min_elem
     if chunk_size <= 0:
         raise InvalidArgumentError("chunk_size", chunk_size, allowed)
     if dtype is not None:
-        size = torch.empty((), dtype=dtype).element_size()
+        size = dtype.itemsize
         if chunk_size % size or chunk_size < min_elements * size:
             least = f", at least {min_elements * size} bytes" if min_elements > 1 else ""
             raise InvalidArgumentError("chunk_size", chunk_size,

@@ -23,7 +23,7 @@ def build(dtype):
     torch.manual_seed(0)
     extra = {"offload_param_frac": 0.5, "offload_optim_frac": 0.5} if PLACEMENT == "static" else {}
     model = cm.ShardedModelV2(TinyGPT(), cm.TensorShardStrategy(), tensor_placement_policy=PLACEMENT, dtype=dtype,
-                              chunk_size=8192 * torch.empty((), dtype=dtype).element_size(), **extra)
+                              chunk_size=8192 * dtype.itemsize, **extra)
     optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-2), initial_scale=2**5)
     return model, optim
 

@@ -83,7 +83,7 @@ class BlockPool:
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised flat tensor of ``numel`` elements of ``dtype``: a cached block of that byte
         size if there is one, else a new mapping."""
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         return self._take(nbytes).view(dtype)
 
     def give_back(self, tensor: torch.Tensor) -> None:

@@ -151,7 +151,7 @@ class FlatBuffer:
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def nbytes(self) -> int:
@@ -274,7 +274,7 @@ class ParamBuffer:
         self.shards = shards
         self.shard_numel = numel // shards.world
         self.shard_offset = shards.rank * self.shard_numel
-        self.nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        self.nbytes = numel * dtype.itemsize
         self.device = torch.empty(numel, dtype=dtype, device=device_of_tier(Tier.DEVICE))
         self.device.untyped_storage().resize_(0)
         self._lent: torch.Tensor | None = None  # with a block pool: holds the 0 bytes while memory is lent

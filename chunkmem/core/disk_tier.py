@@ -49,7 +49,7 @@ class DiskRegion:
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def nbytes(self) -> int:
@@ -268,5 +268,5 @@ class DiskTier:
 
 def typed_view(raw: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:
     """The first ``numel`` elements of the uint8 buffer ``raw`` seen as ``dtype``."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     return raw[:numel * size].view(dtype)

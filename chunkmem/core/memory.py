@@ -38,7 +38,7 @@ class TierMemory:
         """Count, then allocate, a flat buffer of ``numel`` elements of ``family`` on ``tier`` (contents
         undefined); on the disk tier nothing is allocated here (the buffer is a file region) and ``None``
         is returned. Past the tier's capacity the ledger raises and nothing changes."""
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         self.ledger.reserve(tier, family, nbytes, what)
         if tier is Tier.DISK:
             return None

@@ -88,7 +88,7 @@ def build_partition(groups: list[list[nn.Parameter]], dtype: torch.dtype, world:
     entries = [(g, p) for g, params in enumerate(groups) for p in params]
     numels = [p.numel() for _, p in entries]
     keys = [g for g, _ in entries]
-    element_size = torch.empty((), dtype=dtype).element_size()
+    element_size = dtype.itemsize
     chunk_numel = aligned_numel(search_chunk_numel(numels, keys, element_size), world)
     chunks = []
     for n, members in enumerate(pack(numels, keys, chunk_numel)):
