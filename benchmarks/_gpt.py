@@ -53,11 +53,26 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def cpu_kind() -> str:
+    """The CPU model and the vector extensions that set the figures' kind (from /proc/cpuinfo)."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16")
+    return f"{cpu_model()} ({', '.join(f for f in wanted if f in flags) or 'no AVX2'})"
+
+
 def machine_header() -> str:
     vm = psutil.virtual_memory()
     load = os.getloadavg()
     cuda = torch.cuda.is_available()
-    return (f"machine: {cpu_model()}, {os.cpu_count()} cores, {vm.total / 2**30:.1f} GiB RAM "
+    return (f"machine: {cpu_kind()}, {os.cpu_count()} cores, {vm.total / 2**30:.1f} GiB RAM "
             f"({vm.available / 2**30:.1f} GiB available), torch {torch.__version__}, "
             f"{torch.get_num_threads()} torch threads, "
             f"CUDA {'available' if cuda else 'not available (the device tier is the CPU under a capacity)'}, "

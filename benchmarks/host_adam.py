@@ -54,6 +54,7 @@ import time
 
 import torch
 
+import _gpt
 from chunkmem.optim import host_adam_ext
 from chunkmem.optim.adam_math import AdamHyper, adam_update_torch_
 
@@ -66,23 +67,6 @@ def parse_count(text: str) -> int:
     text = text.strip().lower()
     mult = {"k": 10**3, "m": 10**6, "g": 10**9}.get(text[-1:], 1)
     return int(float(text[:-1] if mult != 1 else text) * mult)
-
-
-def _cpu_kind() -> str:
-    """The CPU model and its vector extensions (from /proc/cpuinfo): the figures depend on the kind."""
-    model, flags = "unknown CPU", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
-    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16")
-    return f"{model}, {', '.join(f for f in wanted if f in flags) or 'no AVX2'}"
 
 
 def _adamw_single_pass(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -124,7 +108,7 @@ def main() -> int:
     print(f"kernel: {kernel.path.name} ({how}; load + self-check {load_s:.2f} s), fma={kernel.fma}, "
           f"bitwise equal to the torch-op path: {kernel.exact}; fp32 gradients reproduce torch's "
           f"{host_adam_ext.fp32_reference()} AdamW")
-    print(f"CPU: {_cpu_kind()}")
+    print(f"CPU: {_gpt.cpu_kind()}")
     print(f"{n / 1e6:.1f}M parameters, {torch.get_num_threads()} threads, {args.rounds} rounds")
 
     gen = torch.Generator().manual_seed(0)

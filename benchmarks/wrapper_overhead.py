@@ -284,7 +284,8 @@ def main() -> int:
                         help="small: ~23M parameters (default); 50m: ~49M parameters (the issue's figure)")
     parser.add_argument("--rounds", type=int, default=4, help="rounds; each runs every configuration once")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per child")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per child")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="timed steps per child (default 10), or timed pairs with --interleaved (default 20)")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds; start no further round that would end past it (default: 170 for small, "
                              "600 for 50m, so that a quiet machine runs every round)")
@@ -295,9 +296,9 @@ def main() -> int:
                              "head, plain and chunkmem steps alternating in one process (--steps pairs)")
     parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.steps is None:
+        args.steps = 20 if args.interleaved else 10
     if args.interleaved:
-        if args.steps == 10:
-            args.steps = 20
         return interleaved(args)
     if args.time_budget is None:
         args.time_budget = 170.0 if args.size == "small" else 600.0
@@ -342,7 +343,7 @@ def main() -> int:
         )
     plain = stats["plain"]
 
-    print(f"machine: {os.cpu_count()} CPUs, torch {first['torch']}, {first['threads']} torch threads, "
+    print(f"machine: {_gpt.cpu_kind()}, {os.cpu_count()} CPUs, torch {first['torch']}, {first['threads']} torch threads, "
           f"CUDA {'available' if _cuda_available() else 'not available (device tier = CPU)'}")
     print(f"model: GPT vocab {spec['vocab']}, d {spec['d']}, {spec['layers']} layers, {spec['heads']} heads, "
           f"seq {spec['seq']}, batch {spec['batch']}: {first['n_params'] / 1e6:.2f}M parameters (tied lm head)")
