@@ -62,7 +62,7 @@ def sweep(seq: int) -> list[tuple[float, GPTConfig, int, int, int]]:
                 n = count_params(cfg)
                 if not 50e6 <= n <= 100e6:
                     continue
-                chunk_numel, n_chunks, _pad = chunk_layout(cfg, 2)
+                chunk_numel, n_chunks, _pad = chunk_layout(cfg, 2, placement="cpu")
                 rows.append((14 * n_chunks * chunk_numel / n, cfg, n, n_chunks, 2 * chunk_numel))
     return sorted(rows, key=lambda r: r[0])
 
@@ -86,7 +86,7 @@ def main() -> int:
 
     cfg = GPTConfig(args.vocab, args.d_model, args.layers, args.heads, args.seq)
     n_params = count_params(cfg)
-    chunk_numel, n_chunks, pad = chunk_layout(cfg, 2)
+    chunk_numel, n_chunks, pad = chunk_layout(cfg, 2, placement="cpu")
     print(machine_header())
     print(f"model: {cfg.describe()}: {n_params / 1e6:.2f}M parameters (tied lm head counted once); "
           f"batch {args.batch} x {args.seq} tokens, {args.steps} step(s)")

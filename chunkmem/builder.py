@@ -18,7 +18,7 @@ import torch.nn as nn
 from .core.chunk import PARAM, Chunk, ChunkKey
 from .core.disk_tier import DiskTier
 from .errors import HostCapacityError, InvalidArgumentError, check_type
-from .core.layout import ChunkLayout, aligned_numel, plan_layout, search_chunk_numel
+from .core.layout import ChunkLayout, aligned_numel, plan_layout, search_chunk_numel, staged_buffers
 from .core.memory import TierMemory
 from .core.param_guard import adopt, disown, remembered_externals, slot_of
 from .core.tiers import Tier, device_memory_capacity, device_of_tier, host_memory_capacity
@@ -67,7 +67,7 @@ def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
     dtype = _dtype(settings, slots[0].chunk.dtype if from_context else None)
     check_chunk_size(settings.chunk_size, dtype)
     element_size = dtype.itemsize
-    chunk_numel = _chunk_numel(settings, named, slots if from_context else None, element_size)
+    chunk_numel = _chunk_numel(settings, named, slots if from_context else None, element_size, shards.sharded)
     chunk_numel = aligned_numel(chunk_numel, shards.world) if shards.sharded else chunk_numel
     layout = plan_layout(named, [p.requires_grad for _, p in named], chunk_numel, element_size)
     _agree_on_layout(settings, layout, shards, dtype, slots if from_context else None)
@@ -148,9 +148,10 @@ def _dtype(settings: ModelSettings, context_dtype: torch.dtype | None) -> torch.
 
 
 def _chunk_numel(settings: ModelSettings, named: list[tuple[str, nn.Parameter]], context_slots: list[Any] | None,
-                 element_size: int) -> int:
+                 element_size: int, sharded: bool) -> int:
     """Elements per chunk: ``chunk_size`` when given (it must hold the largest parameter), the context's
-    when every chunk of it was built at a given size, else searched for the least padding."""
+    when every chunk of it was built at a given size, else searched for the fewest bytes of padding and
+    of the chunk-sized buffers a step stages on the device tier under this placement."""
     numels = [p.numel() for _, p in named]
     if settings.chunk_size is not None:
         chunk_numel = settings.chunk_size // element_size
@@ -163,7 +164,8 @@ def _chunk_numel(settings: ModelSettings, named: list[tuple[str, nn.Parameter]],
         return chunk_numel
     if context_slots is not None and all(s.chunk.size_was_given for s in context_slots):
         return context_slots[0].chunk.numel
-    return search_chunk_numel(numels, [p.requires_grad for _, p in named], element_size)
+    staged = staged_buffers(settings.placement.tensor_placement_policy, sharded)
+    return search_chunk_numel(numels, [p.requires_grad for _, p in named], element_size, staged_buffers=staged)
 
 
 def _agree_on_layout(settings: ModelSettings, layout: ChunkLayout, shards: ShardGroup, dtype: torch.dtype,

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .core.layout import pack, search_chunk_numel
+from .core.layout import pack, search_chunk_numel, staged_buffers
 
 
 @dataclass(frozen=True)
@@ -159,12 +159,15 @@ def param_numels(cfg: GPTConfig) -> list[int]:
     return [p.numel() for _, p in model.named_parameters()]
 
 
-def chunk_layout(cfg: GPTConfig, element_size: int, chunk_size: int | None = None) -> tuple[int, int, int]:
-    """``(chunk_numel, n_chunks, padding_elements)`` that ``ShardedModelV2`` will choose for this GPT
-    (one param group, every parameter trainable; ``chunk_size``: the bytes per chunk it is given, else
-    searched), computed from the element counts alone."""
+def chunk_layout(cfg: GPTConfig, element_size: int, chunk_size: int | None = None,
+                 placement: str = "cuda") -> tuple[int, int, int]:
+    """``(chunk_numel, n_chunks, padding_elements)`` that ``ShardedModelV2`` on one rank will choose for
+    this GPT (one param group, every parameter trainable; ``chunk_size``: the bytes per chunk it is
+    given, else searched for ``placement``), computed from the element counts alone."""
     numels = param_numels(cfg)
     keys = [0] * len(numels)
-    chunk_numel = chunk_size // element_size if chunk_size else search_chunk_numel(numels, keys, element_size)
+    staged = staged_buffers(placement, sharded=False)
+    chunk_numel = (chunk_size // element_size if chunk_size
+                   else search_chunk_numel(numels, keys, element_size, staged_buffers=staged))
     n_chunks = len(pack(numels, keys, chunk_numel))
     return chunk_numel, n_chunks, n_chunks * chunk_numel - sum(numels)

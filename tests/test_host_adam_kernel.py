@@ -408,3 +408,69 @@ def test_16bit_gradients_take_the_ieee_square_root_within_one_ulp(grad_dtype):
     assert all(torch.equal(a, b) for a, b in zip(ours, ieee))
     assert torch.equal(ref[2], ours[2]) and torch.equal(ref[3], ours[3])
     assert torch.allclose(ours[0], ref[0], rtol=2**-23, atol=h.lr * 2**-22)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gradient_in_pieces_equals_the_flat_gradient(grad_dtype):
+    """A gradient handed over as separate tensors (one a parameter, as autograd made them) updates
+    exactly as the same values in one flat buffer: fp32 with the fused tails, 16-bit with the 16-bit
+    copy; 1 and 3 threads; the elements between pieces (padding) stay as they are."""
+    get_kernel()
+    h = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw_mode=True,
+                  bias_correction=True)
+    sizes, gap = [13, 64, 70_001, 5, (1 << 17) + 11], 51  # gaps of padding after each piece
+    offsets = [i * gap + sum(sizes[:i]) for i in range(len(sizes))]
+    n = offsets[-1] + sizes[-1] + gap
+    spans = [(o, o + s) for o, s in zip(offsets, sizes)]
+    out_dtype = None if grad_dtype == torch.float32 else grad_dtype
+    threads = torch.get_num_threads()
+    try:
+        for nthreads in (1, 3):
+            torch.set_num_threads(nthreads)
+            flat, pieced = make_state(n, grad_dtype, seed=nthreads), make_state(n, grad_dtype, seed=nthreads)
+            for state in (flat, pieced):
+                for lo, hi in zip([0] + [end for _, end in spans], [start for start, _ in spans] + [n]):
+                    state[1][lo:hi] = 0  # the flat gradient's padding is zero
+            pieces = [(start, pieced[1][start:end].clone()) for start, end in spans]
+            outs = [torch.empty(n, dtype=grad_dtype) if out_dtype else None for _ in range(2)]
+            for out in outs:
+                if out is not None:
+                    out.fill_(7)
+            before = [t.clone() for t in pieced]
+            assert host_adam_ext.try_update(flat[0], flat[1], flat[2], flat[3], 3, h, 0.5, outs[0], param_spans=spans)
+            assert host_adam_ext.try_update(pieced[0], pieces, pieced[2], pieced[3], 3, h, 0.5, outs[1],
+                                            param_spans=spans)
+            covered = torch.zeros(n, dtype=torch.bool)
+            for start, end in spans:
+                covered[start:end] = True
+            for got, want, old in zip((pieced[0], pieced[2], pieced[3]), (flat[0], flat[2], flat[3]),
+                                      (before[0], before[2], before[3])):
+                assert torch.equal(got[covered], want[covered])
+                assert torch.equal(got[~covered], old[~covered])  # padding untouched
+            if out_dtype is not None:
+                assert torch.equal(outs[1][covered], outs[0][covered])
+                assert (outs[1][~covered] == 7).all()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_gradient_pieces_the_kernel_cannot_read_change_nothing():
+    """Pieces out of order, overlapping, past the buffers, of mixed dtypes, none at all, or overlapping a
+    buffer the update writes: ``try_update`` says no and writes nothing (the caller takes the flat path)."""
+    get_kernel()
+    h = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw_mode=True,
+                  bias_correction=True)
+    master, _, m, v = make_state(100, torch.float32)
+    a, b = torch.randn(10), torch.randn(10)
+    refused = {
+        "out of order": [(50, a), (0, b)],
+        "overlapping": [(0, a), (5, b)],
+        "past the end": [(95, a)],
+        "mixed dtypes": [(0, a), (20, b.half())],
+        "none": [],
+        "over exp_avg": [(0, m[40:50])],
+    }
+    for what, pieces in refused.items():
+        before = [t.clone() for t in (master, m, v)]
+        assert not host_adam_ext.try_update(master, pieces, m, v, 1, h, 1.0, None), what
+        assert all(torch.equal(x, y) for x, y in zip(before, (master, m, v))), what

@@ -44,3 +44,28 @@ def test_search_finds_least_padding_among_candidates():
     brute = min((padding_elements(numels, keys, lower + k * step), lower + k * step) for k in range(65))
     assert (padding_elements(numels, keys, best), best) == brute
     assert padding_elements(numels, keys, best) <= padding_elements(numels, keys, lower)
+
+
+def test_search_weighs_the_staged_buffers_against_padding():
+    """With chunk-sized buffers staged on the device tier (placement other than "cuda"), the search takes
+    the size of the fewest bytes in all: 16 bytes a padding element at rest plus the staged buffers; here
+    (a 4M-element embedding and 19M in blocks of 786K-3.1M) 6 chunks instead of the 4 of least padding,
+    which the "cuda" placement keeps, over 10 MB fewer."""
+    from chunkmem.core.layout import RESTING_BYTES_PER_ELEMENT, staged_buffers
+
+    numels = [8192 * 512, 1024 * 512] + [512, 512, 1536 * 512, 1536, 512 * 512, 512, 512, 512,
+                                         2048 * 512, 2048, 512 * 2048, 512] * 6 + [512, 512]
+    keys = [True] * len(numels)
+    assert staged_buffers("cuda", sharded=False) == 0
+    assert staged_buffers("cuda", sharded=True) == staged_buffers("cpu", False) == staged_buffers("auto", False) == 2
+    least_padding = search_chunk_numel(numels, keys, 4)
+    staged = search_chunk_numel(numels, keys, 4, staged_buffers=2)
+
+    def total_bytes(c: int) -> int:
+        return padding_elements(numels, keys, c) * RESTING_BYTES_PER_ELEMENT + 2 * c * 4
+
+    lower = -(-max(numels) // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+    step = -(-max(lower // 64, 1) // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+    assert (total_bytes(staged), staged) == min((total_bytes(lower + k * step), lower + k * step) for k in range(65))
+    assert len(pack(numels, keys, staged)) == 6 and len(pack(numels, keys, least_padding)) == 4
+    assert total_bytes(least_padding) - total_bytes(staged) > 10 * 2**20

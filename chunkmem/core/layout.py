@@ -10,6 +10,9 @@ from typing import Any, Hashable, Iterable, Sequence
 ALIGN_ELEMENTS = 64
 DEFAULT_MIN_CHUNK_BYTES = 4 * 2**20
 SEARCH_CANDIDATES = 64
+# Bytes one element of a trainable chunk holds at rest under Adam: the parameter and its gradient (16 or
+# 32 bits each), the fp32 master of a 16-bit chunk, and the two fp32 moments (16 either way).
+RESTING_BYTES_PER_ELEMENT = 16
 
 
 def pack(numels: Sequence[int], keys: Sequence[Hashable], chunk_numel: int) -> list[list[int]]:
@@ -40,8 +43,11 @@ def padding_elements(numels: Sequence[int], keys: Sequence[Hashable], chunk_nume
 
 
 def search_chunk_numel(numels: Sequence[int], keys: Sequence[Hashable], element_size: int,
-                       min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES) -> int:
-    """The chunk size (elements) that wastes the fewest padding elements.
+                       min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES, staged_buffers: int = 0) -> int:
+    """The chunk size (elements) that costs the fewest bytes: the padding of all chunks at rest
+    (:data:`RESTING_BYTES_PER_ELEMENT` an element) plus ``staged_buffers`` chunk-sized buffers of
+    ``element_size``-byte elements that a step holds on the device tier besides the chunks resting there
+    (see :func:`staged_buffers`). With none it is the size that wastes the fewest padding elements.
 
     Candidates run from the smallest size allowed (the largest parameter, and at least
     ``min_chunk_bytes`` unless the whole model is smaller) up to twice that, in 64 steps, each a
@@ -53,13 +59,21 @@ def search_chunk_numel(numels: Sequence[int], keys: Sequence[Hashable], element_
     floor_numel = min(max(min_chunk_bytes // element_size, 1), sum(numels))
     lower = aligned_numel(max(largest, floor_numel))
     step = aligned_numel(max(lower // SEARCH_CANDIDATES, 1))
-    best, best_waste = lower, None
+    best, best_cost = lower, None
     for k in range(SEARCH_CANDIDATES + 1):
         candidate = lower + k * step
-        waste = padding_elements(numels, keys, candidate)
-        if best_waste is None or waste < best_waste:
-            best, best_waste = candidate, waste
+        cost = (padding_elements(numels, keys, candidate) * RESTING_BYTES_PER_ELEMENT
+                + staged_buffers * candidate * element_size)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = candidate, cost
     return best
+
+
+def staged_buffers(placement: str, sharded: bool) -> int:
+    """Chunk-sized buffers a step holds on the device tier besides the chunks resting there: none when
+    every chunk rests there whole (placement ``"cuda"``, one rank), else two (a parameter copy fetched or
+    gathered for compute, and a gradient staging buffer)."""
+    return 0 if placement == "cuda" and not sharded else 2
 
 
 def part_in_shard(offset: int, numel: int, shard_offset: int, shard_numel: int) -> tuple[int, int] | None:

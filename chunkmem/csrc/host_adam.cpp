@@ -393,7 +393,7 @@ void parallel_range(int64_t n, int nthreads, int64_t min_per_thread, Body body) 
 // ---------------------------------------------------------------------------------------------------
 // Exported C ABI.
 
-CM_EXPORT int chunkmem_host_adam_abi(void) { return 3; }
+CM_EXPORT int chunkmem_host_adam_abi(void) { return 4; }
 
 CM_EXPORT int chunkmem_host_adam_cpu_ok(void) {
   __builtin_cpu_init();
@@ -403,12 +403,16 @@ CM_EXPORT int chunkmem_host_adam_cpu_ok(void) {
 // Returns 0 on success, nonzero for an unsupported combination (nothing written then). vsqrt: nullptr
 // for the instruction set's square root, else a VecSqrt called with vsqrt_mode. tail_runs: ntail
 // [start, end) pairs of elements, sorted and disjoint, updated with adam_tail1 (fp32 gradient, no 16-bit
-// copy, FMA rounding, the instruction set's square root only).
+// copy, FMA rounding, the instruction set's square root only). nseg == 0: g is the gradient of all n
+// elements. nseg > 0: the gradient comes in pieces, g ignored: piece k covers the elements
+// [seg_bounds[2k], seg_bounds[2k+1]) (sorted, disjoint) and starts at seg_grads[k]; elements no piece
+// covers are left as they are.
 CM_EXPORT int chunkmem_host_adam(float* p, const void* g, int grad_dtype, float* m, float* v, void* out,
                                  int out_dtype, int64_t n, float mult, float decay, float wd, float w,
                                  float beta2, float omb2, float bc2s, float eps, float nss, int flags, int fma,
                                  void* vsqrt, int64_t vsqrt_mode, int nthreads, int64_t nt_min,
-                                 const int64_t* tail_runs, int64_t ntail) {
+                                 const int64_t* tail_runs, int64_t ntail, const void* const* seg_grads,
+                                 const int64_t* seg_bounds, int64_t nseg) {
   if (out == nullptr) out_dtype = kNone;
   if (ntail > 0 && (grad_dtype != kF32 || out_dtype != kNone || fma == 0 || vsqrt != nullptr)) return 2;
   // streaming stores only where some element of the 16-bit copy is 32-byte aligned
@@ -417,9 +421,21 @@ CM_EXPORT int chunkmem_host_adam(float* p, const void* g, int grad_dtype, float*
   if (fn == nullptr) return 1;
   const Args a{mult, decay, wd, w, beta2, omb2, bc2s, eps, nss, flags, std::fabs(w) < 0.5f,
                reinterpret_cast<VecSqrt>(vsqrt), vsqrt_mode};
-  parallel_range(n, nthreads, 1 << 15, [&](int64_t b, int64_t e) {
-    // the runs that end after b (binary search on the ends), in order: the body up to each, then the run
-    int64_t lo = 0, hi = ntail;
+  const int64_t out_size = out_dtype == kNone ? 0 : 2;
+  const int64_t whole[2] = {0, n};
+  if (nseg == 0) {
+    seg_grads = &g;
+    seg_bounds = whole;
+    nseg = 1;
+  }
+  // [b, e) of piece k: the body up to each tail run, then the run; every pointer is moved to the piece's
+  // first element (element i of the buffers is index i - origin of the moved pointers)
+  auto piece = [&](int64_t k, int64_t b, int64_t e) {
+    const int64_t origin = seg_bounds[2 * k];
+    float *pk = p + origin, *mk = m + origin, *vk = v + origin;
+    void* ok = out == nullptr ? nullptr : static_cast<char*>(out) + origin * out_size;
+    const void* gk = seg_grads[k];
+    int64_t lo = 0, hi = ntail;  // the first run that ends after b (binary search on the ends)
     while (lo < hi) {
       const int64_t mid = (lo + hi) / 2;
       if (tail_runs[2 * mid + 1] <= b) lo = mid + 1;
@@ -428,11 +444,22 @@ CM_EXPORT int chunkmem_host_adam(float* p, const void* g, int grad_dtype, float*
     int64_t i = b;
     for (int64_t r = lo; r < ntail && tail_runs[2 * r] < e; ++r) {
       const int64_t run_start = std::max(tail_runs[2 * r], i), run_end = std::min(tail_runs[2 * r + 1], e);
-      if (i < run_start) fn(p, g, m, v, out, i, run_start, a);
-      for (int64_t j = run_start; j < run_end; ++j) adam_tail1(p, static_cast<const float*>(g), m, v, j, a);
+      if (i < run_start) fn(pk, gk, mk, vk, ok, i - origin, run_start - origin, a);
+      for (int64_t j = run_start; j < run_end; ++j)
+        adam_tail1(pk, static_cast<const float*>(gk), mk, vk, j - origin, a);
       i = std::max(i, run_end);
     }
-    if (i < e) fn(p, g, m, v, out, i, e, a);
+    if (i < e) fn(pk, gk, mk, vk, ok, i - origin, e - origin, a);
+  };
+  parallel_range(n, nthreads, 1 << 15, [&](int64_t b, int64_t e) {
+    int64_t lo = 0, hi = nseg;  // the first piece that ends after b
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (seg_bounds[2 * mid + 1] <= b) lo = mid + 1;
+      else hi = mid;
+    }
+    for (int64_t k = lo; k < nseg && seg_bounds[2 * k] < e; ++k)
+      piece(k, std::max(seg_bounds[2 * k], b), std::min(seg_bounds[2 * k + 1], e));
   });
   return 0;
 }

@@ -30,6 +30,17 @@ def adam_update_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
         adam_update_torch_(master, grad, exp_avg, exp_avg_sq, step, hyper, grad_multiplier, param_out)
 
 
+def adam_update_pieces_(master: torch.Tensor, grad: host_adam_ext.GradPieces, exp_avg: torch.Tensor,
+                        exp_avg_sq: torch.Tensor, step: int, hyper: AdamHyper, grad_multiplier: float = 1.0,
+                        param_out: torch.Tensor | None = None,
+                        param_spans: list[tuple[int, int]] | None = None) -> bool:
+    """:func:`adam_update_` with the gradient in pieces (``(offset, tensor)``, see
+    :data:`~chunkmem.optim.host_adam_ext.GradPieces`), which only the host kernel reads: ``False`` (nothing
+    done) where it does not apply; the caller then updates from the flat gradient."""
+    return host_adam_ext.try_update(master, grad, exp_avg, exp_avg_sq, step, hyper, grad_multiplier, param_out,
+                                    False, param_spans)
+
+
 def param_spans(slots: Iterable[Any], origin: int) -> list[tuple[int, int]]:
     """The ``[start, end)`` element spans of the parameters of ``slots`` (each with ``offset`` and
     ``numel`` in elements of its chunk) relative to element ``origin`` of the chunk (a shard's start):

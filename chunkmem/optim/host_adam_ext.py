@@ -62,7 +62,7 @@ DISABLE_ENV = "CHUNKMEM_DISABLE_CPP_ADAM"
 FP32_ENV = "CHUNKMEM_CPP_ADAM_FP32"
 SOURCE = CSRC / "host_adam.cpp"
 CXXFLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-math-errno")
-ABI_VERSION = 3
+ABI_VERSION = 4
 # VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE: the mode in which torch's Tensor.sqrt calls vmsSqrt
 VML_SQRT_MODE = 0x2 | 0x140000 | 0x100
 SQRT_VARIANTS = ("ieee", "vml")
@@ -72,6 +72,9 @@ SQRT_VARIANTS = ("ieee", "vml")
 NT_MIN_ELEMENTS = 1 << 20
 
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+GradPieces = list[tuple[int, torch.Tensor]]
+"""A gradient in pieces: ``(offset, tensor)``, each tensor the gradient of its ``numel()`` elements from
+element ``offset`` of the buffers it updates (sorted by offset, disjoint)."""
 _APPLY_MULT, _DECOUPLED, _L2 = 1, 2, 4
 
 
@@ -95,7 +98,7 @@ class HostAdamKernel:
         self.vml_sqrt = vml_sqrt
         f, i, i64, ptr = ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
         lib.chunkmem_host_adam.argtypes = ([ptr, ptr, i, ptr, ptr, ptr, i, i64] + [f] * 9
-                                           + [i, i, ptr, i64, i, i64, ptr, i64])
+                                           + [i, i, ptr, i64, i, i64, ptr, i64, ptr, ptr, i64])
         lib.chunkmem_host_adam.restype = i
         lib.chunkmem_stream_4r3w.argtypes = [ptr, ptr, ptr, ptr, i64, f, i]
         lib.chunkmem_stream_4r3w.restype = None
@@ -103,15 +106,21 @@ class HostAdamKernel:
         lib.chunkmem_stream_mixed.restype = None
         self._update = lib.chunkmem_host_adam
 
-    def update(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-               step: int, hyper, grad_multiplier: float = 1.0, param_out: torch.Tensor | None = None, *,
-               fma: bool | None = None, sqrt: str | None = None, nt_min: int | None = None,
-               nthreads: int | None = None, tail_runs: list[int] | None = None) -> None:
-        """The update on already validated buffers (see :func:`try_update`); ``hyper`` an AdamHyper.
+    def update(self, master: torch.Tensor, grad: "torch.Tensor | GradPieces", exp_avg: torch.Tensor,
+               exp_avg_sq: torch.Tensor, step: int, hyper, grad_multiplier: float = 1.0,
+               param_out: torch.Tensor | None = None, *, fma: bool | None = None, sqrt: str | None = None,
+               nt_min: int | None = None, nthreads: int | None = None, tail_runs: list[int] | None = None) -> None:
+        """The update on already validated buffers (see :func:`try_update`); ``hyper`` an AdamHyper;
+        ``grad`` one flat tensor or :data:`GradPieces` (elements no piece covers are not updated).
         ``fma``, ``sqrt``: a variant other than the chosen one; ``nt_min``: streaming stores of the
         16-bit copy from this many elements on; ``nthreads``: threads (default torch's); ``tail_runs``:
         flat ``[start, end, ...]`` element pairs (sorted, disjoint) rounded as the per-element tail of
         ``torch.optim.AdamW(fused=True)`` (fp32 gradient, no 16-bit copy, FMA, IEEE square root only)."""
+        pieces = grad if isinstance(grad, list) else None
+        if pieces is not None:
+            grad = pieces[0][1]
+            starts = (ctypes.c_void_p * len(pieces))(*(t.data_ptr() for _, t in pieces))
+            bounds = (ctypes.c_int64 * (2 * len(pieces)))(*(x for o, t in pieces for x in (o, o + t.numel())))
         if sqrt is None:  # the probed variant for fp32 gradients, the fast one for 16-bit (module docstring)
             sqrt = self.sqrt if grad.dtype == torch.float32 else "ieee"
         if sqrt not in SQRT_VARIANTS or (sqrt == "vml" and self.vml_sqrt is None):
@@ -130,9 +139,9 @@ class HostAdamKernel:
         out_ptr, out_code = None, -1
         if param_out is not None:
             out_ptr, out_code = param_out.data_ptr(), _DTYPE_CODES[param_out.dtype]
-        if out_ptr is not None and out_ptr == grad.data_ptr():
+        if out_ptr is not None and pieces is None and out_ptr == grad.data_ptr():
             nt_min = 1 << 62  # the copy overwrites the gradient it has just read: cached stores
-        rc = self._update(master.data_ptr(), grad.data_ptr(), _DTYPE_CODES[grad.dtype], exp_avg.data_ptr(),
+        rc = self._update(master.data_ptr(), None if pieces is not None else grad.data_ptr(), _DTYPE_CODES[grad.dtype], exp_avg.data_ptr(),
                           exp_avg_sq.data_ptr(), out_ptr, out_code, master.numel(), grad_multiplier, decay, wd,
                           1 - hyper.beta1, hyper.beta2, 1 - hyper.beta2, math.sqrt(bias_correction2), hyper.eps,
                           -step_size, flags, int(self.fma if fma is None else fma),
@@ -140,7 +149,8 @@ class HostAdamKernel:
                           torch.get_num_threads() if nthreads is None else nthreads,
                           NT_MIN_ELEMENTS if nt_min is None else nt_min,
                           (ctypes.c_int64 * len(tail_runs))(*tail_runs) if tail_runs else None,
-                          len(tail_runs) // 2 if tail_runs else 0)
+                          len(tail_runs) // 2 if tail_runs else 0,
+                          *((starts, bounds, len(pieces)) if pieces is not None else (None, None, 0)))
         if rc != 0:
             raise RuntimeError(f"chunkmem host Adam kernel refused dtypes {grad.dtype} -> "
                                f"{None if param_out is None else param_out.dtype}")
@@ -318,16 +328,18 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
-def try_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-               step: int, hyper, grad_multiplier: float, param_out: torch.Tensor | None,
+def try_update(master: torch.Tensor, grad: "torch.Tensor | GradPieces", exp_avg: torch.Tensor,
+               exp_avg_sq: torch.Tensor, step: int, hyper, grad_multiplier: float, param_out: torch.Tensor | None,
                fp32_within_ulp: bool = False, param_spans: list[tuple[int, int]] | None = None) -> bool:
     """Run the update with the kernel if it applies (see the module docstring); ``False``: not done.
-    ``fp32_within_ulp``: use it for fp32 gradients too where it is only within an ulp of the reference
-    (speed over bitwise equality; chunkmem's own optimizers do not ask for it, so that fp32 training
-    keeps torch's results bit for bit on every machine). ``param_spans``: the ``[start, end)`` element
-    spans of the parameters in these buffers (relative to their start, reaching beyond them where a
-    parameter is cut); default: the buffers are one parameter. With fp32 gradients the update equals
-    ``torch.optim.AdamW(fused=True)`` on those parameters where :func:`fp32_reference` says so."""
+    ``grad``: one flat tensor like the others, or :data:`GradPieces` (the elements no piece covers are
+    left as they are). ``fp32_within_ulp``: use it for fp32 gradients too where it is only within an
+    ulp of the reference (speed over bitwise equality; chunkmem's own optimizers do not ask for it, so
+    that fp32 training keeps torch's results bit for bit on every machine). ``param_spans``: the
+    ``[start, end)`` element spans of the parameters in these buffers (relative to their start, reaching
+    beyond them where a parameter is cut); default: the buffers are one parameter. With fp32 gradients
+    the update equals ``torch.optim.AdamW(fused=True)`` on those parameters where
+    :func:`fp32_reference` says so."""
     if master.device.type != "cpu" or disabled():
         return False
     n = master.numel()
@@ -335,8 +347,8 @@ def try_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     for t in states:
         if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or t.numel() != n:
             return False
-    if (grad.dtype not in _DTYPE_CODES or grad.device.type != "cpu" or not grad.is_contiguous()
-            or grad.numel() != n):
+    grads = _gradient_tensors(grad, n)
+    if grads is None:
         return False
     if param_out is not None and (param_out.dtype not in (torch.float16, torch.bfloat16)
                                   or param_out.device.type != "cpu" or not param_out.is_contiguous()
@@ -345,21 +357,21 @@ def try_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     k = kernel()
     if k is None:
         return False
-    fused = grad.dtype == torch.float32 and param_out is None and k.fused_tail is not None
-    if grad.dtype == torch.float32 and not fused and not k.exact and not fp32_within_ulp and not env_flag(FP32_ENV):
+    grad_dtype = grads[0].dtype
+    fused = grad_dtype == torch.float32 and param_out is None and k.fused_tail is not None
+    if grad_dtype == torch.float32 and not fused and not k.exact and not fp32_within_ulp and not env_flag(FP32_ENV):
         return False
     if n == 0:
         return True
     written = states if param_out is None else states + (param_out,)
     for i, a in enumerate(written):  # the kernel streams each buffer once: no two may share memory,
-        for b in written[i + 1:]:    # except the 16-bit copy written over the gradient it was read from
+        for b in written[i + 1:]:    # except the 16-bit copy written over the flat gradient it was read from
             if _overlaps(a, b):
                 return False
-        if a is not param_out and _overlaps(a, grad):
-            return False
-    if param_out is not None and _overlaps(param_out, grad) and (
-            param_out.data_ptr() != grad.data_ptr() or param_out.dtype != grad.dtype):
-        return False
+        for g in grads:
+            if _overlaps(a, g) and (a is not param_out or isinstance(grad, list)
+                                    or param_out.data_ptr() != g.data_ptr() or param_out.dtype != g.dtype):
+                return False
     if fused:
         k.update(master, grad, exp_avg, exp_avg_sq, step, hyper, grad_multiplier, fma=True, sqrt="ieee",
                  tail_runs=tail_runs(param_spans if param_spans is not None else [(0, n)], n, k.fused_tail))
@@ -367,6 +379,26 @@ def try_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
         k.update(master, grad, exp_avg, exp_avg_sq, step, hyper, grad_multiplier, param_out)
     torch.autograd.graph.increment_version(list(written))
     return True
+
+
+def _gradient_tensors(grad: "torch.Tensor | GradPieces", n: int) -> list[torch.Tensor] | None:
+    """The tensors of a flat gradient of ``n`` elements or of its pieces, or ``None`` if the kernel cannot
+    read them (another device or dtype, not contiguous, a flat one of another length, pieces out of order,
+    overlapping or past ``n``, no piece at all)."""
+    if isinstance(grad, torch.Tensor):
+        return [grad] if _kernel_readable(grad, grad.dtype) and grad.numel() == n else None
+    if not grad:
+        return None
+    dtype, end = grad[0][1].dtype, 0
+    for offset, t in grad:
+        if offset < end or not _kernel_readable(t, dtype):
+            return None
+        end = offset + t.numel()
+    return [t for _, t in grad] if end <= n else None
+
+
+def _kernel_readable(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    return t.dtype == dtype and dtype in _DTYPE_CODES and t.device.type == "cpu" and t.is_contiguous()
 
 
 def fp32_reference() -> str:

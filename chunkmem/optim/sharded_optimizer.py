@@ -22,7 +22,7 @@ from ..model import ShardedModelV2
 from ..builder import compute_dtype
 from ..settings import ModelSettings, OptimizerSettings
 from .adam import check_supported_optimizer, hyper_of_group
-from .adam_kernels import adam_update_, param_spans
+from .adam_kernels import adam_update_, adam_update_pieces_, param_spans
 from .adam_math import AdamHyper
 from .disk_step import ChunkUpdate, DiskStepError, StreamedStep, gaps, streamed_families
 from .loss_scaler import DynamicGradScaler
@@ -435,8 +435,8 @@ class ShardedOptimizerV2(Optimizer):
         self._check_backward_was_scaled()
         return self.mixed.clip(self._grads(), max_norm, float(norm_type))
 
-    def _grads(self) -> list[torch.Tensor | None]:
-        return [self.runtime.grad_of(c) for c in self._trainable_chunks()]
+    def _grads(self) -> list[torch.Tensor]:
+        return [t for c in self._trainable_chunks() for t in self.runtime.grad_tensors(c)]
 
     def grad_multiplier(self) -> float:
         """What the coming step multiplies the gradients by: the clipping over the loss scale (the
@@ -483,9 +483,10 @@ class ShardedOptimizerV2(Optimizer):
 
     def _update_chunk(self, chunk: Chunk, multiplier: float) -> None:
         tier = self.runtime.compute_tier(chunk)
-        grad = self.runtime.grad_of(chunk)
+        pieces = self.runtime.grad_pieces(chunk)  # autograd's tensors, where the runtime kept them
+        grad = self.runtime.grad_of(chunk) if pieces is None else None
         with self.runtime.updating(chunk, tier) as target:
-            if grad.device != target.device:
+            if grad is not None:
                 grad = grad.to(target.device)
             chunk.step += 1
             master = chunk.optim[MASTER].tensor if chunk.has_master else target
@@ -493,9 +494,16 @@ class ShardedOptimizerV2(Optimizer):
             ranges = self._ranges(chunk)
             spans = param_spans(chunk.slots, chunk.shard_offset)
             for a, b, hyper in ranges:
+                out = target[a:b] if chunk.has_master else None
+                relative_spans = [(s - a, e - a) for s, e in spans]
+                if pieces is not None:
+                    inside = [(offset - a, t) for offset, t in pieces if a <= offset < b]
+                    if adam_update_pieces_(master[a:b], inside, exp_avg[a:b], exp_avg_sq[a:b], chunk.step, hyper,
+                                           multiplier, out, relative_spans):
+                        continue
+                    pieces, grad = None, self.runtime.grad_of(chunk).to(target.device)  # flat from here on
                 adam_update_(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], chunk.step, hyper,
-                             grad_multiplier=multiplier, param_out=target[a:b] if chunk.has_master else None,
-                             param_spans=[(s - a, e - a) for s, e in spans])
+                             grad_multiplier=multiplier, param_out=out, param_spans=relative_spans)
             if chunk.has_master:  # the copy written may be new memory: what no range wrote is the master's rounding
                 for a, b in gaps(ranges, 0, chunk.shard_numel):
                     target[a:b].copy_(master[a:b])

@@ -6,6 +6,11 @@
   ranks (sharded) and rest in the chunk's gradient buffer where its Adam runs. Several backwards add up
   (gradient accumulation); inside ``no_sync`` a sharded chunk keeps accumulating in its staging buffer,
   unreduced, until the first backward outside.
+  Where the device tier is the CPU and a chunk's gradients rest there unsharded, the chunk keeps the
+  tensors autograd produced instead (one a parameter, counted on the ledger as the chunk's gradient
+  buffer): copying them into the buffer would move every gradient byte twice more, and the host Adam
+  kernel reads them where they are (:meth:`StagedGradients.pieces`). Whoever needs the flat buffer
+  (:meth:`GradientStore.grad_of`) gets it filled from them then.
 * :class:`GradientsInParamMemory` (``reuse_fp16_shard=True``): each gradient is written into its 16-bit
   parameter's own memory once the parameter's backward is done (14 bytes per parameter in all); the
   step overwrites them with the new values. No accumulation: a second backward before the step is
@@ -16,11 +21,13 @@ chunk's padding.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..core.chunk import MASTER, Chunk, ParamSlot
 from ..errors import GradientAccumulationError
-from ..core.tiers import Tier
+from ..core.tiers import Tier, device_of_tier
 from ..distributed.reduction import GradientReduction
 from .executor import ChunkExecutor
 
@@ -50,6 +57,22 @@ class GradientStore:
         """This rank's shard of the chunk's finished gradient (where it rests), or ``None``."""
         raise NotImplementedError
 
+    def pieces(self, chunk: Chunk) -> list[tuple[int, torch.Tensor]] | None:
+        """The chunk's finished gradient as ``(offset, tensor)`` pieces (``offset`` in elements of the
+        chunk; the elements between them are padding) where it is kept in pieces, else ``None``."""
+        return None
+
+    def tensors(self, chunk: Chunk) -> list[torch.Tensor]:
+        """The tensors holding the chunk's finished gradient (its pieces, or the flat shard), for norms."""
+        pieces = self.pieces(chunk)
+        if pieces is not None:
+            return [t for _, t in pieces]
+        grad = self.grad_of(chunk)
+        return [] if grad is None else [grad]
+
+    def flatten(self, chunk: Chunk) -> None:
+        """Make the chunk's gradient (if kept in pieces) its flat buffer, before the buffer moves."""
+
     def drop(self, set_to_none: bool) -> None:
         """Drop (``set_to_none``) or zero every chunk's finished gradients."""
         raise NotImplementedError
@@ -73,14 +96,25 @@ class GradientStore:
 
 
 class StagedGradients(GradientStore):
-    """Gradients accumulate in full-length device buffers, then rest reduced where Adam runs."""
+    """Gradients accumulate in full-length device buffers, then rest reduced where Adam runs; on a CPU
+    device tier a chunk resting there unsharded keeps autograd's tensors instead (module docstring)."""
+
+    def __init__(self, executor: ChunkExecutor, reduction: GradientReduction,
+                 adopt: Callable[[torch.Tensor], None]) -> None:
+        super().__init__(executor, reduction)
+        self.keeps_autograd_tensors = device_of_tier(Tier.DEVICE).type == "cpu"
+        self._adopt = adopt  # tells the tracer that a kept tensor is chunk memory now
+        self._kept: dict[Chunk, dict[int, torch.Tensor]] = {}  # chunk -> slot index -> its gradient
+
+    def _direct(self, chunk: Chunk) -> bool:
+        """Whether the chunk's gradients accumulate where they rest (no staging buffer)."""
+        return self.executor.grad_tier(chunk) is Tier.DEVICE and not chunk.param.sharded
 
     def _accumulator(self, chunk: Chunk) -> torch.Tensor:
         """The full-length device-tier buffer gradients of this backward go into. A buffer allocated in
         this backward is not zero-filled (``accumulator_fresh``): each slot's first gradient is copied in,
         and slots that get none are zeroed when the chunk finishes."""
-        direct = self.executor.grad_tier(chunk) is Tier.DEVICE and not chunk.param.sharded
-        buf = chunk.grad if direct else chunk.grad_staging
+        buf = chunk.grad if self._direct(chunk) else chunk.grad_staging
         if not buf.allocated:
             buf.allocate(Tier.DEVICE)
             buf.mark_written()  # it accumulates this backward's gradients from now on
@@ -88,6 +122,22 @@ class StagedGradients(GradientStore):
         return buf.tensor
 
     def accumulate(self, chunk: Chunk, slot: ParamSlot, grad: torch.Tensor) -> None:
+        kept = self._kept.get(chunk)
+        if kept is None and self.keeps_autograd_tensors and not chunk.grad.allocated and self._direct(chunk):
+            chunk.memory.ledger.reserve(Tier.DEVICE, chunk.grad.family, chunk.grad.nbytes, chunk.grad.region.label)
+            kept = self._kept[chunk] = {}
+            chunk.accumulator_fresh = True
+        if kept is not None:
+            held = kept.get(slot.index_in_chunk)
+            if held is not None:
+                held.add_(grad.view(slot.shape))
+            elif grad.is_contiguous() and grad.dtype == chunk.dtype and grad.shape == slot.shape:
+                kept[slot.index_in_chunk] = grad  # autograd's own tensor: nobody else holds it
+                self._adopt(grad)
+            else:
+                kept[slot.index_in_chunk] = grad.to(chunk.dtype, memory_format=torch.contiguous_format,
+                                                    copy=True).view(slot.shape)
+            return
         staging = self._accumulator(chunk)
         if chunk.accumulator_fresh and slot.index_in_chunk not in chunk.grad_slots_received:
             slot.view(staging).copy_(grad)
@@ -95,6 +145,14 @@ class StagedGradients(GradientStore):
             slot.view(staging).add_(grad)
 
     def finish(self, chunk: Chunk, deferred: bool) -> None:
+        kept = self._kept.get(chunk)
+        if kept is not None:
+            for slot in chunk.slots:  # frozen ones too (see _zero_unwritten)
+                if slot.index_in_chunk not in kept:
+                    kept[slot.index_in_chunk] = torch.zeros(slot.shape, dtype=chunk.dtype,
+                                                            device=device_of_tier(Tier.DEVICE))
+            chunk.accumulator_fresh = False
+            return
         accumulator = self._accumulator(chunk)
         if chunk.accumulator_fresh:
             self._zero_unwritten(chunk, accumulator)
@@ -113,13 +171,52 @@ class StagedGradients(GradientStore):
         chunk.grad_staging.free()
 
     def grad_of(self, chunk: Chunk) -> torch.Tensor | None:
+        self.flatten(chunk)
         return chunk.grad.tensor
+
+    def pieces(self, chunk: Chunk) -> list[tuple[int, torch.Tensor]] | None:
+        kept = self._kept.get(chunk)
+        if kept is None:
+            return None
+        return [(slot.offset, kept[slot.index_in_chunk]) for slot in chunk.slots if slot.index_in_chunk in kept]
+
+    def flatten(self, chunk: Chunk) -> None:
+        """The kept tensors go into the chunk's gradient buffer (zero where none is: slots still to come
+        in a running backward, and the padding), which takes over their count on the ledger."""
+        kept = self._kept.pop(chunk, None)
+        if kept is None:
+            return
+        chunk.memory.ledger.release(Tier.DEVICE, chunk.grad.family, chunk.grad.nbytes)
+        try:
+            flat = chunk.grad.allocate(Tier.DEVICE)
+        except BaseException:
+            chunk.memory.ledger.reserve(Tier.DEVICE, chunk.grad.family, chunk.grad.nbytes, chunk.grad.region.label)
+            self._kept[chunk] = kept
+            raise
+        for slot in chunk.slots:
+            held = kept.get(slot.index_in_chunk)
+            if held is None:
+                slot.view(flat).zero_()
+            else:
+                slot.view(flat).copy_(held)
+        flat[chunk.used_numel:].zero_()
+        chunk.grad.mark_written()
+        chunk.accumulator_fresh = False  # every slot holds its sum so far: later gradients add to it
+
+    def _forget_kept(self, chunk: Chunk) -> None:
+        if self._kept.pop(chunk, None) is not None:
+            chunk.memory.ledger.release(Tier.DEVICE, chunk.grad.family, chunk.grad.nbytes)
 
     def drop(self, set_to_none: bool) -> None:
         for chunk in self.executor.chunks:
             if chunk.grad_staging.allocated and not chunk.grad_slots_received:
                 chunk.grad_staging.free()
                 chunk.accumulator_fresh = False
+            if set_to_none:
+                self._forget_kept(chunk)
+            else:
+                for held in self._kept.get(chunk, {}).values():
+                    held.zero_()
             if chunk.grad.allocated:
                 if set_to_none:
                     chunk.grad.free()
@@ -127,6 +224,12 @@ class StagedGradients(GradientStore):
                     chunk.grad.tensor.zero_()
 
     def abandon(self, chunk: Chunk) -> None:
+        """Drop the gradients of an unfinished chunk that this backward began (a buffer or kept tensors
+        holding nothing finished); a staging buffer always."""
+        if chunk.accumulator_fresh and chunk.grad_slots_received:
+            self._forget_kept(chunk)
+            if self._direct(chunk):
+                chunk.grad.free()
         chunk.accumulator_fresh = False
         chunk.grad_staging.free()
 
@@ -177,6 +280,11 @@ class GradientsInParamMemory(GradientStore):
                 "optim.step() or optim.zero_grad() between them, or use reuse_fp16_shard=False")
 
 
-def gradient_store(in_param_memory: bool, executor: ChunkExecutor, reduction: GradientReduction) -> GradientStore:
-    """The strategy for ``reuse_fp16_shard`` (``in_param_memory``)."""
-    return (GradientsInParamMemory if in_param_memory else StagedGradients)(executor, reduction)
+def gradient_store(in_param_memory: bool, executor: ChunkExecutor, reduction: GradientReduction,
+                   adopt: Callable[[torch.Tensor], None]) -> GradientStore:
+    """The strategy for ``reuse_fp16_shard`` (``in_param_memory``); ``adopt`` is told of each tensor
+    made by the model's backward that becomes chunk memory (the tracer's
+    :meth:`~chunkmem.runtime.schedule.Scheduler.adopt`)."""
+    if in_param_memory:
+        return GradientsInParamMemory(executor, reduction)
+    return StagedGradients(executor, reduction, adopt)

@@ -114,7 +114,7 @@ class ChunkRuntime:
         self.executor = ChunkExecutor(chunks, memory, policy, self.state, gather_together)
         self.scheduler = Scheduler(memory.ledger, policy, self.state, device_of_tier(Tier.DEVICE))
         self.reduction = reduction
-        self.gradients = gradient_store(gradients_in_param_memory, self.executor, reduction)
+        self.gradients = gradient_store(gradients_in_param_memory, self.executor, reduction, self.scheduler.adopt)
         self.grads_pending = False
         self.backward_count = 0  # backward passes finished (autograd's end of backward) so far
         self.forward_count = 0  # forwards of the wrapped model begun so far
@@ -374,6 +374,15 @@ class ChunkRuntime:
         """This rank's shard of the chunk's finished gradient (where it rests), or ``None``."""
         return self.gradients.grad_of(chunk)
 
+    def grad_pieces(self, chunk: Chunk) -> list[tuple[int, torch.Tensor]] | None:
+        """The chunk's finished gradient as ``(offset, tensor)`` pieces where it is kept so (see
+        :mod:`chunkmem.runtime.gradients`), else ``None`` (:meth:`grad_of` has it)."""
+        return self.gradients.pieces(chunk)
+
+    def grad_tensors(self, chunk: Chunk) -> list[torch.Tensor]:
+        """The tensors holding the chunk's finished gradient, whichever form it has (for norms)."""
+        return self.gradients.tensors(chunk)
+
     @contextlib.contextmanager
     def updating(self, chunk: Chunk, tier: Tier) -> Iterator[torch.Tensor]:
         """``with runtime.updating(chunk, tier) as target:`` the copy of this rank's parameters on ``tier``
@@ -573,6 +582,7 @@ class ChunkRuntime:
                             self._optimizer_group_bytes(first) if optimizer_state else 0,
                             self.gradients.in_param_memory, shards.sharded, peaks)
         for index in self.scheduler.make_plan(inputs):
+            self.gradients.flatten(chunks[index])  # its gradient buffer moves with the state
             self.executor.move_optimizer_state(chunks[index], Tier.DEVICE)
             self.executor.settle(chunks[index])
 

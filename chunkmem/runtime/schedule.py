@@ -283,6 +283,12 @@ class Scheduler:
             return self.trace.paused()
         return nullcontext()
 
+    def adopt(self, tensor: torch.Tensor) -> None:
+        """A tensor the model's backward made is chunk memory from now on (a kept gradient): the tracer
+        stops counting it as non-model memory."""
+        if self.trace is not None:
+            self.trace.adopt(tensor)
+
     def module_chunks_changed(self) -> None:
         """A module was found to need another chunk: the periods of the next iteration will differ
         from this one's, so it is traced again."""

@@ -4,7 +4,7 @@ A *period* runs from one module boundary that touches chunks (a module's pre-for
 to the next. While an iteration is traced, the tracer records for each period the chunks that had to
 be on the device, the chunks whose gradient buffers were started or finished, and the peak of
 *non-model* memory on the device tier: everything that is not chunk memory (activations, temporaries,
-autograd's gradients before they reach a chunk).
+autograd's gradients before they reach a chunk, or until a chunk adopts them: :meth:`IterationTrace.adopt`).
 
 On the CPU the non-model bytes are counted exactly by :class:`StorageCounter`, a dispatch mode that
 sees every operator and adds the size of each storage an operator creates until the storage is freed.
@@ -96,6 +96,12 @@ class StorageCounter(TorchDispatchMode):
         finally:
             self._paused -= 1
 
+    def adopt(self, tensor: torch.Tensor) -> None:
+        """``tensor``'s storage became chunk memory (counted on the ledger): stop counting it."""
+        counted = self.live.pop(tensor.untyped_storage()._cdata, None)
+        if counted is not None:
+            self.current -= counted[1]
+
 
 def _strided(value: Any) -> bool:
     """Whether ``value`` is a tensor with one storage to count (sparse, nested and other layouts have none
@@ -119,6 +125,9 @@ class CudaPeakCounter:
     @contextmanager
     def paused(self) -> Iterator[None]:
         yield
+
+    def adopt(self, tensor: torch.Tensor) -> None:
+        """Nothing to do: :meth:`start_period` subtracts every chunk byte on the ledger."""
 
 
 def _stop(counter: StorageCounter) -> None:
@@ -174,6 +183,10 @@ class IterationTrace:
 
     def paused(self):
         return self.counter.paused()
+
+    def adopt(self, tensor: torch.Tensor) -> None:
+        """``tensor`` (made by the model's backward) is chunk memory from now on, not non-model memory."""
+        self.counter.adopt(tensor)
 
     def finish(self) -> list[Period]:
         """Close the last period; returns the periods. Call :meth:`close` afterwards, outside autograd's
