@@ -130,7 +130,7 @@ class StagedGradients(GradientStore):
         if kept is not None:
             held = kept.get(slot.index_in_chunk)
             if held is not None:
-                held.add_(grad.view(slot.shape))
+                held.add_(grad)
             elif grad.is_contiguous() and grad.dtype == chunk.dtype and grad.shape == slot.shape:
                 kept[slot.index_in_chunk] = grad  # autograd's own tensor: nobody else holds it
                 self._adopt(grad)
