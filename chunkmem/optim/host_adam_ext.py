@@ -117,8 +117,9 @@ class HostAdamKernel:
         flat ``[start, end, ...]`` element pairs (sorted, disjoint) rounded as the per-element tail of
         ``torch.optim.AdamW(fused=True)`` (fp32 gradient, no 16-bit copy, FMA, IEEE square root only)."""
         pieces = grad if isinstance(grad, list) else None
+        grad_ptr = None if pieces is not None else grad.data_ptr()
         if pieces is not None:
-            grad = pieces[0][1]
+            grad = pieces[0][1]  # (for its dtype)
             starts = (ctypes.c_void_p * len(pieces))(*(t.data_ptr() for _, t in pieces))
             bounds = (ctypes.c_int64 * (2 * len(pieces)))(*(x for o, t in pieces for x in (o, o + t.numel())))
         if sqrt is None:  # the probed variant for fp32 gradients, the fast one for 16-bit (module docstring)
@@ -139,9 +140,9 @@ class HostAdamKernel:
         out_ptr, out_code = None, -1
         if param_out is not None:
             out_ptr, out_code = param_out.data_ptr(), _DTYPE_CODES[param_out.dtype]
-        if out_ptr is not None and pieces is None and out_ptr == grad.data_ptr():
+        if out_ptr is not None and out_ptr == grad_ptr:
             nt_min = 1 << 62  # the copy overwrites the gradient it has just read: cached stores
-        rc = self._update(master.data_ptr(), None if pieces is not None else grad.data_ptr(), _DTYPE_CODES[grad.dtype], exp_avg.data_ptr(),
+        rc = self._update(master.data_ptr(), grad_ptr, _DTYPE_CODES[grad.dtype], exp_avg.data_ptr(),
                           exp_avg_sq.data_ptr(), out_ptr, out_code, master.numel(), grad_multiplier, decay, wd,
                           1 - hyper.beta1, hyper.beta2, 1 - hyper.beta2, math.sqrt(bias_correction2), hyper.eps,
                           -step_size, flags, int(self.fma if fma is None else fma),
