@@ -124,7 +124,7 @@ class StagedGradients(GradientStore):
     def accumulate(self, chunk: Chunk, slot: ParamSlot, grad: torch.Tensor) -> None:
         kept = self._kept.get(chunk)
         if kept is None and self.keeps_autograd_tensors and not chunk.grad.allocated and self._direct(chunk):
-            chunk.memory.ledger.reserve(Tier.DEVICE, chunk.grad.family, chunk.grad.nbytes, chunk.grad.region.label)
+            _count_as_grad_buffer(chunk)
             kept = self._kept[chunk] = {}
             chunk.accumulator_fresh = True
         if kept is not None:
@@ -186,11 +186,11 @@ class StagedGradients(GradientStore):
         kept = self._kept.pop(chunk, None)
         if kept is None:
             return
-        chunk.memory.ledger.release(Tier.DEVICE, chunk.grad.family, chunk.grad.nbytes)
+        _uncount_grad_buffer(chunk)  # the buffer counts them from now on
         try:
             flat = chunk.grad.allocate(Tier.DEVICE)
         except BaseException:
-            chunk.memory.ledger.reserve(Tier.DEVICE, chunk.grad.family, chunk.grad.nbytes, chunk.grad.region.label)
+            _count_as_grad_buffer(chunk)
             self._kept[chunk] = kept
             raise
         for slot in chunk.slots:
@@ -205,7 +205,7 @@ class StagedGradients(GradientStore):
 
     def _forget_kept(self, chunk: Chunk) -> None:
         if self._kept.pop(chunk, None) is not None:
-            chunk.memory.ledger.release(Tier.DEVICE, chunk.grad.family, chunk.grad.nbytes)
+            _uncount_grad_buffer(chunk)
 
     def drop(self, set_to_none: bool) -> None:
         for chunk in self.executor.chunks:
@@ -232,6 +232,15 @@ class StagedGradients(GradientStore):
                 chunk.grad.free()
         chunk.accumulator_fresh = False
         chunk.grad_staging.free()
+
+
+def _count_as_grad_buffer(chunk: Chunk) -> None:
+    """Count kept gradient tensors on the ledger as the chunk's device-tier gradient buffer."""
+    chunk.memory.ledger.reserve(Tier.DEVICE, chunk.grad.family, chunk.grad.nbytes, chunk.grad.region.label)
+
+
+def _uncount_grad_buffer(chunk: Chunk) -> None:
+    chunk.memory.ledger.release(Tier.DEVICE, chunk.grad.family, chunk.grad.nbytes)
 
 
 class GradientsInParamMemory(GradientStore):
