@@ -104,10 +104,12 @@ KEY_TABLE: dict[str, tuple[str, str]] = {
     "bf16.enabled": ("map", "dtype torch.bfloat16 (unscaled)"),
     "optimizer.type": ("map", "Adam, AdamW, HybridAdam, CPUAdam: HybridAdam (Adam: adam_w_mode, default True)"),
     "optimizer.params": ("map", "lr, betas, eps, weight_decay, bias_correction, adam_w_mode"),
-    "gradient_clipping": ("map", "stages 1, 2: clip_grad_norm; stage 3: ShardedOptimizerV2(max_norm=), applied in step()"),
-    "<loop keys>": ("warn", "no effect (the training loop's business): train_batch_size, "
+    "gradient_clipping": ("map", "stages 1, 2: clip_grad_norm; stage 3: ShardedOptimizerV2(max_norm=), applied in "
+                                 "step(); absent: 1.0, DeepSpeed's default (0.19.8; 0 turns clipping off)"),
+    "<loop keys>": ("warn", "honoured by the engine of chunkmem.deepspeed.initialize; no effect in "
+                            "chunkmem.initialize, which returns no engine: train_batch_size, "
                             "train_micro_batch_size_per_gpu, gradient_accumulation_steps, steps_per_print, "
-                            "wall_clock_breakdown"),
+                            "wall_clock_breakdown, scheduler"),
 }
 
 _ZERO_NO_EFFECT = {
@@ -134,8 +136,11 @@ _OFFLOAD_OPTIMIZER_KEYS = {"device", "nvme_path", "buffer_count", "pin_memory", 
 _OFFLOAD_PARAM_KEYS = {"device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory"}
 _OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 _LOOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-              "steps_per_print", "wall_clock_breakdown"}
+              "steps_per_print", "wall_clock_breakdown", "scheduler"}
 _DEEPSPEED_KEYS = {"zero_optimization", "fp16", "bf16", "optimizer", "gradient_clipping"} | _LOOP_KEYS
+DEEPSPEED_GRADIENT_CLIPPING = 1.0
+"""The clipping norm of a DeepSpeed config without ``gradient_clipping``: DeepSpeed's default (1.0 in 0.19.8,
+since its pull request 8068; 0.0 before), so a config trains as it does under DeepSpeed today."""
 _FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
               "consecutive_hysteresis", "min_loss_scale", "auto_cast"}
 _OPTIMIZER_TYPES = ("Adam", "AdamW", "HybridAdam", "CPUAdam")
@@ -172,7 +177,7 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         raise ArgumentTypeError("model", type(model).__name__, "a torch.nn.Module")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise ArgumentTypeError("optimizer", type(optimizer).__name__, "a torch.optim.Optimizer or None")
-    config = _load(config)
+    config = read_config(config)
     if "zero" in config:
         extra = sorted(set(config) - {"zero"})
         if extra:
@@ -185,7 +190,8 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
 
 # ---- reading ----------------------------------------------------------------------------------------
 
-def _load(config: Any) -> dict[str, Any]:
+def read_config(config: Any) -> dict[str, Any]:
+    """``config`` as a dict: a dict as it is, a path read as JSON (errors name ``config``)."""
     if isinstance(config, (str, os.PathLike)):
         try:
             with open(config) as f:
@@ -349,7 +355,7 @@ def _dtype_named(name: str, path: str) -> torch.dtype:
 def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, Any]) -> tuple[nn.Module, Any]:
     _check_keys(config, _DEEPSPEED_KEYS, "")
     for key in sorted(_LOOP_KEYS & set(config)):
-        _no_effect(key, "the training loop decides it")
+        _no_effect(key, "the training loop decides it (chunkmem.deepspeed.initialize returns an engine that honours it)")
     zero = _section(config, "zero_optimization", "zero_optimization")
     _check_keys(zero, _ZERO_KEYS, "zero_optimization")
     stage = zero.get("stage", 0)
@@ -372,7 +378,7 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
     if ratio != 1.0 and optim_device != "cpu":
         raise InvalidArgumentError("zero_optimization.offload_optimizer.ratio", ratio,
                                    "1.0 unless zero_optimization.offload_optimizer.device is 'cpu'")
-    clipping = config.get("gradient_clipping", 0.0)
+    clipping = config.get("gradient_clipping", DEEPSPEED_GRADIENT_CLIPPING)
     check_number("gradient_clipping", clipping, low=0, allowed="a number >= 0 (0: no clipping)")
     bucket = zero.get("reduce_bucket_size")
     if bucket is not None:
@@ -386,7 +392,7 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
         raise InvalidArgumentError("optimizer", type(optimizer).__name__,
                                    "None when the config has an 'optimizer' section (give one or the other)")
     if optimizer_section:  # checked in full before anything is wrapped
-        _build_optimizer(optimizer_section, [torch.zeros(1, requires_grad=True)])
+        build_optimizer(optimizer_section, [torch.zeros(1, requires_grad=True)])
     if optimizer is not None:
         _check_optimizer(model, optimizer)
 
@@ -419,7 +425,7 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
         if not optimizer_section:
             raise InvalidArgumentError("optimizer", None, "a torch optimizer or an 'optimizer' config section "
                                                           "with stage 1 or 2")
-        optimizer = _build_optimizer(optimizer_section, model.parameters())  # the cast below keeps the parameters
+        optimizer = build_optimizer(optimizer_section, model.parameters())  # the cast below keeps the parameters
     kwargs = dict(scaler, clip_grad_norm=float(clipping), partition_grad=stage == 2, cpu_offload=optim_device == "cpu")
     if bucket is not None:
         kwargs["reduce_bucket_size"] = bucket
@@ -441,7 +447,7 @@ def _stage3(model: nn.Module, optimizer: Any, optimizer_section: dict[str, Any],
     ShardedOptimizerV2.check_before_wrapping(model, model_settings, optimizer_settings)
 
     def attach(wrapped: ShardedModelV2) -> ShardedOptimizerV2:
-        optim = optimizer if optimizer is not None else _build_optimizer(optimizer_section, wrapped.parameters())
+        optim = optimizer if optimizer is not None else build_optimizer(optimizer_section, wrapped.parameters())
         return ShardedOptimizerV2.from_settings(wrapped, optim, optimizer_settings)
     return _wrap_all_or_nothing(model, model_settings, renamed, attach)
 
@@ -589,7 +595,9 @@ def _precision(config: dict[str, Any]) -> tuple[torch.dtype, dict[str, Any]]:
     return torch.float16, scaler
 
 
-def _build_optimizer(section: dict[str, Any], params: Any) -> HybridAdam:
+def build_optimizer(section: dict[str, Any], params: Any) -> HybridAdam:
+    """The :class:`~chunkmem.HybridAdam` a DeepSpeed ``optimizer`` section describes, over ``params``
+    (parameters or param groups); errors name ``optimizer.type`` / ``optimizer.params.<name>``."""
     _check_keys(section, {"type", "params"}, "optimizer")
     kind = section.get("type")
     if not isinstance(kind, str) or kind.lower() not in {t.lower() for t in _OPTIMIZER_TYPES}:

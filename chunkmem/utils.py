@@ -29,6 +29,11 @@ When each value exists (the getters return ``None`` otherwise, as DeepSpeed does
 * optimizer state (``"exp_avg"``, ``"exp_avg_sq"``): after the parameter's first step (``None`` before,
   as ``torch.optim.Adam`` has no state then); its setters are refused before the first step.
 
+Parameters trained by a :class:`~chunkmem.LowLevelZeroOptimizer` (ZeRO-1/2, the module a plain one) are
+read the same way: the fp32 master, the reduced gradient (unscaled, clipped if ``clip_grad_norm`` ran) and
+the moments, from the optimizer's flat partitions (full: gathered over the ranks, so collective). Their
+setters are refused (:class:`~chunkmem.UnsupportedOperationError`).
+
 Setting an fp32 parameter writes the fp32 master and keeps the 16-bit copy equal to its rounding (what
 ``GatheredParameters(modifier_rank=...)`` leaves); a 16-bit model without optimizer has no master, so
 only the rounded copy is kept. Parameter setters are refused while the parameters' memory holds
@@ -44,6 +49,7 @@ import torch.nn as nn
 from .core.chunk import EXP_AVG, EXP_AVG_SQ, MASTER, Chunk, ParamSlot
 from .errors import ArgumentTypeError, InvalidArgumentError, UnsupportedOperationError, check_type
 from .core.param_guard import ParameterAccessError, slot_of
+from .optim.low_level_zero import optimizer_of
 from .state_dicts import bump_versions
 
 OPTIMIZER_STATE_KEYS = (EXP_AVG, EXP_AVG_SQ)
@@ -62,12 +68,13 @@ __all__ = [
 def _slot(param: Any) -> ParamSlot:
     """The slot of a parameter of a wrapped model; refuses others and calls inside the forward."""
     check_type("param", param, nn.Parameter, "a parameter of a chunkmem.ShardedModelV2")
+    _refuse_zero12_setter(param)
     slot = slot_of(param)
     host = None if slot is None else slot.chunk.host
     if host is None or not host.owns(slot.chunk):
         raise InvalidArgumentError("param", f"a parameter of shape {tuple(param.shape)}",
                                    "a parameter of a chunkmem.ShardedModelV2 (built inside ZeroInitContext "
-                                   "or wrapped)")
+                                   "or wrapped) or of a LowLevelZeroOptimizer")
     if host.in_forward:
         raise ParameterAccessError("the chunkmem.utils accessors inside the model's forward: call them outside")
     return slot
@@ -157,11 +164,43 @@ def _full(slot: ParamSlot, shard: torch.Tensor, multiplier: float = 1.0) -> torc
     return _to_fp32_cpu(slot.view(full), multiplier)
 
 
+# ---- parameters of a LowLevelZeroOptimizer (ZeRO-1/2) ------------------------------------------------
+
+def _zero12(param: Any, family: str, full: bool) -> tuple[bool, torch.Tensor | None]:
+    """``(True, value)`` when ``param`` is trained by a :class:`~chunkmem.LowLevelZeroOptimizer`: the whole
+    value (``full``: gathered, shaped like it) or this rank's part (flat) of ``family``, fp32 on the CPU;
+    ``(False, None)`` for any other parameter."""
+    optimizer = optimizer_of(param) if isinstance(param, nn.Parameter) else None
+    slot = None if optimizer is None else optimizer.slot_of(param)
+    if slot is None:
+        return False, None
+    found = optimizer.state_shard(slot, family)
+    if found is None:
+        return True, None
+    shard, multiplier = found
+    if full:
+        return True, _to_fp32_cpu(slot.view(optimizer.gather_shards(slot.chunk, shard)), multiplier)
+    part = slot.owned()
+    if part is None:
+        return True, _to_fp32_cpu(shard[:0])
+    start = slot.offset + part[0] - slot.chunk.own_start
+    return True, _to_fp32_cpu(shard[start:start + part[1] - part[0]], multiplier)
+
+
+def _refuse_zero12_setter(param: Any) -> None:
+    if isinstance(param, nn.Parameter) and optimizer_of(param) is not None:
+        raise UnsupportedOperationError("the safe_set_* accessors for parameters of a LowLevelZeroOptimizer "
+                                        "(ZeRO-1/2): only the getters are supported; load a state dict instead")
+
+
 # ---- getters ----------------------------------------------------------------------------------------
 
 def safe_get_full_fp32_param(param: nn.Parameter) -> torch.Tensor | None:
     """The whole fp32 value of ``param`` (its fp32 master; an fp32 model's parameter itself), shaped like
     it, on the CPU; ``None`` for a 16-bit model without optimizer. Collective when sharded."""
+    handled, value = _zero12(param, "fp32", True)
+    if handled:
+        return value
     slot = _slot(param)
     shard = _fp32_shard(slot)
     return None if shard is None else _full(slot, shard)
@@ -171,6 +210,9 @@ def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
     """The whole fp32 gradient of ``param`` as the next step applies it (unscaled, clipped; the mean over
     the ranks), shaped like it, on the CPU; ``None`` when there is none (module docstring). Collective
     when sharded."""
+    handled, value = _zero12(param, "grad", True)
+    if handled:
+        return value
     slot = _slot(param)
     found = _grad_shard(slot)
     return None if found is None else _full(slot, *found)
@@ -179,6 +221,9 @@ def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
 def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
     """The whole fp32 optimizer state ``optim_state_key`` (``"exp_avg"`` or ``"exp_avg_sq"``) of
     ``param``, shaped like it, on the CPU; ``None`` before its first step. Collective when sharded."""
+    handled, value = _zero12(param, _check_key(optim_state_key), True)
+    if handled:
+        return value
     slot = _slot(param)
     shard = _state_shard(slot, _check_key(optim_state_key))
     return None if shard is None else _full(slot, shard)
@@ -186,6 +231,9 @@ def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> 
 
 def safe_get_local_fp32_param(param: nn.Parameter) -> torch.Tensor | None:
     """This rank's part of :func:`safe_get_full_fp32_param` (flat fp32 CPU tensor; no collective)."""
+    handled, value = _zero12(param, "fp32", False)
+    if handled:
+        return value
     slot = _slot(param)
     shard = _fp32_shard(slot)
     return None if shard is None else _to_fp32_cpu(_local_part(slot, shard))
@@ -193,6 +241,9 @@ def safe_get_local_fp32_param(param: nn.Parameter) -> torch.Tensor | None:
 
 def safe_get_local_grad(param: nn.Parameter) -> torch.Tensor | None:
     """This rank's part of :func:`safe_get_full_grad` (flat fp32 CPU tensor; no collective)."""
+    handled, value = _zero12(param, "grad", False)
+    if handled:
+        return value
     slot = _slot(param)
     found = _grad_shard(slot)
     return None if found is None else _to_fp32_cpu(_local_part(slot, found[0]), found[1])
@@ -200,6 +251,9 @@ def safe_get_local_grad(param: nn.Parameter) -> torch.Tensor | None:
 
 def safe_get_local_optimizer_state(param: nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
     """This rank's part of :func:`safe_get_full_optimizer_state` (flat fp32 CPU tensor; no collective)."""
+    handled, value = _zero12(param, _check_key(optim_state_key), False)
+    if handled:
+        return value
     slot = _slot(param)
     shard = _state_shard(slot, _check_key(optim_state_key))
     return None if shard is None else _to_fp32_cpu(_local_part(slot, shard))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -30,6 +31,17 @@ from .zero_buckets import GradientBuckets
 from .zero_partition import FlatChunk, FlatSlot, build_partition
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+_OPTIMIZER_OF: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # id(param) -> (param, its optimizer), both weak
+
+
+def optimizer_of(param: nn.Parameter) -> "LowLevelZeroOptimizer | None":
+    """The :class:`LowLevelZeroOptimizer` that trains ``param`` (the last one built over it), or ``None``."""
+    found = _OPTIMIZER_OF.get(id(param))
+    if found is None or found[0]() is not param:
+        return None
+    return found[1]()
 
 
 class LowLevelZeroOptimizer:
@@ -155,6 +167,8 @@ class LowLevelZeroOptimizer:
         self._backward_agreed = False  # the running backward's agreement ran
         self._hooks = [slot.param.register_post_accumulate_grad_hook(self._on_grad)
                        for slot in self._slot_of.values()]
+        for slot in self._slot_of.values():
+            _OPTIMIZER_OF[id(slot.param)] = (weakref.ref(slot.param), weakref.ref(self))
 
     @classmethod
     def check_arguments(cls, optimizer: Any, *, cast_to: torch.dtype | None = None, **kwargs: Any) -> None:
@@ -446,6 +460,28 @@ class LowLevelZeroOptimizer:
         if slot is None:
             raise InvalidArgumentError("param", tuple(param.shape), "a trainable parameter of this optimizer")
         return slot.view(self._gather(slot.chunk, slot.chunk.master)).clone()
+
+    def slot_of(self, param: nn.Parameter) -> FlatSlot | None:
+        """Where ``param`` lives in this optimizer's flat chunks (``None``: not one of its trainable ones)."""
+        return self._slot_of.get(id(param))
+
+    def state_shard(self, slot: FlatSlot, family: str) -> tuple[torch.Tensor, float] | None:
+        """This rank's shard (``shard_numel`` elements) of ``slot``'s chunk for ``family`` (``"fp32"``: the
+        masters; ``"grad"``: the reduced gradient; ``"exp_avg"``, ``"exp_avg_sq"``) and the factor that
+        unscales and clips it (1 but for the gradient); ``None`` where there is no value (no gradient
+        since the last step; no moments before the first step)."""
+        chunk = slot.chunk
+        if family == "fp32":
+            return chunk.master, 1.0
+        if family == "grad":
+            return None if chunk.grad is None else (self._own_grad(chunk), self.mixed.multiplier)
+        if chunk.step == 0:
+            return None
+        return (chunk.exp_avg if family == "exp_avg" else chunk.exp_avg_sq), 1.0
+
+    def gather_shards(self, chunk: FlatChunk, shard: torch.Tensor) -> torch.Tensor:
+        """The whole chunk (fp32, CPU) from every rank's ``shard`` (a collective when sharded)."""
+        return self._gather(chunk, shard)
 
     def _gather(self, chunk: FlatChunk, shard: torch.Tensor) -> torch.Tensor:
         full = torch.empty(chunk.numel, dtype=torch.float32, device="cpu")

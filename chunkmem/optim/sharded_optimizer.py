@@ -370,6 +370,11 @@ class ShardedOptimizerV2(Optimizer):
         """The current loss scale (1.0 without a scaler)."""
         return self.mixed.loss_scale
 
+    @property
+    def grads_pending(self) -> bool:
+        """Whether a backward since the last step left gradients that the next :meth:`step` consumes."""
+        return self.runtime.grads_pending
+
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` times the loss scale; gradients land in the chunks."""
         check_type("loss", loss, torch.Tensor, "a scalar torch.Tensor")

@@ -1,0 +1,135 @@
+"""DeepSpeed's face: a DeepSpeed training script runs on chunkmem by changing its import,
+``import chunkmem.deepspeed as deepspeed``.
+
+:func:`initialize` takes DeepSpeed's arguments and config and returns ``(engine, optimizer,
+training_dataloader, lr_scheduler)``; the engine (:class:`~chunkmem.deepspeed.engine.DeepSpeedEngine`) runs
+DeepSpeed's loop (gradient accumulation, clipping, the config's schedule, checkpoints with a client state,
+``save_16bit_model``) over :class:`~chunkmem.ShardedModelV2` / :class:`~chunkmem.ShardedOptimizerV2`
+(stage 3) or :class:`~chunkmem.LowLevelZeroOptimizer` (stages 1, 2). The submodules ``zero``, ``utils``,
+``comm`` and ``accelerator`` carry the DeepSpeed names scripts call. What a config key becomes is in
+``chunkmem.config.KEY_TABLE``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..config import build_optimizer, initialize as _wrap, read_config
+from ..errors import ArgumentTypeError, InvalidArgumentError
+from . import accelerator, comm, utils, zero
+from .engine import DeepSpeedEngine
+from .loop_settings import LOOP_KEYS, LoopSettings
+from .lr_schedules import schedule_from_config
+
+__all__ = ["DeepSpeedEngine", "accelerator", "add_config_arguments", "comm", "init_distributed", "initialize", "utils",
+           "zero"]
+
+
+def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None, model_parameters: Any = None,
+               training_data: Any = None, lr_scheduler: Any = None, mpu: Any = None, dist_init_required: bool | None = None,
+               collate_fn: Callable[..., Any] | None = None, config: dict[str, Any] | str | os.PathLike | None = None,
+               config_params: dict[str, Any] | str | None = None) -> tuple[DeepSpeedEngine, Any, Any, Any]:
+    """DeepSpeed's ``initialize``: wrap ``model`` as the config says and return ``(engine, optimizer,
+    training_dataloader, lr_scheduler)``.
+
+    Args:
+        args: an ``argparse`` namespace whose ``deepspeed_config`` names the config when ``config`` is not
+            given; a module passed here positionally (``initialize(model, ...)``) is taken as ``model``.
+        model: the module (built plainly or in :class:`~chunkmem.deepspeed.zero.Init`).
+        optimizer: a torch optimizer over the model's parameters, or ``None`` (built from the config's
+            ``optimizer`` section over ``model_parameters``, or no optimizer).
+        model_parameters: the parameters or param groups the config's optimizer is built over (default: all
+            of the model's).
+        training_data: a ``torch.utils.data.Dataset``: the third value returned is a ``DataLoader`` over it
+            with the micro batch size (a ``DistributedSampler`` over the ranks, else shuffled; ``collate_fn``).
+        lr_scheduler: a schedule object, or a callable taking the optimizer and returning one; otherwise the
+            config's ``scheduler`` section (``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``, ``OneCycle``).
+        mpu: model parallelism, not supported (``None`` only).
+        dist_init_required: ``True`` initialises ``torch.distributed`` (:func:`init_distributed`) if needed.
+        config, config_params: the DeepSpeed config, a dict or a JSON file path (one of the two).
+
+    The batch keys are checked as DeepSpeed checks them (``chunkmem.deepspeed.loop_settings``);
+    ``gradient_clipping`` absent clips at 1.0, DeepSpeed's default. Everything is checked before the model
+    is wrapped.
+    """
+    if isinstance(args, nn.Module) and model is None:
+        args, model = None, args
+    if not isinstance(model, nn.Module):
+        raise ArgumentTypeError("model", type(model).__name__, "a torch.nn.Module")
+    if mpu is not None:
+        raise InvalidArgumentError("mpu", type(mpu).__name__, "None (chunkmem has no model parallelism)")
+    if config is not None and config_params is not None:
+        raise InvalidArgumentError("config_params", "given with config", "one of config and config_params")
+    config = config if config is not None else config_params
+    if config is None:
+        config = getattr(args, "deepspeed_config", None)
+        if config is None:
+            raise InvalidArgumentError("config", None, "a DeepSpeed config (a dict or a JSON file path), or "
+                                                       "args.deepspeed_config naming one")
+    if dist_init_required:
+        init_distributed()
+    config = dict(read_config(config))
+    if "zero" in config:
+        raise InvalidArgumentError("config.zero", config["zero"], "a DeepSpeed config (zero_optimization, ...); "
+                                                                  "the ColossalAI form goes to chunkmem.initialize")
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    loop = LoopSettings.from_config(config, world)
+    rest = {key: value for key, value in config.items() if key not in LOOP_KEYS}
+    if optimizer is None and model_parameters is not None and "optimizer" in rest:
+        optimizer = build_optimizer(rest.pop("optimizer"), model_parameters)
+    module, optim = _wrap(model, optimizer, rest)
+    stage = rest.get("zero_optimization", {}).get("stage")
+    if lr_scheduler is None and loop.scheduler is not None and optim is not None:
+        lr_scheduler = schedule_from_config(loop.scheduler, optim)
+    elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+        lr_scheduler = lr_scheduler(optim)
+    loader = None if training_data is None else _dataloader(training_data, loop.micro_batch, collate_fn)
+    engine = DeepSpeedEngine(module, optim, lr_scheduler, loop, stage, loader)
+    return engine, optim, loader, lr_scheduler
+
+
+def _dataloader(data: Any, micro_batch: int, collate_fn: Any) -> torch.utils.data.DataLoader:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        sampler = torch.utils.data.distributed.DistributedSampler(data)
+    else:
+        sampler = torch.utils.data.RandomSampler(data)
+    return torch.utils.data.DataLoader(data, batch_size=micro_batch, sampler=sampler, collate_fn=collate_fn)
+
+
+def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True, distributed_port: int = 29500,
+                     verbose: bool = True, timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+                     init_method: str | None = None, dist_init_required: bool | None = None, config: Any = None,
+                     rank: int = -1, world_size: int = -1) -> None:
+    """Initialise ``torch.distributed`` unless it already is (DeepSpeed's signature). The backend defaults
+    to ``nccl`` with CUDA, else ``gloo``. Without a launcher's environment (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``) and without ``rank``/``world_size`` it starts a single process group on
+    ``localhost:distributed_port``. ``auto_mpi_discovery``, ``verbose`` and ``config`` change nothing."""
+    if dist.is_initialized() or dist_init_required is False:
+        return
+    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if rank == -1 and "RANK" not in os.environ:  # no launcher: one process
+        rank, world_size = 0, 1
+        os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "localhost")
+    os.environ.setdefault("MASTER_PORT", str(distributed_port))
+    kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout, "init_method": init_method}
+    if rank != -1:
+        kwargs.update(rank=rank, world_size=world_size)
+    dist.init_process_group(**kwargs)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add DeepSpeed's command-line arguments (``--deepspeed``, ``--deepspeed_config``, and the older
+    ``--deepscale``, ``--deepscale_config``) to ``parser``; returns it."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true", help="enable DeepSpeed (chunkmem)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="the DeepSpeed JSON config file")
+    group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
+    return parser

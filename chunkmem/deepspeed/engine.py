@@ -1,0 +1,365 @@
+"""The training engine :func:`chunkmem.deepspeed.initialize` returns: DeepSpeed's engine loop over a
+chunkmem model and optimizer.
+
+One micro-batch is ``loss = engine(batch)``, ``engine.backward(loss)``, ``engine.step()``. The engine
+divides each loss by ``gradient_accumulation_steps`` before its backward, and its :meth:`step` steps the
+optimizer only at an accumulation boundary (every ``gradient_accumulation_steps``-th call); there the
+optimizer clips (the config's ``gradient_clipping``), updates and releases the gradients, the learning-rate
+schedule advances unless the step was skipped for an overflow, and ``global_steps`` counts one. Checkpoints
+are directories per tag under ``save_dir`` with a ``latest`` file naming the last one, as DeepSpeed writes
+them; what is inside is chunkmem's (see :meth:`DeepSpeedEngine.save_checkpoint`).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import warnings
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..core.tiers import Tier, device_of_tier
+from ..errors import ArgumentTypeError, CheckpointError, InvalidArgumentError, UnsupportedOperationError, check_type
+from ..io.checkpoint import load_checkpoint, save_checkpoint
+from ..model import ShardedModelV2
+from ..storage.atomic_file import write_atomically
+from .loop_settings import LoopSettings
+
+__all__ = ["DeepSpeedEngine"]
+
+ENGINE_STATE = "engine_state.pt"
+"""The file of a checkpoint tag directory with the engine's counters, the schedule and the client state."""
+ENGINE_FORMAT = "chunkmem.deepspeed.engine/1"
+LATEST = "latest"
+"""The file under ``save_dir`` naming the last tag saved (DeepSpeed's name)."""
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if _world()[1] > 1:
+        dist.barrier()
+
+
+class DeepSpeedEngine(nn.Module):
+    """DeepSpeed's training engine over a chunkmem model (see the module docstring).
+
+    Built by :func:`chunkmem.deepspeed.initialize`, not directly. ``module`` is the wrapped model (a
+    :class:`~chunkmem.ShardedModelV2` at stage 3, the plain module cast to the configured dtype at stages 1
+    and 2), ``optimizer`` the chunkmem optimizer (``None`` for a model only), ``lr_scheduler`` the schedule
+    stepped at each applied optimizer step (``None``: none). Counters: ``global_steps`` (optimizer steps,
+    skipped ones included), ``global_samples``, ``skipped_steps`` (overflows), ``micro_steps`` (calls of
+    :meth:`step`).
+    """
+
+    def __init__(self, module: nn.Module, optimizer: Any, lr_scheduler: Any, loop: LoopSettings, stage: int,
+                 training_dataloader: Any = None) -> None:
+        super().__init__()
+        self.module = module
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.training_dataloader = training_dataloader
+        self._loop = loop
+        self._stage = stage
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self.micro_steps = 0
+        self._boundary_override: bool | None = None
+        self._in_no_sync = False
+        self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+
+    # ---- what the config says ------------------------------------------------------------------------
+
+    def train_batch_size(self) -> int:
+        """Samples per optimizer step over all ranks."""
+        return self._loop.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per forward on this rank."""
+        return self._loop.micro_batch
+
+    def gradient_accumulation_steps(self) -> int:
+        """Backwards per optimizer step."""
+        return self._loop.accumulation_steps
+
+    def zero_optimization_stage(self) -> int:
+        """The ZeRO stage (1, 2 or 3)."""
+        return self._stage
+
+    def steps_per_print(self) -> int | None:
+        return self._loop.steps_per_print
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node (``LOCAL_RANK``; 0 without a launcher)."""
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    @property
+    def global_rank(self) -> int:
+        return _world()[0]
+
+    @property
+    def world_size(self) -> int:
+        return _world()[1]
+
+    @property
+    def device(self) -> torch.device:
+        """Where the forward computes: the GPU of this rank, or the CPU on a machine without one."""
+        return device_of_tier(Tier.DEVICE)
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of every param group."""
+        return [group["lr"] for group in self._require_optimizer("get_lr").param_groups]
+
+    def get_mom(self) -> list[Any]:
+        """The ``betas`` (or ``momentum``) of every param group."""
+        return [group.get("betas", group.get("momentum")) for group in
+                self._require_optimizer("get_mom").param_groups]
+
+    # ---- the loop ------------------------------------------------------------------------------------
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """The module's forward."""
+        with self._timed("forward"):
+            return self.module(*inputs, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of ``loss`` divided by ``gradient_accumulation_steps`` (``scale_wrt_gas=False``: as it
+        is) through the optimizer's loss scaling; returns the divided loss."""
+        optimizer = self._require_optimizer("backward")
+        check_type("loss", loss, torch.Tensor, "a scalar torch.Tensor")
+        if loss.numel() != 1:
+            raise InvalidArgumentError("loss", f"a tensor of shape {tuple(loss.shape)}", "a scalar tensor")
+        check_type("scale_wrt_gas", scale_wrt_gas, bool, "True or False")
+        if retain_graph is not False:
+            raise InvalidArgumentError("retain_graph", retain_graph, "False (a chunkmem backward frees the graph)")
+        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
+            loss = loss / self.gradient_accumulation_steps()
+        with self._timed("backward"):
+            optimizer.backward(loss)
+        return loss
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next :meth:`step` steps the optimizer."""
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Decide the boundary by hand (``None``: back to counting micro steps), as DeepSpeed allows."""
+        if is_boundary is not None and not isinstance(is_boundary, bool):
+            raise ArgumentTypeError("is_boundary", is_boundary, "True, False or None")
+        self._boundary_override = is_boundary
+
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """At an accumulation boundary: the optimizer step (clipping, overflow check, update, gradients
+        released), then the schedule (``lr_kwargs`` passed to its ``step``) unless the step was skipped
+        for an overflow; ``global_steps`` counts one either way. Elsewhere only the micro step counts."""
+        optimizer = self._require_optimizer("step")
+        if self._in_no_sync:
+            raise UnsupportedOperationError("engine.step() inside engine.no_sync(): leave the context first (the "
+                                            "gradients of its backwards are not reduced yet)")
+        if lr_kwargs is not None and not isinstance(lr_kwargs, dict):
+            raise ArgumentTypeError("lr_kwargs", lr_kwargs, "None or a dict of keyword arguments of the schedule's step")
+        with self._timed("step"):
+            if self.is_gradient_accumulation_boundary():
+                had_gradients = optimizer.grads_pending
+                applied = optimizer.step()
+                if applied or not had_gradients:
+                    if self.lr_scheduler is not None:
+                        self.lr_scheduler.step(**(lr_kwargs or {}))
+                else:
+                    self.skipped_steps += 1
+                self.global_steps += 1
+                self.global_samples += self.train_batch_size()
+                self._report_progress()
+        self.micro_steps += 1
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients (the optimizer's ``zero_grad``)."""
+        self._require_optimizer("zero_grad").zero_grad(set_to_none)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Inside, backwards accumulate without reducing over the ranks; the first backward outside
+        reduces the sum (stage 3: ``ShardedModelV2.no_sync``; stages 1, 2: the optimizer's). DeepSpeed
+        refuses it at stages 2 and 3; chunkmem has it at every stage. :meth:`step` inside is refused."""
+        if self._in_no_sync:
+            raise InvalidArgumentError("no_sync", "a nested no_sync()", "one no_sync() at a time")
+        inner = self.module.no_sync() if self._stage == 3 else self._require_optimizer("no_sync").no_sync()
+        self._in_no_sync = True
+        try:
+            with inner:
+                yield
+        finally:
+            self._in_no_sync = False
+
+    def empty_partition_cache(self) -> None:
+        """Give back the memory of chunk buffers kept for reuse (chunkmem's block pool; with CUDA,
+        torch's cached blocks too). The model's parameters stay where the placement keeps them."""
+        if isinstance(self.module, ShardedModelV2):
+            self.module.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    # ---- checkpoints ---------------------------------------------------------------------------------
+
+    def save_checkpoint(self, save_dir: str | os.PathLike, tag: Any = None, client_state: dict[str, Any] | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """Save the model, optimizer, schedule, counters and ``client_state`` under ``save_dir/tag``
+        (``tag`` default ``global_step{global_steps}``) and, with ``save_latest``, write ``tag`` into
+        ``save_dir/latest``. Every rank calls it. Inside the tag directory: stage 3 writes a chunkmem
+        sharded checkpoint ``zero/`` (each rank its shards; loads at the same world size, or
+        :func:`~chunkmem.consolidate_checkpoint` it), stages 1 and 2 a full checkpoint
+        ``model_optim.pt``; rank 0 writes ``engine_state.pt`` (``torch.save``: counters, schedule state,
+        ``client_state``). Each file is written atomically; ``latest`` is written last. Returns ``True``."""
+        save_dir = self._check_dir(save_dir, "save_dir")
+        tag = f"global_step{self.global_steps}" if tag is None else tag
+        tag = self._check_tag(tag)
+        client_state = {} if client_state is None else client_state
+        check_type("client_state", client_state, dict, "a dict")
+        check_type("save_latest", save_latest, bool, "True or False")
+        if exclude_frozen_parameters is not False:
+            raise InvalidArgumentError("exclude_frozen_parameters", exclude_frozen_parameters,
+                                       "False (chunkmem checkpoints hold every parameter)")
+        directory = os.path.join(save_dir, tag)
+        os.makedirs(directory, exist_ok=True)
+        save_checkpoint(self._model_checkpoint_path(directory), self.module, self.optimizer, sharded=self._stage == 3)
+        if self.global_rank == 0:
+            state = {"format": ENGINE_FORMAT, "global_steps": self.global_steps, "global_samples": self.global_samples,
+                     "skipped_steps": self.skipped_steps, "micro_steps": self.micro_steps,
+                     "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
+                     "world_size": self.world_size, "client_state": client_state}
+            write_atomically(os.path.join(directory, ENGINE_STATE), lambda f: torch.save(state, f))
+            if save_latest:
+                write_atomically(os.path.join(save_dir, LATEST), lambda f: f.write(tag.encode()))
+        _barrier()
+        return True
+
+    def load_checkpoint(self, load_dir: str | os.PathLike, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str | None, Any]:
+        """Load what :meth:`save_checkpoint` wrote under ``load_dir/tag`` (``tag=None``: the one the
+        ``latest`` file names; without that file a warning and ``(None, None)``, as DeepSpeed). Returns
+        ``(the tag directory, client_state)``. ``load_optimizer_states=False`` or ``load_module_only``
+        loads the model's values only (``load_module_only`` also leaves counters and schedule as they
+        are); ``load_lr_scheduler_states=False`` leaves the schedule. Every rank calls it; nothing
+        changes unless every file checks out."""
+        load_dir = self._check_dir(load_dir, "load_dir")
+        for name, value in (("load_optimizer_states", load_optimizer_states),
+                            ("load_lr_scheduler_states", load_lr_scheduler_states),
+                            ("load_module_only", load_module_only)):
+            check_type(name, value, bool, "True or False")
+        if load_module_strict is not True:
+            raise InvalidArgumentError("load_module_strict", load_module_strict,
+                                       "True (chunkmem loads every parameter and buffer, checked)")
+        if custom_load_fn is not None:
+            raise InvalidArgumentError("custom_load_fn", custom_load_fn, "None (not supported by chunkmem)")
+        if tag is None:
+            latest = os.path.join(load_dir, LATEST)
+            if not os.path.isfile(latest):
+                warnings.warn(f"load_checkpoint: no {latest!r}: nothing loaded (pass tag= to name a checkpoint)",
+                              stacklevel=2)
+                return None, None
+            with open(latest) as f:
+                tag = f.read().strip()
+        directory = os.path.join(load_dir, self._check_tag(tag))
+        state = self._read_engine_state(directory)
+        with_optimizer = load_optimizer_states and not load_module_only and self.optimizer is not None
+        load_checkpoint(self._model_checkpoint_path(directory), self.module, self.optimizer if with_optimizer else None)
+        if not load_module_only:
+            self.global_steps, self.global_samples = state["global_steps"], state["global_samples"]
+            self.skipped_steps, self.micro_steps = state["skipped_steps"], state["micro_steps"]
+            if load_lr_scheduler_states and self.lr_scheduler is not None and state["lr_scheduler"] is not None:
+                self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        return directory, state["client_state"]
+
+    def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Write the module's state dict in the training dtype (16-bit with fp16/bf16, else fp32), gathered
+        whole, to ``save_dir/save_filename`` with ``torch.save`` (rank 0 writes; every rank calls it). The
+        keys are the plain module's; it loads with ``module.load_state_dict``. Returns ``True``."""
+        save_dir = self._check_dir(save_dir, "save_dir")
+        check_type("save_filename", save_filename, str, "a file name")
+        if exclude_frozen_parameters is not False:
+            raise InvalidArgumentError("exclude_frozen_parameters", exclude_frozen_parameters, "False")
+        dtype = self.module.dtype if isinstance(self.module, ShardedModelV2) else None
+        state = self.module.state_dict()
+        if dtype is not None:
+            state = type(state)((k, v.to(dtype) if v.is_floating_point() else v) for k, v in state.items())
+        if self.global_rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            write_atomically(os.path.join(save_dir, save_filename), lambda f: torch.save(state, f))
+        _barrier()
+        return True
+
+    # ---- helpers -------------------------------------------------------------------------------------
+
+    def _require_optimizer(self, what: str) -> Any:
+        if self.optimizer is None:
+            raise UnsupportedOperationError(f"engine.{what}() needs an optimizer: pass one to initialize() or give the "
+                                            "config an 'optimizer' section")
+        return self.optimizer
+
+    @contextlib.contextmanager
+    def _timed(self, phase: str) -> Iterator[None]:
+        if not self._loop.wall_clock_breakdown:
+            yield
+            return
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._times[phase] += time.perf_counter() - start
+
+    def _report_progress(self) -> None:
+        every = self._loop.steps_per_print
+        if every is None or self.global_steps % every or self.global_rank != 0:
+            return
+        line = f"[chunkmem] step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}"
+        if self._loop.wall_clock_breakdown:
+            line += " | " + " | ".join(f"{k} {1e3 * v / every:.2f} ms/step" for k, v in self._times.items())
+            self._times = dict.fromkeys(self._times, 0.0)
+        print(line, flush=True)
+
+    def _model_checkpoint_path(self, directory: str) -> str:
+        return os.path.join(directory, "zero" if self._stage == 3 else "model_optim.pt")
+
+    @staticmethod
+    def _check_dir(path: Any, name: str) -> str:
+        if not isinstance(path, (str, os.PathLike)):
+            raise ArgumentTypeError(name, path, "a directory path")
+        return os.fspath(path)
+
+    @staticmethod
+    def _check_tag(tag: Any) -> str:
+        if isinstance(tag, bool) or not isinstance(tag, (str, int)):
+            raise ArgumentTypeError("tag", tag, "a string or an integer naming the checkpoint")
+        tag = str(tag)
+        if not tag or tag in (".", "..") or os.sep in tag or (os.altsep and os.altsep in tag):
+            raise InvalidArgumentError("tag", tag, "a non-empty name without path separators")
+        return tag
+
+    def _read_engine_state(self, directory: str) -> dict[str, Any]:
+        path = os.path.join(directory, ENGINE_STATE)
+        try:
+            # the engine's own file, which holds the user's client_state (any picklable object)
+            state = torch.load(path, map_location="cpu", weights_only=False)
+        except FileNotFoundError as e:
+            raise CheckpointError(f"{directory!r} is not a checkpoint of this engine: {ENGINE_STATE} is missing") from e
+        except Exception as e:  # noqa: BLE001 - any unreadable file is the same error for the user
+            raise CheckpointError(f"{path!r} could not be read ({type(e).__name__}: {e})") from e
+        fields = {"global_steps": int, "global_samples": int, "skipped_steps": int, "micro_steps": int,
+                  "client_state": dict}
+        if not isinstance(state, dict) or state.get("format") != ENGINE_FORMAT or any(
+                not isinstance(state.get(k), t) for k, t in fields.items()):
+            raise CheckpointError(f"{path!r} is not an engine state of format {ENGINE_FORMAT!r}")
+        return state
