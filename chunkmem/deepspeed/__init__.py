@@ -81,6 +81,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     loop = LoopSettings.from_config(config, world)
     rest = {key: value for key, value in config.items() if key not in LOOP_KEYS}
+    if lr_scheduler is None and loop.scheduler is not None:  # checked on a stand-in before anything is wrapped
+        groups = len(optimizer.param_groups) if optimizer is not None else 1
+        schedule_from_config(loop.scheduler, _StandIn(groups))
     if optimizer is None and model_parameters is not None and "optimizer" in rest:
         optimizer = build_optimizer(rest.pop("optimizer"), model_parameters)
     module, optim = _wrap(model, optimizer, rest)
@@ -92,6 +95,13 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     loader = None if training_data is None else _dataloader(training_data, loop.micro_batch, collate_fn)
     engine = DeepSpeedEngine(module, optim, lr_scheduler, loop, stage, loader)
     return engine, optim, loader, lr_scheduler
+
+
+class _StandIn:
+    """Param groups alone, to check a schedule's arguments before the optimizer exists."""
+
+    def __init__(self, groups: int) -> None:
+        self.param_groups = [{"lr": 0.0, "betas": (0.9, 0.999)} for _ in range(groups)]
 
 
 def _dataloader(data: Any, micro_batch: int, collate_fn: Any) -> torch.utils.data.DataLoader:

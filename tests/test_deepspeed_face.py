@@ -1,0 +1,324 @@
+"""chunkmem.deepspeed, DeepSpeed's face, against independent references:
+
+* the engine's gradient accumulation, clipping and schedule equal plain PyTorch (AdamW, the loss divided
+  by the accumulation steps, ``clip_grad_norm_``, the schedule's learning rates set by hand);
+* the same DeepSpeed script (``deepspeed_script.py``) gives DeepSpeed 0.19.8's learning rates, losses,
+  weights, resume and client state at stages 1, 2 and 3 with the optimizer on the CPU: against DeepSpeed's
+  recorded output always, and against a live DeepSpeed when ``CHUNKMEM_DEEPSPEED_PYTHON`` names an
+  interpreter that has it (``../shared/tools/setup_peers.sh`` builds one);
+* the four schedules equal DeepSpeed's, step by step;
+* checkpoints resume bitwise; ``save_16bit_model`` loads into the plain module; the accessors read ZeRO-1/2
+  parameters; bad input raises naming the argument.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+import chunkmem as cm
+import chunkmem.deepspeed as deepspeed
+from chunkmem.deepspeed.lr_schedules import WarmupLR
+from models import TinyGPT, batches, lm_loss
+
+HERE = os.path.dirname(__file__)
+REFERENCE = os.path.join(HERE, "data", "deepspeed_reference.json")
+LR, WD = 1e-2, 0.01
+
+
+def _config(stage: int, **extra) -> dict:
+    offload = {"device": "cpu"}
+    zero = {"stage": stage, "offload_optimizer": offload}
+    if stage == 3:
+        zero["offload_param"] = offload
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "zero_optimization": zero,
+            **extra}
+
+
+def _engine(reference: nn.Module, config: dict, **kwargs):
+    module = copy.deepcopy(reference)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=WD)
+    engine, optim, _, schedule = deepspeed.initialize(model=module, optimizer=optimizer, config=config, **kwargs)
+    return engine, optim, schedule
+
+
+def _weights(engine) -> list[torch.Tensor]:
+    return [deepspeed.utils.safe_get_full_fp32_param(p) for p in engine.module.parameters()]
+
+
+# ---- the engine against plain PyTorch -------------------------------------------------------------
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_accumulation_clipping_and_schedule_equal_plain_adamw(stage):
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    data = batches(8, seed=3)
+    clip, schedule = 0.05, {"type": "WarmupLR", "params": {"warmup_max_lr": LR, "warmup_num_steps": 3,
+                                                            "warmup_type": "linear"}}
+    engine, _, _ = _engine(reference, _config(stage, gradient_clipping=clip, scheduler=schedule))
+    for x in data:
+        engine.backward(lm_loss(engine(x), x))
+        engine.step()
+    assert engine.global_steps == 4 and engine.micro_steps == 8 and engine.skipped_steps == 0
+
+    plain = copy.deepcopy(reference)
+    optim = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=WD)
+    for step in range(4):
+        # WarmupLR, linear over 3 steps, stepped after each optimizer step: step k runs at t = k - 1 (-1: min)
+        optim.param_groups[0]["lr"] = LR * max(0, step - 1) / 3
+        for x in data[2 * step:2 * step + 2]:
+            (lm_loss(plain(x), x) / 2).backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), clip)
+        optim.step()
+        optim.zero_grad()
+    assert engine.get_lr() == [LR]
+    for got, want in zip(_weights(engine), plain.parameters()):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_config_without_gradient_clipping_clips_at_one_as_deepspeed():
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    data = batches(2, seed=5)
+    config = {"train_batch_size": 2, "zero_optimization": {"stage": 3}}
+    engine, optim, _ = _engine(reference, config)
+    assert optim.max_norm == 1.0
+    plain = copy.deepcopy(reference)
+    plain_optim = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=WD)
+    for x in data:
+        engine.backward(lm_loss(engine(x), x))
+        engine.step()
+        lm_loss(plain(x), x).backward()
+        norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+        assert norm > 1.0  # the clipping changes this step
+        plain_optim.step()
+        plain_optim.zero_grad()
+    for got, want in zip(_weights(engine), plain.parameters()):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_checkpoint_resumes_bitwise_with_client_state_and_latest(tmp_path, stage):
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    data = batches(8, seed=4)
+    schedule = {"type": "WarmupDecayLR", "params": {"total_num_steps": 4, "warmup_max_lr": LR, "warmup_num_steps": 2}}
+    config = _config(stage, scheduler=schedule)
+    engine, _, _ = _engine(reference, config)
+
+    def train(e, part):
+        for x in part:
+            e.backward(lm_loss(e(x), x))
+            e.step()
+    train(engine, data[:4])
+    assert engine.save_checkpoint(tmp_path, client_state={"epoch": 3})
+    assert (tmp_path / "latest").read_text() == "global_step2"
+    train(engine, data[4:])
+    resumed, _, resumed_schedule = _engine(reference, config)
+    path, client = resumed.load_checkpoint(tmp_path)
+    assert path == os.path.join(tmp_path, "global_step2") and client == {"epoch": 3}
+    assert (resumed.global_steps, resumed.micro_steps, resumed_schedule.last_batch_iteration) == (2, 4, 1)
+    train(resumed, data[4:])
+    assert resumed.get_lr() == engine.get_lr()
+    for got, want in zip(_weights(resumed), _weights(engine)):
+        assert torch.equal(got, want)
+
+
+def test_load_without_latest_warns_and_returns_none(tmp_path):
+    engine, _, _ = _engine(TinyGPT(), _config(3))
+    with pytest.warns(UserWarning, match="latest"):
+        assert engine.load_checkpoint(tmp_path) == (None, None)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_save_16bit_model_loads_into_the_plain_module(tmp_path, stage):
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    config = dict(_config(stage), bf16={"enabled": True})
+    engine, _, _ = _engine(reference, config)
+    x = batches(2, seed=1)
+    for batch in x:
+        engine.backward(lm_loss(engine(batch), batch))
+        engine.step()
+    assert engine.save_16bit_model(tmp_path, "model.bin")
+    state = torch.load(tmp_path / "model.bin")
+    plain = copy.deepcopy(reference)
+    plain.load_state_dict(state)
+    for (name, p), got in zip(reference.named_parameters(), _weights(engine)):
+        assert state[name].dtype == torch.bfloat16
+        assert torch.equal(state[name], got.to(torch.bfloat16)), name
+
+
+# ---- DeepSpeed itself -------------------------------------------------------------------------------
+
+def _run_script(python: str, backend: str, stage: int, tmp_path) -> dict:
+    out = tmp_path / f"{backend}{stage}.json"
+    env = dict(os.environ, DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="localhost",
+               MASTER_PORT=str(29600 + stage + (10 if backend == "deepspeed" else 0)))
+    done = subprocess.run([python, os.path.join(HERE, "deepspeed_script.py"), backend, str(stage), str(out),
+                           str(tmp_path / f"work-{backend}{stage}")], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(out) as f:
+        return json.load(f)
+
+
+def _assert_same_training(got: dict, want: dict) -> None:
+    for key in ("lrs", "resumed_lrs"):
+        assert [lr for row in got[key] for lr in row] == pytest.approx([lr for row in want[key] for lr in row],
+                                                                        abs=1e-12), key
+    for key in ("losses", "resumed_losses"):
+        assert got[key] == pytest.approx(want[key], abs=1e-4), key
+    for key in ("weights", "resumed_weights"):
+        for g, w in zip(got[key], want[key]):
+            g, w = torch.tensor(g), torch.tensor(w)
+            assert ((g - w).abs() <= 1e-4 * w.abs().clamp(min=1e-2)).all(), key
+    for key in ("global_steps", "resumed_global_steps", "loaded", "client_state"):
+        assert got[key] == want[key], key
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_deepspeed_script_trains_as_deepspeed_recorded(tmp_path, stage):
+    with open(REFERENCE) as f:
+        want = json.load(f)["engine"][str(stage)]
+    _assert_same_training(_run_script(sys.executable, "chunkmem", stage, tmp_path), want)
+
+
+@pytest.mark.skipif(not os.environ.get("CHUNKMEM_DEEPSPEED_PYTHON"),
+                    reason="CHUNKMEM_DEEPSPEED_PYTHON does not name an interpreter with DeepSpeed")
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_deepspeed_script_trains_as_live_deepspeed(tmp_path, stage):
+    want = _run_script(os.environ["CHUNKMEM_DEEPSPEED_PYTHON"], "deepspeed", stage, tmp_path)
+    _assert_same_training(_run_script(sys.executable, "chunkmem", stage, tmp_path), want)
+
+
+def test_schedules_equal_deepspeeds_step_by_step():
+    sys.path.insert(0, HERE)
+    import deepspeed_schedules_script as cases
+    from chunkmem.deepspeed import lr_schedules
+    with open(REFERENCE) as f:
+        want = json.load(f)["schedules"]
+    got = cases.run(lr_schedules)
+    assert [c["type"] for c in got] == [c["type"] for c in want]
+    for g, w in zip(got, want):
+        assert g["state"] == w["state"]
+        for row_g, row_w in zip(g["rows"], w["rows"]):
+            for (lr_g, betas_g), (lr_w, betas_w) in zip(row_g, row_w):
+                assert lr_g == pytest.approx(lr_w, abs=1e-15), g["type"]
+                assert betas_g == pytest.approx(betas_w, abs=1e-15), g["type"]
+
+
+# ---- ZeRO-1/2 accessors -------------------------------------------------------------------------------
+
+def test_accessors_read_zero12_parameters_like_plain_adamw():
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    x = batches(1, seed=2)[0]
+    engine, optim, _ = _engine(reference, {"train_batch_size": 2, "gradient_clipping": 0.0,
+                                           "zero_optimization": {"stage": 2}})
+    plain = copy.deepcopy(reference)
+    plain_optim = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=WD)
+    engine.backward(lm_loss(engine(x), x))
+    lm_loss(plain(x), x).backward()
+    for p, want in zip(engine.module.parameters(), plain.parameters()):
+        torch.testing.assert_close(deepspeed.utils.safe_get_full_grad(p), want.grad, rtol=1e-5, atol=1e-7)
+        assert torch.equal(deepspeed.utils.safe_get_local_grad(p), deepspeed.utils.safe_get_full_grad(p).flatten())
+        assert deepspeed.utils.safe_get_full_optimizer_state(p, "exp_avg") is None  # before the first step
+    engine.step()
+    plain_optim.step()
+    for p, want in zip(engine.module.parameters(), plain.parameters()):
+        torch.testing.assert_close(deepspeed.utils.safe_get_full_fp32_param(p), want.detach(), rtol=1e-5, atol=1e-7)
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(deepspeed.utils.safe_get_full_optimizer_state(p, key),
+                                       plain_optim.state[want][key], rtol=1e-5, atol=1e-9)
+        assert deepspeed.utils.safe_get_full_grad(p) is None  # the step released it
+    with pytest.raises(cm.UnsupportedOperationError, match="LowLevelZeroOptimizer"):
+        deepspeed.utils.safe_set_full_fp32_param(next(engine.module.parameters()), torch.zeros(1))
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("config, argument", [
+    ({"zero_optimization": {"stage": 3}}, "train_batch_size"),
+    ({"train_batch_size": 6, "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3}},
+     "train_batch_size"),
+    ({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
+      "zero_optimization": {"stage": 3}}, "train_batch_size"),
+    ({"train_batch_size": 0, "zero_optimization": {"stage": 3}}, "train_batch_size"),
+    ({"train_batch_size": 2, "steps_per_print": 0, "zero_optimization": {"stage": 3}}, "steps_per_print"),
+    ({"train_batch_size": 2, "scheduler": {"type": "Cosine"}, "zero_optimization": {"stage": 3}}, "scheduler.type"),
+    ({"train_batch_size": 2, "scheduler": {"type": "WarmupLR", "params": {"warmup_steps": 3}},
+      "zero_optimization": {"stage": 3}}, "scheduler.params.warmup_steps"),
+    ({"train_batch_size": 2, "scheduler": {"type": "WarmupDecayLR", "params": {}},
+      "zero_optimization": {"stage": 3}}, "scheduler.params"),
+])
+def test_bad_config_names_the_key_and_changes_nothing(config, argument):
+    module = TinyGPT()
+    before = [p.detach().clone() for p in module.parameters()]
+    with pytest.raises(cm.InvalidArgumentError) as caught:
+        deepspeed.initialize(model=module, optimizer=torch.optim.AdamW(module.parameters()), config=config)
+    assert caught.value.argument == argument
+    assert all(torch.equal(p, b) for p, b in zip(module.parameters(), before))
+    assert all(type(p) is nn.Parameter for p in module.parameters())
+
+
+def test_batch_sizes_are_derived_as_deepspeed_derives_them():
+    for given, want in [({"train_batch_size": 8}, (8, 8, 1)),
+                        ({"train_micro_batch_size_per_gpu": 3}, (3, 3, 1)),
+                        ({"train_batch_size": 12, "train_micro_batch_size_per_gpu": 3}, (12, 3, 4)),
+                        ({"train_batch_size": 12, "gradient_accumulation_steps": 2}, (12, 6, 2)),
+                        ({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 5}, (10, 2, 5))]:
+        engine, _, _ = _engine(TinyGPT(), dict(given, zero_optimization={"stage": 3}))
+        got = (engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps())
+        assert got == want, given
+
+
+def test_engine_refuses_what_it_cannot_do():
+    engine, _, _ = _engine(TinyGPT(), _config(3))
+    x = batches(1)[0]
+    with engine.no_sync():
+        with pytest.raises(cm.UnsupportedOperationError, match="no_sync"):
+            engine.step()
+    with pytest.raises(cm.InvalidArgumentError) as caught:
+        engine.backward(lm_loss(engine(x), x), retain_graph=True)
+    assert caught.value.argument == "retain_graph"
+    for tag in ("", "a/b", ".."):
+        with pytest.raises(cm.InvalidArgumentError) as caught:
+            engine.save_checkpoint("/tmp", tag=tag)
+        assert caught.value.argument == "tag"
+    bare, optim, _, _ = deepspeed.initialize(model=TinyGPT(), config={"train_batch_size": 1,
+                                                                      "zero_optimization": {"stage": 3}})
+    assert optim is None
+    with pytest.raises(cm.UnsupportedOperationError, match="optimizer"):
+        bare.step()
+
+
+def test_a_module_passed_first_is_the_model_and_a_client_schedule_is_stepped():
+    module = TinyGPT()
+    optimizer = torch.optim.AdamW(module.parameters(), lr=LR)
+    engine, optim, loader, schedule = deepspeed.initialize(
+        module, optimizer=optimizer, lr_scheduler=lambda o: WarmupLR(o, warmup_max_lr=LR, warmup_num_steps=2),
+        training_data=torch.utils.data.TensorDataset(torch.zeros(6, 16, dtype=torch.long)),
+        config={"train_micro_batch_size_per_gpu": 3, "zero_optimization": {"stage": 3}})
+    assert isinstance(engine.module, cm.ShardedModelV2) and isinstance(schedule, WarmupLR)
+    assert [len(b[0]) for b in loader] == [3, 3]
+    for (x,) in loader:
+        engine.backward(lm_loss(engine(x), x))
+        engine.step()
+    assert schedule.last_batch_iteration == 1 and engine.get_lr() == [LR]  # log warm-up over 2 steps: done
+
+
+def test_accelerator_and_comm_describe_one_cpu_process():
+    accelerator = deepspeed.accelerator.get_accelerator()
+    if not torch.cuda.is_available():
+        assert accelerator.device_name() == "cpu" and accelerator.communication_backend_name() == "gloo"
+    assert deepspeed.comm.get_rank() == 0 and deepspeed.comm.get_world_size() == 1
+    t = torch.ones(3)
+    deepspeed.comm.all_reduce(t)
+    assert torch.equal(t, torch.ones(3))
