@@ -310,7 +310,7 @@ def test_deepspeed_fp16_section_sets_the_loss_scaler_and_bf16_the_dtype():
     ({"zero_optimization": {"stage": 3}, "optimizer": {"type": "SGD"}}, "optimizer.type", "'AdamW'"),
     ({"zero_optimization": {"stage": 3}, "optimizer": {"type": "Adam", "params": {"lr": -1.0}}},
      "optimizer.params.lr", ">= 0"),
-    ({"zero_optimization": {"stage": 3}, "scheduler": {"type": "WarmupLR"}}, "scheduler", "'optimizer'"),
+    ({"zero_optimization": {"stage": 3}, "schedule": {"type": "WarmupLR"}}, "schedule", "'scheduler'"),
 ])
 def test_bad_keys_name_the_key_path_and_the_allowed_values(config, path, allowed):
     model = make_model()
@@ -329,7 +329,7 @@ def test_optimizer_given_twice_is_a_contradiction():
 
 
 def test_keys_without_effect_warn_by_name():
-    config = {"train_batch_size": 8, "gradient_clipping": 1.0,
+    config = {"train_batch_size": 8, "gradient_clipping": 1.0, "scheduler": {"type": "WarmupLR"},
               "zero_optimization": {"stage": 3, "stage3_max_live_parameters": 10**9, "contiguous_gradients": True,
                                     "offload_optimizer": {"device": "cpu", "pin_memory": True,
                                                           "pipeline_read": False, "pipeline_write": True},
@@ -339,7 +339,7 @@ def test_keys_without_effect_warn_by_name():
         warnings.simplefilter("always")
         m, _ = cm.initialize(model, cm.HybridAdam(model.parameters()), config)
     named = sorted(str(w.message).split()[2] for w in caught if issubclass(w.category, NoEffectWarning))
-    assert named == ["train_batch_size", "zero_optimization.offload_optimizer.pin_memory",
+    assert named == ["scheduler", "train_batch_size", "zero_optimization.offload_optimizer.pin_memory",
                      "zero_optimization.offload_optimizer.pipeline_read", "zero_optimization.offload_param.max_in_cpu",
                      "zero_optimization.stage3_max_live_parameters"]
     assert m.tensor_placement_policy == "cpu"
@@ -372,6 +372,10 @@ def test_stage_1_and_2_argument_mapping(monkeypatch):
                             reduce_bucket_size=4096, overlap_communication=True)
     model = make_model()
     _, o = cm.initialize(model, torch.optim.Adam(model.parameters()), {"zero_optimization": {"stage": 1}})
+    assert o.kwargs == dict(clip_grad_norm=1.0, partition_grad=False, cpu_offload=False)  # DeepSpeed's default
+    model = make_model()
+    _, o = cm.initialize(model, torch.optim.Adam(model.parameters()), {"zero_optimization": {"stage": 1},
+                                                                       "gradient_clipping": 0.0})
     assert o.kwargs == dict(clip_grad_norm=0.0, partition_grad=False, cpu_offload=False)
 
 

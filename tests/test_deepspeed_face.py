@@ -322,3 +322,15 @@ def test_accelerator_and_comm_describe_one_cpu_process():
     t = torch.ones(3)
     deepspeed.comm.all_reduce(t)
     assert torch.equal(t, torch.ones(3))
+
+
+def test_the_deepspeed_example_trains_and_resumes_identically(tmp_path):
+    config = json.load(open(os.path.join(HERE, "..", "examples", "ds_config.json")))
+    config["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(tmp_path / "nvme")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    env = dict(os.environ, MASTER_PORT="29631")
+    done = subprocess.run([sys.executable, os.path.join(HERE, "..", "examples", "deepspeed_engine.py"), "--steps", "6",
+                           "--deepspeed_config", str(tmp_path / "config.json"), "--checkpoint-dir", str(tmp_path / "ck")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "last steps identical" in done.stdout and "'disk': {'exp_avg'" in done.stdout

@@ -12,7 +12,6 @@ DeepSpeed's loop (gradient accumulation, clipping, the config's schedule, checkp
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 from typing import Any, Callable
 
@@ -23,6 +22,7 @@ import torch.nn as nn
 from ..config import build_optimizer, initialize as _wrap, read_config
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from . import accelerator, comm, utils, zero
+from .comm import init_distributed
 from .engine import DeepSpeedEngine
 from .loop_settings import LOOP_KEYS, LoopSettings
 from .lr_schedules import schedule_from_config
@@ -110,28 +110,6 @@ def _dataloader(data: Any, micro_batch: int, collate_fn: Any) -> torch.utils.dat
     else:
         sampler = torch.utils.data.RandomSampler(data)
     return torch.utils.data.DataLoader(data, batch_size=micro_batch, sampler=sampler, collate_fn=collate_fn)
-
-
-def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True, distributed_port: int = 29500,
-                     verbose: bool = True, timeout: datetime.timedelta = datetime.timedelta(minutes=30),
-                     init_method: str | None = None, dist_init_required: bool | None = None, config: Any = None,
-                     rank: int = -1, world_size: int = -1) -> None:
-    """Initialise ``torch.distributed`` unless it already is (DeepSpeed's signature). The backend defaults
-    to ``nccl`` with CUDA, else ``gloo``. Without a launcher's environment (``RANK``, ``WORLD_SIZE``,
-    ``MASTER_ADDR``, ``MASTER_PORT``) and without ``rank``/``world_size`` it starts a single process group on
-    ``localhost:distributed_port``. ``auto_mpi_discovery``, ``verbose`` and ``config`` change nothing."""
-    if dist.is_initialized() or dist_init_required is False:
-        return
-    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if rank == -1 and "RANK" not in os.environ:  # no launcher: one process
-        rank, world_size = 0, 1
-        os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("MASTER_ADDR", "localhost")
-    os.environ.setdefault("MASTER_PORT", str(distributed_port))
-    kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout, "init_method": init_method}
-    if rank != -1:
-        kwargs.update(rank=rank, world_size=world_size)
-    dist.init_process_group(**kwargs)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

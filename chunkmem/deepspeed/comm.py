@@ -3,6 +3,7 @@
 collectives leave their tensors as they are (the sum, mean, max or gather over one rank)."""
 from __future__ import annotations
 
+import datetime
 import os
 from typing import Any
 
@@ -20,10 +21,26 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def init_distributed(*args: Any, **kwargs: Any) -> None:
-    """:func:`chunkmem.deepspeed.init_distributed`."""
-    from . import init_distributed as init
-    init(*args, **kwargs)
+def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True, distributed_port: int = 29500,
+                     verbose: bool = True, timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+                     init_method: str | None = None, dist_init_required: bool | None = None, config: Any = None,
+                     rank: int = -1, world_size: int = -1) -> None:
+    """Initialise ``torch.distributed`` unless it already is (DeepSpeed's signature). The backend defaults
+    to ``nccl`` with CUDA, else ``gloo``. Without a launcher's environment (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``) and without ``rank``/``world_size`` it starts a single process group on
+    ``localhost:distributed_port``. ``auto_mpi_discovery``, ``verbose`` and ``config`` change nothing."""
+    if dist.is_initialized() or dist_init_required is False:
+        return
+    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if rank == -1 and "RANK" not in os.environ:  # no launcher: one process
+        rank, world_size = 0, 1
+        os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "localhost")
+    os.environ.setdefault("MASTER_PORT", str(distributed_port))
+    kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout, "init_method": init_method}
+    if rank != -1:
+        kwargs.update(rank=rank, world_size=world_size)
+    dist.init_process_group(**kwargs)
 
 
 def get_rank(group: Any = None) -> int:
