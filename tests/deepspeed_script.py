@@ -67,7 +67,7 @@ def weights(engine: object) -> list[list[float]]:
 
 
 def main() -> None:
-    backend, stage, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    stage, out = int(sys.argv[2]), sys.argv[3]
     workdir = sys.argv[4] if len(sys.argv) > 4 else tempfile.mkdtemp()
     deepspeed.init_distributed(dist_backend="gloo")
     data = batches()
