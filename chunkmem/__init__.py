@@ -18,6 +18,7 @@ from .optim.sharded_optimizer import ShardedOptimizerV2
 from .core.param_guard import ChunkGradient, ChunkParameter, ParameterAccessError
 from .runtime.parameter_access import GatheredParameters, register_external_parameter
 from .plan import PolicyPlan, plan
+from .tiled_linear import TiledLinear
 from .distributed.shard_strategy import BaseShardStrategy, BucketTensorShardStrategy, TensorShardStrategy
 from .core.states import ChunkStateError
 from .core.tiers import (Tier, device_memory_capacity, host_memory_capacity, parse_size, set_device_memory_capacity,
@@ -31,7 +32,8 @@ __all__ = [
     "CollectiveTimeoutError", "DeviceCapacityError", "DiskIOError", "DiskStepError", "DynamicGradScaler",
     "GatheredParameters", "GradientAccumulationError", "HostCapacityError", "HybridAdam", "InvalidArgumentError",
     "LayoutMismatchError", "LowLevelZeroOptimizer", "NoEffectWarning", "ParameterAccessError", "PolicyPlan",
-    "ShardedModelV2", "ShardedOptimizerV2", "StepMismatchError", "TensorShardStrategy", "Tier", "UnscaledBackwardError",
+    "ShardedModelV2", "ShardedOptimizerV2", "StepMismatchError", "TensorShardStrategy", "Tier", "TiledLinear",
+    "UnscaledBackwardError",
     "UnsupportedOperationError",
     "ZeroInitContext", "collective_timeout", "consolidate_checkpoint", "device_memory_capacity",
     "host_memory_capacity", "initialize", "load_checkpoint", "parse_size", "plan", "register_external_parameter",

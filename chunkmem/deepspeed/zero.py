@@ -1,6 +1,7 @@
 """``deepspeed.zero``: building a model straight into chunks (:class:`Init`), gathering parameters
-(:class:`GatheredParameters`) and registering parameters used outside their module
-(:func:`register_external_parameter`), under DeepSpeed's names and signatures."""
+(:class:`GatheredParameters`), registering parameters used outside their module
+(:func:`register_external_parameter`) and a linear layer in tiles (:class:`~chunkmem.TiledLinear`), under
+DeepSpeed's names and signatures."""
 from __future__ import annotations
 
 import os
@@ -15,9 +16,10 @@ from ..distributed.shard_strategy import TensorShardStrategy
 from ..errors import InvalidArgumentError, check_type
 from ..init_context import ZeroInitContext
 from ..runtime.parameter_access import GatheredParameters, register_external_parameter
+from ..tiled_linear import TiledLinear
 from .comm import get_world_size
 
-__all__ = ["GatheredParameters", "Init", "register_external_parameter"]
+__all__ = ["GatheredParameters", "Init", "TiledLinear", "register_external_parameter"]
 
 _NO_EFFECT_DEFAULTS = {"mem_efficient_linear": True, "pin_memory": False, "zero_quantized_weights": False,
                        "zero_quantized_nontrainable_weights": False, "param_swapper": None}
