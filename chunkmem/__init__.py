@@ -6,6 +6,7 @@ from .distributed.agreement import LayoutMismatchError, StepMismatchError
 from .io.checkpoint import consolidate_checkpoint, load_checkpoint, save_checkpoint
 from .distributed.collectives import CollectiveError, CollectiveTimeoutError, collective_timeout, set_collective_timeout
 from .config import NoEffectWarning, initialize
+from .engine import TrainingEngine, initialize_engine
 from .storage.disk_io import DiskIOError
 from .optim.disk_step import DiskStepError
 from .errors import (ArgumentTypeError, CheckpointError, ChunkmemError, DeviceCapacityError, GradientAccumulationError,
@@ -33,9 +34,9 @@ __all__ = [
     "GatheredParameters", "GradientAccumulationError", "HostCapacityError", "HybridAdam", "InvalidArgumentError",
     "LayoutMismatchError", "LowLevelZeroOptimizer", "NoEffectWarning", "ParameterAccessError", "PolicyPlan",
     "ShardedModelV2", "ShardedOptimizerV2", "StepMismatchError", "TensorShardStrategy", "Tier", "TiledLinear",
-    "UnscaledBackwardError",
+    "TrainingEngine", "UnscaledBackwardError",
     "UnsupportedOperationError",
     "ZeroInitContext", "collective_timeout", "consolidate_checkpoint", "device_memory_capacity",
-    "host_memory_capacity", "initialize", "load_checkpoint", "parse_size", "plan", "register_external_parameter",
+    "host_memory_capacity", "initialize", "initialize_engine", "load_checkpoint", "parse_size", "plan", "register_external_parameter",
     "save_checkpoint", "set_collective_timeout", "set_device_memory_capacity", "set_host_memory_capacity", "utils",
 ]

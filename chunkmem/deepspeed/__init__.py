@@ -2,7 +2,7 @@
 ``import chunkmem.deepspeed as deepspeed``.
 
 :func:`initialize` takes DeepSpeed's arguments and config and returns ``(engine, optimizer,
-training_dataloader, lr_scheduler)``; the engine (:class:`~chunkmem.deepspeed.engine.DeepSpeedEngine`) runs
+training_dataloader, lr_scheduler)``; the engine (:class:`~chunkmem.engine.TrainingEngine`) runs
 DeepSpeed's loop (gradient accumulation, clipping, the config's schedule, checkpoints with a client state,
 ``save_16bit_model``) over :class:`~chunkmem.ShardedModelV2` / :class:`~chunkmem.ShardedOptimizerV2`
 (stage 3) or :class:`~chunkmem.LowLevelZeroOptimizer` (stages 1, 2). The submodules ``zero``, ``utils``,
@@ -23,9 +23,12 @@ from ..config import build_optimizer, initialize as _wrap, read_config
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from . import accelerator, comm, utils, zero
 from .comm import init_distributed
-from .engine import DeepSpeedEngine
-from .loop_settings import LOOP_KEYS, LoopSettings
+from ..engine import TrainingEngine
+from ..loop_settings import LOOP_KEYS, LoopSettings
 from .lr_schedules import schedule_from_config
+
+DeepSpeedEngine = TrainingEngine
+"""DeepSpeed's name of the engine :func:`initialize` returns (:class:`chunkmem.engine.TrainingEngine`)."""
 
 __all__ = ["DeepSpeedEngine", "accelerator", "add_config_arguments", "comm", "init_distributed", "initialize", "utils",
            "zero"]

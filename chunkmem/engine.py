@@ -1,5 +1,6 @@
-"""The training engine :func:`chunkmem.deepspeed.initialize` returns: DeepSpeed's engine loop over a
-chunkmem model and optimizer.
+"""The training engine: DeepSpeed's engine loop (what :func:`chunkmem.deepspeed.initialize` returns) and
+ColossalAI's ``Engine`` loop shape (what :func:`chunkmem.initialize_engine` returns) over a chunkmem model
+and optimizer.
 
 One micro-batch is ``loss = engine(batch)``, ``engine.backward(loss)``, ``engine.step()``. The engine
 divides each loss by ``gradient_accumulation_steps`` before its backward, and its :meth:`step` steps the
@@ -7,7 +8,7 @@ optimizer only at an accumulation boundary (every ``gradient_accumulation_steps`
 optimizer clips (the config's ``gradient_clipping``), updates and releases the gradients, the learning-rate
 schedule advances unless the step was skipped for an overflow, and ``global_steps`` counts one. Checkpoints
 are directories per tag under ``save_dir`` with a ``latest`` file naming the last one, as DeepSpeed writes
-them; what is inside is chunkmem's (see :meth:`DeepSpeedEngine.save_checkpoint`).
+them; what is inside is chunkmem's (see :meth:`TrainingEngine.save_checkpoint`).
 """
 from __future__ import annotations
 
@@ -21,18 +22,19 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..core.tiers import Tier, device_of_tier
-from ..errors import ArgumentTypeError, CheckpointError, InvalidArgumentError, UnsupportedOperationError, check_type
-from ..io.checkpoint import load_checkpoint, save_checkpoint
-from ..model import ShardedModelV2
-from ..storage.atomic_file import write_atomically
+from .config import initialize as wrap, read_config
+from .core.tiers import Tier, device_of_tier
+from .errors import ArgumentTypeError, CheckpointError, InvalidArgumentError, UnsupportedOperationError, check_type
+from .io.checkpoint import load_checkpoint, save_checkpoint
+from .model import ShardedModelV2
+from .storage.atomic_file import write_atomically
 from .loop_settings import LoopSettings
 
-__all__ = ["DeepSpeedEngine"]
+__all__ = ["TrainingEngine", "initialize_engine"]
 
 ENGINE_STATE = "engine_state.pt"
 """The file of a checkpoint tag directory with the engine's counters, the schedule and the client state."""
-ENGINE_FORMAT = "chunkmem.deepspeed.engine/1"
+ENGINE_FORMAT = "chunkmem.engine/1"
 LATEST = "latest"
 """The file under ``save_dir`` naming the last tag saved (DeepSpeed's name)."""
 
@@ -48,21 +50,24 @@ def _barrier() -> None:
         dist.barrier()
 
 
-class DeepSpeedEngine(nn.Module):
-    """DeepSpeed's training engine over a chunkmem model (see the module docstring).
+class TrainingEngine(nn.Module):
+    """The training engine over a chunkmem model (see the module docstring).
 
-    Built by :func:`chunkmem.deepspeed.initialize`, not directly. ``module`` is the wrapped model (a
+    Built by :func:`chunkmem.deepspeed.initialize` (there also named ``DeepSpeedEngine``) or
+    :func:`chunkmem.initialize_engine`, not directly. ``module`` is the wrapped model (a
     :class:`~chunkmem.ShardedModelV2` at stage 3, the plain module cast to the configured dtype at stages 1
     and 2), ``optimizer`` the chunkmem optimizer (``None`` for a model only), ``lr_scheduler`` the schedule
     stepped at each applied optimizer step (``None``: none). Counters: ``global_steps`` (optimizer steps,
     skipped ones included), ``global_samples``, ``skipped_steps`` (overflows), ``micro_steps`` (calls of
-    :meth:`step`).
+    :meth:`step`). ``criterion``: the loss function given to :func:`chunkmem.initialize_engine`
+    (ColossalAI's ``engine.criterion``), else ``None``.
     """
 
     def __init__(self, module: nn.Module, optimizer: Any, lr_scheduler: Any, loop: LoopSettings, stage: int,
-                 training_dataloader: Any = None) -> None:
+                 training_dataloader: Any = None, criterion: Any = None) -> None:
         super().__init__()
         self.module = module
+        self.criterion = criterion
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.training_dataloader = training_dataloader
@@ -78,12 +83,12 @@ class DeepSpeedEngine(nn.Module):
 
     # ---- what the config says ------------------------------------------------------------------------
 
-    def train_batch_size(self) -> int:
-        """Samples per optimizer step over all ranks."""
+    def train_batch_size(self) -> int | None:
+        """Samples per optimizer step over all ranks (``None``: the config does not say)."""
         return self._loop.train_batch_size
 
-    def train_micro_batch_size_per_gpu(self) -> int:
-        """Samples per forward on this rank."""
+    def train_micro_batch_size_per_gpu(self) -> int | None:
+        """Samples per forward on this rank (``None``: the config does not say)."""
         return self._loop.micro_batch
 
     def gradient_accumulation_steps(self) -> int:
@@ -179,7 +184,7 @@ class DeepSpeedEngine(nn.Module):
                 else:
                     self.skipped_steps += 1
                 self.global_steps += 1
-                self.global_samples += self.train_batch_size()
+                self.global_samples += self.train_batch_size() or 0
                 self._report_progress()
         self.micro_steps += 1
 
@@ -363,3 +368,32 @@ class DeepSpeedEngine(nn.Module):
                 not isinstance(state.get(k), t) for k, t in fields.items()):
             raise CheckpointError(f"{path!r} is not an engine state of format {ENGINE_FORMAT!r}")
         return state
+
+
+def initialize_engine(model: nn.Module, optimizer: Any = None, criterion: Any = None, config: Any = None,
+                      train_dataloader: Any = None, test_dataloader: Any = None,
+                      lr_scheduler: Any = None) -> tuple[TrainingEngine, Any, Any, Any]:
+    """ColossalAI's ``initialize`` shape: returns ``(engine, train_dataloader, test_dataloader,
+    lr_scheduler)`` for the loop ``engine.zero_grad(); out = engine(x); loss = engine.criterion(out, y);
+    engine.backward(loss); engine.step()``.
+
+    ``config`` is the ColossalAI form (``{"zero": {"model_config": ..., "optimizer_config": ...}}``, a dict or a
+    JSON path), wrapped as :func:`chunkmem.initialize` wraps it (a DeepSpeed config goes to
+    :func:`chunkmem.deepspeed.initialize`). Every :meth:`TrainingEngine.step` steps the optimizer (no
+    accumulation), then ``lr_scheduler`` if given: a schedule, or a callable that takes the wrapped optimizer and
+    returns one (a schedule built over the optimizer passed in works too, its param groups being the ones read,
+    but torch then warns that the optimizer never stepped). The data loaders are returned as they are."""
+    config = read_config(config)
+    if "zero" not in config:
+        raise InvalidArgumentError("config", sorted(config), "the ColossalAI form {'zero': {...}}; a DeepSpeed config "
+                                                             "goes to chunkmem.deepspeed.initialize")
+    if criterion is not None and not callable(criterion):
+        raise ArgumentTypeError("criterion", type(criterion).__name__, "None or a loss function (a callable)")
+    if lr_scheduler is not None and not hasattr(lr_scheduler, "step") and not callable(lr_scheduler):
+        raise ArgumentTypeError("lr_scheduler", type(lr_scheduler).__name__,
+                                "None, a schedule with step(), or a callable making one from the optimizer")
+    module, optim = wrap(model, optimizer, config)
+    if lr_scheduler is not None and not hasattr(lr_scheduler, "step"):
+        lr_scheduler = lr_scheduler(optim)
+    engine = TrainingEngine(module, optim, lr_scheduler, LoopSettings(None, None, 1), 3, train_dataloader, criterion)
+    return engine, train_dataloader, test_dataloader, lr_scheduler

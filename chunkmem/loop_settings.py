@@ -1,4 +1,4 @@
-"""The training-loop keys of a DeepSpeed config, which the engine honours: the three batch sizes,
+"""The training-loop keys of a DeepSpeed config, which the engine (:mod:`chunkmem.engine`) honours: the three batch sizes,
 ``steps_per_print``, ``wall_clock_breakdown`` and ``scheduler``.
 
 The batch sizes follow DeepSpeed's rule: ``train_batch_size = train_micro_batch_size_per_gpu *
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ArgumentTypeError, InvalidArgumentError, check_number
+from .errors import ArgumentTypeError, InvalidArgumentError, check_number
 
 __all__ = ["LOOP_KEYS", "LoopSettings"]
 
@@ -26,16 +26,18 @@ class LoopSettings:
     """What the engine's loop does, from a DeepSpeed config (see the module docstring).
 
     Attributes:
-        train_batch_size: samples per optimizer step over all ranks.
-        micro_batch: samples per forward on each rank (``train_micro_batch_size_per_gpu``).
+        train_batch_size: samples per optimizer step over all ranks (``None``: not configured, as in the
+            ColossalAI form).
+        micro_batch: samples per forward on each rank (``train_micro_batch_size_per_gpu``; ``None``: not
+            configured).
         accumulation_steps: backwards per optimizer step (``gradient_accumulation_steps``).
         steps_per_print: a progress line every this many optimizer steps (``None``: never).
         wall_clock_breakdown: time the forward, backward and step and print the times with the progress.
         scheduler: the config's ``scheduler`` section (``None``: none).
     """
 
-    train_batch_size: int
-    micro_batch: int
+    train_batch_size: int | None
+    micro_batch: int | None
     accumulation_steps: int
     steps_per_print: int | None = None
     wall_clock_breakdown: bool = False
