@@ -334,3 +334,123 @@ def test_the_deepspeed_example_trains_and_resumes_identically(tmp_path):
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "last steps identical" in done.stdout and "'disk': {'exp_avg'" in done.stdout
+
+
+# ---- two ranks ------------------------------------------------------------------------------------
+
+def _two_rank_worker(rank: int, world: int, stage: int, workdir: str) -> dict:
+    torch.manual_seed(0)
+    data = batches(8, batch=4, seed=12)  # the global batches; each rank takes its half of every one
+    config = dict(_config(stage), train_batch_size=8, gradient_clipping=0.05,
+                  scheduler={"type": "WarmupLR", "params": {"warmup_max_lr": LR, "warmup_num_steps": 2}})
+    if stage == 3:
+        with deepspeed.zero.Init(config_dict_or_path=config, remote_device="cpu"):
+            module = TinyGPT()
+    else:
+        module = TinyGPT()
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(),
+                                           config=dict(config, optimizer={"type": "AdamW", "params": {"lr": LR}}))
+    assert (engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()) == (2, 2)
+    for x in data[:4]:
+        part = x[2 * rank:2 * rank + 2]
+        engine.backward(lm_loss(engine(part), part))
+        engine.step()
+    engine.save_checkpoint(workdir, client_state={"rank_sees": "the same"})
+    for x in data[4:]:
+        part = x[2 * rank:2 * rank + 2]
+        engine.backward(lm_loss(engine(part), part))
+        engine.step()
+    _, client = engine.load_checkpoint(workdir)  # back to the middle, in the same engine
+    back = _weights(engine)
+    return {"weights_after_load": back, "client": client, "global_steps": engine.global_steps,
+            "lr": engine.get_lr()}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_ranks_equal_one_process_with_the_double_batch(tmp_path, stage):
+    from distributed import run_ranks
+    ranks = run_ranks(_two_rank_worker, 2, stage, str(tmp_path))
+    torch.manual_seed(0)
+    data = batches(8, batch=4, seed=12)
+    config = dict(_config(stage), train_micro_batch_size_per_gpu=4, gradient_clipping=0.05,
+                  scheduler={"type": "WarmupLR", "params": {"warmup_max_lr": LR, "warmup_num_steps": 2}})
+    module = TinyGPT()
+    one, _, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(),
+                                        config=dict(config, optimizer={"type": "AdamW", "params": {"lr": LR}}))
+    for x in data[:4]:
+        one.backward(lm_loss(one(x), x))
+        one.step()
+    want = _weights(one)
+    for result in ranks:
+        assert result["client"] == {"rank_sees": "the same"} and result["global_steps"] == 2
+        for got, w in zip(result["weights_after_load"], want):
+            torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-6)
+
+
+# ---- the rest of the engine's surface ---------------------------------------------------------------
+
+def test_zero_init_builds_into_chunks_with_the_configs_dtype():
+    config = {"train_batch_size": 2, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        module = TinyGPT()
+    assert all(p.dtype == torch.bfloat16 and isinstance(p, cm.ChunkParameter) for p in module.parameters())
+    assert deepspeed.zero.Init(dtype=torch.float32).dtype == torch.float32
+    assert deepspeed.zero.Init().dtype == torch.float16  # DeepSpeed's default without a config
+    with deepspeed.zero.Init(enabled=False):
+        plain = TinyGPT()
+    assert all(type(p) is nn.Parameter for p in plain.parameters())
+    for kwargs, argument in [(dict(remote_device="nvme"), "remote_device"), (dict(module=TinyGPT()), "module"),
+                             (dict(enabled="yes"), "enabled"), (dict(flavour=1), "flavour")]:
+        with pytest.raises(cm.InvalidArgumentError) as caught:
+            deepspeed.zero.Init(**kwargs)
+        assert caught.value.argument == argument
+    with pytest.warns(cm.NoEffectWarning, match="pin_memory"):
+        deepspeed.zero.Init(pin_memory=True)
+
+
+def test_progress_lines_breakdown_and_partial_loads(tmp_path, capsys):
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    data = batches(4, seed=8)
+    engine, _, schedule = _engine(reference, _config(3, steps_per_print=1, wall_clock_breakdown=True,
+                                                     scheduler={"type": "OneCycle", "params": {
+                                                         "cycle_min_lr": 1e-3, "cycle_max_lr": LR,
+                                                         "cycle_first_step_size": 2}}))
+    for x in data:
+        engine.backward(lm_loss(engine(x), x))
+        engine.step()
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[chunkmem] step=")]
+    assert len(lines) == 2 and "forward" in lines[0] and "backward" in lines[0] and "step" in lines[1]
+    assert engine.get_mom() == [schedule.get_mom()[0]]
+    engine.save_checkpoint(tmp_path, tag="mid")
+    before = _weights(engine)
+    x = data[0]
+    engine.backward(lm_loss(engine(x), x))
+    engine.step()
+    engine.backward(lm_loss(engine(x), x))
+    engine.step()
+    steps = engine.global_steps
+    path, _ = engine.load_checkpoint(tmp_path, tag="mid", load_module_only=True)
+    assert path.endswith("mid") and engine.global_steps == steps  # the counters stay with load_module_only
+    for got, want in zip(_weights(engine), before):
+        assert torch.equal(got, want)
+    engine.load_checkpoint(tmp_path, tag="mid", load_optimizer_states=False)
+    assert engine.global_steps == 2
+    engine.empty_partition_cache()
+    assert engine.module.cached_bytes() == 0
+
+
+def test_add_config_arguments_and_init_distributed_in_one_process(tmp_path):
+    import argparse
+    parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(tmp_path / "c.json")])
+    assert args.deepspeed and args.deepspeed_config.endswith("c.json")
+    (tmp_path / "c.json").write_text(json.dumps({"train_batch_size": 1, "zero_optimization": {"stage": 3}}))
+    engine, _, _, _ = deepspeed.initialize(args=args, model=TinyGPT())
+    assert engine.train_batch_size() == 1
+    code = ("import chunkmem.deepspeed as ds, torch.distributed as dist; ds.init_distributed(distributed_port=29651); "
+            "print(dist.get_rank(), dist.get_world_size(), dist.get_backend())")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-3:] == ["0", "1", "gloo" if not torch.cuda.is_available() else "nccl"]
