@@ -54,7 +54,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         lr_scheduler: a schedule object, or a callable taking the optimizer and returning one; otherwise the
             config's ``scheduler`` section (``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``, ``OneCycle``).
         mpu: model parallelism, not supported (``None`` only).
-        dist_init_required: ``True`` initialises ``torch.distributed`` (:func:`init_distributed`) if needed.
+        dist_init_required: ``None`` or ``True`` initialise ``torch.distributed`` (:func:`init_distributed`:
+            a group of one without a launcher) when it is not yet, as DeepSpeed does; ``False`` leaves it.
         config, config_params: the DeepSpeed config, a dict or a JSON file path (one of the two).
 
     The batch keys are checked as DeepSpeed checks them (``chunkmem.deepspeed.loop_settings``);
@@ -75,7 +76,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         if config is None:
             raise InvalidArgumentError("config", None, "a DeepSpeed config (a dict or a JSON file path), or "
                                                        "args.deepspeed_config naming one")
-    if dist_init_required:
+    if dist_init_required is not False:  # DeepSpeed: None initialises torch.distributed when it is not yet
         init_distributed()
     config = dict(read_config(config))
     if "zero" in config:

@@ -26,15 +26,18 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                      init_method: str | None = None, dist_init_required: bool | None = None, config: Any = None,
                      rank: int = -1, world_size: int = -1) -> None:
     """Initialise ``torch.distributed`` unless it already is (DeepSpeed's signature). The backend defaults
-    to ``nccl`` with CUDA, else ``gloo``. Without a launcher's environment (``RANK``, ``WORLD_SIZE``,
-    ``MASTER_ADDR``, ``MASTER_PORT``) and without ``rank``/``world_size`` it starts a single process group on
-    ``localhost:distributed_port``. ``auto_mpi_discovery``, ``verbose`` and ``config`` change nothing."""
-    if dist.is_initialized() or dist_init_required is False:
+    to ``nccl`` with CUDA, else ``gloo``. With a launcher's environment (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``; ``MASTER_ADDR`` defaults to localhost, ``MASTER_PORT`` to
+    ``distributed_port``) or an explicit ``rank``/``world_size`` the group is the launcher's; without
+    either, one process forms a group of its own (in memory: no port is opened). ``auto_mpi_discovery``,
+    ``verbose`` and ``config`` change nothing; ``dist_init_required=False`` does nothing."""
+    if is_initialized() or dist_init_required is False:
         return
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if rank == -1 and "RANK" not in os.environ:  # no launcher: one process
-        rank, world_size = 0, 1
+    if rank == -1 and "RANK" not in os.environ and init_method is None:  # no launcher: a group of one
         os.environ.setdefault("LOCAL_RANK", "0")
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
     os.environ.setdefault("MASTER_ADDR", "localhost")
     os.environ.setdefault("MASTER_PORT", str(distributed_port))
     kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout, "init_method": init_method}
