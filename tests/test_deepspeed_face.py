@@ -462,3 +462,22 @@ def test_add_config_arguments_and_init_distributed_in_one_process(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-3:] == ["0", "1", "gloo" if not torch.cuda.is_available() else "nccl"]
+
+
+def test_an_overflowing_step_is_skipped_counted_and_leaves_the_schedule():
+    torch.manual_seed(0)
+    config = {"train_batch_size": 2, "fp16": {"enabled": True, "initial_scale_power": 8},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": LR, "warmup_num_steps": 4}},
+              "zero_optimization": {"stage": 3}}
+    engine, optim, schedule = _engine(TinyGPT(), config)
+    x = batches(1, seed=3)[0]
+    before = _weights(engine)
+    engine.backward(lm_loss(engine(x), x) * float("inf"))
+    engine.step()
+    assert (engine.global_steps, engine.skipped_steps, schedule.last_batch_iteration) == (1, 1, -1)
+    assert optim.loss_scale == 2.0 ** 8  # DeepSpeed's hysteresis 2: the first overflow does not back off yet
+    for got, want in zip(_weights(engine), before):
+        assert torch.equal(got, want)
+    engine.backward(lm_loss(engine(x), x))
+    engine.step()
+    assert (engine.global_steps, engine.skipped_steps, schedule.last_batch_iteration) == (2, 1, 0)

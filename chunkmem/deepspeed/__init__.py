@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -58,7 +59,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
             a group of one without a launcher) when it is not yet, as DeepSpeed does; ``False`` leaves it.
         config, config_params: the DeepSpeed config, a dict or a JSON file path (one of the two).
 
-    The batch keys are checked as DeepSpeed checks them (``chunkmem.deepspeed.loop_settings``);
+    The batch keys are checked as DeepSpeed checks them (:mod:`chunkmem.loop_settings`);
     ``gradient_clipping`` absent clips at 1.0, DeepSpeed's default. Everything is checked before the model
     is wrapped.
     """
@@ -76,18 +77,20 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         if config is None:
             raise InvalidArgumentError("config", None, "a DeepSpeed config (a dict or a JSON file path), or "
                                                        "args.deepspeed_config naming one")
-    if dist_init_required is not False:  # DeepSpeed: None initialises torch.distributed when it is not yet
-        init_distributed()
     config = dict(read_config(config))
     if "zero" in config:
         raise InvalidArgumentError("config.zero", config["zero"], "a DeepSpeed config (zero_optimization, ...); "
                                                                   "the ColossalAI form goes to chunkmem.initialize")
+    if dist_init_required is not False:  # DeepSpeed: None initialises torch.distributed when it is not yet
+        init_distributed()
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     loop = LoopSettings.from_config(config, world)
     rest = {key: value for key, value in config.items() if key not in LOOP_KEYS}
     if lr_scheduler is None and loop.scheduler is not None:  # checked on a stand-in before anything is wrapped
         groups = len(optimizer.param_groups) if optimizer is not None else 1
-        schedule_from_config(loop.scheduler, _StandIn(groups))
+        with warnings.catch_warnings():  # its warnings come when the real one is built
+            warnings.simplefilter("ignore")
+            schedule_from_config(loop.scheduler, _StandIn(groups))
     if optimizer is None and model_parameters is not None and "optimizer" in rest:
         optimizer = build_optimizer(rest.pop("optimizer"), model_parameters)
     module, optim = _wrap(model, optimizer, rest)
