@@ -78,6 +78,7 @@ class TrainingEngine(nn.Module):
         self.skipped_steps = 0
         self.micro_steps = 0
         self._boundary_override: bool | None = None
+        self._step_applied = False
         self._in_no_sync = False
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
 
@@ -119,6 +120,26 @@ class TrainingEngine(nn.Module):
     def device(self) -> torch.device:
         """Where the forward computes: the GPU of this rank, or the CPU on a machine without one."""
         return device_of_tier(Tier.DEVICE)
+
+    def was_step_applied(self) -> bool:
+        """Whether the last optimizer step changed the parameters (``False`` after an overflow)."""
+        return self._step_applied
+
+    def get_global_grad_norm(self) -> float | None:
+        """The unscaled gradient norm the last optimizer step computed (before clipping), or ``None``
+        where it computed none (no clipping and no loss scaler)."""
+        return self._require_optimizer("get_global_grad_norm").global_grad_norm
+
+    def fp16_enabled(self) -> bool:
+        return self._dtype() == torch.float16
+
+    def bfloat16_enabled(self) -> bool:
+        return self._dtype() == torch.bfloat16
+
+    def _dtype(self) -> torch.dtype:
+        if isinstance(self.module, ShardedModelV2):
+            return self.module.dtype
+        return next((p.dtype for p in self.module.parameters() if p.is_floating_point()), torch.float32)
 
     def get_lr(self) -> list[float]:
         """The learning rate of every param group."""
@@ -178,6 +199,7 @@ class TrainingEngine(nn.Module):
             if self.is_gradient_accumulation_boundary():
                 had_gradients = optimizer.grads_pending
                 applied = optimizer.step()
+                self._step_applied = bool(applied)
                 if applied or not had_gradients:
                     if self.lr_scheduler is not None:
                         self.lr_scheduler.step(**(lr_kwargs or {}))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import subprocess
 import sys
@@ -82,10 +83,12 @@ def test_accumulation_clipping_and_schedule_equal_plain_adamw(stage):
         optim.param_groups[0]["lr"] = LR * max(0, step - 1) / 3
         for x in data[2 * step:2 * step + 2]:
             (lm_loss(plain(x), x) / 2).backward()
-        torch.nn.utils.clip_grad_norm_(plain.parameters(), clip)
+        norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), clip)
         optim.step()
         optim.zero_grad()
     assert engine.get_lr() == [LR]
+    assert engine.get_global_grad_norm() == pytest.approx(norm.item(), rel=1e-5)  # before clipping, as DeepSpeed
+    assert engine.was_step_applied() and not engine.fp16_enabled() and not engine.bfloat16_enabled()
     for got, want in zip(_weights(engine), plain.parameters()):
         torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
 
@@ -475,9 +478,12 @@ def test_an_overflowing_step_is_skipped_counted_and_leaves_the_schedule():
     engine.backward(lm_loss(engine(x), x) * float("inf"))
     engine.step()
     assert (engine.global_steps, engine.skipped_steps, schedule.last_batch_iteration) == (1, 1, -1)
+    assert not engine.was_step_applied() and engine.fp16_enabled()
+    assert not math.isfinite(engine.get_global_grad_norm())
     assert optim.loss_scale == 2.0 ** 8  # DeepSpeed's hysteresis 2: the first overflow does not back off yet
     for got, want in zip(_weights(engine), before):
         assert torch.equal(got, want)
     engine.backward(lm_loss(engine(x), x))
     engine.step()
     assert (engine.global_steps, engine.skipped_steps, schedule.last_batch_iteration) == (2, 1, 0)
+    assert engine.was_step_applied() and math.isfinite(engine.get_global_grad_norm())

@@ -32,6 +32,7 @@ class MixedPrecisionStep:
         self.verbose = verbose
         self.clip_coef = 1.0
         self.norm: float | None = None  # the unscaled norm an explicit clip computed for the coming step
+        self.last_norm: float | None = None  # the unscaled norm the last step computed (clipping, overflow check)
 
     @property
     def loss_scale(self) -> float:
@@ -76,8 +77,10 @@ class MixedPrecisionStep:
         grads = list(grads)
         if max_norm > 0 and self.norm is None:
             self.clip(grads, max_norm, norm_type)
+        self.last_norm = self.norm
         if self.scaler is not None:
             norm = self.norm if self.norm is not None else self.total_norm(grads)
+            self.last_norm = norm
             if not math.isfinite(norm):
                 if self.verbose:
                     print(f"chunkmem: gradient overflow, step skipped (loss scale {self.loss_scale})")

@@ -366,6 +366,12 @@ class ShardedOptimizerV2(Optimizer):
     # ---- the training step -------------------------------------------------------------------------
 
     @property
+    def global_grad_norm(self) -> float | None:
+        """The total norm of the unscaled gradients the last step computed (before clipping; inf or NaN
+        when they overflowed), or ``None`` when it computed none (no clipping and no loss scaler)."""
+        return self.mixed.last_norm
+
+    @property
     def loss_scale(self) -> float:
         """The current loss scale (1.0 without a scaler)."""
         return self.mixed.loss_scale
