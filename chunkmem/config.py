@@ -156,9 +156,10 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
 
     Args:
         model: the module, built plainly or inside :class:`~chunkmem.ZeroInitContext`.
-        optimizer: a torch optimizer over ``model.parameters()`` (``HybridAdam``, ``torch.optim.Adam`` /
-            ``AdamW``), or ``None``: built from the config's ``optimizer`` section (DeepSpeed form), or no
-            optimizer (the second value returned is then ``None``).
+        optimizer: a torch optimizer over ``model.parameters()`` (stage 3 and the ColossalAI form: any;
+            stages 1 and 2: ``HybridAdam``, ``torch.optim.Adam`` / ``AdamW``), or ``None``: built from the
+            config's ``optimizer`` section (DeepSpeed form), or no optimizer (the second value returned is
+            then ``None``).
         config: a dict or the path of a JSON file, in the ColossalAI form (``zero`` with
             ``model_config`` / ``optimizer_config``) or the DeepSpeed form (``zero_optimization``,
             ``fp16``, ``bf16``, ``optimizer``); see the module docstring and ``KEY_TABLE``.
@@ -291,18 +292,19 @@ def _initialize_colossal(model: nn.Module, optimizer: Any, zero: Any) -> tuple[n
         return _rename_errors("zero.model_config.", build)
     if optimizer is None:
         return renamed(lambda: ShardedModelV2.from_settings(model, model_settings)), None
-    _check_optimizer(model, optimizer)
+    _check_optimizer(model, optimizer, any_optimizer=True)
     _rename_errors("zero.optimizer_config.",
                    lambda: ShardedOptimizerV2.check_before_wrapping(model, model_settings, optimizer_settings))
     return _wrap_all_or_nothing(model, model_settings, renamed, lambda wrapped: _rename_errors(
         "zero.optimizer_config.", lambda: ShardedOptimizerV2.from_settings(wrapped, optimizer, optimizer_settings)))
 
 
-def _check_optimizer(model: nn.Module, optimizer: Any) -> None:
-    """Refuse, before anything changes, an optimizer chunkmem cannot step or one that is not over
-    ``model``'s parameters (each of its parameters one of ``model``'s, each trainable parameter of
-    ``model`` in it: what ShardedOptimizerV2 and LowLevelZeroOptimizer require)."""
-    check_supported_optimizer(optimizer)
+def _check_optimizer(model: nn.Module, optimizer: Any, any_optimizer: bool) -> None:
+    """Refuse, before anything changes, an optimizer chunkmem cannot step (``any_optimizer``: for
+    ShardedOptimizerV2, which takes any torch optimizer; else LowLevelZeroOptimizer's Adam only) or one
+    that is not over ``model``'s parameters (each of its parameters one of ``model``'s, each trainable
+    parameter of ``model`` in it: what ShardedOptimizerV2 and LowLevelZeroOptimizer require)."""
+    check_supported_optimizer(optimizer, any_optimizer)
     why = params_mismatch(model, [p for group in optimizer.param_groups for p in group["params"]])
     if why is not None:
         raise InvalidArgumentError("optimizer", f"a {type(optimizer).__name__} ({why})",
@@ -394,7 +396,7 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
     if optimizer_section:  # checked in full before anything is wrapped
         build_optimizer(optimizer_section, [torch.zeros(1, requires_grad=True)])
     if optimizer is not None:
-        _check_optimizer(model, optimizer)
+        _check_optimizer(model, optimizer, any_optimizer=stage == 3)
 
     if stage == 3:
         if overlap:

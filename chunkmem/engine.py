@@ -243,9 +243,9 @@ class TrainingEngine(nn.Module):
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """Save the model, optimizer, schedule, counters and ``client_state`` under ``save_dir/tag``
         (``tag`` default ``global_step{global_steps}``) and, with ``save_latest``, write ``tag`` into
-        ``save_dir/latest``. Every rank calls it. Inside the tag directory: stage 3 writes a chunkmem
-        sharded checkpoint ``zero/`` (each rank its shards; loads at the same world size, or
-        :func:`~chunkmem.consolidate_checkpoint` it), stages 1 and 2 a full checkpoint
+        ``save_dir/latest``. Every rank calls it. Inside the tag directory: stage 3 with an Adam writes a
+        chunkmem sharded checkpoint ``zero/`` (each rank its shards; loads at the same world size, or
+        :func:`~chunkmem.consolidate_checkpoint` it), stages 1 and 2 and other optimizers a full checkpoint
         ``model_optim.pt``; rank 0 writes ``engine_state.pt`` (``torch.save``: counters, schedule state,
         ``client_state``). Each file is written atomically; ``latest`` is written last. Returns ``True``."""
         save_dir = self._check_dir(save_dir, "save_dir")
@@ -259,7 +259,7 @@ class TrainingEngine(nn.Module):
                                        "False (chunkmem checkpoints hold every parameter)")
         directory = os.path.join(save_dir, tag)
         os.makedirs(directory, exist_ok=True)
-        save_checkpoint(self._model_checkpoint_path(directory), self.module, self.optimizer, sharded=self._stage == 3)
+        save_checkpoint(self._model_checkpoint_path(directory), self.module, self.optimizer, sharded=self._sharded_files)
         if self.global_rank == 0:
             state = {"format": ENGINE_FORMAT, "global_steps": self.global_steps, "global_samples": self.global_samples,
                      "skipped_steps": self.skipped_steps, "micro_steps": self.micro_steps,
@@ -357,8 +357,13 @@ class TrainingEngine(nn.Module):
             self._times = dict.fromkeys(self._times, 0.0)
         print(line, flush=True)
 
+    @property
+    def _sharded_files(self) -> bool:
+        """Whether checkpoints are chunkmem's sharded format (stage 3 with Adam) or the full one."""
+        return self._stage == 3 and getattr(self.optimizer, "state_layout", None) is None
+
     def _model_checkpoint_path(self, directory: str) -> str:
-        return os.path.join(directory, "zero" if self._stage == 3 else "model_optim.pt")
+        return os.path.join(directory, "zero" if self._sharded_files else "model_optim.pt")
 
     @staticmethod
     def _check_dir(path: Any, name: str) -> str:

@@ -26,7 +26,8 @@ When each value exists (the getters return ``None`` otherwise, as DeepSpeed does
   ``p.grad`` is in plain PyTorch after ``scaler.unscale_`` and ``clip_grad_norm_``. Sharded, it is the
   mean over the data-parallel ranks (what the step applies). 16-bit models keep gradients in 16 bits:
   the fp32 value is their exact widening (times the multiplier).
-* optimizer state (``"exp_avg"``, ``"exp_avg_sq"``): after the parameter's first step (``None`` before,
+* optimizer state (``"exp_avg"``, ``"exp_avg_sq"``; with another optimizer than Adam, its own per-element
+  keys, such as SGD's ``"momentum_buffer"``): after the parameter's first step (``None`` before,
   as ``torch.optim.Adam`` has no state then); its setters are refused before the first step.
 
 Parameters trained by a :class:`~chunkmem.LowLevelZeroOptimizer` (ZeRO-1/2, the module a plain one) are
@@ -80,11 +81,13 @@ def _slot(param: Any) -> ParamSlot:
     return slot
 
 
-def _check_key(optim_state_key: Any) -> str:
-    check_type("optim_state_key", optim_state_key, str, " or ".join(repr(k) for k in OPTIMIZER_STATE_KEYS))
-    if optim_state_key not in OPTIMIZER_STATE_KEYS:
-        raise InvalidArgumentError("optim_state_key", optim_state_key,
-                                   " or ".join(repr(k) for k in OPTIMIZER_STATE_KEYS))
+def _check_key(optim_state_key: Any, keys: tuple[str, ...] = OPTIMIZER_STATE_KEYS) -> str:
+    """``optim_state_key`` if it is one of ``keys`` (Adam's moments, or the per-element state of the
+    parameter's optimizer: SGD's ``"momentum_buffer"``, ...)."""
+    allowed = " or ".join(repr(k) for k in keys) if keys else "nothing (this optimizer keeps no per-element state)"
+    check_type("optim_state_key", optim_state_key, str, allowed)
+    if optim_state_key not in keys:
+        raise InvalidArgumentError("optim_state_key", optim_state_key, allowed)
     return optim_state_key
 
 
@@ -174,6 +177,8 @@ def _zero12(param: Any, family: str, full: bool) -> tuple[bool, torch.Tensor | N
     slot = None if optimizer is None else optimizer.slot_of(param)
     if slot is None:
         return False, None
+    if family not in ("fp32", "grad"):
+        family = _check_key(family)  # Adam's moments: the only optimizer LowLevelZeroOptimizer steps
     found = optimizer.state_shard(slot, family)
     if found is None:
         return True, None
@@ -221,11 +226,11 @@ def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
 def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
     """The whole fp32 optimizer state ``optim_state_key`` (``"exp_avg"`` or ``"exp_avg_sq"``) of
     ``param``, shaped like it, on the CPU; ``None`` before its first step. Collective when sharded."""
-    handled, value = _zero12(param, _check_key(optim_state_key), True)
+    handled, value = _zero12(param, optim_state_key, True)
     if handled:
         return value
     slot = _slot(param)
-    shard = _state_shard(slot, _check_key(optim_state_key))
+    shard = _state_shard(slot, _check_key(optim_state_key, slot.chunk.state_families))
     return None if shard is None else _full(slot, shard)
 
 
@@ -251,11 +256,11 @@ def safe_get_local_grad(param: nn.Parameter) -> torch.Tensor | None:
 
 def safe_get_local_optimizer_state(param: nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
     """This rank's part of :func:`safe_get_full_optimizer_state` (flat fp32 CPU tensor; no collective)."""
-    handled, value = _zero12(param, _check_key(optim_state_key), False)
+    handled, value = _zero12(param, optim_state_key, False)
     if handled:
         return value
     slot = _slot(param)
-    shard = _state_shard(slot, _check_key(optim_state_key))
+    shard = _state_shard(slot, _check_key(optim_state_key, slot.chunk.state_families))
     return None if shard is None else _to_fp32_cpu(_local_part(slot, shard))
 
 
@@ -326,7 +331,7 @@ def safe_set_full_optimizer_state(param: nn.Parameter, value: torch.Tensor, opti
     """Make ``value`` (shaped like ``param``) the optimizer state ``optim_state_key`` of ``param``
     (after its first step). Each rank writes its part; no collective."""
     slot = _slot(param)
-    key = _check_key(optim_state_key)
+    key = _check_key(optim_state_key, slot.chunk.state_families)
     flat = _check_value(slot, value, slot.numel, tuple(slot.shape))
     part = slot.chunk.own_range(slot)
     _set_state(slot, key, flat[part[0]:part[1]] if part is not None else flat[:0])
@@ -343,5 +348,5 @@ def safe_set_local_optimizer_state(param: nn.Parameter, value: torch.Tensor, opt
     """Make ``value`` (as many elements as :func:`safe_get_local_optimizer_state` returns) this rank's
     part of the optimizer state ``optim_state_key`` of ``param`` (after its first step)."""
     slot = _slot(param)
-    key = _check_key(optim_state_key)
+    key = _check_key(optim_state_key, slot.chunk.state_families)
     _set_state(slot, key, _check_value(slot, value, _local_numel(slot), None))

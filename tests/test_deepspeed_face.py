@@ -487,3 +487,39 @@ def test_an_overflowing_step_is_skipped_counted_and_leaves_the_schedule():
     engine.step()
     assert (engine.global_steps, engine.skipped_steps, schedule.last_batch_iteration) == (2, 1, 0)
     assert engine.was_step_applied() and math.isfinite(engine.get_global_grad_norm())
+
+
+def test_the_engine_steps_any_optimizer_and_resumes_it(tmp_path):
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    data = batches(8, seed=13)
+    config = dict(_config(3), gradient_clipping=0.0)
+    module = copy.deepcopy(reference)
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=torch.optim.SGD(module.parameters(), lr=0.1,
+                                                                                   momentum=0.9), config=config)
+    for x in data[:4]:
+        engine.backward(lm_loss(engine(x), x))
+        engine.step()
+    engine.save_checkpoint(tmp_path)
+    assert (tmp_path / "global_step2" / "model_optim.pt").is_file()  # the full format holds SGD's state
+    for x in data[4:]:
+        engine.backward(lm_loss(engine(x), x))
+        engine.step()
+    plain = copy.deepcopy(reference)
+    optim = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    for step in range(4):
+        for x in data[2 * step:2 * step + 2]:
+            (lm_loss(plain(x), x) / 2).backward()
+        optim.step()
+        optim.zero_grad()
+    for got, want in zip(_weights(engine), plain.parameters()):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-7)
+    module = copy.deepcopy(reference)
+    resumed, _, _, _ = deepspeed.initialize(model=module, optimizer=torch.optim.SGD(module.parameters(), lr=0.1,
+                                                                                    momentum=0.9), config=config)
+    resumed.load_checkpoint(tmp_path)
+    for x in data[4:]:
+        resumed.backward(lm_loss(resumed(x), x))
+        resumed.step()
+    for got, want in zip(_weights(resumed), _weights(engine)):
+        assert torch.equal(got, want)

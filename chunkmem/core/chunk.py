@@ -60,6 +60,8 @@ MASTER = "master"
 EXP_AVG = "exp_avg"
 EXP_AVG_SQ = "exp_avg_sq"
 OPTIM_FAMILIES = (MASTER, EXP_AVG, EXP_AVG_SQ)
+ADAM_STATE = (EXP_AVG, EXP_AVG_SQ)
+"""The per-element optimizer state a chunk keeps unless its optimizer says otherwise (Adam's moments)."""
 
 
 @dataclass(frozen=True)
@@ -588,6 +590,7 @@ class Chunk:
         self.optim: dict[str, FlatBuffer] = {
             family: FlatBuffer(family, self.shard_numel, torch.float32, memory, self.name, shards.rank, index)
             for family in OPTIM_FAMILIES}
+        self.state_families: tuple[str, ...] = ADAM_STATE  # per-element optimizer state (see use_state_families)
         self._buffer_sizes = {self.param.nbytes, *(b.nbytes for b in self.flat_buffers())}  # bytes
         if memory.blocks is not None:
             memory.blocks.use_sizes(self._buffer_sizes)
@@ -644,6 +647,16 @@ class Chunk:
     @property
     def trainable(self) -> bool:
         return self.key.trainable
+
+    def use_state_families(self, names: tuple[str, ...]) -> None:
+        """Keep ``names`` as the chunk's per-element optimizer state (fp32, this rank's shard each) instead
+        of Adam's moments: another optimizer's own (SGD's ``momentum_buffer``, ...). Buffers are made for
+        new names, unallocated; call before the optimizer state is placed."""
+        for name in names:
+            if name not in self.optim:
+                self.optim[name] = FlatBuffer(name, self.shard_numel, torch.float32, self.memory, self.name,
+                                              self.shards.rank, self.index)
+        self.state_families = tuple(names)
 
     def flat_buffers(self) -> tuple[FlatBuffer, ...]:
         """Every family's buffer but the device copy of the parameters."""

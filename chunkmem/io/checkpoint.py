@@ -88,7 +88,8 @@ def save_checkpoint(path: str | os.PathLike, model: ShardedModelV2, optimizer: S
     must call it. Atomic: a save that fails or is killed leaves the previous checkpoint at ``path``.
 
     Refused (:class:`CheckpointError`) between a backward and the step with ``reuse_fp16_shard``,
-    while the parameters' memory holds gradients instead of values.
+    while the parameters' memory holds gradients instead of values. The sharded format holds Adam's
+    state: with another optimizer (:mod:`chunkmem.optim.any_optimizer`) write the full format.
 
     With a :class:`~chunkmem.LowLevelZeroOptimizer`, ``model`` is the plain module it trains (any other
     module is refused, naming ``model``) and only the full format is written (``sharded=False``); its ``"model"`` holds the fp32 masters, so it loads
@@ -98,6 +99,9 @@ def save_checkpoint(path: str | os.PathLike, model: ShardedModelV2, optimizer: S
         _save_low_level_zero(_check_low_level_zero_args(path, model, optimizer, sharded), model, optimizer)
         return
     path = _check_save_args(path, model, optimizer, sharded)
+    if sharded and optimizer is not None and optimizer.state_layout is not None:
+        raise InvalidArgumentError("sharded", True, f"False with {type(optimizer.optim).__name__} (the sharded format "
+                                                    "holds Adam's state; the full format holds any optimizer's)")
     refuse_grads_in_param_memory(model, "save_checkpoint")
     if sharded:
         _save_sharded(path, model, optimizer)
@@ -130,6 +134,9 @@ def load_checkpoint(path: str | os.PathLike, model: ShardedModelV2, optimizer: S
         apply()
         return
     path = _check_load_args(path, model, optimizer)
+    if os.path.isdir(path) and optimizer is not None and optimizer.state_layout is not None:
+        raise InvalidArgumentError("path", path, f"a full checkpoint file with {type(optimizer.optim).__name__} (the "
+                                                 "sharded format holds Adam's state only)")
     refuse_grads_in_param_memory(model, "load_checkpoint")
     refuse_chunks_in_use(model, "load_checkpoint")
     group = _group_of(model)

@@ -111,21 +111,40 @@ def hyper_of_group(group: dict[str, Any]) -> AdamHyper:
                      bias_correction=bool(group.get("bias_correction", True)))
 
 
-def check_supported_optimizer(optimizer: Any) -> None:
-    """Raise unless ``optimizer`` is one whose update ShardedOptimizerV2 can run per chunk."""
+def runs_adam_kernel(optimizer: Any) -> bool:
+    """Whether ``optimizer``'s update is chunkmem's Adam kernel: a :class:`HybridAdam` / ``CPUAdam``, or
+    ``torch.optim.Adam`` / ``AdamW`` with plain options (no ``amsgrad``, ``maximize``, ``capturable``,
+    ``differentiable``, a float ``lr``)."""
     if isinstance(optimizer, HybridAdam):
+        return True
+    if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
+        return all(not group.get(option) for group in optimizer.param_groups
+                   for option in ("amsgrad", "maximize", "capturable", "differentiable")) and \
+            all(not isinstance(group["lr"], torch.Tensor) for group in optimizer.param_groups)
+    return False
+
+
+def check_supported_optimizer(optimizer: Any, any_optimizer: bool = False) -> None:
+    """Raise unless ``optimizer`` is one whose update chunkmem can run per chunk: one that
+    :func:`runs_adam_kernel`, or with ``any_optimizer`` (ShardedOptimizerV2) any ``torch.optim.Optimizer``
+    (what it keeps is checked when it is attached, :mod:`chunkmem.optim.any_optimizer`)."""
+    if runs_adam_kernel(optimizer):
+        return
+    if any_optimizer and isinstance(optimizer, torch.optim.Optimizer):
         return
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         for group in optimizer.param_groups:
             for option in ("amsgrad", "maximize", "capturable", "differentiable"):
                 if group.get(option):
                     raise InvalidArgumentError(f"optimizer.param_groups[..]['{option}']", True,
-                                               "False (not supported by the chunked Adam update)")
+                                               "False (not supported by the ZeRO-1/2 Adam update; "
+                                               "ShardedOptimizerV2 steps it)")
             if isinstance(group["lr"], torch.Tensor):
                 raise ArgumentTypeError("optimizer lr", group["lr"], "a Python float")
-        return
-    raise ArgumentTypeError("optimizer", type(optimizer).__name__,
-                               "a chunkmem.HybridAdam, chunkmem.CPUAdam, torch.optim.Adam or torch.optim.AdamW")
+    allowed = ("a chunkmem.HybridAdam, chunkmem.CPUAdam, torch.optim.Adam or torch.optim.AdamW"
+               + (" or another torch.optim.Optimizer" if any_optimizer else
+                  " (LowLevelZeroOptimizer; ShardedOptimizerV2 takes any torch.optim.Optimizer)"))
+    raise ArgumentTypeError("optimizer", type(optimizer).__name__, allowed)
 
 
 def params_mismatch(module: nn.Module, params: Sequence[torch.Tensor]) -> str | None:

@@ -21,7 +21,8 @@ from ..distributed.collectives import ShardGroup
 from ..model import ShardedModelV2
 from ..builder import compute_dtype
 from ..settings import ModelSettings, OptimizerSettings
-from .adam import check_supported_optimizer, hyper_of_group
+from .adam import check_supported_optimizer, hyper_of_group, runs_adam_kernel
+from .any_optimizer import ParamView, StateLayout, check_shardable, probe_state, step_views
 from .adam_kernels import adam_update_, adam_update_pieces_, param_spans
 from .adam_math import AdamHyper
 from .disk_step import ChunkUpdate, DiskStepError, StreamedStep, gaps, streamed_families
@@ -30,7 +31,8 @@ from .mixed_precision import MixedPrecisionStep
 
 
 class ShardedOptimizerV2(Optimizer):
-    """Runs Adam over whole chunks where each chunk's optimizer state lives, with loss scaling.
+    """Runs the optimizer over whole chunks where each chunk's optimizer state lives (Adam by chunkmem's
+    kernel, any other torch optimizer by its own step on views of the chunks), with loss scaling.
 
     fp16 models get a :class:`~chunkmem.DynamicGradScaler` configured by the scaler arguments; bf16 and
     fp32 models train unscaled (``loss_scale`` stays 1) and, as in plain PyTorch, do not skip steps.
@@ -50,8 +52,11 @@ class ShardedOptimizerV2(Optimizer):
 
     Args:
         sharded_model: the :class:`~chunkmem.ShardedModelV2` whose parameters ``optimizer`` holds.
-        optimizer: a :class:`~chunkmem.HybridAdam` / :class:`~chunkmem.CPUAdam`, or ``torch.optim.Adam``
-            / ``AdamW`` (plain options only) over ``sharded_model.parameters()``.
+        optimizer: a torch optimizer over ``sharded_model.parameters()``. A :class:`~chunkmem.HybridAdam` /
+            :class:`~chunkmem.CPUAdam` or ``torch.optim.Adam`` / ``AdamW`` with plain options runs chunkmem's
+            Adam kernel; any other (SGD, RMSprop, Adagrad, AMSGrad, NAdam, ...) runs its own step on views of
+            the chunks, with its per-element state in chunk families (:mod:`chunkmem.optim.any_optimizer`:
+            what is refused, and why). State the optimizer made when built is dropped.
         gpu_margin_mem_ratio: share in [0, 1] of the device memory left after the traced peak that may
             hold optimizer state; only meaningful with placement ``"auto"`` (a warning otherwise).
         initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale:
@@ -90,7 +95,7 @@ class ShardedOptimizerV2(Optimizer):
                  step_in_backward: bool = False) -> None:
         if not isinstance(sharded_model, ShardedModelV2):
             raise ArgumentTypeError("sharded_model", type(sharded_model).__name__, "a chunkmem.ShardedModelV2")
-        check_supported_optimizer(optimizer)
+        check_supported_optimizer(optimizer, any_optimizer=True)
         settings = OptimizerSettings.from_arguments(
             gpu_margin_mem_ratio, initial_scale, min_scale, growth_factor, backoff_factor, growth_interval,
             hysteresis, max_scale, dp_process_group, mp_process_group, verbose, max_norm=max_norm,
@@ -104,7 +109,7 @@ class ShardedOptimizerV2(Optimizer):
         :func:`chunkmem.initialize` builds the settings from a configuration)."""
         if not isinstance(sharded_model, ShardedModelV2):
             raise ArgumentTypeError("sharded_model", type(sharded_model).__name__, "a chunkmem.ShardedModelV2")
-        check_supported_optimizer(optimizer)
+        check_supported_optimizer(optimizer, any_optimizer=True)
         check_type("settings", settings, OptimizerSettings, "a chunkmem.settings.OptimizerSettings")
         optim = cls.__new__(cls)
         optim._attach(sharded_model, optimizer, settings)
@@ -126,7 +131,8 @@ class ShardedOptimizerV2(Optimizer):
                                        "a ShardedModelV2 without an optimizer")
         scaler = DynamicGradScaler.from_settings(settings.scaler)
         group_of = self._groups_of(sharded_model, optimizer)
-        self._check_capacity(sharded_model)
+        layout = self._state_layout(sharded_model, optimizer)
+        self._check_capacity(sharded_model, layout)
         self._agree_on_settings(sharded_model, optimizer, settings, group_of)
         self._reserve_disk(sharded_model)
 
@@ -143,7 +149,13 @@ class ShardedOptimizerV2(Optimizer):
         self._accounted_backwards = self.runtime.backward_count
         self._broken_by: DiskStepError | None = None  # a failed step that could not be undone
         self._step_in_flight: StreamedStep | None = None  # step_in_backward: started by this backward
+        self._layout = layout  # None: the Adam kernel; else any_optimizer's stand-in step
+        self._scalars: dict[int, dict[int, dict[str, Any]]] = {}  # any_optimizer: chunk -> group -> scalar state
         self._init_optimizer_hooks()
+        if layout is not None:
+            optimizer.state.clear()  # what its constructor made (Adagrad's sums): the chunks keep the state
+            for chunk in self.runtime.trainable_chunks():
+                chunk.use_state_families(layout.families)
         self.runtime.attach_optimizer(self, settings.gpu_margin_mem_ratio, self._optimizer_state_kept_on_host())
 
     # ---- the settings, under the reference's names --------------------------------------------------
@@ -246,10 +258,26 @@ class ShardedOptimizerV2(Optimizer):
         agree(model.shards, LayoutDescription("ShardedOptimizerV2", description, params))
 
     @staticmethod
-    def _check_capacity(model: ShardedModelV2) -> None:
+    def _state_layout(model: ShardedModelV2, optimizer: Any) -> StateLayout | None:
+        """``None`` when the Adam kernel runs ``optimizer``; else what it keeps per parameter (refusing, before
+        anything changes, what chunkmem cannot run: see :mod:`chunkmem.optim.any_optimizer`)."""
+        if runs_adam_kernel(optimizer):
+            return None
+        layout = probe_state(optimizer)
+        if model.shards.sharded:
+            check_shardable(optimizer)
+        if model.settings.disk.optimizer_on_disk:
+            raise InvalidArgumentError("optimizer", type(optimizer).__name__,
+                                       "an Adam (HybridAdam, torch Adam/AdamW with plain options) when the optimizer "
+                                       "state is on the disk tier (the streamed disk step runs Adam only)")
+        return layout
+
+    @staticmethod
+    def _check_capacity(model: ShardedModelV2, state: StateLayout | None) -> None:
         """Refuse before any change if the optimizer state the policy puts on the device cannot fit."""
         layout, runtime = model.layout, model.runtime
-        fp32_families = 3 if model.dtype != torch.float32 else 2
+        per_element = 2 if state is None else len(state.families)
+        fp32_families = per_element + (1 if model.dtype != torch.float32 else 0)
         shard_numel = layout.chunk_numel // model.shards.world
         trainable = sum(1 for i in range(layout.num_chunks) if layout.trainable(i))
         on_device = sum(1 for k in range(trainable) if runtime.policy.optim_on_device(k, trainable))
@@ -364,6 +392,21 @@ class ShardedOptimizerV2(Optimizer):
         return "\n".join(lines) + "\n)"
 
     # ---- the training step -------------------------------------------------------------------------
+
+    @property
+    def state_layout(self) -> StateLayout | None:
+        """What the wrapped optimizer keeps per parameter when it is not run by the Adam kernel (``None``:
+        Adam's moments; see :mod:`chunkmem.optim.any_optimizer`)."""
+        return self._layout
+
+    def group_of(self, param: nn.Parameter) -> int | None:
+        """The index of ``param``'s group in the wrapped optimizer (``None``: not one of its parameters)."""
+        return self._group_of.get(id(param))
+
+    def scalar_state(self, chunk: Chunk) -> dict[int, dict[str, Any]]:
+        """An optimizer other than Adam: ``{group: scalar state}`` of ``chunk``'s parameters (the same for
+        a group's parameters in one chunk: they step together), changed in place."""
+        return self._scalars.setdefault(chunk.index, {})
 
     @property
     def global_grad_norm(self) -> float | None:
@@ -493,6 +536,9 @@ class ShardedOptimizerV2(Optimizer):
     step.hooked = True  # type: ignore[attr-defined]  # tells torch not to wrap it again
 
     def _update_chunk(self, chunk: Chunk, multiplier: float) -> None:
+        if self._layout is not None:
+            self._update_with_any_optimizer(chunk, multiplier)
+            return
         tier = self.runtime.compute_tier(chunk)
         pieces = self.runtime.grad_pieces(chunk)  # autograd's tensors, where the runtime kept them
         grad = self.runtime.grad_of(chunk) if pieces is None else None
@@ -518,6 +564,34 @@ class ShardedOptimizerV2(Optimizer):
             if chunk.has_master:  # the copy written may be new memory: what no range wrote is the master's rounding
                 for a, b in gaps(ranges, 0, chunk.shard_numel):
                     target[a:b].copy_(master[a:b])
+
+    def _update_with_any_optimizer(self, chunk: Chunk, multiplier: float) -> None:
+        """The wrapped optimizer's own step over ``chunk`` on stand-ins (:mod:`chunkmem.optim.any_optimizer`)."""
+        tier = self.runtime.compute_tier(chunk)
+        grad = self.runtime.grad_of(chunk)
+        views, groups = [], set()
+        with torch._C.DisableTorchFunctionSubclass():  # requires_grad of a chunk-managed parameter
+            for slot in chunk.slots:
+                group = self._group_of.get(id(slot.param))
+                if group is None or not slot.param.requires_grad:
+                    continue
+                groups.add(group)
+                part = chunk.own_range(slot)
+                if part is None:
+                    continue
+                start = slot.offset + part[0] - chunk.shard_offset
+                whole = part == (0, slot.numel)
+                views.append(ParamView(start, part[1] - part[0], tuple(slot.shape) if whole else None, group))
+        scalars = self.scalar_state(chunk)
+        with self.runtime.updating(chunk, tier) as target:
+            master = chunk.optim[MASTER].tensor if chunk.has_master else target
+            grad32 = grad.to(device=target.device, dtype=torch.float32, copy=True).mul_(multiplier)
+            families = {key: chunk.optim[key].tensor for key in self._layout.families}
+            step_views(self.optim, self._layout, views, groups, master, grad32, families, scalars,
+                       first_step=chunk.step == 0)
+            chunk.step += 1
+            if chunk.has_master:
+                target.copy_(master)
 
     def _disk_update(self, chunk: Chunk, multiplier: float) -> ChunkUpdate:
         """What the streamed step needs to update ``chunk`` (its gradients final)."""

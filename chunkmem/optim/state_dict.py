@@ -71,8 +71,12 @@ def optimizer_state_dict(optim: Any, rank0_only: bool) -> dict[str, Any]:
     groups, params = export_param_groups(optim)
     index_of = {id(p): i for i, p in enumerate(params)}
     state: dict[int, dict[str, torch.Tensor]] = {}
+    layout = optim.state_layout
     for chunk in optim.runtime.chunks:
         if not chunk.trainable or chunk.step == 0:
+            continue
+        if layout is not None:
+            state.update(_any_optimizer_entries(optim, chunk, index_of))
             continue
         exp_avg = chunk.gather(chunk.optim[EXP_AVG].read())  # collectives, in chunk order on every rank
         exp_avg_sq = chunk.gather(chunk.optim[EXP_AVG_SQ].read())
@@ -84,6 +88,24 @@ def optimizer_state_dict(optim: Any, rank0_only: bool) -> dict[str, Any]:
         return {}
     scaler = optim.grad_scaler.state_dict() if optim.grad_scaler is not None else None
     return {"state": dict(sorted(state.items())), "param_groups": groups, "loss_scaler": scaler}
+
+
+def _any_optimizer_entries(optim: Any, chunk: Chunk, index_of: dict[int, int]) -> dict[int, dict[str, Any]]:
+    """The torch-format state entries of ``chunk``'s parameters for an optimizer other than Adam: its
+    per-element state gathered (collectives, in chunk order on every rank) and its scalar state."""
+    layout = optim.state_layout
+    gathered = {key: chunk.gather(chunk.optim[key].read()) for key in layout.families}
+    scalars = optim.scalar_state(chunk)
+    entries = {}
+    for slot in chunk.slots:
+        group = optim.group_of(slot.param)
+        if id(slot.param) not in index_of or group not in scalars:
+            continue
+        entry: dict[str, Any] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in scalars[group].items()}
+        for key in layout.per_group[group]:
+            entry[key] = slot.view(gathered[key]).detach().to("cpu", torch.float32, copy=True).view(tuple(slot.shape))
+        entries[index_of[id(slot.param)]] = entry
+    return entries
 
 
 class OptimizerLoad:
@@ -98,10 +120,25 @@ class OptimizerLoad:
         self.scaler = scaler
 
     def apply(self) -> None:
-        """Write each chunk's step and this rank's part of the moments, the hyper-parameters and the
-        loss scaler state."""
+        """Write each chunk's step and this rank's part of the moments (or another optimizer's state),
+        the hyper-parameters and the loss scaler state."""
         with torch.no_grad():
-            for chunk, step, entries in self.chunks:
+            layout = getattr(self.optim, "state_layout", None)  # LowLevelZeroOptimizer: Adam
+            for chunk, step, entries in self.chunks if layout is not None else ():
+                families = {key: torch.zeros(chunk.shard_numel, dtype=torch.float32) for key in layout.families}
+                scalars: dict[int, dict[str, Any]] = {}
+                for slot, entry in entries:
+                    group = self.optim.group_of(slot.param)
+                    for key in layout.per_group[group]:
+                        chunk.write_own_part(slot, families[key], entry[key])
+                    scalars[group] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                      for k, v in entry.items() if k not in layout.per_group[group]}
+                for key, values in families.items():
+                    chunk.optim[key].write(values)
+                self.optim.scalar_state(chunk).clear()
+                self.optim.scalar_state(chunk).update(scalars)
+                chunk.step = step
+            for chunk, step, entries in self.chunks if layout is None else ():
                 exp_avg = torch.zeros(chunk.shard_numel, dtype=torch.float32)
                 exp_avg_sq = torch.zeros(chunk.shard_numel, dtype=torch.float32)
                 for slot, entry in entries:
@@ -111,7 +148,10 @@ class OptimizerLoad:
                 chunk.optim[EXP_AVG_SQ].write(exp_avg_sq)
                 chunk.step = step
         for group, saved in zip(self.optim.optim.param_groups, self.groups):
-            import_group(group, saved)
+            if layout is None:
+                import_group(group, saved)
+            else:  # another optimizer: its own keys, as torch's load_state_dict sets them
+                group.update((k, v) for k, v in saved.items() if k != "params")
         if self.scaler is not None and self.optim.grad_scaler is not None:
             self.optim.grad_scaler.load_state_dict(self.scaler)
         self.optim.state_loaded()
@@ -140,6 +180,7 @@ def plan_optimizer_load(optim: Any, state_dict: Any) -> OptimizerLoad:
         if key not in state_dict:
             raise InvalidArgumentError("state_dict", f"a dict without {key!r} (keys {list(state_dict)[:5]})", allowed)
     plan = plan_hyper_load(optim, state_dict["param_groups"], state_dict.get("loss_scaler"))
+    layout = optim.state_layout
     param_of = {}
     for group, saved in zip(optim.optim.param_groups, plan.groups):
         param_of.update(zip(saved["params"], group["params"]))
@@ -159,14 +200,18 @@ def plan_optimizer_load(optim: Any, state_dict: Any) -> OptimizerLoad:
         for slot in chunk.slots:
             index, entry = entry_of.get(id(slot.param), (None, None))
             name = optim.model.parameter_name(slot.param) or slot.name
-            step = 0 if entry is None else check_entry(index, name, entry, slot)
+            if layout is None:
+                step = 0 if entry is None else check_entry(index, name, entry, slot)
+            else:
+                step = 0 if entry is None else check_any_entry(index, name, entry, slot,
+                                                                layout.per_group[optim.group_of(slot.param)])
             steps.setdefault(step, []).append(name)
             if entry is not None and step > 0:
                 entries.append((slot, entry))
         if len(steps) > 1:
             detail = "; ".join(f"step {s}: {first_few(n)}" for s, n in sorted(steps.items()))
             raise InvalidArgumentError(
-                "state_dict['state']", f"different Adam steps for parameters of one chunk ({detail})",
+                "state_dict['state']", f"different steps for parameters of one chunk ({detail})",
                 "one step for all parameters that share a chunk (chunkmem steps a chunk's parameters together; "
                 "a parameter without state counts as step 0)")
         plan.chunks.append((chunk, next(iter(steps)) if steps else 0, entries))
@@ -176,7 +221,7 @@ def plan_optimizer_load(optim: Any, state_dict: Any) -> OptimizerLoad:
 def plan_hyper_load(optim: Any, param_groups: Any, loss_scaler: Any) -> OptimizerLoad:
     """A checked plan that loads only the param groups' hyper-parameters and the loss scaler state
     (``None``: leave the scaler as it is); the caller may add chunk states to ``plan.chunks``."""
-    groups = _check_groups(optim.optim.param_groups, param_groups)
+    groups = _check_groups(optim.optim.param_groups, param_groups, adam=getattr(optim, "state_layout", None) is None)
     if loss_scaler is not None:
         _check_loss_scaler(loss_scaler)
     return OptimizerLoad(optim, groups, [], loss_scaler)
@@ -200,7 +245,7 @@ def _check_loss_scaler(state: Any) -> None:
             raise InvalidArgumentError(f"{where}[{key!r}]", value, "an integer >= 0")
 
 
-def _check_groups(groups: list[dict[str, Any]], saved_groups: Any) -> list[Mapping[str, Any]]:
+def _check_groups(groups: list[dict[str, Any]], saved_groups: Any, adam: bool = True) -> list[Mapping[str, Any]]:
     if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(groups):
         count = len(saved_groups) if isinstance(saved_groups, (list, tuple)) else type(saved_groups).__name__
         raise InvalidArgumentError("state_dict['param_groups']", f"{count} groups",
@@ -211,6 +256,8 @@ def _check_groups(groups: list[dict[str, Any]], saved_groups: Any) -> list[Mappi
         if len(saved.get("params", ())) != len(group["params"]):
             raise InvalidArgumentError(where, f"a group of {len(saved.get('params', ()))} parameters",
                                        f"{len(group['params'])} parameters, as the optimizer's group {n}")
+        if not adam:  # another optimizer: its own hyper-parameters, whatever they are
+            continue
         for option in UNSUPPORTED_OPTIONS:
             if saved.get(option):
                 raise InvalidArgumentError(f"{where}[{option!r}]", saved[option],
@@ -224,6 +271,29 @@ def _check_groups(groups: list[dict[str, Any]], saved_groups: Any) -> list[Mappi
         except (TypeError, ValueError) as exc:
             raise InvalidArgumentError(where, f"a group with an unreadable hyper-parameter ({exc})", _HYPER) from None
     return list(saved_groups)
+
+
+def check_any_entry(index: Any, name: str, entry: Any, slot: ParamSlot, keys: tuple[str, ...]) -> int:
+    """For an optimizer other than Adam: check one parameter's saved state (its per-element ``keys``
+    there, of the parameter's size); returns its ``step`` (1 for an optimizer that counts none)."""
+    where = f"state_dict['state'][{index!r}] (parameter {name!r})"
+    check_type(where, entry, Mapping, f"a dict with {list(keys)}")
+    for key in keys:
+        if key not in entry:
+            raise InvalidArgumentError(where, f"a state without {key!r}", f"the optimizer's state keys {list(keys)}")
+        value = entry[key]
+        if isinstance(value, torch.Tensor) and value.numel() != slot.numel:
+            raise InvalidArgumentError(f"{where}[{key!r}]", f"a tensor of shape {tuple(value.shape)}",
+                                       f"a floating-point tensor of shape {tuple(slot.shape)}")
+        check_tensor_data(f"{where}[{key!r}]", value, floating=True)
+    if "step" not in entry:
+        return 1
+    step = entry["step"]
+    step = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step) or step < 1 \
+            or step != int(step):
+        raise InvalidArgumentError(f"{where}['step']", entry["step"], "a whole number >= 1")
+    return int(step)
 
 
 def check_entry(index: Any, name: str, entry: Any, slot: ParamSlot) -> int:

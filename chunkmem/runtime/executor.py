@@ -15,7 +15,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
-from ..core.chunk import MASTER, OPTIM_FAMILIES, Chunk, gather_together
+from ..core.chunk import MASTER, Chunk, gather_together
 from ..errors import GradientAccumulationError
 from ..core.memory import TierMemory
 from ..core.states import ChunkStateError, CopyState
@@ -162,12 +162,13 @@ class ChunkExecutor:
 
     def place_optimizer_state(self, chunk: Chunk) -> None:
         """Allocate the chunk's optimizer families (this rank's shard) on the policy's tier: the fp32
-        master from the current parameters, exp_avg and exp_avg_sq zero."""
+        master from the current parameters, the per-element state (Adam's exp_avg and exp_avg_sq, or the
+        optimizer's own) zero."""
         tier = self.optim_tier(chunk)
         if chunk.has_master:
             chunk.optim[MASTER].allocate(tier)
             chunk.optim[MASTER].write(chunk.param.local())
-        for family in OPTIM_FAMILIES[1:]:
+        for family in chunk.state_families:
             chunk.optim[family].allocate(tier, zero=True)
 
     def move_optimizer_state(self, chunk: Chunk, tier: Tier) -> None:

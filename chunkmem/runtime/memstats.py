@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..core.chunk import EXP_AVG, EXP_AVG_SQ, MASTER
+from ..core.chunk import MASTER
 from ..core.tiers import Tier
 
 SCHEMA = "chunkmem.memstats/1"
@@ -69,13 +69,12 @@ def collect(runtime: Any, rank: int = 0, world_size: int = 1) -> dict[str, Any]:
     by_tier: dict[Tier, list[int]] = {Tier.DEVICE: [], Tier.HOST: [], Tier.DISK: []}
     usage = {Tier.DEVICE: 0, Tier.HOST: 0, Tier.DISK: 0}
     for chunk in chunks:
-        if not chunk.trainable or not chunk.optim[EXP_AVG].allocated:
+        placed = [chunk.optim[f] for f in (MASTER, *chunk.state_families) if chunk.optim[f].allocated]
+        if not chunk.trainable or not placed:
             continue
-        by_tier[chunk.optim[EXP_AVG].tier].append(chunk.index)
-        for family in (MASTER, EXP_AVG, EXP_AVG_SQ):
-            buf = chunk.optim[family]
-            if buf.allocated:
-                usage[buf.tier] += buf.nbytes
+        by_tier[placed[-1].tier].append(chunk.index)
+        for buf in placed:
+            usage[buf.tier] += buf.nbytes
     blocks, ledger, disk = runtime.memory.blocks, runtime.ledger, runtime.memory.disk
     return {
         "schema": SCHEMA,

@@ -577,7 +577,7 @@ class ChunkRuntime:
             shards.all_reduce_(agreed, torch.distributed.ReduceOp.MAX, what="the traced non-model memory peaks")
             peaks = [int(p) for p in agreed.tolist()]
         first = chunks[0]
-        optimizer_state = first.trainable and first.optim["exp_avg"].allocated
+        optimizer_state = first.trainable and any(buf.allocated for buf in first.optim.values())
         inputs = PlanInputs(self.memory.ledger.capacity, first.param.nbytes,
                             self._optimizer_group_bytes(first) if optimizer_state else 0,
                             self.gradients.in_param_memory, shards.sharded, peaks)
@@ -590,7 +590,7 @@ class ChunkRuntime:
         """Device bytes of one chunk kept there with its optimizer state: this rank's shard of the fp32
         families and of the gradient, the full parameter copy, and (sharded) the parameter shard."""
         fp32 = 4 * chunk.shard_numel
-        families = 3 if chunk.has_master else 2
+        families = len(chunk.state_families) + (1 if chunk.has_master else 0)
         shard_bytes = chunk.param.shard.nbytes
         grad = 0 if self.gradients.in_param_memory else shard_bytes
         return families * fp32 + chunk.param.nbytes + (shard_bytes if chunk.param.sharded else 0) + grad

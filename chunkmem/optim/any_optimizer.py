@@ -1,0 +1,164 @@
+"""Any torch optimizer over the chunks: the update of an optimizer that is not Adam (SGD, RMSprop,
+Adagrad, AdamW with ``amsgrad``, ...), by :class:`~chunkmem.ShardedOptimizerV2`.
+
+**What the optimizer keeps.** :func:`probe_state` steps a throw-away copy of the optimizer (same class,
+same hyper-parameters per group) twice on a small tensor and sorts what it keeps per parameter: a tensor
+shaped like the parameter is **per-element** state (SGD's ``momentum_buffer``, Adagrad's ``sum``,
+RMSprop's ``square_avg``, AMSGrad's ``max_exp_avg_sq``); a 0-d tensor or a number is **scalar** state
+(``step``, NAdam's ``mu_product``); anything else (factored or quantized state) cannot live in chunks and
+the optimizer is refused. Each per-element key becomes an fp32 state family of every trainable chunk,
+named as the key: it lives on the chunk's optimizer tier, moves with it, and the ledger counts it. Scalar
+state is kept per parameter on the host (a few bytes).
+
+**The update.** For a chunk, on the tier where its state lives, the optimizer's own ``step`` runs on
+stand-in parameters that are views of this rank's part of each parameter in the fp32 master (shaped like
+the parameter when the rank holds it whole, flat pieces when it is sharded), with gradients unscaled and
+clipped, and the state entries views of the families (before a parameter's first step there is none: the
+optimizer creates it, and it is copied into the families after). The math is the optimizer's own, so
+the result equals plain PyTorch for every element. An optimizer whose step reads a whole parameter
+(a norm, a trust ratio: LAMB, LARS, Adafactor's factors) would see a piece when the chunk is sharded: only
+the classes of :data:`ELEMENTWISE` are stepped on a sharded model.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from torch.optim import Optimizer
+
+from ..errors import InvalidArgumentError
+
+__all__ = ["ELEMENTWISE", "ParamView", "StateLayout", "check_shardable", "probe_state", "step_views"]
+
+ELEMENTWISE: tuple[type, ...] = (torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adam,
+                                 torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+                                 torch.optim.Rprop, torch.optim.ASGD, torch.optim.Adadelta)
+"""Optimizer classes whose step treats every element on its own (a sharded model may use them)."""
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """What an optimizer keeps per parameter, per param group (see the module docstring).
+
+    Attributes:
+        families: the per-element keys over all groups, in first-seen order (the chunks' state families).
+        per_group: for each param group, its per-element keys.
+    """
+
+    families: tuple[str, ...]
+    per_group: tuple[tuple[str, ...], ...]
+
+
+def _hyper(group: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in group.items() if key != "params"}
+
+
+def _copy_of(optimizer: Optimizer, groups: list[dict[str, Any]]) -> Optimizer:
+    """A new optimizer of ``optimizer``'s class over ``groups``, built with its defaults as constructor
+    arguments (some read those, not the group's: Adagrad's ``initial_accumulator_value``)."""
+    cls = type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    return cls(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"})
+
+
+def probe_state(optimizer: Optimizer) -> StateLayout:
+    """Sort the state ``optimizer`` keeps per parameter (module docstring); refuse with
+    :class:`~chunkmem.InvalidArgumentError` naming ``optimizer`` what cannot live in chunks."""
+    families: list[str] = []
+    per_group = []
+    for index, group in enumerate(optimizer.param_groups):
+        probe = torch.zeros(2, 3, requires_grad=True)
+        try:
+            shadow = _copy_of(optimizer, [{**_hyper(group), "params": [probe]}])
+            for value in (0.5, -0.25):
+                probe.grad = torch.full_like(probe, value)
+                shadow.step()
+        except Exception as e:  # noqa: BLE001 - any failure means chunkmem cannot run this optimizer's step
+            raise InvalidArgumentError("optimizer", type(optimizer).__name__,
+                                       f"an optimizer chunkmem can step on stand-in parameters (building and stepping "
+                                       f"a copy of param group {index} failed: {type(e).__name__}: {e})") from e
+        keys = []
+        for key, value in shadow.state[probe].items():
+            if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(probe.shape):
+                keys.append(key)
+                if key not in families:
+                    families.append(key)
+            elif isinstance(value, torch.Tensor) and value.numel() != 1:
+                raise InvalidArgumentError(
+                    "optimizer", type(optimizer).__name__,
+                    f"an optimizer whose state per parameter is shaped like the parameter or scalar ({key!r} has "
+                    f"shape {tuple(value.shape)} for a parameter of shape {tuple(probe.shape)}: factored or "
+                    f"quantized state does not fit in chunks)")
+        per_group.append(tuple(keys))
+    if "master" in families:
+        raise InvalidArgumentError("optimizer", type(optimizer).__name__, "an optimizer without a state key 'master'")
+    return StateLayout(tuple(families), tuple(per_group))
+
+
+def check_shardable(optimizer: Optimizer) -> None:
+    """Refuse an optimizer outside :data:`ELEMENTWISE` on a sharded model (it would see pieces)."""
+    if type(optimizer) not in ELEMENTWISE:
+        raise InvalidArgumentError(
+            "optimizer", type(optimizer).__name__,
+            "on a sharded model (several ranks), an optimizer that treats every element on its own: "
+            + ", ".join(c.__name__ for c in ELEMENTWISE) + f" ({type(optimizer).__name__} may read a whole parameter, "
+            "and each rank holds pieces)")
+
+
+@dataclass
+class ParamView:
+    """One parameter's part in this rank's shard, for one update: where it is (``start``, ``count`` in
+    the shard), its shape when whole (``None``: a flat piece) and its param group."""
+
+    start: int
+    count: int
+    shape: tuple[int, ...] | None
+    group: int
+
+
+def step_views(optimizer: Optimizer, layout: StateLayout, views: Iterable[ParamView], groups: Iterable[int],
+               master: torch.Tensor, grad: torch.Tensor, families: dict[str, torch.Tensor],
+               scalars: dict[int, dict[str, Any]], first_step: bool) -> None:
+    """Run ``optimizer``'s step over the parameters of one chunk on stand-ins: views of ``master`` (this
+    rank's fp32 shard, updated in place) with gradients from ``grad`` (fp32, same layout, unscaled and
+    clipped) and per-element state from ``families`` (``{key: fp32 shard}``, written in place).
+
+    Scalar state (``step``, ...) is the same for all parameters of one group in one chunk (they step
+    together): ``scalars[group]`` holds it and is replaced by the new values. ``groups``: every group with
+    trainable parameters in the chunk; a group none of whose elements lie in this rank's shard steps a
+    one-element stand-in, so that every rank keeps the same scalar state. ``first_step``: no state exists
+    yet (the optimizer creates it; the per-element part is copied into the families)."""
+    stand_ins: list[tuple[ParamView | None, int, torch.Tensor, dict[str, torch.Tensor]]] = []
+    for view in views:
+        def cut(flat: torch.Tensor, v: ParamView = view) -> torch.Tensor:
+            piece = flat[v.start:v.start + v.count]
+            return piece.view(v.shape) if v.shape is not None else piece
+        param = cut(master)
+        param.grad = cut(grad)
+        stand_ins.append((view, view.group, param, {key: cut(families[key]) for key in layout.per_group[view.group]}))
+    for group in sorted(set(groups) - {view.group for view in views}):  # keeps this rank's scalar state in step
+        param = torch.zeros(1, device=master.device)
+        param.grad = torch.zeros(1, device=master.device)
+        stand_ins.append((None, group, param, {key: torch.zeros(1, device=master.device)
+                                               for key in layout.per_group[group]}))
+    by_group: dict[int, list[torch.Tensor]] = {}
+    for _, group, param, _ in stand_ins:
+        by_group.setdefault(group, []).append(param)
+    shadow = _copy_of(optimizer, [{**_hyper(optimizer.param_groups[g]), "params": params}
+                                  for g, params in by_group.items()])
+    if not first_step:
+        for _, group, param, state in stand_ins:
+            own = dict(state)  # per-element: views written in place; scalars: a copy per parameter
+            own.update((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars[group].items())
+            shadow.state[param] = own
+    with torch.no_grad():
+        shadow.step()
+    for view, group, param, state in stand_ins:
+        kept = shadow.state[param]
+        for key, target in state.items():
+            if kept[key] is not target:  # created by this step: into the family
+                target.copy_(kept[key])
+        scalars[group] = {k: v for k, v in kept.items() if k not in state}
+        param.grad = None

@@ -1,0 +1,220 @@
+"""Any torch optimizer in ShardedOptimizerV2 (chunkmem.optim.any_optimizer), against plain PyTorch:
+SGD (momentum, Nesterov), RMSprop (centered, momentum), Adagrad, AdamW(amsgrad) and NAdam under the
+placements, at 2 ranks against one process with the double batch, state dicts in torch's format both
+ways, checkpoints, accessors, a 16-bit model against an fp32-master oracle, and what is refused."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import chunkmem as cm
+from models import TinyGPT, batches, lm_loss
+
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.5, centered=True),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.05, initial_accumulator_value=0.1),
+    "amsgrad": lambda p: torch.optim.AdamW(p, lr=1e-2, amsgrad=True),
+    "nadam": lambda p: torch.optim.NAdam(p, lr=1e-2),
+}
+FAMILIES = {"sgd": ["momentum_buffer"], "rmsprop": ["grad_avg", "momentum_buffer", "square_avg"],
+            "adagrad": ["sum"], "amsgrad": ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"],
+            "nadam": ["exp_avg", "exp_avg_sq"]}
+
+
+def _wrap(reference, make, placement="cpu", dtype=torch.float32):
+    """Built as chunkmem.initialize builds it: the optimizer over the plain module, then the wrapping
+    (an optimizer that reads its parameters when built, as Adagrad does, cannot read sharded ones)."""
+    module = copy.deepcopy(reference)
+    optimizer = make(module.parameters())
+    model = cm.ShardedModelV2(module, cm.TensorShardStrategy(), tensor_placement_policy=placement, dtype=dtype,
+                              chunk_size=16384)
+    optim = cm.ShardedOptimizerV2(model, optimizer)
+    assert not optimizer.state  # Adagrad's own sums are dropped: the chunks hold the state
+    return model, optim
+
+
+def _train(model, optim, data):
+    for x in data:
+        optim.backward(lm_loss(model(x), x))
+        optim.step()
+
+
+def _plain(reference, make, data):
+    plain = copy.deepcopy(reference)
+    optim = make(plain.parameters())
+    for x in data:
+        lm_loss(plain(x), x).backward()
+        optim.step()
+        optim.zero_grad()
+    return plain, optim
+
+
+def _assert_equal(model, plain):
+    state = model.state_dict()
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(state[name], p.detach(), rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("placement", ["cpu", "cuda", "auto"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_equals_plain_pytorch_and_keeps_its_state_in_chunk_families(name, placement):
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    data = batches(4, seed=5)
+    plain, _ = _plain(reference, OPTIMIZERS[name], data)
+    model, optim = _wrap(reference, OPTIMIZERS[name], placement)
+    _train(model, optim, data)
+    _assert_equal(model, plain)
+    if placement == "cpu":
+        trainable = [c for c in model.chunks if c.trainable]
+        host = model.tier_bytes()["host"]
+        for family in FAMILIES[name]:  # counted exactly: one fp32 shard per trainable chunk
+            assert host[family] == sum(4 * c.shard_numel for c in trainable), family
+        assert sorted(set(host) - {"param"}) == FAMILIES[name]
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "amsgrad"])
+def test_state_dict_is_torchs_both_ways_and_checkpoints_resume(tmp_path, name):
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    data = batches(4, seed=6)
+    make = OPTIMIZERS[name]
+    plain, plain_optim = _plain(reference, make, data[:2])
+    model, optim = _wrap(reference, make)
+    _train(model, optim, data[:2])
+    ours, theirs = optim.state_dict(), plain_optim.state_dict()
+    assert sorted(ours["state"]) == sorted(theirs["state"])
+    for index, entry in theirs["state"].items():
+        assert set(ours["state"][index]) == set(entry)
+        for key, value in entry.items():
+            torch.testing.assert_close(torch.as_tensor(ours["state"][index][key]), torch.as_tensor(value), rtol=0, atol=0)
+    cm.save_checkpoint(tmp_path / "ck.pt", model, optim)
+    with pytest.raises(cm.InvalidArgumentError) as caught:
+        cm.save_checkpoint(tmp_path / "sharded", model, optim, sharded=True)
+    assert caught.value.argument == "sharded"
+
+    plain_from_ours = copy.deepcopy(reference)  # chunkmem's state dicts load into plain PyTorch
+    plain_from_ours.load_state_dict(model.state_dict())
+    loaded = make(plain_from_ours.parameters())
+    loaded.load_state_dict(ours)
+    resumed, resumed_optim = _wrap(reference, make)  # and the checkpoint into a fresh chunkmem
+    cm.load_checkpoint(tmp_path / "ck.pt", resumed, resumed_optim)
+    from_plain, from_plain_optim = _wrap(plain, make)  # and torch's state dict too
+    from_plain_optim.load_state_dict(theirs)
+    for x in data[2:]:
+        lm_loss(plain(x), x).backward()
+        plain_optim.step()
+        plain_optim.zero_grad()
+        lm_loss(plain_from_ours(x), x).backward()
+        loaded.step()
+        loaded.zero_grad()
+    _train(model, optim, data[2:])
+    _train(resumed, resumed_optim, data[2:])
+    _train(from_plain, from_plain_optim, data[2:])
+    for other in (model, resumed, from_plain):
+        _assert_equal(other, plain)
+    for p, q in zip(plain.parameters(), plain_from_ours.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_accessors_read_and_write_the_optimizers_own_state():
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    data = batches(2, seed=7)
+    plain, plain_optim = _plain(reference, OPTIMIZERS["sgd"], data)
+    model, optim = _wrap(reference, OPTIMIZERS["sgd"])
+    _train(model, optim, data)
+    for (name, p), want in zip(model.module.named_parameters(), plain.parameters()):
+        got = cm.utils.safe_get_full_optimizer_state(p, "momentum_buffer")
+        torch.testing.assert_close(got, plain_optim.state[want]["momentum_buffer"], rtol=1e-6, atol=1e-7, msg=name)
+    p = next(model.module.parameters())
+    cm.utils.safe_set_full_optimizer_state(p, torch.zeros_like(p, dtype=torch.float32), "momentum_buffer")
+    assert cm.utils.safe_get_full_optimizer_state(p, "momentum_buffer").abs().sum() == 0
+    with pytest.raises(cm.InvalidArgumentError) as caught:
+        cm.utils.safe_get_full_optimizer_state(p, "exp_avg")
+    assert caught.value.argument == "optim_state_key" and "momentum_buffer" in str(caught.value)
+
+
+def test_a_16bit_model_steps_its_fp32_masters_with_the_optimizers_own_math():
+    torch.manual_seed(0)
+    data = batches(2, seed=8)
+    model, optim = _wrap(TinyGPT(), OPTIMIZERS["rmsprop"], "cpu", torch.bfloat16)
+    params = list(model.module.parameters())
+    oracle = [cm.utils.safe_get_full_fp32_param(p).clone() for p in params]
+    oracle_optim = OPTIMIZERS["rmsprop"](oracle)
+    for x in data:
+        optim.backward(lm_loss(model(x), x))
+        for o, p in zip(oracle, params):
+            o.grad = cm.utils.safe_get_full_grad(p)  # the bf16 gradient, widened
+        optim.step()
+        oracle_optim.step()
+    for o, p in zip(oracle, params):
+        master = cm.utils.safe_get_full_fp32_param(p)
+        torch.testing.assert_close(master, o, rtol=1e-6, atol=1e-7)
+        with cm.GatheredParameters([p]):
+            assert torch.equal(p.detach(), master.to(torch.bfloat16))  # the 16-bit copy is the master's rounding
+
+
+def _two_rank_worker(rank: int, world: int, name: str) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    data = batches(3, batch=4, seed=9)
+    model, optim = _wrap(reference, OPTIMIZERS[name])
+    for x in data:
+        part = x[2 * rank:2 * rank + 2]
+        optim.backward(lm_loss(model(part), part))
+        optim.step()
+    state = model.state_dict()
+    return [state[n] for n, _ in reference.named_parameters()]
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "nadam"])
+def test_two_ranks_equal_one_process_with_the_double_batch(name):
+    from distributed import run_ranks
+    ranks = run_ranks(_two_rank_worker, 2, name)
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    data = batches(3, batch=4, seed=9)
+    model, optim = _wrap(reference, OPTIMIZERS[name])
+    _train(model, optim, data)
+    state = model.state_dict()
+    for result in ranks:
+        for (n, _), got in zip(reference.named_parameters(), result):
+            torch.testing.assert_close(got, state[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+class ScaledSGD(torch.optim.SGD):
+    """A subclass: its step might read a whole parameter, so it is not stepped on pieces."""
+
+
+def _refused_when_sharded(rank: int, world: int) -> str:
+    model = cm.ShardedModelV2(TinyGPT(), cm.TensorShardStrategy(), tensor_placement_policy="cpu", dtype=torch.float32)
+    try:
+        cm.ShardedOptimizerV2(model, ScaledSGD(model.parameters(), lr=0.1))
+    except cm.InvalidArgumentError as e:
+        return f"{e.argument}: {e}"
+    return "accepted"
+
+
+def test_what_cannot_be_stepped_is_refused_before_anything_changes(tmp_path):
+    from distributed import run_ranks
+    assert all(r.startswith("optimizer:") and "sharded" in r for r in run_ranks(_refused_when_sharded, 2))
+    model = cm.ShardedModelV2(TinyGPT(), cm.TensorShardStrategy(), tensor_placement_policy="cpu", dtype=torch.float32)
+    before = model.tier_bytes()
+    with pytest.raises(cm.InvalidArgumentError, match="factored") as caught:
+        cm.ShardedOptimizerV2(model, torch.optim.Adafactor(model.parameters()))
+    assert caught.value.argument == "optimizer" and model.tier_bytes() == before and not model.optimizer_attached
+    optim = cm.ShardedOptimizerV2(model, ScaledSGD(model.parameters(), lr=0.1, momentum=0.9))  # one process: fine
+    assert optim.state_layout.families == ("momentum_buffer",)
+    disk = cm.ShardedModelV2(TinyGPT(), cm.TensorShardStrategy(), tensor_placement_policy="cpu", dtype=torch.float32,
+                             offload_optimizer="disk", nvme_path=str(tmp_path))
+    with pytest.raises(cm.InvalidArgumentError, match="disk") as caught:
+        cm.ShardedOptimizerV2(disk, torch.optim.SGD(disk.parameters(), lr=0.1))
+    assert caught.value.argument == "optimizer"
+    plain = TinyGPT()
+    with pytest.raises(cm.ArgumentTypeError, match="ShardedOptimizerV2 takes any") as caught:
+        cm.LowLevelZeroOptimizer(torch.optim.SGD(plain.parameters(), lr=0.1))
+    assert caught.value.argument == "optimizer"
