@@ -130,32 +130,31 @@ def step_views(optimizer: Optimizer, layout: StateLayout, views: Iterable[ParamV
     trainable parameters in the chunk; a group none of whose elements lie in this rank's shard steps a
     one-element stand-in, so that every rank keeps the same scalar state. ``first_step``: no state exists
     yet (the optimizer creates it; the per-element part is copied into the families)."""
-    stand_ins: list[tuple[ParamView | None, int, torch.Tensor, dict[str, torch.Tensor]]] = []
+    stand_ins: list[tuple[int, torch.Tensor, dict[str, torch.Tensor]]] = []  # (group, stand-in, its state views)
     for view in views:
         def cut(flat: torch.Tensor, v: ParamView = view) -> torch.Tensor:
             piece = flat[v.start:v.start + v.count]
             return piece.view(v.shape) if v.shape is not None else piece
         param = cut(master)
         param.grad = cut(grad)
-        stand_ins.append((view, view.group, param, {key: cut(families[key]) for key in layout.per_group[view.group]}))
+        stand_ins.append((view.group, param, {key: cut(families[key]) for key in layout.per_group[view.group]}))
     for group in sorted(set(groups) - {view.group for view in views}):  # keeps this rank's scalar state in step
         param = torch.zeros(1, device=master.device)
         param.grad = torch.zeros(1, device=master.device)
-        stand_ins.append((None, group, param, {key: torch.zeros(1, device=master.device)
-                                               for key in layout.per_group[group]}))
+        stand_ins.append((group, param, {key: torch.zeros(1, device=master.device) for key in layout.per_group[group]}))
     by_group: dict[int, list[torch.Tensor]] = {}
-    for _, group, param, _ in stand_ins:
+    for group, param, _ in stand_ins:
         by_group.setdefault(group, []).append(param)
     shadow = _copy_of(optimizer, [{**_hyper(optimizer.param_groups[g]), "params": params}
                                   for g, params in by_group.items()])
     if not first_step:
-        for _, group, param, state in stand_ins:
+        for group, param, state in stand_ins:
             own = dict(state)  # per-element: views written in place; scalars: a copy per parameter
-            own.update((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars[group].items())
+            own.update((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.get(group, {}).items())
             shadow.state[param] = own
     with torch.no_grad():
         shadow.step()
-    for view, group, param, state in stand_ins:
+    for group, param, state in stand_ins:
         kept = shadow.state[param]
         for key, target in state.items():
             if kept[key] is not target:  # created by this step: into the family
