@@ -17,6 +17,7 @@ chunkmem accepts but that changes nothing here warns with :class:`NoEffectWarnin
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import warnings
@@ -102,7 +103,9 @@ KEY_TABLE: dict[str, tuple[str, str]] = {
     "fp16.consecutive_hysteresis": ("warn", "no effect"),
     "fp16.auto_cast": ("warn", "no effect: inputs are always cast to the model dtype"),
     "bf16.enabled": ("map", "dtype torch.bfloat16 (unscaled)"),
-    "optimizer.type": ("map", "Adam, AdamW, HybridAdam, CPUAdam: HybridAdam (Adam: adam_w_mode, default True)"),
+    "optimizer.type": ("map", "Adam, AdamW, HybridAdam, CPUAdam: HybridAdam (Adam: adam_w_mode, default True); "
+                              "another torch.optim class name (SGD, ...): that class, as DeepSpeed builds it "
+                              "(stage 3 only: LowLevelZeroOptimizer steps Adam)"),
     "optimizer.params": ("map", "lr, betas, eps, weight_decay, bias_correction, adam_w_mode"),
     "gradient_clipping": ("map", "stages 1, 2: clip_grad_norm; stage 3: ShardedOptimizerV2(max_norm=), applied in "
                                  "step(); absent: 1.0, DeepSpeed's default (0.19.8; 0 turns clipping off)"),
@@ -597,14 +600,34 @@ def _precision(config: dict[str, Any]) -> tuple[torch.dtype, dict[str, Any]]:
     return torch.float16, scaler
 
 
-def build_optimizer(section: dict[str, Any], params: Any) -> HybridAdam:
-    """The :class:`~chunkmem.HybridAdam` a DeepSpeed ``optimizer`` section describes, over ``params``
-    (parameters or param groups); errors name ``optimizer.type`` / ``optimizer.params.<name>``."""
+def _torch_optimizer_class(kind: Any) -> type | None:
+    """``torch.optim.<kind>`` when it names an optimizer class (DeepSpeed takes those too), else ``None``."""
+    found = getattr(torch.optim, kind, None) if isinstance(kind, str) else None
+    return found if isinstance(found, type) and issubclass(found, torch.optim.Optimizer) else None
+
+
+def build_optimizer(section: dict[str, Any], params: Any) -> torch.optim.Optimizer:
+    """The optimizer a DeepSpeed ``optimizer`` section describes, over ``params`` (parameters or param
+    groups): the Adam types as :class:`~chunkmem.HybridAdam`; another name of a ``torch.optim`` class
+    (``"SGD"``, ``"RMSprop"``, ...) as that class with the section's ``params``, as DeepSpeed builds it.
+    Errors name ``optimizer.type`` / ``optimizer.params.<name>``."""
     _check_keys(section, {"type", "params"}, "optimizer")
     kind = section.get("type")
     if not isinstance(kind, str) or kind.lower() not in {t.lower() for t in _OPTIMIZER_TYPES}:
-        error = InvalidArgumentError if isinstance(kind, str) else ArgumentTypeError
-        raise error("optimizer.type", kind, _listing(_OPTIMIZER_TYPES) + " (case-insensitive)")
+        torch_class = _torch_optimizer_class(kind)
+        if torch_class is None:
+            error = InvalidArgumentError if isinstance(kind, str) else ArgumentTypeError
+            raise error("optimizer.type", kind, _listing(_OPTIMIZER_TYPES) + " (case-insensitive), or the name of a "
+                                                "torch.optim optimizer class such as 'SGD'")
+        options = dict(_section(section, "params", "optimizer.params"))
+        _check_keys(options, set(inspect.signature(torch_class.__init__).parameters) - {"self", "params"},
+                    "optimizer.params")
+        if isinstance(options.get("betas"), list):
+            options["betas"] = tuple(options["betas"])
+        try:
+            return torch_class(params, **options)
+        except (TypeError, ValueError) as e:
+            raise InvalidArgumentError("optimizer.params", options, f"arguments torch.optim.{kind} takes ({e})") from e
     options = dict(_section(section, "params", "optimizer.params"))
     _check_keys(options, _OPTIMIZER_PARAMS, "optimizer.params")
     adamw = options.pop("adam_w_mode", True)

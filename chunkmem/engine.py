@@ -202,13 +202,21 @@ class TrainingEngine(nn.Module):
                 self._step_applied = bool(applied)
                 if applied or not had_gradients:
                     if self.lr_scheduler is not None:
-                        self.lr_scheduler.step(**(lr_kwargs or {}))
+                        self._step_schedule(lr_kwargs)
                 else:
                     self.skipped_steps += 1
                 self.global_steps += 1
                 self.global_samples += self.train_batch_size() or 0
                 self._report_progress()
         self.micro_steps += 1
+
+    def _step_schedule(self, lr_kwargs: dict[str, Any] | None) -> None:
+        with warnings.catch_warnings():
+            if not isinstance(self.optimizer, torch.optim.Optimizer):
+                # a torch schedule over LowLevelZeroOptimizer's wrapped optimizer, whose own step() never runs:
+                # torch's warning that the schedule stepped before the optimizer would be false
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+            self.lr_scheduler.step(**(lr_kwargs or {}))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients (the optimizer's ``zero_grad``)."""

@@ -307,7 +307,7 @@ def test_deepspeed_fp16_section_sets_the_loss_scaler_and_bf16_the_dtype():
     ({"zero_optimization": {"stage": 3}, "fp16": {"enabled": True, "loss_scale": 128}}, "fp16.loss_scale", "0"),
     ({"zero_optimization": {"stage": 3}, "fp16": {"enabled": True, "loss_scale_window": 0}},
      "fp16.loss_scale_window", ""),
-    ({"zero_optimization": {"stage": 3}, "optimizer": {"type": "SGD"}}, "optimizer.type", "'AdamW'"),
+    ({"zero_optimization": {"stage": 3}, "optimizer": {"type": "Lion"}}, "optimizer.type", "'AdamW'"),
     ({"zero_optimization": {"stage": 3}, "optimizer": {"type": "Adam", "params": {"lr": -1.0}}},
      "optimizer.params.lr", ">= 0"),
     ({"zero_optimization": {"stage": 3}, "schedule": {"type": "WarmupLR"}}, "schedule", "'scheduler'"),

@@ -18,6 +18,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -523,3 +524,37 @@ def test_the_engine_steps_any_optimizer_and_resumes_it(tmp_path):
         resumed.step()
     for got, want in zip(_weights(resumed), _weights(engine)):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_torch_optimizer_and_scheduler_names_in_the_config_as_deepspeed_builds_them(stage):
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    data = batches(8, seed=14)
+    kind, options = ("SGD", {"lr": 0.1, "momentum": 0.9}) if stage == 3 else ("AdamW", {"lr": LR, "weight_decay": WD})
+    config = dict(_config(stage), gradient_clipping=0.0, optimizer={"type": kind, "params": options},
+                  scheduler={"type": "StepLR", "params": {"step_size": 2, "gamma": 0.5}})
+    module = copy.deepcopy(reference)
+    engine, optim, _, schedule = deepspeed.initialize(model=module, model_parameters=module.parameters(),
+                                                      config=config)
+    assert isinstance(schedule, torch.optim.lr_scheduler.StepLR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's "lr_scheduler.step() before optimizer.step()" would be false here
+        for x in data:
+            engine.backward(lm_loss(engine(x), x))
+            engine.step()
+    plain = copy.deepcopy(reference)
+    plain_optim = getattr(torch.optim, kind)(plain.parameters(), **options)
+    plain_schedule = torch.optim.lr_scheduler.StepLR(plain_optim, step_size=2, gamma=0.5)
+    for step in range(4):
+        for x in data[2 * step:2 * step + 2]:
+            (lm_loss(plain(x), x) / 2).backward()
+        plain_optim.step()
+        plain_optim.zero_grad()
+        plain_schedule.step()
+    assert engine.get_lr() == plain_schedule.get_last_lr()
+    for got, want in zip(_weights(engine), plain.parameters()):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(cm.InvalidArgumentError) as caught:
+        deepspeed.initialize(model=TinyGPT(), config=dict(config, optimizer={"type": "SGD", "params": {"lrr": 1}}))
+    assert caught.value.argument == "optimizer.params.lrr"

@@ -90,7 +90,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         groups = len(optimizer.param_groups) if optimizer is not None else 1
         with warnings.catch_warnings():  # its warnings come when the real one is built
             warnings.simplefilter("ignore")
-            schedule_from_config(loop.scheduler, _StandIn(groups))
+            schedule_from_config(loop.scheduler, _stand_in(groups))
     if optimizer is None and model_parameters is not None and "optimizer" in rest:
         optimizer = build_optimizer(rest.pop("optimizer"), model_parameters)
     module, optim = _wrap(model, optimizer, rest)
@@ -104,11 +104,10 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     return engine, optim, loader, lr_scheduler
 
 
-class _StandIn:
-    """Param groups alone, to check a schedule's arguments before the optimizer exists."""
-
-    def __init__(self, groups: int) -> None:
-        self.param_groups = [{"lr": 0.0, "betas": (0.9, 0.999)} for _ in range(groups)]
+def _stand_in(groups: int) -> torch.optim.Optimizer:
+    """An optimizer with ``groups`` param groups, to check a schedule's arguments before the real one exists."""
+    return torch.optim.SGD([{"params": [torch.zeros(1, requires_grad=True)], "betas": (0.9, 0.999)}
+                            for _ in range(groups)], lr=0.0, momentum=0.9)
 
 
 def _dataloader(data: Any, micro_batch: int, collate_fn: Any) -> torch.utils.data.DataLoader:

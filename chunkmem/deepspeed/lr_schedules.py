@@ -30,6 +30,9 @@ import math
 import warnings
 from typing import Any, Sequence
 
+import torch
+from torch.optim.lr_scheduler import LRScheduler
+
 from ..errors import ArgumentTypeError, InvalidArgumentError, check_number
 
 __all__ = ["OneCycle", "SCHEDULES", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "schedule_from_config"]
@@ -317,7 +320,9 @@ SCHEDULES: dict[str, type] = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecay
 
 def schedule_from_config(section: dict[str, Any], optimizer: Any) -> Any:
     """The schedule a DeepSpeed ``scheduler`` section describes (``{"type": name, "params": {...}}``),
-    built over ``optimizer``; a missing or unknown type or parameter raises
+    built over ``optimizer``: one of :data:`SCHEDULES`, or (as DeepSpeed does) a class of
+    ``torch.optim.lr_scheduler`` by name (over a LowLevelZeroOptimizer's wrapped torch optimizer, whose
+    groups it reads); a missing or unknown type or parameter raises
     :class:`~chunkmem.InvalidArgumentError` naming ``scheduler.type`` / ``scheduler.params.<name>``."""
     if not isinstance(section, dict):
         raise ArgumentTypeError("scheduler", section, "a dict with 'type' and 'params'")
@@ -325,19 +330,26 @@ def schedule_from_config(section: dict[str, Any], optimizer: Any) -> Any:
     if unknown:
         raise InvalidArgumentError(f"scheduler.{unknown[0]}", section[unknown[0]], "a key 'type' or 'params'")
     kind = section.get("type")
-    if kind not in SCHEDULES:
-        raise InvalidArgumentError("scheduler.type", kind, "one of " + ", ".join(repr(k) for k in SCHEDULES))
+    schedule = SCHEDULES.get(kind) if isinstance(kind, str) else None
+    torch_schedule = getattr(torch.optim.lr_scheduler, kind, None) if isinstance(kind, str) else None
+    if schedule is None and isinstance(torch_schedule, type) and issubclass(torch_schedule, LRScheduler):
+        schedule = torch_schedule
+        if not isinstance(optimizer, torch.optim.Optimizer):  # LowLevelZeroOptimizer: its torch optimizer's groups
+            optimizer = optimizer.optim
+    if schedule is None:
+        raise InvalidArgumentError("scheduler.type", kind, "one of " + ", ".join(repr(k) for k in SCHEDULES)
+                                   + ", or the name of a torch.optim.lr_scheduler class such as 'StepLR'")
     params = section.get("params") or {}
     if not isinstance(params, dict):
         raise ArgumentTypeError("scheduler.params", params, "a dict of the schedule's arguments")
-    accepted = set(inspect.signature(SCHEDULES[kind]).parameters) - {"optimizer"}
+    accepted = set(inspect.signature(schedule).parameters) - {"optimizer"}
     for key in params:
         if key not in accepted:
             raise InvalidArgumentError(f"scheduler.params.{key}", params[key],
                                        f"an argument of {kind}: " + ", ".join(sorted(accepted)))
     try:
-        return SCHEDULES[kind](optimizer, **params)
+        return schedule(optimizer, **params)
     except InvalidArgumentError as e:
         raise type(e)(f"scheduler.params.{e.argument}", e.value, e.allowed) from e
-    except TypeError as e:  # a required argument missing (total_num_steps, cycle_min_lr, ...)
+    except (TypeError, ValueError) as e:  # a required argument missing (total_num_steps, ...), a torch refusal
         raise InvalidArgumentError("scheduler.params", params, f"the arguments {kind} requires ({e})") from e
