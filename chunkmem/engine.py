@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from .config import initialize as wrap, read_config
 from .core.tiers import Tier, device_of_tier
+from .distributed.collectives import ShardGroup
 from .errors import ArgumentTypeError, CheckpointError, InvalidArgumentError, UnsupportedOperationError, check_type
 from .io.checkpoint import load_checkpoint, save_checkpoint
 from .model import ShardedModelV2
@@ -39,14 +40,8 @@ LATEST = "latest"
 """The file under ``save_dir`` naming the last tag saved (DeepSpeed's name)."""
 
 
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def _barrier() -> None:
-    if _world()[1] > 1:
+    if ShardGroup.of(None).world > 1:
         dist.barrier()
 
 
@@ -110,11 +105,11 @@ class TrainingEngine(nn.Module):
 
     @property
     def global_rank(self) -> int:
-        return _world()[0]
+        return ShardGroup.of(None).rank
 
     @property
     def world_size(self) -> int:
-        return _world()[1]
+        return ShardGroup.of(None).world
 
     @property
     def device(self) -> torch.device:

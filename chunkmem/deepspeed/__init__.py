@@ -17,7 +17,6 @@ import warnings
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from ..config import build_optimizer, initialize as _wrap, read_config
@@ -83,8 +82,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                                                                   "the ColossalAI form goes to chunkmem.initialize")
     if dist_init_required is not False:  # DeepSpeed: None initialises torch.distributed when it is not yet
         init_distributed()
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    loop = LoopSettings.from_config(config, world)
+    loop = LoopSettings.from_config(config, comm.get_world_size())
     rest = {key: value for key, value in config.items() if key not in LOOP_KEYS}
     if lr_scheduler is None and loop.scheduler is not None:  # checked on a stand-in before anything is wrapped
         groups = len(optimizer.param_groups) if optimizer is not None else 1
@@ -111,7 +109,7 @@ def _stand_in(groups: int) -> torch.optim.Optimizer:
 
 
 def _dataloader(data: Any, micro_batch: int, collate_fn: Any) -> torch.utils.data.DataLoader:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if comm.get_world_size() > 1:
         sampler = torch.utils.data.distributed.DistributedSampler(data)
     else:
         sampler = torch.utils.data.RandomSampler(data)

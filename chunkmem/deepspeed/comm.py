@@ -10,6 +10,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..distributed.collectives import distributed_ready
+
 ReduceOp = dist.ReduceOp
 
 __all__ = ["ReduceOp", "all_gather", "all_gather_into_tensor", "all_reduce", "barrier", "broadcast", "get_local_rank",
@@ -18,7 +20,7 @@ __all__ = ["ReduceOp", "all_gather", "all_gather_into_tensor", "all_reduce", "ba
 
 def is_initialized() -> bool:
     """Whether ``torch.distributed`` has a process group."""
-    return dist.is_available() and dist.is_initialized()
+    return distributed_ready()
 
 
 def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True, distributed_port: int = 29500,

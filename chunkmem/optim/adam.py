@@ -111,6 +111,11 @@ def hyper_of_group(group: dict[str, Any]) -> AdamHyper:
                      bias_correction=bool(group.get("bias_correction", True)))
 
 
+UNSUPPORTED_OPTIONS = ("amsgrad", "maximize", "capturable", "differentiable")
+"""torch Adam options chunkmem's Adam kernel does not run (ShardedOptimizerV2 runs such an Adam by its own
+step; LowLevelZeroOptimizer and a state dict loaded into a kernel-run Adam refuse them)."""
+
+
 def runs_adam_kernel(optimizer: Any) -> bool:
     """Whether ``optimizer``'s update is chunkmem's Adam kernel: a :class:`HybridAdam` / ``CPUAdam``, or
     ``torch.optim.Adam`` / ``AdamW`` with plain options (no ``amsgrad``, ``maximize``, ``capturable``,
@@ -118,8 +123,7 @@ def runs_adam_kernel(optimizer: Any) -> bool:
     if isinstance(optimizer, HybridAdam):
         return True
     if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
-        return all(not group.get(option) for group in optimizer.param_groups
-                   for option in ("amsgrad", "maximize", "capturable", "differentiable")) and \
+        return all(not group.get(option) for group in optimizer.param_groups for option in UNSUPPORTED_OPTIONS) and \
             all(not isinstance(group["lr"], torch.Tensor) for group in optimizer.param_groups)
     return False
 
@@ -134,7 +138,7 @@ def check_supported_optimizer(optimizer: Any, any_optimizer: bool = False) -> No
         return
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         for group in optimizer.param_groups:
-            for option in ("amsgrad", "maximize", "capturable", "differentiable"):
+            for option in UNSUPPORTED_OPTIONS:
                 if group.get(option):
                     raise InvalidArgumentError(f"optimizer.param_groups[..]['{option}']", True,
                                                "False (not supported by the ZeRO-1/2 Adam update; "

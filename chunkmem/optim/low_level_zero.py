@@ -263,6 +263,11 @@ class LowLevelZeroOptimizer:
         return self.mixed.scaler
 
     @property
+    def state_layout(self) -> None:
+        """Always ``None``: Adam's moments (ShardedOptimizerV2's ``state_layout`` names another optimizer's)."""
+        return None
+
+    @property
     def global_grad_norm(self) -> float | None:
         """The total norm of the unscaled gradients the last step computed (before clipping; inf or NaN
         when they overflowed), or ``None`` when it computed none (no clipping and no loss scaler)."""

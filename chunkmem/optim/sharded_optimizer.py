@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 from torch.optim import Optimizer
 
-from ..core.chunk import EXP_AVG, EXP_AVG_SQ, MASTER, Chunk
+from ..core.chunk import EXP_AVG, EXP_AVG_SQ, MASTER, Chunk, ParamSlot
 from ..core.disk_tier import JOURNAL
 from ..core.layout import join_runs
 from ..errors import (ArgumentTypeError, DeviceCapacityError, GradientAccumulationError, InvalidArgumentError,
@@ -328,18 +328,24 @@ class ShardedOptimizerV2(Optimizer):
     def _trainable_chunks(self) -> list[Chunk]:
         return self.runtime.trainable_chunks()
 
+    def _stepped_slots(self, chunk: Chunk) -> list[tuple[ParamSlot, int, tuple[int, int] | None]]:
+        """``(slot, group, part)`` for each parameter of ``chunk`` the step updates (in a param group and
+        trainable now), ``part`` being its elements in this rank's shard ``(start, end)`` or ``None``."""
+        stepped = []
+        with torch._C.DisableTorchFunctionSubclass():  # requires_grad of a chunk-managed parameter
+            for slot in chunk.slots:
+                group = self._group_of.get(id(slot.param))
+                if group is not None and slot.param.requires_grad:
+                    stepped.append((slot, group, chunk.own_range(slot)))
+        return stepped
+
     def _ranges(self, chunk: Chunk) -> list[tuple[int, int, AdamHyper]]:
         """``(start, end, hyper)``: the runs of this rank's shard of ``chunk`` (elements) whose parameters
         are trainable now and in one param group, with that group's current hyper-parameters."""
         pieces = []
-        shard_start = chunk.shard_offset
-        with torch._C.DisableTorchFunctionSubclass():  # requires_grad of a chunk-managed parameter
-            for slot in chunk.slots:
-                part = chunk.own_range(slot)
-                group = self._group_of.get(id(slot.param))
-                if part is None or group is None or not slot.param.requires_grad:
-                    continue
-                start = slot.offset + part[0] - shard_start
+        for slot, group, part in self._stepped_slots(chunk):
+            if part is not None:
+                start = slot.offset + part[0] - chunk.shard_offset
                 pieces.append((start, start + part[1] - part[0], group))
         return [(a, b, hyper_of_group(self.optim.param_groups[g])) for a, b, g in join_runs(pieces)]
 
@@ -569,19 +575,11 @@ class ShardedOptimizerV2(Optimizer):
         """The wrapped optimizer's own step over ``chunk`` on stand-ins (:mod:`chunkmem.optim.any_optimizer`)."""
         tier = self.runtime.compute_tier(chunk)
         grad = self.runtime.grad_of(chunk)
-        views, groups = [], set()
-        with torch._C.DisableTorchFunctionSubclass():  # requires_grad of a chunk-managed parameter
-            for slot in chunk.slots:
-                group = self._group_of.get(id(slot.param))
-                if group is None or not slot.param.requires_grad:
-                    continue
-                groups.add(group)
-                part = chunk.own_range(slot)
-                if part is None:
-                    continue
-                start = slot.offset + part[0] - chunk.shard_offset
-                whole = part == (0, slot.numel)
-                views.append(ParamView(start, part[1] - part[0], tuple(slot.shape) if whole else None, group))
+        stepped = self._stepped_slots(chunk)
+        views = [ParamView(slot.offset + part[0] - chunk.shard_offset, part[1] - part[0],
+                           tuple(slot.shape) if part == (0, slot.numel) else None, group)
+                 for slot, group, part in stepped if part is not None]
+        groups = {group for _, group, _ in stepped}
         scalars = self.scalar_state(chunk)
         with self.runtime.updating(chunk, tier) as target:
             master = chunk.optim[MASTER].tensor if chunk.has_master else target

@@ -26,13 +26,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..core.chunk import EXP_AVG, EXP_AVG_SQ, Chunk, ParamSlot
+from ..core.chunk import ADAM_STATE, EXP_AVG, EXP_AVG_SQ, Chunk, ParamSlot
 from ..errors import InvalidArgumentError, check_type
 from ..state_dicts import check_tensor_data, first_few
-from .adam import hyper_of_group
-
-UNSUPPORTED_OPTIONS = ("amsgrad", "maximize", "capturable", "differentiable")
-"""torch Adam options the chunked update does not run; a group that sets one is refused."""
+from .adam import UNSUPPORTED_OPTIONS, hyper_of_group
 _HYPER = "a param group with lr, betas (two numbers), eps and weight_decay"
 
 
@@ -122,30 +119,23 @@ class OptimizerLoad:
     def apply(self) -> None:
         """Write each chunk's step and this rank's part of the moments (or another optimizer's state),
         the hyper-parameters and the loss scaler state."""
+        layout = self.optim.state_layout
         with torch.no_grad():
-            layout = getattr(self.optim, "state_layout", None)  # LowLevelZeroOptimizer: Adam
-            for chunk, step, entries in self.chunks if layout is not None else ():
-                families = {key: torch.zeros(chunk.shard_numel, dtype=torch.float32) for key in layout.families}
+            for chunk, step, entries in self.chunks:
+                families = {key: torch.zeros(chunk.shard_numel, dtype=torch.float32) for key in chunk.state_families}
                 scalars: dict[int, dict[str, Any]] = {}
                 for slot, entry in entries:
-                    group = self.optim.group_of(slot.param)
-                    for key in layout.per_group[group]:
+                    keys = ADAM_STATE if layout is None else layout.per_group[self.optim.group_of(slot.param)]
+                    for key in keys:
                         chunk.write_own_part(slot, families[key], entry[key])
-                    scalars[group] = {k: v.clone() if isinstance(v, torch.Tensor) else v
-                                      for k, v in entry.items() if k not in layout.per_group[group]}
+                    if layout is not None:
+                        scalars[self.optim.group_of(slot.param)] = {
+                            k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items() if k not in keys}
                 for key, values in families.items():
                     chunk.optim[key].write(values)
-                self.optim.scalar_state(chunk).clear()
-                self.optim.scalar_state(chunk).update(scalars)
-                chunk.step = step
-            for chunk, step, entries in self.chunks if layout is None else ():
-                exp_avg = torch.zeros(chunk.shard_numel, dtype=torch.float32)
-                exp_avg_sq = torch.zeros(chunk.shard_numel, dtype=torch.float32)
-                for slot, entry in entries:
-                    chunk.write_own_part(slot, exp_avg, entry["exp_avg"])
-                    chunk.write_own_part(slot, exp_avg_sq, entry["exp_avg_sq"])
-                chunk.optim[EXP_AVG].write(exp_avg)
-                chunk.optim[EXP_AVG_SQ].write(exp_avg_sq)
+                if layout is not None:
+                    self.optim.scalar_state(chunk).clear()
+                    self.optim.scalar_state(chunk).update(scalars)
                 chunk.step = step
         for group, saved in zip(self.optim.optim.param_groups, self.groups):
             if layout is None:
@@ -200,11 +190,13 @@ def plan_optimizer_load(optim: Any, state_dict: Any) -> OptimizerLoad:
         for slot in chunk.slots:
             index, entry = entry_of.get(id(slot.param), (None, None))
             name = optim.model.parameter_name(slot.param) or slot.name
-            if layout is None:
-                step = 0 if entry is None else check_entry(index, name, entry, slot)
+            if entry is None:
+                step = 0
+            elif layout is None:
+                step = check_entry(index, name, entry, slot)
             else:
-                step = 0 if entry is None else check_any_entry(index, name, entry, slot,
-                                                                layout.per_group[optim.group_of(slot.param)])
+                step = check_entry(index, name, entry, slot, layout.per_group[optim.group_of(slot.param)],
+                                   counts_steps=False)
             steps.setdefault(step, []).append(name)
             if entry is not None and step > 0:
                 entries.append((slot, entry))
@@ -221,7 +213,7 @@ def plan_optimizer_load(optim: Any, state_dict: Any) -> OptimizerLoad:
 def plan_hyper_load(optim: Any, param_groups: Any, loss_scaler: Any) -> OptimizerLoad:
     """A checked plan that loads only the param groups' hyper-parameters and the loss scaler state
     (``None``: leave the scaler as it is); the caller may add chunk states to ``plan.chunks``."""
-    groups = _check_groups(optim.optim.param_groups, param_groups, adam=getattr(optim, "state_layout", None) is None)
+    groups = _check_groups(optim.optim.param_groups, param_groups, adam=optim.state_layout is None)
     if loss_scaler is not None:
         _check_loss_scaler(loss_scaler)
     return OptimizerLoad(optim, groups, [], loss_scaler)
@@ -273,14 +265,20 @@ def _check_groups(groups: list[dict[str, Any]], saved_groups: Any, adam: bool = 
     return list(saved_groups)
 
 
-def check_any_entry(index: Any, name: str, entry: Any, slot: ParamSlot, keys: tuple[str, ...]) -> int:
-    """For an optimizer other than Adam: check one parameter's saved state (its per-element ``keys``
-    there, of the parameter's size); returns its ``step`` (1 for an optimizer that counts none)."""
+def check_entry(index: Any, name: str, entry: Any, slot: ParamSlot, keys: tuple[str, ...] = ADAM_STATE,
+                counts_steps: bool = True) -> int:
+    """The step of one parameter's saved state, after checking its per-element ``keys`` (Adam's moments, or
+    another optimizer's own), each of the parameter's size; raises naming both. ``counts_steps``: a
+    ``"step"`` >= 0 is required (Adam); otherwise it may be absent (SGD counts none: 1 is returned) and,
+    when there, is >= 1 (the state exists, so a step ran)."""
     where = f"state_dict['state'][{index!r}] (parameter {name!r})"
-    check_type(where, entry, Mapping, f"a dict with {list(keys)}")
-    for key in keys:
+    required = ("step", *keys) if counts_steps else keys
+    listing = ", ".join(required[:-1]) + f" and {required[-1]}" if len(required) > 1 else ", ".join(required)
+    check_type(where, entry, Mapping, f"a dict with {listing}")
+    for key in required:
         if key not in entry:
-            raise InvalidArgumentError(where, f"a state without {key!r}", f"the optimizer's state keys {list(keys)}")
+            raise InvalidArgumentError(where, f"a state without {key!r}", listing)
+    for key in keys:
         value = entry[key]
         if isinstance(value, torch.Tensor) and value.numel() != slot.numel:
             raise InvalidArgumentError(f"{where}[{key!r}]", f"a tensor of shape {tuple(value.shape)}",
@@ -289,31 +287,12 @@ def check_any_entry(index: Any, name: str, entry: Any, slot: ParamSlot, keys: tu
     if "step" not in entry:
         return 1
     step = entry["step"]
-    step = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
-    if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step) or step < 1 \
-            or step != int(step):
-        raise InvalidArgumentError(f"{where}['step']", entry["step"], "a whole number >= 1")
-    return int(step)
-
-
-def check_entry(index: Any, name: str, entry: Any, slot: ParamSlot) -> int:
-    """The step of one parameter's saved state, after checking its moments; raises naming both."""
-    where = f"state_dict['state'][{index!r}] (parameter {name!r})"
-    check_type(where, entry, Mapping, "a dict with step, exp_avg and exp_avg_sq")
-    for key in ("step", "exp_avg", "exp_avg_sq"):
-        if key not in entry:
-            raise InvalidArgumentError(where, f"a state without {key!r}", "step, exp_avg and exp_avg_sq")
-    for key in ("exp_avg", "exp_avg_sq"):
-        value = entry[key]
-        if isinstance(value, torch.Tensor) and value.numel() != slot.numel:
-            raise InvalidArgumentError(f"{where}[{key!r}]", f"a tensor of shape {tuple(value.shape)}",
-                                       f"a floating-point tensor of shape {tuple(slot.shape)}")
-        check_tensor_data(f"{where}[{key!r}]", value, floating=True)
-    step = entry["step"]
     if isinstance(step, torch.Tensor):
         check_tensor_data(f"{where}['step']", step)
     step = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
-    if (isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step) or step < 0
+    low = 0 if counts_steps else 1
+    if (isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step) or step < low
             or step != int(step)):
-        raise InvalidArgumentError(f"{where}['step']", entry["step"], "a non-negative whole number")
+        raise InvalidArgumentError(f"{where}['step']", entry["step"],
+                                   "a non-negative whole number" if counts_steps else "a whole number >= 1")
     return int(step)
