@@ -211,10 +211,106 @@ def test_what_cannot_be_stepped_is_refused_before_anything_changes(tmp_path):
     assert optim.state_layout.families == ("momentum_buffer",)
     disk = cm.ShardedModelV2(TinyGPT(), cm.TensorShardStrategy(), tensor_placement_policy="cpu", dtype=torch.float32,
                              offload_optimizer="disk", nvme_path=str(tmp_path))
-    with pytest.raises(cm.InvalidArgumentError, match="disk") as caught:
-        cm.ShardedOptimizerV2(disk, torch.optim.SGD(disk.parameters(), lr=0.1))
-    assert caught.value.argument == "optimizer"
+    with pytest.raises(cm.InvalidArgumentError, match="disk tier") as caught:
+        cm.ShardedOptimizerV2(disk, ScaledSGD(disk.parameters(), lr=0.1))
+    assert caught.value.argument == "optimizer" and not disk.optimizer_attached
     plain = TinyGPT()
     with pytest.raises(cm.ArgumentTypeError, match="ShardedOptimizerV2 takes any") as caught:
         cm.LowLevelZeroOptimizer(torch.optim.SGD(plain.parameters(), lr=0.1))
     assert caught.value.argument == "optimizer"
+
+
+PIECE = 8192  # bytes of the disk tier's I/O buffers: pieces cut parameters and chunks
+
+
+def _wrap_on_disk(reference, make, path, dtype=torch.float32, step_in_backward=None, **extra):
+    module = copy.deepcopy(reference)
+    optimizer = make(module.parameters())
+    model = cm.ShardedModelV2(module, cm.TensorShardStrategy(), tensor_placement_policy=extra.pop("policy", "cpu"),
+                              dtype=dtype, chunk_size=16384, offload_optimizer="disk", nvme_path=str(path),
+                              buffer_size=PIECE, **extra)
+    if step_in_backward is None:  # NAdam: its updates overlap the backward
+        step_in_backward = make is OPTIMIZERS["nadam"] and "offload_param" not in extra
+    return model, cm.ShardedOptimizerV2(model, optimizer, step_in_backward=step_in_backward)
+
+
+def _same(model, optim, other, other_optim):
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, other.state_dict()[key]), key
+    mine, theirs = optim.state_dict()["state"], other_optim.state_dict()["state"]
+    assert mine.keys() == theirs.keys()
+    for index, entry in mine.items():
+        assert entry.keys() == theirs[index].keys()
+        for key, value in entry.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(theirs[index][key])), (index, key)
+
+
+@pytest.mark.parametrize("name,dtype,extra", [
+    ("sgd", torch.float32, {}), ("rmsprop", torch.float32, {}), ("adagrad", torch.bfloat16, {}),
+    ("amsgrad", torch.float32, {"offload_param": "disk"}), ("nadam", torch.bfloat16, {}),
+    ("rmsprop", torch.bfloat16, {"policy": "auto"})], ids=str)
+def test_on_the_disk_tier_equals_host_state_bitwise(tmp_path, name, dtype, extra):
+    """The streamed disk step (pieces smaller than a parameter; NAdam with step_in_backward) gives the
+    same bits as the same optimizer with its state on the host, which equals plain PyTorch (above)."""
+    torch.manual_seed(0)
+    reference, data = TinyGPT(), batches(3, seed=5)
+    host, host_optim = _wrap(reference, OPTIMIZERS[name], "cpu", dtype)
+    disk, disk_optim = _wrap_on_disk(reference, OPTIMIZERS[name], tmp_path, dtype, **extra)
+    _train(host, host_optim, data)
+    _train(disk, disk_optim, data)
+    _same(host, host_optim, disk, disk_optim)
+    trainable = [c for c in disk.chunks if c.trainable]
+    on_disk = disk.tier_bytes()["disk"]
+    for family in FAMILIES[name]:  # counted exactly: one fp32 shard per chunk whose state rests on disk
+        resting = [c for c in trainable if disk.runtime.optim_tier(c) is cm.Tier.DISK]
+        assert resting and on_disk[family] == sum(4 * c.shard_numel for c in resting), family
+    assert disk_optim.get_memory_usage(with_disk=True)[2] >= len(FAMILIES[name]) * 4 * trainable[0].shard_numel
+    if name == "sgd":
+        plain, _ = _plain(reference, OPTIMIZERS[name], data)
+        _assert_equal(disk, plain)
+
+
+def test_a_failed_disk_step_is_undone_scalar_state_included(tmp_path):
+    import errno
+    from chunkmem.storage.disk_io import inject_faults
+    torch.manual_seed(0)
+    reference, data = TinyGPT(), batches(3, seed=5)
+    host, host_optim = _wrap(reference, OPTIMIZERS["nadam"])
+    disk, disk_optim = _wrap_on_disk(reference, OPTIMIZERS["nadam"], tmp_path, step_in_backward=False)
+    _train(host, host_optim, data[:2])
+    _train(disk, disk_optim, data[:2])
+    before = copy.deepcopy(disk_optim.state_dict())
+    with inject_faults(write_errno=errno.ENOSPC, what="chunk2."):
+        disk_optim.backward(lm_loss(disk(data[2]), data[2]))
+        with pytest.raises(cm.DiskStepError, match="undone"):
+            disk_optim.step()
+    after = disk_optim.state_dict()
+    for index, entry in before["state"].items():  # NAdam's step and mu_product too
+        for key, value in entry.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(after["state"][index][key])), (index, key)
+    assert disk_optim.step()  # the kept gradients
+    _train(host, host_optim, data[2:])
+    _same(host, host_optim, disk, disk_optim)
+
+
+def _disk_two_rank_worker(rank: int, world: int, path: str) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    model, optim = _wrap_on_disk(reference, OPTIMIZERS["adagrad"], path)
+    for x in batches(3, batch=4, seed=9):
+        part = x[2 * rank:2 * rank + 2]
+        optim.backward(lm_loss(model(part), part))
+        optim.step()
+    state = model.state_dict()
+    return [state[n] for n, _ in reference.named_parameters()]
+
+
+def test_two_ranks_on_the_disk_tier_equal_one_process_with_the_double_batch(tmp_path):
+    from distributed import run_ranks
+    ranks = run_ranks(_disk_two_rank_worker, 2, str(tmp_path))
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    plain, _ = _plain(reference, OPTIMIZERS["adagrad"], batches(3, batch=4, seed=9))
+    for result in ranks:
+        for (n, p), got in zip(plain.named_parameters(), result):
+            torch.testing.assert_close(got, p.detach(), rtol=1e-5, atol=1e-6, msg=n)

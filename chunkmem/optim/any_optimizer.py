@@ -18,6 +18,11 @@ optimizer creates it, and it is copied into the families after). The math is the
 the result equals plain PyTorch for every element. An optimizer whose step reads a whole parameter
 (a norm, a trust ratio: LAMB, LARS, Adafactor's factors) would see a piece when the chunk is sharded: only
 the classes of :data:`ELEMENTWISE` are stepped on a sharded model.
+
+**On the disk tier** the streamed step (:mod:`chunkmem.optim.disk_step`) hands each chunk over in pieces
+of its I/O buffers' size: :class:`PieceStep` steps every piece on flat stand-ins (so again only the
+classes of :data:`ELEMENTWISE`), each piece from the chunk's scalar state before the step; the scalar
+state after it is committed with the step, and forgotten when a failed step is undone.
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ from torch.optim import Optimizer
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["ELEMENTWISE", "ParamView", "StateLayout", "check_shardable", "probe_state", "step_views"]
+__all__ = ["ELEMENTWISE", "ParamView", "PieceStep", "StateLayout", "check_elementwise", "probe_state", "step_views"]
 
 ELEMENTWISE: tuple[type, ...] = (torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adam,
                                  torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
@@ -97,14 +102,15 @@ def probe_state(optimizer: Optimizer) -> StateLayout:
     return StateLayout(tuple(families), tuple(per_group))
 
 
-def check_shardable(optimizer: Optimizer) -> None:
-    """Refuse an optimizer outside :data:`ELEMENTWISE` on a sharded model (it would see pieces)."""
+def check_elementwise(optimizer: Optimizer, where: str, why: str) -> None:
+    """Refuse an optimizer outside :data:`ELEMENTWISE` ``where`` its step would see pieces of parameters
+    (``why``: what cuts them)."""
     if type(optimizer) not in ELEMENTWISE:
         raise InvalidArgumentError(
             "optimizer", type(optimizer).__name__,
-            "on a sharded model (several ranks), an optimizer that treats every element on its own: "
+            f"{where}, an optimizer that treats every element on its own: "
             + ", ".join(c.__name__ for c in ELEMENTWISE) + f" ({type(optimizer).__name__} may read a whole parameter, "
-            "and each rank holds pieces)")
+            f"and {why})")
 
 
 @dataclass
@@ -161,3 +167,29 @@ def step_views(optimizer: Optimizer, layout: StateLayout, views: Iterable[ParamV
                 target.copy_(kept[key])
         scalars[group] = {k: v for k, v in kept.items() if k not in state}
         param.grad = None
+
+
+class PieceStep:
+    """One chunk's update by ``optimizer`` piece by piece, as the disk tier's streamed step calls it
+    (:class:`~chunkmem.optim.disk_step.PieceRule`). ``views``: the stepped parameters' parts of this
+    rank's shard; ``groups``: every group with trainable parameters in the chunk; ``scalars``: the
+    chunk's scalar state before the step (not changed: the new one is :attr:`scalars_after`);
+    ``multiplier``: what the gradients are multiplied by (unscaling and clipping)."""
+
+    def __init__(self, optimizer: Optimizer, layout: StateLayout, views: list[ParamView], groups: set[int],
+                 scalars: dict[int, dict[str, Any]], multiplier: float, first_step: bool) -> None:
+        self.optimizer, self.layout, self.views, self.groups = optimizer, layout, views, groups
+        self.scalars_before, self.multiplier, self.first_step = scalars, multiplier, first_step
+        self.scalars_after: dict[int, dict[str, Any]] = {}
+
+    def __call__(self, master: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], start: int,
+                 end: int) -> None:
+        inside = []
+        for view in self.views:
+            lo, hi = max(view.start, start), min(view.start + view.count, end)
+            if lo < hi:
+                inside.append(ParamView(lo - start, hi - lo, None, view.group))
+        grad32 = grad[start:end].to(device=master.device, dtype=torch.float32, copy=True).mul_(self.multiplier)
+        scalars = dict(self.scalars_before)  # every piece steps from the state before the step
+        step_views(self.optimizer, self.layout, inside, self.groups, master, grad32, state, scalars, self.first_step)
+        self.scalars_after = scalars

@@ -1,7 +1,8 @@
 """An optimizer step over optimizer state that rests on the disk tier: streamed, pipelined, all or nothing.
 
 Adam is elementwise, so each chunk is updated in pieces of ``buffer_size`` bytes of fp32 state. For
-every piece, in chunk order, the fp32 master (16-bit models), exp_avg and exp_avg_sq are read from the
+every piece, in chunk order, the fp32 master (16-bit models), exp_avg and exp_avg_sq (another elementwise
+optimizer's state families: :class:`ChunkUpdate`'s ``rule``) are read from the
 chunk's current disk slot into a group of aligned I/O buffers, updated there (the 16-bit parameters
 are written into host memory as the update's ``param_out``), and written back. ``buffer_count`` groups
 circulate: while piece k is updated, pieces k+1... are being read and k−1... written (DeepSpeed's
@@ -32,13 +33,13 @@ import queue
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterator, NoReturn
+from typing import Callable, Iterator, NoReturn, Protocol
 
 import torch
 
 from .adam_kernels import adam_update_
 from .adam_math import AdamHyper
-from ..core.chunk import EXP_AVG, EXP_AVG_SQ, MASTER, Chunk, FlatBuffer
+from ..core.chunk import MASTER, Chunk, FlatBuffer
 from ..storage.disk_io import DiskIOError, IOHandle, aligned_nbytes
 from ..core.disk_tier import JOURNAL, DiskTier, typed_view
 from ..errors import ChunkmemError
@@ -55,13 +56,24 @@ class DiskStepError(ChunkmemError, RuntimeError):
         self.cause = cause
 
 
+class PieceRule(Protocol):
+    """Another optimizer's update of the elements ``[start, end)`` of one chunk's shard (see
+    :class:`~chunkmem.optim.any_optimizer.PieceStep`): ``master`` and each ``state[family]`` are fp32 views of
+    those elements, updated in place; ``grad`` is the rank's whole shard of gradients."""
+
+    def __call__(self, master: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], start: int,
+                 end: int) -> None: ...
+
+
 @dataclass
 class ChunkUpdate:
     """What one chunk's streamed update needs: its host gradient (this rank's ``shard_numel``
     elements), where its parameters are (``param``: a host tensor, or ``None`` when the parameter shard
     rests on disk too and is streamed like the state), the step number after the update, the ranges
     updated with their hyper-parameters (``(start, end, hyper)``, elements of this rank's shard, one per
-    run of one param group's trainable parameters) and the gradient multiplier."""
+    run of one param group's trainable parameters) and the gradient multiplier. ``rule``: the update of
+    an optimizer other than Adam (its state families are the chunk's ``state_families``); ``None`` runs
+    the Adam kernel over ``ranges``."""
 
     chunk: Chunk
     grad: torch.Tensor
@@ -70,18 +82,19 @@ class ChunkUpdate:
     ranges: list[tuple[int, int, AdamHyper]]
     spans: list[tuple[int, int]]  # the parameters' element spans in this rank's shard (see param_spans)
     multiplier: float
+    rule: PieceRule | None = None
     updated_to: int = 0  # elements [0, updated_to) were updated (pieces run in order)
 
     @property
     def reads(self) -> list[FlatBuffer]:
         """The disk buffers read for the update: the fp32 master (a separate one, or the fp32
-        parameters resting on disk), exp_avg, exp_avg_sq."""
+        parameters resting on disk) and the chunk's optimizer state families (Adam: exp_avg, exp_avg_sq)."""
         chunk = self.chunk
         if chunk.has_master:
             master = [chunk.optim[MASTER]]
         else:
             master = [chunk.param.shard] if self.param is None else []
-        return master + [chunk.optim[EXP_AVG], chunk.optim[EXP_AVG_SQ]]
+        return master + [chunk.optim[family] for family in chunk.state_families]
 
     @property
     def writes(self) -> list[FlatBuffer]:
@@ -108,11 +121,12 @@ def streamed_families(chunk: Chunk, params_on_disk: bool, atomic_step: bool) -> 
     """I/O buffers one piece of ``chunk``'s streamed update holds: one per family read or written (see
     :attr:`ChunkUpdate.writes`), plus the journal of fp32 parameters overwritten in host memory by an
     atomic step."""
+    state = len(chunk.state_families)
     if chunk.has_master:
-        return 4 if params_on_disk else 3
+        return state + (2 if params_on_disk else 1)
     if params_on_disk:
-        return 3
-    return 3 if atomic_step else 2
+        return state + 1
+    return state + (1 if atomic_step else 0)
 
 
 @dataclass
@@ -319,18 +333,24 @@ class StreamedStep:
     def _update(self, piece: _Piece) -> None:
         update, a, b = piece.update, piece.start, piece.end
         views = [typed_view(raw, torch.float32, b - a) for raw in piece.buffers[:len(update.reads)]]
+        param_out = None
         if update.chunk.has_master:
-            master, exp_avg, exp_avg_sq = views
+            master, state = views[0], views[1:]
             if update.param is None:
                 param_out = typed_view(piece.buffers[-1], update.chunk.dtype, b - a)
             else:
                 param_out = update.param[a:b]
         elif update.param is None:
-            master, exp_avg, exp_avg_sq = views
-            param_out = None
+            master, state = views[0], views[1:]
         else:
-            exp_avg, exp_avg_sq = views
-            master, param_out = update.param[a:b], None
+            master, state = update.param[a:b], views
+        if update.rule is not None:
+            update.rule(master, update.grad, dict(zip(update.chunk.state_families, state)), a, b)
+            if param_out is not None:
+                param_out.copy_(master)
+            update.updated_to = b
+            return
+        exp_avg, exp_avg_sq = state
         for start, end, hyper in update.ranges:
             lo, hi = max(start, a), min(end, b)
             if lo >= hi:

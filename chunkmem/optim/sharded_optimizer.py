@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 from torch.optim import Optimizer
 
-from ..core.chunk import EXP_AVG, EXP_AVG_SQ, MASTER, Chunk, ParamSlot
+from ..core.chunk import ADAM_STATE, EXP_AVG, EXP_AVG_SQ, MASTER, Chunk, ParamSlot
 from ..core.disk_tier import JOURNAL
 from ..core.layout import join_runs
 from ..errors import (ArgumentTypeError, DeviceCapacityError, GradientAccumulationError, InvalidArgumentError,
@@ -22,7 +22,7 @@ from ..model import ShardedModelV2
 from ..builder import compute_dtype
 from ..settings import ModelSettings, OptimizerSettings
 from .adam import check_supported_optimizer, hyper_of_group, runs_adam_kernel
-from .any_optimizer import ParamView, StateLayout, check_shardable, probe_state, step_views
+from .any_optimizer import ParamView, PieceStep, StateLayout, check_elementwise, probe_state, step_views
 from .adam_kernels import adam_update_, adam_update_pieces_, param_spans
 from .adam_math import AdamHyper
 from .disk_step import ChunkUpdate, DiskStepError, StreamedStep, gaps, streamed_families
@@ -134,7 +134,7 @@ class ShardedOptimizerV2(Optimizer):
         layout = self._state_layout(sharded_model, optimizer)
         self._check_capacity(sharded_model, layout)
         self._agree_on_settings(sharded_model, optimizer, settings, group_of)
-        self._reserve_disk(sharded_model)
+        self._reserve_disk(sharded_model, layout)
 
         self.model = sharded_model
         self.optim = optimizer
@@ -265,11 +265,10 @@ class ShardedOptimizerV2(Optimizer):
             return None
         layout = probe_state(optimizer)
         if model.shards.sharded:
-            check_shardable(optimizer)
+            check_elementwise(optimizer, "on a sharded model (several ranks)", "each rank holds pieces")
         if model.settings.disk.optimizer_on_disk:
-            raise InvalidArgumentError("optimizer", type(optimizer).__name__,
-                                       "an Adam (HybridAdam, torch Adam/AdamW with plain options) when the optimizer "
-                                       "state is on the disk tier (the streamed disk step runs Adam only)")
+            check_elementwise(optimizer, "with the optimizer state on the disk tier",
+                              "the disk step streams each chunk in pieces of its I/O buffers' size")
         return layout
 
     @staticmethod
@@ -290,7 +289,7 @@ class ShardedOptimizerV2(Optimizer):
                 f"tier's capacity of {ledger.capacity} bytes are free; use placement 'cpu' or raise the capacity")
 
     @staticmethod
-    def _reserve_disk(model: ShardedModelV2) -> None:
+    def _reserve_disk(model: ShardedModelV2, state: StateLayout | None) -> None:
         """Preallocate the disk tier's files for the optimizer state (a full disk is refused here, before
         anything changes)."""
         disk = model.runtime.memory.disk
@@ -298,7 +297,7 @@ class ShardedOptimizerV2(Optimizer):
             return
         layout = model.layout
         shard_numel = layout.chunk_numel // model.shards.world
-        families = (EXP_AVG, EXP_AVG_SQ) + ((MASTER,) if model.dtype != torch.float32 else ())
+        families = (ADAM_STATE if state is None else state.families) + ((MASTER,) if model.dtype != torch.float32 else ())
         for family in families:
             disk.reserve(family, shard_numel * 4, layout.num_chunks)
         if model.dtype == torch.float32 and disk.atomic_step:
@@ -317,7 +316,7 @@ class ShardedOptimizerV2(Optimizer):
             return []
         chunks = runtime.trainable_chunks()
         first = chunks[0]
-        state_bytes = (3 if first.has_master else 2) * first.shard_numel * 4
+        state_bytes = (len(first.state_families) + first.has_master) * first.shard_numel * 4
         grads = 0 if self.model.reuse_fp16_shard else len(chunks) * first.param.shard.nbytes
         streamed = streamed_families(first, runtime.policy.params_on_disk, disk.atomic_step)
         io_bytes = disk.buffer_count * streamed * disk.buffer_size
@@ -571,15 +570,20 @@ class ShardedOptimizerV2(Optimizer):
                 for a, b in gaps(ranges, 0, chunk.shard_numel):
                     target[a:b].copy_(master[a:b])
 
-    def _update_with_any_optimizer(self, chunk: Chunk, multiplier: float) -> None:
-        """The wrapped optimizer's own step over ``chunk`` on stand-ins (:mod:`chunkmem.optim.any_optimizer`)."""
-        tier = self.runtime.compute_tier(chunk)
-        grad = self.runtime.grad_of(chunk)
+    def _param_views(self, chunk: Chunk) -> tuple[list[ParamView], set[int]]:
+        """The stepped parameters' parts of this rank's shard of ``chunk`` (shaped where whole) and every
+        param group with trainable parameters in it, for :mod:`chunkmem.optim.any_optimizer`."""
         stepped = self._stepped_slots(chunk)
         views = [ParamView(slot.offset + part[0] - chunk.shard_offset, part[1] - part[0],
                            tuple(slot.shape) if part == (0, slot.numel) else None, group)
                  for slot, group, part in stepped if part is not None]
-        groups = {group for _, group, _ in stepped}
+        return views, {group for _, group, _ in stepped}
+
+    def _update_with_any_optimizer(self, chunk: Chunk, multiplier: float) -> None:
+        """The wrapped optimizer's own step over ``chunk`` on stand-ins (:mod:`chunkmem.optim.any_optimizer`)."""
+        tier = self.runtime.compute_tier(chunk)
+        grad = self.runtime.grad_of(chunk)
+        views, groups = self._param_views(chunk)
         scalars = self.scalar_state(chunk)
         with self.runtime.updating(chunk, tier) as target:
             master = chunk.optim[MASTER].tensor if chunk.has_master else target
@@ -594,8 +598,15 @@ class ShardedOptimizerV2(Optimizer):
     def _disk_update(self, chunk: Chunk, multiplier: float) -> ChunkUpdate:
         """What the streamed step needs to update ``chunk`` (its gradients final)."""
         param = None if chunk.param.shard.on_disk else self.runtime.update_target(chunk, Tier.HOST)
-        return ChunkUpdate(chunk, self.runtime.grad_of(chunk), param, chunk.step + 1, self._ranges(chunk),
-                           param_spans(chunk.slots, chunk.shard_offset), multiplier)
+        rule, ranges = None, []
+        if self._layout is None:
+            ranges = self._ranges(chunk)
+        else:
+            views, groups = self._param_views(chunk)
+            rule = PieceStep(self.optim, self._layout, views, groups, self.scalar_state(chunk), multiplier,
+                             first_step=chunk.step == 0)
+        return ChunkUpdate(chunk, self.runtime.grad_of(chunk), param, chunk.step + 1, ranges,
+                           param_spans(chunk.slots, chunk.shard_offset), multiplier, rule)
 
     def on_grads_final(self, chunk: Chunk) -> None:
         """``step_in_backward``: hand a chunk whose optimizer state rests on disk to this backward's
@@ -650,6 +661,8 @@ class ShardedOptimizerV2(Optimizer):
             raise
         for update in updates:
             update.chunk.step = update.step
+            if isinstance(update.rule, PieceStep):
+                self._scalars[update.chunk.index] = update.rule.scalars_after
             self.runtime.mark_updated(update.chunk, Tier.DISK if update.param is None else Tier.HOST)
 
     @property
@@ -699,14 +712,15 @@ class ShardedOptimizerV2(Optimizer):
 
     def get_memory_usage(self, with_disk: bool = False) -> tuple[int, ...]:
         """``(device_bytes, host_bytes)`` of the fp32 masters (the fp32 parameters when there is no
-        separate master), exp_avg and exp_avg_sq; with ``with_disk=True``, ``(device_bytes,
+        separate master) and the per-element optimizer state (Adam: exp_avg and exp_avg_sq; another
+        optimizer: its :attr:`state_layout` families); with ``with_disk=True``, ``(device_bytes,
         host_bytes, disk_bytes)``, the third being what rests on the disk tier (the buffers' own bytes;
         the files' size is ``model.disk_file_bytes()``)."""
         check_type("with_disk", with_disk, bool, "True or False")
         usage = {Tier.DEVICE: 0, Tier.HOST: 0, Tier.DISK: 0}
         for chunk in self._trainable_chunks():
             tier = self.runtime.compute_tier(chunk)
-            for family in (EXP_AVG, EXP_AVG_SQ) + ((MASTER,) if chunk.has_master else ()):
+            for family in chunk.state_families + ((MASTER,) if chunk.has_master else ()):
                 buf = chunk.optim[family]
                 if buf.allocated:
                     usage[buf.tier] += buf.nbytes
