@@ -105,7 +105,7 @@ KEY_TABLE: dict[str, tuple[str, str]] = {
     "bf16.enabled": ("map", "dtype torch.bfloat16 (unscaled)"),
     "optimizer.type": ("map", "Adam, AdamW, HybridAdam, CPUAdam: HybridAdam (Adam: adam_w_mode, default True); "
                               "another torch.optim class name (SGD, ...): that class, as DeepSpeed builds it "
-                              "(stage 3 only: LowLevelZeroOptimizer steps Adam)"),
+                              "(with several ranks an elementwise one: see chunkmem.optim.any_optimizer)"),
     "optimizer.params": ("map", "lr, betas, eps, weight_decay, bias_correction, adam_w_mode"),
     "gradient_clipping": ("map", "stages 1, 2: clip_grad_norm; stage 3: ShardedOptimizerV2(max_norm=), applied in "
                                  "step(); absent: 1.0, DeepSpeed's default (0.19.8; 0 turns clipping off)"),
@@ -159,8 +159,8 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
 
     Args:
         model: the module, built plainly or inside :class:`~chunkmem.ZeroInitContext`.
-        optimizer: a torch optimizer over ``model.parameters()`` (stage 3 and the ColossalAI form: any;
-            stages 1 and 2: ``HybridAdam``, ``torch.optim.Adam`` / ``AdamW``), or ``None``: built from the
+        optimizer: a torch optimizer over ``model.parameters()`` (any: see
+            :mod:`chunkmem.optim.any_optimizer` for what is refused), or ``None``: built from the
             config's ``optimizer`` section (DeepSpeed form), or no optimizer (the second value returned is
             then ``None``).
         config: a dict or the path of a JSON file, in the ColossalAI form (``zero`` with
@@ -295,19 +295,18 @@ def _initialize_colossal(model: nn.Module, optimizer: Any, zero: Any) -> tuple[n
         return _rename_errors("zero.model_config.", build)
     if optimizer is None:
         return renamed(lambda: ShardedModelV2.from_settings(model, model_settings)), None
-    _check_optimizer(model, optimizer, any_optimizer=True)
+    _check_optimizer(model, optimizer)
     _rename_errors("zero.optimizer_config.",
                    lambda: ShardedOptimizerV2.check_before_wrapping(model, model_settings, optimizer_settings))
     return _wrap_all_or_nothing(model, model_settings, renamed, lambda wrapped: _rename_errors(
         "zero.optimizer_config.", lambda: ShardedOptimizerV2.from_settings(wrapped, optimizer, optimizer_settings)))
 
 
-def _check_optimizer(model: nn.Module, optimizer: Any, any_optimizer: bool) -> None:
-    """Refuse, before anything changes, an optimizer chunkmem cannot step (``any_optimizer``: for
-    ShardedOptimizerV2, which takes any torch optimizer; else LowLevelZeroOptimizer's Adam only) or one
+def _check_optimizer(model: nn.Module, optimizer: Any) -> None:
+    """Refuse, before anything changes, an optimizer chunkmem cannot step (not a torch optimizer) or one
     that is not over ``model``'s parameters (each of its parameters one of ``model``'s, each trainable
     parameter of ``model`` in it: what ShardedOptimizerV2 and LowLevelZeroOptimizer require)."""
-    check_supported_optimizer(optimizer, any_optimizer)
+    check_supported_optimizer(optimizer)
     why = params_mismatch(model, [p for group in optimizer.param_groups for p in group["params"]])
     if why is not None:
         raise InvalidArgumentError("optimizer", f"a {type(optimizer).__name__} ({why})",
@@ -399,7 +398,7 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
     if optimizer_section:  # checked in full before anything is wrapped
         build_optimizer(optimizer_section, [torch.zeros(1, requires_grad=True)])
     if optimizer is not None:
-        _check_optimizer(model, optimizer, any_optimizer=stage == 3)
+        _check_optimizer(model, optimizer)
 
     if stage == 3:
         if overlap:

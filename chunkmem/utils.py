@@ -178,7 +178,7 @@ def _zero12(param: Any, family: str, full: bool) -> tuple[bool, torch.Tensor | N
     if slot is None:
         return False, None
     if family not in ("fp32", "grad"):
-        family = _check_key(family)  # Adam's moments: the only optimizer LowLevelZeroOptimizer steps
+        family = _check_key(family, slot.chunk.state_families)
     found = optimizer.state_shard(slot, family)
     if found is None:
         return True, None

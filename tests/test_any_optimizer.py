@@ -190,34 +190,41 @@ class ScaledSGD(torch.optim.SGD):
     """A subclass: its step might read a whole parameter, so it is not stepped on pieces."""
 
 
-def _refused_when_sharded(rank: int, world: int) -> str:
+def _refused_when_sharded(rank: int, world: int) -> list[str]:
     model = cm.ShardedModelV2(TinyGPT(), cm.TensorShardStrategy(), tensor_placement_policy="cpu", dtype=torch.float32)
-    try:
-        cm.ShardedOptimizerV2(model, ScaledSGD(model.parameters(), lr=0.1))
-    except cm.InvalidArgumentError as e:
-        return f"{e.argument}: {e}"
-    return "accepted"
+    plain = TinyGPT()
+    said = []
+    for wrap in (lambda: cm.ShardedOptimizerV2(model, ScaledSGD(model.parameters(), lr=0.1)),
+                 lambda: cm.LowLevelZeroOptimizer(ScaledSGD(plain.parameters(), lr=0.1)),
+                 lambda: cm.ShardedOptimizerV2(model, torch.optim.Adafactor(model.parameters()))):
+        try:
+            wrap()
+            said.append("accepted")
+        except cm.InvalidArgumentError as e:
+            said.append(f"{e.argument}: {e}")
+    assert not any(hasattr(p, "_low_level_zero") for p in plain.parameters())  # nothing changed
+    return said
 
 
 def test_what_cannot_be_stepped_is_refused_before_anything_changes(tmp_path):
     from distributed import run_ranks
-    assert all(r.startswith("optimizer:") and "sharded" in r for r in run_ranks(_refused_when_sharded, 2))
+    for sharded, zero12, adafactor in run_ranks(_refused_when_sharded, 2):
+        assert sharded.startswith("optimizer:") and "sharded" in sharded
+        assert adafactor.startswith("optimizer:") and "Adafactor may read a whole parameter" in adafactor
+        assert zero12.startswith("optimizer:") and "several data-parallel ranks" in zero12
     model = cm.ShardedModelV2(TinyGPT(), cm.TensorShardStrategy(), tensor_placement_policy="cpu", dtype=torch.float32)
     before = model.tier_bytes()
-    with pytest.raises(cm.InvalidArgumentError, match="factored") as caught:
-        cm.ShardedOptimizerV2(model, torch.optim.Adafactor(model.parameters()))
+    with pytest.raises(cm.InvalidArgumentError, match="closure") as caught:
+        cm.ShardedOptimizerV2(model, torch.optim.LBFGS(model.parameters()))
     assert caught.value.argument == "optimizer" and model.tier_bytes() == before and not model.optimizer_attached
     optim = cm.ShardedOptimizerV2(model, ScaledSGD(model.parameters(), lr=0.1, momentum=0.9))  # one process: fine
     assert optim.state_layout.families == ("momentum_buffer",)
     disk = cm.ShardedModelV2(TinyGPT(), cm.TensorShardStrategy(), tensor_placement_policy="cpu", dtype=torch.float32,
                              offload_optimizer="disk", nvme_path=str(tmp_path))
-    with pytest.raises(cm.InvalidArgumentError, match="disk tier") as caught:
-        cm.ShardedOptimizerV2(disk, ScaledSGD(disk.parameters(), lr=0.1))
-    assert caught.value.argument == "optimizer" and not disk.optimizer_attached
-    plain = TinyGPT()
-    with pytest.raises(cm.ArgumentTypeError, match="ShardedOptimizerV2 takes any") as caught:
-        cm.LowLevelZeroOptimizer(torch.optim.SGD(plain.parameters(), lr=0.1))
-    assert caught.value.argument == "optimizer"
+    for refused in (ScaledSGD(disk.parameters(), lr=0.1), torch.optim.Adafactor(disk.parameters())):
+        with pytest.raises(cm.InvalidArgumentError, match="disk tier") as caught:
+            cm.ShardedOptimizerV2(disk, refused)
+        assert caught.value.argument == "optimizer" and not disk.optimizer_attached
 
 
 PIECE = 8192  # bytes of the disk tier's I/O buffers: pieces cut parameters and chunks
@@ -314,3 +321,150 @@ def test_two_ranks_on_the_disk_tier_equal_one_process_with_the_double_batch(tmp_
     for result in ranks:
         for (n, p), got in zip(plain.named_parameters(), result):
             torch.testing.assert_close(got, p.detach(), rtol=1e-5, atol=1e-6, msg=n)
+
+
+# ---- LowLevelZeroOptimizer (ZeRO-1/2) -----------------------------------------------------------------
+
+def _zero12(reference, make, **kwargs):
+    module = copy.deepcopy(reference)
+    return module, cm.LowLevelZeroOptimizer(make(module.parameters()), **kwargs)
+
+
+def _train_zero12(module, optim, data, rank=0, world=1):
+    for x in data:
+        part = x[rank * len(x) // world:(rank + 1) * len(x) // world]
+        optim.backward(lm_loss(module(part), part))
+        optim.step()
+
+
+@pytest.mark.parametrize("name,kwargs", [
+    ("sgd", {}), ("rmsprop", {"partition_grad": True}), ("adagrad", {"cpu_offload": True}),
+    ("amsgrad", {"partition_grad": True, "cpu_offload": True}), ("nadam", {})], ids=str)
+def test_zero12_equals_plain_pytorch(name, kwargs):
+    torch.manual_seed(0)
+    reference, data = TinyGPT(), batches(4, seed=5)
+    plain, plain_optim = _plain(reference, OPTIMIZERS[name], data)
+    module, optim = _zero12(reference, OPTIMIZERS[name], **kwargs)
+    assert optim.state_layout.families == tuple(FAMILIES[name]) or sorted(optim.state_layout.families) == FAMILIES[name]
+    _train_zero12(module, optim, data)
+    for (n, p), q in zip(plain.named_parameters(), module.parameters()):
+        torch.testing.assert_close(q.detach(), p.detach(), rtol=1e-6, atol=1e-7, msg=n)
+    bytes_ = optim.model_state_bytes()
+    assert all(bytes_[f] == sum(4 * c.shard_numel for c in optim.chunks) for f in FAMILIES[name])
+    mine, theirs = optim.state_dict(), plain_optim.state_dict()
+    assert mine["state"].keys() == theirs["state"].keys()
+    for index, entry in theirs["state"].items():
+        assert mine["state"][index].keys() == entry.keys()
+        for key, value in entry.items():
+            torch.testing.assert_close(torch.as_tensor(mine["state"][index][key]), torch.as_tensor(value),
+                                       rtol=1e-6, atol=1e-7, msg=f"{index} {key}")
+
+
+def test_zero12_state_dicts_load_both_ways_and_checkpoints_resume(tmp_path):
+    torch.manual_seed(0)
+    reference, data = TinyGPT(), batches(4, seed=6)
+    make = OPTIMIZERS["rmsprop"]
+    full, full_optim = _zero12(reference, make, partition_grad=True)
+    _train_zero12(full, full_optim, data)
+    half, half_optim = _zero12(reference, make, partition_grad=True)
+    _train_zero12(half, half_optim, data[:2])
+    cm.save_checkpoint(tmp_path / "ck.pt", half, half_optim)
+    resumed, resumed_optim = _zero12(TinyGPT(), make, partition_grad=True)
+    cm.load_checkpoint(tmp_path / "ck.pt", resumed, resumed_optim)
+    _train_zero12(resumed, resumed_optim, data[2:])
+    for p, q in zip(full.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+    # into a plain RMSprop and back: the same next step
+    plain = copy.deepcopy(half)
+    plain_optim = make(plain.parameters())
+    plain_optim.load_state_dict(half_optim.state_dict())
+    for x in data[2:]:
+        lm_loss(plain(x), x).backward()
+        plain_optim.step()
+        plain_optim.zero_grad()
+    back, back_optim = _zero12(half, make)
+    back_optim.load_state_dict(plain_optim.state_dict())
+    assert cm.utils.safe_get_full_optimizer_state(next(back.parameters()), "square_avg") is not None
+    _train_zero12(half, half_optim, data[2:])
+    for p, q in zip(plain.parameters(), half.parameters()):
+        torch.testing.assert_close(q.detach(), p.detach(), rtol=1e-6, atol=1e-7)
+    with pytest.raises(cm.InvalidArgumentError, match="momentum_buffer"):
+        bad = plain_optim.state_dict()
+        del bad["state"][0]["momentum_buffer"]
+        back_optim.load_state_dict(bad)
+
+
+def _zero12_two_rank_worker(rank: int, world: int, name: str) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    module, optim = _zero12(reference, OPTIMIZERS[name], partition_grad=name == "adagrad")
+    _train_zero12(module, optim, batches(3, batch=4, seed=9), rank, world)
+    state = optim.state_dict()
+    return [p.detach().clone() for p in module.parameters()] + [state["state"][0][FAMILIES[name][0]]]
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad"])
+def test_zero12_two_ranks_equal_one_process_with_the_double_batch(name):
+    from distributed import run_ranks
+    ranks = run_ranks(_zero12_two_rank_worker, 2, name)
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    plain, plain_optim = _plain(reference, OPTIMIZERS[name], batches(3, batch=4, seed=9))
+    expected = [p.detach() for p in plain.parameters()] + [plain_optim.state_dict()["state"][0][FAMILIES[name][0]]]
+    for result in ranks:
+        for want, got in zip(expected, result):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+# ---- whole-parameter state: Adafactor in one process ---------------------------------------------------
+
+def _adafactor(params):
+    return torch.optim.Adafactor(params, lr=1e-2, weight_decay=0.01)
+
+
+@pytest.mark.parametrize("placement", ["cpu", "cuda", "auto"])
+def test_adafactor_equals_plain_pytorch_in_one_process(tmp_path, placement):
+    torch.manual_seed(0)
+    reference, data = TinyGPT(), batches(4, seed=5)
+    plain, plain_optim = _plain(reference, _adafactor, data)
+    model, optim = _wrap(reference, _adafactor, placement)
+    assert optim.state_layout.whole and optim.state_layout.families == ()
+    _train(model, optim, data)
+    _assert_equal(model, plain)
+    mine, theirs = optim.state_dict()["state"], plain_optim.state_dict()["state"]
+    assert mine.keys() == theirs.keys()
+    for index, entry in theirs.items():  # row_var / col_var of matrices, variance of vectors, step
+        assert mine[index].keys() == entry.keys()
+        for key, value in entry.items():
+            torch.testing.assert_close(mine[index][key], value, rtol=1e-6, atol=1e-7, msg=f"{index} {key}")
+    if placement != "cpu":
+        return
+    # a checkpoint resumes it, and torch's state dict loads into it
+    half, half_optim = _wrap(reference, _adafactor)
+    _train(half, half_optim, data[:2])
+    cm.save_checkpoint(tmp_path / "ck.pt", half, half_optim)
+    resumed, resumed_optim = _wrap(TinyGPT(), _adafactor)
+    cm.load_checkpoint(tmp_path / "ck.pt", resumed, resumed_optim)
+    _train(resumed, resumed_optim, data[2:])
+    _assert_equal(resumed, plain)
+    loaded, loaded_optim = _wrap(reference, _adafactor)
+    torch_half, torch_half_optim = _plain(reference, _adafactor, data[:2])
+    loaded.load_state_dict(torch_half.state_dict())
+    loaded_optim.load_state_dict(torch_half_optim.state_dict())
+    _train(loaded, loaded_optim, data[2:])
+    _assert_equal(loaded, plain)
+
+
+def test_adafactor_in_zero12_one_process_equals_plain_pytorch():
+    torch.manual_seed(0)
+    reference, data = TinyGPT(), batches(3, seed=5)
+    plain, plain_optim = _plain(reference, _adafactor, data)
+    module, optim = _zero12(reference, _adafactor, cpu_offload=True)
+    _train_zero12(module, optim, data)
+    for (n, p), q in zip(plain.named_parameters(), module.parameters()):
+        torch.testing.assert_close(q.detach(), p.detach(), rtol=1e-6, atol=1e-7, msg=n)
+    back = _zero12(reference, _adafactor)[1]
+    back.load_state_dict(plain_optim.state_dict())
+    for index, entry in plain_optim.state_dict()["state"].items():
+        for key, value in entry.items():
+            torch.testing.assert_close(back.state_dict()["state"][index][key], value)

@@ -193,7 +193,7 @@ def test_stage3_optimizer_errors_name_optimizer_not_fp16_optimizer(fp16):
     model = make_model()
     config = dict(stage3(), fp16={"enabled": fp16})
     with pytest.raises(cm.InvalidArgumentError) as info:
-        cm.initialize(model, torch.optim.Adafactor(model.parameters()), config)
+        cm.initialize(model, torch.optim.LBFGS(model.parameters()), config)
     assert info.value.argument == "optimizer" and str(info.value).startswith("optimizer=")
     assert "fp16.optimizer" not in str(info.value)
 

@@ -128,27 +128,14 @@ def runs_adam_kernel(optimizer: Any) -> bool:
     return False
 
 
-def check_supported_optimizer(optimizer: Any, any_optimizer: bool = False) -> None:
-    """Raise unless ``optimizer`` is one whose update chunkmem can run per chunk: one that
-    :func:`runs_adam_kernel`, or with ``any_optimizer`` (ShardedOptimizerV2) any ``torch.optim.Optimizer``
-    (what it keeps is checked when it is attached, :mod:`chunkmem.optim.any_optimizer`)."""
-    if runs_adam_kernel(optimizer):
+def check_supported_optimizer(optimizer: Any) -> None:
+    """Raise :class:`~chunkmem.ArgumentTypeError` unless ``optimizer`` is one whose update chunkmem can run
+    per chunk: one that :func:`runs_adam_kernel`, or any other ``torch.optim.Optimizer`` (what it keeps
+    is checked when it is wrapped: :mod:`chunkmem.optim.any_optimizer`)."""
+    if runs_adam_kernel(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
         return
-    if any_optimizer and isinstance(optimizer, torch.optim.Optimizer):
-        return
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        for group in optimizer.param_groups:
-            for option in UNSUPPORTED_OPTIONS:
-                if group.get(option):
-                    raise InvalidArgumentError(f"optimizer.param_groups[..]['{option}']", True,
-                                               "False (not supported by the ZeRO-1/2 Adam update; "
-                                               "ShardedOptimizerV2 steps it)")
-            if isinstance(group["lr"], torch.Tensor):
-                raise ArgumentTypeError("optimizer lr", group["lr"], "a Python float")
-    allowed = ("a chunkmem.HybridAdam, chunkmem.CPUAdam, torch.optim.Adam or torch.optim.AdamW"
-               + (" or another torch.optim.Optimizer" if any_optimizer else
-                  " (LowLevelZeroOptimizer; ShardedOptimizerV2 takes any torch.optim.Optimizer)"))
-    raise ArgumentTypeError("optimizer", type(optimizer).__name__, allowed)
+    raise ArgumentTypeError("optimizer", type(optimizer).__name__,
+                            "a chunkmem.HybridAdam, chunkmem.CPUAdam or another torch.optim.Optimizer")
 
 
 def params_mismatch(module: nn.Module, params: Sequence[torch.Tensor]) -> str | None:

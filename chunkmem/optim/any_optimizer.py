@@ -5,10 +5,16 @@ Adagrad, AdamW with ``amsgrad``, ...), by :class:`~chunkmem.ShardedOptimizerV2`.
 same hyper-parameters per group) twice on a small tensor and sorts what it keeps per parameter: a tensor
 shaped like the parameter is **per-element** state (SGD's ``momentum_buffer``, Adagrad's ``sum``,
 RMSprop's ``square_avg``, AMSGrad's ``max_exp_avg_sq``); a 0-d tensor or a number is **scalar** state
-(``step``, NAdam's ``mu_product``); anything else (factored or quantized state) cannot live in chunks and
-the optimizer is refused. Each per-element key becomes an fp32 state family of every trainable chunk,
-named as the key: it lives on the chunk's optimizer tier, moves with it, and the ledger counts it. Scalar
-state is kept per parameter on the host (a few bytes).
+(``step``, NAdam's ``mu_product``). Each per-element key becomes an fp32 state family of every trainable
+chunk, named as the key: it lives on the chunk's optimizer tier, moves with it, and the ledger counts it.
+Scalar state is kept per chunk and param group on the host (a few bytes).
+
+**Whole-parameter state.** An optimizer that keeps anything else (Adafactor's factored ``row_var`` /
+``col_var``, a quantized state with per-block scales) has no per-element families: all its state is kept
+per parameter, as its step made it, on the tier where the chunk's update runs (moved there at each step),
+outside the chunks and not counted by the ledger (factors are rows + columns per matrix). Its step must
+see whole parameters, so it runs in one process only, with the optimizer state off the disk tier
+(:data:`ELEMENTWISE` does not list it).
 
 **The update.** For a chunk, on the tier where its state lives, the optimizer's own ``step`` runs on
 stand-in parameters that are views of this rank's part of each parameter in the fp32 master (shaped like
@@ -50,10 +56,12 @@ class StateLayout:
     Attributes:
         families: the per-element keys over all groups, in first-seen order (the chunks' state families).
         per_group: for each param group, its per-element keys.
+        whole: all state is kept per parameter (whole-parameter state; ``families`` is empty).
     """
 
     families: tuple[str, ...]
     per_group: tuple[tuple[str, ...], ...]
+    whole: bool = False
 
 
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:
@@ -70,9 +78,10 @@ def _copy_of(optimizer: Optimizer, groups: list[dict[str, Any]]) -> Optimizer:
 
 def probe_state(optimizer: Optimizer) -> StateLayout:
     """Sort the state ``optimizer`` keeps per parameter (module docstring); refuse with
-    :class:`~chunkmem.InvalidArgumentError` naming ``optimizer`` what cannot live in chunks."""
+    :class:`~chunkmem.InvalidArgumentError` naming ``optimizer`` one whose copy cannot be built or stepped."""
     families: list[str] = []
     per_group = []
+    whole = False
     for index, group in enumerate(optimizer.param_groups):
         probe = torch.zeros(2, 3, requires_grad=True)
         try:
@@ -91,12 +100,10 @@ def probe_state(optimizer: Optimizer) -> StateLayout:
                 if key not in families:
                     families.append(key)
             elif isinstance(value, torch.Tensor) and value.numel() != 1:
-                raise InvalidArgumentError(
-                    "optimizer", type(optimizer).__name__,
-                    f"an optimizer whose state per parameter is shaped like the parameter or scalar ({key!r} has "
-                    f"shape {tuple(value.shape)} for a parameter of shape {tuple(probe.shape)}: factored or "
-                    f"quantized state does not fit in chunks)")
+                whole = True
         per_group.append(tuple(keys))
+    if whole:
+        return StateLayout((), tuple(() for _ in per_group), whole=True)
     if "master" in families:
         raise InvalidArgumentError("optimizer", type(optimizer).__name__, "an optimizer without a state key 'master'")
     return StateLayout(tuple(families), tuple(per_group))
@@ -116,17 +123,20 @@ def check_elementwise(optimizer: Optimizer, where: str, why: str) -> None:
 @dataclass
 class ParamView:
     """One parameter's part in this rank's shard, for one update: where it is (``start``, ``count`` in
-    the shard), its shape when whole (``None``: a flat piece) and its param group."""
+    the shard), its shape when whole (``None``: a flat piece), its param group and ``key``, the number
+    its whole-parameter state is kept under (its position in the chunk)."""
 
     start: int
     count: int
     shape: tuple[int, ...] | None
     group: int
+    key: int = -1
 
 
 def step_views(optimizer: Optimizer, layout: StateLayout, views: Iterable[ParamView], groups: Iterable[int],
                master: torch.Tensor, grad: torch.Tensor, families: dict[str, torch.Tensor],
-               scalars: dict[int, dict[str, Any]], first_step: bool) -> None:
+               scalars: dict[int, dict[str, Any]], first_step: bool,
+               whole_state: dict[int, dict[str, Any]] | None = None) -> None:
     """Run ``optimizer``'s step over the parameters of one chunk on stand-ins: views of ``master`` (this
     rank's fp32 shard, updated in place) with gradients from ``grad`` (fp32, same layout, unscaled and
     clipped) and per-element state from ``families`` (``{key: fp32 shard}``, written in place).
@@ -135,7 +145,12 @@ def step_views(optimizer: Optimizer, layout: StateLayout, views: Iterable[ParamV
     together): ``scalars[group]`` holds it and is replaced by the new values. ``groups``: every group with
     trainable parameters in the chunk; a group none of whose elements lie in this rank's shard steps a
     one-element stand-in, so that every rank keeps the same scalar state. ``first_step``: no state exists
-    yet (the optimizer creates it; the per-element part is copied into the families)."""
+    yet (the optimizer creates it; the per-element part is copied into the families). With
+    ``layout.whole``, ``whole_state[view.key]`` holds each parameter's whole state instead (absent before
+    its first step) and every view must be shaped."""
+    if layout.whole:
+        _step_whole(optimizer, views, master, grad, whole_state)
+        return
     stand_ins: list[tuple[int, torch.Tensor, dict[str, torch.Tensor]]] = []  # (group, stand-in, its state views)
     for view in views:
         def cut(flat: torch.Tensor, v: ParamView = view) -> torch.Tensor:
@@ -193,3 +208,27 @@ class PieceStep:
         scalars = dict(self.scalars_before)  # every piece steps from the state before the step
         step_views(self.optimizer, self.layout, inside, self.groups, master, grad32, state, scalars, self.first_step)
         self.scalars_after = scalars
+
+
+def _step_whole(optimizer: Optimizer, views: Iterable[ParamView], master: torch.Tensor, grad: torch.Tensor,
+                whole_state: dict[int, dict[str, Any]]) -> None:
+    """:func:`step_views` for whole-parameter state: each stand-in gets its parameter's own state back."""
+    by_group: dict[int, list[torch.Tensor]] = {}
+    stand_ins = []
+    for view in views:
+        assert view.shape is not None, "whole-parameter state needs whole parameters"
+        param = master[view.start:view.start + view.count].view(view.shape)
+        param.grad = grad[view.start:view.start + view.count].view(view.shape)
+        by_group.setdefault(view.group, []).append(param)
+        stand_ins.append((view.key, param))
+    shadow = _copy_of(optimizer, [{**_hyper(optimizer.param_groups[g]), "params": params}
+                                  for g, params in by_group.items()])
+    for key, param in stand_ins:
+        if key in whole_state:  # on the tier the update runs on now
+            shadow.state[param] = {k: v.to(master.device) if isinstance(v, torch.Tensor) and k != "step" else v
+                                   for k, v in whole_state[key].items()}
+    with torch.no_grad():
+        shadow.step()
+    for key, param in stand_ins:
+        whole_state[key] = dict(shadow.state[param])
+        param.grad = None

@@ -16,7 +16,8 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 import torch.nn as nn
 
-from .adam import check_supported_optimizer, hyper_of_group, params_mismatch
+from .adam import check_supported_optimizer, hyper_of_group, params_mismatch, runs_adam_kernel
+from .any_optimizer import ParamView, StateLayout, check_elementwise, probe_state, step_views
 from .adam_kernels import adam_update_, param_spans
 from ..distributed.agreement import LayoutDescription, ParamRecord, agree, agree_on_point
 from ..distributed.collectives import ShardGroup, start_all_gather
@@ -76,8 +77,12 @@ class LowLevelZeroOptimizer:
 
     Args:
         optimizer: a :class:`~chunkmem.HybridAdam` / :class:`~chunkmem.CPUAdam`, ``torch.optim.Adam`` or
-            ``torch.optim.AdamW`` (plain options) over the parameters; its param groups give the
-            hyper-parameters, read at every step. Its own ``step`` must not be called.
+            ``torch.optim.AdamW`` (plain options: the Adam kernel), or another ``torch.optim.Optimizer``
+            over the parameters (its own step runs on views of this rank's fp32 masters, its per-element
+            state one fp32 shard per chunk and key, as in :class:`~chunkmem.ShardedOptimizerV2`: see
+            :mod:`chunkmem.optim.any_optimizer`; with several ranks only elementwise ones, as the rank
+            holds pieces of parameters); its param groups give the hyper-parameters, read at every
+            step. Its own ``step`` must not be called.
         initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale:
             the :class:`~chunkmem.DynamicGradScaler` rules (defaults: 2**16, 1, 2, 0.5, 2000, 2, 2**24).
         clip_grad_norm: clip the unscaled gradients to this global 2-norm before the update (0: no
@@ -110,7 +115,7 @@ class LowLevelZeroOptimizer:
                  reduce_bucket_size: int = 1024 * 1024, communication_dtype: torch.dtype | None = None,
                  overlap_communication: bool = False, partition_grad: bool = False, cpu_offload: bool = False,
                  forced_dtype: torch.dtype | None = None, *, dp_process_group: Any = None) -> None:
-        scaler, shards, groups = self._checked(
+        scaler, shards, groups, layout = self._checked(
             optimizer, initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale,
             clip_grad_norm, verbose, reduce_bucket_size, communication_dtype, overlap_communication, partition_grad,
             cpu_offload, forced_dtype, dp_process_group)
@@ -145,7 +150,11 @@ class LowLevelZeroOptimizer:
         self.dp_process_group = dp_process_group
         self.shards = shards
         self.separate_master = separate
-        self.chunks = build_partition(groups, dtype, shards.world, shards.rank, master_device, separate)
+        self._layout = layout  # None: the Adam kernel; else any_optimizer's stand-in step
+        self.chunks = build_partition(groups, dtype, shards.world, shards.rank, master_device, separate,
+                                      *(() if layout is None else (layout.families,)))
+        if layout is not None:
+            optimizer.state.clear()  # what its constructor made (Adagrad's sums): the chunks keep the state
         self._slot_of = {id(s.param): s for c in self.chunks for s in c.slots}
         self._index_of = {}
         for group in optimizer.param_groups:
@@ -187,9 +196,9 @@ class LowLevelZeroOptimizer:
                  verbose: bool, reduce_bucket_size: int, communication_dtype: torch.dtype | None,
                  overlap_communication: bool, partition_grad: bool, cpu_offload: bool,
                  forced_dtype: torch.dtype | None, dp_process_group: Any, cast_to: torch.dtype | None = None
-                 ) -> tuple[DynamicGradScaler, ShardGroup, list[list[nn.Parameter]]]:
+                 ) -> tuple[DynamicGradScaler, ShardGroup, list[list[nn.Parameter]], StateLayout | None]:
         """Every check of the constructor's arguments (nothing changed): the scaler, the data-parallel
-        group and the trainable parameters per param group."""
+        group, the trainable parameters per param group and what the optimizer keeps (``None``: Adam)."""
         check_supported_optimizer(optimizer)
         scaler = DynamicGradScaler(initial_scale, min_scale, growth_factor, backoff_factor, growth_interval,
                                    hysteresis, max_scale)
@@ -204,7 +213,13 @@ class LowLevelZeroOptimizer:
                             ("cpu_offload", cpu_offload)):
             check_type(name, value, bool, "True or False")
         shards = ShardGroup.of(dp_process_group, "dp_process_group")
-        return scaler, shards, cls._check_params(optimizer, forced_dtype, cast_to)
+        groups = cls._check_params(optimizer, forced_dtype, cast_to)
+        layout = None
+        if not runs_adam_kernel(optimizer):
+            layout = probe_state(optimizer)
+            if shards.sharded:
+                check_elementwise(optimizer, "with several data-parallel ranks", "each rank owns pieces of parameters")
+        return scaler, shards, groups, layout
 
     @staticmethod
     def _check_params(optimizer: Any, forced_dtype: torch.dtype | None,
@@ -263,9 +278,15 @@ class LowLevelZeroOptimizer:
         return self.mixed.scaler
 
     @property
-    def state_layout(self) -> None:
-        """Always ``None``: Adam's moments (ShardedOptimizerV2's ``state_layout`` names another optimizer's)."""
-        return None
+    def state_layout(self) -> StateLayout | None:
+        """What the wrapped optimizer keeps per parameter, when it is not run by the Adam kernel (``None``:
+        Adam's moments; see :mod:`chunkmem.optim.any_optimizer`)."""
+        return self._layout
+
+    def group_of(self, param: nn.Parameter) -> int | None:
+        """The index of ``param``'s group in the wrapped optimizer's param groups (``None``: not trained)."""
+        slot = self._slot_of.get(id(param))
+        return None if slot is None else slot.chunk.group
 
     @property
     def global_grad_norm(self) -> float | None:
@@ -415,6 +436,9 @@ class LowLevelZeroOptimizer:
         return join_runs(pieces)
 
     def _update(self, chunk: FlatChunk, multiplier: float) -> None:
+        if self._layout is not None:
+            self._update_with_any_optimizer(chunk, multiplier)
+            return
         hyper = hyper_of_group(self.optim.param_groups[chunk.group])
         grad = self._own_grad(chunk)
         if grad.device != chunk.master.device:
@@ -423,13 +447,32 @@ class LowLevelZeroOptimizer:
         same_device = own.device == chunk.master.device
         chunk.step += 1
         spans = param_spans(chunk.slots, chunk.own_start)
+        exp_avg, exp_avg_sq = chunk.state["exp_avg"], chunk.state["exp_avg_sq"]
         for a, b, _ in self._ranges(chunk):
-            adam_update_(chunk.master[a:b], grad[a:b], chunk.exp_avg[a:b], chunk.exp_avg_sq[a:b], chunk.step, hyper,
+            adam_update_(chunk.master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], chunk.step, hyper,
                          grad_multiplier=multiplier,
                          param_out=own[a:b] if self.separate_master and same_device else None,
                          param_spans=[(s - a, e - a) for s, e in spans])
             if self.separate_master and not same_device:
                 own[a:b].copy_(chunk.master[a:b], non_blocking=False)
+
+    def _update_with_any_optimizer(self, chunk: FlatChunk, multiplier: float) -> None:
+        """The wrapped optimizer's own step over this rank's shard of ``chunk`` on stand-ins (views of the
+        masters, shaped where the rank owns a parameter whole; :mod:`chunkmem.optim.any_optimizer`)."""
+        views = []
+        for slot in chunk.slots:
+            part = slot.owned()
+            if part is not None and slot.param.requires_grad:
+                views.append(ParamView(slot.offset + part[0] - chunk.own_start, part[1] - part[0],
+                                       slot.shape if part == (0, slot.numel) else None, chunk.group, slot.index))
+        grad = self._own_grad(chunk).to(device=chunk.master.device, dtype=torch.float32, copy=True).mul_(multiplier)
+        step_views(self.optim, self._layout, views, {chunk.group}, chunk.master, grad, chunk.state, chunk.scalars,
+                   first_step=chunk.step == 0, whole_state=chunk.whole_state)
+        chunk.step += 1
+        if self.separate_master:
+            own = chunk.own(chunk.param)
+            for a, b, _ in self._ranges(chunk):
+                own[a:b].copy_(chunk.master[a:b])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop (``set_to_none``) or zero the reduced gradients, and drop gradients accumulated inside
@@ -454,15 +497,15 @@ class LowLevelZeroOptimizer:
         """Exact bytes this rank holds per family: ``"params"`` (the working flat chunks, whole),
         ``"grads"`` (the gradient stores allocated now, the ones kept for the next backward after
         ``zero_grad`` included), ``"master"`` (separate fp32 masters; 0 when the fp32 working shard is its
-        own master), ``"exp_avg"``, ``"exp_avg_sq"``. Not counted: the reduction's scratch buffers (a
-        few buckets)."""
+        own master) and each per-element optimizer state family (``"exp_avg"``, ``"exp_avg_sq"`` for
+        Adam; another optimizer's keys, e.g. ``"momentum_buffer"``). Not counted: the reduction's scratch
+        buffers (a few buckets) and another optimizer's scalar state (a few numbers per chunk)."""
         def size(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.numel() * t.element_size()
         return {"params": sum(size(c.param) for c in self.chunks),
                 "grads": sum(size(c.grad if c.grad is not None else c.spare_grad) for c in self.chunks),
                 "master": sum(size(c.master) for c in self.chunks) if self.separate_master else 0,
-                "exp_avg": sum(size(c.exp_avg) for c in self.chunks),
-                "exp_avg_sq": sum(size(c.exp_avg_sq) for c in self.chunks)}
+                **{family: sum(size(c.state[family]) for c in self.chunks) for family in self.chunks[0].state}}
 
     def master_of(self, param: nn.Parameter) -> torch.Tensor:
         """A CPU fp32 copy of ``param``'s full master value (gathered over the ranks: every rank calls
@@ -478,7 +521,7 @@ class LowLevelZeroOptimizer:
 
     def state_shard(self, slot: FlatSlot, family: str) -> tuple[torch.Tensor, float] | None:
         """This rank's shard (``shard_numel`` elements) of ``slot``'s chunk for ``family`` (``"fp32"``: the
-        masters; ``"grad"``: the reduced gradient; ``"exp_avg"``, ``"exp_avg_sq"``) and the factor that
+        masters; ``"grad"``: the reduced gradient; an optimizer state family) and the factor that
         unscales and clips it (1 but for the gradient); ``None`` where there is no value (no gradient
         since the last step; no moments before the first step)."""
         chunk = slot.chunk
@@ -488,7 +531,7 @@ class LowLevelZeroOptimizer:
             return None if chunk.grad is None else (self._own_grad(chunk), self.mixed.multiplier)
         if chunk.step == 0:
             return None
-        return (chunk.exp_avg if family == "exp_avg" else chunk.exp_avg_sq), 1.0
+        return chunk.state[family], 1.0
 
     def gather_shards(self, chunk: FlatChunk, shard: torch.Tensor) -> torch.Tensor:
         """The whole chunk (fp32, CPU) from every rank's ``shard`` (a collective when sharded)."""
@@ -502,13 +545,13 @@ class LowLevelZeroOptimizer:
     # ---- checkpoints -------------------------------------------------------------------------------
 
     def state_dict(self, *, rank0_only: bool = False) -> dict[str, Any]:
-        """The full optimizer state in ``torch.optim.Adam``/``AdamW`` layout (as
-        :meth:`ShardedOptimizerV2.state_dict`): ``"state"`` ``{index: {"step", "exp_avg", "exp_avg_sq"}}``
-        (fp32, on the CPU, shaped like the parameters; parameters not stepped yet have none),
-        ``"param_groups"`` and ``"loss_scaler"``. Loadable by torch's Adam/AdamW, by
-        :class:`~chunkmem.ShardedOptimizerV2` and by :meth:`load_state_dict` at any world size. The
-        moments are gathered: every rank calls it; with ``rank0_only`` the others get ``{}``."""
-        from .state_dict import adam_entry, export_param_groups
+        """The full optimizer state in torch's layout (as :meth:`ShardedOptimizerV2.state_dict`):
+        ``"state"`` ``{index: {"step", "exp_avg", "exp_avg_sq"}}`` for Adam, the wrapped optimizer's own
+        keys for another (fp32, on the CPU, shaped like the parameters; parameters not stepped yet have
+        none), ``"param_groups"`` and ``"loss_scaler"``. Loadable by the wrapped optimizer's torch class,
+        by :class:`~chunkmem.ShardedOptimizerV2` and by :meth:`load_state_dict` at any world size. The
+        state is gathered: every rank calls it; with ``rank0_only`` the others get ``{}``."""
+        from .state_dict import adam_entry, any_entry, export_param_groups, scalar_copy
 
         check_type("rank0_only", rank0_only, bool, "True or False")
         groups, _ = export_param_groups(self)
@@ -516,20 +559,28 @@ class LowLevelZeroOptimizer:
         for chunk in self.chunks:
             if chunk.step == 0:
                 continue
-            exp_avg, exp_avg_sq = self._gather(chunk, chunk.exp_avg), self._gather(chunk, chunk.exp_avg_sq)
+            whole = {family: self._gather(chunk, shard) for family, shard in chunk.state.items()}
             for slot in chunk.slots:
-                state[slot.index] = adam_entry(chunk.step, slot.view(exp_avg), slot.view(exp_avg_sq), slot.shape)
+                if self._layout is None:
+                    state[slot.index] = adam_entry(chunk.step, slot.view(whole["exp_avg"]),
+                                                   slot.view(whole["exp_avg_sq"]), slot.shape)
+                elif self._layout.whole:
+                    if slot.index in chunk.whole_state:
+                        state[slot.index] = scalar_copy(chunk.whole_state[slot.index])
+                else:
+                    state[slot.index] = any_entry(chunk.scalars.get(chunk.group, {}), whole, slot.view, slot.shape)
         if rank0_only and self.shards.rank != 0:
             return {}
         scaler = self.grad_scaler.state_dict() if self.grad_scaler is not None else None
         return {"state": dict(sorted(state.items())), "param_groups": groups, "loss_scaler": scaler}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a full optimizer state dict (this class's, :class:`~chunkmem.ShardedOptimizerV2`'s or
-        ``torch.optim.Adam``/``AdamW``'s over the same parameters in the same group order): each
-        chunk's step, this rank's part of the moments, the hyper-parameters and (fp16) the loss scaler.
-        Everything is checked first (:class:`~chunkmem.InvalidArgumentError` naming the entry; all
-        parameters of one chunk must share a step); nothing changes on an error. No collective."""
+        """Load a full optimizer state dict (this class's, :class:`~chunkmem.ShardedOptimizerV2`'s or the
+        wrapped optimizer's torch class's over the same parameters in the same group order): each
+        chunk's step, this rank's part of the per-element state, another optimizer's scalar state, the
+        hyper-parameters and (fp16) the loss scaler. Everything is checked first
+        (:class:`~chunkmem.InvalidArgumentError` naming the entry; all parameters of one chunk must share
+        a step); nothing changes on an error. No collective."""
         self.plan_load_state_dict(state_dict)()
 
     def state_loaded(self) -> None:
@@ -538,7 +589,7 @@ class LowLevelZeroOptimizer:
     def plan_load_state_dict(self, state_dict: Mapping[str, Any]) -> Callable[[], None]:
         """Check ``state_dict`` as :meth:`load_state_dict` does and return the function that loads it
         (nothing changes until it is called)."""
-        from .state_dict import check_entry, plan_hyper_load
+        from .state_dict import check_entry, plan_hyper_load, scalar_copy
 
         allowed = "an optimizer state dict with 'state' and 'param_groups'"
         check_type("state_dict", state_dict, Mapping, allowed)
@@ -547,7 +598,7 @@ class LowLevelZeroOptimizer:
                 raise InvalidArgumentError("state_dict", f"a dict without {key!r}", allowed)
         plan = plan_hyper_load(self, state_dict["param_groups"], state_dict.get("loss_scaler"))
         state = state_dict["state"]
-        check_type("state_dict['state']", state, Mapping, "a mapping from parameter index to its Adam state")
+        check_type("state_dict['state']", state, Mapping, "a mapping from parameter index to its optimizer state")
         total = len(self._index_of)
         for index in state:
             if not isinstance(index, int) or not 0 <= index < total:
@@ -558,7 +609,13 @@ class LowLevelZeroOptimizer:
             steps, entries = set(), []
             for slot in chunk.slots:
                 entry = state.get(slot.index)
-                step = 0 if entry is None else check_entry(slot.index, f"index {slot.index}", entry, slot)
+                if entry is None:
+                    step = 0
+                elif self._layout is None:
+                    step = check_entry(slot.index, f"index {slot.index}", entry, slot)
+                else:
+                    step = check_entry(slot.index, f"index {slot.index}", entry, slot, chunk.state_families,
+                                       counts_steps=False)
                 steps.add(step)
                 if entry is not None and step > 0:
                     entries.append((slot, entry))
@@ -571,11 +628,17 @@ class LowLevelZeroOptimizer:
             plan.apply()
             with torch.no_grad():
                 for chunk, step, entries in writes:
-                    chunk.exp_avg.zero_()
-                    chunk.exp_avg_sq.zero_()
+                    for shard in chunk.state.values():
+                        shard.zero_()
+                    chunk.scalars.clear()
+                    chunk.whole_state.clear()
                     for slot, entry in entries:
-                        self._write_own(slot, chunk.exp_avg, entry["exp_avg"])
-                        self._write_own(slot, chunk.exp_avg_sq, entry["exp_avg_sq"])
+                        for family, shard in chunk.state.items():
+                            self._write_own(slot, shard, entry[family])
+                        if self._layout is not None and self._layout.whole:
+                            chunk.whole_state[slot.index] = scalar_copy(entry)
+                        elif self._layout is not None:
+                            chunk.scalars[chunk.group] = scalar_copy(entry, chunk.state_families)
                     chunk.step = step
         return apply
 

@@ -95,7 +95,7 @@ class ShardedOptimizerV2(Optimizer):
                  step_in_backward: bool = False) -> None:
         if not isinstance(sharded_model, ShardedModelV2):
             raise ArgumentTypeError("sharded_model", type(sharded_model).__name__, "a chunkmem.ShardedModelV2")
-        check_supported_optimizer(optimizer, any_optimizer=True)
+        check_supported_optimizer(optimizer)
         settings = OptimizerSettings.from_arguments(
             gpu_margin_mem_ratio, initial_scale, min_scale, growth_factor, backoff_factor, growth_interval,
             hysteresis, max_scale, dp_process_group, mp_process_group, verbose, max_norm=max_norm,
@@ -109,7 +109,7 @@ class ShardedOptimizerV2(Optimizer):
         :func:`chunkmem.initialize` builds the settings from a configuration)."""
         if not isinstance(sharded_model, ShardedModelV2):
             raise ArgumentTypeError("sharded_model", type(sharded_model).__name__, "a chunkmem.ShardedModelV2")
-        check_supported_optimizer(optimizer, any_optimizer=True)
+        check_supported_optimizer(optimizer)
         check_type("settings", settings, OptimizerSettings, "a chunkmem.settings.OptimizerSettings")
         optim = cls.__new__(cls)
         optim._attach(sharded_model, optimizer, settings)
@@ -151,6 +151,7 @@ class ShardedOptimizerV2(Optimizer):
         self._step_in_flight: StreamedStep | None = None  # step_in_backward: started by this backward
         self._layout = layout  # None: the Adam kernel; else any_optimizer's stand-in step
         self._scalars: dict[int, dict[int, dict[str, Any]]] = {}  # any_optimizer: chunk -> group -> scalar state
+        self._whole_state: dict[int, dict[int, dict[str, Any]]] = {}  # any_optimizer: chunk -> slot -> its state
         self._init_optimizer_hooks()
         if layout is not None:
             optimizer.state.clear()  # what its constructor made (Adagrad's sums): the chunks keep the state
@@ -413,6 +414,11 @@ class ShardedOptimizerV2(Optimizer):
         a group's parameters in one chunk: they step together), changed in place."""
         return self._scalars.setdefault(chunk.index, {})
 
+    def whole_state(self, chunk: Chunk) -> dict[int, dict[str, Any]]:
+        """Another optimizer's whole-parameter state for ``chunk``'s parameters, by their position in the
+        chunk (``state_layout.whole``; :mod:`chunkmem.optim.any_optimizer`)."""
+        return self._whole_state.setdefault(chunk.index, {})
+
     @property
     def global_grad_norm(self) -> float | None:
         """The total norm of the unscaled gradients the last step computed (before clipping; inf or NaN
@@ -575,7 +581,7 @@ class ShardedOptimizerV2(Optimizer):
         param group with trainable parameters in it, for :mod:`chunkmem.optim.any_optimizer`."""
         stepped = self._stepped_slots(chunk)
         views = [ParamView(slot.offset + part[0] - chunk.shard_offset, part[1] - part[0],
-                           tuple(slot.shape) if part == (0, slot.numel) else None, group)
+                           tuple(slot.shape) if part == (0, slot.numel) else None, group, slot.index_in_chunk)
                  for slot, group, part in stepped if part is not None]
         return views, {group for _, group, _ in stepped}
 
@@ -590,7 +596,7 @@ class ShardedOptimizerV2(Optimizer):
             grad32 = grad.to(device=target.device, dtype=torch.float32, copy=True).mul_(multiplier)
             families = {key: chunk.optim[key].tensor for key in self._layout.families}
             step_views(self.optim, self._layout, views, groups, master, grad32, families, scalars,
-                       first_step=chunk.step == 0)
+                       first_step=chunk.step == 0, whole_state=self.whole_state(chunk))
             chunk.step += 1
             if chunk.has_master:
                 target.copy_(master)

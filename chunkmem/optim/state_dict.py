@@ -61,6 +61,23 @@ def adam_entry(step: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, shape
             "exp_avg_sq": exp_avg_sq.detach().to("cpu", torch.float32, copy=True).view(tuple(shape))}
 
 
+def any_entry(scalars: Mapping[str, Any], whole: Mapping[str, torch.Tensor], view: Any,
+              shape: Any) -> dict[str, Any]:
+    """One parameter's state as another torch optimizer keeps it: copies of its group's ``scalars`` and,
+    for each per-element key, its part of the chunk-long ``whole[key]`` (cut by ``view``) as an fp32 CPU
+    tensor shaped like the parameter."""
+    entry: dict[str, Any] = scalar_copy(scalars)
+    for key, full in whole.items():
+        entry[key] = view(full).detach().to("cpu", torch.float32, copy=True).view(tuple(shape))
+    return entry
+
+
+def scalar_copy(state: Mapping[str, Any], leave_out: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A copy of the entries of ``state`` not in ``leave_out`` (tensors copied to the CPU)."""
+    return {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+            for k, v in state.items() if k not in leave_out}
+
+
 def optimizer_state_dict(optim: Any, rank0_only: bool) -> dict[str, Any]:
     """The full optimizer state dict (module docstring). Gathers the moments of every chunk that has
     stepped: every rank must call it; with ``rank0_only`` the other ranks get ``{}``."""
@@ -92,16 +109,18 @@ def _any_optimizer_entries(optim: Any, chunk: Chunk, index_of: dict[int, int]) -
     per-element state gathered (collectives, in chunk order on every rank) and its scalar state."""
     layout = optim.state_layout
     gathered = {key: chunk.gather(chunk.optim[key].read()) for key in layout.families}
-    scalars = optim.scalar_state(chunk)
+    scalars, whole = optim.scalar_state(chunk), optim.whole_state(chunk)
     entries = {}
     for slot in chunk.slots:
         group = optim.group_of(slot.param)
+        if layout.whole:
+            if id(slot.param) in index_of and slot.index_in_chunk in whole:
+                entries[index_of[id(slot.param)]] = scalar_copy(whole[slot.index_in_chunk])
+            continue
         if id(slot.param) not in index_of or group not in scalars:
             continue
-        entry: dict[str, Any] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in scalars[group].items()}
-        for key in layout.per_group[group]:
-            entry[key] = slot.view(gathered[key]).detach().to("cpu", torch.float32, copy=True).view(tuple(slot.shape))
-        entries[index_of[id(slot.param)]] = entry
+        entries[index_of[id(slot.param)]] = any_entry(
+            scalars[group], {key: gathered[key] for key in layout.per_group[group]}, slot.view, slot.shape)
     return entries
 
 
@@ -124,18 +143,22 @@ class OptimizerLoad:
             for chunk, step, entries in self.chunks:
                 families = {key: torch.zeros(chunk.shard_numel, dtype=torch.float32) for key in chunk.state_families}
                 scalars: dict[int, dict[str, Any]] = {}
+                whole: dict[int, dict[str, Any]] = {}
                 for slot, entry in entries:
                     keys = ADAM_STATE if layout is None else layout.per_group[self.optim.group_of(slot.param)]
                     for key in keys:
                         chunk.write_own_part(slot, families[key], entry[key])
-                    if layout is not None:
-                        scalars[self.optim.group_of(slot.param)] = {
-                            k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items() if k not in keys}
+                    if layout is not None and layout.whole:
+                        whole[slot.index_in_chunk] = scalar_copy(entry)
+                    elif layout is not None:
+                        scalars[self.optim.group_of(slot.param)] = scalar_copy(entry, keys)
                 for key, values in families.items():
                     chunk.optim[key].write(values)
                 if layout is not None:
-                    self.optim.scalar_state(chunk).clear()
-                    self.optim.scalar_state(chunk).update(scalars)
+                    for kept, loaded in ((self.optim.scalar_state(chunk), scalars),
+                                         (self.optim.whole_state(chunk), whole)):
+                        kept.clear()
+                        kept.update(loaded)
                 chunk.step = step
         for group, saved in zip(self.optim.optim.param_groups, self.groups):
             if layout is None:
@@ -274,7 +297,7 @@ def check_entry(index: Any, name: str, entry: Any, slot: ParamSlot, keys: tuple[
     where = f"state_dict['state'][{index!r}] (parameter {name!r})"
     required = ("step", *keys) if counts_steps else keys
     listing = ", ".join(required[:-1]) + f" and {required[-1]}" if len(required) > 1 else ", ".join(required)
-    check_type(where, entry, Mapping, f"a dict with {listing}")
+    check_type(where, entry, Mapping, f"a dict with {listing}" if required else "a dict of the optimizer's state")
     for key in required:
         if key not in entry:
             raise InvalidArgumentError(where, f"a state without {key!r}", listing)

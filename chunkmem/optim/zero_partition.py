@@ -5,7 +5,8 @@ chunk size from :func:`chunkmem.core.layout.search_chunk_numel`, rounded to whol
 rank): each chunk is one flat working buffer that every rank holds in full (the parameters become views
 into it, so the module stays a plain module), and rank ``r`` owns elements ``[r * shard_numel,
 (r + 1) * shard_numel)`` of it, as a sharded :class:`~chunkmem.core.chunk.Chunk` does. The fp32 master,
-the Adam moments and (ZeRO-2) the gradient exist only for the owned elements.
+the optimizer's per-element state (Adam's moments, or another optimizer's own: see
+:mod:`chunkmem.optim.any_optimizer`) and (ZeRO-2) the gradient exist only for the owned elements.
 """
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from typing import Any
+
+from ..core.chunk import ADAM_STATE
 from ..core.layout import aligned_numel, pack, part_in_shard, search_chunk_numel
 
 
@@ -46,9 +50,12 @@ class FlatSlot:
 @dataclass(eq=False)
 class FlatChunk:
     """One chunk: the full working ``param`` buffer (``numel`` elements, every rank), this rank's
-    ``master`` / ``exp_avg`` / ``exp_avg_sq`` (``shard_numel`` fp32 elements each), the finished
-    gradient store ``grad`` (``None`` until a backward reduced into it; after ``zero_grad`` its memory is
-    kept in ``spare_grad`` for the next backward, as DDP keeps its buckets) and the Adam ``step``."""
+    ``master`` and per-element optimizer ``state`` by family (``exp_avg``, ``exp_avg_sq`` for Adam;
+    ``shard_numel`` fp32 elements each), another optimizer's ``scalars`` (``{group: {key: value}}``) or
+    whole-parameter state (``whole_state``, by the parameter's index: :mod:`chunkmem.optim.any_optimizer`),
+    the finished gradient store ``grad`` (``None`` until a backward reduced into it; after ``zero_grad``
+    its memory is kept in ``spare_grad`` for the next backward, as DDP keeps its buckets) and the
+    ``step`` count."""
 
     index: int
     group: int
@@ -58,8 +65,9 @@ class FlatChunk:
     param: torch.Tensor
     slots: list[FlatSlot] = field(default_factory=list)
     master: torch.Tensor | None = None
-    exp_avg: torch.Tensor | None = None
-    exp_avg_sq: torch.Tensor | None = None
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+    scalars: dict[int, dict[str, Any]] = field(default_factory=dict)
+    whole_state: dict[int, dict[str, Any]] = field(default_factory=dict)
     grad: torch.Tensor | None = None
     spare_grad: torch.Tensor | None = None
     step: int = 0
@@ -68,6 +76,11 @@ class FlatChunk:
     def shard_numel(self) -> int:
         """Elements each rank owns."""
         return self.numel // self.world
+
+    @property
+    def state_families(self) -> tuple[str, ...]:
+        """The per-element optimizer state's family names."""
+        return tuple(self.state)
 
     @property
     def own_start(self) -> int:
@@ -80,11 +93,13 @@ class FlatChunk:
 
 
 def build_partition(groups: list[list[nn.Parameter]], dtype: torch.dtype, world: int, rank: int,
-                    master_device: torch.device, separate_master: bool) -> list[FlatChunk]:
+                    master_device: torch.device, separate_master: bool,
+                    families: tuple[str, ...] = ADAM_STATE) -> list[FlatChunk]:
     """Pack the parameters of ``groups`` (chunks never mix groups) into flat chunks of ``dtype`` on
     the parameters' device, make every parameter a view into its chunk, and allocate this rank's fp32
     master (a copy of the values before any cast, when ``separate_master``; else the owned elements of
-    the working buffer are the masters) and zero moments on ``master_device``. Padding is zero."""
+    the working buffer are the masters) and zero optimizer state ``families`` on ``master_device``.
+    Padding is zero."""
     entries = [(g, p) for g, params in enumerate(groups) for p in params]
     numels = [p.numel() for _, p in entries]
     keys = [g for g, _ in entries]
@@ -111,7 +126,7 @@ def build_partition(groups: list[list[nn.Parameter]], dtype: torch.dtype, world:
             chunk.master = chunk.own(exact).to(master_device, copy=True)
         else:
             chunk.master = chunk.own(flat)
-        chunk.exp_avg = torch.zeros(chunk.shard_numel, dtype=torch.float32, device=master_device)
-        chunk.exp_avg_sq = torch.zeros(chunk.shard_numel, dtype=torch.float32, device=master_device)
+        chunk.state = {family: torch.zeros(chunk.shard_numel, dtype=torch.float32, device=master_device)
+                       for family in families}
         chunks.append(chunk)
     return chunks
