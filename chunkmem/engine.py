@@ -246,10 +246,9 @@ class TrainingEngine(nn.Module):
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """Save the model, optimizer, schedule, counters and ``client_state`` under ``save_dir/tag``
         (``tag`` default ``global_step{global_steps}``) and, with ``save_latest``, write ``tag`` into
-        ``save_dir/latest``. Every rank calls it. Inside the tag directory: stage 3 with an Adam writes a
-        chunkmem sharded checkpoint ``zero/`` (each rank its shards; loads at the same world size, or
-        :func:`~chunkmem.consolidate_checkpoint` it), stages 1 and 2 and other optimizers a full checkpoint
-        ``model_optim.pt``; rank 0 writes ``engine_state.pt`` (``torch.save``: counters, schedule state,
+        ``save_dir/latest``. Every rank calls it. Inside the tag directory: stage 3 writes a chunkmem
+        sharded checkpoint ``zero/`` (each rank its shards; loads at the same world size, or
+        :func:`~chunkmem.consolidate_checkpoint` it), stages 1 and 2 a full checkpoint ``model_optim.pt``; rank 0 writes ``engine_state.pt`` (``torch.save``: counters, schedule state,
         ``client_state``). Each file is written atomically; ``latest`` is written last. Returns ``True``."""
         save_dir = self._check_dir(save_dir, "save_dir")
         tag = f"global_step{self.global_steps}" if tag is None else tag
@@ -362,8 +361,8 @@ class TrainingEngine(nn.Module):
 
     @property
     def _sharded_files(self) -> bool:
-        """Whether checkpoints are chunkmem's sharded format (stage 3 with Adam) or the full one."""
-        return self._stage == 3 and getattr(self.optimizer, "state_layout", None) is None
+        """Whether checkpoints are chunkmem's sharded format (stage 3) or the full one (stages 1, 2)."""
+        return self._stage == 3
 
     def _model_checkpoint_path(self, directory: str) -> str:
         return os.path.join(directory, "zero" if self._sharded_files else "model_optim.pt")

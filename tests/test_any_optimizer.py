@@ -92,9 +92,6 @@ def test_state_dict_is_torchs_both_ways_and_checkpoints_resume(tmp_path, name):
         for key, value in entry.items():
             torch.testing.assert_close(torch.as_tensor(ours["state"][index][key]), torch.as_tensor(value), rtol=0, atol=0)
     cm.save_checkpoint(tmp_path / "ck.pt", model, optim)
-    with pytest.raises(cm.InvalidArgumentError) as caught:
-        cm.save_checkpoint(tmp_path / "sharded", model, optim, sharded=True)
-    assert caught.value.argument == "sharded"
 
     plain_from_ours = copy.deepcopy(reference)  # chunkmem's state dicts load into plain PyTorch
     plain_from_ours.load_state_dict(model.state_dict())
@@ -468,3 +465,58 @@ def test_adafactor_in_zero12_one_process_equals_plain_pytorch():
     for index, entry in plain_optim.state_dict()["state"].items():
         for key, value in entry.items():
             torch.testing.assert_close(back.state_dict()["state"][index][key], value)
+
+
+@pytest.mark.parametrize("name", ["rmsprop", "nadam", "adafactor"])
+def test_sharded_checkpoints_resume_bitwise_and_consolidate_to_torchs_state_dict(tmp_path, name):
+    make = _adafactor if name == "adafactor" else OPTIMIZERS[name]
+    torch.manual_seed(0)
+    reference, data = TinyGPT(), batches(4, seed=7)
+    full, full_optim = _wrap(reference, make)
+    _train(full, full_optim, data)
+    half, half_optim = _wrap(reference, make)
+    _train(half, half_optim, data[:2])
+    cm.save_checkpoint(tmp_path / "ck", half, half_optim, sharded=True)
+    consolidated = cm.consolidate_checkpoint(tmp_path / "ck")["optimizer"]
+    expected = half_optim.state_dict()
+    assert consolidated["state"].keys() == expected["state"].keys()
+    for index, entry in expected["state"].items():
+        assert consolidated["state"][index].keys() == entry.keys()
+        for key, value in entry.items():
+            assert torch.equal(torch.as_tensor(consolidated["state"][index][key]), torch.as_tensor(value)), (index, key)
+    resumed, resumed_optim = _wrap(TinyGPT(), make)
+    cm.load_checkpoint(tmp_path / "ck", resumed, resumed_optim)
+    _train(resumed, resumed_optim, data[2:])
+    _same(full, full_optim, resumed, resumed_optim)
+    other, other_optim = _wrap(reference, OPTIMIZERS["sgd"])  # another optimizer's families: refused, unchanged
+    with pytest.raises(cm.InvalidArgumentError, match="one optimizer class"):
+        cm.load_checkpoint(tmp_path / "ck", other, other_optim)
+    adam, adam_optim = _wrap(reference, lambda p: torch.optim.AdamW(p, lr=1e-3))
+    with pytest.raises(cm.InvalidArgumentError, match="one optimizer class|betas"):
+        cm.load_checkpoint(tmp_path / "ck", adam, adam_optim)
+
+
+def _sharded_checkpoint_worker(rank: int, world: int, path: str) -> bool:
+    torch.manual_seed(0)
+    reference, data = TinyGPT(), batches(4, batch=4, seed=9)
+
+    def train(model, optim, steps):
+        for x in steps:
+            part = x[2 * rank:2 * rank + 2]
+            optim.backward(lm_loss(model(part), part))
+            optim.step()
+    full, full_optim = _wrap_on_disk(reference, OPTIMIZERS["adagrad"], path)
+    train(full, full_optim, data)
+    half, half_optim = _wrap_on_disk(reference, OPTIMIZERS["adagrad"], path)
+    train(half, half_optim, data[:2])
+    cm.save_checkpoint(f"{path}/ck", half, half_optim, sharded=True)
+    resumed, resumed_optim = _wrap(TinyGPT(), OPTIMIZERS["adagrad"])
+    cm.load_checkpoint(f"{path}/ck", resumed, resumed_optim)
+    train(resumed, resumed_optim, data[2:])
+    _same(full, full_optim, resumed, resumed_optim)
+    return True
+
+
+def test_two_rank_sharded_checkpoint_from_the_disk_tier_resumes_on_the_host_bitwise(tmp_path):
+    from distributed import run_ranks
+    assert run_ranks(_sharded_checkpoint_worker, 2, str(tmp_path)) == [True, True]

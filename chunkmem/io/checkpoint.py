@@ -10,7 +10,9 @@ Two formats:
   dicts load into a plain module and ``torch.optim.AdamW``. Version 1 files (no checksum) still load.
 * **sharded** (``sharded=True``): a directory in which every rank writes only what it holds, with no
   gather: ``shard-{token}-rank{r}-of-{N}.pt`` has, per chunk, this rank's parameter shard (chunk dtype),
-  fp32 master / exp_avg / exp_avg_sq shards and step, with the layout (world size, rank, chunk numel and
+  fp32 master / exp_avg / exp_avg_sq shards and step (another optimizer: ``"state"``, its per-element
+  families' shards by key, ``"scalars"``, its scalar state by param group, and ``"whole"``, its
+  whole-parameter state by position in the chunk), with the layout (world size, rank, chunk numel and
   dtype, per parameter its name, offset and numel in elements, shape), plus the module buffers, the
   optimizer's param groups and the loss-scaler state. ``manifest.json`` names the token of the last
   complete save and holds the SHA-256 checksum of every rank file's bytes. It loads only at the same
@@ -56,7 +58,8 @@ from ..core.param_guard import slot_of
 from ..model import ShardedModelV2
 from ..optim.sharded_optimizer import ShardedOptimizerV2
 from ..errors import ChunkmemError, CheckpointError
-from ..optim.state_dict import adam_entry, export_param_groups, plan_hyper_load, plan_optimizer_load
+from ..optim.state_dict import (adam_entry, any_entry, export_param_groups, plan_hyper_load, plan_optimizer_load,
+                                scalar_copy)
 from ..state_dicts import (bump_versions, check_tensor_data, first_few, plan_model_load, refuse_chunks_in_use,
                            refuse_grads_in_param_memory, warn_if_masters_lose_precision)
 
@@ -88,8 +91,8 @@ def save_checkpoint(path: str | os.PathLike, model: ShardedModelV2, optimizer: S
     must call it. Atomic: a save that fails or is killed leaves the previous checkpoint at ``path``.
 
     Refused (:class:`CheckpointError`) between a backward and the step with ``reuse_fp16_shard``,
-    while the parameters' memory holds gradients instead of values. The sharded format holds Adam's
-    state: with another optimizer (:mod:`chunkmem.optim.any_optimizer`) write the full format.
+    while the parameters' memory holds gradients instead of values. Both formats hold any optimizer's
+    state (:mod:`chunkmem.optim.any_optimizer`).
 
     With a :class:`~chunkmem.LowLevelZeroOptimizer`, ``model`` is the plain module it trains (any other
     module is refused, naming ``model``) and only the full format is written (``sharded=False``); its ``"model"`` holds the fp32 masters, so it loads
@@ -99,9 +102,6 @@ def save_checkpoint(path: str | os.PathLike, model: ShardedModelV2, optimizer: S
         _save_low_level_zero(_check_low_level_zero_args(path, model, optimizer, sharded), model, optimizer)
         return
     path = _check_save_args(path, model, optimizer, sharded)
-    if sharded and optimizer is not None and optimizer.state_layout is not None:
-        raise InvalidArgumentError("sharded", True, f"False with {type(optimizer.optim).__name__} (the sharded format "
-                                                    "holds Adam's state; the full format holds any optimizer's)")
     refuse_grads_in_param_memory(model, "save_checkpoint")
     if sharded:
         _save_sharded(path, model, optimizer)
@@ -134,9 +134,6 @@ def load_checkpoint(path: str | os.PathLike, model: ShardedModelV2, optimizer: S
         apply()
         return
     path = _check_load_args(path, model, optimizer)
-    if os.path.isdir(path) and optimizer is not None and optimizer.state_layout is not None:
-        raise InvalidArgumentError("path", path, f"a full checkpoint file with {type(optimizer.optim).__name__} (the "
-                                                 "sharded format holds Adam's state only)")
     refuse_grads_in_param_memory(model, "load_checkpoint")
     refuse_chunks_in_use(model, "load_checkpoint")
     group = _group_of(model)
@@ -389,7 +386,13 @@ def _rank_payload(model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None, g
                  "master": _saved(master) if chunk.has_master and master.allocated else None,
                  "step": 0, "exp_avg": None, "exp_avg_sq": None}
         if optimizer is not None and chunk.trainable:
-            entry.update(step=chunk.step, exp_avg=_saved(chunk.optim[EXP_AVG]), exp_avg_sq=_saved(chunk.optim[EXP_AVG_SQ]))
+            entry["step"] = chunk.step
+            if optimizer.state_layout is None:
+                entry.update(exp_avg=_saved(chunk.optim[EXP_AVG]), exp_avg_sq=_saved(chunk.optim[EXP_AVG_SQ]))
+            else:
+                entry.update(state={key: _saved(chunk.optim[key]) for key in chunk.state_families},
+                             scalars={g: scalar_copy(v) for g, v in optimizer.scalar_state(chunk).items()},
+                             whole={k: scalar_copy(v) for k, v in optimizer.whole_state(chunk).items()})
         chunks.append(entry)
     keys, buffers = [], {}
     for key, value in model.module.state_dict(keep_vars=True).items():
@@ -408,8 +411,9 @@ def _optimizer_small_state(optimizer: ShardedOptimizerV2) -> dict[str, Any]:
     name of the parameter behind each index, and the loss scaler."""
     groups, params = export_param_groups(optimizer)
     scaler = optimizer.grad_scaler.state_dict() if optimizer.grad_scaler is not None else None
+    layout = optimizer.state_layout
     return {"param_groups": groups, "param_names": [optimizer.model.parameter_name(p) for p in params],
-            "loss_scaler": scaler}
+            "loss_scaler": scaler, "per_group": None if layout is None else [list(k) for k in layout.per_group]}
 
 
 def _plan_sharded(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None) -> Callable[[], None]:
@@ -439,7 +443,7 @@ def _plan_sharded(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV
                                                     "or another order", "the param groups the checkpoint was saved with")
         optimizer_load = plan_hyper_load(optimizer, small["param_groups"], small["loss_scaler"])
     name = os.path.join(path, _shard_name(manifest["token"], group.rank, group.world))
-    _check_rank_values(name, model, saved, optimizer is not None)
+    _check_rank_values(name, model, saved, optimizer)
     buffers = model.module.state_dict(keep_vars=True)
 
     def apply() -> None:
@@ -453,17 +457,24 @@ def _plan_sharded(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV
         if optimizer_load is not None:
             optimizer_load.apply()  # hyper-parameters and the scaler
             for chunk, entry in zip(model.chunks, saved["chunks"]):
-                if chunk.trainable:
-                    chunk.optim[EXP_AVG].write(entry["exp_avg"])
-                    chunk.optim[EXP_AVG_SQ].write(entry["exp_avg_sq"])
-                    chunk.step = entry["step"]
+                if not chunk.trainable:
+                    continue
+                for key, values in _state_of(entry).items():
+                    chunk.optim[key].write(values)
+                if optimizer.state_layout is not None:
+                    for kept, loaded in ((optimizer.scalar_state(chunk), entry["scalars"]),
+                                         (optimizer.whole_state(chunk), entry["whole"])):
+                        kept.clear()
+                        kept.update((k, scalar_copy(v)) for k, v in loaded.items())
+                chunk.step = entry["step"]
         with torch.no_grad():
             for key, value in saved["buffers"].items():
                 buffers[key].copy_(value)
     return apply
 
 
-def _check_rank_values(name: str, model: ShardedModelV2, saved: dict[str, Any], with_optimizer: bool) -> None:
+def _check_rank_values(name: str, model: ShardedModelV2, saved: dict[str, Any],
+                       optimizer: ShardedOptimizerV2 | None) -> None:
     """Raise (naming the file and the field) unless every tensor and number the load of this rank file
     writes fits the model: shards of the chunk's size, floating, with data; steps >= 0; the buffers of
     the model's keys and shapes. Called after the layout check, before anything is written."""
@@ -472,11 +483,16 @@ def _check_rank_values(name: str, model: ShardedModelV2, saved: dict[str, Any], 
         check_tensor_data(f"{where}['param']", entry["param"], floating=True, numel=chunk.shard_numel)
         if entry["master"] is not None:
             check_tensor_data(f"{where}['master']", entry["master"], floating=True, numel=chunk.shard_numel)
-        if with_optimizer and chunk.trainable:
+        if optimizer is not None and chunk.trainable:
             if entry["step"] < 0:
                 raise InvalidArgumentError(f"{where}['step']", entry["step"], "an integer >= 0")
-            for family in ("exp_avg", "exp_avg_sq"):
-                check_tensor_data(f"{where}[{family!r}]", entry[family], floating=True, numel=chunk.shard_numel)
+            state = _state_of(entry)
+            if tuple(state) != chunk.state_families or (optimizer.state_layout is None) == ("state" in entry):
+                raise InvalidArgumentError(f"{where}: the optimizer state", f"families {list(state)}",
+                                           f"the optimizer's {list(chunk.state_families)} (save and load with one "
+                                           f"optimizer class)")
+            for family, values in state.items():
+                check_tensor_data(f"{where}[{family!r}]", values, floating=True, numel=chunk.shard_numel)
     own = model.module.state_dict(keep_vars=True)
     expected = [key for key, slot in saved["keys"] if slot is None]
     if sorted(saved["buffers"]) != sorted(expected):
@@ -490,6 +506,12 @@ def _check_rank_values(name: str, model: ShardedModelV2, saved: dict[str, Any], 
 
 
 _LAYOUT_FIELDS = ("numel", "shard_numel", "shard_offset", "dtype", "trainable", "parameters")
+
+
+def _state_of(entry: dict[str, Any]) -> dict[str, Any]:
+    """A rank file chunk entry's per-element optimizer state by family: Adam's moments, or another
+    optimizer's ``"state"``."""
+    return entry["state"] if "state" in entry else {"exp_avg": entry["exp_avg"], "exp_avg_sq": entry["exp_avg_sq"]}
 
 
 def _check_layout(path: str, model: ShardedModelV2, saved: dict[str, Any]) -> None:
@@ -578,6 +600,7 @@ def _read_rank_file(path: str, manifest: dict[str, Any], rank: int) -> dict[str,
 _CHUNK_FIELDS = {"index": int, "numel": int, "shard_numel": int, "shard_offset": int, "dtype": str,
                  "trainable": bool, "slots": list, "param": torch.Tensor, "master": (torch.Tensor, type(None)),
                  "step": int, "exp_avg": (torch.Tensor, type(None)), "exp_avg_sq": (torch.Tensor, type(None))}
+_ANY_OPTIMIZER_FIELDS = {"state": dict, "scalars": dict, "whole": dict}
 _SLOT_FIELDS = {"name": str, "offset": int, "numel": int, "shape": list}
 
 
@@ -596,6 +619,9 @@ def _check_rank_fields(name: str, payload: dict[str, Any]) -> None:
             raise CheckpointError(f"{name}: field '{where[:-1]}' is a {type(entry).__name__}, expected a dict")
         for key, kinds in _CHUNK_FIELDS.items():
             _field(entry, key, kinds, name, _kind_names(kinds), where)
+        if "state" in entry:  # another optimizer than Adam
+            for key, kinds in _ANY_OPTIMIZER_FIELDS.items():
+                _field(entry, key, kinds, name, _kind_names(kinds), where)
         for m, slot in enumerate(entry["slots"]):
             if not isinstance(slot, dict):
                 raise CheckpointError(f"{name}: field '{where}slots[{m}]' is a {type(slot).__name__}, expected a dict")
@@ -655,16 +681,28 @@ def _consolidate(path: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
     if small is None:
         return {"model": model_state, "optimizer": None}
     state: dict[int, dict[str, torch.Tensor]] = {}
-    moments: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    families: dict[int, dict[str, torch.Tensor]] = {}
+    group_of = {i: g for g, group in enumerate(small["param_groups"]) for i in group["params"]}
     for index, name in enumerate(small["param_names"]):
         n, slot = located[name]
         entry = parts[0]["model"]["chunks"][n]
         if not entry["trainable"] or entry["step"] == 0:
             continue
-        if n not in moments:
-            moments[n] = (full("exp_avg", n), full("exp_avg_sq", n))
-        exp_avg, exp_avg_sq = moments[n]
-        state[index] = adam_entry(entry["step"], _slot_view(exp_avg, slot), _slot_view(exp_avg_sq, slot), slot["shape"])
+        if n not in families:
+            families[n] = {key: torch.cat([_state_of(part["model"]["chunks"][n])[key] for part in parts])
+                           for key in _state_of(entry)}
+        whole = families[n]
+        if "state" not in entry:
+            state[index] = adam_entry(entry["step"], _slot_view(whole["exp_avg"], slot),
+                                      _slot_view(whole["exp_avg_sq"], slot), slot["shape"])
+        elif entry["whole"]:  # whole-parameter state: one rank, by position in the chunk
+            position = entry["slots"].index(slot)
+            if position in entry["whole"]:
+                state[index] = scalar_copy(entry["whole"][position])
+        elif group_of[index] in entry["scalars"]:
+            keys = small["per_group"][group_of[index]]
+            state[index] = any_entry(entry["scalars"][group_of[index]], {k: whole[k] for k in keys},
+                                     lambda flat, s=slot: _slot_view(flat, s), slot["shape"])
     optimizer_state = {"state": state, "param_groups": small["param_groups"], "loss_scaler": small["loss_scaler"]}
     return {"model": model_state, "optimizer": optimizer_state}
 
