@@ -98,6 +98,8 @@ def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
                            settings.shard_strategy.bucketed, check_capacity)
     if memory.disk is not None:
         weakref.finalize(runtime, memory.disk.close)
+    if settings.prefetch_numel is not None:
+        runtime.executor.prefetch_chunks = settings.prefetch_numel // layout.chunk_numel
     runtime.executor.settle_all()
     runtime.executor.bind_views_to_device()
     for sub in module.modules():
@@ -200,6 +202,7 @@ def _agree_on_layout(settings: ModelSettings, layout: ChunkLayout, shards: Shard
         ("offload_param", repr(disk.offload_param)),
         ("disk buffers", f"{disk.buffer_count} x {disk.buffer_size} bytes" if disk.enabled else "none"),
         ("atomic_step", str(disk.atomic_step) if disk.enabled else "none"),
+        ("prefetch_numel", str(settings.prefetch_numel)),
         ("parameters from", source),
     ]
     agree(shards, LayoutDescription("ShardedModelV2", description, params))

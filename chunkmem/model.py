@@ -63,7 +63,8 @@ class ShardedModelV2(nn.Module):
             exp_avg, exp_avg_sq) rests in files under ``nvme_path`` instead, and each step streams it
             through the host (:mod:`chunkmem.optim.disk_step`); ``None`` (default): no disk tier. Needs
             placement ``"cpu"``, ``"auto"`` or ``"static"``.
-        offload_param: ``None`` only for now (parameters on the disk tier are not built yet).
+        offload_param: ``"disk"``: the parameter shards rest in files under ``nvme_path`` and are read
+            for compute (prefetched from the schedule) and streamed by the step; ``None`` (default): no.
         nvme_path: an existing writable directory on a fast disk; the model's files go into a private
             subdirectory removed with the model, at exit and after an exception (:mod:`chunkmem.storage.disk_io`).
         buffer_count: I/O buffers per streamed family (>= 1; 2 or more overlap reads, updates and
@@ -72,6 +73,11 @@ class ShardedModelV2(nn.Module):
         atomic_step: a step over disk-resident state either completes for every chunk or is undone
             (two regions per chunk on disk: twice the files); ``False`` halves the files, and a step that
             fails half-way then asks for a checkpoint to be loaded.
+        prefetch_numel: (chunkmem addition) at most this many parameter elements are fetched ahead of
+            their use, in whole chunks (rounded down to a multiple of the chunk's elements; ``0``: no
+            prefetch); ``None`` (default): as many chunks of the next period as the device capacity
+            allows. DeepSpeed's ``stage3_prefetch_bucket_size`` and ``stage3_max_live_parameters`` map
+            onto it (:mod:`chunkmem.config`).
     """
 
     def __init__(self, module: nn.Module, shard_strategy: BaseShardStrategy, process_group: Any = None,
@@ -82,7 +88,8 @@ class ShardedModelV2(nn.Module):
                  offload_param_frac: float = 0.0, offload_optim_frac: float = 0.0,
                  offload_optimizer: str | None = None, offload_param: str | None = None,
                  nvme_path: str | os.PathLike | None = None, buffer_count: int = DEFAULT_BUFFER_COUNT,
-                 buffer_size: int = DEFAULT_BUFFER_SIZE, atomic_step: bool = True) -> None:
+                 buffer_size: int = DEFAULT_BUFFER_SIZE, atomic_step: bool = True,
+                 prefetch_numel: int | None = None) -> None:
         check_type("module", module, nn.Module, "a torch.nn.Module")
         if isinstance(module, ShardedModelV2):
             raise InvalidArgumentError("module", type(module).__name__, "a module that is not already wrapped")
@@ -91,7 +98,7 @@ class ShardedModelV2(nn.Module):
             fp32_reduce_scatter, tensor_placement_policy, gradient_predivide_factor, reuse_fp16_shard, dtype=dtype,
             chunk_size=chunk_size, offload_param_frac=offload_param_frac, offload_optim_frac=offload_optim_frac,
             offload_optimizer=offload_optimizer, offload_param=offload_param, nvme_path=nvme_path,
-            buffer_count=buffer_count, buffer_size=buffer_size, atomic_step=atomic_step)
+            buffer_count=buffer_count, buffer_size=buffer_size, atomic_step=atomic_step, prefetch_numel=prefetch_numel)
         super().__init__()
         self._wrap(module, settings)
 

@@ -138,11 +138,15 @@ class ModelSettings:
     dtype: torch.dtype | None = None
     chunk_size: int | None = None
     disk: DiskSettings = field(default_factory=DiskSettings)
+    prefetch_numel: int | None = None
 
     def __post_init__(self) -> None:
         check_type("shard_strategy", self.shard_strategy, BaseShardStrategy,
                    "an instance of TensorShardStrategy or BucketTensorShardStrategy")
         _check_bool("reuse_fp16_shard", self.reuse_fp16_shard)
+        if self.prefetch_numel is not None:
+            check_number("prefetch_numel", self.prefetch_numel, low=0, integer=True,
+                         allowed="None or an integer >= 0 (parameter elements fetched ahead of use)")
         check_chunk_size(self.chunk_size)
         if self.dtype is not None:
             check_dtype("dtype", self.dtype)
@@ -160,14 +164,15 @@ class ModelSettings:
                        offload_optim_frac: float = 0.0, offload_optimizer: str | None = None,
                        offload_param: str | None = None, nvme_path: str | os.PathLike | None = None,
                        buffer_count: int = DEFAULT_BUFFER_COUNT, buffer_size: int = DEFAULT_BUFFER_SIZE,
-                       atomic_step: bool = True) -> "ModelSettings":
+                       atomic_step: bool = True, prefetch_numel: int | None = None) -> "ModelSettings":
         """The settings named by ``ShardedModelV2``'s arguments (the same names and defaults)."""
         return ModelSettings(
             shard_strategy, process_group, reduce_scatter_process_group,
             PlacementSettings(tensor_placement_policy, offload_param_frac, offload_optim_frac),
             ReductionSettings(reduce_scatter_bucket_size_mb, fp32_reduce_scatter, gradient_predivide_factor),
             reuse_fp16_shard, dtype, chunk_size,
-            DiskSettings(offload_optimizer, offload_param, nvme_path, buffer_count, buffer_size, atomic_step))
+            DiskSettings(offload_optimizer, offload_param, nvme_path, buffer_count, buffer_size, atomic_step),
+            prefetch_numel)
 
     def policy(self) -> PlacementPolicy:
         """The placement policy these settings choose."""
@@ -179,7 +184,7 @@ class ModelSettings:
 MODEL_KEYWORDS = ("shard_strategy", "process_group", "reduce_scatter_process_group", "reduce_scatter_bucket_size_mb",
                   "fp32_reduce_scatter", "tensor_placement_policy", "gradient_predivide_factor", "reuse_fp16_shard",
                   "dtype", "chunk_size", "offload_param_frac", "offload_optim_frac", "offload_optimizer",
-                  "offload_param", "nvme_path", "buffer_count", "buffer_size", "atomic_step")
+                  "offload_param", "nvme_path", "buffer_count", "buffer_size", "atomic_step", "prefetch_numel")
 """The keyword arguments of :meth:`ModelSettings.from_arguments` (``ShardedModelV2``'s, and the keys of
 the ColossalAI form's ``model_config``)."""
 

@@ -330,7 +330,7 @@ def test_optimizer_given_twice_is_a_contradiction():
 
 def test_keys_without_effect_warn_by_name():
     config = {"train_batch_size": 8, "gradient_clipping": 1.0, "scheduler": {"type": "WarmupLR"},
-              "zero_optimization": {"stage": 3, "stage3_max_live_parameters": 10**9, "contiguous_gradients": True,
+              "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 10**9, "contiguous_gradients": True,
                                     "offload_optimizer": {"device": "cpu", "pin_memory": True,
                                                           "pipeline_read": False, "pipeline_write": True},
                                     "offload_param": {"device": "cpu", "max_in_cpu": 10**9}}}
@@ -341,8 +341,25 @@ def test_keys_without_effect_warn_by_name():
     named = sorted(str(w.message).split()[2] for w in caught if issubclass(w.category, NoEffectWarning))
     assert named == ["scheduler", "train_batch_size", "zero_optimization.offload_optimizer.pin_memory",
                      "zero_optimization.offload_optimizer.pipeline_read", "zero_optimization.offload_param.max_in_cpu",
-                     "zero_optimization.stage3_max_live_parameters"]
+                     "zero_optimization.stage3_max_reuse_distance"]
     assert m.tensor_placement_policy == "cpu"
+
+
+def test_prefetch_bucket_and_live_parameters_bound_what_is_fetched_ahead():
+    zero = {"stage": 3, "offload_param": {"device": "cpu"}, "stage3_prefetch_bucket_size": 5e7,
+            "stage3_max_live_parameters": 3 * 10**4}
+    model = make_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NoEffectWarning)
+        m, _ = cm.initialize(model, cm.HybridAdam(model.parameters()), {"zero_optimization": zero})
+    assert m.settings.prefetch_numel == 3 * 10**4  # the smaller bound
+    assert m.runtime.executor.prefetch_chunks == 3 * 10**4 // m.layout.chunk_numel
+    with pytest.raises(cm.InvalidArgumentError, match=r"^zero_optimization\.stage3_prefetch_bucket_size=-1"):
+        cm.initialize(make_model(), config={"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": -1}})
+    plain = make_model()
+    with pytest.warns(NoEffectWarning, match="stage3_prefetch_bucket_size.*stage 3 only"):
+        cm.initialize(plain, cm.HybridAdam(plain.parameters()),
+                      {"zero_optimization": {"stage": 2, "stage3_prefetch_bucket_size": 100}})
 
 
 def test_bad_json_file_names_the_path(tmp_path):

@@ -5,6 +5,7 @@ import gc
 import os
 import sys
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -83,3 +84,36 @@ def test_next_period_is_fetched_before_this_one_computes_and_results_are_unchang
             assert set(ahead) <= set(periods[k + 1][2])
             checked += 1
     assert checked >= 6  # every block's forward, at least, overlapped the next one's fetch
+
+
+def _prefetches_per_period(prefetch_numel):
+    from models import TinyGPT, batches, lm_loss
+    torch.manual_seed(0)
+    model = cm.ShardedModelV2(TinyGPT(), cm.TensorShardStrategy(), tensor_placement_policy="cpu", dtype=torch.float32,
+                              chunk_size=16384, prefetch_numel=prefetch_numel)
+    optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-3))
+    executor = model.runtime.executor
+    for i, x in enumerate(batches(3, seed=2)):
+        executor.events = [] if i == 2 else None
+        optim.backward(lm_loss(model(x), x))
+        optim.step()
+        optim.zero_grad()
+    per_period, count = [], 0
+    for event in executor.events:
+        if event[0] == "period":
+            per_period.append(count)
+            count = 0
+        elif event[0] == "fetch" and event[2] == "prefetch":
+            count += 1
+    return per_period + [count], model.state_dict(), model.layout.chunk_numel
+
+
+def test_prefetch_numel_bounds_the_chunks_fetched_ahead_and_changes_no_result():
+    free, state, chunk_numel = _prefetches_per_period(None)
+    one, state_one, _ = _prefetches_per_period(chunk_numel + chunk_numel // 2)  # rounded down: one chunk
+    none, state_none, _ = _prefetches_per_period(0)
+    assert max(free) >= 2 and max(one) == 1 and sum(one) > 0 and sum(none) == 0
+    for name, value in state.items():
+        assert torch.equal(value, state_one[name]) and torch.equal(value, state_none[name]), name
+    with pytest.raises(cm.InvalidArgumentError, match="^prefetch_numel=-1"):
+        cm.ShardedModelV2(torch.nn.Linear(2, 2), cm.TensorShardStrategy(), prefetch_numel=-1)

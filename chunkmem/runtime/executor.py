@@ -29,7 +29,8 @@ class ChunkExecutor:
 
     ``gather_together`` gathers all chunks one module needs with one collective (the bucket strategy).
     ``prefetch``: while an iteration follows its recorded schedule, start fetching the next period's
-    chunks before the current period computes, where the capacity allows. ``events``: set it to a list
+    chunks before the current period computes, where the capacity allows (at most ``prefetch_chunks``
+    of them, when set). ``events``: set it to a list
     to have ``("period", index, name, phase)`` appended at each period start and ``("fetch", chunk index,
     "prefetch" or "demand")`` at each fetch issued (for tests and debugging; ``None`` records nothing).
     ``gathers`` and ``prefetched`` count the all-gathers and the fetches issued ahead so far.
@@ -43,6 +44,7 @@ class ChunkExecutor:
         self.gather_together = gather_together
         self.gathers = 0
         self.prefetch = True
+        self.prefetch_chunks: int | None = None  # most chunks fetched ahead at once (None: the capacity decides)
         self.prefetched = 0
         self.events: list[tuple] | None = None
         self.stale: dict[Chunk, None] = {}
@@ -210,7 +212,8 @@ class ChunkExecutor:
     def _issue_prefetch(self) -> None:
         """Start fetching the next period's chunks that are not on the device, in order, as many as fit
         in the capacity less the device bytes in use, the chunks this period still needs and the
-        period's reserve (its traced non-model peak and gradient staging)."""
+        period's reserve (its traced non-model peak and gradient staging), and at most
+        ``prefetch_chunks`` (the model's ``prefetch_numel`` in whole chunks)."""
         orders, self._pending_prefetch = self._pending_prefetch, None
         ahead = [self.chunks[i] for i in orders.prefetch if not self.chunks[i].param.device_allocated]
         if not ahead or any(c.param.holds_grads for c in ahead):
@@ -219,8 +222,11 @@ class ChunkExecutor:
         missing = sum(1 for i in orders.needed if not self.chunks[i].param.device_allocated)
         ledger = self.memory.ledger
         free = ledger.capacity - ledger.tier_bytes(Tier.DEVICE) - orders.reserve - missing * chunk_bytes
+        count = max(free, 0) // chunk_bytes
+        if self.prefetch_chunks is not None:
+            count = min(count, self.prefetch_chunks)
         rests_on_host = [self.rest_tier(c) is Tier.HOST for c in ahead]
-        for chunk, to_host in zip(ahead[:max(free, 0) // chunk_bytes], rests_on_host):
+        for chunk, to_host in zip(ahead[:count], rests_on_host):
             chunk.param.start_fetch()
             self.prefetched += 1
             self.log_event("fetch", chunk.index, "prefetch")
