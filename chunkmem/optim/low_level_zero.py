@@ -1,7 +1,7 @@
 """LowLevelZeroOptimizer: ZeRO stage 1 and 2 over a plain module's parameters.
 
 The module stays an ordinary module (replicated parameters, no hooks that move them). What is sharded
-over the data-parallel ranks is the optimizer's: the fp32 masters and Adam moments (stage 1) and, with
+over the data-parallel ranks is the optimizer's: the fp32 masters and optimizer state (stage 1) and, with
 ``partition_grad=True``, the gradients (stage 2). With ``cpu_offload=True`` the masters and moments
 live on the host and chunkmem's host Adam kernel updates them (ZeRO-Offload). Layout:
 :mod:`chunkmem.optim.zero_partition`; gradient reduction: :mod:`chunkmem.optim.zero_buckets`.
@@ -46,7 +46,8 @@ def optimizer_of(param: nn.Parameter) -> "LowLevelZeroOptimizer | None":
 
 
 class LowLevelZeroOptimizer:
-    """ZeRO-1/2 mixed-precision Adam over a plain module's parameters.
+    """ZeRO-1/2 mixed-precision training of a plain module's parameters with Adam (chunkmem's kernel) or
+    any other torch optimizer (its own step on this rank's shard; :mod:`chunkmem.optim.any_optimizer`).
 
     Build the model as usual (parameters in fp16, bf16 or fp32, all on one device), then wrap its Adam::
 
