@@ -126,7 +126,7 @@ class LowLevelZeroOptimizer:
         trainable = [p for group in groups for p in group]
         dtype = forced_dtype or trainable[0].dtype
         _agree_on_settings(shards, groups, dict(
-            dtype=dtype, communication_dtype=communication_dtype or dtype, reduce_bucket_size=reduce_bucket_size,
+            optimizer=type(optimizer).__name__, dtype=dtype, communication_dtype=communication_dtype or dtype, reduce_bucket_size=reduce_bucket_size,
             overlap_communication=overlap_communication, partition_grad=partition_grad, cpu_offload=cpu_offload,
             clip_grad_norm=clip_grad_norm,
             loss_scaler=(initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
