@@ -203,6 +203,31 @@ def _refused_when_sharded(rank: int, world: int) -> list[str]:
     return said
 
 
+def _refused_on_one_rank(rank: int, world: int) -> list[str]:
+    """Rank 0 wraps an optimizer refused with several ranks, rank 1 an accepted one: rank 0 raises its
+    refusal, rank 1 the ranks' disagreement naming it (neither waits for the other)."""
+    said = []
+    model = cm.ShardedModelV2(TinyGPT(), cm.TensorShardStrategy(), tensor_placement_policy="cpu", dtype=torch.float32)
+    plain = TinyGPT()
+    make = ScaledSGD if rank == 0 else torch.optim.SGD
+    for wrap in (lambda: cm.ShardedOptimizerV2(model, make(model.parameters(), lr=0.1)),
+                 lambda: cm.LowLevelZeroOptimizer(make(plain.parameters(), lr=0.1))):
+        try:
+            wrap()
+            said.append("accepted")
+        except cm.ChunkmemError as e:
+            said.append(f"{type(e).__name__}: {e}")
+    return said
+
+
+def test_a_rank_that_refuses_its_optimizer_does_not_leave_the_others_waiting():
+    from distributed import run_ranks
+    rank0, rank1 = run_ranks(_refused_on_one_rank, 2)
+    assert all(s.startswith("InvalidArgumentError: optimizer='ScaledSGD'") for s in rank0)
+    for said in rank1:
+        assert said.startswith("LayoutMismatchError") and "refused: InvalidArgumentError: optimizer='ScaledSGD'" in said
+
+
 def test_what_cannot_be_stepped_is_refused_before_anything_changes(tmp_path):
     from distributed import run_ranks
     for sharded, zero12, adafactor in run_ranks(_refused_when_sharded, 2):

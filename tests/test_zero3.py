@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import chunkmem as cm
+from chunkmem.distributed.agreement import LayoutMismatchError
 from chunkmem.distributed.collectives import ShardGroup
 from chunkmem.distributed.reduction import GradientReduction
 from distributed import run_ranks
@@ -273,12 +274,15 @@ def _mixed_worker(rank: int, world: int) -> dict:
         except cm.InvalidArgumentError as exc:
             errors["reduce_scatter_process_group"] = str(exc)
     model = cm.ShardedModelV2(TinyGPT(), cm.TensorShardStrategy(), dtype=torch.float32)
-    # rank 0 only, too: building the optimizer is a collective when sharded (the ranks agree on its settings)
-    for kwargs in (({"dp_process_group": single},) if rank == 0 else ()):
-        try:
-            cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters()), **kwargs)
-        except cm.InvalidArgumentError as exc:
-            errors["dp_process_group"] = str(exc)
+    # building the optimizer is a collective when sharded (the ranks agree on its settings): rank 0's
+    # refusal meets rank 1's agreement, so rank 1 learns of it instead of waiting
+    try:
+        cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters()), **({"dp_process_group": single} if rank == 0
+                                                                           else {}))
+    except cm.InvalidArgumentError as exc:
+        errors["dp_process_group"] = str(exc)
+    except LayoutMismatchError as exc:
+        errors["another rank refused"] = str(exc)
     out["errors"] = errors
     return out
 
@@ -365,6 +369,9 @@ def test_groups_of_other_ranks_are_refused(mixed_ranks):
     assert "reduce_scatter_process_group" in errors and "same ranks as process_group" in errors[
         "reduce_scatter_process_group"]
     assert "dp_process_group" in errors and "data-parallel ranks" in errors["dp_process_group"]
+    other = mixed_ranks[1]["errors"]
+    assert list(other) == ["another rank refused"]
+    assert "arguments: refused: InvalidArgumentError: dp_process_group=" in other["another rank refused"]
 
 
 # ---- a model-parallel group ----------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
@@ -94,6 +94,24 @@ def agree(shards: ShardGroup, description: LayoutDescription) -> None:
         return
     texts = shards.all_gather_bytes(description.encode(), f"the layout descriptions ({description.step})")
     raise LayoutMismatchError(mismatch_message([LayoutDescription.decode(t) for t in texts]))
+
+
+ARGUMENTS = "arguments"
+"""The first setting of an optimizer's agreement: ``"accepted"``, or on a rank that refused its
+arguments, the refusal (see :func:`refuse_together`)."""
+
+
+def refuse_together(shards: ShardGroup, step: str, error: Exception) -> NoReturn:
+    """Raise ``error``, a refusal of this rank's arguments before the ranks' agreement at ``step``, after
+    taking part in that agreement with the refusal as its only setting: a rank whose arguments were
+    accepted then raises :class:`LayoutMismatchError` naming the refusal instead of waiting for ever in
+    a collective this rank never joins. (Ranks that all refuse alike agree, and each raises its error.)"""
+    refusal = LayoutDescription(step, [(ARGUMENTS, f"refused: {type(error).__name__}: {error}")], ParamRecord())
+    try:
+        agree(shards, refusal)
+    except LayoutMismatchError:
+        pass
+    raise error
 
 
 def mismatch_message(descriptions: list[LayoutDescription]) -> str:

@@ -19,11 +19,11 @@ import torch.nn as nn
 from .adam import check_supported_optimizer, hyper_of_group, params_mismatch, runs_adam_kernel
 from .any_optimizer import ParamView, StateLayout, check_elementwise, probe_state, step_views
 from .adam_kernels import adam_update_, param_spans
-from ..distributed.agreement import LayoutDescription, ParamRecord, agree, agree_on_point
+from ..distributed.agreement import ARGUMENTS, LayoutDescription, ParamRecord, agree, agree_on_point, refuse_together
 from ..distributed.collectives import ShardGroup, start_all_gather
 from ..core.layout import join_runs
-from ..errors import (InvalidArgumentError, UnscaledBackwardError, UnsupportedOperationError, check_choice,
-                      check_number, check_type)
+from ..errors import (ChunkmemError, InvalidArgumentError, UnscaledBackwardError, UnsupportedOperationError,
+                      check_choice, check_number, check_type)
 from .loss_scaler import DynamicGradScaler
 from .mixed_precision import MixedPrecisionStep
 from ..core.param_guard import slot_of
@@ -200,26 +200,30 @@ class LowLevelZeroOptimizer:
                  ) -> tuple[DynamicGradScaler, ShardGroup, list[list[nn.Parameter]], StateLayout | None]:
         """Every check of the constructor's arguments (nothing changed): the scaler, the data-parallel
         group, the trainable parameters per param group and what the optimizer keeps (``None``: Adam)."""
-        check_supported_optimizer(optimizer)
-        scaler = DynamicGradScaler(initial_scale, min_scale, growth_factor, backoff_factor, growth_interval,
-                                   hysteresis, max_scale)
-        check_number("clip_grad_norm", clip_grad_norm, low=0.0, finite=True)
-        check_type("verbose", verbose, bool, "True or False")
-        check_number("reduce_bucket_size", reduce_bucket_size, low=1, integer=True,
-                     allowed="an integer >= 1 (gradient elements per reduction)")
-        for name, value in (("communication_dtype", communication_dtype), ("forced_dtype", forced_dtype)):
-            if value is not None:
-                check_choice(name, value, _DTYPES)
-        for name, value in (("overlap_communication", overlap_communication), ("partition_grad", partition_grad),
-                            ("cpu_offload", cpu_offload)):
-            check_type(name, value, bool, "True or False")
         shards = ShardGroup.of(dp_process_group, "dp_process_group")
-        groups = cls._check_params(optimizer, forced_dtype, cast_to)
-        layout = None
-        if not runs_adam_kernel(optimizer):
-            layout = probe_state(optimizer)
-            if shards.sharded:
-                check_elementwise(optimizer, "with several data-parallel ranks", "each rank owns pieces of parameters")
+        try:  # a rank refused here still meets the others' agreement (else they would wait for it)
+            check_supported_optimizer(optimizer)
+            scaler = DynamicGradScaler(initial_scale, min_scale, growth_factor, backoff_factor, growth_interval,
+                                       hysteresis, max_scale)
+            check_number("clip_grad_norm", clip_grad_norm, low=0.0, finite=True)
+            check_type("verbose", verbose, bool, "True or False")
+            check_number("reduce_bucket_size", reduce_bucket_size, low=1, integer=True,
+                         allowed="an integer >= 1 (gradient elements per reduction)")
+            for name, value in (("communication_dtype", communication_dtype), ("forced_dtype", forced_dtype)):
+                if value is not None:
+                    check_choice(name, value, _DTYPES)
+            for name, value in (("overlap_communication", overlap_communication), ("partition_grad", partition_grad),
+                                ("cpu_offload", cpu_offload)):
+                check_type(name, value, bool, "True or False")
+            groups = cls._check_params(optimizer, forced_dtype, cast_to)
+            layout = None
+            if not runs_adam_kernel(optimizer):
+                layout = probe_state(optimizer)
+                if shards.sharded:
+                    check_elementwise(optimizer, "with several data-parallel ranks",
+                                      "each rank owns pieces of parameters")
+        except ChunkmemError as refused:
+            refuse_together(shards, "LowLevelZeroOptimizer", refused)
         return scaler, shards, groups, layout
 
     @staticmethod
@@ -728,4 +732,5 @@ def _agree_on_settings(shards: ShardGroup, groups: list[list[nn.Parameter]], set
     for g, group in enumerate(groups):
         for i, p in enumerate(group):
             params.add(f"param group {g}, parameter {i}", p.shape, True)
-    agree(shards, LayoutDescription("LowLevelZeroOptimizer", [(k, repr(v)) for k, v in settings.items()], params))
+    description = [(ARGUMENTS, "accepted")] + [(k, repr(v)) for k, v in settings.items()]
+    agree(shards, LayoutDescription("LowLevelZeroOptimizer", description, params))

@@ -12,11 +12,11 @@ from torch.optim import Optimizer
 from ..core.chunk import ADAM_STATE, EXP_AVG, EXP_AVG_SQ, MASTER, Chunk, ParamSlot
 from ..core.disk_tier import JOURNAL
 from ..core.layout import join_runs
-from ..errors import (ArgumentTypeError, DeviceCapacityError, GradientAccumulationError, InvalidArgumentError,
+from ..errors import (ArgumentTypeError, ChunkmemError, DeviceCapacityError, GradientAccumulationError, InvalidArgumentError,
                            UnscaledBackwardError, UnsupportedOperationError, check_number, check_type)
 from ..core.param_guard import slot_of
 from ..core.tiers import Tier
-from ..distributed.agreement import LayoutDescription, ParamRecord, agree
+from ..distributed.agreement import ARGUMENTS, LayoutDescription, ParamRecord, agree, refuse_together
 from ..distributed.collectives import ShardGroup
 from ..model import ShardedModelV2
 from ..builder import compute_dtype
@@ -121,18 +121,21 @@ class ShardedOptimizerV2(Optimizer):
             warnings.warn(f"gpu_margin_mem_ratio={settings.gpu_margin_mem_ratio} has no effect with "
                           f"tensor_placement_policy={sharded_model.tensor_placement_policy!r}; it is used only "
                           f"with 'auto'", stacklevel=3)
-        dp_shards = sharded_model.shards.of_same_ranks(settings.dp_process_group, "dp_process_group",
-                                                       "the model's data-parallel ranks (its process_group)")
-        if settings.mp_process_group is not None:
-            ShardGroup.of(settings.mp_process_group, "mp_process_group")
-        self._check_step_in_backward(sharded_model.settings, sharded_model.dtype, settings.step_in_backward)
-        if sharded_model.optimizer_attached:
-            raise InvalidArgumentError("sharded_model", "a model that already has a ShardedOptimizerV2",
-                                       "a ShardedModelV2 without an optimizer")
-        scaler = DynamicGradScaler.from_settings(settings.scaler)
-        group_of = self._groups_of(sharded_model, optimizer)
-        layout = self._state_layout(sharded_model, optimizer)
-        self._check_capacity(sharded_model, layout)
+        try:  # a rank refused here still meets the others' agreement (else they would wait for it)
+            dp_shards = sharded_model.shards.of_same_ranks(settings.dp_process_group, "dp_process_group",
+                                                           "the model's data-parallel ranks (its process_group)")
+            if settings.mp_process_group is not None:
+                ShardGroup.of(settings.mp_process_group, "mp_process_group")
+            self._check_step_in_backward(sharded_model.settings, sharded_model.dtype, settings.step_in_backward)
+            if sharded_model.optimizer_attached:
+                raise InvalidArgumentError("sharded_model", "a model that already has a ShardedOptimizerV2",
+                                           "a ShardedModelV2 without an optimizer")
+            scaler = DynamicGradScaler.from_settings(settings.scaler)
+            group_of = self._groups_of(sharded_model, optimizer)
+            layout = self._state_layout(sharded_model, optimizer)
+            self._check_capacity(sharded_model, layout)
+        except ChunkmemError as refused:
+            refuse_together(sharded_model.shards, "ShardedOptimizerV2", refused)
         self._agree_on_settings(sharded_model, optimizer, settings, group_of)
         self._reserve_disk(sharded_model, layout)
 
@@ -250,7 +253,8 @@ class ShardedOptimizerV2(Optimizer):
         for name, param in model.module.named_parameters():
             params.add(name, param.shape, param.requires_grad)
         groups = ",".join(str(group_of.get(id(p), "-")) for _, p in model.module.named_parameters())
-        description = [("optimizer", type(optimizer).__name__), ("param groups", str(len(optimizer.param_groups))),
+        description = [(ARGUMENTS, "accepted"), ("optimizer", type(optimizer).__name__),
+                       ("param groups", str(len(optimizer.param_groups))),
                        ("param group of each parameter", groups),
                        ("loss scaler", repr(settings.scaler) if model.dtype == torch.float16 else "none"),
                        ("max_norm", str(settings.max_norm)), ("norm_type", str(settings.norm_type)),
