@@ -23,7 +23,7 @@ from .core.memory import TierMemory
 from .core.param_guard import adopt, disown, remembered_externals, slot_of
 from .core.tiers import Tier, device_memory_capacity, device_of_tier, host_memory_capacity
 from .distributed.agreement import LayoutDescription, ParamRecord, agree
-from .distributed.collectives import ShardGroup
+from .distributed.collectives import SINGLE_PROCESS, ShardGroup
 from .distributed.reduction import GradientReduction
 from .runtime.capacity import CapacityCheck
 from .runtime.placement import PlacementPolicy
@@ -69,7 +69,8 @@ def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
     element_size = dtype.itemsize
     chunk_numel = _chunk_numel(settings, named, slots if from_context else None, element_size, shards.sharded)
     chunk_numel = aligned_numel(chunk_numel, shards.world) if shards.sharded else chunk_numel
-    layout = plan_layout(named, [p.requires_grad for _, p in named], chunk_numel, element_size)
+    layout = plan_layout(named, [p.requires_grad for _, p in named], chunk_numel, element_size,
+                         _persistent(named, settings) if shards.sharded else None)
     _agree_on_layout(settings, layout, shards, dtype, slots if from_context else None)
     capacity = device_memory_capacity()
     host_capacity = host_memory_capacity()
@@ -203,6 +204,7 @@ def _agree_on_layout(settings: ModelSettings, layout: ChunkLayout, shards: Shard
         ("disk buffers", f"{disk.buffer_count} x {disk.buffer_size} bytes" if disk.enabled else "none"),
         ("atomic_step", str(disk.atomic_step) if disk.enabled else "none"),
         ("prefetch_numel", str(settings.prefetch_numel)),
+        ("persistence", f"{settings.persistence_threshold}, {settings.model_persistence_threshold}"),
         ("parameters from", source),
     ]
     agree(shards, LayoutDescription("ShardedModelV2", description, params))
@@ -218,6 +220,18 @@ def module_users(module: nn.Module) -> list[tuple[str, list[nn.Parameter]]]:
             for name, sub in order]
 
 
+def _persistent(named: list[tuple[str, nn.Parameter]], settings: ModelSettings) -> list[bool]:
+    """Which parameters are persistent (whole on every rank): fewer elements than
+    ``persistence_threshold``, the first in order up to ``model_persistence_threshold`` elements in all."""
+    limit = settings.model_persistence_threshold
+    total, marks = 0, []
+    for _, param in named:
+        keep = param.numel() < settings.persistence_threshold and (limit is None or total + param.numel() <= limit)
+        total += param.numel() if keep else 0
+        marks.append(keep)
+    return marks
+
+
 def _check_host_capacity(layout: ChunkLayout, policy: PlacementPolicy, shards: ShardGroup,
                          host_capacity: int | None) -> None:
     """Refuse a host capacity below the parameter chunks that rest on the host (this rank's shards)."""
@@ -225,7 +239,8 @@ def _check_host_capacity(layout: ChunkLayout, policy: PlacementPolicy, shards: S
         return
     count = layout.num_chunks
     resting = sum(1 for i in range(count) if not policy.params_on_device_at_rest(i, count))
-    need = resting * (layout.chunk_bytes // shards.world)
+    need = sum(layout.shard_bytes(i, shards.world) for i in range(count)
+               if not policy.params_on_device_at_rest(i, count))
     if need > host_capacity:
         raise HostCapacityError(
             f"host tier too small: the {resting} parameter chunks resting on the host need {need} bytes, the "
@@ -268,8 +283,8 @@ def _laid_out_as(layout: ChunkLayout, current: list[Chunk], shards: ShardGroup) 
     """Whether ``current`` already holds the parameters as ``layout`` says (nothing to re-pack)."""
     wanted_ids = [[id(layout.entries[i][1]) for i in group] for group in layout.groups]
     current_ids = [[id(s.param) for s in c.slots] for c in current]
-    same_sharding = all(c.shards.same_ranks(shards) and (not shards.sharded or c.shards.group == shards.group)
-                        for c in current)
+    same_sharding = not layout.replicated and all(
+        c.shards.same_ranks(shards) and (not shards.sharded or c.shards.group == shards.group) for c in current)
     return bool(current and current_ids == wanted_ids and all(c.numel == layout.chunk_numel for c in current)
                 and same_sharding
                 and all(c.trainable == layout.trainable(i) for i, c in enumerate(current)))
@@ -288,13 +303,16 @@ def build_chunks(layout: ChunkLayout, dtype: torch.dtype, memory: TierMemory, ti
     """
     chunks = []
     for n, indices in enumerate(layout.groups):
-        chunk = Chunk(n, layout.chunk_numel, dtype, ChunkKey(layout.trainable(n)), memory, shards)
+        replicated = layout.is_replicated(n)
+        chunk = Chunk(n, layout.chunk_numel, dtype, ChunkKey(layout.trainable(n)), memory,
+                      SINGLE_PROCESS if replicated else shards)
+        chunk.replicas = shards if replicated else None
         local = chunk.param.first_copy(tier)
         local.zero_()
         for i in indices:
             name, param, _ = layout.entries[i]
             chunk.write_own_part(chunk.add_slot(param, name), local, value_of(param))
-        chunk.bind_views(chunk.param.device if shards.sharded else local)
+        chunk.bind_views(chunk.param.device if chunk.param.sharded else local)
         if to_disk:
             chunk.param.shard.move_to(Tier.DISK)
             chunk.bind_views(chunk.param.device)

@@ -87,14 +87,15 @@ KEY_TABLE: dict[str, tuple[str, str]] = {
     "zero_optimization.(stage3_)prefetch_bucket_size, (stage3_)max_live_parameters": (
         "map", "stage 3: ShardedModelV2(prefetch_numel=the smaller of the two, elements): chunks fetched ahead "
                "of use, in whole chunks; the chunks computing are on the device whatever the bound"),
+    "zero_optimization.(stage3_)param_persistence_threshold, (stage3_)model_persistence_threshold": (
+        "map", "stage 3: ShardedModelV2(persistence_threshold=, model_persistence_threshold=) (elements; absent: "
+               "0, no persistent parameters, not DeepSpeed's 1e5); no effect with the disk tier or at stages 1, 2"),
     "zero_optimization.(stage3_)max_reuse_distance": (
         "warn", "no effect: the traced schedule knows each chunk's next use (Belady's plan), no distance to tune"),
     "zero_optimization.<tuning keys>": ("warn", "no effect: allgather_partitions, allgather_bucket_size, "
                                                 "use_multi_rank_bucket_allreduce, load_from_fp32_weights, "
                                                 "elastic_checkpoint, ignore_unused_parameters, round_robin_gradients, "
-                                                "sub_group_size, (stage3_)param_persistence_threshold, "
-                                                "(stage3_)model_persistence_threshold, "
-                                                "(stage3_)gather_16bit_weights_on_model_"
+                                                "sub_group_size, (stage3_)gather_16bit_weights_on_model_"
                                                 "save, stage3_gather_fp16_weights_on_model_save, "
                                                 "memory_efficient_linear, override_module_apply, "
                                                 "pipeline_loading_checkpoint"),
@@ -122,8 +123,6 @@ KEY_TABLE: dict[str, tuple[str, str]] = {
 _ZERO_NO_EFFECT = {
     "allgather_partitions", "allgather_bucket_size", "use_multi_rank_bucket_allreduce", "load_from_fp32_weights",
     "elastic_checkpoint", "ignore_unused_parameters", "round_robin_gradients", "sub_group_size",
-    "param_persistence_threshold",
-    "stage3_param_persistence_threshold", "model_persistence_threshold", "stage3_model_persistence_threshold",
     "gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
     "stage3_gather_fp16_weights_on_model_save", "memory_efficient_linear", "override_module_apply",
     "pipeline_loading_checkpoint",
@@ -131,6 +130,10 @@ _ZERO_NO_EFFECT = {
 _PREFETCH_KEYS = ("prefetch_bucket_size", "stage3_prefetch_bucket_size", "max_live_parameters",
                   "stage3_max_live_parameters")
 _REUSE_DISTANCE_KEYS = ("max_reuse_distance", "stage3_max_reuse_distance")
+_PERSISTENCE_KEYS = {"param_persistence_threshold": "persistence_threshold",
+                     "stage3_param_persistence_threshold": "persistence_threshold",
+                     "model_persistence_threshold": "model_persistence_threshold",
+                     "stage3_model_persistence_threshold": "model_persistence_threshold"}
 _ZERO_ONLY_DEFAULT = {  # key -> the only value accepted (DeepSpeed's default)
     "zero_quantized_weights": False, "zero_quantized_nontrainable_weights": False, "zero_quantized_gradients": False,
     "zero_hpz_partition_size": 1, "mics_shard_size": -1, "mics_hierarchical_params_gather": False,
@@ -139,7 +142,8 @@ _ZERO_ONLY_DEFAULT = {  # key -> the only value accepted (DeepSpeed's default)
 _ZERO_DEPRECATED = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param",
                     "cpu_offload_use_pin_memory": "offload_optimizer.pin_memory / offload_param.pin_memory"}
 _ZERO_KEYS = ({"stage", "offload_optimizer", "offload_param", "reduce_bucket_size", "overlap_comm",
-               "contiguous_gradients", "reduce_scatter", *_PREFETCH_KEYS, *_REUSE_DISTANCE_KEYS} | _ZERO_NO_EFFECT | set(_ZERO_ONLY_DEFAULT) | set(_ZERO_DEPRECATED))
+               "contiguous_gradients", "reduce_scatter", *_PREFETCH_KEYS, *_REUSE_DISTANCE_KEYS,
+               *_PERSISTENCE_KEYS} | _ZERO_NO_EFFECT | set(_ZERO_ONLY_DEFAULT) | set(_ZERO_DEPRECATED))
 _OFFLOAD_OPTIMIZER_KEYS = {"device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write",
                            "fast_init", "ratio"}
 _OFFLOAD_PARAM_KEYS = {"device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory"}
@@ -413,6 +417,7 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
         prefetch = _prefetch_numel(zero)
         if prefetch is not None:
             kwargs["prefetch_numel"] = prefetch
+        kwargs.update(_persistence(zero, disk=optim_device == "nvme" or param_device == "nvme"))
         if bucket is not None:
             kwargs["reduce_scatter_bucket_size_mb"] = bucket * dtype.itemsize / 2**20
         model_keys = {"dtype": "fp16.enabled/bf16.enabled",
@@ -426,7 +431,7 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
         return _stage3(model, optimizer, optimizer_section, model_settings, optimizer_settings, model_keys)
 
     # stages 1 and 2: the model stays a plain module
-    for key in sorted(set(_PREFETCH_KEYS) & set(zero)):
+    for key in sorted((set(_PREFETCH_KEYS) | set(_PERSISTENCE_KEYS)) & set(zero)):
         _no_effect(f"zero_optimization.{key}", "stage 3 only (at stages 1 and 2 every parameter stays on the device)")
     if param_device != "none":
         raise InvalidArgumentError("zero_optimization.offload_param.device", param_device,
@@ -497,18 +502,31 @@ def _check_zero_switches(zero: dict[str, Any]) -> None:
         _no_effect(f"zero_optimization.{key}", "the traced schedule knows each chunk's next use (Belady's plan)")
 
 
+def _persistence(zero: dict[str, Any], disk: bool) -> dict[str, int]:
+    """ShardedModelV2's persistence arguments from DeepSpeed's persistence thresholds (elements)."""
+    kwargs = {}
+    for key, argument in _PERSISTENCE_KEYS.items():
+        if key in zero:
+            if disk:
+                _no_effect(f"zero_optimization.{key}", "persistent parameters are not placed on the disk tier")
+                continue
+            kwargs[argument] = _elements(f"zero_optimization.{key}", zero[key])
+    return kwargs
+
+
+def _elements(path: str, value: Any) -> int:
+    """``value`` as an integer >= 0 (elements; an integral float such as 5e7 is taken as that integer)."""
+    allowed = "an integer >= 0 (parameter elements; an integral float such as 5e7 is taken as that integer)"
+    check_number(path, value, low=0, allowed=allowed)
+    if isinstance(value, float) and not value.is_integer():
+        raise InvalidArgumentError(path, value, allowed)
+    return int(value)
+
+
 def _prefetch_numel(zero: dict[str, Any]) -> int | None:
     """ShardedModelV2's ``prefetch_numel`` from DeepSpeed's prefetch bucket and live-parameter bounds
     (elements; the smaller of those given; ``None`` when neither is)."""
-    bounds = []
-    for key in _PREFETCH_KEYS:
-        if key in zero:
-            value = zero[key]
-            allowed = "an integer >= 0 (parameter elements; an integral float such as 5e7 is taken as that integer)"
-            check_number(f"zero_optimization.{key}", value, low=0, allowed=allowed)
-            if isinstance(value, float) and not value.is_integer():
-                raise InvalidArgumentError(f"zero_optimization.{key}", value, allowed)
-            bounds.append(int(value))
+    bounds = [_elements(f"zero_optimization.{key}", zero[key]) for key in _PREFETCH_KEYS if key in zero]
     return min(bounds) if bounds else None
 
 

@@ -78,6 +78,14 @@ class ShardedModelV2(nn.Module):
             prefetch); ``None`` (default): as many chunks of the next period as the device capacity
             allows. DeepSpeed's ``stage3_prefetch_bucket_size`` and ``stage3_max_live_parameters`` map
             onto it (:mod:`chunkmem.config`).
+        persistence_threshold: (addition; DeepSpeed's ``stage3_param_persistence_threshold``) on several
+            ranks, parameters of fewer elements are persistent: packed into chunks of their own that stay
+            whole on every rank (never gathered; their gradients all-reduced instead of reduce-scattered;
+            their optimizer state whole on every rank, stepped alike). ``0`` (default): none. Not with the
+            disk tier. No effect in one process (every chunk is whole there).
+        model_persistence_threshold: (addition; DeepSpeed's ``stage3_model_persistence_threshold``) at
+            most this many elements of persistent parameters in all, the first in ``named_parameters()``
+            order; ``None``: no limit.
     """
 
     def __init__(self, module: nn.Module, shard_strategy: BaseShardStrategy, process_group: Any = None,
@@ -89,7 +97,8 @@ class ShardedModelV2(nn.Module):
                  offload_optimizer: str | None = None, offload_param: str | None = None,
                  nvme_path: str | os.PathLike | None = None, buffer_count: int = DEFAULT_BUFFER_COUNT,
                  buffer_size: int = DEFAULT_BUFFER_SIZE, atomic_step: bool = True,
-                 prefetch_numel: int | None = None) -> None:
+                 prefetch_numel: int | None = None, persistence_threshold: int = 0,
+                 model_persistence_threshold: int | None = None) -> None:
         check_type("module", module, nn.Module, "a torch.nn.Module")
         if isinstance(module, ShardedModelV2):
             raise InvalidArgumentError("module", type(module).__name__, "a module that is not already wrapped")
@@ -98,7 +107,8 @@ class ShardedModelV2(nn.Module):
             fp32_reduce_scatter, tensor_placement_policy, gradient_predivide_factor, reuse_fp16_shard, dtype=dtype,
             chunk_size=chunk_size, offload_param_frac=offload_param_frac, offload_optim_frac=offload_optim_frac,
             offload_optimizer=offload_optimizer, offload_param=offload_param, nvme_path=nvme_path,
-            buffer_count=buffer_count, buffer_size=buffer_size, atomic_step=atomic_step, prefetch_numel=prefetch_numel)
+            buffer_count=buffer_count, buffer_size=buffer_size, atomic_step=atomic_step, prefetch_numel=prefetch_numel,
+            persistence_threshold=persistence_threshold, model_persistence_threshold=model_persistence_threshold)
         super().__init__()
         self._wrap(module, settings)
 

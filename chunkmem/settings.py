@@ -139,6 +139,8 @@ class ModelSettings:
     chunk_size: int | None = None
     disk: DiskSettings = field(default_factory=DiskSettings)
     prefetch_numel: int | None = None
+    persistence_threshold: int = 0
+    model_persistence_threshold: int | None = None
 
     def __post_init__(self) -> None:
         check_type("shard_strategy", self.shard_strategy, BaseShardStrategy,
@@ -147,6 +149,14 @@ class ModelSettings:
         if self.prefetch_numel is not None:
             check_number("prefetch_numel", self.prefetch_numel, low=0, integer=True,
                          allowed="None or an integer >= 0 (parameter elements fetched ahead of use)")
+        check_number("persistence_threshold", self.persistence_threshold, low=0, integer=True,
+                     allowed="an integer >= 0 (elements: parameters with fewer stay whole on every rank)")
+        if self.model_persistence_threshold is not None:
+            check_number("model_persistence_threshold", self.model_persistence_threshold, low=0, integer=True,
+                         allowed="None or an integer >= 0 (elements of persistent parameters in all)")
+        if self.persistence_threshold > 0 and self.disk.enabled:
+            raise InvalidArgumentError("persistence_threshold", self.persistence_threshold,
+                                       "0 with the disk tier (persistent parameters are not placed on disk)")
         check_chunk_size(self.chunk_size)
         if self.dtype is not None:
             check_dtype("dtype", self.dtype)
@@ -164,7 +174,8 @@ class ModelSettings:
                        offload_optim_frac: float = 0.0, offload_optimizer: str | None = None,
                        offload_param: str | None = None, nvme_path: str | os.PathLike | None = None,
                        buffer_count: int = DEFAULT_BUFFER_COUNT, buffer_size: int = DEFAULT_BUFFER_SIZE,
-                       atomic_step: bool = True, prefetch_numel: int | None = None) -> "ModelSettings":
+                       atomic_step: bool = True, prefetch_numel: int | None = None, persistence_threshold: int = 0,
+                       model_persistence_threshold: int | None = None) -> "ModelSettings":
         """The settings named by ``ShardedModelV2``'s arguments (the same names and defaults)."""
         return ModelSettings(
             shard_strategy, process_group, reduce_scatter_process_group,
@@ -172,7 +183,7 @@ class ModelSettings:
             ReductionSettings(reduce_scatter_bucket_size_mb, fp32_reduce_scatter, gradient_predivide_factor),
             reuse_fp16_shard, dtype, chunk_size,
             DiskSettings(offload_optimizer, offload_param, nvme_path, buffer_count, buffer_size, atomic_step),
-            prefetch_numel)
+            prefetch_numel, persistence_threshold, model_persistence_threshold)
 
     def policy(self) -> PlacementPolicy:
         """The placement policy these settings choose."""
@@ -184,7 +195,8 @@ class ModelSettings:
 MODEL_KEYWORDS = ("shard_strategy", "process_group", "reduce_scatter_process_group", "reduce_scatter_bucket_size_mb",
                   "fp32_reduce_scatter", "tensor_placement_policy", "gradient_predivide_factor", "reuse_fp16_shard",
                   "dtype", "chunk_size", "offload_param_frac", "offload_optim_frac", "offload_optimizer",
-                  "offload_param", "nvme_path", "buffer_count", "buffer_size", "atomic_step", "prefetch_numel")
+                  "offload_param", "nvme_path", "buffer_count", "buffer_size", "atomic_step", "prefetch_numel",
+                  "persistence_threshold", "model_persistence_threshold")
 """The keyword arguments of :meth:`ModelSettings.from_arguments` (``ShardedModelV2``'s, and the keys of
 the ColossalAI form's ``model_config``)."""
 

@@ -345,15 +345,23 @@ def test_keys_without_effect_warn_by_name():
     assert m.tensor_placement_policy == "cpu"
 
 
-def test_prefetch_bucket_and_live_parameters_bound_what_is_fetched_ahead():
+def test_prefetch_bucket_live_parameters_and_persistence_map_onto_the_model(tmp_path):
     zero = {"stage": 3, "offload_param": {"device": "cpu"}, "stage3_prefetch_bucket_size": 5e7,
-            "stage3_max_live_parameters": 3 * 10**4}
+            "stage3_max_live_parameters": 3 * 10**4, "stage3_param_persistence_threshold": 1e5,
+            "model_persistence_threshold": 10**6}
     model = make_model()
     with warnings.catch_warnings():
         warnings.simplefilter("error", NoEffectWarning)
         m, _ = cm.initialize(model, cm.HybridAdam(model.parameters()), {"zero_optimization": zero})
     assert m.settings.prefetch_numel == 3 * 10**4  # the smaller bound
     assert m.runtime.executor.prefetch_chunks == 3 * 10**4 // m.layout.chunk_numel
+    assert (m.settings.persistence_threshold, m.settings.model_persistence_threshold) == (10**5, 10**6)
+    with pytest.warns(NoEffectWarning, match="persistence_threshold.*disk tier"):
+        disk = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+                "stage3_param_persistence_threshold": 100}
+        model = make_model()
+        m, _ = cm.initialize(model, cm.HybridAdam(model.parameters()), {"zero_optimization": disk})
+    assert m.settings.persistence_threshold == 0
     with pytest.raises(cm.InvalidArgumentError, match=r"^zero_optimization\.stage3_prefetch_bucket_size=-1"):
         cm.initialize(make_model(), config={"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": -1}})
     plain = make_model()

@@ -601,6 +601,9 @@ class Chunk:
         self._users = 0  # modules computing with the chunk now
         self._held = False  # kept on the device until its gradients of this backward are finished
         self.step = 0
+        # persistent parameters (ShardedModelV2's persistence_threshold): the chunk is whole on every rank
+        # of this group (its own ``shards`` are one process) and its gradients are all-reduced over it
+        self.replicas: ShardGroup | None = None
 
     # ---- the owning runtime ---------------------------------------------------------------------------
 

@@ -114,13 +114,16 @@ class ChunkLayout:
     the entry indices of each chunk; every chunk holds ``chunk_numel`` elements of ``element_size`` bytes
     (this rank's share is ``chunk_numel // world``). Chunks never mix trainable and frozen parameters, so
     a frozen chunk has no gradient or optimizer state; optimizer param groups may share a chunk (the
-    update runs per contiguous range of one group).
+    update runs per contiguous range of one group). ``replicated`` (per chunk; empty: none) marks the
+    chunks of persistent parameters: whole on every rank of a sharded model, never gathered, their
+    gradients all-reduced (``persistence_threshold``); they never mix with sharded ones.
     """
 
     entries: tuple[tuple[str, Any, bool], ...]
     groups: tuple[tuple[int, ...], ...]
     chunk_numel: int
     element_size: int
+    replicated: tuple[bool, ...] = ()
 
     @property
     def chunk_bytes(self) -> int:
@@ -134,17 +137,30 @@ class ChunkLayout:
     def trainable(self, chunk_index: int) -> bool:
         return self.entries[self.groups[chunk_index][0]][2]
 
+    def is_replicated(self, chunk_index: int) -> bool:
+        """Whether the chunk is whole on every rank (persistent parameters)."""
+        return bool(self.replicated) and self.replicated[chunk_index]
+
+    def shard_bytes(self, chunk_index: int, world: int) -> int:
+        """Bytes of the chunk's parameters one rank of ``world`` keeps (all of them when replicated)."""
+        return self.chunk_bytes if self.is_replicated(chunk_index) else self.chunk_bytes // world
+
     def chunk_of_param(self) -> dict[int, int]:
         """``id(parameter)`` -> the index of its chunk."""
         return {id(self.entries[i][1]): c for c, group in enumerate(self.groups) for i in group}
 
 
 def plan_layout(named: Sequence[tuple[str, Any]], trainable: Sequence[bool], chunk_numel: int,
-                element_size: int) -> ChunkLayout:
+                element_size: int, persistent: Sequence[bool] | None = None) -> ChunkLayout:
     """The layout of ``named`` parameters (``trainable[i]`` for each): the parameters of the kind that
-    comes first, then the others, each kind in the given order, packed with :func:`pack`."""
+    comes first, then the others, each kind in the given order, packed with :func:`pack`. With
+    ``persistent`` (per parameter), each kind's persistent parameters come after its others, in chunks
+    of their own (``ChunkLayout.replicated``)."""
     first = bool(trainable[0]) if trainable else True
-    order = sorted(range(len(named)), key=lambda i: bool(trainable[i]) != first)
+    kept = persistent if persistent is not None else [False] * len(named)
+    order = sorted(range(len(named)), key=lambda i: (bool(trainable[i]) != first, bool(kept[i])))
     entries = tuple((named[i][0], named[i][1], bool(trainable[i])) for i in order)
-    groups = pack([p.numel() for _, p, _ in entries], [t for _, _, t in entries], chunk_numel)
-    return ChunkLayout(entries, tuple(tuple(g) for g in groups), chunk_numel, element_size)
+    keys = [(bool(trainable[i]), bool(kept[i])) for i in order]
+    groups = pack([p.numel() for _, p, _ in entries], keys, chunk_numel)
+    replicated = tuple(keys[g[0]][1] for g in groups) if any(kept) else ()
+    return ChunkLayout(entries, tuple(tuple(g) for g in groups), chunk_numel, element_size, replicated)

@@ -1,4 +1,5 @@
-"""How finished gradients of a sharded chunk are reduce-scattered over the data-parallel ranks (ZeRO-3)."""
+"""How finished gradients of a sharded chunk are reduce-scattered over the data-parallel ranks (ZeRO-3), and
+those of a chunk whole on every rank (persistent parameters) all-reduced."""
 from __future__ import annotations
 
 import torch
@@ -54,3 +55,23 @@ class GradientReduction:
         if post != 1.0:
             out.div_(post)
         return out.to(full.dtype)
+
+    def all_reduce_mean_(self, full: torch.Tensor, what: str) -> torch.Tensor:
+        """``full`` (a chunk's whole gradient on every rank) replaced by its mean over the ranks, in place,
+        with the same predivision and reduction dtype as :meth:`reduce`, in pieces of at most
+        ``bucket_bytes`` of collective input. Returns ``full``."""
+        dtype = torch.float32 if self.fp32 else full.dtype
+        piece = max(self.bucket_bytes // torch.empty((), dtype=dtype).element_size(), 1)
+        post = self.shards.world / self.predivide_factor
+        for start in range(0, full.numel(), piece):
+            part = full[start:start + piece]
+            summed = part.to(dtype, copy=True) if dtype != full.dtype else part
+            if self.predivide_factor != 1.0:
+                summed.div_(self.predivide_factor)
+            self.shards.all_reduce_(summed, what=what)
+            self.collectives += 1
+            if post != 1.0:
+                summed.div_(post)
+            if summed is not part:
+                part.copy_(summed)
+        return full

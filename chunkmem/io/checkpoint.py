@@ -657,9 +657,15 @@ def _consolidate(path: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
     if any(layout != layouts[0] for layout in layouts):
         raise InvalidArgumentError("path", path, "rank files of one chunk layout (they differ)")
 
+    def joined(pieces: list[Any], n: int) -> Any:
+        """A chunk's whole family from the ranks' pieces: a replicated chunk's (persistent parameters,
+        whole on every rank) is rank 0's."""
+        entry = parts[0]["model"]["chunks"][n]
+        return pieces[0] if entry["shard_numel"] == entry["numel"] else torch.cat(pieces)
+
     def full(family: str, n: int) -> torch.Tensor | None:
         pieces = [part["model"]["chunks"][n][family] for part in parts]
-        return None if any(p is None for p in pieces) else torch.cat(pieces)
+        return None if any(p is None for p in pieces) else joined(pieces, n)
 
     located: dict[str, tuple[int, dict[str, Any]]] = {}
     for n, entry in enumerate(parts[0]["model"]["chunks"]):
@@ -689,7 +695,7 @@ def _consolidate(path: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
         if not entry["trainable"] or entry["step"] == 0:
             continue
         if n not in families:
-            families[n] = {key: torch.cat([_state_of(part["model"]["chunks"][n])[key] for part in parts])
+            families[n] = {key: joined([_state_of(part["model"]["chunks"][n])[key] for part in parts], n)
                            for key in _state_of(entry)}
         whole = families[n]
         if "state" not in entry:

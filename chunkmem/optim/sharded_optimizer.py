@@ -282,10 +282,9 @@ class ShardedOptimizerV2(Optimizer):
         layout, runtime = model.layout, model.runtime
         per_element = 2 if state is None else len(state.families)
         fp32_families = per_element + (1 if model.dtype != torch.float32 else 0)
-        shard_numel = layout.chunk_numel // model.shards.world
-        trainable = sum(1 for i in range(layout.num_chunks) if layout.trainable(i))
-        on_device = sum(1 for k in range(trainable) if runtime.policy.optim_on_device(k, trainable))
-        need = on_device * fp32_families * shard_numel * 4
+        trainable = [i for i in range(layout.num_chunks) if layout.trainable(i)]
+        need = sum(fp32_families * layout.shard_bytes(i, model.shards.world) // layout.element_size * 4
+                   for k, i in enumerate(trainable) if runtime.policy.optim_on_device(k, len(trainable)))
         ledger = runtime.ledger
         free = ledger.capacity - ledger.tier_bytes(Tier.DEVICE)
         if need > free:
@@ -505,7 +504,10 @@ class ShardedOptimizerV2(Optimizer):
         return self.mixed.clip(self._grads(), max_norm, float(norm_type))
 
     def _grads(self) -> list[torch.Tensor]:
-        return [t for c in self._trainable_chunks() for t in self.runtime.grad_tensors(c)]
+        """This rank's gradients for the global norm: its shards, and a replicated chunk's whole gradients
+        on the first rank only (every rank holds the same; the norm sums over the ranks)."""
+        return [t for c in self._trainable_chunks() if c.replicas is None or c.replicas.rank == 0
+                for t in self.runtime.grad_tensors(c)]
 
     def grad_multiplier(self) -> float:
         """What the coming step multiplies the gradients by: the clipping over the loss scale (the

@@ -53,14 +53,15 @@ def check_device_capacity(users: Users, layout: ChunkLayout, policy: PlacementPo
     count = layout.num_chunks
     grads_per_chunk = 0 if reuse_grads else 1
 
-    def need_of(chunk_indices: set[int], chunk_bytes: int, staging: set[int] | None = None) -> int:
+    def need_of(chunk_indices: set[int], world: int, staging: set[int] | None = None) -> int:
         staged = chunk_indices if staging is None else chunk_indices & staging
-        trainable = sum(1 for i in staged if layout.trainable(i))
-        return (len(chunk_indices) + grads_per_chunk * trainable) * chunk_bytes
+        return sum((1 + (grads_per_chunk if i in staged and layout.trainable(i) else 0))
+                   * layout.shard_bytes(i, world) for i in chunk_indices)
 
-    # Sharded, what rests is one shard of each chunk, and every chunk a module uses is gathered.
+    # Sharded, what rests is one shard of each chunk (a replicated chunk whole), and every chunk a module
+    # uses is gathered (a replicated one is already whole where it rests).
     resting = {i for i in range(count) if policy.params_on_device_at_rest(i, count)}
-    need = need_of(resting, layout.chunk_bytes // shards.world)
+    need = need_of(resting, shards.world)
     what = f"the {len(resting)} chunks resting on the device with their gradients" if resting else ""
     chunk_of = layout.chunk_of_param()
     backward = [(name, params) for name, params in users if params]
@@ -82,10 +83,10 @@ def check_device_capacity(users: Users, layout: ChunkLayout, policy: PlacementPo
         own = {chunk_of[id(p)] for p in params}
         held = {c for c in first if first[c] <= position <= last[c]} | own
         staging = {c for c in held if staging_from.get(c, position) <= position} | own
-        if not shards.sharded:
-            held -= resting
-            own = own - resting
-        held_need = need_of(held, layout.chunk_bytes, staging)
+        whole_at_rest = resting if not shards.sharded else {i for i in resting if layout.is_replicated(i)}
+        held -= whole_at_rest
+        own = own - whole_at_rest
+        held_need = need_of(held, 1, staging)
         if held_need > visiting_need or (held_need == visiting_need > 0):  # ties: the first in forward order
             visiting_need = held_need
             others = len(held - own)

@@ -228,6 +228,7 @@ class ChunkExecutor:
         rests_on_host = [self.rest_tier(c) is Tier.HOST for c in ahead]
         for chunk, to_host in zip(ahead[:count], rests_on_host):
             chunk.param.start_fetch()
+            self.gathers += chunk.param.sharded
             self.prefetched += 1
             self.log_event("fetch", chunk.index, "prefetch")
             if to_host:  # freed at the next period boundary unless that period needs it

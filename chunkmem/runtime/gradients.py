@@ -108,7 +108,7 @@ class StagedGradients(GradientStore):
 
     def _direct(self, chunk: Chunk) -> bool:
         """Whether the chunk's gradients accumulate where they rest (no staging buffer)."""
-        return self.executor.grad_tier(chunk) is Tier.DEVICE and not chunk.param.sharded
+        return self.executor.grad_tier(chunk) is Tier.DEVICE and not chunk.param.sharded and chunk.replicas is None
 
     def _accumulator(self, chunk: Chunk) -> torch.Tensor:
         """The full-length device-tier buffer gradients of this backward go into. A buffer allocated in
@@ -159,8 +159,12 @@ class StagedGradients(GradientStore):
             chunk.accumulator_fresh = False
         if not chunk.grad_staging.allocated or deferred:  # (deferred: it keeps accumulating, unreduced)
             return
-        sharded = chunk.param.sharded
-        finished = self.reduction.reduce(accumulator, f"{chunk.name} gradients") if sharded else accumulator
+        if chunk.param.sharded:
+            finished = self.reduction.reduce(accumulator, f"{chunk.name} gradients")
+        elif chunk.replicas is not None:
+            finished = self.reduction.all_reduce_mean_(accumulator, f"{chunk.name} gradients")
+        else:
+            finished = accumulator
         if chunk.grad.allocated:
             chunk.grad.tensor.add_(finished.to(chunk.grad.tensor.device))
         else:
@@ -261,6 +265,8 @@ class GradientsInParamMemory(GradientStore):
         if buf.sharded:
             buf.grads_in_shard(self.reduction.reduce(buf.device, f"{chunk.name} gradients"))
         else:
+            if chunk.replicas is not None:
+                self.reduction.all_reduce_mean_(buf.device, f"{chunk.name} gradients")
             buf.grads_in_device_copy()
 
     def grad_of(self, chunk: Chunk) -> torch.Tensor | None:
