@@ -77,3 +77,18 @@ def machine_header() -> str:
             f"{torch.get_num_threads()} torch threads, "
             f"CUDA {'available' if cuda else 'not available (the device tier is the CPU under a capacity)'}, "
             f"1-min load average {load[0]:.2f}")
+
+
+def run_two_gloo_ranks(target, *args) -> dict:
+    """Run ``target(rank, port, *args, results)`` on two spawned processes that form a gloo group on a
+    free local port; returns what they put into ``results`` (a shared dict)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(target, args=(port, *args, results), nprocs=2)
+    return dict(results)

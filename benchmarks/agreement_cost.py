@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _gpt  # noqa: E402
 
 
 def _median_seconds(fn, calls: int) -> float:
@@ -68,11 +68,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=1000, help="timed calls of each collective")
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = mp.Manager().dict()
-    mp.spawn(_rank, args=(port, args.calls, results), nprocs=2)
+    results = _gpt.run_two_gloo_ranks(_rank, args.calls)
     print(f"{'what':<44} {'median':>10}")
     print(f"{'bare all_reduce of one float':<44} {results['bare'] * 1e6:>8.1f} us")
     print(f"{'agree_on_point (2 float64 values)':<44} {results['agreed'] * 1e6:>8.1f} us")

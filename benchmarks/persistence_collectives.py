@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -71,11 +69,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=10, help="timed steps per threshold")
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = mp.Manager().dict()
-    mp.spawn(_rank, args=(port, args.steps, results), nprocs=2)
+    results = _gpt.run_two_gloo_ranks(_rank, args.steps)
     print(f"machine: {_gpt.cpu_kind()}; 2 gloo ranks, GPT vocab 1024, d 256, 4 layers (3.4M parameters), "
           f"cpu placement, 1 MiB chunks")
     print(f"{'threshold':>10} {'chunks':>7} {'replicated':>10} {'persistent':>10} {'all-gathers':>11} "

@@ -545,3 +545,26 @@ def _sharded_checkpoint_worker(rank: int, world: int, path: str) -> bool:
 def test_two_rank_sharded_checkpoint_from_the_disk_tier_resumes_on_the_host_bitwise(tmp_path):
     from distributed import run_ranks
     assert run_ranks(_sharded_checkpoint_worker, 2, str(tmp_path)) == [True, True]
+
+
+@pytest.mark.parametrize("field,edit,error", [
+    ("state", lambda e: e.pop("state"), cm.InvalidArgumentError),  # then it reads as Adam's: refused
+    ("scalars", lambda e: e.update(scalars=[1]), cm.CheckpointError),
+    ("scalars", lambda e: e["scalars"].update({0: 5}), cm.CheckpointError),
+    ("scalars", lambda e: e["scalars"][0].update(step=torch.empty(1, device="meta")), cm.InvalidArgumentError),
+])
+def test_a_damaged_sharded_rank_file_of_another_optimizer_is_refused_before_anything_changes(tmp_path, field, edit,
+                                                                                              error):
+    from test_checkpoint_integrity import edit_rank_file
+    torch.manual_seed(0)
+    reference, data = TinyGPT(), batches(2, seed=7)
+    model, optim = _wrap(reference, OPTIMIZERS["nadam"])
+    _train(model, optim, data)
+    cm.save_checkpoint(tmp_path / "ck", model, optim, sharded=True)
+    edit_rank_file(str(tmp_path / "ck"), lambda payload: edit(payload["model"]["chunks"][0]))
+    fresh, fresh_optim = _wrap(reference, OPTIMIZERS["nadam"])
+    before = copy.deepcopy(fresh_optim.state_dict()), copy.deepcopy(fresh.state_dict())
+    with pytest.raises(error, match=field):
+        cm.load_checkpoint(tmp_path / "ck", fresh, fresh_optim)
+    assert fresh_optim.state_dict()["state"] == before[0]["state"] == {}
+    assert all(torch.equal(v, before[1][k]) for k, v in fresh.state_dict().items())

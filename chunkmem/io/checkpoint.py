@@ -493,6 +493,14 @@ def _check_rank_values(name: str, model: ShardedModelV2, saved: dict[str, Any],
                                            f"optimizer class)")
             for family, values in state.items():
                 check_tensor_data(f"{where}[{family!r}]", values, floating=True, numel=chunk.shard_numel)
+            for kind in ("scalars", "whole") if "state" in entry else ():
+                for key, kept in entry[kind].items():
+                    if not isinstance(kept, dict):
+                        raise CheckpointError(f"{where}[{kind!r}][{key!r}] is a {type(kept).__name__}, expected a "
+                                              f"dict of the optimizer's state")
+                    for field_name, value in kept.items():
+                        if isinstance(value, torch.Tensor):
+                            check_tensor_data(f"{where}[{kind!r}][{key!r}][{field_name!r}]", value)
     own = model.module.state_dict(keep_vars=True)
     expected = [key for key, slot in saved["keys"] if slot is None]
     if sorted(saved["buffers"]) != sorted(expected):
