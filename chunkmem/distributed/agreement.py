@@ -104,8 +104,8 @@ arguments, the refusal (see :func:`refuse_together`)."""
 def refuse_together(shards: ShardGroup, step: str, error: Exception) -> NoReturn:
     """Raise ``error``, a refusal of this rank's arguments before the ranks' agreement at ``step``, after
     taking part in that agreement with the refusal as its only setting: a rank whose arguments were
-    accepted then raises :class:`LayoutMismatchError` naming the refusal instead of waiting for ever in
-    a collective this rank never joins. (Ranks that all refuse alike agree, and each raises its error.)"""
+    accepted then raises :class:`LayoutMismatchError` naming the refusal at once, instead of waiting in a
+    collective this rank never joins until the collective timeout. (Ranks that all refuse alike agree, and each raises its error.)"""
     refusal = LayoutDescription(step, [(ARGUMENTS, f"refused: {type(error).__name__}: {error}")], ParamRecord())
     try:
         agree(shards, refusal)
