@@ -114,6 +114,9 @@ KEY_TABLE: dict[str, tuple[str, str]] = {
     "optimizer.params": ("map", "lr, betas, eps, weight_decay, bias_correction, adam_w_mode"),
     "gradient_clipping": ("map", "stages 1, 2: clip_grad_norm; stage 3: ShardedOptimizerV2(max_norm=), applied in "
                                  "step(); absent: 1.0, DeepSpeed's default (0.19.8; 0 turns clipping off)"),
+    "zero_allow_untested_optimizer, zero_force_ds_cpu_optimizer": (
+        "map", "accepted (true or false), silently: chunkmem steps any torch optimizer where its state lives, so "
+               "the switches DeepSpeed needs to run one have nothing to switch"),
     "<loop keys>": ("warn", "honoured by the engine of chunkmem.deepspeed.initialize; no effect in "
                             "chunkmem.initialize, which returns no engine: train_batch_size, "
                             "train_micro_batch_size_per_gpu, gradient_accumulation_steps, steps_per_print, "
@@ -150,7 +153,10 @@ _OFFLOAD_PARAM_KEYS = {"device", "nvme_path", "buffer_count", "buffer_size", "ma
 _OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 _LOOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
               "steps_per_print", "wall_clock_breakdown", "scheduler"}
-_DEEPSPEED_KEYS = {"zero_optimization", "fp16", "bf16", "optimizer", "gradient_clipping"} | _LOOP_KEYS
+_OPTIMIZER_GATES = ("zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer")
+"""DeepSpeed's switches that let a client or torch optimizer run under ZeRO (-Offload): accepted (bools),
+no effect (chunkmem steps any torch optimizer where its state lives)."""
+_DEEPSPEED_KEYS = {"zero_optimization", "fp16", "bf16", "optimizer", "gradient_clipping", *_OPTIMIZER_GATES} | _LOOP_KEYS
 DEEPSPEED_GRADIENT_CLIPPING = 1.0
 """The clipping norm of a DeepSpeed config without ``gradient_clipping``: DeepSpeed's default (1.0 in 0.19.8,
 since its pull request 8068; 0.0 before), so a config trains as it does under DeepSpeed today."""
@@ -368,6 +374,9 @@ def _dtype_named(name: str, path: str) -> torch.dtype:
 
 def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, Any]) -> tuple[nn.Module, Any]:
     _check_keys(config, _DEEPSPEED_KEYS, "")
+    for key in _OPTIMIZER_GATES:
+        if key in config:
+            _check_bool(config[key], key)
     for key in sorted(_LOOP_KEYS & set(config)):
         _no_effect(key, "the training loop decides it (chunkmem.deepspeed.initialize returns an engine that honours it)")
     zero = _section(config, "zero_optimization", "zero_optimization")

@@ -3,7 +3,8 @@
 * the engine's gradient accumulation, clipping and schedule equal plain PyTorch (AdamW, the loss divided
   by the accumulation steps, ``clip_grad_norm_``, the schedule's learning rates set by hand);
 * the same DeepSpeed script (``deepspeed_script.py``) gives DeepSpeed 0.19.8's learning rates, losses,
-  weights, resume and client state at stages 1, 2 and 3 with the optimizer on the CPU: against DeepSpeed's
+  weights, resume and client state at stages 1, 2 and 3 with the optimizer on the CPU (the config's Adam,
+  and torch's SGD): against DeepSpeed's
   recorded output always, and against a live DeepSpeed when ``CHUNKMEM_DEEPSPEED_PYTHON`` names an
   interpreter that has it (``../shared/tools/setup_peers.sh`` builds one);
 * the four schedules equal DeepSpeed's, step by step;
@@ -169,13 +170,14 @@ def test_save_16bit_model_loads_into_the_plain_module(tmp_path, stage):
 
 # ---- DeepSpeed itself -------------------------------------------------------------------------------
 
-def _run_script(python: str, backend: str, stage: int, tmp_path) -> dict:
-    out = tmp_path / f"{backend}{stage}.json"
+def _run_script(python: str, backend: str, stage: int, tmp_path, optimizer: str = "Adam") -> dict:
+    out = tmp_path / f"{backend}{stage}{optimizer}.json"
+    port = 29600 + stage + (10 if backend == "deepspeed" else 0) + (20 if optimizer != "Adam" else 0)
     env = dict(os.environ, DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="localhost",
-               MASTER_PORT=str(29600 + stage + (10 if backend == "deepspeed" else 0)))
+               MASTER_PORT=str(port))
     done = subprocess.run([python, os.path.join(HERE, "deepspeed_script.py"), backend, str(stage), str(out),
-                           str(tmp_path / f"work-{backend}{stage}")], env=env, capture_output=True, text=True,
-                          timeout=600)
+                           str(tmp_path / f"work-{backend}{stage}{optimizer}"), optimizer], env=env,
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     with open(out) as f:
         return json.load(f)
@@ -196,18 +198,20 @@ def _assert_same_training(got: dict, want: dict) -> None:
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_the_deepspeed_script_trains_as_deepspeed_recorded(tmp_path, stage):
+@pytest.mark.parametrize("optimizer", ["Adam", "SGD"])
+def test_the_deepspeed_script_trains_as_deepspeed_recorded(tmp_path, stage, optimizer):
     with open(REFERENCE) as f:
-        want = json.load(f)["engine"][str(stage)]
-    _assert_same_training(_run_script(sys.executable, "chunkmem", stage, tmp_path), want)
+        want = json.load(f)["engine" if optimizer == "Adam" else "engine_sgd"][str(stage)]
+    _assert_same_training(_run_script(sys.executable, "chunkmem", stage, tmp_path, optimizer), want)
 
 
 @pytest.mark.skipif(not os.environ.get("CHUNKMEM_DEEPSPEED_PYTHON"),
                     reason="CHUNKMEM_DEEPSPEED_PYTHON does not name an interpreter with DeepSpeed")
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_the_deepspeed_script_trains_as_live_deepspeed(tmp_path, stage):
-    want = _run_script(os.environ["CHUNKMEM_DEEPSPEED_PYTHON"], "deepspeed", stage, tmp_path)
-    _assert_same_training(_run_script(sys.executable, "chunkmem", stage, tmp_path), want)
+@pytest.mark.parametrize("optimizer", ["Adam", "SGD"])
+def test_the_deepspeed_script_trains_as_live_deepspeed(tmp_path, stage, optimizer):
+    want = _run_script(os.environ["CHUNKMEM_DEEPSPEED_PYTHON"], "deepspeed", stage, tmp_path, optimizer)
+    _assert_same_training(_run_script(sys.executable, "chunkmem", stage, tmp_path, optimizer), want)
 
 
 def test_schedules_equal_deepspeeds_step_by_step():
