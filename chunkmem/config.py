@@ -156,7 +156,8 @@ _LOOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_ac
 _OPTIMIZER_GATES = ("zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer")
 """DeepSpeed's switches that let a client or torch optimizer run under ZeRO (-Offload): accepted (bools),
 no effect (chunkmem steps any torch optimizer where its state lives)."""
-_DEEPSPEED_KEYS = {"zero_optimization", "fp16", "bf16", "optimizer", "gradient_clipping", *_OPTIMIZER_GATES} | _LOOP_KEYS
+_DEEPSPEED_KEYS = ({"zero_optimization", "fp16", "bf16", "optimizer", "gradient_clipping", *_OPTIMIZER_GATES}
+                   | _LOOP_KEYS)
 DEEPSPEED_GRADIENT_CLIPPING = 1.0
 """The clipping norm of a DeepSpeed config without ``gradient_clipping``: DeepSpeed's default (1.0 in 0.19.8,
 since its pull request 8068; 0.0 before), so a config trains as it does under DeepSpeed today."""
@@ -250,11 +251,12 @@ def _check_bool(value: Any, path: str) -> bool:
     return value
 
 
-def _count(path: str, value: Any, unit: str) -> int:
-    """``value`` as an int > 0; an integral float (``5e8``, as DeepSpeed's documentation writes sizes) is
-    taken as that integer."""
-    allowed = f"an integer > 0 ({unit}; an integral float such as 5e8 is taken as that integer)"
-    check_number(path, value, low=0, low_open=True, allowed=allowed)
+def _count(path: str, value: Any, unit: str, zero_allowed: bool = False) -> int:
+    """``value`` as an int > 0 (``zero_allowed``: >= 0); an integral float (``5e8``, as DeepSpeed's
+    documentation writes sizes) is taken as that integer."""
+    bound = ">= 0" if zero_allowed else "> 0"
+    allowed = f"an integer {bound} ({unit}; an integral float such as 5e8 is taken as that integer)"
+    check_number(path, value, low=0, low_open=not zero_allowed, allowed=allowed)
     if isinstance(value, float) and not value.is_integer():  # NaN and infinities are not integers either
         raise InvalidArgumentError(path, value, allowed)
     return int(value)
@@ -378,7 +380,8 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
         if key in config:
             _check_bool(config[key], key)
     for key in sorted(_LOOP_KEYS & set(config)):
-        _no_effect(key, "the training loop decides it (chunkmem.deepspeed.initialize returns an engine that honours it)")
+        _no_effect(key, "the training loop decides it (chunkmem.deepspeed.initialize returns an engine that "
+                        "honours it)")
     zero = _section(config, "zero_optimization", "zero_optimization")
     _check_keys(zero, _ZERO_KEYS, "zero_optimization")
     stage = zero.get("stage", 0)
@@ -519,23 +522,15 @@ def _persistence(zero: dict[str, Any], disk: bool) -> dict[str, int]:
             if disk:
                 _no_effect(f"zero_optimization.{key}", "persistent parameters are not placed on the disk tier")
                 continue
-            kwargs[argument] = _elements(f"zero_optimization.{key}", zero[key])
+            kwargs[argument] = _count(f"zero_optimization.{key}", zero[key], "parameter elements", zero_allowed=True)
     return kwargs
-
-
-def _elements(path: str, value: Any) -> int:
-    """``value`` as an integer >= 0 (elements; an integral float such as 5e7 is taken as that integer)."""
-    allowed = "an integer >= 0 (parameter elements; an integral float such as 5e7 is taken as that integer)"
-    check_number(path, value, low=0, allowed=allowed)
-    if isinstance(value, float) and not value.is_integer():
-        raise InvalidArgumentError(path, value, allowed)
-    return int(value)
 
 
 def _prefetch_numel(zero: dict[str, Any]) -> int | None:
     """ShardedModelV2's ``prefetch_numel`` from DeepSpeed's prefetch bucket and live-parameter bounds
     (elements; the smaller of those given; ``None`` when neither is)."""
-    bounds = [_elements(f"zero_optimization.{key}", zero[key]) for key in _PREFETCH_KEYS if key in zero]
+    bounds = [_count(f"zero_optimization.{key}", zero[key], "parameter elements", zero_allowed=True)
+              for key in _PREFETCH_KEYS if key in zero]
     return min(bounds) if bounds else None
 
 

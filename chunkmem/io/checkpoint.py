@@ -705,17 +705,17 @@ def _consolidate(path: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
         if n not in families:
             families[n] = {key: joined([_state_of(part["model"]["chunks"][n])[key] for part in parts], n)
                            for key in _state_of(entry)}
-        whole = families[n]
+        gathered = families[n]
         if "state" not in entry:
-            state[index] = adam_entry(entry["step"], _slot_view(whole["exp_avg"], slot),
-                                      _slot_view(whole["exp_avg_sq"], slot), slot["shape"])
+            state[index] = adam_entry(entry["step"], _slot_view(gathered["exp_avg"], slot),
+                                      _slot_view(gathered["exp_avg_sq"], slot), slot["shape"])
         elif entry["whole"]:  # whole-parameter state: one rank, by position in the chunk
             position = entry["slots"].index(slot)
             if position in entry["whole"]:
                 state[index] = scalar_copy(entry["whole"][position])
         elif group_of[index] in entry["scalars"]:
             keys = small["per_group"][group_of[index]]
-            state[index] = any_entry(entry["scalars"][group_of[index]], {k: whole[k] for k in keys},
+            state[index] = any_entry(entry["scalars"][group_of[index]], {k: gathered[k] for k in keys},
                                      lambda flat, s=slot: _slot_view(flat, s), slot["shape"])
     optimizer_state = {"state": state, "param_groups": small["param_groups"], "loss_scaler": small["loss_scaler"]}
     return {"model": model_state, "optimizer": optimizer_state}

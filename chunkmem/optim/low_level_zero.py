@@ -21,6 +21,7 @@ from .any_optimizer import ParamView, StateLayout, check_elementwise, probe_stat
 from .adam_kernels import adam_update_, param_spans
 from ..distributed.agreement import ARGUMENTS, LayoutDescription, ParamRecord, agree, agree_on_point, refuse_together
 from ..distributed.collectives import ShardGroup, start_all_gather
+from ..core.chunk import ADAM_STATE
 from ..core.layout import join_runs
 from ..errors import (ChunkmemError, InvalidArgumentError, UnscaledBackwardError, UnsupportedOperationError,
                       check_choice, check_number, check_type)
@@ -153,7 +154,7 @@ class LowLevelZeroOptimizer:
         self.separate_master = separate
         self._layout = layout  # None: the Adam kernel; else any_optimizer's stand-in step
         self.chunks = build_partition(groups, dtype, shards.world, shards.rank, master_device, separate,
-                                      *(() if layout is None else (layout.families,)))
+                                      ADAM_STATE if layout is None else layout.families)
         if layout is not None:
             optimizer.state.clear()  # what its constructor made (Adagrad's sums): the chunks keep the state
         self._slot_of = {id(s.param): s for c in self.chunks for s in c.slots}
@@ -287,11 +288,6 @@ class LowLevelZeroOptimizer:
         """What the wrapped optimizer keeps per parameter, when it is not run by the Adam kernel (``None``:
         Adam's moments; see :mod:`chunkmem.optim.any_optimizer`)."""
         return self._layout
-
-    def group_of(self, param: nn.Parameter) -> int | None:
-        """The index of ``param``'s group in the wrapped optimizer's param groups (``None``: not trained)."""
-        slot = self._slot_of.get(id(param))
-        return None if slot is None else slot.chunk.group
 
     @property
     def global_grad_norm(self) -> float | None:
@@ -564,16 +560,16 @@ class LowLevelZeroOptimizer:
         for chunk in self.chunks:
             if chunk.step == 0:
                 continue
-            whole = {family: self._gather(chunk, shard) for family, shard in chunk.state.items()}
+            gathered = {family: self._gather(chunk, shard) for family, shard in chunk.state.items()}
             for slot in chunk.slots:
                 if self._layout is None:
-                    state[slot.index] = adam_entry(chunk.step, slot.view(whole["exp_avg"]),
-                                                   slot.view(whole["exp_avg_sq"]), slot.shape)
+                    state[slot.index] = adam_entry(chunk.step, slot.view(gathered["exp_avg"]),
+                                                   slot.view(gathered["exp_avg_sq"]), slot.shape)
                 elif self._layout.whole:
                     if slot.index in chunk.whole_state:
                         state[slot.index] = scalar_copy(chunk.whole_state[slot.index])
                 else:
-                    state[slot.index] = any_entry(chunk.scalars.get(chunk.group, {}), whole, slot.view, slot.shape)
+                    state[slot.index] = any_entry(chunk.scalars.get(chunk.group, {}), gathered, slot.view, slot.shape)
         if rank0_only and self.shards.rank != 0:
             return {}
         scaler = self.grad_scaler.state_dict() if self.grad_scaler is not None else None
