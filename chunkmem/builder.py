@@ -69,8 +69,11 @@ def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
     element_size = dtype.itemsize
     chunk_numel = _chunk_numel(settings, named, slots if from_context else None, element_size, shards.sharded)
     chunk_numel = aligned_numel(chunk_numel, shards.world) if shards.sharded else chunk_numel
+    # Chunks a ZeroInitContext built at a given size are reused as they are, untrimmed tails included.
+    sized_by_context = from_context and all(s.chunk.size_was_given for s in slots)
     layout = plan_layout(named, [p.requires_grad for _, p in named], chunk_numel, element_size,
-                         _persistent(named, settings) if shards.sharded else None)
+                         _persistent(named, settings) if shards.sharded else None,
+                         world=shards.world if shards.sharded else 1, trim_tails=not sized_by_context)
     _agree_on_layout(settings, layout, shards, dtype, slots if from_context else None)
     capacity = device_memory_capacity()
     host_capacity = host_memory_capacity()
@@ -80,6 +83,8 @@ def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
 
     memory = slots[0].chunk.memory if from_context else TierMemory.for_this_machine(capacity)
     memory.ledger.capacity, memory.ledger.host_capacity = capacity, host_capacity
+    if staged_buffers(settings.placement.tensor_placement_policy, shards.sharded):
+        memory.device_block_nbytes = max(layout.numels) * element_size
     disk = settings.disk
     if disk.enabled:
         memory.disk = DiskTier(disk.nvme_path, disk.buffer_count, disk.buffer_size, disk.atomic_step, memory.ledger)
@@ -285,7 +290,7 @@ def _laid_out_as(layout: ChunkLayout, current: list[Chunk], shards: ShardGroup) 
     current_ids = [[id(s.param) for s in c.slots] for c in current]
     same_sharding = not layout.replicated and all(
         c.shards.same_ranks(shards) and (not shards.sharded or c.shards.group == shards.group) for c in current)
-    return bool(current and current_ids == wanted_ids and all(c.numel == layout.chunk_numel for c in current)
+    return bool(current and current_ids == wanted_ids and [c.numel for c in current] == list(layout.numels)
                 and same_sharding
                 and all(c.trainable == layout.trainable(i) for i, c in enumerate(current)))
 
@@ -304,7 +309,7 @@ def build_chunks(layout: ChunkLayout, dtype: torch.dtype, memory: TierMemory, ti
     chunks = []
     for n, indices in enumerate(layout.groups):
         replicated = layout.is_replicated(n)
-        chunk = Chunk(n, layout.chunk_numel, dtype, ChunkKey(layout.trainable(n)), memory,
+        chunk = Chunk(n, layout.numels[n], dtype, ChunkKey(layout.trainable(n)), memory,
                       SINGLE_PROCESS if replicated else shards)
         chunk.replicas = shards if replicated else None
         local = chunk.param.first_copy(tier)

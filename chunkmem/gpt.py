@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .core.layout import pack, search_chunk_numel, staged_buffers
+from .core.layout import pack, padding_elements, search_chunk_numel, staged_buffers
 
 
 @dataclass(frozen=True)
@@ -170,4 +170,4 @@ def chunk_layout(cfg: GPTConfig, element_size: int, chunk_size: int | None = Non
     chunk_numel = (chunk_size // element_size if chunk_size
                    else search_chunk_numel(numels, keys, element_size, staged_buffers=staged))
     n_chunks = len(pack(numels, keys, chunk_numel))
-    return chunk_numel, n_chunks, n_chunks * chunk_numel - sum(numels)
+    return chunk_numel, n_chunks, padding_elements(numels, keys, chunk_numel)

@@ -196,10 +196,10 @@ def _optimizer_bytes(policy: Any, model: ShardedModelV2) -> dict[str, dict[str, 
     out: dict[str, dict[str, int]] = {"device": {}, "host": {}}
     trainable = [c for c in model.chunks if c.trainable]
     families = (("master",) if model.dtype != torch.float32 else ()) + ("exp_avg", "exp_avg_sq")
-    for position, _ in enumerate(trainable):
+    for position, chunk in enumerate(trainable):
         tier = "device" if policy.optim_on_device(position, len(trainable)) else "host"
         for family in families:
-            out[tier][family] = out[tier].get(family, 0) + model.chunk_numel * 4
+            out[tier][family] = out[tier].get(family, 0) + chunk.numel * 4
     return out
 
 

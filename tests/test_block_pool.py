@@ -175,3 +175,48 @@ def test_repack_unmaps_the_replaced_chunks_blocks_and_empty_cache_unmaps_the_res
                                                   "blocks_mapped": blocks.blocks_mapped}
     model.empty_cache()
     assert model.cached_bytes() == 0 and model.memory_stats()["block_pool"]["cached_bytes"] == 0
+
+
+def test_a_buffer_can_take_the_start_of_a_larger_block_which_goes_back_whole():
+    pool = BlockPool()
+    pool.use_sizes([8192])
+    small = pool.empty(1000, torch.float32, block_nbytes=8192)
+    ptr = small.data_ptr()
+    assert small.numel() == 1000 and small.untyped_storage().nbytes() == 8192 and pool.blocks_mapped == 1
+    pool.give_back(small)
+    del small
+    assert pool.cached_blocks(8192) == 1 and pool.cached_bytes == 8192
+    full = pool.empty(2048, torch.float32)  # the same block serves a buffer of its own size
+    assert full.data_ptr() == ptr and pool.blocks_mapped == 1
+
+
+def test_a_trimmed_last_chunk_stages_on_the_device_tier_through_the_full_size_blocks():
+    """Placement cpu: the last chunk holds only its parameters; its device copy and gradient staging take
+    chunk-size blocks (no blocks of its size kept for them), while the ledger counts its own bytes."""
+    if block_pool.HELPER.get() is None:
+        pytest.skip(f"native helper unavailable: {block_pool.load_error()}")
+    torch.manual_seed(0)
+    model = cm.ShardedModelV2(TinyGPT(vocab=64, d=32, layers=2, seq=16), cm.TensorShardStrategy(),
+                              tensor_placement_policy="cpu", dtype=torch.float32, chunk_size=4096 * 4)
+    optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-2))
+    numels = [c.numel for c in model.chunks]
+    tail_bytes, full_bytes = numels[-1] * 4, 4096 * 4
+    assert numels[:-1] == [4096] * (len(numels) - 1) and tail_bytes < full_bytes
+    assert model.runtime.memory.device_block_nbytes == full_bytes
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        optim.backward(F.cross_entropy(model(tokens[:, :-1]).reshape(-1, 64), tokens[:, 1:].reshape(-1)))
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+    blocks = model.runtime.memory.blocks
+    # after the step only the gradients were freed: one block of the last chunk's size (its gradient), and
+    # chunk-size blocks for the others' gradients and for the device copies and staging of all of them
+    assert blocks.cached_blocks(tail_bytes) == 1
+    assert blocks.cached_bytes == tail_bytes + full_bytes * blocks.cached_blocks(full_bytes)
+    assert blocks.cached_blocks(full_bytes) >= len(numels) - 1 + 1
+    # the ledger counts what the chunks asked for: a period with the last chunk's copy and staging is
+    # below two full chunks
+    periods = model.memory_stats()["periods"]
+    last = len(numels) - 1
+    with_tail = [p["device_model_bytes"] for p in periods if p["chunks"] == [last]]
+    assert with_tail and max(with_tail) <= 2 * tail_bytes

@@ -49,14 +49,15 @@ def test_plan_bytes_equal_a_real_run(dtype):
         assert p.fits and p.chunk_bytes == CHUNK
         assert p.tier_bytes == tiers, policy
         assert (p.moved_to_device_per_step, p.moved_to_host_per_step) == moved, policy
-    # hand-computed: 4 fp32 chunks (2 fp16) of 16384 (32768) elements; Adam state is fp32
-    n = 4 if dtype == torch.float32 else 2
-    fp32_chunk = CHUNK if dtype == torch.float32 else 2 * CHUNK
-    optim = {"exp_avg": n * fp32_chunk, "exp_avg_sq": n * fp32_chunk}
+    # hand-computed: fp32, chunks of 16384 elements: [w1], [b1], [w2], and the last [b2, w3, b3] trimmed to
+    # its 584 elements rounded up to 640; fp16, chunks of 32768: [w1, b1] and [w2, b2, w3, b3] (16968 -> 17024)
+    numel = 16384 * 3 + 640 if dtype == torch.float32 else 32768 + 17024
+    param = numel * dtype.itemsize
+    optim = {"exp_avg": numel * 4, "exp_avg_sq": numel * 4}  # Adam state is fp32
     if dtype == torch.float16:
-        optim["master"] = n * fp32_chunk
-    assert plans["cuda"].tier_bytes == {"device": {"param": n * CHUNK, **optim}, "host": {}}
-    assert plans["cuda"].device_peak_bytes == n * CHUNK * 2 + sum(optim.values())  # parameters, gradients, Adam
+        optim["master"] = numel * 4
+    assert plans["cuda"].tier_bytes == {"device": {"param": param, **optim}, "host": {}}
+    assert plans["cuda"].device_peak_bytes == param * 2 + sum(optim.values())  # parameters, gradients, Adam
     assert plans["cuda"].moved_to_device_per_step == 0
 
 
@@ -117,7 +118,7 @@ def test_plan_allocates_nothing_and_reports_the_non_model_peak():
 
 def test_fits_agrees_with_the_real_capacity_check():
     batch = torch.randn(4, 64)
-    capacity = 2**20  # the 'cuda' state (0.75 MiB + gradients) does not fit; 'cpu' visits two chunks at a time
+    capacity = 3 * CHUNK * 4  # the 'cuda' state (0.76 MiB with the gradients) does not fit; 'cpu' visits two chunks at a time
     plans = plan(build, batch, capacity, dtype=torch.float32, chunk_size=CHUNK)
     assert not plans["cuda"].fits and "device" in plans["cuda"].reason
     assert plans["cpu"].fits
@@ -164,11 +165,13 @@ def test_command_line_prints_the_table(capsys, monkeypatch):
 
 def test_activations_that_do_not_fit_beside_the_chunks_make_a_plan_not_fit():
     """'cuda' at a capacity that holds its chunks at their peak (parameters, gradients, Adam moments:
-    16 chunks) but not the activations of a large batch beside them."""
+    4 families of 3 full chunks and the trimmed last one) but not the activations of a large batch beside
+    them."""
     batch = torch.randn(4096, 64)  # the first Linear's output alone is 4 MiB
     p = plan(build, batch, 18 * CHUNK, dtype=torch.float32, chunk_size=CHUNK, policies=("cuda",))["cuda"]
-    assert p.device_peak_bytes == 16 * CHUNK and p.non_model_peak >= 4096 * 256 * 4
+    chunks = 3 * CHUNK + 640 * 4
+    assert p.device_peak_bytes == 4 * chunks and p.non_model_peak >= 4096 * 256 * 4
     assert not p.fits and "non-model peak" in p.reason
-    assert p.tier_bytes["device"] == {"param": 4 * CHUNK, "exp_avg": 4 * CHUNK, "exp_avg_sq": 4 * CHUNK}
+    assert p.tier_bytes["device"] == {"param": chunks, "exp_avg": chunks, "exp_avg_sq": chunks}
     assert plan(build, torch.randn(4, 64), 18 * CHUNK, dtype=torch.float32, chunk_size=CHUNK,
                 policies=("cuda",))["cuda"].fits

@@ -4,7 +4,7 @@ import random
 import pytest
 
 import chunkmem as cm
-from chunkmem.core.layout import ALIGN_ELEMENTS, pack, padding_elements, search_chunk_numel
+from chunkmem.core.layout import ALIGN_ELEMENTS, chunk_sizes, pack, padding_elements, plan_layout, search_chunk_numel
 
 
 @pytest.mark.parametrize("text,nbytes", [("1048576", 2**20), ("2GiB", 2 * 2**30), ("512 MiB", 512 * 2**20),
@@ -31,6 +31,24 @@ def test_pack_never_straddles_or_mixes_keys():
     assert padding_elements(numels, keys, 8) == 5 * 8 - sum(numels)
     with pytest.raises(ValueError):
         pack([9], ["a"], 8)
+
+
+def test_the_last_chunk_of_each_kind_holds_only_its_parameters():
+    """A tail (the last chunk of a run of one key) is trimmed to its parameters, rounded up to whole
+    64-element groups in each rank's shard; the others keep the chunk size."""
+    numels = [600, 300, 500, 100, 700, 50]
+    keys = ["a", "a", "a", "b", "b", "a"]
+    groups = pack(numels, keys, 1024)
+    assert groups == [[0, 1], [2], [3, 4], [5]]
+    assert chunk_sizes(groups, numels, keys, 1024) == [1024, 512, 832, 64]
+    assert chunk_sizes(groups, numels, keys, 1024, world=4) == [1024, 512, 1024, 256]
+    assert padding_elements(numels, keys, 1024) == 1024 + 512 + 832 + 64 - sum(numels)
+    params = [(f"p{i}", type("P", (), {"numel": lambda self, n=n: n})()) for i, n in enumerate(numels)]
+    layout = plan_layout(params, [True] * 6, 1024, 4)
+    assert layout.groups == ((0, 1), (2, 3), (4, 5))
+    assert layout.numels == (1024, 1024, 768)  # one kind: only the last chunk is a tail
+    assert [layout.shard_bytes(i, 1) for i in range(3)] == [4096, 4096, 3072]
+    assert plan_layout(params, [True] * 6, 1024, 4, trim_tails=False).numels == (1024,) * 3
 
 
 def test_search_finds_least_padding_among_candidates():

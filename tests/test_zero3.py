@@ -51,7 +51,8 @@ def run_training(policy: str, dtype: torch.dtype, data: list[torch.Tensor], *, r
     return {"state": model.state_dict(), "losses": losses, "norms": norms, "bytes": at_rest,
             "optim_bytes": optim.get_memory_usage(), "chunk_numel": model.chunks[0].shard_numel,
             "collectives": model.runtime.reduction.collectives, "gathers": model.runtime.executor.gathers,
-            "prefetched": model.runtime.executor.prefetched}
+            "prefetched": model.runtime.executor.prefetched,
+            "trainable_shard_numels": [c.shard_numel for c in model.chunks if c.trainable]}
 
 
 def _half(data: list[torch.Tensor], rank: int, world: int) -> list[torch.Tensor]:
@@ -157,8 +158,12 @@ def test_clip_grad_norm_is_the_norm_over_every_rank(two_ranks):
 def test_bucket_size_splits_the_reduction_without_changing_results(two_ranks):
     default, tiny = two_ranks[0]["cpu"], two_ranks[0]["tiny_buckets"]
     # 0.004 MB = 4194 bytes of collective input: 524 fp32 elements of each of the 2 ranks, so each
-    # 2048-element shard takes 4 collectives instead of 1
-    assert tiny["collectives"] == 4 * default["collectives"]
+    # 2048-element shard takes 4 collectives instead of 1 (the trimmed last chunk's shard fewer)
+    shards = default["trainable_shard_numels"]
+    assert shards[:-1] == [2048] * (len(shards) - 1) and shards[-1] < 2048
+    per_reduction = sum(-(-s // 524) for s in shards)
+    assert default["collectives"] % len(shards) == 0
+    assert tiny["collectives"] == default["collectives"] // len(shards) * per_reduction
     torch.testing.assert_close(tiny["state"], default["state"], rtol=0, atol=0)
 
 

@@ -80,21 +80,23 @@ class BlockPool:
         """How many freed blocks of ``nbytes`` bytes the pool keeps for reuse."""
         return len(self._free.get(nbytes, ()))
 
-    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised flat tensor of ``numel`` elements of ``dtype``: a cached block of that byte
-        size if there is one, else a new mapping."""
+    def empty(self, numel: int, dtype: torch.dtype, block_nbytes: int = 0) -> torch.Tensor:
+        """An uninitialised flat tensor of ``numel`` elements of ``dtype`` at the start of a block of
+        ``max(numel * itemsize, block_nbytes)`` bytes: a cached block of that byte size if there is one,
+        else a new mapping."""
         nbytes = numel * dtype.itemsize
-        return self._take(nbytes).view(dtype)
+        return self._take(max(nbytes, block_nbytes))[:nbytes].view(dtype)
 
     def give_back(self, tensor: torch.Tensor) -> None:
-        """Keep ``tensor``'s memory for reuse, unless no live chunk uses its size or something else
-        still views it (then it is unmapped when the last view goes). The caller must drop ``tensor``."""
-        nbytes = tensor.untyped_storage().nbytes()
+        """Keep the memory of ``tensor``'s block for reuse, unless no live chunk uses its size or something
+        else still views it (then it is unmapped when the last view goes). The caller must drop ``tensor``."""
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
         if nbytes == 0 or self._chunks_using[nbytes] == 0 or _storage_users(tensor) > 1:
             return
-        block = tensor.view(torch.uint8)
-        self._free[block.numel()].append(block)
-        self.cached_bytes += block.numel()
+        block = torch.empty(0, dtype=torch.uint8).set_(storage)  # the whole block, not just the view
+        self._free[nbytes].append(block)
+        self.cached_bytes += nbytes
 
     def lend(self, storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
         """Give ``storage`` (a released device copy: 0 bytes) the memory of a block of ``nbytes``; the

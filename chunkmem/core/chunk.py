@@ -541,18 +541,21 @@ class ParamBuffer:
 
 
 def gather_together(buffers: list[ParamBuffer]) -> None:
-    """Make the full device copies of several sharded chunks of equal size current with one all-gather
-    (what :class:`~chunkmem.BucketTensorShardStrategy` does for the chunks of one module)."""
+    """Make the full device copies of several sharded chunks current with one all-gather (what
+    :class:`~chunkmem.BucketTensorShardStrategy` does for the chunks of one module). Every rank sends its
+    shards one after the other; a trimmed tail's shard is shorter than the others."""
     first = buffers[0]
-    shards, count, shard_numel = first.shards, len(buffers), first.shard_numel
+    shards = first.shards
     device = first.device.device
     local = torch.cat([b.shard.tensor.to(device) for b in buffers])
-    gathered = torch.empty(shards.world * count * shard_numel, dtype=first.dtype, device=device)
+    gathered = torch.empty(shards.world * local.numel(), dtype=first.dtype, device=device)
     shards.all_gather(gathered, local, what="parameters of " + ", ".join(b.owner for b in buffers))
-    by_rank = gathered.view(shards.world, count, shard_numel)
-    for i, buf in enumerate(buffers):
+    by_rank = gathered.view(shards.world, local.numel())
+    offset = 0
+    for buf in buffers:
         buf.filled_together()
-        buf.device.view(shards.world, shard_numel).copy_(by_rank[:, i])
+        buf.device.view(shards.world, buf.shard_numel).copy_(by_rank[:, offset:offset + buf.shard_numel])
+        offset += buf.shard_numel
         if buf.shard.tier is Tier.HOST:
             buf.memory.ledger.count_move(Tier.DEVICE, buf.shard.nbytes)
         buf.wait()

@@ -36,10 +36,25 @@ def pack(numels: Sequence[int], keys: Sequence[Hashable], chunk_numel: int) -> l
     return chunks
 
 
+def chunk_sizes(groups: Sequence[Sequence[int]], numels: Sequence[int], keys: Sequence[Hashable], chunk_numel: int,
+                world: int = 1) -> list[int]:
+    """Elements of each chunk of ``groups`` (what :func:`pack` returned): ``chunk_numel``, except for the
+    last chunk of each run of one key (a tail: no parameter follows it there), which holds only its
+    parameters, rounded up to whole 64-element groups in each of ``world`` shards. Padding a tail to
+    ``chunk_numel`` would cost its share of every family on every tier (16 bytes an element under Adam)
+    and buy nothing: the next parameter opens another chunk either way."""
+    sizes = []
+    for n, group in enumerate(groups):
+        tail = n + 1 == len(groups) or keys[groups[n + 1][0]] != keys[group[0]]
+        used = sum(numels[i] for i in group)
+        sizes.append(min(chunk_numel, aligned_numel(used, world)) if tail else chunk_numel)
+    return sizes
+
+
 def padding_elements(numels: Sequence[int], keys: Sequence[Hashable], chunk_numel: int) -> int:
-    """Elements of all chunks not occupied by a parameter when packed with :func:`pack`."""
-    chunks = pack(numels, keys, chunk_numel)
-    return len(chunks) * chunk_numel - sum(numels)
+    """Elements of all chunks not occupied by a parameter when packed with :func:`pack` and sized with
+    :func:`chunk_sizes` (one rank)."""
+    return sum(chunk_sizes(pack(numels, keys, chunk_numel), numels, keys, chunk_numel)) - sum(numels)
 
 
 def search_chunk_numel(numels: Sequence[int], keys: Sequence[Hashable], element_size: int,
@@ -111,8 +126,9 @@ class ChunkLayout:
     ``entries`` are ``(name, parameter, trainable)`` in packing order (the parameters of the kind, trainable
     or frozen at wrapping time, that comes first in ``named_parameters()``, then those of the other kind,
     each in that order); ``groups`` lists
-    the entry indices of each chunk; every chunk holds ``chunk_numel`` elements of ``element_size`` bytes
-    (this rank's share is ``chunk_numel // world``). Chunks never mix trainable and frozen parameters, so
+    the entry indices of each chunk; chunk ``i`` holds ``numels[i]`` elements of ``element_size`` bytes (this
+    rank's share is ``numels[i] // world``): ``chunk_numel`` (the chunk size), except that the last chunk of
+    each kind holds only its parameters (:func:`chunk_sizes`). Chunks never mix trainable and frozen parameters, so
     a frozen chunk has no gradient or optimizer state; optimizer param groups may share a chunk (the
     update runs per contiguous range of one group). ``replicated`` (per chunk; empty: none) marks the
     chunks of persistent parameters: whole on every rank of a sharded model, never gathered, their
@@ -123,11 +139,12 @@ class ChunkLayout:
     groups: tuple[tuple[int, ...], ...]
     chunk_numel: int
     element_size: int
+    numels: tuple[int, ...]
     replicated: tuple[bool, ...] = ()
 
     @property
     def chunk_bytes(self) -> int:
-        """Bytes of one chunk's parameters (all ranks' shards)."""
+        """Bytes of a chunk of the full size ``chunk_numel`` (all ranks' shards): the largest chunk."""
         return self.chunk_numel * self.element_size
 
     @property
@@ -143,7 +160,8 @@ class ChunkLayout:
 
     def shard_bytes(self, chunk_index: int, world: int) -> int:
         """Bytes of the chunk's parameters one rank of ``world`` keeps (all of them when replicated)."""
-        return self.chunk_bytes if self.is_replicated(chunk_index) else self.chunk_bytes // world
+        nbytes = self.numels[chunk_index] * self.element_size
+        return nbytes if self.is_replicated(chunk_index) else nbytes // world
 
     def chunk_of_param(self) -> dict[int, int]:
         """``id(parameter)`` -> the index of its chunk."""
@@ -151,16 +169,22 @@ class ChunkLayout:
 
 
 def plan_layout(named: Sequence[tuple[str, Any]], trainable: Sequence[bool], chunk_numel: int,
-                element_size: int, persistent: Sequence[bool] | None = None) -> ChunkLayout:
+                element_size: int, persistent: Sequence[bool] | None = None, world: int = 1,
+                trim_tails: bool = True) -> ChunkLayout:
     """The layout of ``named`` parameters (``trainable[i]`` for each): the parameters of the kind that
     comes first, then the others, each kind in the given order, packed with :func:`pack`. With
     ``persistent`` (per parameter), each kind's persistent parameters come after its others, in chunks
-    of their own (``ChunkLayout.replicated``)."""
+    of their own (``ChunkLayout.replicated``). Each kind's last chunk is trimmed to its parameters
+    (:func:`chunk_sizes`, aligned for ``world`` shards) unless ``trim_tails`` is false (every chunk
+    ``chunk_numel`` elements: the chunks a ``ZeroInitContext`` built at a given size, reused as they are)."""
     first = bool(trainable[0]) if trainable else True
     kept = persistent if persistent is not None else [False] * len(named)
     order = sorted(range(len(named)), key=lambda i: (bool(trainable[i]) != first, bool(kept[i])))
     entries = tuple((named[i][0], named[i][1], bool(trainable[i])) for i in order)
     keys = [(bool(trainable[i]), bool(kept[i])) for i in order]
-    groups = pack([p.numel() for _, p, _ in entries], keys, chunk_numel)
+    numels = [p.numel() for _, p, _ in entries]
+    groups = pack(numels, keys, chunk_numel)
+    sizes = chunk_sizes(groups, numels, keys, chunk_numel, world) if trim_tails else [chunk_numel] * len(groups)
     replicated = tuple(keys[g[0]][1] for g in groups) if any(kept) else ()
-    return ChunkLayout(entries, tuple(tuple(g) for g in groups), chunk_numel, element_size, replicated)
+    return ChunkLayout(entries, tuple(tuple(g) for g in groups), chunk_numel, element_size, tuple(sizes),
+                       replicated)

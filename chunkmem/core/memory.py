@@ -22,12 +22,18 @@ class TierMemory:
 
     ``ledger`` counts; ``blocks`` (``None`` with CUDA or without the native helper) lends device and host
     memory when the CPU holds both tiers; ``disk`` is the model's disk tier, or ``None`` without one.
+
+    ``device_block_nbytes`` (bytes; 0: none): the block size of every device-tier buffer the pool lends, set
+    when the device tier stages chunks for compute (placement ``cpu`` or ``auto``, or sharded). A chunk
+    smaller than the others (a trimmed tail) then stages through the same blocks as the rest instead of
+    keeping blocks of a size of its own cached; the ledger counts the bytes the chunk asked for.
     """
 
     def __init__(self, ledger: TierLedger, blocks: BlockPool | None = None, disk: DiskTier | None = None) -> None:
         self.ledger = ledger
         self.blocks = blocks
         self.disk = disk
+        self.device_block_nbytes = 0
 
     @staticmethod
     def for_this_machine(capacity: int, host_capacity: int | None = None) -> "TierMemory":
@@ -43,7 +49,9 @@ class TierMemory:
         if tier is Tier.DISK:
             return None
         try:
-            return self.blocks.empty(numel, dtype) if self.blocks is not None else empty_on_tier(tier, numel, dtype)
+            if self.blocks is None:
+                return empty_on_tier(tier, numel, dtype)
+            return self.blocks.empty(numel, dtype, self.device_block_nbytes if tier is Tier.DEVICE else 0)
         except BaseException:
             self.ledger.release(tier, family, nbytes)
             raise
@@ -60,7 +68,7 @@ class TierMemory:
         (``None`` when torch's allocator resized the storage)."""
         self.ledger.reserve(Tier.DEVICE, family, nbytes, what)
         if self.blocks is not None:
-            return self.blocks.lend(storage, nbytes)
+            return self.blocks.lend(storage, max(nbytes, self.device_block_nbytes))
         storage.resize_(nbytes)
         return None
 

@@ -6,9 +6,10 @@ Schema ``chunkmem.memstats/1`` (every size in bytes, chunk ids are chunk indices
   ``iterations`` (training iterations begun), ``traces`` (of them traced), ``last_iteration_mode``
   (``tracing``, ``following``, ``diverged``, ``untraced``, ``idle``, or ``interrupted``: the last
   iteration stopped on an error, and what it held was released).
-* ``chunks``: ``count``, ``numel`` (elements per chunk), ``shard_numel`` (elements of each chunk this rank
-  keeps: ``numel / world_size``), ``param_bytes`` (one chunk's full parameters),
-  ``dtype``, ``trainable`` (ids of chunks with trainable parameters).
+* ``chunks``: ``count``, ``numel`` (elements of the largest chunk: the chunk size), ``shard_numel`` (of it,
+  the elements this rank keeps: ``numel / world_size``), ``param_bytes`` (its full parameters; the
+  ``auto`` plan gives every chunk a slot this size), ``numels`` (elements of each chunk: the last chunk of
+  each kind holds only its parameters), ``dtype``, ``trainable`` (ids of chunks with trainable parameters).
 * ``periods``: one per period of the traced schedule, in order: ``index``, ``name`` (module),
   ``phase`` (``forward``/``backward``), ``chunks`` (ids that had to be on the device),
   ``non_model_peak_bytes`` (traced), ``grads_started``/``grads_finished`` (ids), and, from the last
@@ -76,6 +77,7 @@ def collect(runtime: Any, rank: int = 0, world_size: int = 1) -> dict[str, Any]:
         for buf in placed:
             usage[buf.tier] += buf.nbytes
     blocks, ledger, disk = runtime.memory.blocks, runtime.ledger, runtime.memory.disk
+    largest = max(chunks, key=lambda c: c.numel, default=None)
     return {
         "schema": SCHEMA,
         "rank": rank,
@@ -87,9 +89,10 @@ def collect(runtime: Any, rank: int = 0, world_size: int = 1) -> dict[str, Any]:
         "last_iteration_mode": scheduler.mode.value,
         "chunks": {
             "count": len(chunks),
-            "numel": chunks[0].numel if chunks else 0,
-            "shard_numel": chunks[0].shard_numel if chunks else 0,
-            "param_bytes": chunks[0].param.nbytes if chunks else 0,
+            "numel": largest.numel if chunks else 0,
+            "shard_numel": largest.shard_numel if chunks else 0,
+            "param_bytes": largest.param.nbytes if chunks else 0,
+            "numels": [c.numel for c in chunks],
             "dtype": str(chunks[0].dtype).replace("torch.", "") if chunks else None,
             "trainable": [c.index for c in chunks if c.trainable],
         },

@@ -576,10 +576,14 @@ class ChunkRuntime:
             agreed = torch.tensor(peaks, dtype=torch.int64)
             shards.all_reduce_(agreed, torch.distributed.ReduceOp.MAX, what="the traced non-model memory peaks")
             peaks = [int(p) for p in agreed.tolist()]
-        first = chunks[0]
-        optimizer_state = first.trainable and any(buf.allocated for buf in first.optim.values())
-        inputs = PlanInputs(self.memory.ledger.capacity, first.param.nbytes,
-                            self._optimizer_group_bytes(first) if optimizer_state else 0,
+        # Every chunk gets a slot of the largest chunk's bytes (a trimmed last chunk is smaller).
+        largest = max(chunks, key=lambda c: c.numel)
+        trainable = [c for c in chunks if c.trainable]
+        largest_trainable = max(trainable, key=lambda c: c.numel, default=None)
+        optimizer_state = largest_trainable is not None and any(
+            buf.allocated for buf in largest_trainable.optim.values())
+        inputs = PlanInputs(self.memory.ledger.capacity, largest.param.nbytes,
+                            self._optimizer_group_bytes(largest_trainable) if optimizer_state else 0,
                             self.gradients.in_param_memory, shards.sharded, peaks)
         for index in self.scheduler.make_plan(inputs):
             self.gradients.flatten(chunks[index])  # its gradient buffer moves with the state
