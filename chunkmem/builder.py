@@ -69,8 +69,11 @@ def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
     element_size = dtype.itemsize
     chunk_numel = _chunk_numel(settings, named, slots if from_context else None, element_size, shards.sharded)
     chunk_numel = aligned_numel(chunk_numel, shards.world) if shards.sharded else chunk_numel
-    # Chunks a ZeroInitContext built at a given size are reused as they are, untrimmed tails included.
-    sized_by_context = from_context and all(s.chunk.size_was_given for s in slots)
+    # A ZeroInitContext's chunks are reused as they are (untrimmed tails included) when built at a given
+    # size, except those it built onto its own disk tier: they are packed into the model's own chunks.
+    context_memory = slots[0].chunk.memory if from_context else None
+    from_context_disk = context_memory is not None and context_memory.disk is not None
+    sized_by_context = from_context and all(s.chunk.size_was_given for s in slots) and not from_context_disk
     layout = plan_layout(named, [p.requires_grad for _, p in named], chunk_numel, element_size,
                          _persistent(named, settings) if shards.sharded else None,
                          world=shards.world if shards.sharded else 1, trim_tails=not sized_by_context)
@@ -81,7 +84,8 @@ def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
     check_capacity(module_users(module))
     _check_host_capacity(layout, policy, shards, host_capacity)
 
-    memory = slots[0].chunk.memory if from_context else TierMemory.for_this_machine(capacity)
+    reuse_context = from_context and not from_context_disk
+    memory = context_memory if reuse_context else TierMemory.for_this_machine(capacity)
     memory.ledger.capacity, memory.ledger.host_capacity = capacity, host_capacity
     if staged_buffers(settings.placement.tensor_placement_policy, shards.sharded):
         memory.device_block_nbytes = max(layout.numels) * element_size
@@ -92,11 +96,13 @@ def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
             memory.disk.reserve(PARAM, layout.chunk_bytes // shards.world, layout.num_chunks)
     param_names = {id(p): name for name, p in named}
     chunks = _chunks_for(layout, _unique_chunks(slots) if from_context else [], dtype, memory, shards, policy,
-                         param_names)
+                         param_names, reuse=reuse_context)
     if from_context:  # chunks of parameters replaced after creation (the original weight of a tied head)
         for chunk in slots[0].chunk.built_with:
             if chunk not in chunks:
                 free_chunk(chunk)
+    if from_context_disk:
+        context_memory.disk.close()
     _cast_buffers(module, dtype)
     reduction = GradientReduction(reduce_shards, settings.reduction.bucket_bytes,
                                   settings.reduction.fp32_reduce_scatter, settings.reduction.gradient_predivide_factor)
@@ -256,10 +262,12 @@ def _check_host_capacity(layout: ChunkLayout, policy: PlacementPolicy, shards: S
 # ---- the chunks ----------------------------------------------------------------------------------------
 
 def _chunks_for(layout: ChunkLayout, current: list[Chunk], dtype: torch.dtype, memory: TierMemory,
-                shards: ShardGroup, policy: PlacementPolicy, param_names: dict[int, str]) -> list[Chunk]:
-    """Chunks laid out as ``layout`` says: ``current`` (a ``ZeroInitContext``'s) if it already is, else new
-    chunks filled from the current values (the current chunks are freed)."""
-    if _laid_out_as(layout, current, shards):
+                shards: ShardGroup, policy: PlacementPolicy, param_names: dict[int, str],
+                reuse: bool = True) -> list[Chunk]:
+    """Chunks laid out as ``layout`` says: ``current`` (a ``ZeroInitContext``'s) if it already is and
+    ``reuse`` allows, else new chunks in ``memory`` filled from the current values, one chunk of the
+    current ones read at a time (the current chunks are freed)."""
+    if reuse and _laid_out_as(layout, current, shards):
         for chunk in current:
             for slot in chunk.slots:
                 slot.name = param_names[id(slot.param)]

@@ -1,17 +1,19 @@
 """ZeroInitContext: parameters created inside go straight into chunk storage in the training dtype."""
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from .core.chunk import Chunk, ChunkKey, ParamSlot
+from .core.chunk import PARAM, Chunk, ChunkKey, ParamSlot
+from .core.disk_tier import DEFAULT_BUFFER_SIZE, DiskTier
 from .errors import ArgumentTypeError, InvalidArgumentError, check_type
 from .core.layout import ALIGN_ELEMENTS, aligned_numel
 from .core.memory import TierMemory
 from .core.param_guard import adopt, slot_of
-from .core.tiers import device_memory_capacity, device_of_tier, tier_of_device
+from .core.tiers import Tier, device_memory_capacity, device_of_tier, tier_of_device
 from .distributed.agreement import LayoutDescription, ParamRecord, agree
 from .distributed.collectives import SINGLE_PROCESS, ShardGroup
 from .distributed.shard_strategy import BaseShardStrategy
@@ -20,6 +22,7 @@ from .runtime.sharded_init import ShardedParamWrites
 from .settings import check_chunk_size, check_dtype, check_param_dtypes
 
 DEFAULT_INIT_CHUNK_BYTES = 64 * 2**20
+INIT_DISK_BUFFERS = 2
 MIN_INIT_CHUNK_ELEMENTS = ALIGN_ELEMENTS
 """The smallest ``chunk_size`` ZeroInitContext takes, in elements: chunks are laid out in whole groups of
 this many elements, so a smaller size could not be kept as given."""
@@ -65,13 +68,34 @@ class ZeroInitContext:
             refused here (fp16 would write ``inf`` above 65504, fp32 rounds above 2**24); a count larger
             than an integer dtype holds raises :class:`~chunkmem.InvalidArgumentError` when the context
             closes, leaving the tensor as it was.
+        nvme_path: (an addition; DeepSpeed's ``zero.Init(remote_device="nvme")``) a directory: build onto
+            the disk tier. Each chunk's parameters go to a file in a private scratch directory under it as
+            soon as the next parameter does not fit in the chunk (the open chunks when the context
+            closes), so host memory holds
+            only the chunks being filled: a model larger than host memory can be built. Needs
+            ``target_device`` ``"cpu"``. Parameters stay readable and writable as everywhere (a write
+            outside a forward reads and rewrites its chunk's file region). ``ShardedModelV2`` then packs
+            the parameters into its own chunks, one chunk at a time, on the disk tier with
+            ``offload_param="disk"`` (else in host memory), and the context's files are removed.
     """
 
     def __init__(self, target_device: torch.device | str | int, shard_strategy: BaseShardStrategy,
                  shard_param: bool = False, dtype: torch.dtype = torch.float16, chunk_size: int | None = None,
-                 model_numel_tensor: torch.Tensor | None = None) -> None:
+                 model_numel_tensor: torch.Tensor | None = None,
+                 nvme_path: str | os.PathLike | None = None) -> None:
         check_device("target_device", target_device)
         self.tier = tier_of_device(target_device, "target_device")
+        if nvme_path is not None:
+            check_type("nvme_path", nvme_path, (str, os.PathLike), "None or a directory (str or os.PathLike)")
+            if self.tier is not Tier.HOST:
+                raise InvalidArgumentError("target_device", target_device,
+                                           "'cpu' with nvme_path (chunks are filled in host memory, then rest "
+                                           "on the disk tier)")
+            if shard_param:
+                raise InvalidArgumentError("nvme_path", nvme_path,
+                                           "None with shard_param=True (building onto the disk tier is one "
+                                           "process's for now: build on 'cpu' with shard_param=True, or on one "
+                                           "rank onto the disk tier)")
         check_type("shard_strategy", shard_strategy, BaseShardStrategy,
                    "an instance of TensorShardStrategy or BucketTensorShardStrategy")
         check_type("shard_param", shard_param, bool, "True or False")
@@ -95,6 +119,10 @@ class ZeroInitContext:
         element_size = dtype.itemsize
         self.chunk_numel = aligned_numel((chunk_size or DEFAULT_INIT_CHUNK_BYTES) // element_size, self.shards.world)
         self.memory = TierMemory.for_this_machine(device_memory_capacity())
+        if nvme_path is not None:
+            # Two I/O buffers: a full chunk is written while the next one fills (nothing else streams).
+            self.memory.disk = DiskTier(nvme_path, INIT_DISK_BUFFERS, DEFAULT_BUFFER_SIZE, atomic_step=False,
+                                        ledger=self.memory.ledger)
         self.chunks: list[Chunk] = []
         self._open: dict[ChunkKey, Chunk] = {}
         self._init_depth: dict[int, int] = {}
@@ -139,6 +167,11 @@ class ZeroInitContext:
         agreement, self._agreement = self._agreement, None
         if agreement is not None and exc[0] is None:
             agreement.at_exit()
+        for chunk in self._open.values():
+            self._park(chunk)
+        self._open.clear()
+        if self.memory.disk is not None:
+            self.memory.disk.release_buffers()
         if self.model_numel_tensor is not None:
             self._write_numel(self.model_numel_tensor, raising=exc[0] is None)
 
@@ -191,7 +224,11 @@ class ZeroInitContext:
         key = ChunkKey(param.requires_grad)
         chunk = self._open.get(key)
         if chunk is None or not chunk.fits(param.numel()):
+            if chunk is not None:
+                self._park(chunk)
             numel = max(self.chunk_numel, aligned_numel(param.numel(), self.shards.world))
+            if self.memory.disk is not None:  # its file region first: a full disk is refused here
+                self.memory.disk.add_region(PARAM, numel * self.dtype.itemsize)
             chunk = Chunk(len(self.chunks), numel, self.dtype, key, self.memory, self.shards)
             chunk.size_was_given = self.chunk_size is not None and numel == self.chunk_numel
             chunk.built_with = self.chunks
@@ -205,6 +242,15 @@ class ZeroInitContext:
         chunk.bind_views(chunk.param.device if chunk.param.sharded else local, [slot])
         adopt(param, slot)
         self._numel += slot.numel
+
+    def _park(self, chunk: Chunk) -> None:
+        """A chunk the next parameter does not fit in (or an open one when the context closes) goes to the
+        disk tier, if building onto it."""
+        if self.memory.disk is None or chunk.param.shard.on_disk:
+            return
+        chunk.param.shard.move_to(Tier.DISK)
+        chunk.bind_views(chunk.param.device)
+
 
 def _largest_exact_count(dtype: torch.dtype) -> int | None:
     """The largest count a tensor of ``dtype`` holds exactly (every smaller one too), or ``None`` for a dtype

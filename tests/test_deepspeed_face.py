@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 import chunkmem as cm
+from chunkmem.core.param_guard import slot_of
 import chunkmem.deepspeed as deepspeed
 from chunkmem.deepspeed.lr_schedules import WarmupLR
 from models import TinyGPT, batches, lm_loss
@@ -422,6 +423,31 @@ def test_zero_init_builds_into_chunks_with_the_configs_dtype():
         assert caught.value.argument == argument
     with pytest.warns(cm.NoEffectWarning, match="pin_memory"):
         deepspeed.zero.Init(pin_memory=True)
+
+
+def test_zero_init_on_nvme_builds_onto_the_disk_tier_and_trains_like_a_cpu_build(tmp_path):
+    """remote_device="nvme" (DeepSpeed's name) builds the chunks into the config's offload_param.nvme_path;
+    the engine then trains exactly as from a model built on "cpu"."""
+    (tmp_path / "nvme").mkdir()
+    offload = {"device": "nvme", "nvme_path": str(tmp_path / "nvme")}
+    config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": False},
+              "zero_optimization": {"stage": 3, "offload_param": offload, "offload_optimizer": offload},
+              "optimizer": {"type": "AdamW", "params": {"lr": LR}}}
+    weights = {}
+    for remote in ("cpu", "nvme"):
+        torch.manual_seed(0)
+        with deepspeed.zero.Init(config_dict_or_path=config, remote_device=remote, dtype=torch.float32):
+            module = TinyGPT()
+        chunks = {slot_of(p).chunk for p in module.parameters()}
+        assert all(c.param.shard.on_disk for c in chunks) == (remote == "nvme")
+        engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=config)
+        for x in batches(3, seed=5):
+            engine.backward(lm_loss(engine(x), x))
+            engine.step()
+        weights[remote] = _weights(engine)
+    assert all(torch.equal(a, b) for a, b in zip(weights["cpu"], weights["nvme"]))
+    with pytest.raises(cm.InvalidArgumentError, match="offload_param.nvme_path"):
+        deepspeed.zero.Init(config_dict_or_path={"zero_optimization": {"stage": 3}}, remote_device="nvme")
 
 
 def test_progress_lines_breakdown_and_partial_loads(tmp_path, capsys):

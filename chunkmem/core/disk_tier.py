@@ -107,7 +107,8 @@ class DiskTier:
         self.slots = 2 if atomic_step else 1
         self.ledger = ledger
         self._files: dict[str, DiskFile] = {}
-        self._region: dict[str, int] = {}  # bytes per chunk region of each family
+        self._regions: dict[str, list[int]] = {}  # bytes of each chunk's region, per family
+        self._starts: dict[str, list[int]] = {}   # byte offset of each chunk's first region, per family
         self._slots: dict[str, int] = {}   # regions per chunk of each family
         self._pool: AlignedBufferPool | None = None
         self._fetcher: ThreadPoolExecutor | None = None  # reads parameter chunks for compute, one at a time
@@ -137,19 +138,33 @@ class DiskTier:
         state changes. Raises :class:`~chunkmem.storage.disk_io.DiskIOError` naming the file."""
         region = aligned_nbytes(region_nbytes)
         slots = self.slots if slots is None else slots
-        if self._region.get(family, region) != region or self._slots.get(family, slots) != slots:
-            raise ValueError(f"internal error: {family} regions of {self._region[family]} bytes × "
+        regions = self._regions.get(family, [])
+        if self._slots.get(family, slots) != slots or any(r != region for r in regions):
+            raise ValueError(f"internal error: {family} regions of {sorted(set(regions))} bytes × "
                              f"{self._slots[family]} and {region} × {slots}")
-        need = region * slots * chunks
+        self._add_regions(family, [region] * max(chunks - len(regions), 0), slots)
+
+    def add_region(self, family: str, region_nbytes: int) -> None:
+        """One more chunk's region of ``region_nbytes`` bytes (one slot), whatever the others' sizes: a
+        ``ZeroInitContext`` building onto the disk tier adds each chunk as it opens, and a parameter
+        larger than its chunk size gets a chunk of its own size. Preallocated, as :meth:`reserve`."""
+        self._add_regions(family, [aligned_nbytes(region_nbytes)], self._slots.get(family, 1))
+
+    def _add_regions(self, family: str, new: list[int], slots: int) -> None:
+        regions, starts = list(self._regions.get(family, [])), list(self._starts.get(family, []))
+        for region in new:
+            starts.append(starts[-1] + regions[-1] * slots if regions else 0)
+            regions.append(region)
+        need = starts[-1] + regions[-1] * slots if regions else 0
         if family not in self._files:
             self._files[family] = self.scratch.file(f"{family}.bin", need)
-            self._region[family], self._slots[family] = region, slots
         elif self._files[family].nbytes < need:
             self._files[family].grow(need)
+        self._regions[family], self._starts[family], self._slots[family] = regions, starts, slots
 
     def offset(self, family: str, chunk_index: int, slot: int) -> int:
         """Byte offset of the chunk's region ``slot`` in the family's file."""
-        return (chunk_index * self._slots[family] + slot) * self._region[family]
+        return self._starts[family][chunk_index] + slot * self._regions[family][chunk_index]
 
     def file(self, family: str) -> DiskFile:
         return self._files[family]

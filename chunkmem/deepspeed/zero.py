@@ -32,9 +32,10 @@ class Init:
     Args:
         module: ``None`` only (partitioning a module already built is not supported: build it inside).
         data_parallel_group: ``None`` only (the default group's ranks).
-        remote_device: where the chunks are built: ``None`` (the device: the GPU, or the CPU without one)
-            or ``"cpu"`` (the host). ``"nvme"`` is refused: build on ``"cpu"`` and give the config's
-            ``offload_param`` the disk tier.
+        remote_device: where the chunks are built: ``None`` (the device: the GPU, or the CPU without one),
+            ``"cpu"`` (the host) or ``"nvme"`` (the disk tier, in the directory the config's
+            ``zero_optimization.offload_param.nvme_path`` names: see ``ZeroInitContext(nvme_path=)``; one
+            process only).
         config_dict_or_path, config: the DeepSpeed config; its ``fp16``/``bf16`` section sets the dtype when
             ``dtype`` is not given.
         enabled: ``False`` makes the block build an ordinary module.
@@ -59,9 +60,8 @@ class Init:
             if value is not None:
                 raise InvalidArgumentError(name, type(value).__name__, "None (not supported by chunkmem)")
         check_type("enabled", enabled, bool, "True or False")
-        if remote_device not in (None, "cpu", "cuda", "none"):
-            raise InvalidArgumentError("remote_device", remote_device,
-                                       "None or 'cpu' (build on 'cpu' and give offload_param the disk tier for 'nvme')")
+        if remote_device not in (None, "cpu", "cuda", "none", "nvme"):
+            raise InvalidArgumentError("remote_device", remote_device, "None, 'cpu', 'cuda' or 'nvme'")
         passed = {"mem_efficient_linear": mem_efficient_linear, "pin_memory": pin_memory,
                   "zero_quantized_weights": zero_quantized_weights,
                   "zero_quantized_nontrainable_weights": zero_quantized_nontrainable_weights,
@@ -74,10 +74,12 @@ class Init:
             raise InvalidArgumentError("config", "given with config_dict_or_path", "one of the two")
         source = config_dict_or_path if config_dict_or_path is not None else config
         self.dtype = dtype if dtype is not None else _dtype_of(source)
-        target = "cpu" if remote_device == "cpu" or not torch.cuda.is_available() else torch.cuda.current_device()
+        nvme_path = _nvme_path_of(source) if remote_device == "nvme" else None
+        on_host = remote_device in ("cpu", "nvme") or not torch.cuda.is_available()
+        target = "cpu" if on_host else torch.cuda.current_device()
         self._context = None if not enabled else ZeroInitContext(
             target_device=target, shard_strategy=TensorShardStrategy(), shard_param=get_world_size() > 1,
-            dtype=self.dtype)
+            dtype=self.dtype, nvme_path=nvme_path)
 
     def __enter__(self) -> "Init":
         if self._context is not None:
@@ -87,6 +89,17 @@ class Init:
     def __exit__(self, *exc: Any) -> None:
         if self._context is not None:
             self._context.__exit__(*exc)
+
+
+def _nvme_path_of(config: dict[str, Any] | str | os.PathLike | None) -> str:
+    """``zero_optimization.offload_param.nvme_path`` of the config (``remote_device="nvme"`` needs it)."""
+    offload = ((read_config(config) if config is not None else {}).get("zero_optimization") or {}).get(
+        "offload_param") or {}
+    path = offload.get("nvme_path")
+    if path is None:
+        raise InvalidArgumentError("remote_device", "nvme", "'nvme' with a config whose "
+                                   "zero_optimization.offload_param.nvme_path names a directory")
+    return path
 
 
 def _dtype_of(config: dict[str, Any] | str | os.PathLike | None) -> torch.dtype:

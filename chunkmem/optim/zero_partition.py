@@ -2,7 +2,8 @@
 
 The optimizer's parameters are packed with chunkmem's chunk layout (:func:`chunkmem.core.layout.pack`, the
 chunk size from :func:`chunkmem.core.layout.search_chunk_numel`, rounded to whole 64-element groups per
-rank): each chunk is one flat working buffer that every rank holds in full (the parameters become views
+rank; the last chunk of each param group holds only its parameters, :func:`~chunkmem.core.layout.chunk_sizes`):
+each chunk is one flat working buffer that every rank holds in full (the parameters become views
 into it, so the module stays a plain module), and rank ``r`` owns elements ``[r * shard_numel,
 (r + 1) * shard_numel)`` of it, as a sharded :class:`~chunkmem.core.chunk.Chunk` does. The fp32 master,
 the optimizer's per-element state (Adam's moments, or another optimizer's own: see
@@ -18,7 +19,7 @@ import torch.nn as nn
 from typing import Any
 
 from ..core.chunk import ADAM_STATE
-from ..core.layout import aligned_numel, pack, part_in_shard, search_chunk_numel
+from ..core.layout import aligned_numel, chunk_sizes, pack, part_in_shard, search_chunk_numel
 
 
 @dataclass(eq=False)
@@ -105,12 +106,13 @@ def build_partition(groups: list[list[nn.Parameter]], dtype: torch.dtype, world:
     keys = [g for g, _ in entries]
     element_size = dtype.itemsize
     chunk_numel = aligned_numel(search_chunk_numel(numels, keys, element_size), world)
+    packed = pack(numels, keys, chunk_numel)
     chunks = []
-    for n, members in enumerate(pack(numels, keys, chunk_numel)):
+    for n, (members, numel) in enumerate(zip(packed, chunk_sizes(packed, numels, keys, chunk_numel, world))):
         device = entries[members[0]][1].device
-        flat = torch.zeros(chunk_numel, dtype=dtype, device=device)
-        exact = torch.zeros(chunk_numel, dtype=torch.float32, device=device) if separate_master else None
-        chunk = FlatChunk(n, entries[members[0]][0], chunk_numel, world, rank, flat)
+        flat = torch.zeros(numel, dtype=dtype, device=device)
+        exact = torch.zeros(numel, dtype=torch.float32, device=device) if separate_master else None
+        chunk = FlatChunk(n, entries[members[0]][0], numel, world, rank, flat)
         offset = 0
         for i in members:
             param = entries[i][1]
