@@ -73,7 +73,7 @@ class ZeroInitContext:
             soon as the next parameter does not fit in the chunk (the open chunks when the context
             closes), so host memory holds
             only the chunks being filled: a model larger than host memory can be built. Needs
-            ``target_device`` ``"cpu"``. Parameters stay readable and writable as everywhere (a write
+            ``target_device`` ``"cpu"``; with ``shard_param`` each rank keeps its shards there. Parameters stay readable and writable as everywhere (a write
             outside a forward reads and rewrites its chunk's file region). ``ShardedModelV2`` then packs
             the parameters into its own chunks, one chunk at a time, on the disk tier with
             ``offload_param="disk"`` (else in host memory), and the context's files are removed.
@@ -91,11 +91,6 @@ class ZeroInitContext:
                 raise InvalidArgumentError("target_device", target_device,
                                            "'cpu' with nvme_path (chunks are filled in host memory, then rest "
                                            "on the disk tier)")
-            if shard_param:
-                raise InvalidArgumentError("nvme_path", nvme_path,
-                                           "None with shard_param=True (building onto the disk tier is one "
-                                           "process's for now: build on 'cpu' with shard_param=True, or on one "
-                                           "rank onto the disk tier)")
         check_type("shard_strategy", shard_strategy, BaseShardStrategy,
                    "an instance of TensorShardStrategy or BucketTensorShardStrategy")
         check_type("shard_param", shard_param, bool, "True or False")
@@ -228,7 +223,7 @@ class ZeroInitContext:
                 self._park(chunk)
             numel = max(self.chunk_numel, aligned_numel(param.numel(), self.shards.world))
             if self.memory.disk is not None:  # its file region first: a full disk is refused here
-                self.memory.disk.add_region(PARAM, numel * self.dtype.itemsize)
+                self.memory.disk.add_region(PARAM, numel // self.shards.world * self.dtype.itemsize)
             chunk = Chunk(len(self.chunks), numel, self.dtype, key, self.memory, self.shards)
             chunk.size_was_given = self.chunk_size is not None and numel == self.chunk_numel
             chunk.built_with = self.chunks

@@ -69,16 +69,16 @@ def test_chunks_rest_on_disk_as_they_fill_and_only_the_open_ones_are_in_host_mem
 
 def test_a_model_built_on_disk_trains_bitwise_like_one_built_in_host_memory(tmp_path):
     torch.manual_seed(0)
-    with _context():
-        in_memory = TinyGPT(d=32, layers=4)
-    torch.manual_seed(0)
     context = _context(tmp_path / "init")
     with context:
         on_disk = TinyGPT(d=32, layers=4)
-        nn.init.normal_(on_disk.side.weight, std=0.5)  # a write after creation, into a chunk that rests on disk
+        assert slot_of(on_disk.blocks[0].fc1.weight).chunk.param.shard.on_disk
+        nn.init.normal_(on_disk.blocks[0].fc1.weight, std=0.5)  # a write after creation, into a chunk on disk
+        nn.init.normal_(on_disk.side.weight, std=0.5)
     torch.manual_seed(0)
     with _context():
         in_memory = TinyGPT(d=32, layers=4)
+        nn.init.normal_(in_memory.blocks[0].fc1.weight, std=0.5)
         nn.init.normal_(in_memory.side.weight, std=0.5)
     assert slot_of(on_disk.side.weight).chunk.param.shard.on_disk
     scratch = context.memory.disk.path
@@ -107,9 +107,6 @@ def test_a_model_built_on_disk_can_be_trained_from_host_memory(tmp_path):
 def test_bad_arguments_are_refused_before_anything_is_created(tmp_path):
     target = tmp_path / "nothing"
     target.mkdir()
-    with pytest.raises(cm.InvalidArgumentError, match="shard_param=True"):
-        cm.ZeroInitContext(target_device="cpu", shard_strategy=cm.TensorShardStrategy(), shard_param=True,
-                           nvme_path=str(target))
     with pytest.raises(cm.ArgumentTypeError, match="nvme_path"):
         cm.ZeroInitContext(target_device="cpu", shard_strategy=cm.TensorShardStrategy(), nvme_path=3)
     assert os.listdir(target) == []
@@ -137,3 +134,40 @@ def test_a_parameter_larger_than_the_chunk_size_gets_a_file_region_of_its_own_si
     model = cm.ShardedModelV2(net, cm.TensorShardStrategy(), tensor_placement_policy="cpu", dtype=torch.float32)
     state = model.state_dict()
     assert all(torch.equal(state[k], v) for k, v in plain.state_dict().items())
+
+
+def _two_rank_build(rank, world, workdir):
+    """Each rank builds the model onto its own disk tier, keeping its shard of every chunk there; a write
+    after creation (``nn.init``) gathers, changes and writes back this rank's part of the file region."""
+    path = os.path.join(workdir, f"rank{rank}")
+    os.makedirs(path, exist_ok=True)
+    torch.manual_seed(0)
+    context = cm.ZeroInitContext(target_device="cpu", shard_strategy=cm.TensorShardStrategy(), shard_param=True,
+                                 dtype=torch.float32, chunk_size=CHUNK_BYTES, nvme_path=path)
+    with context:
+        net = TinyGPT(d=32, layers=4)
+        nn.init.normal_(net.side.weight, std=0.5)
+        parked_when_written = slot_of(net.blocks[1].fc1.bias).chunk.param.shard.on_disk
+        with torch.no_grad():
+            net.blocks[1].fc1.bias.add_(1.0)
+    on_disk = parked_when_written and all(c.param.shard.on_disk for c in context.chunks)
+    shard_bytes = context.memory.ledger.tier_bytes(Tier.DISK)
+    model = cm.ShardedModelV2(net, cm.TensorShardStrategy(), tensor_placement_policy="cpu", dtype=torch.float32)
+    return {"on_disk": on_disk, "shard_bytes": shard_bytes, "chunk_bytes": sum(c.numel * 4 for c in context.chunks),
+            "state": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def test_several_ranks_build_onto_their_disk_tiers_with_the_values_of_one_process(tmp_path):
+    from distributed import run_ranks
+    ranks = run_ranks(_two_rank_build, 2, str(tmp_path))
+    torch.manual_seed(0)
+    with _context():
+        net = TinyGPT(d=32, layers=4)
+        nn.init.normal_(net.side.weight, std=0.5)
+        with torch.no_grad():
+            net.blocks[1].fc1.bias.add_(1.0)
+    want = {k: v.clone() for k, v in net.state_dict().items()}
+    for out in ranks:
+        assert out["on_disk"] and out["shard_bytes"] * 2 == out["chunk_bytes"]  # each rank: half of every chunk
+        assert out["state"].keys() == want.keys()
+        assert all(torch.equal(out["state"][k], want[k]) for k in want)

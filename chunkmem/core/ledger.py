@@ -26,6 +26,7 @@ class TierLedger:
         self.capacity = capacity
         self.host_capacity = host_capacity
         self._bytes: dict[tuple[Tier, str], int] = defaultdict(int)
+        self._totals: dict[Tier, int] = defaultdict(int)  # per tier, kept with _bytes (read every period)
         self.peak_device_bytes = 0
         self.moved_to_device = 0
         self.moved_to_host = 0
@@ -43,6 +44,7 @@ class TierLedger:
             self._check_room(tier, self.host_capacity, nbytes, what, HostCapacityError, "set_host_memory_capacity",
                              "CHUNKMEM_HOST_MEMORY", "on the disk tier")
         self._bytes[(tier, family)] += nbytes
+        self._totals[tier] += nbytes
 
     def _check_room(self, tier: Tier, capacity: int, nbytes: int, what: str, error: type[Exception], setter: str,
                     variable: str, elsewhere: str) -> None:
@@ -71,10 +73,13 @@ class TierLedger:
             raise LedgerError(f"internal error: releasing {nbytes} bytes of {family} on the {tier.value} tier, "
                               f"which holds only {self._bytes[(tier, family)]} ({self.context or 'no period'})")
         self._bytes[(tier, family)] -= nbytes
+        self._totals[tier] -= nbytes
 
     def tier_bytes(self, tier: Tier, families: tuple[str, ...] | None = None) -> int:
         """Bytes on ``tier``, over all families or only those named."""
-        return sum(n for (t, f), n in self._bytes.items() if t is tier and (families is None or f in families))
+        if families is None:
+            return self._totals[tier]
+        return sum(n for (t, f), n in self._bytes.items() if t is tier and f in families)
 
     def breakdown(self, with_disk: bool = False) -> dict[str, dict[str, int]]:
         """``{tier: {family: bytes}}`` for every family with bytes on a tier (the ``"disk"`` tier is listed

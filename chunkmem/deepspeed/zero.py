@@ -34,8 +34,7 @@ class Init:
         data_parallel_group: ``None`` only (the default group's ranks).
         remote_device: where the chunks are built: ``None`` (the device: the GPU, or the CPU without one),
             ``"cpu"`` (the host) or ``"nvme"`` (the disk tier, in the directory the config's
-            ``zero_optimization.offload_param.nvme_path`` names: see ``ZeroInitContext(nvme_path=)``; one
-            process only).
+            ``zero_optimization.offload_param.nvme_path`` names: see ``ZeroInitContext(nvme_path=)``).
         config_dict_or_path, config: the DeepSpeed config; its ``fp16``/``bf16`` section sets the dtype when
             ``dtype`` is not given.
         enabled: ``False`` makes the block build an ordinary module.

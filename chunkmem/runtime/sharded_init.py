@@ -86,7 +86,10 @@ class ShardedParamWrites(TorchFunctionMode):
             chunk = slot.chunk
             if param is first and _overwrites(func):
                 # where the shard lives, so a CUDA target draws from the CUDA generator as on one process
-                temporaries[key] = torch.empty(slot.shape, dtype=chunk.dtype, device=chunk.param.shard.tensor.device)
+                # (a shard resting on the disk tier was filled on the host)
+                shard = chunk.param.shard
+                device = shard.tensor.device if shard.tensor is not None else torch.device("cpu")
+                temporaries[key] = torch.empty(slot.shape, dtype=chunk.dtype, device=device)
             else:
                 if self.before_gather is not None:
                     self.before_gather(slot)
@@ -96,7 +99,13 @@ class ShardedParamWrites(TorchFunctionMode):
         result = func(*swapped_args, **swapped_kwargs)
         if first is not None and id(first) in sharded and _modifies_target(func):
             slot = sharded[id(first)][1]
-            slot.chunk.write_own_part(slot, slot.chunk.param.shard.tensor, temporaries[id(first)])
+            shard = slot.chunk.param.shard
+            if shard.on_disk:  # the shard's file region is read, changed and written back
+                local = shard.read()
+                slot.chunk.write_own_part(slot, local, temporaries[id(first)])
+                shard.write(local)
+            else:
+                slot.chunk.write_own_part(slot, shard.tensor, temporaries[id(first)])
             if result is temporaries[id(first)]:
                 return first
         return result
