@@ -73,7 +73,8 @@ def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
     # size, except those it built onto its own disk tier: they are packed into the model's own chunks.
     context_memory = slots[0].chunk.memory if from_context else None
     from_context_disk = context_memory is not None and context_memory.disk is not None
-    sized_by_context = from_context and all(s.chunk.size_was_given for s in slots) and not from_context_disk
+    reuse_context = from_context and not from_context_disk
+    sized_by_context = reuse_context and all(s.chunk.size_was_given for s in slots)
     layout = plan_layout(named, [p.requires_grad for _, p in named], chunk_numel, element_size,
                          _persistent(named, settings) if shards.sharded else None,
                          world=shards.world if shards.sharded else 1, trim_tails=not sized_by_context)
@@ -84,7 +85,6 @@ def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
     check_capacity(module_users(module))
     _check_host_capacity(layout, policy, shards, host_capacity)
 
-    reuse_context = from_context and not from_context_disk
     memory = context_memory if reuse_context else TierMemory.for_this_machine(capacity)
     memory.ledger.capacity, memory.ledger.host_capacity = capacity, host_capacity
     if staged_buffers(settings.placement.tensor_placement_policy, shards.sharded):
@@ -249,12 +249,11 @@ def _check_host_capacity(layout: ChunkLayout, policy: PlacementPolicy, shards: S
     if host_capacity is None or policy.params_on_disk:
         return
     count = layout.num_chunks
-    resting = sum(1 for i in range(count) if not policy.params_on_device_at_rest(i, count))
-    need = sum(layout.shard_bytes(i, shards.world) for i in range(count)
-               if not policy.params_on_device_at_rest(i, count))
+    resting = [i for i in range(count) if not policy.params_on_device_at_rest(i, count)]
+    need = sum(layout.shard_bytes(i, shards.world) for i in resting)
     if need > host_capacity:
         raise HostCapacityError(
-            f"host tier too small: the {resting} parameter chunks resting on the host need {need} bytes, the "
+            f"host tier too small: the {len(resting)} parameter chunks resting on the host need {need} bytes, the "
             f"capacity is {host_capacity} bytes (set chunkmem.set_host_memory_capacity or "
             f"CHUNKMEM_HOST_MEMORY higher, or offload_param='disk')")
 

@@ -248,8 +248,9 @@ class TrainingEngine(nn.Module):
         (``tag`` default ``global_step{global_steps}``) and, with ``save_latest``, write ``tag`` into
         ``save_dir/latest``. Every rank calls it. Inside the tag directory: stage 3 writes a chunkmem
         sharded checkpoint ``zero/`` (each rank its shards; loads at the same world size, or
-        :func:`~chunkmem.consolidate_checkpoint` it), stages 1 and 2 a full checkpoint ``model_optim.pt``; rank 0 writes ``engine_state.pt`` (``torch.save``: counters, schedule state,
-        ``client_state``). Each file is written atomically; ``latest`` is written last. Returns ``True``."""
+        :func:`~chunkmem.consolidate_checkpoint` it), stages 1 and 2 a full checkpoint ``model_optim.pt``;
+        rank 0 writes ``engine_state.pt`` (``torch.save``: counters, schedule state, ``client_state``).
+        Each file is written atomically; ``latest`` is written last. Returns ``True``."""
         save_dir = self._check_dir(save_dir, "save_dir")
         tag = f"global_step{self.global_steps}" if tag is None else tag
         tag = self._check_tag(tag)

@@ -71,10 +71,10 @@ class ZeroInitContext:
         nvme_path: (an addition; DeepSpeed's ``zero.Init(remote_device="nvme")``) a directory: build onto
             the disk tier. Each chunk's parameters go to a file in a private scratch directory under it as
             soon as the next parameter does not fit in the chunk (the open chunks when the context
-            closes), so host memory holds
-            only the chunks being filled: a model larger than host memory can be built. Needs
-            ``target_device`` ``"cpu"``; with ``shard_param`` each rank keeps its shards there. Parameters stay readable and writable as everywhere (a write
-            outside a forward reads and rewrites its chunk's file region). ``ShardedModelV2`` then packs
+            closes), so host memory holds only the chunks being filled: a model larger than host memory
+            can be built. Needs ``target_device`` ``"cpu"``; with ``shard_param`` each rank keeps its
+            shards there. Parameters stay readable and writable as everywhere (a write outside a forward
+            reads and rewrites its chunk's file region). ``ShardedModelV2`` then packs
             the parameters into its own chunks, one chunk at a time, on the disk tier with
             ``offload_param="disk"`` (else in host memory), and the context's files are removed.
     """

@@ -164,10 +164,14 @@ class ChunkLayout:
         """Whether the chunk is whole on every rank (persistent parameters)."""
         return bool(self.replicated) and self.replicated[chunk_index]
 
+    def shard_numel(self, chunk_index: int, world: int) -> int:
+        """Elements of the chunk one rank of ``world`` keeps (all of them when replicated)."""
+        numel = self.numels[chunk_index]
+        return numel if self.is_replicated(chunk_index) else numel // world
+
     def shard_bytes(self, chunk_index: int, world: int) -> int:
         """Bytes of the chunk's parameters one rank of ``world`` keeps (all of them when replicated)."""
-        nbytes = self.numels[chunk_index] * self.element_size
-        return nbytes if self.is_replicated(chunk_index) else nbytes // world
+        return self.shard_numel(chunk_index, world) * self.element_size
 
     def chunk_of_param(self) -> dict[int, int]:
         """``id(parameter)`` -> the index of its chunk."""

@@ -105,7 +105,8 @@ def refuse_together(shards: ShardGroup, step: str, error: Exception) -> NoReturn
     """Raise ``error``, a refusal of this rank's arguments before the ranks' agreement at ``step``, after
     taking part in that agreement with the refusal as its only setting: a rank whose arguments were
     accepted then raises :class:`LayoutMismatchError` naming the refusal at once, instead of waiting in a
-    collective this rank never joins until the collective timeout. (Ranks that all refuse alike agree, and each raises its error.)"""
+    collective this rank never joins until the collective timeout. (Ranks that all refuse alike agree, and
+    each raises its error.)"""
     refusal = LayoutDescription(step, [(ARGUMENTS, f"refused: {type(error).__name__}: {error}")], ParamRecord())
     try:
         agree(shards, refusal)

@@ -61,7 +61,7 @@ class GradientReduction:
         with the same predivision and reduction dtype as :meth:`reduce`, in pieces of at most
         ``bucket_bytes`` of collective input. Returns ``full``."""
         dtype = torch.float32 if self.fp32 else full.dtype
-        piece = max(self.bucket_bytes // torch.empty((), dtype=dtype).element_size(), 1)
+        piece = max(self.bucket_bytes // dtype.itemsize, 1)
         post = self.shards.world / self.predivide_factor
         for start in range(0, full.numel(), piece):
             part = full[start:start + piece]

@@ -462,10 +462,8 @@ def _plan_sharded(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV
                 for key, values in _state_of(entry).items():
                     chunk.optim[key].write(values)
                 if optimizer.state_layout is not None:
-                    for kept, loaded in ((optimizer.scalar_state(chunk), entry["scalars"]),
-                                         (optimizer.whole_state(chunk), entry["whole"])):
-                        kept.clear()
-                        kept.update((k, scalar_copy(v)) for k, v in loaded.items())
+                    optimizer.replace_kept_state(chunk, {g: scalar_copy(v) for g, v in entry["scalars"].items()},
+                                                 {k: scalar_copy(v) for k, v in entry["whole"].items()})
                 chunk.step = entry["step"]
         with torch.no_grad():
             for key, value in saved["buffers"].items():

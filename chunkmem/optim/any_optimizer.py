@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch.optim import Optimizer
@@ -131,6 +131,15 @@ class ParamView:
     shape: tuple[int, ...] | None
     group: int
     key: int = -1
+
+    @classmethod
+    def of_part(cls, offset: int, numel: int, shape: Sequence[int], part: tuple[int, int], shard_offset: int,
+                group: int, key: int) -> "ParamView":
+        """The view of elements ``part`` (``(start, end)`` of the parameter) of a parameter of ``numel``
+        elements and ``shape`` at ``offset`` in its chunk, in the rank's shard starting at ``shard_offset``
+        (elements of the chunk): shaped when the part is the whole parameter."""
+        whole = part == (0, numel)
+        return cls(offset + part[0] - shard_offset, part[1] - part[0], tuple(shape) if whole else None, group, key)
 
 
 def step_views(optimizer: Optimizer, layout: StateLayout, views: Iterable[ParamView], groups: Iterable[int],

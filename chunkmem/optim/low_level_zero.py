@@ -127,7 +127,8 @@ class LowLevelZeroOptimizer:
         trainable = [p for group in groups for p in group]
         dtype = forced_dtype or trainable[0].dtype
         _agree_on_settings(shards, groups, dict(
-            optimizer=type(optimizer).__name__, dtype=dtype, communication_dtype=communication_dtype or dtype, reduce_bucket_size=reduce_bucket_size,
+            optimizer=type(optimizer).__name__, dtype=dtype, communication_dtype=communication_dtype or dtype,
+            reduce_bucket_size=reduce_bucket_size,
             overlap_communication=overlap_communication, partition_grad=partition_grad, cpu_offload=cpu_offload,
             clip_grad_norm=clip_grad_norm,
             loss_scaler=(initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
@@ -464,8 +465,8 @@ class LowLevelZeroOptimizer:
         for slot in chunk.slots:
             part = slot.owned()
             if part is not None and slot.param.requires_grad:
-                views.append(ParamView(slot.offset + part[0] - chunk.own_start, part[1] - part[0],
-                                       slot.shape if part == (0, slot.numel) else None, chunk.group, slot.index))
+                views.append(ParamView.of_part(slot.offset, slot.numel, slot.shape, part, chunk.own_start,
+                                               chunk.group, slot.index))
         grad = self._own_grad(chunk).to(device=chunk.master.device, dtype=torch.float32, copy=True).mul_(multiplier)
         step_views(self.optim, self._layout, views, {chunk.group}, chunk.master, grad, chunk.state, chunk.scalars,
                    first_step=chunk.step == 0, whole_state=chunk.whole_state)

@@ -12,8 +12,9 @@ from torch.optim import Optimizer
 from ..core.chunk import ADAM_STATE, EXP_AVG, EXP_AVG_SQ, MASTER, Chunk, ParamSlot
 from ..core.disk_tier import JOURNAL
 from ..core.layout import join_runs
-from ..errors import (ArgumentTypeError, ChunkmemError, DeviceCapacityError, GradientAccumulationError, InvalidArgumentError,
-                           UnscaledBackwardError, UnsupportedOperationError, check_number, check_type)
+from ..errors import (ArgumentTypeError, ChunkmemError, DeviceCapacityError, GradientAccumulationError,
+                      InvalidArgumentError, UnscaledBackwardError, UnsupportedOperationError, check_number,
+                      check_type)
 from ..core.param_guard import slot_of
 from ..core.tiers import Tier
 from ..distributed.agreement import ARGUMENTS, LayoutDescription, ParamRecord, agree, refuse_together
@@ -283,7 +284,7 @@ class ShardedOptimizerV2(Optimizer):
         per_element = 2 if state is None else len(state.families)
         fp32_families = per_element + (1 if model.dtype != torch.float32 else 0)
         trainable = [i for i in range(layout.num_chunks) if layout.trainable(i)]
-        need = sum(fp32_families * layout.shard_bytes(i, model.shards.world) // layout.element_size * 4
+        need = sum(fp32_families * layout.shard_numel(i, model.shards.world) * 4
                    for k, i in enumerate(trainable) if runtime.policy.optim_on_device(k, len(trainable)))
         ledger = runtime.ledger
         free = ledger.capacity - ledger.tier_bytes(Tier.DEVICE)
@@ -421,6 +422,14 @@ class ShardedOptimizerV2(Optimizer):
         """Another optimizer's whole-parameter state for ``chunk``'s parameters, by their position in the
         chunk (``state_layout.whole``; :mod:`chunkmem.optim.any_optimizer`)."""
         return self._whole_state.setdefault(chunk.index, {})
+
+    def replace_kept_state(self, chunk: Chunk, scalars: dict[int, dict[str, Any]],
+                           whole: dict[int, dict[str, Any]]) -> None:
+        """Make ``scalars`` (by param group) and ``whole`` (by position in the chunk) another optimizer's
+        scalar and whole-parameter state for ``chunk`` (loading a checkpoint; the caller's copies are kept)."""
+        for kept, loaded in ((self.scalar_state(chunk), scalars), (self.whole_state(chunk), whole)):
+            kept.clear()
+            kept.update(loaded)
 
     @property
     def global_grad_norm(self) -> float | None:
@@ -586,8 +595,8 @@ class ShardedOptimizerV2(Optimizer):
         """The stepped parameters' parts of this rank's shard of ``chunk`` (shaped where whole) and every
         param group with trainable parameters in it, for :mod:`chunkmem.optim.any_optimizer`."""
         stepped = self._stepped_slots(chunk)
-        views = [ParamView(slot.offset + part[0] - chunk.shard_offset, part[1] - part[0],
-                           tuple(slot.shape) if part == (0, slot.numel) else None, group, slot.index_in_chunk)
+        views = [ParamView.of_part(slot.offset, slot.numel, slot.shape, part, chunk.shard_offset, group,
+                                   slot.index_in_chunk)
                  for slot, group, part in stepped if part is not None]
         return views, {group for _, group, _ in stepped}
 

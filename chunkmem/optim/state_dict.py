@@ -155,10 +155,7 @@ class OptimizerLoad:
                 for key, values in families.items():
                     chunk.optim[key].write(values)
                 if layout is not None:
-                    for kept, loaded in ((self.optim.scalar_state(chunk), scalars),
-                                         (self.optim.whole_state(chunk), whole)):
-                        kept.clear()
-                        kept.update(loaded)
+                    self.optim.replace_kept_state(chunk, scalars, whole)
                 chunk.step = step
         for group, saved in zip(self.optim.optim.param_groups, self.groups):
             if layout is None:

@@ -12,11 +12,10 @@ the optimizer's per-element state (Adam's moments, or another optimizer's own: s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn as nn
-
-from typing import Any
 
 from ..core.chunk import ADAM_STATE
 from ..core.layout import aligned_numel, chunk_sizes, pack, part_in_shard, search_chunk_numel
