@@ -380,16 +380,21 @@ def test_bad_load_arguments(tmp_path, trained):
         cm.load_checkpoint(tmp_path / path, model)
 
 
-def test_sharded_load_needs_same_world_size_and_layout(tmp_path, trained):
+def test_sharded_load_into_another_layout_or_world_size(tmp_path, trained):
     model, optim = trained
     path = tmp_path / "ckpt"
     cm.save_checkpoint(path, model, optim, sharded=True)
-    other_layout, other_optim = build_sharded(reference(), "cpu", torch.float32, chunk_size=32768)
-    with pytest.raises(cm.InvalidArgumentError, match="same chunk layout.*sharded=False"):
-        cm.load_checkpoint(path, other_layout, other_optim)
+    other_layout, other_optim = build_sharded(reference(seed=3), "cpu", torch.float32, chunk_size=32768)
+    with pytest.raises(cm.InvalidArgumentError, match="chunk layout.*elastic=False.*another chunk size"):
+        cm.load_checkpoint(path, other_layout, other_optim, elastic=False)
+    cm.load_checkpoint(path, other_layout, other_optim)
+    assert_same_state(other_layout.state_dict(), model.state_dict())
+    assert_same_optimizer_state(other_optim.state_dict(), optim.state_dict())
     manifest = json.loads((path / "manifest.json").read_text())
     (path / "manifest.json").write_text(json.dumps({**manifest, "world": 2}))
-    with pytest.raises(cm.InvalidArgumentError, match="saved by 1 ranks.*saved by 2"):
+    with pytest.raises(cm.InvalidArgumentError, match="saved by 1 ranks.*saved by 2; elastic=False"):
+        cm.load_checkpoint(path, model, optim, elastic=False)
+    with pytest.raises(cm.InvalidArgumentError, match="rank 0's file .*rank0-of-2.pt"):
         cm.load_checkpoint(path, model, optim)
     with pytest.raises(cm.InvalidArgumentError, match="rank 0's file .*rank0-of-2.pt"):
         cm.consolidate_checkpoint(path)
@@ -505,4 +510,8 @@ def test_two_ranks_save_consolidate_and_load_into_one_process(tmp_path):
     assert_same_state(one.state_dict(), expected["model"])
     assert_same_optimizer_state(one_optim.state_dict(), expected["optimizer"])
     with pytest.raises(cm.InvalidArgumentError, match="saved by 2"):
-        cm.load_checkpoint(tmp_path / "sharded", one, one_optim)
+        cm.load_checkpoint(tmp_path / "sharded", one, one_optim, elastic=False)
+    resharded, resharded_optim = build_sharded(reference(seed=6), "cpu", torch.float16, reuse=True)
+    cm.load_checkpoint(tmp_path / "sharded", resharded, resharded_optim)  # at 1 rank: test_elastic_checkpoint.py
+    assert_same_state(resharded.state_dict(), expected["model"])
+    assert_same_optimizer_state(resharded_optim.state_dict(), expected["optimizer"])

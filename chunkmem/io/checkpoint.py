@@ -15,9 +15,11 @@ Two formats:
   whole-parameter state by position in the chunk), with the layout (world size, rank, chunk numel and
   dtype, per parameter its name, offset and numel in elements, shape), plus the module buffers, the
   optimizer's param groups and the loss-scaler state. ``manifest.json`` names the token of the last
-  complete save and holds the SHA-256 checksum of every rank file's bytes. It loads only at the same
-  world size and layout (checked), shard by shard; :func:`consolidate_checkpoint` turns it into the
-  full state dicts offline. Version 1 directories (no checksums) still load.
+  complete save and holds the SHA-256 checksum of every rank file's bytes. At the world size and
+  layout that saved it each rank reads its own file; at any other world size (or chunk size) each rank
+  reads, memory-mapped, the byte ranges of its new shards from the files that hold them
+  (:mod:`chunkmem.io.resharding`). :func:`consolidate_checkpoint` turns it into the full state dicts
+  offline. Version 1 directories (no checksums) still load.
 
 Integrity: every load verifies the checksums (:class:`CheckpointError` naming the file when one
 differs) and every field it reads (present, of the right type and size), then writes nothing until all
@@ -58,6 +60,7 @@ from ..core.param_guard import slot_of
 from ..model import ShardedModelV2
 from ..optim.sharded_optimizer import ShardedOptimizerV2
 from ..errors import ChunkmemError, CheckpointError
+from .resharding import SavedLayout, plan_resharded_load, saved_state
 from ..optim.state_dict import (adam_entry, any_entry, export_param_groups, plan_hyper_load, plan_optimizer_load,
                                 scalar_copy)
 from ..state_dicts import (bump_versions, check_tensor_data, first_few, plan_model_load, refuse_chunks_in_use,
@@ -109,11 +112,15 @@ def save_checkpoint(path: str | os.PathLike, model: ShardedModelV2, optimizer: S
         _save_full(path, model, optimizer)
 
 
-def load_checkpoint(path: str | os.PathLike, model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None = None) -> None:
+def load_checkpoint(path: str | os.PathLike, model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None = None,
+                    *, elastic: bool = True) -> None:
     """Load a checkpoint written by :func:`save_checkpoint` into ``model`` (and ``optimizer``, which
-    needs a checkpoint saved with one). The format is read from ``path``: a file is a full checkpoint
-    (any world size and placement), a directory a sharded one (same world size and chunk layout as when
-    saved). Everything is read and checked before anything changes; ranks agree before writing, so
+    needs a checkpoint saved with one). The format is read from ``path``: a file is a full checkpoint,
+    a directory a sharded one; both load at any world size, chunk size and placement policy, every fp32
+    master and optimizer moment bit for bit. A sharded checkpoint of another world size or chunk
+    layout is resharded as it loads (:mod:`chunkmem.io.resharding`: each rank reads only the byte
+    ranges of its new shards); ``elastic=False`` (DeepSpeed's ``elastic_checkpoint: false``) refuses it
+    instead. Everything is read and checked before anything changes; ranks agree before writing, so
     every rank must call it. Build the optimizer before loading a 16-bit model, so that the fp32
     masters are restored exactly. Refused (:class:`CheckpointError`) while the parameters' memory
     holds gradients (``reuse_fp16_shard`` between backward and step) and while a forward runs or a
@@ -134,13 +141,14 @@ def load_checkpoint(path: str | os.PathLike, model: ShardedModelV2, optimizer: S
         apply()
         return
     path = _check_load_args(path, model, optimizer)
+    check_type("elastic", elastic, bool, "True or False")
     refuse_grads_in_param_memory(model, "load_checkpoint")
     refuse_chunks_in_use(model, "load_checkpoint")
     group = _group_of(model)
     error: Exception | None = None
     apply: Callable[[], None] | None = None
     try:
-        apply = _plan_sharded(path, model, optimizer) if os.path.isdir(path) else _plan_full(path, model, optimizer)
+        apply = _plan_sharded(path, model, optimizer, elastic) if os.path.isdir(path) else _plan_full(path, model, optimizer)
     except Exception as exc:  # noqa: BLE001 - re-raised below, after the ranks agree
         error = exc
     _agree(group, error, f"loading {path!r}")
@@ -416,21 +424,86 @@ def _optimizer_small_state(optimizer: ShardedOptimizerV2) -> dict[str, Any]:
             "loss_scaler": scaler, "per_group": None if layout is None else [list(k) for k in layout.per_group]}
 
 
-def _plan_sharded(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None) -> Callable[[], None]:
+def _plan_sharded(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None,
+                  elastic: bool) -> Callable[[], None]:
     group = _group_of(model)
     manifest = _read_manifest(path)
-    if manifest["world"] != group.world:
+    if manifest["world"] == group.world:
+        payload = _read_rank_file(path, manifest, group.rank)
+        if _chunk_table(model) == _saved_chunk_table(payload["model"]):
+            return _plan_own_shards(path, model, optimizer, manifest, payload)
+        if not elastic:
+            raise InvalidArgumentError("path", path, "a sharded checkpoint of the model's chunk layout (elastic=False); "
+                                                     "it was saved with another chunk size or dtype")
+    elif not elastic:
         raise InvalidArgumentError(
             "path", path, f"a sharded checkpoint saved by {group.world} ranks, as many as this run has (it was "
-                          f"saved by {manifest['world']}); to change the world size load a full checkpoint, or "
-                          f"consolidate_checkpoint() this one and load its state dicts")
-    payload = _read_rank_file(path, manifest, group.rank)
+                          f"saved by {manifest['world']}; elastic=False refuses another world size)")
+    return _plan_other_layout(path, model, optimizer, manifest)
+
+
+def _plan_own_shards(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None,
+                     manifest: dict[str, Any], payload: dict[str, Any]) -> Callable[[], None]:
+    """The load of a checkpoint saved with the model's layout and world size: this rank's file only."""
+    group = _group_of(model)
     saved = payload["model"]
-    _check_layout(path, model, saved)
+    name = os.path.join(path, _shard_name(manifest["token"], group.rank, group.world))
+    load_small_state, load_buffers = _plan_shared_state(path, name, model, optimizer, payload)
+    _check_rank_values(name, model, saved, optimizer)
+
+    def apply() -> None:
+        for chunk, entry in zip(model.chunks, saved["chunks"]):
+            model.runtime.write_params(chunk, entry["param"])
+            bump_versions(slot.param for slot in chunk.slots)
+            if chunk.has_master and chunk.optim[MASTER].allocated:
+                chunk.optim[MASTER].write(entry["master"] if entry["master"] is not None else entry["param"])
+            elif entry["master"] is not None:
+                warn_if_masters_lose_precision(chunk, chunk.name, entry["master"])
+        if load_small_state is not None:
+            load_small_state()  # hyper-parameters and the scaler
+            for chunk, entry in zip(model.chunks, saved["chunks"]):
+                if not chunk.trainable:
+                    continue
+                for key, values in saved_state(entry).items():
+                    chunk.optim[key].write(values)
+                if optimizer.state_layout is not None:
+                    optimizer.replace_kept_state(chunk, {g: scalar_copy(v) for g, v in entry["scalars"].items()},
+                                                 {k: scalar_copy(v) for k, v in entry["whole"].items()})
+                chunk.step = entry["step"]
+        load_buffers()
+    return apply
+
+
+def _plan_other_layout(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None,
+                       manifest: dict[str, Any]) -> Callable[[], None]:
+    """The load of a checkpoint saved by another world size or with another chunk layout
+    (:mod:`chunkmem.io.resharding`). Every rank file is memory-mapped; each file's checksum is verified
+    by one loading rank (rank ``r`` the files ``r``, ``r + world``, ...), and the ranks agree on the
+    outcome before anything is written, so together they read every byte once to verify it."""
+    group = _group_of(model)
+    world = manifest["world"]
+    parts = [_read_rank_file(path, manifest, r, verify=r % group.world == group.rank) for r in range(world)]
+    files = [os.path.join(path, _shard_name(manifest["token"], r, world)) for r in range(world)]
+    load_small_state, load_buffers = _plan_shared_state(path, files[0], model, optimizer, parts[0])
+    load_shards = plan_resharded_load(path, model, optimizer, SavedLayout(parts, files), load_small_state)
+
+    def apply() -> None:
+        load_shards()
+        load_buffers()
+    return apply
+
+
+def _plan_shared_state(path: str, name: str, model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None,
+                       payload: dict[str, Any]) -> tuple[Callable[[], None] | None, Callable[[], None]]:
+    """Check what every rank file holds alike (``name``'s: the state_dict keys, the buffers, the
+    optimizer's param groups and scaler) against the model and optimizer; returns the functions that
+    load the optimizer's hyper-parameters and scaler (``None`` without an optimizer) and the buffers."""
+    saved = payload["model"]
     own_keys = list(model.module.state_dict(keep_vars=True))
     if [k for k, _ in saved["keys"]] != own_keys:
         raise InvalidArgumentError("path", path, f"a checkpoint of this model's state_dict keys (it has "
                                                  f"{len(saved['keys'])} keys, the model {len(own_keys)})")
+    _check_buffers(name, model, saved)
     optimizer_load = None
     if optimizer is not None:
         if payload["optimizer"] is None:
@@ -442,40 +515,20 @@ def _plan_sharded(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV
             raise InvalidArgumentError("optimizer", "a ShardedOptimizerV2 whose param_groups hold other parameters "
                                                     "or another order", "the param groups the checkpoint was saved with")
         optimizer_load = plan_hyper_load(optimizer, small["param_groups"], small["loss_scaler"])
-    name = os.path.join(path, _shard_name(manifest["token"], group.rank, group.world))
-    _check_rank_values(name, model, saved, optimizer)
     buffers = model.module.state_dict(keep_vars=True)
 
-    def apply() -> None:
-        for chunk, entry in zip(model.chunks, saved["chunks"]):
-            model.runtime.write_params(chunk, entry["param"])
-            bump_versions(slot.param for slot in chunk.slots)
-            if chunk.has_master and chunk.optim[MASTER].allocated:
-                chunk.optim[MASTER].write(entry["master"] if entry["master"] is not None else entry["param"])
-            elif entry["master"] is not None:
-                warn_if_masters_lose_precision(chunk, chunk.name, entry["master"])
-        if optimizer_load is not None:
-            optimizer_load.apply()  # hyper-parameters and the scaler
-            for chunk, entry in zip(model.chunks, saved["chunks"]):
-                if not chunk.trainable:
-                    continue
-                for key, values in _state_of(entry).items():
-                    chunk.optim[key].write(values)
-                if optimizer.state_layout is not None:
-                    optimizer.replace_kept_state(chunk, {g: scalar_copy(v) for g, v in entry["scalars"].items()},
-                                                 {k: scalar_copy(v) for k, v in entry["whole"].items()})
-                chunk.step = entry["step"]
+    def load_buffers() -> None:
         with torch.no_grad():
             for key, value in saved["buffers"].items():
                 buffers[key].copy_(value)
-    return apply
+    return (None if optimizer_load is None else optimizer_load.apply), load_buffers
 
 
 def _check_rank_values(name: str, model: ShardedModelV2, saved: dict[str, Any],
                        optimizer: ShardedOptimizerV2 | None) -> None:
     """Raise (naming the file and the field) unless every tensor and number the load of this rank file
-    writes fits the model: shards of the chunk's size, floating, with data; steps >= 0; the buffers of
-    the model's keys and shapes. Called after the layout check, before anything is written."""
+    writes fits the model: shards of the chunk's size, floating, with data; steps >= 0. Called after the
+    layout check, before anything is written."""
     for n, (chunk, entry) in enumerate(zip(model.chunks, saved["chunks"])):
         where = f"{name}: model.chunks[{n}]"
         check_tensor_data(f"{where}['param']", entry["param"], floating=True, numel=chunk.shard_numel)
@@ -484,7 +537,7 @@ def _check_rank_values(name: str, model: ShardedModelV2, saved: dict[str, Any],
         if optimizer is not None and chunk.trainable:
             if entry["step"] < 0:
                 raise InvalidArgumentError(f"{where}['step']", entry["step"], "an integer >= 0")
-            state = _state_of(entry)
+            state = saved_state(entry)
             if tuple(state) != chunk.state_families or (optimizer.state_layout is None) == ("state" in entry):
                 raise InvalidArgumentError(f"{where}: the optimizer state", f"families {list(state)}",
                                            f"the optimizer's {list(chunk.state_families)} (save and load with one "
@@ -499,6 +552,10 @@ def _check_rank_values(name: str, model: ShardedModelV2, saved: dict[str, Any],
                     for field_name, value in kept.items():
                         if isinstance(value, torch.Tensor):
                             check_tensor_data(f"{where}[{kind!r}][{key!r}][{field_name!r}]", value)
+
+
+def _check_buffers(name: str, model: ShardedModelV2, saved: dict[str, Any]) -> None:
+    """Raise naming the file unless ``saved`` holds the model's buffers, of their shapes."""
     own = model.module.state_dict(keep_vars=True)
     expected = [key for key, slot in saved["keys"] if slot is None]
     if sorted(saved["buffers"]) != sorted(expected):
@@ -511,34 +568,15 @@ def _check_rank_values(name: str, model: ShardedModelV2, saved: dict[str, Any],
                                        f"shape {tuple(own[key].shape)}, the model's")
 
 
-_LAYOUT_FIELDS = ("numel", "shard_numel", "shard_offset", "dtype", "trainable", "parameters")
-
-
-def _state_of(entry: dict[str, Any]) -> dict[str, Any]:
-    """A rank file chunk entry's per-element optimizer state by family: Adam's moments, or another
-    optimizer's ``"state"``."""
-    return entry["state"] if "state" in entry else {"exp_avg": entry["exp_avg"], "exp_avg_sq": entry["exp_avg_sq"]}
-
-
-def _check_layout(path: str, model: ShardedModelV2, saved: dict[str, Any]) -> None:
-    """Raise unless the model's chunks are laid out as the saved ones (same chunks, shards, dtype,
-    parameters at the same offsets)."""
-    mine = [(c.numel, c.shard_numel, c.shard_offset, _dtype_name(c.dtype), c.trainable,
+def _chunk_table(model: ShardedModelV2) -> list[Any]:
+    """The model's chunks as a rank file describes them: sizes, this rank's shard, dtype, parameters."""
+    return [(c.numel, c.shard_numel, c.shard_offset, _dtype_name(c.dtype), c.trainable,
              [(s.name, s.offset, s.numel, list(s.shape)) for s in c.slots]) for c in model.chunks]
-    theirs = [(e["numel"], e["shard_numel"], e["shard_offset"], e["dtype"], e["trainable"],
-               [(s["name"], s["offset"], s["numel"], list(s["shape"])) for s in e["slots"]]) for e in saved["chunks"]]
-    if mine == theirs:
-        return
-    if len(mine) != len(theirs):
-        detail = f"{len(theirs)} chunks saved, the model has {len(mine)}"
-    else:
-        n = next(i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b)
-        which = [f for f, a, b in zip(_LAYOUT_FIELDS, mine[n], theirs[n]) if a != b]
-        detail = f"chunk {n} differs in {', '.join(which)}"
-    raise InvalidArgumentError(
-        "path", path, f"a sharded checkpoint of the same chunk layout as the model ({detail}); build the model "
-                      f"with the same dtype, chunk_size, world size and optimizer param groups, or save and "
-                      f"load a full checkpoint (sharded=False)")
+
+
+def _saved_chunk_table(saved: dict[str, Any]) -> list[Any]:
+    return [(e["numel"], e["shard_numel"], e["shard_offset"], e["dtype"], e["trainable"],
+             [(s["name"], s["offset"], s["numel"], list(s["shape"])) for s in e["slots"]]) for e in saved["chunks"]]
 
 
 def _read_manifest(path: str) -> dict[str, Any]:
@@ -572,9 +610,9 @@ def _read_manifest(path: str) -> dict[str, Any]:
     return manifest
 
 
-def _read_rank_file(path: str, manifest: dict[str, Any], rank: int) -> dict[str, Any]:
-    """One rank's file of a sharded checkpoint: found, checksum verified (format 2), read, and its
-    header and fields checked."""
+def _read_rank_file(path: str, manifest: dict[str, Any], rank: int, verify: bool = True) -> dict[str, Any]:
+    """One rank's file of a sharded checkpoint: found, checksum verified (format 2; unless ``verify`` is
+    false: another rank verifies it), memory-mapped, and its header and fields checked."""
     base = _shard_name(manifest["token"], rank, manifest["world"])
     name = os.path.join(path, base)
     if not os.path.isfile(name):
@@ -586,8 +624,8 @@ def _read_rank_file(path: str, manifest: dict[str, Any], rank: int) -> dict[str,
     if manifest["format"] == SHARDED_FORMAT:
         if base not in manifest["checksums"]:
             raise CheckpointError(f"{manifest_name}: field 'checksums' has no checksum of {base}")
-        found = file_checksum(name)
-        if found != manifest["checksums"][base]:
+        found = file_checksum(name) if verify else None
+        if found is not None and found != manifest["checksums"][base]:
             raise CheckpointError(f"{name}: the rank file is damaged: its checksum is {found}, {MANIFEST} records "
                                   f"{manifest['checksums'][base]}; nothing was loaded")
     try:
@@ -701,8 +739,8 @@ def _consolidate(path: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
         if not entry["trainable"] or entry["step"] == 0:
             continue
         if n not in families:
-            families[n] = {key: joined([_state_of(part["model"]["chunks"][n])[key] for part in parts], n)
-                           for key in _state_of(entry)}
+            families[n] = {key: joined([saved_state(part["model"]["chunks"][n])[key] for part in parts], n)
+                           for key in saved_state(entry)}
         gathered = families[n]
         if "state" not in entry:
             state[index] = adam_entry(entry["step"], _slot_view(gathered["exp_avg"], slot),
