@@ -92,9 +92,13 @@ KEY_TABLE: dict[str, tuple[str, str]] = {
                "0, no persistent parameters, not DeepSpeed's 1e5); no effect with the disk tier or at stages 1, 2"),
     "zero_optimization.(stage3_)max_reuse_distance": (
         "warn", "no effect: the traced schedule knows each chunk's next use (Belady's plan), no distance to tune"),
+    "zero_optimization.elastic_checkpoint": (
+        "map", "the engine's load_checkpoint(elastic=): absent or true, a sharded checkpoint loads at any world size "
+               "and chunk layout (resharded exactly, not DeepSpeed's false default: chunkmem loses nothing by it); "
+               "false refuses that; chunkmem.initialize (no engine): no effect, pass elastic= to load_checkpoint"),
     "zero_optimization.<tuning keys>": ("warn", "no effect: allgather_partitions, allgather_bucket_size, "
                                                 "use_multi_rank_bucket_allreduce, load_from_fp32_weights, "
-                                                "elastic_checkpoint, ignore_unused_parameters, round_robin_gradients, "
+                                                "ignore_unused_parameters, round_robin_gradients, "
                                                 "sub_group_size, (stage3_)gather_16bit_weights_on_model_"
                                                 "save, stage3_gather_fp16_weights_on_model_save, "
                                                 "memory_efficient_linear, override_module_apply, "
@@ -125,7 +129,7 @@ KEY_TABLE: dict[str, tuple[str, str]] = {
 
 _ZERO_NO_EFFECT = {
     "allgather_partitions", "allgather_bucket_size", "use_multi_rank_bucket_allreduce", "load_from_fp32_weights",
-    "elastic_checkpoint", "ignore_unused_parameters", "round_robin_gradients", "sub_group_size",
+    "ignore_unused_parameters", "round_robin_gradients", "sub_group_size",
     "gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
     "stage3_gather_fp16_weights_on_model_save", "memory_efficient_linear", "override_module_apply",
     "pipeline_loading_checkpoint",
@@ -145,7 +149,7 @@ _ZERO_ONLY_DEFAULT = {  # key -> the only value accepted (DeepSpeed's default)
 _ZERO_DEPRECATED = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param",
                     "cpu_offload_use_pin_memory": "offload_optimizer.pin_memory / offload_param.pin_memory"}
 _ZERO_KEYS = ({"stage", "offload_optimizer", "offload_param", "reduce_bucket_size", "overlap_comm",
-               "contiguous_gradients", "reduce_scatter", *_PREFETCH_KEYS, *_REUSE_DISTANCE_KEYS,
+               "contiguous_gradients", "reduce_scatter", "elastic_checkpoint", *_PREFETCH_KEYS, *_REUSE_DISTANCE_KEYS,
                *_PERSISTENCE_KEYS} | _ZERO_NO_EFFECT | set(_ZERO_ONLY_DEFAULT) | set(_ZERO_DEPRECATED))
 _OFFLOAD_OPTIMIZER_KEYS = {"device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write",
                            "fast_init", "ratio"}
@@ -510,6 +514,11 @@ def _check_zero_switches(zero: dict[str, Any]) -> None:
             _no_effect(f"zero_optimization.{key}", "chunkmem always does it (False is ignored)")
     for key in sorted(_ZERO_NO_EFFECT & set(zero)):
         _no_effect(f"zero_optimization.{key}", "a DeepSpeed tuning knob without a chunkmem counterpart")
+    if "elastic_checkpoint" in zero:
+        _check_bool(zero["elastic_checkpoint"], "zero_optimization.elastic_checkpoint")
+        _no_effect("zero_optimization.elastic_checkpoint", "chunkmem.initialize returns no engine: pass elastic= to "
+                                                           "chunkmem.load_checkpoint (the engine of "
+                                                           "chunkmem.deepspeed.initialize honours the key)")
     for key in sorted(set(_REUSE_DISTANCE_KEYS) & set(zero)):
         _no_effect(f"zero_optimization.{key}", "the traced schedule knows each chunk's next use (Belady's plan)")
 

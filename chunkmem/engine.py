@@ -247,8 +247,8 @@ class TrainingEngine(nn.Module):
         """Save the model, optimizer, schedule, counters and ``client_state`` under ``save_dir/tag``
         (``tag`` default ``global_step{global_steps}``) and, with ``save_latest``, write ``tag`` into
         ``save_dir/latest``. Every rank calls it. Inside the tag directory: stage 3 writes a chunkmem
-        sharded checkpoint ``zero/`` (each rank its shards; loads at the same world size, or
-        :func:`~chunkmem.consolidate_checkpoint` it), stages 1 and 2 a full checkpoint ``model_optim.pt``;
+        sharded checkpoint ``zero/`` (each rank its shards; loads at any world size, resharded, unless the
+        config says ``elastic_checkpoint: false``), stages 1 and 2 a full checkpoint ``model_optim.pt``;
         rank 0 writes ``engine_state.pt`` (``torch.save``: counters, schedule state, ``client_state``).
         Each file is written atomically; ``latest`` is written last. Returns ``True``."""
         save_dir = self._check_dir(save_dir, "save_dir")
@@ -304,7 +304,8 @@ class TrainingEngine(nn.Module):
         directory = os.path.join(load_dir, self._check_tag(tag))
         state = self._read_engine_state(directory)
         with_optimizer = load_optimizer_states and not load_module_only and self.optimizer is not None
-        load_checkpoint(self._model_checkpoint_path(directory), self.module, self.optimizer if with_optimizer else None)
+        load_checkpoint(self._model_checkpoint_path(directory), self.module, self.optimizer if with_optimizer else None,
+                        elastic=self._loop.elastic_checkpoint)
         if not load_module_only:
             self.global_steps, self.global_samples = state["global_steps"], state["global_samples"]
             self.skipped_steps, self.micro_steps = state["skipped_steps"], state["micro_steps"]

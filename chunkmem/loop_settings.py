@@ -18,7 +18,8 @@ __all__ = ["LOOP_KEYS", "LoopSettings"]
 
 LOOP_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
              "steps_per_print", "wall_clock_breakdown", "scheduler")
-"""The top-level config keys the engine takes out of a DeepSpeed config before the rest is wrapped."""
+"""The top-level config keys the engine takes out of a DeepSpeed config before the rest is wrapped (and
+``zero_optimization.elastic_checkpoint``, which its ``load_checkpoint`` honours)."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,8 @@ class LoopSettings:
         steps_per_print: a progress line every this many optimizer steps (``None``: never).
         wall_clock_breakdown: time the forward, backward and step and print the times with the progress.
         scheduler: the config's ``scheduler`` section (``None``: none).
+        elastic_checkpoint: whether the engine's ``load_checkpoint`` loads a sharded checkpoint of another
+            world size or chunk layout (``zero_optimization.elastic_checkpoint``; absent: ``True``).
     """
 
     train_batch_size: int | None
@@ -42,6 +45,7 @@ class LoopSettings:
     steps_per_print: int | None = None
     wall_clock_breakdown: bool = False
     scheduler: dict[str, Any] | None = None
+    elastic_checkpoint: bool = True
 
     @classmethod
     def from_config(cls, config: dict[str, Any], world_size: int) -> "LoopSettings":
@@ -74,4 +78,8 @@ class LoopSettings:
         scheduler = config.get("scheduler")
         if scheduler is not None and not isinstance(scheduler, dict):
             raise ArgumentTypeError("scheduler", scheduler, "a dict with 'type' and 'params'")
-        return cls(batch, micro, accumulation, steps_per_print, breakdown, scheduler)
+        zero = config.get("zero_optimization")
+        elastic = zero.get("elastic_checkpoint", True) if isinstance(zero, dict) else True
+        if not isinstance(elastic, bool):
+            raise ArgumentTypeError("zero_optimization.elastic_checkpoint", elastic, "true or false")
+        return cls(batch, micro, accumulation, steps_per_print, breakdown, scheduler, elastic)

@@ -417,3 +417,18 @@ def test_stage_1_and_2_train_like_the_optimizer_built_by_hand(stage):
     assert train(m, o) == train(ref, ref_optim)
     for a, b in zip(m.parameters(), ref.parameters()):
         assert torch.equal(a, b)
+
+
+def test_elastic_checkpoint_is_the_engines_and_checked_here():
+    model = make_model()
+    with pytest.warns(NoEffectWarning, match="elastic_checkpoint.*pass elastic= to chunkmem.load_checkpoint"):
+        cm.initialize(model, cm.HybridAdam(model.parameters()),
+                      {"zero_optimization": {"stage": 3, "elastic_checkpoint": True}})
+    with pytest.raises(cm.ArgumentTypeError, match=r"^zero_optimization\.elastic_checkpoint='no'"):
+        cm.initialize(make_model(), config={"zero_optimization": {"stage": 3, "elastic_checkpoint": "no"}})
+    from chunkmem.loop_settings import LoopSettings
+    assert LoopSettings.from_config({"train_batch_size": 2}, 1).elastic_checkpoint is True
+    rigid = {"train_batch_size": 2, "zero_optimization": {"elastic_checkpoint": False}}
+    assert LoopSettings.from_config(rigid, 1).elastic_checkpoint is False
+    with pytest.raises(cm.ArgumentTypeError, match="elastic_checkpoint"):
+        LoopSettings.from_config({"train_batch_size": 2, "zero_optimization": {"elastic_checkpoint": 1}}, 1)

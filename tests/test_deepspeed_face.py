@@ -402,6 +402,20 @@ def test_two_ranks_equal_one_process_with_the_double_batch(tmp_path, stage):
         assert result["client"] == {"rank_sees": "the same"} and result["global_steps"] == 2
         for got, w in zip(result["weights_after_load"], want):
             torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-6)
+    # what 2 ranks saved loads into one process: resharded (stage 3) or the full file (stage 2), bit for bit
+    _, client = one.load_checkpoint(tmp_path)
+    assert client == {"rank_sees": "the same"} and one.global_steps == 2
+    for got, w in zip(_weights(one), ranks[0]["weights_after_load"]):
+        assert torch.equal(got, w)
+    rigid_config = dict(config, zero_optimization=dict(config["zero_optimization"], elastic_checkpoint=False))
+    module = TinyGPT()
+    rigid, _, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(),
+                                          config=dict(rigid_config, optimizer={"type": "AdamW", "params": {"lr": LR}}))
+    if stage == 3:
+        with pytest.raises(cm.InvalidArgumentError, match="saved by 2; elastic=False"):
+            rigid.load_checkpoint(tmp_path)
+    else:  # a full checkpoint: any world size whatever the key
+        rigid.load_checkpoint(tmp_path)
 
 
 # ---- the rest of the engine's surface ---------------------------------------------------------------

@@ -84,6 +84,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         init_distributed()
     loop = LoopSettings.from_config(config, comm.get_world_size())
     rest = {key: value for key, value in config.items() if key not in LOOP_KEYS}
+    if isinstance(rest.get("zero_optimization"), dict):  # the engine honours it (loop.elastic_checkpoint)
+        rest["zero_optimization"] = {k: v for k, v in rest["zero_optimization"].items() if k != "elastic_checkpoint"}
     if lr_scheduler is None and loop.scheduler is not None:  # checked on a stand-in before anything is wrapped
         groups = len(optimizer.param_groups) if optimizer is not None else 1
         with warnings.catch_warnings():  # its warnings come when the real one is built
