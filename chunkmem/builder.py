@@ -107,7 +107,7 @@ def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
     reduction = GradientReduction(reduce_shards, settings.reduction.bucket_bytes,
                                   settings.reduction.fp32_reduce_scatter, settings.reduction.gradient_predivide_factor)
     runtime = ChunkRuntime(module, chunks, memory, policy, settings.reuse_fp16_shard, reduction,
-                           settings.shard_strategy.bucketed, check_capacity)
+                           settings.shard_strategy.bucketed, check_capacity, settings.reduction.reductions_in_flight)
     if memory.disk is not None:
         weakref.finalize(runtime, memory.disk.close)
     if settings.prefetch_numel is not None:

@@ -71,7 +71,10 @@ KEY_TABLE: dict[str, tuple[str, str]] = {
     "zero_optimization.reduce_bucket_size": ("map", "stage 3: reduce_scatter_bucket_size_mb (elements x element "
                                                     "size); stages 1, 2: reduce_bucket_size (elements); an "
                                                     "integral float (5e8) is taken as that integer"),
-    "zero_optimization.overlap_comm": ("map", "stages 1, 2: overlap_communication; stage 3: no effect"),
+    "zero_optimization.overlap_comm": ("map", "stages 1, 2: overlap_communication; stage 3: true gives "
+                                              "ShardedModelV2(reductions_in_flight=2), absent or false 0 (in line: "
+                                              "chunkmem's default, not DeepSpeed's, keeps the staging memory bound; "
+                                              "the results are the same bits)"),
     "zero_optimization.contiguous_gradients": ("warn", "chunks are always contiguous; False has no effect"),
     "zero_optimization.reduce_scatter": ("warn", "chunkmem always reduce-scatters; False has no effect"),
     "zero_optimization.zero_quantized_weights": ("error", "only False"),
@@ -162,6 +165,9 @@ _OPTIMIZER_GATES = ("zero_allow_untested_optimizer", "zero_force_ds_cpu_optimize
 no effect (chunkmem steps any torch optimizer where its state lives)."""
 _DEEPSPEED_KEYS = ({"zero_optimization", "fp16", "bf16", "optimizer", "gradient_clipping", *_OPTIMIZER_GATES}
                    | _LOOP_KEYS)
+OVERLAP_COMM_REDUCTIONS_IN_FLIGHT = 2
+"""``ShardedModelV2(reductions_in_flight=)`` for ``zero_optimization.overlap_comm: true`` at stage 3: the
+reduce-scatter of a chunk runs on while the next chunk's gradients are computed, with one more in reserve."""
 DEEPSPEED_GRADIENT_CLIPPING = 1.0
 """The clipping norm of a DeepSpeed config without ``gradient_clipping``: DeepSpeed's default (1.0 in 0.19.8,
 since its pull request 8068; 0.0 before), so a config trains as it does under DeepSpeed today."""
@@ -427,9 +433,9 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
         _check_optimizer(model, optimizer)
 
     if stage == 3:
-        if overlap:
-            _no_effect("zero_optimization.overlap_comm", "with stage 3 the chunk transfers always overlap compute")
         kwargs = _stage3_model_kwargs(optim_device, param_device, ratio, offload_optimizer, offload_param)
+        if overlap:
+            kwargs["reductions_in_flight"] = OVERLAP_COMM_REDUCTIONS_IN_FLIGHT
         prefetch = _prefetch_numel(zero)
         if prefetch is not None:
             kwargs["prefetch_numel"] = prefetch

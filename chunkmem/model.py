@@ -86,6 +86,12 @@ class ShardedModelV2(nn.Module):
         model_persistence_threshold: (addition; DeepSpeed's ``stage3_model_persistence_threshold``) at
             most this many elements of persistent parameters in all, the first in ``named_parameters()``
             order; ``None``: no limit.
+        reductions_in_flight: (addition; DeepSpeed's ``overlap_comm`` at stage 3) on several ranks, at most
+            this many chunks' gradient reduce-scatters keep running while the backward goes on, each
+            waited for when a newer one would exceed the bound, or at the end of the backward; results
+            are bitwise those of ``0`` (default: each waited for as it starts). Costs up to this many
+            extra chunk-sized gradient staging buffers on the device tier. Replicated chunks (persistent
+            parameters) are all-reduced at once. Needs ``reuse_fp16_shard=False``.
     """
 
     def __init__(self, module: nn.Module, shard_strategy: BaseShardStrategy, process_group: Any = None,
@@ -98,7 +104,7 @@ class ShardedModelV2(nn.Module):
                  nvme_path: str | os.PathLike | None = None, buffer_count: int = DEFAULT_BUFFER_COUNT,
                  buffer_size: int = DEFAULT_BUFFER_SIZE, atomic_step: bool = True,
                  prefetch_numel: int | None = None, persistence_threshold: int = 0,
-                 model_persistence_threshold: int | None = None) -> None:
+                 model_persistence_threshold: int | None = None, reductions_in_flight: int = 0) -> None:
         check_type("module", module, nn.Module, "a torch.nn.Module")
         if isinstance(module, ShardedModelV2):
             raise InvalidArgumentError("module", type(module).__name__, "a module that is not already wrapped")
@@ -108,7 +114,8 @@ class ShardedModelV2(nn.Module):
             chunk_size=chunk_size, offload_param_frac=offload_param_frac, offload_optim_frac=offload_optim_frac,
             offload_optimizer=offload_optimizer, offload_param=offload_param, nvme_path=nvme_path,
             buffer_count=buffer_count, buffer_size=buffer_size, atomic_step=atomic_step, prefetch_numel=prefetch_numel,
-            persistence_threshold=persistence_threshold, model_persistence_threshold=model_persistence_threshold)
+            persistence_threshold=persistence_threshold, model_persistence_threshold=model_persistence_threshold,
+            reductions_in_flight=reductions_in_flight)
         super().__init__()
         self._wrap(module, settings)
 
@@ -165,6 +172,11 @@ class ShardedModelV2(nn.Module):
     @property
     def gradient_predivide_factor(self) -> float:
         return self.settings.reduction.gradient_predivide_factor
+
+    @property
+    def reductions_in_flight(self) -> int:
+        """At most this many chunks' gradient reduce-scatters run on during the backward (0: in line)."""
+        return self.settings.reduction.reductions_in_flight
 
     @property
     def reuse_fp16_shard(self) -> bool:

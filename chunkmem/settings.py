@@ -107,11 +107,13 @@ class DiskSettings:
 class ReductionSettings:
     """How gradients are reduce-scattered over the ranks: at most ``reduce_scatter_bucket_size_mb`` MiB
     of collective input at a time, in fp32 (``fp32_reduce_scatter``) or the model dtype, each rank's
-    gradient divided by ``gradient_predivide_factor`` first."""
+    gradient divided by ``gradient_predivide_factor`` first; at most ``reductions_in_flight`` chunks'
+    reduce-scatters left running while the backward goes on (``0``: each waited for at once)."""
 
     reduce_scatter_bucket_size_mb: float = 25
     fp32_reduce_scatter: bool = False
     gradient_predivide_factor: float = 1.0
+    reductions_in_flight: int = 0
 
     def __post_init__(self) -> None:
         check_number("reduce_scatter_bucket_size_mb", self.reduce_scatter_bucket_size_mb, low=0, low_open=True,
@@ -119,6 +121,7 @@ class ReductionSettings:
         _check_bool("fp32_reduce_scatter", self.fp32_reduce_scatter)
         check_number("gradient_predivide_factor", self.gradient_predivide_factor, low=0.0, low_open=True,
                      finite=True)
+        check_number("reductions_in_flight", self.reductions_in_flight, low=0, integer=True)
 
     @property
     def bucket_bytes(self) -> int:
@@ -151,6 +154,10 @@ class ModelSettings:
                          allowed="None or an integer >= 0 (parameter elements fetched ahead of use)")
         check_number("persistence_threshold", self.persistence_threshold, low=0, integer=True,
                      allowed="an integer >= 0 (elements: parameters with fewer stay whole on every rank)")
+        if self.reduction.reductions_in_flight and self.reuse_fp16_shard:
+            raise InvalidArgumentError("reductions_in_flight", self.reduction.reductions_in_flight,
+                                       "0 with reuse_fp16_shard=True (the gradients are reduced out of the "
+                                       "parameters' memory, which the backward needs back at once)")
         if self.model_persistence_threshold is not None:
             check_number("model_persistence_threshold", self.model_persistence_threshold, low=0, integer=True,
                          allowed="None or an integer >= 0 (elements of persistent parameters in all)")
@@ -175,12 +182,14 @@ class ModelSettings:
                        offload_param: str | None = None, nvme_path: str | os.PathLike | None = None,
                        buffer_count: int = DEFAULT_BUFFER_COUNT, buffer_size: int = DEFAULT_BUFFER_SIZE,
                        atomic_step: bool = True, prefetch_numel: int | None = None, persistence_threshold: int = 0,
-                       model_persistence_threshold: int | None = None) -> "ModelSettings":
+                       model_persistence_threshold: int | None = None,
+                       reductions_in_flight: int = 0) -> "ModelSettings":
         """The settings named by ``ShardedModelV2``'s arguments (the same names and defaults)."""
         return ModelSettings(
             shard_strategy, process_group, reduce_scatter_process_group,
             PlacementSettings(tensor_placement_policy, offload_param_frac, offload_optim_frac),
-            ReductionSettings(reduce_scatter_bucket_size_mb, fp32_reduce_scatter, gradient_predivide_factor),
+            ReductionSettings(reduce_scatter_bucket_size_mb, fp32_reduce_scatter, gradient_predivide_factor,
+                              reductions_in_flight),
             reuse_fp16_shard, dtype, chunk_size,
             DiskSettings(offload_optimizer, offload_param, nvme_path, buffer_count, buffer_size, atomic_step),
             prefetch_numel, persistence_threshold, model_persistence_threshold)
@@ -196,7 +205,7 @@ MODEL_KEYWORDS = ("shard_strategy", "process_group", "reduce_scatter_process_gro
                   "fp32_reduce_scatter", "tensor_placement_policy", "gradient_predivide_factor", "reuse_fp16_shard",
                   "dtype", "chunk_size", "offload_param_frac", "offload_optim_frac", "offload_optimizer",
                   "offload_param", "nvme_path", "buffer_count", "buffer_size", "atomic_step", "prefetch_numel",
-                  "persistence_threshold", "model_persistence_threshold")
+                  "persistence_threshold", "model_persistence_threshold", "reductions_in_flight")
 """The keyword arguments of :meth:`ModelSettings.from_arguments` (``ShardedModelV2``'s, and the keys of
 the ColossalAI form's ``model_config``)."""
 

@@ -432,3 +432,15 @@ def test_elastic_checkpoint_is_the_engines_and_checked_here():
     assert LoopSettings.from_config(rigid, 1).elastic_checkpoint is False
     with pytest.raises(cm.ArgumentTypeError, match="elastic_checkpoint"):
         LoopSettings.from_config({"train_batch_size": 2, "zero_optimization": {"elastic_checkpoint": 1}}, 1)
+
+
+def test_overlap_comm_at_stage_3_leaves_reductions_in_flight():
+    for overlap, expected in ((True, 2), (False, 0), (None, 0)):
+        zero = {"stage": 3, "offload_param": {"device": "cpu"}}
+        if overlap is not None:
+            zero["overlap_comm"] = overlap
+        model = make_model()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", NoEffectWarning)
+            m, _ = cm.initialize(model, cm.HybridAdam(model.parameters()), {"zero_optimization": zero})
+        assert m.reductions_in_flight == expected

@@ -173,29 +173,30 @@ class ShardGroup:
         """Sum ``full_pieces`` (one per rank, each shaped like ``shard``) over the ranks; rank ``r``
         receives the sum of every rank's piece ``r`` in ``shard`` (``what``: for the error). The pieces
         may be overwritten (over gloo they are all-reduced in place: :func:`all_reduce_is_faster`)."""
+        self.start_reduce_scatter(shard, full_pieces, what).wait()
+
+    def start_reduce_scatter(self, shard: torch.Tensor, full_pieces: Sequence[torch.Tensor],
+                             what: str = "a tensor") -> "PendingCollective":
+        """:meth:`reduce_scatter` started: ``shard`` holds the sum once the returned handle's ``wait()``
+        returned; the pieces must stay unchanged until then."""
         if not self.sharded:
             shard.copy_(full_pieces[0])
-            return
+            return PendingCollective("reduce_scatter", what, None, None, shard, shard)
         bound_gloo_timeout(self.group)
         device = _comm_device(self.group, shard)
-        out = shard if shard.device == device else torch.empty_like(shard, device=device)
         pieces = [p.to(device) for p in full_pieces]
         adjacent = all(p.is_contiguous() for p in pieces) and _adjacent(pieces)
         if all_reduce_is_faster(self):
             summed = [_joined(pieces)] if adjacent else pieces
-            started = [dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True) for t in summed]
-            for work in started:
-                _wait("reduce_scatter", what, self.group, work)
-            out.copy_(pieces[self.rank])
-        elif adjacent:
-            joined = _joined(pieces)
-            _complete("reduce_scatter", what, self.group,
-                      lambda: _reduce_scatter_flat(out, joined, group=self.group, async_op=True))
+            work = _AllWorks([dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+                              for t in summed])
+            return PendingCollective("reduce_scatter", what, self.group, work, pieces[self.rank], shard)
+        out = shard if shard.device == device else torch.empty_like(shard, device=device)
+        if adjacent:
+            work = _reduce_scatter_flat(out, _joined(pieces), group=self.group, async_op=True)
         else:
-            _complete("reduce_scatter", what, self.group,
-                      lambda: dist.reduce_scatter(out, pieces, group=self.group, async_op=True))
-        if out is not shard:
-            shard.copy_(out)
+            work = dist.reduce_scatter(out, pieces, group=self.group, async_op=True)
+        return PendingCollective("reduce_scatter", what, self.group, work, out, shard)
 
     def all_reduce_(self, tensor: torch.Tensor, op: Any = None, what: str = "a tensor") -> torch.Tensor:
         """Reduce ``tensor`` in place over the group (``op``: a ``dist.ReduceOp``, default SUM;

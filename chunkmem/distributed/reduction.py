@@ -2,9 +2,11 @@
 those of a chunk whole on every rank (persistent parameters) all-reduced."""
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 
-from .collectives import ShardGroup
+from .collectives import PendingCollective, ShardGroup
 
 
 class GradientReduction:
@@ -37,24 +39,42 @@ class GradientReduction:
         device tier, ``world × shard`` elements; it may be overwritten), in ``full``'s dtype. ``what``
         names the gradients for a collective's error. The result is valid until the next call (its
         buffer is reused: copy it out)."""
+        out = self._out_buffer(full.numel() // self.shards.world, self._dtype(full), full.device)
+        for out_piece, parts in self._pieces(full, out):
+            self.shards.reduce_scatter(out_piece, parts, what=what)
+        return _mean(out, self._post_divisor, full.dtype)
+
+    def start(self, full: torch.Tensor, what: str) -> "PendingReduction":
+        """:meth:`reduce` started, every bucket's collective at once, into a buffer of its own: the
+        returned handle's ``wait()`` gives the shard (the same bits as :meth:`reduce`). ``full`` must stay
+        unchanged until then; with ``fp32`` its fp32 copy lives as long (not one bucket at a time)."""
+        out = torch.empty(full.numel() // self.shards.world, dtype=self._dtype(full), device=full.device)
+        started = [self.shards.start_reduce_scatter(out_piece, parts, what=what)
+                   for out_piece, parts in self._pieces(full, out)]
+        return PendingReduction(started, out, self._post_divisor, full.dtype)
+
+    def _dtype(self, full: torch.Tensor) -> torch.dtype:
+        return torch.float32 if self.fp32 else full.dtype
+
+    def _pieces(self, full: torch.Tensor, out: torch.Tensor) -> Iterator[tuple[torch.Tensor, list[torch.Tensor]]]:
+        """Per bucket: the slice of ``out`` it reduces into and every rank's part of ``full`` for it, in
+        the reduction dtype and predivided (made as the caller reaches it)."""
         world = self.shards.world
-        shard_numel = full.numel() // world
-        dtype = torch.float32 if self.fp32 else full.dtype
-        out = self._out_buffer(shard_numel, dtype, full.device)
+        shard_numel = out.numel()
         piece = max(self.bucket_bytes // (world * out.element_size()), 1)
         for start in range(0, shard_numel, piece):
             end = min(start + piece, shard_numel)
-            parts = [full[r * shard_numel + start:r * shard_numel + end] for r in range(world)]
-            parts = [p.to(dtype) for p in parts]
+            parts = [full[r * shard_numel + start:r * shard_numel + end].to(out.dtype) for r in range(world)]
             if self.predivide_factor != 1.0:
                 for p in parts:
                     p.div_(self.predivide_factor)
-            self.shards.reduce_scatter(out[start:end], parts, what=what)
             self.collectives += 1
-        post = world / self.predivide_factor
-        if post != 1.0:
-            out.div_(post)
-        return out.to(full.dtype)
+            yield out[start:end], parts
+
+    @property
+    def _post_divisor(self) -> float:
+        """What the summed shard is divided by to give the mean (the predivision done)."""
+        return self.shards.world / self.predivide_factor
 
     def all_reduce_mean_(self, full: torch.Tensor, what: str) -> torch.Tensor:
         """``full`` (a chunk's whole gradient on every rank) replaced by its mean over the ranks, in place,
@@ -75,3 +95,24 @@ class GradientReduction:
             if summed is not part:
                 part.copy_(summed)
         return full
+
+
+class PendingReduction:
+    """A chunk's gradient reduction started by :meth:`GradientReduction.start`."""
+
+    def __init__(self, started: list[PendingCollective], out: torch.Tensor, post_divisor: float,
+                 dtype: torch.dtype) -> None:
+        self._started, self._out, self._post_divisor, self._dtype = started, out, post_divisor, dtype
+
+    def wait(self) -> torch.Tensor:
+        """Wait for every bucket; this rank's shard of the mean over the ranks, in the gradient's dtype."""
+        for pending in self._started:
+            pending.wait()
+        return _mean(self._out, self._post_divisor, self._dtype)
+
+
+def _mean(summed: torch.Tensor, post_divisor: float, dtype: torch.dtype) -> torch.Tensor:
+    """The summed shard divided (in place) into the mean over the ranks, in ``dtype``."""
+    if post_divisor != 1.0:
+        summed.div_(post_divisor)
+    return summed.to(dtype)

@@ -28,7 +28,7 @@ import torch
 from ..core.chunk import MASTER, Chunk, ParamSlot
 from ..errors import GradientAccumulationError
 from ..core.tiers import Tier, device_of_tier
-from ..distributed.reduction import GradientReduction
+from ..distributed.reduction import GradientReduction, PendingReduction
 from .executor import ChunkExecutor
 
 
@@ -48,10 +48,16 @@ class GradientStore:
         """Take one parameter's gradient (from autograd) into its chunk."""
         raise NotImplementedError
 
-    def finish(self, chunk: Chunk, deferred: bool) -> None:
+    def finish(self, chunk: Chunk, deferred: bool, overlap: bool = False) -> bool:
         """The chunk's gradients of this backward are complete: zero what got none, and reduce them over
-        the ranks into where they rest (``deferred``: inside ``no_sync``, keep them local)."""
+        the ranks into where they rest (``deferred``: inside ``no_sync``, keep them local). With
+        ``overlap`` a sharded chunk's reduce-scatter may be left running: returns ``True`` when it was,
+        and :meth:`complete` then finishes it."""
         raise NotImplementedError
+
+    def complete(self, chunk: Chunk) -> None:
+        """Wait for the chunk's reduction that :meth:`finish` left running and store its result where the
+        gradient rests (nothing when none runs)."""
 
     def grad_of(self, chunk: Chunk) -> torch.Tensor | None:
         """This rank's shard of the chunk's finished gradient (where it rests), or ``None``."""
@@ -105,6 +111,7 @@ class StagedGradients(GradientStore):
         self.keeps_autograd_tensors = device_of_tier(Tier.DEVICE).type == "cpu"
         self._adopt = adopt  # tells the tracer that a kept tensor is chunk memory now
         self._kept: dict[Chunk, dict[int, torch.Tensor]] = {}  # chunk -> slot index -> its gradient
+        self._reducing: dict[Chunk, PendingReduction] = {}  # reductions left running by finish(overlap=True)
 
     def _direct(self, chunk: Chunk) -> bool:
         """Whether the chunk's gradients accumulate where they rest (no staging buffer)."""
@@ -144,7 +151,7 @@ class StagedGradients(GradientStore):
         else:
             slot.view(staging).add_(grad)
 
-    def finish(self, chunk: Chunk, deferred: bool) -> None:
+    def finish(self, chunk: Chunk, deferred: bool, overlap: bool = False) -> bool:
         kept = self._kept.get(chunk)
         if kept is not None:
             for slot in chunk.slots:  # frozen ones too (see _zero_unwritten)
@@ -152,19 +159,32 @@ class StagedGradients(GradientStore):
                     kept[slot.index_in_chunk] = torch.zeros(slot.shape, dtype=chunk.dtype,
                                                             device=device_of_tier(Tier.DEVICE))
             chunk.accumulator_fresh = False
-            return
+            return False
         accumulator = self._accumulator(chunk)
         if chunk.accumulator_fresh:
             self._zero_unwritten(chunk, accumulator)
             chunk.accumulator_fresh = False
         if not chunk.grad_staging.allocated or deferred:  # (deferred: it keeps accumulating, unreduced)
-            return
+            return False
+        if chunk.param.sharded and overlap:
+            self._reducing[chunk] = self.reduction.start(accumulator, f"{chunk.name} gradients")
+            return True
         if chunk.param.sharded:
             finished = self.reduction.reduce(accumulator, f"{chunk.name} gradients")
         elif chunk.replicas is not None:
             finished = self.reduction.all_reduce_mean_(accumulator, f"{chunk.name} gradients")
         else:
             finished = accumulator
+        self._store(chunk, finished)
+        return False
+
+    def complete(self, chunk: Chunk) -> None:
+        pending = self._reducing.pop(chunk, None)
+        if pending is not None:
+            self._store(chunk, pending.wait())
+
+    def _store(self, chunk: Chunk, finished: torch.Tensor) -> None:
+        """The reduced gradient into the chunk's gradient buffer where it rests; the staging buffer goes."""
         if chunk.grad.allocated:
             chunk.grad.tensor.add_(finished.to(chunk.grad.tensor.device))
         else:
@@ -259,7 +279,7 @@ class GradientsInParamMemory(GradientStore):
                 "activation checkpointing?); reuse_fp16_shard=True needs each gradient in one piece")
         slot.view(chunk.param.device).copy_(grad)  # (the runtime holds the chunk on the device)
 
-    def finish(self, chunk: Chunk, deferred: bool) -> None:
+    def finish(self, chunk: Chunk, deferred: bool, overlap: bool = False) -> bool:
         buf = chunk.param
         self._zero_unwritten(chunk, buf.device)
         if buf.sharded:
@@ -268,6 +288,7 @@ class GradientsInParamMemory(GradientStore):
             if chunk.replicas is not None:
                 self.reduction.all_reduce_mean_(buf.device, f"{chunk.name} gradients")
             buf.grads_in_device_copy()
+        return False
 
     def grad_of(self, chunk: Chunk) -> torch.Tensor | None:
         buf = chunk.param

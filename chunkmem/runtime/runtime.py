@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections import Counter
+from collections import Counter, deque
 from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import torch
@@ -106,7 +106,7 @@ class ChunkRuntime:
 
     def __init__(self, root: nn.Module, chunks: list[Chunk], memory: TierMemory, policy: PlacementPolicy,
                  gradients_in_param_memory: bool, reduction: GradientReduction, gather_together: bool,
-                 check_capacity: CapacityCheck) -> None:
+                 check_capacity: CapacityCheck, reductions_in_flight: int = 0) -> None:
         self.root = root
         self._check_capacity = check_capacity
         self.policy = policy
@@ -116,6 +116,8 @@ class ChunkRuntime:
         self.reduction = reduction
         self.gradients = gradient_store(gradients_in_param_memory, self.executor, reduction, self.scheduler.adopt)
         self.grads_pending = False
+        self.reductions_in_flight = reductions_in_flight  # the bound (see ShardedModelV2's argument)
+        self._reducing: deque[Chunk] = deque()  # chunks whose gradient reductions run, oldest first
         self.backward_count = 0  # backward passes finished (autograd's end of backward) so far
         self.forward_count = 0  # forwards of the wrapped model begun so far
         self.step_count = 0  # optimizer steps begun so far (skipped ones too)
@@ -285,6 +287,8 @@ class ChunkRuntime:
                 self._finish_grads(chunk)
             elif chunk.held_for_backward:
                 self.executor.release_backward_hold(chunk)
+        self._complete_reductions(0)
+        for chunk in self.chunks:
             chunk.grads_finished = False
         self.executor.flush_stale()
         self.backward_count += 1
@@ -533,17 +537,34 @@ class ChunkRuntime:
         self.executor.hold_for_backward(chunks)
 
     def _finish_grads(self, chunk: Chunk) -> None:
-        """The chunk's gradients of this backward are complete: reduce them over the ranks (sharded),
-        let them rest where the update runs, let the parameters go back to their resting tier, and tell
-        the optimizer."""
+        """The chunk's gradients of this backward are complete: reduce them over the ranks (sharded; left
+        running when reductions may be in flight), let the parameters go back to their resting tier, and,
+        once the reduction is done, let the gradients rest where the update runs and tell the optimizer."""
         deferred = self._no_sync and chunk.param.sharded
         if self.gradients.in_param_memory:
             self._hold_for_backward([chunk])
-        self.gradients.finish(chunk, deferred)
+        running = self.gradients.finish(chunk, deferred, overlap=self.reductions_in_flight > 0)
         chunk.grad_slots_received.clear()
         chunk.grads_finished = True
         chunk.unhold()
         self.grads_pending = self.grads_pending or not deferred
+        if running:
+            self._reducing.append(chunk)
+            self.executor.log_event("reduce", chunk.index, "started")
+            self._complete_reductions(self.reductions_in_flight)
+        else:
+            self._grads_final(chunk)
+
+    def _complete_reductions(self, keep: int) -> None:
+        """Wait for the oldest reductions in flight until at most ``keep`` remain."""
+        while len(self._reducing) > keep:
+            chunk = self._reducing.popleft()
+            self.gradients.complete(chunk)
+            self.executor.log_event("reduce", chunk.index, "done")
+            self._grads_final(chunk)
+
+    def _grads_final(self, chunk: Chunk) -> None:
+        """The chunk's gradients are reduced: they rest where its update runs; the optimizer hears of it."""
         self.scheduler.grads_finished(chunk.index)
         self.executor.settle(chunk)
         optimizer = self._optimizer()
@@ -556,6 +577,7 @@ class ChunkRuntime:
         where it rests, so the next iteration starts as after a finished one. Gradients of chunks the
         backward had finished stay (``optim.zero_grad()`` drops them)."""
         self.executor.cancel_prefetch()
+        self._complete_reductions(0)  # a started collective cannot be called back; its result is kept
         for chunk in self.chunks:
             chunk.unhold()
             self.gradients.abandon(chunk)
