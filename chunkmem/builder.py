@@ -25,6 +25,7 @@ from .core.tiers import Tier, device_memory_capacity, device_of_tier, host_memor
 from .distributed.agreement import LayoutDescription, ParamRecord, agree
 from .distributed.collectives import SINGLE_PROCESS, ShardGroup
 from .distributed.reduction import GradientReduction
+from .distributed.shard_groups import GroupLayout, group_layout
 from .runtime.capacity import CapacityCheck
 from .runtime.placement import PlacementPolicy
 from .runtime.runtime import ChunkRuntime
@@ -37,12 +38,13 @@ module (or over one containing it, or one of its submodules) would re-pack param
 
 @dataclass
 class BuiltModel:
-    """What :func:`build_runtime` gives the model: its runtime, compute dtype, data-parallel group, layout
-    and parameter names (``id(parameter)`` -> name)."""
+    """What :func:`build_runtime` gives the model: its runtime, compute dtype, data-parallel groups (the
+    ranks it trains over, those its chunks are sharded over, and their replicas), layout and parameter
+    names (``id(parameter)`` -> name)."""
 
     runtime: ChunkRuntime
     dtype: torch.dtype
-    shards: ShardGroup
+    groups: GroupLayout
     layout: ChunkLayout
     param_names: dict[int, str]
 
@@ -51,9 +53,15 @@ def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
     """Wrap ``module`` as ``settings`` say (see the module docstring). Raises before the module changes."""
     check_type("module", module, nn.Module, "a torch.nn.Module")
     check_not_wrapped(module)
-    shards = ShardGroup.of(settings.process_group, "process_group")
-    reduce_shards = shards.of_same_ranks(settings.reduce_scatter_process_group, "reduce_scatter_process_group",
-                                         "process_group")
+    data_parallel = ShardGroup.of(settings.process_group, "process_group")
+    reduce_shards = data_parallel.of_same_ranks(settings.reduce_scatter_process_group, "reduce_scatter_process_group",
+                                                "process_group")
+    groups = group_layout(data_parallel, settings.shard_group_size)
+    shards = groups.shards
+    if groups.replicas is not None and settings.persistence_threshold:
+        raise InvalidArgumentError("persistence_threshold", settings.persistence_threshold,
+                                   f"0 with shard_group_size={settings.shard_group_size} (persistent parameters are "
+                                   f"not combined with shard groups)")
     policy = settings.policy()
     named = list(module.named_parameters())
     if not named:
@@ -78,7 +86,7 @@ def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
     layout = plan_layout(named, [p.requires_grad for _, p in named], chunk_numel, element_size,
                          _persistent(named, settings) if shards.sharded else None,
                          world=shards.world if shards.sharded else 1, trim_tails=not sized_by_context)
-    _agree_on_layout(settings, layout, shards, dtype, slots if from_context else None)
+    _agree_on_layout(settings, layout, groups, dtype, slots if from_context else None)
     capacity = device_memory_capacity()
     host_capacity = host_memory_capacity()
     check_capacity = CapacityCheck(layout, policy, shards, settings.reuse_fp16_shard, capacity)
@@ -104,10 +112,12 @@ def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
     if from_context_disk:
         context_memory.disk.close()
     _cast_buffers(module, dtype)
-    reduction = GradientReduction(reduce_shards, settings.reduction.bucket_bytes,
-                                  settings.reduction.fp32_reduce_scatter, settings.reduction.gradient_predivide_factor)
+    reduction = GradientReduction(reduce_shards if groups.replicas is None else shards, settings.reduction.bucket_bytes,
+                                  settings.reduction.fp32_reduce_scatter, settings.reduction.gradient_predivide_factor,
+                                  groups.replicas)
     runtime = ChunkRuntime(module, chunks, memory, policy, settings.reuse_fp16_shard, reduction,
-                           settings.shard_strategy.bucketed, check_capacity, settings.reduction.reductions_in_flight)
+                           settings.shard_strategy.bucketed, check_capacity, groups.data_parallel,
+                           settings.reduction.reductions_in_flight)
     if memory.disk is not None:
         weakref.finalize(runtime, memory.disk.close)
     if settings.prefetch_numel is not None:
@@ -116,7 +126,7 @@ def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
     runtime.executor.bind_views_to_device()
     for sub in module.modules():
         setattr(sub, WRAPPED_ATTR, True)
-    return BuiltModel(runtime, dtype, shards, layout, param_names)
+    return BuiltModel(runtime, dtype, groups, layout, param_names)
 
 
 # ---- wrapped once --------------------------------------------------------------------------------------
@@ -182,12 +192,13 @@ def _chunk_numel(settings: ModelSettings, named: list[tuple[str, nn.Parameter]],
     return search_chunk_numel(numels, [p.requires_grad for _, p in named], element_size, staged_buffers=staged)
 
 
-def _agree_on_layout(settings: ModelSettings, layout: ChunkLayout, shards: ShardGroup, dtype: torch.dtype,
+def _agree_on_layout(settings: ModelSettings, layout: ChunkLayout, groups: GroupLayout, dtype: torch.dtype,
                      context_slots: list[Any] | None) -> None:
-    """Sharded, every rank must build the same chunks before any collective depends on them: agree on
-    the settings and on the parameters in packing order, plus where the parameters come from (re-packing
-    the chunks of a ``ZeroInitContext`` gathers them)."""
-    if not shards.sharded:
+    """Sharded or replicated, every rank must build the same chunks before any collective depends on them:
+    agree (over all data-parallel ranks) on the settings and on the parameters in packing order, plus
+    where the parameters come from (re-packing the chunks of a ``ZeroInitContext`` gathers them)."""
+    shards = groups.shards
+    if not groups.data_parallel.sharded:
         return
     params = ParamRecord()
     for name, param, trainable in layout.entries:
@@ -200,7 +211,8 @@ def _agree_on_layout(settings: ModelSettings, layout: ChunkLayout, shards: Shard
         source = "a module built outside ZeroInitContext"
     disk, reduction = settings.disk, settings.reduction
     description = [
-        ("world size", str(shards.world)),
+        ("world size", str(groups.data_parallel.world)),
+        ("shard group size", str(shards.world)),
         ("dtype", str(dtype)),
         ("chunk size", f"{layout.chunk_numel} elements"),
         ("tensor_placement_policy", repr(settings.placement.tensor_placement_policy)),
@@ -218,7 +230,7 @@ def _agree_on_layout(settings: ModelSettings, layout: ChunkLayout, shards: Shard
         ("persistence", f"{settings.persistence_threshold}, {settings.model_persistence_threshold}"),
         ("parameters from", source),
     ]
-    agree(shards, LayoutDescription("ShardedModelV2", description, params))
+    agree(groups.data_parallel, LayoutDescription("ShardedModelV2", description, params))
 
 
 def module_users(module: nn.Module) -> list[tuple[str, list[nn.Parameter]]]:

@@ -92,6 +92,12 @@ class ShardedModelV2(nn.Module):
             are bitwise those of ``0`` (default: each waited for as it starts). Costs up to this many
             extra chunk-sized gradient staging buffers on the device tier. Replicated chunks (persistent
             parameters) are all-reduced at once. Needs ``reuse_fp16_shard=False``.
+        shard_group_size: (addition; DeepSpeed's ``mics_shard_size``) shard each chunk over groups of this
+            many consecutive data-parallel ranks and replicate it across the groups (MiCS: gathers stay
+            inside a group, gradients are reduce-scattered inside it and all-reduced across the groups;
+            :mod:`chunkmem.distributed.shard_groups`). A divisor of the data-parallel ranks; ``None``
+            (default): all of them (flat ZeRO-3). Every rank creates the sub-groups
+            (``torch.distributed.new_group``) when the model is built. Not with ``persistence_threshold``.
     """
 
     def __init__(self, module: nn.Module, shard_strategy: BaseShardStrategy, process_group: Any = None,
@@ -104,7 +110,8 @@ class ShardedModelV2(nn.Module):
                  nvme_path: str | os.PathLike | None = None, buffer_count: int = DEFAULT_BUFFER_COUNT,
                  buffer_size: int = DEFAULT_BUFFER_SIZE, atomic_step: bool = True,
                  prefetch_numel: int | None = None, persistence_threshold: int = 0,
-                 model_persistence_threshold: int | None = None, reductions_in_flight: int = 0) -> None:
+                 model_persistence_threshold: int | None = None, reductions_in_flight: int = 0,
+                 shard_group_size: int | None = None) -> None:
         check_type("module", module, nn.Module, "a torch.nn.Module")
         if isinstance(module, ShardedModelV2):
             raise InvalidArgumentError("module", type(module).__name__, "a module that is not already wrapped")
@@ -115,7 +122,7 @@ class ShardedModelV2(nn.Module):
             offload_optimizer=offload_optimizer, offload_param=offload_param, nvme_path=nvme_path,
             buffer_count=buffer_count, buffer_size=buffer_size, atomic_step=atomic_step, prefetch_numel=prefetch_numel,
             persistence_threshold=persistence_threshold, model_persistence_threshold=model_persistence_threshold,
-            reductions_in_flight=reductions_in_flight)
+            reductions_in_flight=reductions_in_flight, shard_group_size=shard_group_size)
         super().__init__()
         self._wrap(module, settings)
 
@@ -138,7 +145,9 @@ class ShardedModelV2(nn.Module):
         self.settings = settings
         self.runtime = built.runtime
         self.dtype = built.dtype
-        self.shards = built.shards
+        self.shards = built.groups.shards
+        self.data_parallel = built.groups.data_parallel
+        self.replicas = built.groups.replicas
         self.layout = built.layout
         self.compute_device = device_of_tier(Tier.DEVICE)
         self._param_names = built.param_names
@@ -172,6 +181,11 @@ class ShardedModelV2(nn.Module):
     @property
     def gradient_predivide_factor(self) -> float:
         return self.settings.reduction.gradient_predivide_factor
+
+    @property
+    def shard_group_size(self) -> int:
+        """The ranks each chunk is sharded over (MiCS' shard size; all data-parallel ranks without it)."""
+        return self.shards.world
 
     @property
     def reductions_in_flight(self) -> int:
@@ -373,7 +387,7 @@ class ShardedModelV2(nn.Module):
         Sharded, the chunks are gathered one at a time, so every rank must call it; with
         ``rank0_only=True`` the other ranks receive an empty dict (and keep no copy)."""
         check_type("rank0_only", rank0_only, bool, "True or False")
-        keep = not rank0_only or self.shards.rank == 0
+        keep = not rank0_only or self.data_parallel.rank == 0
         values: dict[int, torch.Tensor] = {}
         for chunk in self.chunks:
             full = self.full_values(chunk)

@@ -144,6 +144,7 @@ class ModelSettings:
     prefetch_numel: int | None = None
     persistence_threshold: int = 0
     model_persistence_threshold: int | None = None
+    shard_group_size: int | None = None
 
     def __post_init__(self) -> None:
         check_type("shard_strategy", self.shard_strategy, BaseShardStrategy,
@@ -154,6 +155,9 @@ class ModelSettings:
                          allowed="None or an integer >= 0 (parameter elements fetched ahead of use)")
         check_number("persistence_threshold", self.persistence_threshold, low=0, integer=True,
                      allowed="an integer >= 0 (elements: parameters with fewer stay whole on every rank)")
+        if self.shard_group_size is not None:
+            check_number("shard_group_size", self.shard_group_size, low=1, integer=True,
+                         allowed="None or an integer dividing the data-parallel ranks")
         if self.reduction.reductions_in_flight and self.reuse_fp16_shard:
             raise InvalidArgumentError("reductions_in_flight", self.reduction.reductions_in_flight,
                                        "0 with reuse_fp16_shard=True (the gradients are reduced out of the "
@@ -183,7 +187,7 @@ class ModelSettings:
                        buffer_count: int = DEFAULT_BUFFER_COUNT, buffer_size: int = DEFAULT_BUFFER_SIZE,
                        atomic_step: bool = True, prefetch_numel: int | None = None, persistence_threshold: int = 0,
                        model_persistence_threshold: int | None = None,
-                       reductions_in_flight: int = 0) -> "ModelSettings":
+                       reductions_in_flight: int = 0, shard_group_size: int | None = None) -> "ModelSettings":
         """The settings named by ``ShardedModelV2``'s arguments (the same names and defaults)."""
         return ModelSettings(
             shard_strategy, process_group, reduce_scatter_process_group,
@@ -192,7 +196,7 @@ class ModelSettings:
                               reductions_in_flight),
             reuse_fp16_shard, dtype, chunk_size,
             DiskSettings(offload_optimizer, offload_param, nvme_path, buffer_count, buffer_size, atomic_step),
-            prefetch_numel, persistence_threshold, model_persistence_threshold)
+            prefetch_numel, persistence_threshold, model_persistence_threshold, shard_group_size)
 
     def policy(self) -> PlacementPolicy:
         """The placement policy these settings choose."""
@@ -205,7 +209,8 @@ MODEL_KEYWORDS = ("shard_strategy", "process_group", "reduce_scatter_process_gro
                   "fp32_reduce_scatter", "tensor_placement_policy", "gradient_predivide_factor", "reuse_fp16_shard",
                   "dtype", "chunk_size", "offload_param_frac", "offload_optim_frac", "offload_optimizer",
                   "offload_param", "nvme_path", "buffer_count", "buffer_size", "atomic_step", "prefetch_numel",
-                  "persistence_threshold", "model_persistence_threshold", "reductions_in_flight")
+                  "persistence_threshold", "model_persistence_threshold", "reductions_in_flight",
+                  "shard_group_size")
 """The keyword arguments of :meth:`ModelSettings.from_arguments` (``ShardedModelV2``'s, and the keys of
 the ColossalAI form's ``model_config``)."""
 

@@ -296,7 +296,7 @@ def test_deepspeed_fp16_section_sets_the_loss_scaler_and_bf16_the_dtype():
     ({"zero_optimization": {"stage": 3}, "fp16": {"enabled": True}, "bf16": {"enabled": True}},
      "bf16.enabled", "false when fp16.enabled is true"),
     ({"zero_optimization": {"stage": 3, "mics_shard_size": 8, "mics_hierarchical_params_gather": False}},
-     "zero_optimization.mics_shard_size", "-1"),
+     "zero_optimization.mics_shard_size", "divisor >= 2 of the 1 data-parallel ranks"),
     ({"zero_optimization": {"stage": 3, "cpu_offload": True}}, "zero_optimization.cpu_offload", "offload_optimizer"),
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}},
      "zero_optimization.offload_optimizer.nvme_path", "a directory path"),
@@ -444,3 +444,15 @@ def test_overlap_comm_at_stage_3_leaves_reductions_in_flight():
             warnings.simplefilter("error", NoEffectWarning)
             m, _ = cm.initialize(model, cm.HybridAdam(model.parameters()), {"zero_optimization": zero})
         assert m.reductions_in_flight == expected
+
+
+def test_mics_shard_size_maps_onto_shard_groups():
+    zero = {"stage": 3, "offload_param": {"device": "cpu"}, "mics_shard_size": -1}
+    model = make_model()
+    m, _ = cm.initialize(model, cm.HybridAdam(model.parameters()), {"zero_optimization": zero})
+    assert m.shard_group_size == 1 and m.replicas is None  # one process: its one group
+    with pytest.raises(cm.InvalidArgumentError, match=r"^zero_optimization\.mics_shard_size=2.*divisor"):
+        cm.initialize(make_model(), config={"zero_optimization": dict(zero, mics_shard_size=2)})
+    with pytest.raises(cm.InvalidArgumentError, match=r"^zero_optimization\.mics_shard_size=2.*stage 1 or 2"):
+        plain = make_model()
+        cm.initialize(plain, torch.optim.AdamW(plain.parameters()), {"zero_optimization": {"stage": 2, "mics_shard_size": 2}})

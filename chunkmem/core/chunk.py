@@ -103,6 +103,11 @@ class ChunkHost(Protocol):
     def grads_pending(self) -> bool:
         """Whether a backward left gradients that no step or ``zero_grad`` consumed yet."""
 
+    @property
+    def data_parallel(self) -> ShardGroup:
+        """Every rank the model trains on (a chunk's own ``shards`` may be fewer: shard groups, or one
+        process for a replicated chunk)."""
+
     def owns(self, chunk: "Chunk") -> bool:
         """Whether ``chunk`` is one of this model's chunks now."""
 

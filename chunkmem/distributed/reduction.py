@@ -17,11 +17,16 @@ class GradientReduction:
     ``world / predivide_factor``: the mean over the ranks. A gradient is reduced in pieces of at most
     ``bucket_bytes`` of collective input (every rank's part of the piece, in the reduction dtype), so the
     fp32 temporaries stay within one bucket. ``collectives`` counts the collectives run so far.
+
+    With shard groups (:mod:`chunkmem.distributed.shard_groups`) the sum inside the shard group
+    (``shards``) is then summed over the ``replicas`` group before the division: the mean over all
+    ``data_parallel`` ranks.
     """
 
     def __init__(self, shards: ShardGroup, bucket_bytes: int = 25 * 2**20, fp32: bool = False,
-                 predivide_factor: float = 1.0) -> None:
+                 predivide_factor: float = 1.0, replicas: ShardGroup | None = None) -> None:
         self.shards = shards
+        self.replicas = replicas
         self.bucket_bytes = bucket_bytes
         self.fp32 = fp32
         self.predivide_factor = predivide_factor
@@ -42,7 +47,7 @@ class GradientReduction:
         out = self._out_buffer(full.numel() // self.shards.world, self._dtype(full), full.device)
         for out_piece, parts in self._pieces(full, out):
             self.shards.reduce_scatter(out_piece, parts, what=what)
-        return _mean(out, self._post_divisor, full.dtype)
+        return _mean(out, self.replicas, what, self._post_divisor, full.dtype)
 
     def start(self, full: torch.Tensor, what: str) -> "PendingReduction":
         """:meth:`reduce` started, every bucket's collective at once, into a buffer of its own: the
@@ -51,7 +56,7 @@ class GradientReduction:
         out = torch.empty(full.numel() // self.shards.world, dtype=self._dtype(full), device=full.device)
         started = [self.shards.start_reduce_scatter(out_piece, parts, what=what)
                    for out_piece, parts in self._pieces(full, out)]
-        return PendingReduction(started, out, self._post_divisor, full.dtype)
+        return PendingReduction(started, out, self.replicas, what, self._post_divisor, full.dtype)
 
     def _dtype(self, full: torch.Tensor) -> torch.dtype:
         return torch.float32 if self.fp32 else full.dtype
@@ -72,9 +77,14 @@ class GradientReduction:
             yield out[start:end], parts
 
     @property
+    def data_parallel_world(self) -> int:
+        """The ranks the gradients are averaged over (the shard group's, times the replica group's)."""
+        return self.shards.world * (1 if self.replicas is None else self.replicas.world)
+
+    @property
     def _post_divisor(self) -> float:
         """What the summed shard is divided by to give the mean (the predivision done)."""
-        return self.shards.world / self.predivide_factor
+        return self.data_parallel_world / self.predivide_factor
 
     def all_reduce_mean_(self, full: torch.Tensor, what: str) -> torch.Tensor:
         """``full`` (a chunk's whole gradient on every rank) replaced by its mean over the ranks, in place,
@@ -100,19 +110,24 @@ class GradientReduction:
 class PendingReduction:
     """A chunk's gradient reduction started by :meth:`GradientReduction.start`."""
 
-    def __init__(self, started: list[PendingCollective], out: torch.Tensor, post_divisor: float,
-                 dtype: torch.dtype) -> None:
-        self._started, self._out, self._post_divisor, self._dtype = started, out, post_divisor, dtype
+    def __init__(self, started: list[PendingCollective], out: torch.Tensor, replicas: ShardGroup | None, what: str,
+                 post_divisor: float, dtype: torch.dtype) -> None:
+        self._started, self._out, self._replicas, self._what = started, out, replicas, what
+        self._post_divisor, self._dtype = post_divisor, dtype
 
     def wait(self) -> torch.Tensor:
         """Wait for every bucket; this rank's shard of the mean over the ranks, in the gradient's dtype."""
         for pending in self._started:
             pending.wait()
-        return _mean(self._out, self._post_divisor, self._dtype)
+        return _mean(self._out, self._replicas, self._what, self._post_divisor, self._dtype)
 
 
-def _mean(summed: torch.Tensor, post_divisor: float, dtype: torch.dtype) -> torch.Tensor:
-    """The summed shard divided (in place) into the mean over the ranks, in ``dtype``."""
+def _mean(summed: torch.Tensor, replicas: ShardGroup | None, what: str, post_divisor: float,
+          dtype: torch.dtype) -> torch.Tensor:
+    """The shard group's sum, summed over the replica group (in place), divided into the mean over the
+    data-parallel ranks, in ``dtype``."""
+    if replicas is not None:
+        replicas.all_reduce_(summed, what=f"{what} (over the replica group)")
     if post_divisor != 1.0:
         summed.div_(post_divisor)
     return summed.to(dtype)

@@ -144,14 +144,13 @@ def load_checkpoint(path: str | os.PathLike, model: ShardedModelV2, optimizer: S
     check_type("elastic", elastic, bool, "True or False")
     refuse_grads_in_param_memory(model, "load_checkpoint")
     refuse_chunks_in_use(model, "load_checkpoint")
-    group = _group_of(model)
     error: Exception | None = None
     apply: Callable[[], None] | None = None
     try:
         apply = _plan_sharded(path, model, optimizer, elastic) if os.path.isdir(path) else _plan_full(path, model, optimizer)
     except Exception as exc:  # noqa: BLE001 - re-raised below, after the ranks agree
         error = exc
-    _agree(group, error, f"loading {path!r}")
+    _agree(model.data_parallel, error, f"loading {path!r}")
     apply()
 
 
@@ -223,7 +222,7 @@ def _check_load_args(path: Any, model: Any, optimizer: Any) -> str:
 def _save_full(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None) -> None:
     model_state = model.state_dict(rank0_only=True)
     optimizer_state = optimizer.state_dict(rank0_only=True) if optimizer is not None else None
-    _write_full(path, _group_of(model), model_state, optimizer_state)
+    _write_full(path, model.data_parallel, model_state, optimizer_state)
 
 
 def _write_full(path: str, group: ShardGroup, model_state: Any, optimizer_state: Any) -> None:
@@ -335,6 +334,21 @@ def _plan_low_level_zero(path: str, model: torch.nn.Module, optimizer: Any) -> C
 
 
 def _save_sharded(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None) -> None:
+    """Every shard group holds the same shards: the first one writes them, and all ranks agree on the
+    outcome (without shard groups, the one group does both)."""
+    if model.replicas is None:
+        _save_shards(path, model, optimizer)
+        return
+    error = None
+    if model.replicas.rank == 0:
+        try:
+            _save_shards(path, model, optimizer)
+        except Exception as exc:  # noqa: BLE001 - re-raised by _agree
+            error = exc
+    _agree(model.data_parallel, error, f"saving {path!r}")
+
+
+def _save_shards(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None) -> None:
     group = _group_of(model)
     try:
         os.makedirs(path, exist_ok=True)
@@ -844,7 +858,7 @@ def _remove_stale(path: str, token: str) -> None:
 
 
 def _group_of(model: ShardedModelV2) -> ShardGroup:
-    """The data-parallel group the model's chunks are sharded over."""
+    """The ranks the model's chunks are sharded over (its shard group, with shard groups)."""
     return model.chunks[0].shards if model.chunks else SINGLE_PROCESS
 
 

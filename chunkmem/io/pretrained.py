@@ -330,7 +330,7 @@ def save_pretrained(model: Any, save_directory: str | os.PathLike, max_shard_siz
     check_type("save_directory", save_directory, (str, os.PathLike), "a directory path")
     max_bytes = parse_size(max_shard_size, "max_shard_size", minimum=1)
     if is_main_process is None:
-        is_main_process = model.shards.rank == 0
+        is_main_process = model.data_parallel.rank == 0
     check_type("is_main_process", is_main_process, bool, "None, True or False")
     directory = os.fspath(save_directory)
     if os.path.isfile(directory):

@@ -123,8 +123,8 @@ class ShardedOptimizerV2(Optimizer):
                           f"tensor_placement_policy={sharded_model.tensor_placement_policy!r}; it is used only "
                           f"with 'auto'", stacklevel=3)
         try:  # a rank refused here still meets the others' agreement (else they would wait for it)
-            dp_shards = sharded_model.shards.of_same_ranks(settings.dp_process_group, "dp_process_group",
-                                                           "the model's data-parallel ranks (its process_group)")
+            dp_shards = sharded_model.data_parallel.of_same_ranks(
+                settings.dp_process_group, "dp_process_group", "the model's data-parallel ranks (its process_group)")
             if settings.mp_process_group is not None:
                 ShardGroup.of(settings.mp_process_group, "mp_process_group")
             self._check_step_in_backward(sharded_model.settings, sharded_model.dtype, settings.step_in_backward)
@@ -136,7 +136,7 @@ class ShardedOptimizerV2(Optimizer):
             layout = self._state_layout(sharded_model, optimizer)
             self._check_capacity(sharded_model, layout)
         except ChunkmemError as refused:
-            refuse_together(sharded_model.shards, "ShardedOptimizerV2", refused)
+            refuse_together(sharded_model.data_parallel, "ShardedOptimizerV2", refused)
         self._agree_on_settings(sharded_model, optimizer, settings, group_of)
         self._reserve_disk(sharded_model, layout)
 
@@ -145,8 +145,11 @@ class ShardedOptimizerV2(Optimizer):
         self.settings = settings
         self.runtime = sharded_model.runtime
         self._group_of = group_of
+        # The norm sums over the ranks holding one copy of the gradients: the shard group (with shard
+        # groups every replica group holds the same reduced shards).
+        norm_ranks = dp_shards if sharded_model.replicas is None else sharded_model.shards
         self.mixed = MixedPrecisionStep(scaler if sharded_model.dtype == torch.float16 else None,
-                                        (dp_shards.group if dp_shards.sharded else None, settings.mp_process_group),
+                                        (norm_ranks.group if norm_ranks.sharded else None, settings.mp_process_group),
                                         settings.verbose)
         # backward passes of the model whose gradients may be stepped on (all of them without a scaler;
         # with one, those run by backward() / backward_by_grad())
@@ -261,7 +264,7 @@ class ShardedOptimizerV2(Optimizer):
                        ("max_norm", str(settings.max_norm)), ("norm_type", str(settings.norm_type)),
                        ("gpu_margin_mem_ratio", str(settings.gpu_margin_mem_ratio)),
                        ("step_in_backward", str(settings.step_in_backward))]
-        agree(model.shards, LayoutDescription("ShardedOptimizerV2", description, params))
+        agree(model.data_parallel, LayoutDescription("ShardedOptimizerV2", description, params))
 
     @staticmethod
     def _state_layout(model: ShardedModelV2, optimizer: Any) -> StateLayout | None:

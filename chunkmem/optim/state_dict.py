@@ -98,7 +98,7 @@ def optimizer_state_dict(optim: Any, rank0_only: bool) -> dict[str, Any]:
             if id(slot.param) in index_of:
                 state[index_of[id(slot.param)]] = adam_entry(chunk.step, slot.view(exp_avg), slot.view(exp_avg_sq),
                                                              slot.shape)
-    if rank0_only and optim.model.shards.rank != 0:
+    if rank0_only and optim.model.data_parallel.rank != 0:
         return {}
     scaler = optim.grad_scaler.state_dict() if optim.grad_scaler is not None else None
     return {"state": dict(sorted(state.items())), "param_groups": groups, "loss_scaler": scaler}

@@ -70,7 +70,7 @@ class GatheredParameters:
         self._entered = False
         if enabled and modifier_rank is not None:
             for chunk in self.chunks:
-                world = chunk.shards.world
+                world = chunk.host.data_parallel.world
                 if not 0 <= modifier_rank < world:
                     raise InvalidArgumentError("modifier_rank", modifier_rank,
                                                f"None or a rank in [0, {world}) of the model's data-parallel group")
@@ -97,8 +97,9 @@ class GatheredParameters:
         new_values: dict[int, torch.Tensor] = {}
         if writable and exc[0] is None:
             with torch.no_grad():
-                for chunk in self.chunks:
-                    chunk.shards.broadcast_(chunk.param.device, self.modifier_rank, what=f"{chunk.name} parameters")
+                for chunk in self.chunks:  # over every rank: shard groups and replicated chunks hold copies too
+                    chunk.host.data_parallel.broadcast_(chunk.param.device, self.modifier_rank,
+                                                        what=f"{chunk.name} parameters")
                 for slot in self.slots:
                     new_values[id(slot)] = slot.view(slot.chunk.param.device).clone()
         for host, chunks in _by_host(self.chunks):

@@ -53,7 +53,7 @@ from ..core.memory import TierMemory
 from ..core.param_guard import remembered_externals, slot_of
 from ..core.tiers import Tier, device_of_tier
 from ..distributed.agreement import agree_on_point
-from ..distributed.collectives import CollectiveError
+from ..distributed.collectives import CollectiveError, ShardGroup
 from ..distributed.reduction import GradientReduction
 from .capacity import CapacityCheck
 from .executor import ChunkExecutor
@@ -106,7 +106,7 @@ class ChunkRuntime:
 
     def __init__(self, root: nn.Module, chunks: list[Chunk], memory: TierMemory, policy: PlacementPolicy,
                  gradients_in_param_memory: bool, reduction: GradientReduction, gather_together: bool,
-                 check_capacity: CapacityCheck, reductions_in_flight: int = 0) -> None:
+                 check_capacity: CapacityCheck, data_parallel: ShardGroup, reductions_in_flight: int = 0) -> None:
         self.root = root
         self._check_capacity = check_capacity
         self.policy = policy
@@ -114,6 +114,7 @@ class ChunkRuntime:
         self.executor = ChunkExecutor(chunks, memory, policy, self.state, gather_together)
         self.scheduler = Scheduler(memory.ledger, policy, self.state, device_of_tier(Tier.DEVICE))
         self.reduction = reduction
+        self.data_parallel = data_parallel  # every rank of the model (agreement and planning collectives)
         self.gradients = gradient_store(gradients_in_param_memory, self.executor, reduction, self.scheduler.adopt)
         self.grads_pending = False
         self.reductions_in_flight = reductions_in_flight  # the bound (see ShardedModelV2's argument)
@@ -333,7 +334,7 @@ class ChunkRuntime:
         (:data:`~chunkmem.distributed.agreement.POINTS`) with equal ``fields`` (one small all-reduce; the
         first collective of every forward, ``clip_grad_norm`` and step, so ranks that skipped or repeated
         a call meet here and stop, instead of pairing mismatched collectives)."""
-        agree_on_point(self.reduction.shards, point, where, fields)
+        agree_on_point(self.data_parallel, point, where, fields)
 
     @_untraced
     def end_step(self, release_gradients: bool) -> None:
@@ -593,7 +594,7 @@ class ChunkRuntime:
         if not chunks:
             return
         peaks = [p.non_model_peak for p in self.scheduler.periods or []]
-        shards = self.reduction.shards
+        shards = self.data_parallel
         if shards.sharded and peaks:  # every rank must fetch the same chunks in the same order
             agreed = torch.tensor(peaks, dtype=torch.int64)
             shards.all_reduce_(agreed, torch.distributed.ReduceOp.MAX, what="the traced non-model memory peaks")
@@ -606,7 +607,7 @@ class ChunkRuntime:
             buf.allocated for buf in largest_trainable.optim.values())
         inputs = PlanInputs(self.memory.ledger.capacity, largest.param.nbytes,
                             self._optimizer_group_bytes(largest_trainable) if optimizer_state else 0,
-                            self.gradients.in_param_memory, shards.sharded, peaks)
+                            self.gradients.in_param_memory, self.reduction.shards.sharded, peaks)
         for index in self.scheduler.make_plan(inputs):
             self.gradients.flatten(chunks[index])  # its gradient buffer moves with the state
             self.executor.move_optimizer_state(chunks[index], Tier.DEVICE)
