@@ -132,3 +132,23 @@ def test_a_model_built_in_a_sharded_context_is_repacked_with_its_persistent_chun
         assert plain["replicated"] == from_context["replicated"] == 1
         for name, value in plain["state"].items():
             assert torch.equal(value, from_context["state"][name]), name
+
+
+def _modify_on_rank0(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = cm.ShardedModelV2(TinyGPT(), cm.TensorShardStrategy(), tensor_placement_policy="cpu", dtype=torch.float32,
+                              persistence_threshold=100)
+    bias, weight = model.module.ln_f.bias, model.module.side.weight  # a persistent parameter and a sharded one
+    with cm.GatheredParameters([bias, weight], modifier_rank=0), torch.no_grad():
+        if rank == 0:
+            bias.add_(1.0)
+            weight.add_(1.0)
+    return model.state_dict()
+
+
+def test_gathered_parameters_modifier_rank_reaches_persistent_chunks_on_every_rank():
+    """Regression: a replicated (persistent) chunk's new values stayed on the modifier rank only."""
+    ranks = run_ranks(_modify_on_rank0, 2)
+    for key in ("ln_f.bias", "side.weight"):
+        assert torch.equal(ranks[0][key], ranks[1][key]), key
+    assert torch.equal(ranks[1]["ln_f.bias"], torch.ones(32))  # LayerNorm's zero bias, plus one
