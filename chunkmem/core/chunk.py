@@ -46,6 +46,7 @@ import torch
 import torch.nn as nn
 
 from ..distributed.collectives import SINGLE_PROCESS, PendingCollective, ShardGroup, start_all_gather
+from ..distributed.traffic import count_collective
 from .disk_tier import DiskRegion
 from .layout import part_in_shard
 from .memory import TierMemory
@@ -355,6 +356,7 @@ class ParamBuffer:
         self.allocate_device()
         self._device_life.fill_started()
         if self.sharded:
+            count_collective("parameters", "all_gather", self.shards.world, self.nbytes)
             gathering = start_all_gather(self.shards, self.device, self.shard.read(), what=f"{self.owner} parameters")
             transfer = Transfer(lambda: self._gathered(gathering))
         elif self.shard.on_disk:  # read on the disk tier's fetch thread: overlaps compute when prefetched
@@ -554,6 +556,7 @@ def gather_together(buffers: list[ParamBuffer]) -> None:
     device = first.device.device
     local = torch.cat([b.shard.tensor.to(device) for b in buffers])
     gathered = torch.empty(shards.world * local.numel(), dtype=first.dtype, device=device)
+    count_collective("parameters", "all_gather", shards.world, gathered.numel() * gathered.element_size())
     shards.all_gather(gathered, local, what="parameters of " + ", ".join(b.owner for b in buffers))
     by_rank = gathered.view(shards.world, local.numel())
     offset = 0

@@ -7,6 +7,7 @@ from typing import Iterator
 import torch
 
 from .collectives import PendingCollective, ShardGroup
+from .traffic import count_collective
 
 
 class GradientReduction:
@@ -74,6 +75,7 @@ class GradientReduction:
                 for p in parts:
                     p.div_(self.predivide_factor)
             self.collectives += 1
+            count_collective("gradients", "reduce_scatter", world, world * (end - start) * out.element_size())
             yield out[start:end], parts
 
     @property
@@ -98,6 +100,7 @@ class GradientReduction:
             summed = part.to(dtype, copy=True) if dtype != full.dtype else part
             if self.predivide_factor != 1.0:
                 summed.div_(self.predivide_factor)
+            count_collective("gradients", "all_reduce", self.shards.world, summed.numel() * summed.element_size())
             self.shards.all_reduce_(summed, what=what)
             self.collectives += 1
             if post != 1.0:
@@ -127,6 +130,7 @@ def _mean(summed: torch.Tensor, replicas: ShardGroup | None, what: str, post_div
     """The shard group's sum, summed over the replica group (in place), divided into the mean over the
     data-parallel ranks, in ``dtype``."""
     if replicas is not None:
+        count_collective("gradients", "all_reduce", replicas.world, summed.numel() * summed.element_size())
         replicas.all_reduce_(summed, what=f"{what} (over the replica group)")
     if post_divisor != 1.0:
         summed.div_(post_divisor)
