@@ -8,7 +8,8 @@ accumulation) are listed and priced:
 * ``mics``: shard groups of one node's ranks (``shard_group_size = ranks per node``);
 * ``hpz`` (model only, not implemented): ZeRO++'s secondary partition, the backward's gathers inside a node;
 * ``qwz`` (model only): flat, parameters gathered as int8 with one fp32 scale per ``--block`` elements;
-* ``qgz`` (model only): flat, gradients reduced as int8 with one fp32 scale per block;
+* ``qgz``: flat, gradients exchanged as int8 with one fp32 scale per block in one all-to-all a chunk
+  (``quantized_gradients``);
 * ``zero++`` (model only): hpz + qwz + qgz.
 
 What chunkmem issues, per step, with the parameters resting on the host (``cpu`` or ``auto`` placement,
@@ -21,8 +22,8 @@ over the replica group. A collective's bytes sent per rank are those of a ring i
 inter-node bandwidth (the slowest link of the ring), one inside a node at the intra-node bandwidth.
 Compute, latency and overlap are left out: the times are the communication alone, serialised.
 
-``--check`` runs the implementation here (gloo, 2 and 4 ranks, flat and 2 groups of 2) for one step of a
-small model and compares the collectives it counted (:mod:`chunkmem.distributed.traffic`) with the
+``--check`` runs the implementation here (gloo, 2 and 4 ranks, flat, 2 groups of 2, and 2 ranks with
+quantized gradients) for one step of a small model and compares the collectives it counted (:mod:`chunkmem.distributed.traffic`) with the
 model's list for the same chunks: they must agree exactly (calls and buffer bytes of each kind).
 
 Usage::
@@ -43,7 +44,7 @@ from fractions import Fraction
 from chunkmem.distributed.traffic import bytes_sent
 
 LAYOUTS = ("flat", "mics", "hpz", "qwz", "qgz", "zero++")
-IMPLEMENTED = ("flat", "mics")
+IMPLEMENTED = ("flat", "mics", "qgz")
 RANKS = (8, 16, 32, 64, 128, 256, 512, 1024)
 
 
@@ -103,8 +104,9 @@ def step_collectives(numels: list[int], trainable: list[bool], world: int, layou
                 add("parameters", "all_gather", shard_world, weight_bytes(numel), spans)
         if not trainable[k]:
             continue
-        if quantized_grads:
-            add("gradients", "reduce_scatter", world, numel + 4 * math.ceil(numel / block), spans)
+        if quantized_grads:  # every rank's part quantized on its own: its blocks restart at each part
+            part = numel // shard_world
+            add("gradients", "all_to_all", shard_world, shard_world * (part + 4 * math.ceil(part / block)), spans)
             continue
         piece = max(bucket_bytes // (shard_world * reduce_element_bytes), 1)
         shard = numel // shard_world
@@ -157,7 +159,7 @@ def table(params: float, ranks: tuple[int, ...], ranks_per_node: int, intra_gbps
 
 # ---- the check against the implementation ----------------------------------------------------------------
 
-def _counted_step(rank: int, world: int, group_size: int | None) -> dict:
+def _counted_step(rank: int, world: int, group_size: int | None, quantized: bool) -> dict:
     import torch
 
     import chunkmem as cm
@@ -167,7 +169,7 @@ def _counted_step(rank: int, world: int, group_size: int | None) -> dict:
     net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
     model = cm.ShardedModelV2(net, cm.TensorShardStrategy(), tensor_placement_policy="cpu", dtype=torch.float32,
                               chunk_size=2 * 64 * 65 * 4, shard_group_size=group_size,
-                              reduce_scatter_bucket_size_mb=0.01)
+                              reduce_scatter_bucket_size_mb=0.01, quantized_gradients=quantized)
     optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-3))
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(rank))
     for step in range(3):  # the first step traces; the counted one follows the schedule
@@ -187,11 +189,12 @@ def check() -> int:
 
     failures = 0
     print(f"{'ranks':>5} {'layout':<7} {'collective':<28} {'model calls/bytes':>18} {'counted calls/bytes':>20}")
-    for world, layout, group in ((2, "flat", None), (4, "flat", None), (4, "mics", 2)):
-        results = run_ranks(_counted_step, world, group)
+    for world, layout, group in ((2, "flat", None), (4, "flat", None), (4, "mics", 2), (2, "qgz", None)):
+        results = run_ranks(_counted_step, world, group, layout == "qgz")
         first = results[0]
         predicted = step_collectives(first["numels"], first["trainable"], world, layout, ranks_per_node=2,
-                                     element_bytes=4, bucket_bytes=first["bucket_bytes"], group_size=group)
+                                     element_bytes=4, bucket_bytes=first["bucket_bytes"], group_size=group,
+                                     block=2048)
         model = {(c.what, c.collective, c.world): (c.calls, c.buffer_bytes) for c in predicted}
         for rank, result in enumerate(results):
             if result["counted"] != model:

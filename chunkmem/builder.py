@@ -114,7 +114,7 @@ def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
     _cast_buffers(module, dtype)
     reduction = GradientReduction(reduce_shards if groups.replicas is None else shards, settings.reduction.bucket_bytes,
                                   settings.reduction.fp32_reduce_scatter, settings.reduction.gradient_predivide_factor,
-                                  groups.replicas)
+                                  groups.replicas, settings.reduction.quantized_gradients)
     runtime = ChunkRuntime(module, chunks, memory, policy, settings.reuse_fp16_shard, reduction,
                            settings.shard_strategy.bucketed, check_capacity, groups.data_parallel,
                            settings.reduction.reductions_in_flight)
@@ -222,6 +222,8 @@ def _agree_on_layout(settings: ModelSettings, layout: ChunkLayout, groups: Group
         ("fp32_reduce_scatter", str(reduction.fp32_reduce_scatter)),
         ("reduce_scatter_bucket_size_mb", str(reduction.reduce_scatter_bucket_size_mb)),
         ("gradient_predivide_factor", str(reduction.gradient_predivide_factor)),
+        ("quantized_gradients", str(reduction.quantized_gradients)),
+        ("reductions_in_flight", str(reduction.reductions_in_flight)),
         ("offload_optimizer", repr(disk.offload_optimizer)),
         ("offload_param", repr(disk.offload_param)),
         ("disk buffers", f"{disk.buffer_count} x {disk.buffer_size} bytes" if disk.enabled else "none"),

@@ -108,12 +108,15 @@ class ReductionSettings:
     """How gradients are reduce-scattered over the ranks: at most ``reduce_scatter_bucket_size_mb`` MiB
     of collective input at a time, in fp32 (``fp32_reduce_scatter``) or the model dtype, each rank's
     gradient divided by ``gradient_predivide_factor`` first; at most ``reductions_in_flight`` chunks'
-    reduce-scatters left running while the backward goes on (``0``: each waited for at once)."""
+    reduce-scatters left running while the backward goes on (``0``: each waited for at once); with
+    ``quantized_gradients``, exchanged as blockwise int8 instead (ZeRO++'s qgZ,
+    :class:`~chunkmem.distributed.reduction.GradientReduction`)."""
 
     reduce_scatter_bucket_size_mb: float = 25
     fp32_reduce_scatter: bool = False
     gradient_predivide_factor: float = 1.0
     reductions_in_flight: int = 0
+    quantized_gradients: bool = False
 
     def __post_init__(self) -> None:
         check_number("reduce_scatter_bucket_size_mb", self.reduce_scatter_bucket_size_mb, low=0, low_open=True,
@@ -122,6 +125,7 @@ class ReductionSettings:
         check_number("gradient_predivide_factor", self.gradient_predivide_factor, low=0.0, low_open=True,
                      finite=True)
         check_number("reductions_in_flight", self.reductions_in_flight, low=0, integer=True)
+        _check_bool("quantized_gradients", self.quantized_gradients)
 
     @property
     def bucket_bytes(self) -> int:
@@ -187,13 +191,14 @@ class ModelSettings:
                        buffer_count: int = DEFAULT_BUFFER_COUNT, buffer_size: int = DEFAULT_BUFFER_SIZE,
                        atomic_step: bool = True, prefetch_numel: int | None = None, persistence_threshold: int = 0,
                        model_persistence_threshold: int | None = None,
-                       reductions_in_flight: int = 0, shard_group_size: int | None = None) -> "ModelSettings":
+                       reductions_in_flight: int = 0, shard_group_size: int | None = None,
+                       quantized_gradients: bool = False) -> "ModelSettings":
         """The settings named by ``ShardedModelV2``'s arguments (the same names and defaults)."""
         return ModelSettings(
             shard_strategy, process_group, reduce_scatter_process_group,
             PlacementSettings(tensor_placement_policy, offload_param_frac, offload_optim_frac),
             ReductionSettings(reduce_scatter_bucket_size_mb, fp32_reduce_scatter, gradient_predivide_factor,
-                              reductions_in_flight),
+                              reductions_in_flight, quantized_gradients),
             reuse_fp16_shard, dtype, chunk_size,
             DiskSettings(offload_optimizer, offload_param, nvme_path, buffer_count, buffer_size, atomic_step),
             prefetch_numel, persistence_threshold, model_persistence_threshold, shard_group_size)
@@ -210,7 +215,7 @@ MODEL_KEYWORDS = ("shard_strategy", "process_group", "reduce_scatter_process_gro
                   "dtype", "chunk_size", "offload_param_frac", "offload_optim_frac", "offload_optimizer",
                   "offload_param", "nvme_path", "buffer_count", "buffer_size", "atomic_step", "prefetch_numel",
                   "persistence_threshold", "model_persistence_threshold", "reductions_in_flight",
-                  "shard_group_size")
+                  "shard_group_size", "quantized_gradients")
 """The keyword arguments of :meth:`ModelSettings.from_arguments` (``ShardedModelV2``'s, and the keys of
 the ColossalAI form's ``model_config``)."""
 

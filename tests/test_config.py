@@ -456,3 +456,16 @@ def test_mics_shard_size_maps_onto_shard_groups():
     with pytest.raises(cm.InvalidArgumentError, match=r"^zero_optimization\.mics_shard_size=2.*stage 1 or 2"):
         plain = make_model()
         cm.initialize(plain, torch.optim.AdamW(plain.parameters()), {"zero_optimization": {"stage": 2, "mics_shard_size": 2}})
+
+
+def test_zero_quantized_gradients_maps_at_stage_3_only():
+    model = make_model()
+    zero = {"stage": 3, "offload_param": {"device": "cpu"}, "zero_quantized_gradients": True}
+    m, _ = cm.initialize(model, cm.HybridAdam(model.parameters()), {"zero_optimization": zero})
+    assert m.quantized_gradients is True
+    with pytest.raises(cm.ArgumentTypeError, match=r"^zero_optimization\.zero_quantized_gradients='yes'"):
+        cm.initialize(make_model(), config={"zero_optimization": dict(zero, zero_quantized_gradients="yes")})
+    plain = make_model()
+    with pytest.raises(cm.InvalidArgumentError, match=r"^zero_optimization\.zero_quantized_gradients=True.*stage 1"):
+        cm.initialize(plain, torch.optim.AdamW(plain.parameters()),
+                      {"zero_optimization": {"stage": 2, "zero_quantized_gradients": True}})

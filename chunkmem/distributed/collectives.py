@@ -350,6 +350,20 @@ def start_reduce_scatter(shards: ShardGroup, out: torch.Tensor, joined: torch.Te
     return PendingCollective("reduce_scatter", what, shards.group, work, work_out, out)
 
 
+def start_all_to_all(shards: ShardGroup, out: torch.Tensor, rows: torch.Tensor, what: str) -> PendingCollective:
+    """Start sending row ``r`` of ``rows`` (``world`` equal rows, contiguous) to rank ``r``; ``out`` (shaped
+    like ``rows``) holds in row ``r`` what rank ``r`` sent this rank once the returned handle's ``wait()``
+    returned. ``rows`` must stay unchanged until then."""
+    if not shards.sharded:
+        out.copy_(rows)
+        return PendingCollective("all_to_all", what, None, None, out, out)
+    bound_gloo_timeout(shards.group)
+    device = _comm_device(shards.group, out)
+    work_out = out if out.device == device else torch.empty_like(out, device=device)
+    work = dist.all_to_all_single(work_out, rows.to(device), group=shards.group, async_op=True)
+    return PendingCollective("all_to_all", what, shards.group, work, work_out, out)
+
+
 def _complete(collective: str, what: str, group: Any, start: Callable[[], Any]) -> None:
     """Start a collective (``start`` launches it with ``async_op=True``) and wait for it, at most
     :func:`collective_timeout` seconds except with NCCL (see the module docstring)."""

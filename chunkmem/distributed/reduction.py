@@ -2,11 +2,12 @@
 those of a chunk whole on every rank (persistent parameters) all-reduced."""
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
-from .collectives import PendingCollective, ShardGroup
+from .collectives import PendingCollective, ShardGroup, start_all_to_all
+from .quantization import dequantize, pack, quantize, unpack
 from .traffic import count_collective
 
 
@@ -22,12 +23,20 @@ class GradientReduction:
     With shard groups (:mod:`chunkmem.distributed.shard_groups`) the sum inside the shard group
     (``shards``) is then summed over the ``replicas`` group before the division: the mean over all
     ``data_parallel`` ranks.
+
+    ``quantized`` (ZeRO++'s qgZ): instead of a reduce-scatter, each rank quantizes every other rank's part
+    of its predivided gradient to blockwise int8 (:mod:`chunkmem.distributed.quantization`), the parts
+    are exchanged in one all-to-all of the whole chunk (no buckets), and each rank sums the dequantized
+    parts it received in fp32, in rank order: ``1 + 4 / 2048`` bytes an element cross the network instead
+    of the element size, and the sum is off by at most the sum over the ranks of half a block's scale
+    (``max |x| / 254`` of each rank's block).
     """
 
     def __init__(self, shards: ShardGroup, bucket_bytes: int = 25 * 2**20, fp32: bool = False,
-                 predivide_factor: float = 1.0, replicas: ShardGroup | None = None) -> None:
+                 predivide_factor: float = 1.0, replicas: ShardGroup | None = None, quantized: bool = False) -> None:
         self.shards = shards
         self.replicas = replicas
+        self.quantized = quantized
         self.bucket_bytes = bucket_bytes
         self.fp32 = fp32
         self.predivide_factor = predivide_factor
@@ -45,6 +54,8 @@ class GradientReduction:
         device tier, ``world × shard`` elements; it may be overwritten), in ``full``'s dtype. ``what``
         names the gradients for a collective's error. The result is valid until the next call (its
         buffer is reused: copy it out)."""
+        if self.quantized:
+            return self._start_quantized(full, what).wait()
         out = self._out_buffer(full.numel() // self.shards.world, self._dtype(full), full.device)
         for out_piece, parts in self._pieces(full, out):
             self.shards.reduce_scatter(out_piece, parts, what=what)
@@ -54,10 +65,29 @@ class GradientReduction:
         """:meth:`reduce` started, every bucket's collective at once, into a buffer of its own: the
         returned handle's ``wait()`` gives the shard (the same bits as :meth:`reduce`). ``full`` must stay
         unchanged until then; with ``fp32`` its fp32 copy lives as long (not one bucket at a time)."""
+        if self.quantized:
+            return self._start_quantized(full, what)
         out = torch.empty(full.numel() // self.shards.world, dtype=self._dtype(full), device=full.device)
         started = [self.shards.start_reduce_scatter(out_piece, parts, what=what)
                    for out_piece, parts in self._pieces(full, out)]
-        return PendingReduction(started, out, self.replicas, what, self._post_divisor, full.dtype)
+        return PendingReduction(started, lambda: out, self.replicas, what, self._post_divisor, full.dtype)
+
+    def _start_quantized(self, full: torch.Tensor, what: str) -> "PendingReduction":
+        """The all-to-all of the quantized parts started (see the class docstring)."""
+        world = self.shards.world
+        shard_numel = full.numel() // world
+        parts = full.view(world, shard_numel).to(torch.float32)
+        if self.predivide_factor != 1.0:
+            parts = parts / self.predivide_factor
+        rows = pack(*quantize(parts))
+        received = torch.empty_like(rows)
+        self.collectives += 1
+        count_collective("gradients", "all_to_all", world, rows.numel())
+        started = start_all_to_all(self.shards, received, rows, what)
+
+        def summed() -> torch.Tensor:
+            return dequantize(*unpack(received, shard_numel)).sum(dim=0)
+        return PendingReduction([started], summed, self.replicas, what, self._post_divisor, full.dtype)
 
     def _dtype(self, full: torch.Tensor) -> torch.dtype:
         return torch.float32 if self.fp32 else full.dtype
@@ -113,16 +143,17 @@ class GradientReduction:
 class PendingReduction:
     """A chunk's gradient reduction started by :meth:`GradientReduction.start`."""
 
-    def __init__(self, started: list[PendingCollective], out: torch.Tensor, replicas: ShardGroup | None, what: str,
-                 post_divisor: float, dtype: torch.dtype) -> None:
-        self._started, self._out, self._replicas, self._what = started, out, replicas, what
+    def __init__(self, started: list[PendingCollective], summed: Callable[[], torch.Tensor],
+                 replicas: ShardGroup | None, what: str, post_divisor: float, dtype: torch.dtype) -> None:
+        self._started, self._summed, self._replicas, self._what = started, summed, replicas, what
         self._post_divisor, self._dtype = post_divisor, dtype
 
     def wait(self) -> torch.Tensor:
-        """Wait for every bucket; this rank's shard of the mean over the ranks, in the gradient's dtype."""
+        """Wait for every collective; this rank's shard of the mean over the ranks, in the gradient's
+        dtype (``summed()`` gives the shard group's sum once they are done)."""
         for pending in self._started:
             pending.wait()
-        return _mean(self._out, self._replicas, self._what, self._post_divisor, self._dtype)
+        return _mean(self._summed(), self._replicas, self._what, self._post_divisor, self._dtype)
 
 
 def _mean(summed: torch.Tensor, replicas: ShardGroup | None, what: str, post_divisor: float,

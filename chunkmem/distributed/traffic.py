@@ -2,11 +2,11 @@
 counted as it is issued.
 
 Each count is keyed by ``(what, collective, group size)`` (``what``: ``"parameters"`` or ``"gradients"``;
-``collective``: ``"all_gather"``, ``"reduce_scatter"`` or ``"all_reduce"``) and holds the calls and the
+``collective``: ``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"`` or ``"all_to_all"``) and holds the calls and the
 collective's buffer bytes (an all-gather's output, a reduce-scatter's input, an all-reduce's tensor, summed
 over the calls). :func:`bytes_sent` turns a buffer into what each rank sends over the network in a
-bandwidth-optimal (ring) implementation: ``(p - 1) / p`` of it for an all-gather or a reduce-scatter,
-twice that for an all-reduce. Over gloo chunkmem runs a reduce-scatter as an all-reduce and an all-gather
+bandwidth-optimal (ring) implementation: ``(p - 1) / p`` of it for an all-gather, a reduce-scatter or an
+all-to-all (its input: every row but its own leaves the rank), twice that for an all-reduce. Over gloo chunkmem runs a reduce-scatter as an all-reduce and an all-gather
 as broadcasts (faster there; see :mod:`chunkmem.distributed.collectives`), so gloo itself sends more; the
 counts describe the collectives chunkmem asks for, which is what a model of the traffic at scale needs
 (``benchmarks/comm_model.py`` predicts them and checks its figures against these counts).
@@ -21,7 +21,7 @@ from fractions import Fraction
 
 __all__ = ["TrafficCount", "bytes_sent", "count_collective", "reset_traffic", "traffic"]
 
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
 
 @dataclass
