@@ -7,7 +7,8 @@ accumulation) are listed and priced:
 * ``flat``: chunkmem's ZeRO-3, every chunk sharded over all W ranks;
 * ``mics``: shard groups of one node's ranks (``shard_group_size = ranks per node``);
 * ``hpz`` (model only, not implemented): ZeRO++'s secondary partition, the backward's gathers inside a node;
-* ``qwz`` (model only): flat, parameters gathered as int8 with one fp32 scale per ``--block`` elements;
+* ``qwz``: flat, parameters gathered as int8 with one fp32 scale per ``--block`` elements of each rank's
+  shard (``quantized_weights``);
 * ``qgz``: flat, gradients exchanged as int8 with one fp32 scale per block in one all-to-all a chunk
   (``quantized_gradients``);
 * ``zero++`` (model only): hpz + qwz + qgz.
@@ -23,7 +24,7 @@ inter-node bandwidth (the slowest link of the ring), one inside a node at the in
 Compute, latency and overlap are left out: the times are the communication alone, serialised.
 
 ``--check`` runs the implementation here (gloo, 2 and 4 ranks, flat, 2 groups of 2, and 2 ranks with
-quantized gradients) for one step of a small model and compares the collectives it counted (:mod:`chunkmem.distributed.traffic`) with the
+quantized gradients or weights) for one step of a small model and compares the collectives it counted (:mod:`chunkmem.distributed.traffic`) with the
 model's list for the same chunks: they must agree exactly (calls and buffer bytes of each kind).
 
 Usage::
@@ -44,7 +45,7 @@ from fractions import Fraction
 from chunkmem.distributed.traffic import bytes_sent
 
 LAYOUTS = ("flat", "mics", "hpz", "qwz", "qgz", "zero++")
-IMPLEMENTED = ("flat", "mics", "qgz")
+IMPLEMENTED = ("flat", "mics", "qwz", "qgz")
 RANKS = (8, 16, 32, 64, 128, 256, 512, 1024)
 
 
@@ -91,8 +92,9 @@ def step_collectives(numels: list[int], trainable: list[bool], world: int, layou
         entry[0] += 1
         entry[1] += buffer
 
-    def weight_bytes(numel: int) -> int:
-        return numel + 4 * math.ceil(numel / block) if quantized_weights else numel * element_bytes
+    def weight_bytes(numel: int) -> int:  # every rank's shard quantized on its own
+        shard = numel // shard_world
+        return shard_world * (shard + 4 * math.ceil(shard / block)) if quantized_weights else numel * element_bytes
 
     for k, numel in enumerate(numels):
         last = k == len(numels) - 1
@@ -159,7 +161,7 @@ def table(params: float, ranks: tuple[int, ...], ranks_per_node: int, intra_gbps
 
 # ---- the check against the implementation ----------------------------------------------------------------
 
-def _counted_step(rank: int, world: int, group_size: int | None, quantized: bool) -> dict:
+def _counted_step(rank: int, world: int, group_size: int | None, layout: str) -> dict:
     import torch
 
     import chunkmem as cm
@@ -169,7 +171,8 @@ def _counted_step(rank: int, world: int, group_size: int | None, quantized: bool
     net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
     model = cm.ShardedModelV2(net, cm.TensorShardStrategy(), tensor_placement_policy="cpu", dtype=torch.float32,
                               chunk_size=2 * 64 * 65 * 4, shard_group_size=group_size,
-                              reduce_scatter_bucket_size_mb=0.01, quantized_gradients=quantized)
+                              reduce_scatter_bucket_size_mb=0.01, quantized_gradients=layout == "qgz",
+                              quantized_weights=layout == "qwz")
     optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-3))
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(rank))
     for step in range(3):  # the first step traces; the counted one follows the schedule
@@ -189,8 +192,9 @@ def check() -> int:
 
     failures = 0
     print(f"{'ranks':>5} {'layout':<7} {'collective':<28} {'model calls/bytes':>18} {'counted calls/bytes':>20}")
-    for world, layout, group in ((2, "flat", None), (4, "flat", None), (4, "mics", 2), (2, "qgz", None)):
-        results = run_ranks(_counted_step, world, group, layout == "qgz")
+    for world, layout, group in ((2, "flat", None), (4, "flat", None), (4, "mics", 2), (2, "qgz", None),
+                                 (2, "qwz", None)):
+        results = run_ranks(_counted_step, world, group, layout)
         first = results[0]
         predicted = step_collectives(first["numels"], first["trainable"], world, layout, ranks_per_node=2,
                                      element_bytes=4, bucket_bytes=first["bucket_bytes"], group_size=group,

@@ -1,7 +1,8 @@
-"""Quantized gradient reduction (``quantized_gradients``, ZeRO++'s qgZ) against the exact one: 2 gloo ranks,
-the same seeds and batches, 200 steps of a small GPT; prints the loss curve of both runs, their largest
-distance, and the gradient bytes each rank sends per step (counted by :mod:`chunkmem.distributed.traffic`,
-ring figures).
+"""Quantized collectives against exact ones: gradient reduction (``quantized_gradients``, ZeRO++'s qgZ) and
+parameter gathers (``quantized_weights``, qwZ), 2 gloo ranks, the same seeds and batches, 200 steps of a small
+GPT; prints the loss curves of the three runs, their largest distance from the exact one, and the bytes each
+rank sends per step for gradients and parameters (counted by :mod:`chunkmem.distributed.traffic`, ring
+figures).
 
 Usage::
 
@@ -19,7 +20,10 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _run(rank: int, world: int, steps: int, quantized: bool, dtype_name: str) -> dict:
+MODES = ("exact", "qgZ", "qwZ")
+
+
+def _run(rank: int, world: int, steps: int, mode: str, dtype_name: str) -> dict:
     import torch.nn.functional as F
 
     import chunkmem as cm
@@ -30,7 +34,7 @@ def _run(rank: int, world: int, steps: int, quantized: bool, dtype_name: str) ->
     dtype = getattr(torch, dtype_name)
     net = GPT(GPTConfig(512, 128, 4, 4, 64))
     model = cm.ShardedModelV2(net, cm.TensorShardStrategy(), tensor_placement_policy="cpu", dtype=dtype,
-                              quantized_gradients=quantized)
+                              quantized_gradients=mode == "qgZ", quantized_weights=mode == "qwZ")
     optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-3, weight_decay=0.01),
                                   initial_scale=2**12)
     g = torch.Generator().manual_seed(1)
@@ -40,7 +44,7 @@ def _run(rank: int, world: int, steps: int, quantized: bool, dtype_name: str) ->
         for _ in range(64):
             tokens = torch.cat([tokens, (5 * tokens[:, -1:] + 1) % 512], dim=1)
         data.append(tokens)
-    losses, sent = [], 0.0
+    losses, sent = [], {}
     for step in range(steps):
         tokens = data[step % len(data)][4 * rank:4 * rank + 4]
         reset_traffic()
@@ -48,7 +52,8 @@ def _run(rank: int, world: int, steps: int, quantized: bool, dtype_name: str) ->
         optim.backward(loss)
         optim.step()
         optim.zero_grad()
-        sent = float(sum(bytes_sent(k[1], k[2], c.buffer_bytes) for k, c in traffic().items() if k[0] == "gradients"))
+        sent = {what: float(sum(bytes_sent(k[1], k[2], c.buffer_bytes) for k, c in traffic().items() if k[0] == what))
+                for what in ("gradients", "parameters")}
         losses.append(loss.item())
     return {"losses": losses, "sent": sent, "params": sum(p.numel() for p in net.parameters())}
 
@@ -61,20 +66,22 @@ def main() -> int:
     sys.path.insert(0, os.path.join(HERE, "..", "tests"))
     from distributed import run_ranks  # the test suite's gloo launcher
 
-    runs = {q: run_ranks(_run, 2, args.steps, q, args.dtype) for q in (False, True)}
-    curves = {q: torch.tensor([r["losses"] for r in ranks], dtype=torch.float64).mean(0) for q, ranks in runs.items()}
-    print(f"2 gloo ranks, GPT of {runs[False][0]['params']} parameters, {args.dtype}, {args.steps} steps, "
+    runs = {mode: run_ranks(_run, 2, args.steps, mode, args.dtype) for mode in MODES}
+    curves = {mode: torch.tensor([r["losses"] for r in ranks], dtype=torch.float64).mean(0)
+              for mode, ranks in runs.items()}
+    print(f"2 gloo ranks, GPT of {runs['exact'][0]['params']} parameters, {args.dtype}, {args.steps} steps, "
           f"the same seeds and batches")
-    print(f"{'step':>5} {'exact loss':>11} {'qgZ loss':>11} {'difference':>11}")
+    print(f"{'step':>5} " + " ".join(f"{m + ' loss':>11}" for m in MODES))
     for step in sorted({*range(0, args.steps, max(args.steps // 8, 1)), args.steps - 1}):
-        exact, quantized = curves[False][step].item(), curves[True][step].item()
-        print(f"{step:>5} {exact:>11.4f} {quantized:>11.4f} {quantized - exact:>+11.4f}")
-    distance = (curves[True] - curves[False]).abs()
-    print(f"largest |difference|: {distance.max().item():.4f} (step {int(distance.argmax())}), "
-          f"{distance.max().item() / curves[False].max().item():.2%} of the largest loss")
-    exact_bytes, quantized_bytes = runs[False][0]["sent"], runs[True][0]["sent"]
-    print(f"gradient bytes sent per rank per step (ring): exact {exact_bytes:.0f}, qgZ {quantized_bytes:.0f} "
-          f"({quantized_bytes / exact_bytes:.3f}x)")
+        print(f"{step:>5} " + " ".join(f"{curves[m][step].item():>11.4f}" for m in MODES))
+    for mode in MODES[1:]:
+        distance = (curves[mode] - curves["exact"]).abs()
+        print(f"{mode}: largest |loss - exact loss| {distance.max().item():.4f} (step {int(distance.argmax())}), "
+              f"{distance.max().item() / curves['exact'].max().item():.2%} of the largest loss")
+    for what in ("gradients", "parameters"):
+        exact = runs["exact"][0]["sent"][what]
+        print(f"{what} bytes sent per rank per step (ring): " + ", ".join(
+            f"{m} {runs[m][0]['sent'][what]:.0f} ({runs[m][0]['sent'][what] / exact:.3f}x)" for m in MODES))
     return 0
 
 

@@ -118,6 +118,9 @@ def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
     runtime = ChunkRuntime(module, chunks, memory, policy, settings.reuse_fp16_shard, reduction,
                            settings.shard_strategy.bucketed, check_capacity, groups.data_parallel,
                            settings.reduction.reductions_in_flight)
+    for chunk in chunks:
+        chunk.param.quantized_gathers = bool(settings.quantized_weights) and (
+            settings.quantized_weights is True or not chunk.trainable)
     if memory.disk is not None:
         weakref.finalize(runtime, memory.disk.close)
     if settings.prefetch_numel is not None:
@@ -223,6 +226,7 @@ def _agree_on_layout(settings: ModelSettings, layout: ChunkLayout, groups: Group
         ("reduce_scatter_bucket_size_mb", str(reduction.reduce_scatter_bucket_size_mb)),
         ("gradient_predivide_factor", str(reduction.gradient_predivide_factor)),
         ("quantized_gradients", str(reduction.quantized_gradients)),
+        ("quantized_weights", str(settings.quantized_weights)),
         ("reductions_in_flight", str(reduction.reductions_in_flight)),
         ("offload_optimizer", repr(disk.offload_optimizer)),
         ("offload_param", repr(disk.offload_param)),

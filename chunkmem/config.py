@@ -77,8 +77,11 @@ KEY_TABLE: dict[str, tuple[str, str]] = {
                                               "the results are the same bits)"),
     "zero_optimization.contiguous_gradients": ("warn", "chunks are always contiguous; False has no effect"),
     "zero_optimization.reduce_scatter": ("warn", "chunkmem always reduce-scatters; False has no effect"),
-    "zero_optimization.zero_quantized_weights": ("error", "only False"),
-    "zero_optimization.zero_quantized_nontrainable_weights": ("error", "only False"),
+    "zero_optimization.zero_quantized_weights": ("map", "stage 3: ShardedModelV2(quantized_weights=True); stages 1, "
+                                                        "2: only false"),
+    "zero_optimization.zero_quantized_nontrainable_weights": ("map", "stage 3: quantized_weights='nontrainable' "
+                                                                     "(True when zero_quantized_weights is true "
+                                                                     "too); stages 1, 2: only false"),
     "zero_optimization.zero_hpz_partition_size": ("error", "only 1"),
     "zero_optimization.zero_quantized_gradients": ("map", "stage 3: ShardedModelV2(quantized_gradients=); stages 1, "
                                                           "2: only false"),
@@ -147,7 +150,6 @@ _PERSISTENCE_KEYS = {"param_persistence_threshold": "persistence_threshold",
                      "model_persistence_threshold": "model_persistence_threshold",
                      "stage3_model_persistence_threshold": "model_persistence_threshold"}
 _ZERO_ONLY_DEFAULT = {  # key -> the only value accepted (DeepSpeed's default)
-    "zero_quantized_weights": False, "zero_quantized_nontrainable_weights": False,
     "zero_hpz_partition_size": 1, "mics_hierarchical_params_gather": False,
     "legacy_stage1": False,
 }
@@ -155,7 +157,8 @@ _ZERO_DEPRECATED = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "of
                     "cpu_offload_use_pin_memory": "offload_optimizer.pin_memory / offload_param.pin_memory"}
 _ZERO_KEYS = ({"stage", "offload_optimizer", "offload_param", "reduce_bucket_size", "overlap_comm",
                "contiguous_gradients", "reduce_scatter", "elastic_checkpoint", "mics_shard_size",
-               "zero_quantized_gradients", *_PREFETCH_KEYS,
+               "zero_quantized_gradients", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+               *_PREFETCH_KEYS,
                *_REUSE_DISTANCE_KEYS,
                *_PERSISTENCE_KEYS} | _ZERO_NO_EFFECT | set(_ZERO_ONLY_DEFAULT) | set(_ZERO_DEPRECATED))
 _OFFLOAD_OPTIMIZER_KEYS = {"device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write",
@@ -445,6 +448,12 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
             kwargs["shard_group_size"] = mics
         if "zero_quantized_gradients" in zero:
             kwargs["quantized_gradients"] = zero["zero_quantized_gradients"]
+        for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights"):
+            _check_bool(zero.get(key, False), f"zero_optimization.{key}")
+        if zero.get("zero_quantized_weights", False):
+            kwargs["quantized_weights"] = True
+        elif zero.get("zero_quantized_nontrainable_weights", False):
+            kwargs["quantized_weights"] = "nontrainable"
         prefetch = _prefetch_numel(zero)
         if prefetch is not None:
             kwargs["prefetch_numel"] = prefetch
@@ -467,9 +476,10 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
     if zero.get("mics_shard_size", -1) != -1:
         raise InvalidArgumentError("zero_optimization.mics_shard_size", zero["mics_shard_size"],
                                    "-1 with stage 1 or 2 (shard groups shard stage 3's parameters)")
-    if zero.get("zero_quantized_gradients", False) is not False:
-        raise InvalidArgumentError("zero_optimization.zero_quantized_gradients", zero["zero_quantized_gradients"],
-                                   "false with stage 1 or 2 (quantized reduction is stage 3's)")
+    for key in ("zero_quantized_gradients", "zero_quantized_weights", "zero_quantized_nontrainable_weights"):
+        if zero.get(key, False) is not False:
+            raise InvalidArgumentError(f"zero_optimization.{key}", zero[key],
+                                       "false with stage 1 or 2 (quantized collectives are stage 3's)")
     for key in sorted((set(_PREFETCH_KEYS) | set(_PERSISTENCE_KEYS)) & set(zero)):
         _no_effect(f"zero_optimization.{key}", "stage 3 only (at stages 1 and 2 every parameter stays on the device)")
     if param_device != "none":

@@ -104,6 +104,13 @@ class ShardedModelV2(nn.Module):
             half (16-bit) or a quarter (fp32) of the bytes; each element's mean is off by at most the mean
             over the ranks of half its block's scale (``max |x| / 254``; an inf or NaN still reaches the
             loss scaler). Persistent chunks are all-reduced exactly.
+        quantized_weights: (addition; DeepSpeed's ``zero_quantized_weights`` / ``..._nontrainable_weights``,
+            ZeRO++'s qwZ) on several ranks, the forward's and backward's parameter gathers carry each
+            rank's shard as blockwise int8 (one fp32 scale per 2048 elements) and the modules compute with
+            the dequantized values (each off by at most ``max |x| / 254`` of its block); ``"nontrainable"``:
+            only the chunks of frozen parameters (a LoRA base). The shards, the fp32 masters, the optimizer
+            state, ``state_dict`` and ``GatheredParameters`` stay exact. ``True`` needs
+            ``TensorShardStrategy``.
     """
 
     def __init__(self, module: nn.Module, shard_strategy: BaseShardStrategy, process_group: Any = None,
@@ -117,7 +124,8 @@ class ShardedModelV2(nn.Module):
                  buffer_size: int = DEFAULT_BUFFER_SIZE, atomic_step: bool = True,
                  prefetch_numel: int | None = None, persistence_threshold: int = 0,
                  model_persistence_threshold: int | None = None, reductions_in_flight: int = 0,
-                 shard_group_size: int | None = None, quantized_gradients: bool = False) -> None:
+                 shard_group_size: int | None = None, quantized_gradients: bool = False,
+                 quantized_weights: bool | str = False) -> None:
         check_type("module", module, nn.Module, "a torch.nn.Module")
         if isinstance(module, ShardedModelV2):
             raise InvalidArgumentError("module", type(module).__name__, "a module that is not already wrapped")
@@ -129,7 +137,7 @@ class ShardedModelV2(nn.Module):
             buffer_count=buffer_count, buffer_size=buffer_size, atomic_step=atomic_step, prefetch_numel=prefetch_numel,
             persistence_threshold=persistence_threshold, model_persistence_threshold=model_persistence_threshold,
             reductions_in_flight=reductions_in_flight, shard_group_size=shard_group_size,
-            quantized_gradients=quantized_gradients)
+            quantized_gradients=quantized_gradients, quantized_weights=quantized_weights)
         super().__init__()
         self._wrap(module, settings)
 
@@ -188,6 +196,11 @@ class ShardedModelV2(nn.Module):
     @property
     def gradient_predivide_factor(self) -> float:
         return self.settings.reduction.gradient_predivide_factor
+
+    @property
+    def quantized_weights(self) -> bool | str:
+        """Which compute gathers travel as blockwise int8 (``False``, ``True`` or ``"nontrainable"``)."""
+        return self.settings.quantized_weights
 
     @property
     def quantized_gradients(self) -> bool:

@@ -149,6 +149,7 @@ class ModelSettings:
     persistence_threshold: int = 0
     model_persistence_threshold: int | None = None
     shard_group_size: int | None = None
+    quantized_weights: bool | str = False
 
     def __post_init__(self) -> None:
         check_type("shard_strategy", self.shard_strategy, BaseShardStrategy,
@@ -162,6 +163,13 @@ class ModelSettings:
         if self.shard_group_size is not None:
             check_number("shard_group_size", self.shard_group_size, low=1, integer=True,
                          allowed="None or an integer dividing the data-parallel ranks")
+        if self.quantized_weights not in QUANTIZED_WEIGHTS or type(self.quantized_weights) not in (bool, str):
+            raise InvalidArgumentError("quantized_weights", self.quantized_weights,
+                                       "False, True or 'nontrainable' (only the frozen parameters' gathers)")
+        if self.quantized_weights and self.shard_strategy.bucketed:
+            raise InvalidArgumentError("quantized_weights", self.quantized_weights,
+                                       "False with BucketTensorShardStrategy (its gathers of several chunks at once "
+                                       "are exact); use TensorShardStrategy")
         if self.reduction.reductions_in_flight and self.reuse_fp16_shard:
             raise InvalidArgumentError("reductions_in_flight", self.reduction.reductions_in_flight,
                                        "0 with reuse_fp16_shard=True (the gradients are reduced out of the "
@@ -192,7 +200,7 @@ class ModelSettings:
                        atomic_step: bool = True, prefetch_numel: int | None = None, persistence_threshold: int = 0,
                        model_persistence_threshold: int | None = None,
                        reductions_in_flight: int = 0, shard_group_size: int | None = None,
-                       quantized_gradients: bool = False) -> "ModelSettings":
+                       quantized_gradients: bool = False, quantized_weights: bool | str = False) -> "ModelSettings":
         """The settings named by ``ShardedModelV2``'s arguments (the same names and defaults)."""
         return ModelSettings(
             shard_strategy, process_group, reduce_scatter_process_group,
@@ -201,7 +209,7 @@ class ModelSettings:
                               reductions_in_flight, quantized_gradients),
             reuse_fp16_shard, dtype, chunk_size,
             DiskSettings(offload_optimizer, offload_param, nvme_path, buffer_count, buffer_size, atomic_step),
-            prefetch_numel, persistence_threshold, model_persistence_threshold, shard_group_size)
+            prefetch_numel, persistence_threshold, model_persistence_threshold, shard_group_size, quantized_weights)
 
     def policy(self) -> PlacementPolicy:
         """The placement policy these settings choose."""
@@ -215,9 +223,13 @@ MODEL_KEYWORDS = ("shard_strategy", "process_group", "reduce_scatter_process_gro
                   "dtype", "chunk_size", "offload_param_frac", "offload_optim_frac", "offload_optimizer",
                   "offload_param", "nvme_path", "buffer_count", "buffer_size", "atomic_step", "prefetch_numel",
                   "persistence_threshold", "model_persistence_threshold", "reductions_in_flight",
-                  "shard_group_size", "quantized_gradients")
+                  "shard_group_size", "quantized_gradients", "quantized_weights")
 """The keyword arguments of :meth:`ModelSettings.from_arguments` (``ShardedModelV2``'s, and the keys of
 the ColossalAI form's ``model_config``)."""
+
+
+QUANTIZED_WEIGHTS = (False, True, "nontrainable")
+"""The values of ``quantized_weights``: no quantized gathers, every chunk's, or only frozen chunks'."""
 
 
 MIN_SCALE_BOUND = 2.0**-126

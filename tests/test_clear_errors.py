@@ -154,7 +154,7 @@ def test_a_value_of_the_wrong_type_raises_argument_type_error(config, path):
     (stage3(offload_optimizer={"device": "cpu", "ratio": 1.5}), "zero_optimization.offload_optimizer.ratio"),
     (stage3(offload_optimizer={"device": "disk"}), "zero_optimization.offload_optimizer.device"),
     (stage3(offload_param={"device": "nvme"}), "zero_optimization.offload_param.nvme_path"),
-    (stage3(zero_quantized_weights=True), "zero_optimization.zero_quantized_weights"),
+    ({"zero_optimization": {"stage": 2, "zero_quantized_weights": True}}, "zero_optimization.zero_quantized_weights"),
     (stage3(mics_shard_size=8), "zero_optimization.mics_shard_size"),
     (dict(stage3(), fp16={"enabled": True, "initial_scale_power": 40}), "fp16.initial_scale_power"),
     (dict(stage3(), fp16={"enabled": True, "loss_scale": 128}), "fp16.loss_scale"),

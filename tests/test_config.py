@@ -469,3 +469,20 @@ def test_zero_quantized_gradients_maps_at_stage_3_only():
     with pytest.raises(cm.InvalidArgumentError, match=r"^zero_optimization\.zero_quantized_gradients=True.*stage 1"):
         cm.initialize(plain, torch.optim.AdamW(plain.parameters()),
                       {"zero_optimization": {"stage": 2, "zero_quantized_gradients": True}})
+
+
+def test_zero_quantized_weights_keys_map_at_stage_3():
+    for keys, expected in (({"zero_quantized_weights": True}, True),
+                           ({"zero_quantized_nontrainable_weights": True}, "nontrainable"),
+                           ({"zero_quantized_weights": True, "zero_quantized_nontrainable_weights": True}, True),
+                           ({}, False)):
+        model = make_model()
+        zero = {"stage": 3, "offload_param": {"device": "cpu"}, **keys}
+        m, _ = cm.initialize(model, cm.HybridAdam(model.parameters()), {"zero_optimization": zero})
+        assert m.quantized_weights == expected
+    with pytest.raises(cm.ArgumentTypeError, match=r"^zero_optimization\.zero_quantized_weights=1"):
+        cm.initialize(make_model(), config={"zero_optimization": {"stage": 3, "zero_quantized_weights": 1}})
+    plain = make_model()
+    with pytest.raises(cm.InvalidArgumentError, match=r"^zero_optimization\.zero_quantized_weights=True.*stage 1"):
+        cm.initialize(plain, torch.optim.AdamW(plain.parameters()),
+                      {"zero_optimization": {"stage": 1, "zero_quantized_weights": True}})

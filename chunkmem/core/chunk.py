@@ -46,6 +46,7 @@ import torch
 import torch.nn as nn
 
 from ..distributed.collectives import SINGLE_PROCESS, PendingCollective, ShardGroup, start_all_gather
+from ..distributed.quantization import dequantize, pack, packed_numel, quantize, unpack
 from ..distributed.traffic import count_collective
 from .disk_tier import DiskRegion
 from .layout import part_in_shard
@@ -290,6 +291,8 @@ class ParamBuffer:
         self._transfer: Transfer | None = None
         self._contents = Contents.VALUES
         self.shard = FlatBuffer(PARAM, self.shard_numel, dtype, memory, owner, shards.rank, index)
+        self.quantized_gathers = False  # compute gathers as blockwise int8 (qwZ; set by the builder)
+        self._approximate = False  # the device copy came from a quantized gather
 
     # ---- state (read-only views of the two machines) --------------------------------------------------
 
@@ -347,15 +350,25 @@ class ParamBuffer:
                                               f"{self.owner}.{PARAM}")
         self._device_life.allocated()
 
-    def start_fetch(self) -> Transfer:
+    @property
+    def approximate(self) -> bool:
+        """Whether the device copy holds dequantized values of a quantized gather (for compute only)."""
+        return self._approximate and self._device_life.holds_memory
+
+    def start_fetch(self, exact: bool = True) -> Transfer:
         """Issue the transfer that makes the device copy current (-> FETCHING): a copy of the shard, or a
         gather of every rank's shard (a collective, started asynchronously: a prefetched gather runs
-        while the current period computes). :meth:`wait` before use."""
+        while the current period computes). :meth:`wait` before use. With ``quantized_gathers`` and
+        ``exact=False`` (a fetch for compute) the shards travel as blockwise int8 and the device copy
+        holds their dequantized values (:attr:`approximate`)."""
         self._device_life.check("be fetched", CopyState.FREED, CopyState.STALE)
         self.shard.life.check("be fetched from", CopyState.CURRENT)
         self.allocate_device()
         self._device_life.fill_started()
-        if self.sharded:
+        self._approximate = self.sharded and self.quantized_gathers and not exact
+        if self._approximate:
+            transfer = self._start_quantized_gather()
+        elif self.sharded:
             count_collective("parameters", "all_gather", self.shards.world, self.nbytes)
             gathering = start_all_gather(self.shards, self.device, self.shard.read(), what=f"{self.owner} parameters")
             transfer = Transfer(lambda: self._gathered(gathering))
@@ -368,6 +381,21 @@ class ParamBuffer:
             self.memory.ledger.count_move(Tier.DEVICE, self.shard.nbytes)
         self._transfer = transfer
         return transfer
+
+    def _start_quantized_gather(self) -> Transfer:
+        """Every rank's shard as int8 blocks with their scales, in one all-gather, dequantized into the
+        device copy (this rank's own part too, so every rank computes with the same values)."""
+        world, n = self.shards.world, self.shard_numel
+        rows = pack(*quantize(self.shard.read().view(1, n)))
+        gathered = torch.empty(world, packed_numel(n), dtype=torch.uint8, device=self.device.device)
+        count_collective("parameters", "all_gather", world, gathered.numel())
+        gathering = start_all_gather(self.shards, gathered.view(-1), rows.view(-1), what=f"{self.owner} parameters")
+
+        def dequantized() -> None:
+            gathering.wait()
+            self.device.view(world, n).copy_(dequantize(*unpack(gathered, n)))
+            self._fetched()
+        return Transfer(dequantized)
 
     def _fetched(self) -> None:
         self._transfer = None
@@ -443,6 +471,9 @@ class ParamBuffer:
         """Copy this rank's part of the current device copy into the shard (allocated on the host if
         missing) and mark the shard current."""
         self._device_life.check("be written back", CopyState.CURRENT)
+        if self.approximate:
+            raise ChunkStateError(f"{self.owner}.param device copy", "be written back (it holds dequantized "
+                                  "values of a quantized gather)", self.device_state, (), self.shards.rank)
         if not self.shard.allocated:
             self.shard.allocate(Tier.HOST)
         self.shard.write(self.own_slice(self.device))

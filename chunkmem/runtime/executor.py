@@ -227,7 +227,7 @@ class ChunkExecutor:
             count = min(count, self.prefetch_chunks)
         rests_on_host = [self.rest_tier(c) is Tier.HOST for c in ahead]
         for chunk, to_host in zip(ahead[:count], rests_on_host):
-            chunk.param.start_fetch()
+            chunk.param.start_fetch(exact=False)
             self.gathers += chunk.param.sharded
             self.prefetched += 1
             self.log_event("fetch", chunk.index, "prefetch")
@@ -236,19 +236,29 @@ class ChunkExecutor:
 
     # ---- forward and backward use ------------------------------------------------------------------
 
-    def acquire(self, chunks: Iterable[Chunk]) -> None:
-        """Make the chunks' parameters current on the device and count one more user of each."""
+    def acquire(self, chunks: Iterable[Chunk], exact: bool = False) -> None:
+        """Make the chunks' parameters current on the device and count one more user of each (``exact``:
+        never the dequantized copy of a quantized gather, for code that reads or writes the values)."""
         chunks = list(chunks)
-        self.fetch(chunks)
+        self.fetch(chunks, exact)
         for chunk in chunks:
             chunk.add_user()
         if self._pending_prefetch is not None:
             self._issue_prefetch()
 
-    def fetch(self, chunks: Sequence[Chunk]) -> None:
+    def fetch(self, chunks: Sequence[Chunk], exact: bool = False) -> None:
         """Make the chunks' full device copies current: one gather per chunk, or with ``gather_together``
         one for all of them; a copy already in flight (prefetched) is waited on. Every rank fetches the
-        same chunks in the same order."""
+        same chunks in the same order. Compute fetches of a model with quantized gathers get dequantized
+        copies; ``exact`` ones replace such a copy by an exact gather."""
+        if exact:
+            for chunk in chunks:
+                if chunk.param.approximate:
+                    if chunk.in_use:
+                        raise ChunkStateError(chunk.name, "be read exactly while a module computes with its "
+                                              "dequantized copy", chunk.param.device_state, (), chunk.shards.rank)
+                    self.stale.pop(chunk, None)
+                    chunk.param.drop_device_copy()
         missing = [c for c in chunks if not c.param.device_valid]
         idle = [c for c in missing if not c.param.fetching]  # the others were prefetched: waited on below
         if self.gather_together and len(idle) > 1 and idle[0].param.sharded:
@@ -258,7 +268,7 @@ class ChunkExecutor:
         issued = []
         for chunk in missing:
             if not chunk.param.fetching:
-                chunk.param.start_fetch()
+                chunk.param.start_fetch(exact)
                 self.gathers += chunk.param.sharded
                 self.log_event("fetch", chunk.index, "demand")
             issued.append(chunk)

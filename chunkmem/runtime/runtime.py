@@ -438,7 +438,7 @@ class ChunkRuntime:
 
     @_untraced
     def open_chunks(self, chunks: list[Chunk], for_writing: bool) -> None:
-        self._acquire(chunks)
+        self._acquire(chunks, exact=True)
         for chunk in chunks:
             self._open_for_reading[chunk] += 1
             if for_writing:
@@ -528,9 +528,9 @@ class ChunkRuntime:
             if self.scheduler.need(chunk.index):
                 self.executor.evict_unpinned()
 
-    def _acquire(self, chunks: list[Chunk]) -> None:
+    def _acquire(self, chunks: list[Chunk], exact: bool = False) -> None:
         self._need(chunks)
-        self.executor.acquire(chunks)
+        self.executor.acquire(chunks, exact)
 
     def _hold_for_backward(self, chunks: list[Chunk]) -> None:
         chunks = [c for c in chunks if not c.held_for_backward]
