@@ -82,7 +82,8 @@ KEY_TABLE: dict[str, tuple[str, str]] = {
     "zero_optimization.zero_quantized_nontrainable_weights": ("map", "stage 3: quantized_weights='nontrainable' "
                                                                      "(True when zero_quantized_weights is true "
                                                                      "too); stages 1, 2: only false"),
-    "zero_optimization.zero_hpz_partition_size": ("error", "only 1"),
+    "zero_optimization.zero_hpz_partition_size": ("map", "stage 3: ShardedModelV2(secondary_partition_size=) (1 or "
+                                                         "absent: none); stages 1, 2: only 1"),
     "zero_optimization.zero_quantized_gradients": ("map", "stage 3: ShardedModelV2(quantized_gradients=); stages 1, "
                                                           "2: only false"),
     "zero_optimization.mics_shard_size": ("map", "stage 3: ShardedModelV2(shard_group_size=) (-1 or absent: None, "
@@ -150,7 +151,7 @@ _PERSISTENCE_KEYS = {"param_persistence_threshold": "persistence_threshold",
                      "model_persistence_threshold": "model_persistence_threshold",
                      "stage3_model_persistence_threshold": "model_persistence_threshold"}
 _ZERO_ONLY_DEFAULT = {  # key -> the only value accepted (DeepSpeed's default)
-    "zero_hpz_partition_size": 1, "mics_hierarchical_params_gather": False,
+    "mics_hierarchical_params_gather": False,
     "legacy_stage1": False,
 }
 _ZERO_DEPRECATED = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param",
@@ -158,6 +159,7 @@ _ZERO_DEPRECATED = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "of
 _ZERO_KEYS = ({"stage", "offload_optimizer", "offload_param", "reduce_bucket_size", "overlap_comm",
                "contiguous_gradients", "reduce_scatter", "elastic_checkpoint", "mics_shard_size",
                "zero_quantized_gradients", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+               "zero_hpz_partition_size",
                *_PREFETCH_KEYS,
                *_REUSE_DISTANCE_KEYS,
                *_PERSISTENCE_KEYS} | _ZERO_NO_EFFECT | set(_ZERO_ONLY_DEFAULT) | set(_ZERO_DEPRECATED))
@@ -450,6 +452,11 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
             kwargs["quantized_gradients"] = zero["zero_quantized_gradients"]
         for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights"):
             _check_bool(zero.get(key, False), f"zero_optimization.{key}")
+        hpz = zero.get("zero_hpz_partition_size", 1)
+        if isinstance(hpz, bool) or not isinstance(hpz, int):
+            raise ArgumentTypeError("zero_optimization.zero_hpz_partition_size", hpz, "an integer >= 1")
+        if hpz != 1:
+            kwargs["secondary_partition_size"] = hpz
         if zero.get("zero_quantized_weights", False):
             kwargs["quantized_weights"] = True
         elif zero.get("zero_quantized_nontrainable_weights", False):
@@ -464,6 +471,8 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
                       "reduce_scatter_bucket_size_mb": "zero_optimization.reduce_bucket_size",
                       "shard_group_size": "zero_optimization.mics_shard_size",
                       "quantized_gradients": "zero_optimization.zero_quantized_gradients",
+                      "quantized_weights": "zero_optimization.zero_quantized_weights",
+                      "secondary_partition_size": "zero_optimization.zero_hpz_partition_size",
                       **_disk_keys(optim_device, param_device)}
         model_settings = _rename_errors(
             "zero_optimization.", lambda: ModelSettings.from_arguments(TensorShardStrategy(), dtype=dtype, **kwargs),
@@ -476,6 +485,9 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
     if zero.get("mics_shard_size", -1) != -1:
         raise InvalidArgumentError("zero_optimization.mics_shard_size", zero["mics_shard_size"],
                                    "-1 with stage 1 or 2 (shard groups shard stage 3's parameters)")
+    if zero.get("zero_hpz_partition_size", 1) != 1:
+        raise InvalidArgumentError("zero_optimization.zero_hpz_partition_size", zero["zero_hpz_partition_size"],
+                                   "1 with stage 1 or 2 (the secondary partition is of stage 3's parameters)")
     for key in ("zero_quantized_gradients", "zero_quantized_weights", "zero_quantized_nontrainable_weights"):
         if zero.get(key, False) is not False:
             raise InvalidArgumentError(f"zero_optimization.{key}", zero[key],

@@ -111,6 +111,13 @@ class ShardedModelV2(nn.Module):
             only the chunks of frozen parameters (a LoRA base). The shards, the fp32 masters, the optimizer
             state, ``state_dict`` and ``GatheredParameters`` stay exact. ``True`` needs
             ``TensorShardStrategy``.
+        secondary_partition_size: (addition; DeepSpeed's ``zero_hpz_partition_size``, ZeRO++'s hpZ) on several
+            ranks, after a module's forward each rank keeps its part of the gathered chunk split over this
+            many consecutive ranks (``chunk bytes / size`` more on the device tier per chunk, from the
+            forward to the backward), and the backward gathers the chunk inside that group (a node)
+            instead of over every rank; bitwise the same training. A divisor of the ranks the chunks are
+            sharded over, below it; ``None`` or 1: off. Not with ``auto`` placement (its plan does not count
+            the secondary parts) nor with ``shard_group_size``.
     """
 
     def __init__(self, module: nn.Module, shard_strategy: BaseShardStrategy, process_group: Any = None,
@@ -125,7 +132,7 @@ class ShardedModelV2(nn.Module):
                  prefetch_numel: int | None = None, persistence_threshold: int = 0,
                  model_persistence_threshold: int | None = None, reductions_in_flight: int = 0,
                  shard_group_size: int | None = None, quantized_gradients: bool = False,
-                 quantized_weights: bool | str = False) -> None:
+                 quantized_weights: bool | str = False, secondary_partition_size: int | None = None) -> None:
         check_type("module", module, nn.Module, "a torch.nn.Module")
         if isinstance(module, ShardedModelV2):
             raise InvalidArgumentError("module", type(module).__name__, "a module that is not already wrapped")
@@ -137,7 +144,8 @@ class ShardedModelV2(nn.Module):
             buffer_count=buffer_count, buffer_size=buffer_size, atomic_step=atomic_step, prefetch_numel=prefetch_numel,
             persistence_threshold=persistence_threshold, model_persistence_threshold=model_persistence_threshold,
             reductions_in_flight=reductions_in_flight, shard_group_size=shard_group_size,
-            quantized_gradients=quantized_gradients, quantized_weights=quantized_weights)
+            quantized_gradients=quantized_gradients, quantized_weights=quantized_weights,
+            secondary_partition_size=secondary_partition_size)
         super().__init__()
         self._wrap(module, settings)
 
@@ -196,6 +204,11 @@ class ShardedModelV2(nn.Module):
     @property
     def gradient_predivide_factor(self) -> float:
         return self.settings.reduction.gradient_predivide_factor
+
+    @property
+    def secondary_partition_size(self) -> int:
+        """The ranks hpZ's secondary partition is split over (1: none)."""
+        return self.settings.secondary_partition_size or 1
 
     @property
     def quantized_weights(self) -> bool | str:

@@ -150,6 +150,7 @@ class ModelSettings:
     model_persistence_threshold: int | None = None
     shard_group_size: int | None = None
     quantized_weights: bool | str = False
+    secondary_partition_size: int | None = None
 
     def __post_init__(self) -> None:
         check_type("shard_strategy", self.shard_strategy, BaseShardStrategy,
@@ -170,6 +171,17 @@ class ModelSettings:
             raise InvalidArgumentError("quantized_weights", self.quantized_weights,
                                        "False with BucketTensorShardStrategy (its gathers of several chunks at once "
                                        "are exact); use TensorShardStrategy")
+        if self.secondary_partition_size not in (None, 1):
+            check_number("secondary_partition_size", self.secondary_partition_size, low=1, integer=True,
+                         allowed="None, 1 or a divisor of the ranks the chunks are sharded over")
+            if self.shard_group_size is not None:
+                raise InvalidArgumentError("secondary_partition_size", self.secondary_partition_size,
+                                           "None or 1 with shard_group_size (the gathers already stay inside a group)")
+            if self.placement.tensor_placement_policy == "auto":
+                raise InvalidArgumentError("secondary_partition_size", self.secondary_partition_size,
+                                           f"None or 1 with tensor_placement_policy="
+                                           f"{self.placement.tensor_placement_policy!r} (its plan does not count "
+                                           f"the secondary partitions); use 'cpu', 'cuda' or 'static'")
         if self.reduction.reductions_in_flight and self.reuse_fp16_shard:
             raise InvalidArgumentError("reductions_in_flight", self.reduction.reductions_in_flight,
                                        "0 with reuse_fp16_shard=True (the gradients are reduced out of the "
@@ -200,7 +212,8 @@ class ModelSettings:
                        atomic_step: bool = True, prefetch_numel: int | None = None, persistence_threshold: int = 0,
                        model_persistence_threshold: int | None = None,
                        reductions_in_flight: int = 0, shard_group_size: int | None = None,
-                       quantized_gradients: bool = False, quantized_weights: bool | str = False) -> "ModelSettings":
+                       quantized_gradients: bool = False, quantized_weights: bool | str = False,
+                       secondary_partition_size: int | None = None) -> "ModelSettings":
         """The settings named by ``ShardedModelV2``'s arguments (the same names and defaults)."""
         return ModelSettings(
             shard_strategy, process_group, reduce_scatter_process_group,
@@ -209,7 +222,8 @@ class ModelSettings:
                               reductions_in_flight, quantized_gradients),
             reuse_fp16_shard, dtype, chunk_size,
             DiskSettings(offload_optimizer, offload_param, nvme_path, buffer_count, buffer_size, atomic_step),
-            prefetch_numel, persistence_threshold, model_persistence_threshold, shard_group_size, quantized_weights)
+            prefetch_numel, persistence_threshold, model_persistence_threshold, shard_group_size, quantized_weights,
+            secondary_partition_size)
 
     def policy(self) -> PlacementPolicy:
         """The placement policy these settings choose."""
@@ -223,7 +237,7 @@ MODEL_KEYWORDS = ("shard_strategy", "process_group", "reduce_scatter_process_gro
                   "dtype", "chunk_size", "offload_param_frac", "offload_optim_frac", "offload_optimizer",
                   "offload_param", "nvme_path", "buffer_count", "buffer_size", "atomic_step", "prefetch_numel",
                   "persistence_threshold", "model_persistence_threshold", "reductions_in_flight",
-                  "shard_group_size", "quantized_gradients", "quantized_weights")
+                  "shard_group_size", "quantized_gradients", "quantized_weights", "secondary_partition_size")
 """The keyword arguments of :meth:`ModelSettings.from_arguments` (``ShardedModelV2``'s, and the keys of
 the ColossalAI form's ``model_config``)."""
 

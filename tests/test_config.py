@@ -486,3 +486,16 @@ def test_zero_quantized_weights_keys_map_at_stage_3():
     with pytest.raises(cm.InvalidArgumentError, match=r"^zero_optimization\.zero_quantized_weights=True.*stage 1"):
         cm.initialize(plain, torch.optim.AdamW(plain.parameters()),
                       {"zero_optimization": {"stage": 1, "zero_quantized_weights": True}})
+
+
+def test_zero_hpz_partition_size_maps_onto_the_secondary_partition():
+    zero = {"stage": 3, "offload_param": {"device": "cpu"}, "zero_hpz_partition_size": 1}
+    model = make_model()
+    m, _ = cm.initialize(model, cm.HybridAdam(model.parameters()), {"zero_optimization": zero})
+    assert m.secondary_partition_size == 1
+    with pytest.raises(cm.InvalidArgumentError, match=r"^zero_optimization\.zero_hpz_partition_size=2.*below it"):
+        cm.initialize(make_model(), config={"zero_optimization": dict(zero, zero_hpz_partition_size=2)})
+    plain = make_model()
+    with pytest.raises(cm.InvalidArgumentError, match=r"^zero_optimization\.zero_hpz_partition_size=2.*stage 1"):
+        cm.initialize(plain, torch.optim.AdamW(plain.parameters()),
+                      {"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 2}})

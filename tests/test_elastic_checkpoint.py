@@ -18,7 +18,7 @@ import torch
 
 import chunkmem as cm
 from distributed import run_ranks
-from models import TinyGPT, batches, lm_loss, train
+from models import TinyGPT, batches, train
 from test_checkpoint import assert_same_optimizer_state, assert_same_state
 
 K = 2  # steps before the save and after the load

@@ -293,6 +293,9 @@ class ParamBuffer:
         self.shard = FlatBuffer(PARAM, self.shard_numel, dtype, memory, owner, shards.rank, index)
         self.quantized_gathers = False  # compute gathers as blockwise int8 (qwZ; set by the builder)
         self._approximate = False  # the device copy came from a quantized gather
+        self.secondary_shards: ShardGroup | None = None  # hpZ: the ranks of the secondary partition
+        self.secondary: torch.Tensor | None = None  # this rank's part of it, kept from the forward
+        self._secondary_approximate = False  # kept from a dequantized copy
 
     # ---- state (read-only views of the two machines) --------------------------------------------------
 
@@ -365,8 +368,12 @@ class ParamBuffer:
         self.shard.life.check("be fetched from", CopyState.CURRENT)
         self.allocate_device()
         self._device_life.fill_started()
-        self._approximate = self.sharded and self.quantized_gathers and not exact
-        if self._approximate:
+        from_secondary = self.secondary is not None and not exact
+        self._approximate = self.sharded and not exact and (
+            self.quantized_gathers or (from_secondary and self._secondary_approximate))
+        if from_secondary:
+            transfer = self._start_secondary_gather()
+        elif self._approximate:
             transfer = self._start_quantized_gather()
         elif self.sharded:
             count_collective("parameters", "all_gather", self.shards.world, self.nbytes)
@@ -381,6 +388,41 @@ class ParamBuffer:
             self.memory.ledger.count_move(Tier.DEVICE, self.shard.nbytes)
         self._transfer = transfer
         return transfer
+
+    # ---- the secondary partition (hpZ) ---------------------------------------------------------------
+
+    SECONDARY = "param_secondary"
+    """The ledger family of the secondary partitions (device tier)."""
+
+    def keep_secondary(self) -> None:
+        """Keep this rank's part of the current device copy as its part of the secondary partition, so
+        that the backward gathers the chunk inside the secondary group (ZeRO++'s hpZ)."""
+        if self.secondary is not None or self.secondary_shards is None or not self._device_life.current:
+            return
+        group = self.secondary_shards
+        n = self.numel // group.world
+        self.memory.ledger.reserve(Tier.DEVICE, self.SECONDARY, n * self.dtype.itemsize, f"{self.owner}.secondary")
+        self.secondary = self.device[group.rank * n:(group.rank + 1) * n].clone()
+        self._secondary_approximate = self._approximate
+
+    def drop_secondary(self) -> None:
+        """Forget the secondary partition (the backward used it, or the values changed)."""
+        if self.secondary is None:
+            return
+        self.memory.ledger.release(Tier.DEVICE, self.SECONDARY, self.secondary.numel() * self.dtype.itemsize)
+        self.secondary = None
+
+    def _start_secondary_gather(self) -> Transfer:
+        """The device copy from the secondary partition: one all-gather inside the secondary group."""
+        group, secondary = self.secondary_shards, self.secondary
+        count_collective("parameters", "all_gather", group.world, self.nbytes)
+        gathering = start_all_gather(group, self.device, secondary, what=f"{self.owner} parameters (secondary)")
+
+        def gathered() -> None:
+            gathering.wait()
+            self.drop_secondary()
+            self._fetched()
+        return Transfer(gathered)
 
     def _start_quantized_gather(self) -> Transfer:
         """Every rank's shard as int8 blocks with their scales, in one all-gather, dequantized into the

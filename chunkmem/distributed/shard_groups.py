@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..errors import InvalidArgumentError, check_number
 from .collectives import ShardGroup
 
-__all__ = ["GroupLayout", "group_layout"]
+__all__ = ["GroupLayout", "group_layout", "secondary_group"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -61,3 +61,21 @@ def group_layout(data_parallel: ShardGroup, shard_group_size: int | None,
             replica_pg = group
     return GroupLayout(data_parallel, ShardGroup(shard_pg, rank % size, size),
                        ShardGroup(replica_pg, rank // size, world // size))
+
+
+def secondary_group(shards: ShardGroup, size: int | None, argument: str = "secondary_partition_size") -> ShardGroup | None:
+    """ZeRO++'s hpZ: the ``size`` consecutive ranks of ``shards`` this rank shares a secondary partition with
+    (``None`` without one). Every rank creates every such group, in the same order."""
+    if size is None or size == 1:
+        return None
+    allowed = f"None, 1 or a divisor of the {shards.world} ranks the chunks are sharded over, below it"
+    check_number(argument, size, low=1, integer=True, allowed=allowed)
+    if size >= shards.world or shards.world % size:
+        raise InvalidArgumentError(argument, size, allowed)
+    ranks = [dist.get_global_rank(shards.group, r) for r in range(shards.world)]
+    mine = None
+    for first in range(0, shards.world, size):
+        group = dist.new_group(ranks[first:first + size])
+        if first <= shards.rank < first + size:
+            mine = group
+    return ShardGroup(mine, shards.rank % size, size)

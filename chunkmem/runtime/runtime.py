@@ -209,6 +209,7 @@ class ChunkRuntime:
                                                       ("optimizer steps so far", self.step_count),
                                                       ("autograd on", training)])
         self.forward_count += 1
+        self._drop_secondaries()
         if self.scheduler.begin_iteration(_shapes_of(inputs), training):
             self.executor.evict_unpinned()
 
@@ -241,6 +242,9 @@ class ChunkRuntime:
         is not the running one (the stack was cleared by a later forward), so nothing is to be watched."""
         if not self._stack or self._stack[-1].module is not module:
             return False
+        if torch.is_grad_enabled():  # hpZ: the backward gathers these inside the secondary group
+            for chunk in self._stack[-1].chunks:
+                chunk.param.keep_secondary()
         self.executor.release(self._stack.pop().chunks)
         if module is self.root and not torch.is_grad_enabled():
             self.executor.flush_stale()  # no backward will come to free what the forward left stale
@@ -289,6 +293,7 @@ class ChunkRuntime:
             elif chunk.held_for_backward:
                 self.executor.release_backward_hold(chunk)
         self._complete_reductions(0)
+        self._drop_secondaries()
         for chunk in self.chunks:
             chunk.grads_finished = False
         self.executor.flush_stale()
@@ -572,6 +577,11 @@ class ChunkRuntime:
         if optimizer is not None and not self._no_sync:
             optimizer.on_grads_final(chunk)
 
+    def _drop_secondaries(self) -> None:
+        """hpZ's secondary partitions live from a forward to its backward only."""
+        for chunk in self.chunks:
+            chunk.param.drop_secondary()
+
     def _recover_interrupted(self) -> None:
         """The last iteration stopped on an error (e.g. :class:`~chunkmem.DeviceCapacityError` in its
         backward): release what its backward held, drop its unfinished gradients, and put every chunk
@@ -579,6 +589,7 @@ class ChunkRuntime:
         backward had finished stay (``optim.zero_grad()`` drops them)."""
         self.executor.cancel_prefetch()
         self._complete_reductions(0)  # a started collective cannot be called back; its result is kept
+        self._drop_secondaries()
         for chunk in self.chunks:
             chunk.unhold()
             self.gradients.abandon(chunk)
