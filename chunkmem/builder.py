@@ -25,7 +25,7 @@ from .core.tiers import Tier, device_memory_capacity, device_of_tier, host_memor
 from .distributed.agreement import LayoutDescription, ParamRecord, agree
 from .distributed.collectives import SINGLE_PROCESS, ShardGroup
 from .distributed.reduction import GradientReduction
-from .distributed.shard_groups import GroupLayout, group_layout, secondary_group
+from .distributed.shard_groups import GroupLayout, gather_hierarchy, group_layout, secondary_group
 from .runtime.capacity import CapacityCheck
 from .runtime.placement import PlacementPolicy
 from .runtime.runtime import ChunkRuntime
@@ -119,11 +119,13 @@ def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
                            settings.shard_strategy.bucketed, check_capacity, groups.data_parallel,
                            settings.reduction.reductions_in_flight)
     secondary = secondary_group(shards, settings.secondary_partition_size)
+    hierarchy = gather_hierarchy(shards, settings.gather_node_size)
     for chunk in chunks:
         chunk.param.quantized_gathers = bool(settings.quantized_weights) and (
             settings.quantized_weights is True or not chunk.trainable)
         if chunk.param.sharded:
             chunk.param.secondary_shards = secondary
+            chunk.param.gather_hierarchy = hierarchy
     if memory.disk is not None:
         weakref.finalize(runtime, memory.disk.close)
     if settings.prefetch_numel is not None:
@@ -231,6 +233,7 @@ def _agree_on_layout(settings: ModelSettings, layout: ChunkLayout, groups: Group
         ("quantized_gradients", str(reduction.quantized_gradients)),
         ("quantized_weights", str(settings.quantized_weights)),
         ("secondary_partition_size", str(settings.secondary_partition_size)),
+        ("gather_node_size", str(settings.gather_node_size)),
         ("reductions_in_flight", str(reduction.reductions_in_flight)),
         ("offload_optimizer", repr(disk.offload_optimizer)),
         ("offload_param", repr(disk.offload_param)),

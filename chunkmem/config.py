@@ -88,7 +88,10 @@ KEY_TABLE: dict[str, tuple[str, str]] = {
                                                           "2: only false"),
     "zero_optimization.mics_shard_size": ("map", "stage 3: ShardedModelV2(shard_group_size=) (-1 or absent: None, "
                                                  "flat ZeRO-3)"),
-    "zero_optimization.mics_hierarchical_params_gather": ("error", "only False"),
+    "zero_optimization.mics_hierarchical_params_gather": ("map", "stage 3: true gives ShardedModelV2("
+                                                                "gather_node_size=the LOCAL_WORLD_SIZE environment "
+                                                                "variable, which torchrun sets; refused without it); "
+                                                                "stages 1, 2: only false"),
     "zero_optimization.legacy_stage1": ("error", "only False"),
     "zero_optimization.cpu_offload": ("error", "deprecated by DeepSpeed: use offload_optimizer"),
     "zero_optimization.cpu_offload_param": ("error", "deprecated by DeepSpeed: use offload_param"),
@@ -151,7 +154,6 @@ _PERSISTENCE_KEYS = {"param_persistence_threshold": "persistence_threshold",
                      "model_persistence_threshold": "model_persistence_threshold",
                      "stage3_model_persistence_threshold": "model_persistence_threshold"}
 _ZERO_ONLY_DEFAULT = {  # key -> the only value accepted (DeepSpeed's default)
-    "mics_hierarchical_params_gather": False,
     "legacy_stage1": False,
 }
 _ZERO_DEPRECATED = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param",
@@ -159,7 +161,7 @@ _ZERO_DEPRECATED = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "of
 _ZERO_KEYS = ({"stage", "offload_optimizer", "offload_param", "reduce_bucket_size", "overlap_comm",
                "contiguous_gradients", "reduce_scatter", "elastic_checkpoint", "mics_shard_size",
                "zero_quantized_gradients", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
-               "zero_hpz_partition_size",
+               "zero_hpz_partition_size", "mics_hierarchical_params_gather",
                *_PREFETCH_KEYS,
                *_REUSE_DISTANCE_KEYS,
                *_PERSISTENCE_KEYS} | _ZERO_NO_EFFECT | set(_ZERO_ONLY_DEFAULT) | set(_ZERO_DEPRECATED))
@@ -452,6 +454,9 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
             kwargs["quantized_gradients"] = zero["zero_quantized_gradients"]
         for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights"):
             _check_bool(zero.get(key, False), f"zero_optimization.{key}")
+        if _check_bool(zero.get("mics_hierarchical_params_gather", False),
+                       "zero_optimization.mics_hierarchical_params_gather"):
+            kwargs["gather_node_size"] = _ranks_per_node()
         hpz = zero.get("zero_hpz_partition_size", 1)
         if isinstance(hpz, bool) or not isinstance(hpz, int):
             raise ArgumentTypeError("zero_optimization.zero_hpz_partition_size", hpz, "an integer >= 1")
@@ -473,6 +478,7 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
                       "quantized_gradients": "zero_optimization.zero_quantized_gradients",
                       "quantized_weights": "zero_optimization.zero_quantized_weights",
                       "secondary_partition_size": "zero_optimization.zero_hpz_partition_size",
+                      "gather_node_size": "zero_optimization.mics_hierarchical_params_gather",
                       **_disk_keys(optim_device, param_device)}
         model_settings = _rename_errors(
             "zero_optimization.", lambda: ModelSettings.from_arguments(TensorShardStrategy(), dtype=dtype, **kwargs),
@@ -485,6 +491,9 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
     if zero.get("mics_shard_size", -1) != -1:
         raise InvalidArgumentError("zero_optimization.mics_shard_size", zero["mics_shard_size"],
                                    "-1 with stage 1 or 2 (shard groups shard stage 3's parameters)")
+    if zero.get("mics_hierarchical_params_gather", False) is not False:
+        raise InvalidArgumentError("zero_optimization.mics_hierarchical_params_gather",
+                                   zero["mics_hierarchical_params_gather"], "false with stage 1 or 2")
     if zero.get("zero_hpz_partition_size", 1) != 1:
         raise InvalidArgumentError("zero_optimization.zero_hpz_partition_size", zero["zero_hpz_partition_size"],
                                    "1 with stage 1 or 2 (the secondary partition is of stage 3's parameters)")
@@ -566,6 +575,16 @@ def _check_zero_switches(zero: dict[str, Any]) -> None:
                                                            "chunkmem.deepspeed.initialize honours the key)")
     for key in sorted(set(_REUSE_DISTANCE_KEYS) & set(zero)):
         _no_effect(f"zero_optimization.{key}", "the traced schedule knows each chunk's next use (Belady's plan)")
+
+
+def _ranks_per_node() -> int:
+    """The ranks of this node, for ``mics_hierarchical_params_gather``: ``LOCAL_WORLD_SIZE`` (torchrun's)."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if not value.strip().isdigit() or int(value) < 1:
+        raise InvalidArgumentError("zero_optimization.mics_hierarchical_params_gather", True,
+                                   f"false, or true with the environment variable LOCAL_WORLD_SIZE set to the ranks "
+                                   f"of a node (torchrun sets it; found {value!r})")
+    return int(value)
 
 
 def _persistence(zero: dict[str, Any], disk: bool) -> dict[str, int]:

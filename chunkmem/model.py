@@ -118,6 +118,12 @@ class ShardedModelV2(nn.Module):
             instead of over every rank; bitwise the same training. A divisor of the ranks the chunks are
             sharded over, below it; ``None`` or 1: off. Not with ``auto`` placement (its plan does not count
             the secondary parts) nor with ``shard_group_size``.
+        gather_node_size: (addition; DeepSpeed's ``mics_hierarchical_params_gather``) the ranks of each node,
+            when the ranks a chunk is sharded over span several nodes: every parameter gather runs in two
+            stages, across the nodes among the ranks at the same place in their node (each rank sends its
+            shard over the network once, to ``nodes - 1`` peers), then inside the node; the gathered values
+            are the same bits. A divisor of the ranks the chunks are sharded over, below it; ``None``
+            (default): one flat gather. Holds one more chunk-sized buffer while a gather completes.
     """
 
     def __init__(self, module: nn.Module, shard_strategy: BaseShardStrategy, process_group: Any = None,
@@ -132,7 +138,8 @@ class ShardedModelV2(nn.Module):
                  prefetch_numel: int | None = None, persistence_threshold: int = 0,
                  model_persistence_threshold: int | None = None, reductions_in_flight: int = 0,
                  shard_group_size: int | None = None, quantized_gradients: bool = False,
-                 quantized_weights: bool | str = False, secondary_partition_size: int | None = None) -> None:
+                 quantized_weights: bool | str = False, secondary_partition_size: int | None = None,
+                 gather_node_size: int | None = None) -> None:
         check_type("module", module, nn.Module, "a torch.nn.Module")
         if isinstance(module, ShardedModelV2):
             raise InvalidArgumentError("module", type(module).__name__, "a module that is not already wrapped")
@@ -145,7 +152,7 @@ class ShardedModelV2(nn.Module):
             persistence_threshold=persistence_threshold, model_persistence_threshold=model_persistence_threshold,
             reductions_in_flight=reductions_in_flight, shard_group_size=shard_group_size,
             quantized_gradients=quantized_gradients, quantized_weights=quantized_weights,
-            secondary_partition_size=secondary_partition_size)
+            secondary_partition_size=secondary_partition_size, gather_node_size=gather_node_size)
         super().__init__()
         self._wrap(module, settings)
 

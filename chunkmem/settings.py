@@ -151,6 +151,7 @@ class ModelSettings:
     shard_group_size: int | None = None
     quantized_weights: bool | str = False
     secondary_partition_size: int | None = None
+    gather_node_size: int | None = None
 
     def __post_init__(self) -> None:
         check_type("shard_strategy", self.shard_strategy, BaseShardStrategy,
@@ -182,6 +183,13 @@ class ModelSettings:
                                            f"None or 1 with tensor_placement_policy="
                                            f"{self.placement.tensor_placement_policy!r} (its plan does not count "
                                            f"the secondary partitions); use 'cpu', 'cuda' or 'static'")
+        if self.gather_node_size is not None:
+            check_number("gather_node_size", self.gather_node_size, low=1, integer=True,
+                         allowed="None or a divisor of the ranks the chunks are sharded over")
+            if self.quantized_weights or self.shard_strategy.bucketed:
+                raise InvalidArgumentError("gather_node_size", self.gather_node_size,
+                                           "None with quantized_weights or BucketTensorShardStrategy (their gathers "
+                                           "are not hierarchical)")
         if self.reduction.reductions_in_flight and self.reuse_fp16_shard:
             raise InvalidArgumentError("reductions_in_flight", self.reduction.reductions_in_flight,
                                        "0 with reuse_fp16_shard=True (the gradients are reduced out of the "
@@ -213,7 +221,8 @@ class ModelSettings:
                        model_persistence_threshold: int | None = None,
                        reductions_in_flight: int = 0, shard_group_size: int | None = None,
                        quantized_gradients: bool = False, quantized_weights: bool | str = False,
-                       secondary_partition_size: int | None = None) -> "ModelSettings":
+                       secondary_partition_size: int | None = None,
+                       gather_node_size: int | None = None) -> "ModelSettings":
         """The settings named by ``ShardedModelV2``'s arguments (the same names and defaults)."""
         return ModelSettings(
             shard_strategy, process_group, reduce_scatter_process_group,
@@ -223,7 +232,7 @@ class ModelSettings:
             reuse_fp16_shard, dtype, chunk_size,
             DiskSettings(offload_optimizer, offload_param, nvme_path, buffer_count, buffer_size, atomic_step),
             prefetch_numel, persistence_threshold, model_persistence_threshold, shard_group_size, quantized_weights,
-            secondary_partition_size)
+            secondary_partition_size, gather_node_size)
 
     def policy(self) -> PlacementPolicy:
         """The placement policy these settings choose."""
@@ -237,7 +246,8 @@ MODEL_KEYWORDS = ("shard_strategy", "process_group", "reduce_scatter_process_gro
                   "dtype", "chunk_size", "offload_param_frac", "offload_optim_frac", "offload_optimizer",
                   "offload_param", "nvme_path", "buffer_count", "buffer_size", "atomic_step", "prefetch_numel",
                   "persistence_threshold", "model_persistence_threshold", "reductions_in_flight",
-                  "shard_group_size", "quantized_gradients", "quantized_weights", "secondary_partition_size")
+                  "shard_group_size", "quantized_gradients", "quantized_weights", "secondary_partition_size",
+                  "gather_node_size")
 """The keyword arguments of :meth:`ModelSettings.from_arguments` (``ShardedModelV2``'s, and the keys of
 the ColossalAI form's ``model_config``)."""
 

@@ -499,3 +499,19 @@ def test_zero_hpz_partition_size_maps_onto_the_secondary_partition():
     with pytest.raises(cm.InvalidArgumentError, match=r"^zero_optimization\.zero_hpz_partition_size=2.*stage 1"):
         cm.initialize(plain, torch.optim.AdamW(plain.parameters()),
                       {"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 2}})
+
+
+def test_mics_hierarchical_params_gather_takes_the_node_size_from_local_world_size(monkeypatch):
+    zero = {"stage": 3, "offload_param": {"device": "cpu"}, "mics_hierarchical_params_gather": True}
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with pytest.raises(cm.InvalidArgumentError, match=r"^zero_optimization\.mics_hierarchical_params_gather.*"
+                                                      r"LOCAL_WORLD_SIZE"):
+        cm.initialize(make_model(), config={"zero_optimization": zero})
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(cm.InvalidArgumentError, match=r"^zero_optimization\.mics_hierarchical_params_gather=8.*"
+                                                      r"below it"):  # one process: no node to span
+        cm.initialize(make_model(), config={"zero_optimization": zero})
+    model = make_model()
+    m, _ = cm.initialize(model, cm.HybridAdam(model.parameters()),
+                         {"zero_optimization": dict(zero, mics_hierarchical_params_gather=False)})
+    assert m.settings.gather_node_size is None

@@ -98,3 +98,28 @@ def test_shard_group_sizes_that_do_not_divide_are_refused():
     assert model.shard_group_size == 1 and model.replicas is None
     with pytest.raises(cm.InvalidArgumentError, match="shard_group_size=0"):
         _build(0)
+
+
+def _hierarchical_rank(rank: int, world: int) -> dict:
+    from chunkmem.distributed.traffic import reset_traffic, traffic
+
+    share = BATCH // world
+    data = [x[rank * share:(rank + 1) * share] for x in batches(STEPS, batch=BATCH, seed=1)]
+    out = {}
+    for node_size in (None, 2):
+        model, optim = _build(None, gather_node_size=node_size)
+        reset_traffic()
+        out[node_size] = {"losses": train(model, optim, data), "state": model.state_dict(),
+                          "gathers": {k[2]: c.calls for k, c in traffic().items() if k[0] == "parameters"}}
+    return out
+
+
+def test_hierarchical_gather_over_two_nodes_gives_the_same_bits():
+    ranks = run_ranks(_hierarchical_rank, 4)
+    for r in ranks:
+        assert r[2]["losses"] == r[None]["losses"]
+        for key, value in r[None]["state"].items():
+            assert torch.equal(r[2]["state"][key], value), key
+        # every gather in two stages of 2 ranks (across the "nodes", then inside one), none over all 4
+        assert set(r[2]["gathers"]) == {2} and set(r[None]["gathers"]) == {4}
+        assert r[2]["gathers"][2] == 2 * r[None]["gathers"][4]

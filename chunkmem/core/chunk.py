@@ -296,6 +296,7 @@ class ParamBuffer:
         self.secondary_shards: ShardGroup | None = None  # hpZ: the ranks of the secondary partition
         self.secondary: torch.Tensor | None = None  # this rank's part of it, kept from the forward
         self._secondary_approximate = False  # kept from a dequantized copy
+        self.gather_hierarchy: tuple[ShardGroup, ShardGroup] | None = None  # (across nodes, inside a node)
 
     # ---- state (read-only views of the two machines) --------------------------------------------------
 
@@ -375,6 +376,8 @@ class ParamBuffer:
             transfer = self._start_secondary_gather()
         elif self._approximate:
             transfer = self._start_quantized_gather()
+        elif self.sharded and self.gather_hierarchy is not None:
+            transfer = self._start_hierarchical_gather()
         elif self.sharded:
             count_collective("parameters", "all_gather", self.shards.world, self.nbytes)
             gathering = start_all_gather(self.shards, self.device, self.shard.read(), what=f"{self.owner} parameters")
@@ -421,6 +424,26 @@ class ParamBuffer:
         def gathered() -> None:
             gathering.wait()
             self.drop_secondary()
+            self._fetched()
+        return Transfer(gathered)
+
+    def _start_hierarchical_gather(self) -> Transfer:
+        """MiCS' hierarchical gather: every rank's shard from the ranks of its place on the other nodes
+        (started now), then those blocks inside the node (when waited for), reordered into rank order."""
+        across, inside = self.gather_hierarchy
+        n = self.shard_numel
+        column = torch.empty(across.world * n, dtype=self.dtype, device=self.device.device)
+        count_collective("parameters", "all_gather", across.world, column.numel() * self.dtype.itemsize)
+        first = start_all_gather(across, column, self.shard.read(), what=f"{self.owner} parameters (across nodes)")
+
+        def gathered() -> None:
+            first.wait()
+            by_place = torch.empty(inside.world * column.numel(), dtype=self.dtype, device=self.device.device)
+            count_collective("parameters", "all_gather", inside.world, self.nbytes)
+            inside.all_gather(by_place, column, what=f"{self.owner} parameters (inside the node)")
+            # by_place is [place][node][shard]; rank order is [node][place][shard]
+            self.device.view(across.world, inside.world, n).copy_(
+                by_place.view(inside.world, across.world, n).transpose(0, 1))
             self._fetched()
         return Transfer(gathered)
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..errors import InvalidArgumentError, check_number
 from .collectives import ShardGroup
 
-__all__ = ["GroupLayout", "group_layout", "secondary_group"]
+__all__ = ["GroupLayout", "gather_hierarchy", "group_layout", "secondary_group"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -79,3 +79,28 @@ def secondary_group(shards: ShardGroup, size: int | None, argument: str = "secon
         if first <= shards.rank < first + size:
             mine = group
     return ShardGroup(mine, shards.rank % size, size)
+
+
+def gather_hierarchy(shards: ShardGroup, node_size: int | None,
+                     argument: str = "gather_node_size") -> tuple[ShardGroup, ShardGroup] | None:
+    """MiCS' hierarchical gather: with ``node_size`` consecutive ranks of ``shards`` on each node, the
+    ``(across, inside)`` groups of a two-stage gather: the ranks of the other nodes with this rank's place in
+    its node, and this node's ranks (``None`` without a hierarchy). Every rank creates every group."""
+    if node_size is None:
+        return None
+    allowed = f"None or a divisor of the {shards.world} ranks the chunks are sharded over, below it"
+    check_number(argument, node_size, low=1, integer=True, allowed=allowed)
+    if node_size >= shards.world or shards.world % node_size:
+        raise InvalidArgumentError(argument, node_size, allowed)
+    ranks = [dist.get_global_rank(shards.group, r) for r in range(shards.world)]
+    across = inside = None
+    for place in range(node_size):
+        group = dist.new_group(ranks[place::node_size])
+        if shards.rank % node_size == place:
+            across = group
+    for first in range(0, shards.world, node_size):
+        group = dist.new_group(ranks[first:first + node_size])
+        if first <= shards.rank < first + node_size:
+            inside = group
+    nodes = shards.world // node_size
+    return (ShardGroup(across, shards.rank // node_size, nodes), ShardGroup(inside, shards.rank % node_size, node_size))
