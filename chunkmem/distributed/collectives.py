@@ -340,28 +340,29 @@ def start_reduce_scatter(shards: ShardGroup, out: torch.Tensor, joined: torch.Te
     """Start a reduce-scatter of ``joined`` (``world × out.numel()`` contiguous elements, rank ``r``'s
     piece at ``[r * n, (r + 1) * n)``): rank ``r`` receives the sum over the ranks of piece ``r`` in
     ``out`` once the returned handle's ``wait()`` returned. ``joined`` must stay unchanged until then."""
-    if not shards.sharded:
-        out.copy_(joined)
-        return PendingCollective("reduce_scatter", what, None, None, out, out)
-    bound_gloo_timeout(shards.group)
-    device = _comm_device(shards.group, out)
-    work_out = out if out.device == device else torch.empty_like(out, device=device)
-    work = _reduce_scatter_flat(work_out, joined.to(device), group=shards.group, async_op=True)
-    return PendingCollective("reduce_scatter", what, shards.group, work, work_out, out)
+    return _start_into(shards, "reduce_scatter", what, out, joined, lambda work_out, data: _reduce_scatter_flat(
+        work_out, data, group=shards.group, async_op=True))
 
 
 def start_all_to_all(shards: ShardGroup, out: torch.Tensor, rows: torch.Tensor, what: str) -> PendingCollective:
     """Start sending row ``r`` of ``rows`` (``world`` equal rows, contiguous) to rank ``r``; ``out`` (shaped
     like ``rows``) holds in row ``r`` what rank ``r`` sent this rank once the returned handle's ``wait()``
     returned. ``rows`` must stay unchanged until then."""
+    return _start_into(shards, "all_to_all", what, out, rows, lambda work_out, data: dist.all_to_all_single(
+        work_out, data, group=shards.group, async_op=True))
+
+
+def _start_into(shards: ShardGroup, collective: str, what: str, out: torch.Tensor, data: torch.Tensor,
+                launch: Callable[[torch.Tensor, torch.Tensor], Any]) -> PendingCollective:
+    """Start ``launch(output, input)`` on the communication device (a copy with one rank); the handle
+    copies the result into ``out`` when they differ."""
     if not shards.sharded:
-        out.copy_(rows)
-        return PendingCollective("all_to_all", what, None, None, out, out)
+        out.copy_(data)
+        return PendingCollective(collective, what, None, None, out, out)
     bound_gloo_timeout(shards.group)
     device = _comm_device(shards.group, out)
     work_out = out if out.device == device else torch.empty_like(out, device=device)
-    work = dist.all_to_all_single(work_out, rows.to(device), group=shards.group, async_op=True)
-    return PendingCollective("all_to_all", what, shards.group, work, work_out, out)
+    return PendingCollective(collective, what, shards.group, launch(work_out, data.to(device)), work_out, out)
 
 
 def _complete(collective: str, what: str, group: Any, start: Callable[[], Any]) -> None:

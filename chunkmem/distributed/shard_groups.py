@@ -44,23 +44,10 @@ def group_layout(data_parallel: ShardGroup, shard_group_size: int | None,
     world = data_parallel.world
     if shard_group_size is None or shard_group_size == world:
         return GroupLayout(data_parallel, data_parallel)
-    allowed = f"None or a divisor >= 2 of the {world} data-parallel ranks"
-    check_number(argument, shard_group_size, low=2, integer=True, allowed=allowed)
-    if world % shard_group_size:
-        raise InvalidArgumentError(argument, shard_group_size, allowed)
-    size, rank = shard_group_size, data_parallel.rank
-    ranks = [dist.get_global_rank(data_parallel.group, r) for r in range(world)]
-    shard_pg = replica_pg = None
-    for first in range(0, world, size):
-        group = dist.new_group(ranks[first:first + size])
-        if first <= rank < first + size:
-            shard_pg = group
-    for offset in range(size):
-        group = dist.new_group(ranks[offset::size])
-        if rank % size == offset:
-            replica_pg = group
-    return GroupLayout(data_parallel, ShardGroup(shard_pg, rank % size, size),
-                       ShardGroup(replica_pg, rank // size, world // size))
+    _check_divisor(argument, shard_group_size, data_parallel, low=2,
+                   allowed=f"None or a divisor >= 2 of the {world} data-parallel ranks")
+    return GroupLayout(data_parallel, _consecutive(data_parallel, shard_group_size),
+                       _same_place(data_parallel, shard_group_size))
 
 
 def secondary_group(shards: ShardGroup, size: int | None, argument: str = "secondary_partition_size") -> ShardGroup | None:
@@ -68,17 +55,9 @@ def secondary_group(shards: ShardGroup, size: int | None, argument: str = "secon
     (``None`` without one). Every rank creates every such group, in the same order."""
     if size is None or size == 1:
         return None
-    allowed = f"None, 1 or a divisor of the {shards.world} ranks the chunks are sharded over, below it"
-    check_number(argument, size, low=1, integer=True, allowed=allowed)
-    if size >= shards.world or shards.world % size:
-        raise InvalidArgumentError(argument, size, allowed)
-    ranks = [dist.get_global_rank(shards.group, r) for r in range(shards.world)]
-    mine = None
-    for first in range(0, shards.world, size):
-        group = dist.new_group(ranks[first:first + size])
-        if first <= shards.rank < first + size:
-            mine = group
-    return ShardGroup(mine, shards.rank % size, size)
+    _check_divisor(argument, size, shards, low=1, below=True, allowed=f"None, 1 or a divisor of the {shards.world} "
+                                                                     f"ranks the chunks are sharded over, below it")
+    return _consecutive(shards, size)
 
 
 def gather_hierarchy(shards: ShardGroup, node_size: int | None,
@@ -88,19 +67,34 @@ def gather_hierarchy(shards: ShardGroup, node_size: int | None,
     its node, and this node's ranks (``None`` without a hierarchy). Every rank creates every group."""
     if node_size is None:
         return None
-    allowed = f"None or a divisor of the {shards.world} ranks the chunks are sharded over, below it"
-    check_number(argument, node_size, low=1, integer=True, allowed=allowed)
-    if node_size >= shards.world or shards.world % node_size:
-        raise InvalidArgumentError(argument, node_size, allowed)
-    ranks = [dist.get_global_rank(shards.group, r) for r in range(shards.world)]
-    across = inside = None
-    for place in range(node_size):
-        group = dist.new_group(ranks[place::node_size])
-        if shards.rank % node_size == place:
-            across = group
-    for first in range(0, shards.world, node_size):
-        group = dist.new_group(ranks[first:first + node_size])
-        if first <= shards.rank < first + node_size:
-            inside = group
-    nodes = shards.world // node_size
-    return (ShardGroup(across, shards.rank // node_size, nodes), ShardGroup(inside, shards.rank % node_size, node_size))
+    _check_divisor(argument, node_size, shards, low=1, below=True, allowed=f"None or a divisor of the {shards.world} "
+                                                                          f"ranks the chunks are sharded over, below it")
+    return _same_place(shards, node_size), _consecutive(shards, node_size)
+
+
+def _check_divisor(argument: str, size: int, group: ShardGroup, low: int, allowed: str, below: bool = False) -> None:
+    check_number(argument, size, low=low, integer=True, allowed=allowed)
+    if group.world % size or (below and size >= group.world):
+        raise InvalidArgumentError(argument, size, allowed)
+
+
+def _consecutive(group: ShardGroup, size: int) -> ShardGroup:
+    """This rank's block of ``size`` consecutive ranks of ``group`` (every rank creates every block)."""
+    ranks = [dist.get_global_rank(group.group, r) for r in range(group.world)]
+    mine = None
+    for first in range(0, group.world, size):
+        created = dist.new_group(ranks[first:first + size])
+        if first <= group.rank < first + size:
+            mine = created
+    return ShardGroup(mine, group.rank % size, size)
+
+
+def _same_place(group: ShardGroup, size: int) -> ShardGroup:
+    """The ranks of ``group`` at this rank's place in their blocks of ``size`` (every rank creates all)."""
+    ranks = [dist.get_global_rank(group.group, r) for r in range(group.world)]
+    mine = None
+    for place in range(size):
+        created = dist.new_group(ranks[place::size])
+        if group.rank % size == place:
+            mine = created
+    return ShardGroup(mine, group.rank // size, group.world // size)
