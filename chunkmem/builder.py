@@ -68,25 +68,25 @@ def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
         raise InvalidArgumentError("module", type(module).__name__, "a module with at least one parameter")
     check_param_dtypes(named)
     slots = [slot_of(p) for _, p in named]
-    from_context = all(s is not None for s in slots)
-    if not from_context and any(s is not None for s in slots):
-        raise InvalidArgumentError("module", type(module).__name__,
-                                   "a module built wholly inside or wholly outside ZeroInitContext")
-    dtype = _dtype(settings, slots[0].chunk.dtype if from_context else None)
+    # Parameters of a ZeroInitContext, all of them or some: a base built in the context and adapters
+    # (LoRA) added to it afterwards. In the second case everything is packed into the model's own chunks.
+    context_slots = [s for s in slots if s is not None]
+    from_context = len(context_slots) == len(slots)
+    dtype = _dtype(settings, context_slots[0].chunk.dtype if context_slots else None)
     check_chunk_size(settings.chunk_size, dtype)
     element_size = dtype.itemsize
     chunk_numel = _chunk_numel(settings, named, slots if from_context else None, element_size, shards.sharded)
     chunk_numel = aligned_numel(chunk_numel, shards.world) if shards.sharded else chunk_numel
     # A ZeroInitContext's chunks are reused as they are (untrimmed tails included) when built at a given
     # size, except those it built onto its own disk tier: they are packed into the model's own chunks.
-    context_memory = slots[0].chunk.memory if from_context else None
+    context_memory = context_slots[0].chunk.memory if context_slots else None
     from_context_disk = context_memory is not None and context_memory.disk is not None
     reuse_context = from_context and not from_context_disk
     sized_by_context = reuse_context and all(s.chunk.size_was_given for s in slots)
     layout = plan_layout(named, [p.requires_grad for _, p in named], chunk_numel, element_size,
                          _persistent(named, settings) if shards.sharded else None,
                          world=shards.world if shards.sharded else 1, trim_tails=not sized_by_context)
-    _agree_on_layout(settings, layout, groups, dtype, slots if from_context else None)
+    _agree_on_layout(settings, layout, groups, dtype, context_slots or None, from_context)
     capacity = device_memory_capacity()
     host_capacity = host_memory_capacity()
     check_capacity = CapacityCheck(layout, policy, shards, settings.reuse_fp16_shard, capacity)
@@ -103,10 +103,10 @@ def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
         if policy.params_on_disk:
             memory.disk.reserve(PARAM, layout.chunk_bytes // shards.world, layout.num_chunks)
     param_names = {id(p): name for name, p in named}
-    chunks = _chunks_for(layout, _unique_chunks(slots) if from_context else [], dtype, memory, shards, policy,
-                         param_names, reuse=reuse_context)
-    if from_context:  # chunks of parameters replaced after creation (the original weight of a tied head)
-        for chunk in slots[0].chunk.built_with:
+    chunks = _chunks_for(layout, _unique_chunks(context_slots), dtype, memory, shards, policy, param_names,
+                         reuse=reuse_context)
+    if context_slots:  # chunks of parameters replaced after creation (the original weight of a tied head)
+        for chunk in context_slots[0].chunk.built_with:
             if chunk not in chunks:
                 free_chunk(chunk)
     if from_context_disk:
@@ -160,9 +160,8 @@ def mark_unwrapped(module: nn.Module) -> None:
 def compute_dtype(module: nn.Module, settings: ModelSettings) -> torch.dtype:
     """The compute dtype :func:`build_runtime` gives ``module`` with ``settings`` (raises as it does when
     they contradict the ``ZeroInitContext`` the module was built in); changes nothing."""
-    slots = [slot_of(p) for p in module.parameters()]
-    in_context = bool(slots) and all(s is not None for s in slots)
-    return _dtype(settings, slots[0].chunk.dtype if in_context else None)
+    context_slots = [s for s in map(slot_of, module.parameters()) if s is not None]
+    return _dtype(settings, context_slots[0].chunk.dtype if context_slots else None)
 
 
 def _dtype(settings: ModelSettings, context_dtype: torch.dtype | None) -> torch.dtype:
@@ -201,7 +200,7 @@ def _chunk_numel(settings: ModelSettings, named: list[tuple[str, nn.Parameter]],
 
 
 def _agree_on_layout(settings: ModelSettings, layout: ChunkLayout, groups: GroupLayout, dtype: torch.dtype,
-                     context_slots: list[Any] | None) -> None:
+                     context_slots: list[Any] | None, wholly_from_context: bool = True) -> None:
     """Sharded or replicated, every rank must build the same chunks before any collective depends on them:
     agree (over all data-parallel ranks) on the settings and on the parameters in packing order, plus
     where the parameters come from (re-packing the chunks of a ``ZeroInitContext`` gathers them)."""
@@ -215,6 +214,8 @@ def _agree_on_layout(settings: ModelSettings, layout: ChunkLayout, groups: Group
         chunks = {s.chunk.index: s.chunk for s in context_slots}
         numels = ", ".join(str(chunks[i].numel) for i in sorted(chunks))
         source = f"ZeroInitContext chunks of {numels} elements sharded over {context_slots[0].chunk.shards.world} ranks"
+        if not wholly_from_context:
+            source += " and parameters added outside it"
     else:
         source = "a module built outside ZeroInitContext"
     disk, reduction = settings.disk, settings.reduction

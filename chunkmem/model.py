@@ -425,16 +425,23 @@ class ShardedModelV2(nn.Module):
         return slot.view(self.full_values(slot.chunk)).clone()
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False,
-                   rank0_only: bool = False) -> Any:
+                   rank0_only: bool = False, trainable_only: bool = False) -> Any:
         """The wrapped module's full state under its own keys, on the CPU: parameters in fp32 (from the
         masters where masters exist), buffers as stored. Loadable by the plain module.
 
         Sharded, the chunks are gathered one at a time, so every rank must call it; with
-        ``rank0_only=True`` the other ranks receive an empty dict (and keep no copy)."""
+        ``rank0_only=True`` the other ranks receive an empty dict (and keep no copy).
+        ``trainable_only=True`` (an addition): only the parameters that required grad when the model was
+        wrapped (the ones the optimizer can train; no buffers), gathering only their chunks: a LoRA
+        adapter's weights without reading the frozen base, for ``PeftModel.save_pretrained(directory,
+        state_dict=...)``."""
         check_type("rank0_only", rank0_only, bool, "True or False")
+        check_type("trainable_only", trainable_only, bool, "True or False")
         keep = not rank0_only or self.data_parallel.rank == 0
         values: dict[int, torch.Tensor] = {}
         for chunk in self.chunks:
+            if trainable_only and not chunk.trainable:
+                continue  # laid out frozen: the same chunks on every rank, so the gathers still match
             full = self.full_values(chunk)
             if keep:
                 for slot in chunk.slots:
@@ -445,7 +452,7 @@ class ShardedModelV2(nn.Module):
         for key, value in self.module.state_dict(keep_vars=True).items():
             if isinstance(value, nn.Parameter) and id(value) in values:
                 out[prefix + key] = values[id(value)]
-            else:
+            elif not trainable_only:
                 out[prefix + key] = value.detach().to("cpu", copy=True)
         return out
 

@@ -22,7 +22,7 @@ anywhere else, sharded chunk      refused unless gathered            refused (us
 ================================  =================================  ======================================
 
 Refusals raise :class:`ParameterAccessError` naming the parameter and the documented way. Metadata
-(``shape``, ``dtype``, ``requires_grad_``, hook registration...) always passes through.
+(``shape``, ``dtype``, ``requires_grad`` and ``requires_grad_``, hook registration...) always passes through.
 ``param.data`` outside a forward gives a copy whose in-place changes are applied to the parameter by
 the rules above. ``param.grad`` is ``None`` until a backward, then a stand-in that refuses every use
 (gradients live in chunks: ``optim.clip_grad_norm``); setting it to ``None`` zeroes the parameter's
@@ -233,8 +233,8 @@ def _attribute_access(param: ChunkParameter, attribute: tuple[str, str], func: A
     slot = slot_of(param)
     if slot is not None and name == "grad" and slot.chunk.host is not None:
         return _gradient_stand_in(param, slot) if kind == "get" else _set_gradient(slot, args[1], func, args)
-    if slot is None or _passes(param, written=kind == "set" or name == "data"):
-        return _plain(func, args, kwargs)
+    if slot is None or name == "requires_grad" or _passes(param, written=kind == "set" or name == "data"):
+        return _plain(func, args, kwargs)  # requires_grad: metadata, settable as requires_grad_() is (freezing)
     if name == "data" and kind == "get":
         return _DataCopy.of(param, _current_values(slot))
     if kind == "set":

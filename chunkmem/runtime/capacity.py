@@ -47,8 +47,10 @@ def check_device_capacity(users: Users, layout: ChunkLayout, policy: PlacementPo
     chunks. Its backward holds them with their gradient staging, and also every chunk whose backward
     began earlier and whose gradients are not finished yet: a chunk stays on the device from the backward
     of its first user to that of its last (a tied embedding from the head's backward to the embedding's; a
-    chunk without trainable parameters to the end of the backward). ``found``: what this check learned
-    since the model was built (named in the error).
+    chunk without trainable parameters until every autograd node of its last user ran, counted here as
+    also through the next module's backward: autograd may interleave the backward of modules that share an
+    input, such as attention's q, k and v projections). ``found``: what this check learned since the model
+    was built (named in the error).
     """
     count = layout.num_chunks
     grads_per_chunk = 0 if reuse_grads else 1
@@ -72,7 +74,7 @@ def check_device_capacity(users: Users, layout: ChunkLayout, policy: PlacementPo
         for p in params:
             c = chunk_of[id(p)]
             first.setdefault(c, position)
-            last[c] = position if layout.trainable(c) else len(backward)
+            last[c] = position if layout.trainable(c) else position + 1
             grad_at[id(p)] = position
     staging_from: dict[int, int] = {}  # chunk -> position where its first gradient arrives
     for param_id, position in grad_at.items():

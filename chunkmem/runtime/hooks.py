@@ -7,7 +7,10 @@
 * that output hook: :meth:`~chunkmem.runtime.runtime.ChunkRuntime.pre_backward` (``first`` for the
   first output gradient of that forward call);
 * a trainable parameter's post-accumulate-grad hook:
-  :meth:`~chunkmem.runtime.runtime.ChunkRuntime.gradient_ready`.
+  :meth:`~chunkmem.runtime.runtime.ChunkRuntime.gradient_ready`;
+* for a module that uses frozen chunks (no gradient tells when their backward is over), a post hook on
+  every autograd node its forward call created (:class:`FrozenBackward`):
+  :meth:`~chunkmem.runtime.runtime.ChunkRuntime.frozen_backward_done` once all of them ran.
 
 Which modules are watched, and what each call does, is the runtime's business.
 """
@@ -29,9 +32,13 @@ class StepEdges(Protocol):
 
     def post_forward(self, module: nn.Module) -> bool: ...
 
-    def pre_backward(self, module: nn.Module, first: bool) -> None: ...
+    def pre_backward(self, module: nn.Module, first: bool, tracked: bool = False) -> None: ...
 
     def gradient_ready(self, param: nn.Parameter) -> None: ...
+
+    def uses_frozen_chunks(self, module: nn.Module) -> bool: ...
+
+    def frozen_backward_done(self, module: nn.Module) -> None: ...
 
 
 class ModelHooks:
@@ -50,13 +57,18 @@ class ModelHooks:
             return
         self._watched.add(module)
         runtime = self._runtime()
+        marks: list[int] = []  # one per running call of this module that tracks its frozen chunks' backward
 
         def pre_forward(module: nn.Module, args: Any) -> None:
+            if torch.is_grad_enabled() and runtime.uses_frozen_chunks(module):
+                marks.append(_sequence_mark())  # first: the post hook runs even if what follows raises
             runtime.pre_forward(module)
 
         def post_forward(module: nn.Module, args: Any, output: Any) -> None:
+            mark = marks.pop() if marks else None
             if runtime.post_forward(module) and output is not None and torch.is_grad_enabled():
-                _watch_outputs(runtime, module, output)
+                tracker = FrozenBackward(runtime, module, output, mark) if mark is not None else None
+                _watch_outputs(runtime, module, output, tracker)
 
         self._handles.append(module.register_forward_pre_hook(pre_forward))
         self._handles.append(module.register_forward_hook(post_forward, always_call=True))
@@ -82,15 +94,69 @@ class ModelHooks:
         self._watched.clear()
 
 
-def _watch_outputs(runtime: StepEdges, module: nn.Module, output: Any) -> None:
+def _watch_outputs(runtime: StepEdges, module: nn.Module, output: Any, tracker: "FrozenBackward | None") -> None:
     """Hook the gradients of one forward call's outputs: the call's backward begins with the first."""
     fired = False
 
     def pre_backward(grad: torch.Tensor) -> None:
         nonlocal fired
         first, fired = not fired, True
-        runtime.pre_backward(module, first)
+        runtime.pre_backward(module, first, tracked=tracker is not None)
+        if first and tracker is not None:
+            tracker.begin()
 
     for tensor in tree_leaves(output):
         if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
             tensor.register_hook(pre_backward)
+
+
+def _sequence_mark() -> int:
+    """A number below the autograd sequence number of every node created from now on in this thread
+    (each node takes the next number when it is created; this probe takes one)."""
+    probe = torch.empty((), requires_grad=True).view(())
+    return probe.grad_fn._sequence_nr()
+
+
+class FrozenBackward:
+    """Tells the runtime when the backward of one forward call of a module is over, for the chunks without
+    trainable parameters that call used: no gradient of theirs marks it, and without this they would stay
+    on the device until the end of the whole backward (a frozen LoRA base would have to fit there).
+
+    The autograd nodes the call created (those with a sequence number above ``mark``, found from its
+    outputs) are the only ones that can read its parameters; once every one of them ran, after the first
+    output gradient arrived (:meth:`begin`), the runtime may let the chunks go. A node that never runs (a
+    branch the loss does not reach) keeps them until the end of the backward, as before."""
+
+    def __init__(self, runtime: StepEdges, module: nn.Module, output: Any, mark: int) -> None:
+        self._runtime, self._module = runtime, module
+        self._begun = False
+        nodes = _nodes_after(output, mark)
+        self._pending = len(nodes)
+        for node in nodes:
+            node.register_hook(self._ran)
+
+    def begin(self) -> None:
+        self._begun = True
+        if self._pending == 0:
+            self._runtime.frozen_backward_done(self._module)
+
+    def _ran(self, grad_inputs: Any, grad_outputs: Any) -> None:
+        self._pending -= 1
+        if self._pending == 0 and self._begun:
+            self._runtime.frozen_backward_done(self._module)
+
+
+def _nodes_after(output: Any, mark: int) -> list[Any]:
+    """The autograd nodes behind ``output`` created after ``mark`` (see :func:`_sequence_mark`), found by
+    walking back from its tensors' nodes and stopping at older ones (and at leaves' AccumulateGrad)."""
+    found: dict[int, Any] = {}
+    stack = [t.grad_fn for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in found or node._sequence_nr() <= mark or not hasattr(node, "next_functions"):
+            continue
+        if type(node).__name__ == "AccumulateGrad":
+            continue
+        found[id(node)] = node
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return list(found.values())

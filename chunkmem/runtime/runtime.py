@@ -129,6 +129,10 @@ class ChunkRuntime:
         self._end_of_backward_queued = False
         self._open_for_reading: Counter[Chunk] = Counter()
         self._open_for_writing: Counter[Chunk] = Counter()
+        # Frozen chunks held for backward: how many module calls whose backward runs use each, and those a
+        # call without a FrozenBackward tracker uses (kept to the end of the backward).
+        self._frozen_users: Counter[Chunk] = Counter()
+        self._frozen_kept: set[Chunk] = set()
         self.module_names = {module: name or type(module).__name__ for name, module in root.named_modules()}
         self.module_chunks: dict[nn.Module, list[Chunk]] = {}
         self._foreign: dict[nn.Module, list[nn.Parameter]] = {}
@@ -251,9 +255,10 @@ class ChunkRuntime:
         return True
 
     @_untraced
-    def pre_backward(self, module: nn.Module, first: bool) -> None:
+    def pre_backward(self, module: nn.Module, first: bool, tracked: bool = False) -> None:
         """A gradient of one of ``module``'s outputs arrived (``first``: the first of that forward call's
-        outputs): the call's backward begins."""
+        outputs): the call's backward begins. ``tracked``: :meth:`frozen_backward_done` will say when it is
+        over for the chunks without trainable parameters (else they stay until the end of the backward)."""
         if module is self.root and not self._end_of_backward_queued:
             self._end_of_backward_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.post_backward)
@@ -263,6 +268,27 @@ class ChunkRuntime:
         if chunks:
             self._begin_period(module, "backward", chunks)
         self._hold_for_backward(chunks)
+        for chunk in chunks:
+            if not chunk.trainable:
+                if tracked:
+                    self._frozen_users[chunk] += 1
+                else:
+                    self._frozen_kept.add(chunk)
+
+    def uses_frozen_chunks(self, module: nn.Module) -> bool:
+        """Whether ``module``'s forward uses a chunk without trainable parameters."""
+        return any(not c.trainable for c in self.module_chunks.get(module, ()))
+
+    @_untraced
+    def frozen_backward_done(self, module: nn.Module) -> None:
+        """Every autograd node of one of ``module``'s forward calls ran: its frozen chunks may leave the
+        device once no other call whose backward runs uses them (a frozen base bigger than the device)."""
+        for chunk in self.module_chunks[module]:
+            if chunk.trainable or self._frozen_users[chunk] == 0:
+                continue
+            self._frozen_users[chunk] -= 1
+            if self._frozen_users[chunk] == 0 and chunk not in self._frozen_kept and chunk.held_for_backward:
+                self.executor.release_backward_hold(chunk)
 
     @_untraced
     def gradient_ready(self, param: nn.Parameter) -> None:
@@ -294,6 +320,8 @@ class ChunkRuntime:
                 self.executor.release_backward_hold(chunk)
         self._complete_reductions(0)
         self._drop_secondaries()
+        self._frozen_users.clear()
+        self._frozen_kept.clear()
         for chunk in self.chunks:
             chunk.grads_finished = False
         self.executor.flush_stale()
@@ -590,6 +618,8 @@ class ChunkRuntime:
         self.executor.cancel_prefetch()
         self._complete_reductions(0)  # a started collective cannot be called back; its result is kept
         self._drop_secondaries()
+        self._frozen_users.clear()
+        self._frozen_kept.clear()
         for chunk in self.chunks:
             chunk.unhold()
             self.gradients.abandon(chunk)
