@@ -22,7 +22,15 @@ class InvalidArgumentError(ChunkmemError, ValueError):
         self.argument = argument
         self.value = value
         self.allowed = allowed
-        super().__init__(f"{argument}={value!r} is not allowed: expected {allowed}")
+        super().__init__(f"{argument}={_shown(value)} is not allowed: expected {allowed}")
+
+
+def _shown(value: Any, limit: int = 200) -> str:
+    """``repr(value)``, or for a long one (a module's repr runs to pages) its type and the repr's start."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"<{type(value).__name__}: {text[:limit].splitlines()[0][:limit]}...>"
 
 
 class ArgumentTypeError(InvalidArgumentError, TypeError):

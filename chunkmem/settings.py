@@ -318,9 +318,6 @@ class OptimizerSettings:
         check_number("max_norm", self.max_norm, low=0.0, finite=True, allowed="a finite number >= 0 (0: no clipping)")
         check_number("norm_type", self.norm_type, low=0.0, low_open=True)
         _check_bool("step_in_backward", self.step_in_backward)
-        if self.step_in_backward and self.max_norm > 0:
-            raise InvalidArgumentError("max_norm", self.max_norm, "0 with step_in_backward=True (the chunks on disk "
-                                       "are updated during the backward, before the norm of all gradients exists)")
 
     @staticmethod
     def from_arguments(gpu_margin_mem_ratio: float = 0.0, initial_scale: float = 2**32, min_scale: float = 1,

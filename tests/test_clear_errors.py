@@ -424,3 +424,14 @@ def test_low_level_zero_and_sharded_optimizer_backward_refuse_alike():
             opt.backward(2.0)
         errors.append(str(info.value))
     assert errors[0] == errors[1] == "loss=2.0 is not allowed: expected a scalar torch.Tensor"
+
+
+def test_a_long_value_is_named_by_its_type_not_pages_of_repr():
+    """clip_grad_norm(model, 1.0) (torch.nn.utils' order) used to print the whole model's repr."""
+    model = cm.ShardedModelV2(reference(), cm.TensorShardStrategy(), tensor_placement_policy="cpu",
+                              dtype=torch.float32)
+    optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters()))
+    with pytest.raises(cm.ArgumentTypeError) as error:
+        optim.clip_grad_norm(model, 1.0)
+    message = str(error.value)
+    assert message.startswith("max_norm=<ShardedModelV2: ShardedModelV2(...> is not allowed") and len(message) < 300

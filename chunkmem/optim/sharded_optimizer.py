@@ -127,7 +127,7 @@ class ShardedOptimizerV2(Optimizer):
                 settings.dp_process_group, "dp_process_group", "the model's data-parallel ranks (its process_group)")
             if settings.mp_process_group is not None:
                 ShardGroup.of(settings.mp_process_group, "mp_process_group")
-            self._check_step_in_backward(sharded_model.settings, sharded_model.dtype, settings.step_in_backward)
+            self._check_step_in_backward(sharded_model.settings, sharded_model.dtype, settings)
             if sharded_model.optimizer_attached:
                 raise InvalidArgumentError("sharded_model", "a model that already has a ShardedOptimizerV2",
                                            "a ShardedModelV2 without an optimizer")
@@ -156,6 +156,7 @@ class ShardedOptimizerV2(Optimizer):
         self._accounted_backwards = self.runtime.backward_count
         self._broken_by: DiskStepError | None = None  # a failed step that could not be undone
         self._step_in_flight: StreamedStep | None = None  # step_in_backward: started by this backward
+        self._speculated: dict[int, tuple[Any, ...]] = {}  # chunk index -> what its update in flight assumed
         self._layout = layout  # None: the Adam kernel; else any_optimizer's stand-in step
         self._scalars: dict[int, dict[int, dict[str, Any]]] = {}  # any_optimizer: chunk -> group -> scalar state
         self._whole_state: dict[int, dict[int, dict[str, Any]]] = {}  # any_optimizer: chunk -> slot -> its state
@@ -215,20 +216,33 @@ class ShardedOptimizerV2(Optimizer):
         if settings.mp_process_group is not None:
             ShardGroup.of(settings.mp_process_group, "mp_process_group")
         if settings.step_in_backward:
-            cls._check_step_in_backward(model_settings, compute_dtype(module, model_settings), True)
+            cls._check_step_in_backward(model_settings, compute_dtype(module, model_settings), settings)
 
     @staticmethod
-    def _check_step_in_backward(model_settings: ModelSettings, dtype: torch.dtype, step_in_backward: bool) -> None:
-        if not step_in_backward:
+    def _check_step_in_backward(model_settings: ModelSettings, dtype: torch.dtype,
+                                settings: OptimizerSettings) -> None:
+        if not settings.step_in_backward:
             return
         if not model_settings.disk.optimizer_on_disk:
             raise InvalidArgumentError("step_in_backward", True, "False, or True on a ShardedModelV2 built with "
                                        "offload_optimizer='disk'")
-        if dtype == torch.float16:
-            raise InvalidArgumentError("step_in_backward", True, "False with fp16 (its loss scaler decides at "
-                                       "step() whether the step is skipped); True with bf16 or fp32")
-        if model_settings.disk.params_on_disk:
-            raise InvalidArgumentError("step_in_backward", True, "False with offload_param='disk'")
+        needs = "fp16 (its loss scaler may skip the step)" if dtype == torch.float16 else \
+            f"max_norm={settings.max_norm} (clipping)" if settings.max_norm > 0 else None
+        if needs is not None:
+            reason = ShardedOptimizerV2._why_no_speculation(model_settings)
+            if reason is not None:
+                raise InvalidArgumentError("step_in_backward", True, f"False with {needs} and {reason}")
+
+    @staticmethod
+    def _why_no_speculation(model_settings: ModelSettings) -> str | None:
+        """Why the backward's updates could not be undone if ``step()`` decides otherwise (``None``: they can).
+        They are made assuming no overflow and no clipping; an atomic step writes them to the disk's other
+        slot, so undoing them is not committing, and the gradients must survive them to redo the step."""
+        if not model_settings.disk.atomic_step:
+            return "atomic_step=False (the updates written in place on disk could not be undone)"
+        if model_settings.reuse_fp16_shard:
+            return "reuse_fp16_shard=True (the updates overwrite the gradients a redone step needs)"
+        return None
 
     @staticmethod
     def _groups_of(model: ShardedModelV2, optimizer: Any) -> dict[int, int]:
@@ -504,11 +518,12 @@ class ShardedOptimizerV2(Optimizer):
         unscaled gradients (inf or NaN if they overflowed). Clipping is folded into the update."""
         check_number("max_norm", max_norm, low=0.0, low_open=True)
         check_number("norm_type", norm_type, low=0.0, low_open=True)
-        if self.step_in_backward:
+        reason = self._why_no_speculation(self.model.settings) if self.step_in_backward else None
+        if reason is not None:
             raise UnsupportedOperationError(
-                "clip_grad_norm with step_in_backward=True: the chunks on disk are updated during the backward, "
-                "before the norm of all gradients exists; build the ShardedOptimizerV2 without step_in_backward "
-                "to clip")
+                f"clip_grad_norm with step_in_backward=True and {reason}: the chunks on disk are updated during the "
+                f"backward, before the norm of all gradients exists, and clipping would have to redo them; build the "
+                f"ShardedOptimizerV2 without step_in_backward to clip")
         self.runtime.agree("clip", "ShardedOptimizerV2.clip_grad_norm()",
                            [("optimizer steps so far", self.runtime.step_count), ("max_norm", max_norm),
                             ("norm_type", norm_type)])
@@ -547,6 +562,7 @@ class ShardedOptimizerV2(Optimizer):
         self._check_backward_was_scaled()
         multiplier = self.mixed.decide(self._grads(), self.max_norm, self.norm_type)
         if multiplier is None:
+            self._abandon_step_in_flight()  # made as if nothing overflowed
             self._discard_grads()
             return False
         if self._broken_by is not None:
@@ -651,7 +667,33 @@ class ShardedOptimizerV2(Optimizer):
                 f"step_in_backward=True: {chunk.name} received gradients again before optim.step(), but its update "
                 f"already started (a second backward, e.g. loss.backward() called twice); call optim.step() "
                 f"after each backward")
-        step.add(self._disk_update(chunk, 1.0))  # no scaler, no clipping: the multiplier is 1
+        # As if nothing overflowed and nothing is clipped: step() checks both and redoes the step otherwise.
+        self._speculated[chunk.index] = self._speculation_key(chunk)
+        step.add(self._disk_update(chunk, 1.0 / self.mixed.loss_scale))
+
+    def _speculation_key(self, chunk: Chunk) -> tuple[Any, ...]:
+        """What an update made in the backward assumed about ``chunk`` besides the multiplier: the parameters
+        it steps (trainable, in which group, which part) and every group's hyper-parameters."""
+        stepped = tuple((slot.index_in_chunk, group, part) for slot, group, part in self._stepped_slots(chunk))
+        groups = tuple(tuple((k, repr(v)) for k, v in sorted(g.items()) if k != "params")
+                       for g in self.optim.param_groups)
+        return stepped, groups
+
+    def _speculation_holds(self, multiplier: float) -> bool:
+        """Whether the updates the backward made are the step's: the same multiplier (no clipping, the
+        same loss scale) and nothing changed since (hyper-parameters, frozen parameters)."""
+        step = self._step_in_flight
+        return all(update.multiplier == multiplier
+                   and self._speculated.get(update.chunk.index) == self._speculation_key(update.chunk)
+                   for update in step.updates)
+
+    def _abandon_step_in_flight(self) -> None:
+        """Undo the updates the backward started (their slots were never committed; the parameters they
+        overwrote in host memory are put back bitwise), if any."""
+        step, self._step_in_flight = self._step_in_flight, None
+        self._speculated.clear()
+        if step is not None:
+            step.abandon()
 
     def _update_on_disk(self, chunks: list[Chunk], multiplier: float) -> None:
         """Update the chunks whose optimizer state rests on disk in one streamed step (see
@@ -659,7 +701,10 @@ class ShardedOptimizerV2(Optimizer):
         ``step_in_backward``, the step the backward started, completed with any chunk it did not get."""
         if not self.runtime.policy.optimizer_on_disk:
             return  # (with a disk tier every rank runs the step below, even with no chunk on disk: it agrees)
+        if self._step_in_flight is not None and not self._speculation_holds(multiplier):
+            self._abandon_step_in_flight()  # clipped, or the hyper-parameters changed: redone below
         step, self._step_in_flight = self._step_in_flight, None
+        self._speculated.clear()
         if step is None:
             step = StreamedStep.over(self.runtime.memory.disk, [self._disk_update(c, multiplier) for c in chunks],
                                      self.mixed.any_rank)
@@ -728,8 +773,7 @@ class ShardedOptimizerV2(Optimizer):
                     "zero_grad() after a backward with step_in_backward=True and atomic_step=False: the backward "
                     "already updated chunks in place on disk and that cannot be undone; call optim.step() to "
                     "complete the step")
-            step, self._step_in_flight = self._step_in_flight, None
-            step.abandon()
+            self._abandon_step_in_flight()
         self.runtime.drop_gradients(set_to_none)
         self.mixed.forget()
         self._forget_backwards()

@@ -1,0 +1,150 @@
+"""``step_in_backward`` where ``step()`` may decide otherwise than the backward assumed: fp16 (an overflow skips
+the step), clipping (``clip_grad_norm`` and ``max_norm``), hyper-parameters changed between the backward and the
+step, and parameters on disk. The backward updates each disk chunk as if nothing overflowed and nothing is
+clipped, into the disk's other slot; ``step()`` commits that, or undoes it and runs the step again. Every case
+is checked bitwise against the plain step (``cpu`` placement, optimizer state in memory, no step in the
+backward)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import chunkmem as cm
+from tests.distributed import run_ranks
+from tests.models import TinyGPT, batches, lm_loss
+
+CHUNK_BYTES = 16384
+PIECE = 8192
+
+
+def _reference() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return TinyGPT()
+
+
+def _pair(reference, directory, dtype, policy="cpu", offload_param=None, max_norm=0.0):
+    """The plain model and the one whose disk chunks are stepped in the backward, both with ``max_norm``."""
+    def build(**disk):
+        model = cm.ShardedModelV2(copy.deepcopy(reference), cm.TensorShardStrategy(),
+                                  tensor_placement_policy=policy if disk else "cpu", dtype=dtype,
+                                  chunk_size=CHUNK_BYTES, **disk)
+        optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-2, weight_decay=0.01),
+                                      initial_scale=2**10, max_norm=max_norm, step_in_backward=bool(disk))
+        return model, optim
+
+    plain = build()
+    disk = build(offload_optimizer="disk", offload_param=offload_param, nvme_path=str(directory), buffer_size=PIECE)
+    assert [c for c in disk[0].chunks if c.trainable and disk[1].runtime.optim_tier(c) is cm.Tier.DISK]
+    return plain, disk
+
+
+def _same(plain, disk):
+    (a, oa), (b, ob) = plain, disk
+    sa, sb = a.state_dict(), b.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    da, db = oa.state_dict(), ob.state_dict()
+    for index, state in da["state"].items():
+        for name, value in state.items():
+            assert torch.equal(value, db["state"][index][name]), (index, name)
+    assert oa.loss_scale == ob.loss_scale
+
+
+def _run(pair, data, before_step=None, loss_factor=None):
+    """One step per batch on each model of ``pair``; ``before_step(step, optim)`` runs between the backward
+    and the step (clipping, a changed learning rate), ``loss_factor(step)`` scales the loss (an overflow).
+    Returns what each ``step()`` returned and how many disk chunks the backward had started."""
+    results = []
+    for model, optim in pair:
+        stepped, started = [], []
+        for step, x in enumerate(data):
+            loss = lm_loss(model(x), x)
+            optim.backward(loss * loss_factor(step) if loss_factor else loss)
+            started.append(optim.backward_updates)
+            if before_step is not None:
+                before_step(step, optim)
+            stepped.append(optim.step())
+            optim.zero_grad()
+        results.append((stepped, started))
+    return results
+
+
+PLACES = [("cpu", None), ("cpu", "disk"), ("auto", None)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("policy,offload_param", PLACES, ids=["state-on-disk", "params-on-disk-too", "auto"])
+def test_clipping_that_triggers_redoes_the_step_and_one_that_does_not_commits_it(tmp_path, dtype, policy,
+                                                                                  offload_param):
+    plain, disk = _pair(_reference(), tmp_path, dtype, policy, offload_param)
+    norms = {}
+
+    def clip(step, optim):  # every other step clips hard, the others not at all
+        norms.setdefault(step, []).append(optim.clip_grad_norm(1e-3 if step % 2 else 1e6))
+
+    (plain_steps, _), (disk_steps, started) = _run([plain, disk], batches(4), before_step=clip)
+    assert plain_steps == disk_steps == [True] * 4
+    assert all(n > 0 for n in started)  # the backward had started its updates every time
+    assert all(a == b for a, b in norms.values())
+    _same(plain, disk)
+
+
+@pytest.mark.parametrize("policy,offload_param", PLACES, ids=["state-on-disk", "params-on-disk-too", "auto"])
+def test_fp16_overflow_undoes_the_backward_updates_and_skips_the_step(tmp_path, policy, offload_param):
+    plain, disk = _pair(_reference(), tmp_path, torch.float16, policy, offload_param, max_norm=0.5)
+    overflow = lambda step: float("inf") if step == 1 else 1.0  # noqa: E731
+    (plain_steps, _), (disk_steps, started) = _run([plain, disk], batches(4), loss_factor=overflow)
+    assert plain_steps == disk_steps == [True, False, True, True]
+    assert started[1] > 0
+    _same(plain, disk)
+
+
+def test_a_learning_rate_changed_between_backward_and_step_is_the_one_applied(tmp_path):
+    plain, disk = _pair(_reference(), tmp_path, torch.bfloat16)
+
+    def halve(step, optim):
+        for group in optim.param_groups:
+            group["lr"] *= 0.5
+
+    _run([plain, disk], batches(3), before_step=halve)
+    _same(plain, disk)
+
+
+def _two_ranks(rank, world, directory):
+    plain, disk = _pair(_reference(), f"{directory}/{rank}", torch.float16, offload_param="disk", max_norm=0.05)
+    data = [x[rank::world] for x in batches(3, batch=4)]
+    overflow = lambda step: float("inf") if step == 1 else 1.0  # noqa: E731
+    (plain_steps, _), (disk_steps, _) = _run([plain, disk], data, loss_factor=overflow)
+    _same(plain, disk)
+    return plain_steps, disk_steps
+
+
+@pytest.mark.slow
+def test_two_ranks_fp16_clipped_with_an_overflow_and_parameters_on_disk(tmp_path):
+    for rank in range(2):
+        (tmp_path / str(rank)).mkdir()
+    for plain_steps, disk_steps in run_ranks(_two_ranks, 2, str(tmp_path)):
+        assert plain_steps == disk_steps == [True, False, True]
+
+
+@pytest.mark.parametrize("what", ["fp16 in place", "clipping in place", "fp16 reusing the shard"])
+def test_what_could_not_be_undone_is_refused_before_anything_changes(tmp_path, what):
+    dtype = torch.bfloat16 if what == "clipping in place" else torch.float16
+    model = cm.ShardedModelV2(_reference(), cm.TensorShardStrategy(), tensor_placement_policy="cpu", dtype=dtype,
+                              chunk_size=CHUNK_BYTES, offload_optimizer="disk", nvme_path=str(tmp_path),
+                              reuse_fp16_shard=what == "fp16 reusing the shard",
+                              atomic_step=what == "fp16 reusing the shard")
+    reason = "reuse_fp16_shard=True" if what == "fp16 reusing the shard" else "atomic_step=False"
+    max_norm = 1.0 if what == "clipping in place" else 0.0
+    with pytest.raises(cm.InvalidArgumentError, match=f"step_in_backward.*{reason}"):
+        cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters()), max_norm=max_norm, step_in_backward=True)
+    assert not model.optimizer_attached
+    if what == "clipping in place":  # built without max_norm, clip_grad_norm after the backward is refused
+        optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters()), step_in_backward=True)
+        x = batches(1)[0]
+        optim.backward(lm_loss(model(x), x))
+        with pytest.raises(cm.UnsupportedOperationError, match="clip_grad_norm with step_in_backward=True and "
+                                                                "atomic_step=False"):
+            optim.clip_grad_norm(1.0)
+        assert optim.step()  # the refusal changed nothing
