@@ -546,13 +546,14 @@ def test_step_in_backward_refuses_what_it_cannot_do(tmp_path):
 
 
 @pytest.mark.parametrize("model_kwargs,dtype,match", [
-    ({}, torch.bfloat16, "step_in_backward.*offload_optimizer='disk'"),
-    ("disk", torch.float16, "step_in_backward.*fp16.*atomic_step=False")], ids=["no disk", "fp16 in place"])
+    ({}, torch.bfloat16, "step_in_backward.*reuse_fp16_shard=True and the optimizer state in memory"),
+    ("disk", torch.float16, "step_in_backward.*fp16.*atomic_step=False")], ids=["reuse in memory", "fp16 in place"])
 def test_step_in_backward_bad_combinations_are_refused_before_anything_changes(tmp_path, model_kwargs, dtype, match):
-    # (fp16, clipping and parameters on disk are stepped by speculation: tests/test_speculative_step.py)
+    # (fp16, clipping, parameters on disk and state in memory are stepped by speculation:
+    # tests/test_speculative_step.py)
     disk = {} if model_kwargs == {} else _on_disk(tmp_path, atomic_step=False)
     model = cm.ShardedModelV2(_reference(), cm.TensorShardStrategy(), tensor_placement_policy="cpu", dtype=dtype,
-                              chunk_size=CHUNK_BYTES, **disk)
+                              chunk_size=CHUNK_BYTES, reuse_fp16_shard=not disk, **disk)
     with pytest.raises(cm.InvalidArgumentError, match=match):
         cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters()), step_in_backward=True)
     with pytest.raises(cm.ArgumentTypeError, match="step_in_backward"):

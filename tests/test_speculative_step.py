@@ -3,7 +3,8 @@ the step), clipping (``clip_grad_norm`` and ``max_norm``), hyper-parameters chan
 step, and parameters on disk. The backward updates each disk chunk as if nothing overflowed and nothing is
 clipped, into the disk's other slot; ``step()`` commits that, or undoes it and runs the step again. Every case
 is checked bitwise against the plain step (``cpu`` placement, optimizer state in memory, no step in the
-backward)."""
+backward). Optimizer state in memory (host or device tier) is updated in place after an undo copy
+(:mod:`chunkmem.optim.speculation`), checked the same way against the same model without ``step_in_backward``."""
 from __future__ import annotations
 
 import copy
@@ -148,3 +149,195 @@ def test_what_could_not_be_undone_is_refused_before_anything_changes(tmp_path, w
                                                                 "atomic_step=False"):
             optim.clip_grad_norm(1.0)
         assert optim.step()  # the refusal changed nothing
+
+
+# ---- optimizer state in memory (host or device tier): updated in place after an undo copy -----------------
+
+
+def _pair_in_memory(reference, dtype, policy, max_norm=0.0, optimizer=None, **model_args):
+    """The plain model and one whose chunks are updated in the backward, their optimizer state in memory."""
+    def build(in_backward):
+        model = cm.ShardedModelV2(copy.deepcopy(reference), cm.TensorShardStrategy(), tensor_placement_policy=policy,
+                                  dtype=dtype, chunk_size=CHUNK_BYTES, **model_args)
+        inner = (optimizer or (lambda p: cm.HybridAdam(p, lr=1e-2, weight_decay=0.01)))(model.parameters())
+        optim = cm.ShardedOptimizerV2(model, inner, initial_scale=2**10, max_norm=max_norm,
+                                      gpu_margin_mem_ratio=0.5 if policy == "auto" else 0.0,
+                                      step_in_backward=in_backward)
+        return model, optim
+
+    if policy != "auto":
+        return build(False), build(True)
+    cm.set_device_memory_capacity(AUTO_DEVICE_BYTES)  # read when a model is wrapped
+    try:
+        return build(False), build(True)
+    finally:
+        cm.set_device_memory_capacity(None)
+
+
+def _kept(pair, data, before_step=None, loss_factor=None):
+    """Like :func:`_run`, also returning how many backward updates each step of the second model kept."""
+    model, optim = pair[1]
+    kept = []
+    original = optim.step
+
+    def step():
+        result = original()
+        kept.append(optim.kept_backward_updates)
+        return result
+
+    optim.step = step
+    try:
+        return _run(pair, data, before_step, loss_factor), kept
+    finally:
+        del optim.step
+
+
+MEMORY_PLACES = ["cpu", "cuda", "auto"]
+AUTO_DEVICE_BYTES = 800 * 1024  # under auto, the first chunks' optimizer state on the device, the rest on the host
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("policy", MEMORY_PLACES)
+def test_in_memory_clipping_that_triggers_redoes_and_one_that_does_not_keeps(dtype, policy):
+    pair = _pair_in_memory(_reference(), dtype, policy)
+
+    def clip(step, optim):
+        optim.clip_grad_norm(1e-3 if step % 2 else 1e6)
+
+    ((plain_steps, _), (steps, started)), kept = _kept(pair, batches(4), before_step=clip)
+    assert plain_steps == steps == [True] * 4
+    trainable = len(pair[1][0].runtime.trainable_chunks())
+    assert started == [trainable] * 4  # every chunk updated in the backward
+    assert kept == [trainable, 0, trainable, 0]  # kept where clipping did not trigger, redone where it did
+    tiers = {pair[1][1].runtime.optim_tier(c) for c in pair[1][0].runtime.trainable_chunks()}
+    assert tiers == {"cpu": {cm.Tier.HOST}, "cuda": {cm.Tier.DEVICE}, "auto": {cm.Tier.HOST, cm.Tier.DEVICE}}[policy]
+    _same(*pair)
+
+
+@pytest.mark.parametrize("policy", MEMORY_PLACES)
+def test_in_memory_fp16_overflow_undoes_the_backward_updates(policy):
+    pair = _pair_in_memory(_reference(), torch.float16, policy, max_norm=0.5)
+    overflow = lambda step: float("inf") if step == 1 else 1.0  # noqa: E731
+    ((plain_steps, _), (steps, started)), kept = _kept(pair, batches(4), loss_factor=overflow)
+    assert plain_steps == steps == [True, False, True, True]
+    assert started[1] > 0 and kept[1] == 0
+    _same(*pair)
+
+
+def test_in_memory_learning_rate_changed_between_backward_and_step_is_applied():
+    pair = _pair_in_memory(_reference(), torch.bfloat16, "cpu")
+
+    def halve(step, optim):
+        if step == 1:
+            for group in optim.param_groups:
+                group["lr"] *= 0.5
+
+    (_, kept) = _kept(pair, batches(3), before_step=halve)
+    trainable = len(pair[1][0].runtime.trainable_chunks())
+    assert kept == [trainable, 0, trainable]
+    _same(*pair)
+
+
+def test_in_memory_another_optimizer_with_scalar_state_redone_bitwise():
+    nadam = lambda p: torch.optim.NAdam(p, lr=1e-2, weight_decay=0.01)  # noqa: E731  (mu_product: scalar state)
+    pair = _pair_in_memory(_reference(), torch.float32, "cpu", optimizer=nadam)
+
+    def clip(step, optim):
+        optim.clip_grad_norm(1e-3 if step == 1 else 1e6)
+
+    _kept(pair, batches(3), before_step=clip)
+    _same(*pair)
+
+
+def test_undo_copies_are_counted_exactly_between_backward_and_step_and_released():
+    from chunkmem.optim.speculation import UNDO, undo_nbytes
+
+    (_, (model, optim)) = _pair_in_memory(_reference(), torch.bfloat16, "cpu")
+    x = batches(1)[0]
+    optim.backward(lm_loss(model(x), x))
+    expected = sum(undo_nbytes(c) for c in model.runtime.trainable_chunks())
+    # bf16: master, exp_avg, exp_avg_sq, fp32 each, per element of every trainable chunk
+    assert expected == sum(3 * 4 * c.shard_numel for c in model.runtime.trainable_chunks())
+    assert model.tier_bytes()["host"][UNDO] == expected
+    optim.step()
+    assert model.tier_bytes()["host"].get(UNDO, 0) == 0
+
+
+def test_zero_grad_before_step_undoes_the_backward_updates():
+    (plain, (model, optim)) = _pair_in_memory(_reference(), torch.float32, "cpu")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = batches(1)[0]
+    optim.backward(lm_loss(model(x), x))
+    assert optim.backward_updates > 0
+    with pytest.raises(cm.UnsupportedOperationError, match="not decided yet"):
+        optim.state_dict()
+    optim.zero_grad()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert optim.state_dict()["state"] == {}  # no step happened: no state, as torch
+
+
+def test_no_room_on_the_host_for_the_undo_copies_is_refused_before_anything_changes():
+    cm.set_host_memory_capacity("600KiB")
+    try:
+        model = cm.ShardedModelV2(_reference(), cm.TensorShardStrategy(), tensor_placement_policy="cpu",
+                                  dtype=torch.float32, chunk_size=CHUNK_BYTES)
+        with pytest.raises(cm.InvalidArgumentError, match=r"step_in_backward.*undo copies.* bytes"):
+            cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters()), step_in_backward=True)
+        assert not model.optimizer_attached
+        optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters()))  # without it: room enough
+        x = batches(1)[0]
+        optim.backward(lm_loss(model(x), x))
+        assert optim.step()
+    finally:
+        cm.set_host_memory_capacity(None)
+
+
+def test_reuse_fp16_shard_with_state_in_memory_is_refused():
+    model = cm.ShardedModelV2(_reference(), cm.TensorShardStrategy(), tensor_placement_policy="cpu",
+                              dtype=torch.bfloat16, chunk_size=CHUNK_BYTES, reuse_fp16_shard=True)
+    with pytest.raises(cm.InvalidArgumentError, match="step_in_backward.*reuse_fp16_shard=True"):
+        cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters()), step_in_backward=True)
+    assert not model.optimizer_attached
+
+
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "in-place"])
+def test_hyper_parameters_changed_where_the_disk_updates_cannot_be_redone_raise(tmp_path, atomic):
+    """reuse_fp16_shard (the update overwrites the gradients) or atomic_step=False (written in place): a
+    learning rate changed between the backward and the step cannot be applied; it used to be silently
+    ignored (reuse_fp16_shard) or fail an internal assertion (atomic_step=False)."""
+    model = cm.ShardedModelV2(_reference(), cm.TensorShardStrategy(), tensor_placement_policy="cpu",
+                              dtype=torch.bfloat16, chunk_size=CHUNK_BYTES, reuse_fp16_shard=atomic,
+                              atomic_step=atomic, offload_optimizer="disk", nvme_path=str(tmp_path),
+                              buffer_size=PIECE)
+    optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-2), step_in_backward=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = batches(1)[0]
+    optim.backward(lm_loss(model(x), x))
+    for group in optim.param_groups:
+        group["lr"] *= 0.5
+    with pytest.raises(cm.UnsupportedOperationError, match="changed between the backward and the step"):
+        optim.step()
+    if atomic:  # skipped: as before the backward, and training goes on
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        optim.backward(lm_loss(model(x), x))
+        assert optim.step()
+    else:  # half-stepped: refused until a state is loaded
+        with pytest.raises(cm.UnsupportedOperationError, match="load a checkpoint"):
+            optim.step()
+
+
+def _two_ranks_in_memory(rank, world, policy):
+    pair = _pair_in_memory(_reference(), torch.float16, policy, max_norm=0.05)
+    data = [x[rank::world] for x in batches(3, batch=4)]
+    overflow = lambda step: float("inf") if step == 1 else 1.0  # noqa: E731
+    (plain_steps, _), (steps, started) = _run(pair, data, loss_factor=overflow)
+    _same(*pair)
+    return plain_steps, steps, started
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["cpu", "auto"])
+def test_two_ranks_in_memory_fp16_clipped_with_an_overflow(policy):
+    for plain_steps, steps, started in run_ranks(_two_ranks_in_memory, 2, policy):
+        assert plain_steps == steps == [True, False, True]
+        assert all(n > 0 for n in started)

@@ -324,8 +324,8 @@ def test_initialize_refuses_an_unsupported_optimizer_and_changes_nothing(form):
 def test_initialize_checks_the_optimizer_settings_against_the_model_before_wrapping():
     model = WithBuffer()
     before = module_record(model)
-    config = {"zero": {"model_config": {"tensor_placement_policy": "cpu"},
-                       "optimizer_config": {"step_in_backward": True}}}  # needs offload_optimizer='disk'
+    config = {"zero": {"model_config": {"tensor_placement_policy": "cpu", "reuse_fp16_shard": True},
+                       "optimizer_config": {"step_in_backward": True}}}  # in memory: not with reuse_fp16_shard
     with pytest.raises(cm.InvalidArgumentError, match=r"zero\.optimizer_config\.step_in_backward"):
         cm.initialize(model, cm.HybridAdam(model.parameters(), lr=LR), config)
     assert_unchanged(before, model)

@@ -104,6 +104,11 @@ def device_memory_capacity() -> int:
     if torch.cuda.is_available():
         free, _total = torch.cuda.mem_get_info()
         return int(free)
+    return host_memory_available()
+
+
+def host_memory_available() -> int:
+    """Bytes of memory the system can give this process now without swapping (psutil's ``available``)."""
     return int(psutil.virtual_memory().available)
 
 

@@ -16,7 +16,7 @@ from ..errors import (ArgumentTypeError, ChunkmemError, DeviceCapacityError, Gra
                       InvalidArgumentError, UnscaledBackwardError, UnsupportedOperationError, check_number,
                       check_type)
 from ..core.param_guard import slot_of
-from ..core.tiers import Tier
+from ..core.tiers import Tier, host_memory_available
 from ..distributed.agreement import ARGUMENTS, LayoutDescription, ParamRecord, agree, refuse_together
 from ..distributed.collectives import ShardGroup
 from ..model import ShardedModelV2
@@ -27,6 +27,7 @@ from .any_optimizer import ParamView, PieceStep, StateLayout, check_elementwise,
 from .adam_kernels import adam_update_, adam_update_pieces_, param_spans
 from .adam_math import AdamHyper
 from .disk_step import ChunkUpdate, DiskStepError, StreamedStep, gaps, streamed_families
+from .speculation import UndoCopies, UndoCopy, undo_nbytes
 from .loss_scaler import DynamicGradScaler
 from .mixed_precision import MixedPrecisionStep
 
@@ -67,21 +68,25 @@ class ShardedOptimizerV2(Optimizer):
         mp_process_group: a model-parallel group whose ranks hold different parts of the model: the
             overflow flag and the gradient norm are reduced over it too (``None``: no model parallelism).
         verbose: log skipped steps and scale changes.
-        step_in_backward: (chunkmem addition, keyword only) with ``offload_optimizer="disk"``, update each
-            chunk whose optimizer state rests on disk as soon as the backward has finished its
-            gradients, on a thread of its own, so that its disk reads and writes overlap the rest of the
-            backward; :meth:`step` waits for those updates, commits them (or undoes them, as any disk step)
-            and updates the chunks whose state is in memory. The results are bitwise those of a step
-            after the backward, when the hyper-parameters do not change between the backward and
-            :meth:`step` (they are read when each chunk's update starts). So: one backward per step (a
-            second one before :meth:`step` is refused), no :meth:`clip_grad_norm`, not with fp16 (the
-            loss scaler decides at the step whether to skip it), not with ``offload_param="disk"``.
-            ``zero_grad()`` before :meth:`step` undoes the updates with ``atomic_step=True``; without it
-            they cannot be undone, so it is refused (call :meth:`step`). Between the backward and
-            :meth:`step` the disk chunks' parameters are being overwritten: read them after the step.
+        step_in_backward: (chunkmem addition, keyword only) update each chunk as soon as the backward has
+            finished its gradients, as if nothing overflowed and nothing is clipped, so that the
+            optimizer's work overlaps the rest of the backward: a chunk whose state rests on disk on a
+            thread of its own, into the disk's other slot (its reads and writes overlap the backward); a
+            chunk whose state is in memory (host or device tier) in place, after an undo copy of its fp32
+            state on the host tier (ledger family ``undo``, released by :meth:`step`; see
+            :mod:`chunkmem.optim.speculation`). :meth:`step` then decides (overflow, clipping, the
+            hyper-parameters as they are now) and keeps each update or undoes it and updates again: the
+            results are bitwise those of a step after the backward, with fp16, clipping and a learning
+            rate changed in between. Refused at construction where an update could not be undone
+            (``atomic_step=False`` with fp16 or clipping; ``reuse_fp16_shard=True``, whose gradients the
+            update overwrites, with fp16, clipping or state in memory) and where the host has no room for
+            the undo copies of the state in memory. One backward per step (a second one before
+            :meth:`step` is refused). ``zero_grad()`` before :meth:`step` undoes the updates (refused
+            with ``atomic_step=False``: those cannot be undone). Between the backward and :meth:`step` the
+            updated chunks' parameters hold the new values: read them after the step.
         max_norm, norm_type: (chunkmem additions, keyword only) clip the unscaled gradients to total norm
             ``max_norm`` (``norm_type`` norm) inside every :meth:`step` (0: no clipping); what DeepSpeed's
-            ``gradient_clipping`` maps to. Refused with ``step_in_backward``.
+            ``gradient_clipping`` maps to.
 
     Param groups may share a chunk: each chunk is updated per contiguous range of one group, with that
     group's hyper-parameters. A parameter whose ``requires_grad`` is ``False`` at the step is not updated
@@ -135,6 +140,7 @@ class ShardedOptimizerV2(Optimizer):
             group_of = self._groups_of(sharded_model, optimizer)
             layout = self._state_layout(sharded_model, optimizer)
             self._check_capacity(sharded_model, layout)
+            self._check_undo_room(sharded_model, layout, settings)
         except ChunkmemError as refused:
             refuse_together(sharded_model.data_parallel, "ShardedOptimizerV2", refused)
         self._agree_on_settings(sharded_model, optimizer, settings, group_of)
@@ -154,9 +160,11 @@ class ShardedOptimizerV2(Optimizer):
         # backward passes of the model whose gradients may be stepped on (all of them without a scaler;
         # with one, those run by backward() / backward_by_grad())
         self._accounted_backwards = self.runtime.backward_count
-        self._broken_by: DiskStepError | None = None  # a failed step that could not be undone
+        self._broken_by: ChunkmemError | None = None  # a failed step that could not be undone
         self._step_in_flight: StreamedStep | None = None  # step_in_backward: started by this backward
         self._speculated: dict[int, tuple[Any, ...]] = {}  # chunk index -> what its update in flight assumed
+        self._undo = UndoCopies(self.runtime.memory)  # step_in_backward: chunks in memory updated by the backward
+        self._kept_backward_updates = 0
         self._layout = layout  # None: the Adam kernel; else any_optimizer's stand-in step
         self._scalars: dict[int, dict[int, dict[str, Any]]] = {}  # any_optimizer: chunk -> group -> scalar state
         self._whole_state: dict[int, dict[int, dict[str, Any]]] = {}  # any_optimizer: chunk -> slot -> its state
@@ -223,9 +231,10 @@ class ShardedOptimizerV2(Optimizer):
                                 settings: OptimizerSettings) -> None:
         if not settings.step_in_backward:
             return
-        if not model_settings.disk.optimizer_on_disk:
-            raise InvalidArgumentError("step_in_backward", True, "False, or True on a ShardedModelV2 built with "
-                                       "offload_optimizer='disk'")
+        if model_settings.reuse_fp16_shard and not model_settings.disk.optimizer_on_disk:
+            raise InvalidArgumentError("step_in_backward", True, "False with reuse_fp16_shard=True and the optimizer "
+                                       "state in memory (an update in the backward overwrites the gradients a redone "
+                                       "step needs), or True with offload_optimizer='disk'")
         needs = "fp16 (its loss scaler may skip the step)" if dtype == torch.float16 else \
             f"max_norm={settings.max_norm} (clipping)" if settings.max_norm > 0 else None
         if needs is not None:
@@ -309,6 +318,29 @@ class ShardedOptimizerV2(Optimizer):
             raise DeviceCapacityError(
                 f"the optimizer state placed on the device needs {need} bytes, but only {free} of the device "
                 f"tier's capacity of {ledger.capacity} bytes are free; use placement 'cpu' or raise the capacity")
+
+    @staticmethod
+    def _check_undo_room(model: ShardedModelV2, state: StateLayout | None, settings: OptimizerSettings) -> None:
+        """``step_in_backward`` with the optimizer state in memory: refuse before any change if the host
+        has no room for one undo copy of it (see :mod:`chunkmem.optim.speculation`) besides the state
+        itself: the host capacity when one is set, else the memory the system has available."""
+        if not settings.step_in_backward or model.settings.disk.optimizer_on_disk:
+            return
+        layout, ledger = model.layout, model.runtime.ledger
+        per_element = 2 if state is None else len(state.families)
+        state_bytes = sum((per_element + 1) * layout.shard_numel(i, model.shards.world) * 4
+                          for i in range(layout.num_chunks) if layout.trainable(i))
+        undo = state_bytes  # one fp32 copy of the masters (or fp32 parameters) and the per-element state
+        if ledger.host_capacity is not None:
+            room, what = ledger.host_capacity - ledger.tier_bytes(Tier.HOST) - state_bytes, "the host capacity"
+        else:
+            room, what = host_memory_available() - state_bytes, "the memory available"
+        if undo > room:
+            raise InvalidArgumentError(
+                "step_in_backward", True,
+                f"False, or room on the host for the undo copies of the optimizer state in memory: {undo} bytes, "
+                f"where {max(room, 0)} bytes of {what} are left after the state itself (offload_optimizer='disk' "
+                f"needs no copy: its other slot is the undo; or raise the host capacity)")
 
     @staticmethod
     def _reserve_disk(model: ShardedModelV2, state: StateLayout | None) -> None:
@@ -507,10 +539,10 @@ class ShardedOptimizerV2(Optimizer):
         self._accounted_backwards = self.runtime.backward_count
 
     def _check_can_accumulate(self) -> None:
-        if self._step_in_flight is not None:
+        if self._step_in_flight is not None or len(self._undo):
             raise GradientAccumulationError(
-                "step_in_backward=True: the last backward already started this step's updates of the chunks on "
-                "disk, so a second backward cannot add to their gradients; call optim.step() first")
+                "step_in_backward=True: the last backward already started this step's updates of the chunks, so "
+                "a second backward cannot add to their gradients; call optim.step() first")
         self.runtime.check_can_accumulate()
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> float:
@@ -560,17 +592,23 @@ class ShardedOptimizerV2(Optimizer):
         if not self.runtime.grads_pending:
             return False
         self._check_backward_was_scaled()
+        self._kept_backward_updates = 0
         multiplier = self.mixed.decide(self._grads(), self.max_norm, self.norm_type)
         if multiplier is None:
             self._abandon_step_in_flight()  # made as if nothing overflowed
+            self._undo_updates_in_memory()
             self._discard_grads()
             return False
         if self._broken_by is not None:
             raise self._broken_by
         on_disk = [c for c in self._trainable_chunks() if self.runtime.optim_tier(c) is Tier.DISK]
-        self._update_on_disk(on_disk, multiplier)  # first: the only part that can fail half-way
+        try:
+            self._update_on_disk(on_disk, multiplier)  # first: the only part that can fail half-way
+        except BaseException:
+            self._undo_updates_in_memory()  # the step did not happen: neither did the backward's updates
+            raise
         for chunk in self._trainable_chunks():
-            if self.runtime.optim_tier(chunk) is not Tier.DISK:
+            if self.runtime.optim_tier(chunk) is not Tier.DISK and not self._keep_backward_update(chunk, multiplier):
                 self._update_chunk(chunk, multiplier)
         self.mixed.stepped()
         self.runtime.end_step(release_gradients=True)
@@ -649,11 +687,14 @@ class ShardedOptimizerV2(Optimizer):
                            param_spans(chunk.slots, chunk.shard_offset), multiplier, rule)
 
     def on_grads_final(self, chunk: Chunk) -> None:
-        """``step_in_backward``: hand a chunk whose optimizer state rests on disk to this backward's
-        streamed step (started with the first such chunk) as soon as its gradients are final (the
-        runtime's :class:`~chunkmem.runtime.runtime.OptimizerListener` side)."""
-        if (not self.step_in_backward or not chunk.trainable or self.runtime.optim_tier(chunk) is not Tier.DISK
-                or self._broken_by):
+        """``step_in_backward``: as soon as ``chunk``'s gradients are final, update it as if nothing
+        overflowed and nothing is clipped: hand a chunk whose optimizer state rests on disk to this
+        backward's streamed step (started with the first such chunk), update one whose state is in memory
+        after taking its undo copy (the runtime's :class:`~chunkmem.runtime.runtime.OptimizerListener` side)."""
+        if not self.step_in_backward or not chunk.trainable or self._broken_by:
+            return
+        if self.runtime.optim_tier(chunk) is not Tier.DISK:
+            self._update_in_backward(chunk)
             return
         step = self._step_in_flight
         if step is None:
@@ -670,6 +711,50 @@ class ShardedOptimizerV2(Optimizer):
         # As if nothing overflowed and nothing is clipped: step() checks both and redoes the step otherwise.
         self._speculated[chunk.index] = self._speculation_key(chunk)
         step.add(self._disk_update(chunk, 1.0 / self.mixed.loss_scale))
+
+    def _update_in_backward(self, chunk: Chunk) -> None:
+        """Update ``chunk``, whose optimizer state is in memory, in this backward after taking its undo copy;
+        without room on the host for the copy (or with the gradients in the parameters' memory) it is left
+        for :meth:`step`."""
+        if chunk in self._undo:
+            raise GradientAccumulationError(
+                f"step_in_backward=True: {chunk.name} received gradients again before optim.step(), but it was "
+                f"already updated (a second backward, e.g. loss.backward() called twice); call optim.step() "
+                f"after each backward")
+        if self.model.reuse_fp16_shard:
+            return
+        multiplier = 1.0 / self.mixed.loss_scale
+        with self.runtime.untraced():
+            params = None if chunk.has_master else self.runtime.update_target(chunk, self.runtime.compute_tier(chunk))
+            if self._undo.take(chunk, params, multiplier, self._speculation_key(chunk), self.scalar_state(chunk),
+                               self.whole_state(chunk)):
+                self._update_chunk(chunk, multiplier)
+
+    def _keep_backward_update(self, chunk: Chunk, multiplier: float) -> bool:
+        """Whether the backward's update of ``chunk`` (state in memory) is this step's: the same multiplier
+        and nothing else changed. Its undo copy is released; an update that is not the step's is undone."""
+        undo = self._undo.get(chunk)
+        if undo is None:
+            return False
+        if undo.multiplier == multiplier and undo.assumed == self._speculation_key(chunk):
+            self._undo.release(chunk)
+            self._kept_backward_updates += 1
+            return True
+        self._undo_update(undo)
+        return False
+
+    def _undo_update(self, undo: UndoCopy) -> None:
+        """Put a chunk updated by the backward back as it was before (state, parameters, step count)."""
+        chunk = undo.chunk
+        with self.runtime.updating(chunk, self.runtime.compute_tier(chunk)) as target:
+            self._undo.restore_into(undo, target)
+        chunk.step = undo.step
+        self.replace_kept_state(chunk, undo.scalars, undo.whole)
+
+    def _undo_updates_in_memory(self) -> None:
+        """Undo every update the backward made of chunks whose state is in memory (see :meth:`_undo_update`)."""
+        for chunk in self._undo.chunks():
+            self._undo_update(self._undo.get(chunk))
 
     def _speculation_key(self, chunk: Chunk) -> tuple[Any, ...]:
         """What an update made in the backward assumed about ``chunk`` besides the multiplier: the parameters
@@ -702,8 +787,12 @@ class ShardedOptimizerV2(Optimizer):
         if not self.runtime.policy.optimizer_on_disk:
             return  # (with a disk tier every rank runs the step below, even with no chunk on disk: it agrees)
         if self._step_in_flight is not None and not self._speculation_holds(multiplier):
+            reason = self._why_no_speculation(self.model.settings)
+            if reason is not None:  # (fp16 and clipping were refused: the hyper-parameters changed)
+                self._refuse_redo(reason)
             self._abandon_step_in_flight()  # clipped, or the hyper-parameters changed: redone below
         step, self._step_in_flight = self._step_in_flight, None
+        kept = 0 if step is None else len(step.updates)
         self._speculated.clear()
         if step is None:
             step = StreamedStep.over(self.runtime.memory.disk, [self._disk_update(c, multiplier) for c in chunks],
@@ -728,17 +817,51 @@ class ShardedOptimizerV2(Optimizer):
                     if update.updated_to and update.param is not None:
                         self.runtime.mark_updated(update.chunk, Tier.HOST)
             raise
+        self._kept_backward_updates += kept
+        self._completed(updates)
+
+    def _completed(self, updates: list[ChunkUpdate]) -> None:
+        """The streamed step wrote ``updates``: their chunks' step counts, scalar state and parameters."""
         for update in updates:
             update.chunk.step = update.step
             if isinstance(update.rule, PieceStep):
                 self._scalars[update.chunk.index] = update.rule.scalars_after
             self.runtime.mark_updated(update.chunk, Tier.DISK if update.param is None else Tier.HOST)
 
+    def _refuse_redo(self, reason: str) -> NoReturn:
+        """The backward's disk updates are not this step's (hyper-parameters or trainable parameters changed
+        in between) and cannot be redone (``reason``): raise, leaving the state as before the backward where
+        the updates can be undone, else the optimizer broken until a state is loaded (as a failed step)."""
+        message = ("optim.step() after a backward with step_in_backward=True: the hyper-parameters or the "
+                   "trainable parameters changed between the backward and the step, but the backward's updates "
+                   f"of the chunks on disk used the old ones and with {reason} they cannot be redone; change "
+                   "hyper-parameters after optim.step(), as LR schedulers do. ")
+        if self.runtime.memory.disk.atomic_step:
+            self._abandon_step_in_flight()
+            self._undo_updates_in_memory()
+            self._discard_grads()
+            raise UnsupportedOperationError(message + "The step was skipped: parameters and optimizer state are "
+                                            "as before the backward, its gradients dropped")
+        step, self._step_in_flight = self._step_in_flight, None
+        self._speculated.clear()
+        step.finish()  # the chunks it started are written in place: complete them, nothing else
+        self._completed(step.updates)
+        self._broken_by = UnsupportedOperationError(
+            message + "The chunks the backward started were updated in place with the old values, the others "
+                      "not: load a checkpoint (chunkmem.load_checkpoint) to step again")
+        raise self._broken_by
+
+    @property
+    def kept_backward_updates(self) -> int:
+        """With ``step_in_backward``: how many of the updates the backward made the last :meth:`step` kept
+        as its own (the others it undid and redid, or undid when it skipped); 0 before any step."""
+        return self._kept_backward_updates
+
     @property
     def backward_updates(self) -> int:
         """With ``step_in_backward``: how many chunks' updates the running (or last) backward started and
         :meth:`step` has not completed yet (0 when none)."""
-        return 0 if self._step_in_flight is None else len(self._step_in_flight.updates)
+        return (0 if self._step_in_flight is None else len(self._step_in_flight.updates)) + len(self._undo)
 
     def state_loaded(self) -> None:
         """A state dict or checkpoint was loaded: a step over disk-resident state that had failed half-way
@@ -748,10 +871,10 @@ class ShardedOptimizerV2(Optimizer):
     def check_no_step_in_flight(self, action: str) -> None:
         """Raise :class:`~chunkmem.UnsupportedOperationError` if a backward with ``step_in_backward``
         started updates that :meth:`step` has not completed yet (``action``: what was attempted)."""
-        if self._step_in_flight is not None:
+        if self._step_in_flight is not None or len(self._undo):
             raise UnsupportedOperationError(
                 f"{action} between a backward and optim.step() with step_in_backward=True: the backward's "
-                f"updates of the chunks on disk are still running; call optim.step() first")
+                f"updates are not decided yet (optim.step() keeps or redoes them); call optim.step() first")
 
     def _discard_grads(self) -> None:
         """Drop the gradients (a skipped step, a failed disk step that overwrote them): with
@@ -774,6 +897,7 @@ class ShardedOptimizerV2(Optimizer):
                     "already updated chunks in place on disk and that cannot be undone; call optim.step() to "
                     "complete the step")
             self._abandon_step_in_flight()
+        self._undo_updates_in_memory()
         self.runtime.drop_gradients(set_to_none)
         self.mixed.forget()
         self._forget_backwards()

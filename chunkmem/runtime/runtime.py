@@ -421,6 +421,11 @@ class ChunkRuntime:
         """The tensors holding the chunk's finished gradient, whichever form it has (for norms)."""
         return self.gradients.tensors(chunk)
 
+    def untraced(self) -> contextlib.AbstractContextManager[None]:
+        """A context in which the tracer does not count allocations: the optimizer's own work run inside the
+        backward (``step_in_backward``) is not the model's non-model memory."""
+        return self.scheduler.paused()
+
     @contextlib.contextmanager
     def updating(self, chunk: Chunk, tier: Tier) -> Iterator[torch.Tensor]:
         """``with runtime.updating(chunk, tier) as target:`` the copy of this rank's parameters on ``tier``

@@ -1,0 +1,120 @@
+"""Undo copies for ``step_in_backward`` over optimizer state held in memory (host or device tier).
+
+With ``ShardedOptimizerV2(..., step_in_backward=True)`` the backward updates each chunk as soon as its
+gradients are final, as if nothing overflowed and nothing is clipped (the multiplier ``1 / loss scale``).
+``step()`` decides afterwards. A chunk whose state rests on disk is updated into the disk's other slot, so
+not committing is its undo (:mod:`chunkmem.optim.disk_step`). A chunk whose state is in memory is updated
+in place, so before its update the optimizer takes an :class:`UndoCopy` here: this rank's fp32 values of
+every optimizer family (the master included; for fp32 chunks the parameters, which are the master), the
+chunk's step count and another optimizer's scalar and whole-parameter state. ``step()`` either keeps the
+update (same multiplier, nothing else changed) and releases the copy, or puts the copy back (the 16-bit
+parameters become the restored master's rounding, as after every step) and updates again with what it
+decided.
+
+The copies rest on the host tier and are counted in the ledger as family ``undo``: at most one per chunk,
+released by ``step()`` or ``zero_grad()``, so the bytes are bounded by one copy of the in-memory optimizer
+state (:func:`undo_nbytes`, checked against the host's room when the optimizer is built). A copy the host
+tier has no room for at the time is not taken, and that chunk is updated in ``step()`` as without
+``step_in_backward``: the same bits, without the overlap.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..core.chunk import MASTER, Chunk
+from ..core.memory import TierMemory
+from ..core.tiers import Tier
+from ..errors import HostCapacityError
+
+UNDO = "undo"  # the ledger family of the copies
+
+
+def undo_families(chunk: Chunk) -> tuple[str, ...]:
+    """The fp32 optimizer families an undo copy of ``chunk`` holds (the master first, when separate)."""
+    return ((MASTER,) if chunk.has_master else ()) + tuple(chunk.state_families)
+
+
+def undo_nbytes(chunk: Chunk) -> int:
+    """Bytes of one undo copy of ``chunk``: every family of :func:`undo_families`, plus the parameters
+    themselves for an fp32 chunk (they are its master); this rank's shard, fp32 (4 bytes an element)."""
+    families = len(undo_families(chunk)) + (0 if chunk.has_master else 1)
+    return families * chunk.shard_numel * 4
+
+
+@dataclass
+class UndoCopy:
+    """What one chunk held before the update the backward made (see the module docstring)."""
+
+    chunk: Chunk
+    step: int  # the chunk's step count before the update
+    multiplier: float  # what the update multiplied the gradients by
+    assumed: tuple[Any, ...]  # the optimizer's speculation key: what else the update took as given
+    families: dict[str, torch.Tensor] = field(default_factory=dict)  # family -> this rank's values (host)
+    params: torch.Tensor | None = None  # fp32 chunks: the parameters' values (host)
+    scalars: dict[int, dict[str, Any]] = field(default_factory=dict)  # another optimizer's, by group
+    whole: dict[int, dict[str, Any]] = field(default_factory=dict)  # another optimizer's, by slot
+
+
+class UndoCopies:
+    """The undo copies of one optimizer's in-memory chunks, by chunk index, in the ledger (``undo``)."""
+
+    def __init__(self, memory: TierMemory) -> None:
+        self.memory = memory
+        self._copies: dict[int, UndoCopy] = {}
+
+    def __len__(self) -> int:
+        return len(self._copies)
+
+    def __contains__(self, chunk: Chunk) -> bool:
+        return chunk.index in self._copies
+
+    def get(self, chunk: Chunk) -> UndoCopy | None:
+        return self._copies.get(chunk.index)
+
+    def chunks(self) -> list[Chunk]:
+        return [copy_.chunk for copy_ in self._copies.values()]
+
+    def take(self, chunk: Chunk, params: torch.Tensor | None, multiplier: float, assumed: tuple[Any, ...],
+             scalars: dict[int, dict[str, Any]], whole: dict[int, dict[str, Any]]) -> bool:
+        """Copy ``chunk``'s optimizer state (and, for an fp32 chunk, ``params``: the copy of its parameters
+        the update will write) to the host tier before an update in the backward. Returns ``False``, with
+        nothing taken, when the host tier has no room for it."""
+        tensors = [chunk.optim[name].tensor for name in undo_families(chunk)]
+        if params is not None:
+            tensors.append(params)
+        copies: list[torch.Tensor] = []
+        try:
+            for tensor in tensors:
+                copies.append(self.memory.take(Tier.HOST, UNDO, tensor.numel(), torch.float32,
+                                               f"the undo copy of {chunk.name} (step_in_backward)"))
+        except HostCapacityError:
+            for taken in copies:
+                self.memory.give_back(Tier.HOST, UNDO, taken.numel() * 4, taken)
+            return False
+        for saved, tensor in zip(copies, tensors):
+            saved.copy_(tensor)
+        saved_params = copies.pop() if params is not None else None
+        self._copies[chunk.index] = UndoCopy(
+            chunk, chunk.step, multiplier, assumed, dict(zip(undo_families(chunk), copies)), saved_params,
+            copy.deepcopy(scalars), copy.deepcopy(whole))
+        return True
+
+    def restore_into(self, undo: UndoCopy, params: torch.Tensor) -> None:
+        """Put ``undo``'s values back into its chunk's families and ``params`` (the copy of the parameters
+        the update wrote: the saved values, or the restored master's rounding), then release it. The
+        step count and the kept state are the caller's to put back (they belong to the optimizer)."""
+        for name, saved in undo.families.items():
+            undo.chunk.optim[name].tensor.copy_(saved)
+        params.copy_(undo.params if undo.params is not None else undo.chunk.optim[MASTER].tensor)
+        self.release(undo.chunk)
+
+    def release(self, chunk: Chunk) -> None:
+        """Drop ``chunk``'s copy (kept: the update stands), giving its bytes back."""
+        undo = self._copies.pop(chunk.index)
+        saved = list(undo.families.values()) + ([undo.params] if undo.params is not None else [])
+        for tensor in saved:
+            self.memory.give_back(Tier.HOST, UNDO, tensor.numel() * 4, tensor)
