@@ -123,3 +123,30 @@ def test_prefetched_chunk_is_in_flight_until_its_period_waits():
     loss.backward()
     manager.scheduler.close_finished_traces()
     assert not any(c.param.fetching for c in model.chunks)
+
+
+@pytest.mark.parametrize("policy", ["cuda", "cpu", "auto"])
+def test_step_in_backward_with_state_in_memory_on_cuda_is_bitwise_the_plain_step(policy):
+    """The backward's in-place updates (device-tier state under ``cuda``, host under ``cpu``) with an fp16
+    overflow and clipping that triggers every other step: bitwise the step after the backward."""
+    reference = mlp()
+
+    def run(in_backward):
+        model = cm.ShardedModelV2(copy.deepcopy(reference), cm.TensorShardStrategy(), tensor_placement_policy=policy,
+                                  dtype=torch.float16)
+        optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-2), initial_scale=2**10,
+                                      step_in_backward=in_backward, gpu_margin_mem_ratio=0.5 if policy == "auto" else 0)
+        torch.manual_seed(1)
+        steps = []
+        for n in range(4):
+            x = torch.randn(32, 64).cuda()
+            optim.backward(model(x).float().pow(2).mean() * (float("inf") if n == 1 else 1.0))
+            optim.clip_grad_norm(1e-3 if n % 2 else 1e6)
+            steps.append(optim.step())
+            optim.zero_grad()
+        return model, steps
+
+    (plain, plain_steps), (ahead, ahead_steps) = run(False), run(True)
+    assert plain_steps == ahead_steps == [True, False, True, True]
+    for name, value in plain.state_dict().items():
+        assert torch.equal(value, ahead.state_dict()[name]), name
