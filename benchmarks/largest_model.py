@@ -274,6 +274,9 @@ def main() -> int:
                         help="with --nvme-path: update each chunk whose optimizer state is on disk as soon as the "
                              "backward finishes its gradients (ShardedOptimizerV2(step_in_backward=True)): its disk "
                              "I/O overlaps the rest of the backward")
+    parser.add_argument("--max-norm", type=float, default=0.0,
+                        help="clip the gradients to this total norm in every step (ShardedOptimizerV2(max_norm=); "
+                             "default 0: no clipping); with --step-in-backward it needs --atomic-step")
     parser.add_argument("--buffer-count", type=int, default=4, help="disk I/O buffers per family (default 4)")
     parser.add_argument("--buffer-size", type=int, default=DISK_BUFFER_SIZE,
                         help="bytes per disk I/O buffer (default 16 MiB)")
@@ -287,8 +290,8 @@ def main() -> int:
         parser.error("--target-4b needs --nvme-path (the optimizer state of >= 4B parameters does not fit in memory)")
     if args.offload_param and args.nvme_path is None:
         parser.error("--offload-param needs --nvme-path")
-    if args.step_in_backward and (args.nvme_path is None or args.offload_param):
-        parser.error("--step-in-backward needs --nvme-path and no --offload-param")
+    if args.step_in_backward and args.nvme_path is None:
+        parser.error("--step-in-backward needs --nvme-path")
     d_default, heads_default, dtype_default = (4096, 32, "bf16") if args.target_4b else (2048, 16, "fp16")
     args.d_model = args.d_model or d_default
     args.heads = args.heads or heads_default
@@ -331,7 +334,7 @@ def main() -> int:
     if disk is not None:
         print(f"disk tier: nvme_path {args.nvme_path}, offload_optimizer='disk'"
               + (", offload_param='disk'" if args.offload_param else "")
-              + f", atomic_step={args.atomic_step}, step_in_backward={args.step_in_backward}"
+              + f", atomic_step={args.atomic_step}, step_in_backward={args.step_in_backward}, max_norm={args.max_norm:g}"
               + ("" if args.atomic_step else " (one slot: the files hold the state once; an atomic step's two "
                  "slots of a 4B model's 48 GB fp32 state would not fit this disk)")
               + f", buffer_count {args.buffer_count} x {mib(args.buffer_size)}; host capacity "
@@ -398,7 +401,7 @@ def main() -> int:
                               reuse_fp16_shard=not args.offload_param, chunk_size=chunk_size, **disk_kwargs)
     ledger = model.runtime.ledger
     optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-4), initial_scale=2**16,
-                                  step_in_backward=args.step_in_backward)
+                                  step_in_backward=args.step_in_backward, max_norm=args.max_norm)
     gc.collect()  # the ZeroInitContext chunks the wrap did not free (see bytes_per_param.py)
     build_s = time.perf_counter() - t0
     assert sum(p.numel() for p in model.parameters()) == n_params, "parameter count formula is off"
@@ -521,6 +524,7 @@ def main() -> int:
               + (" --offload-param" if args.offload_param else "")
               + ("" if args.atomic_step or disk is None else " --no-atomic-step")
               + (" --step-in-backward" if args.step_in_backward else "")
+              + (f" --max-norm {args.max_norm:g}" if args.max_norm else "")
               + (f" --host-memory {args.host_memory}" if args.host_memory else ""))
         print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")
         print("DRY RUN done (no target)")

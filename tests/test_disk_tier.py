@@ -90,10 +90,11 @@ def test_exact_bytes_per_tier_and_files(tmp_path, dtype):
     region = -(-shard * 4 // 4096) * 4096  # a file region per chunk of the full size
     journal = len(model.chunks) * region if dtype == torch.float32 else 0  # old fp32 values while a step runs
     assert model.disk_file_bytes() == len(families) * len(model.chunks) * 2 * region + journal
-    # the I/O buffers are host memory on the ledger: buffer_count x streamed families x buffer_size
+    # the I/O buffers are host memory on the ledger: buffer_count x streamed families x buffer_size, and the
+    # one buffer of whole-region writes (the state's initial values) and reads on the caller's thread
     _train(model, optim, batches(1))
     streamed = len(families) + (1 if dtype == torch.float32 else 0)
-    assert model.tier_bytes()["host"]["disk_io"] == 3 * streamed * PIECE
+    assert model.tier_bytes()["host"]["disk_io"] == 3 * streamed * PIECE + PIECE
     assert sorted(os.listdir(model.disk_path)) == sorted([f + ".bin" for f in families + (
         ["journal"] if dtype == torch.float32 else [])] + [cm.storage.disk_io.OWNER_FILE])
     doc = model.memory_stats()
@@ -559,3 +560,45 @@ def test_step_in_backward_bad_combinations_are_refused_before_anything_changes(t
     with pytest.raises(cm.ArgumentTypeError, match="step_in_backward"):
         cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters()), step_in_backward=1)
     assert not model.optimizer_attached
+
+
+def _peak_host_grad_bytes(model) -> list[int]:
+    """Track the most bytes of the ``grad`` family on the host tier (the ledger's reservations)."""
+    ledger, peak = model.runtime.ledger, [0]
+    reserve = ledger.reserve
+
+    def counting(tier, family, nbytes, what):
+        reserve(tier, family, nbytes, what)
+        peak[0] = max(peak[0], ledger.tier_bytes(cm.Tier.HOST, ("grad",)))
+
+    ledger.reserve = counting
+    return peak
+
+
+@pytest.mark.parametrize("offload_param", [None, "disk"], ids=["state-on-disk", "params-on-disk-too"])
+def test_step_in_backward_in_place_frees_each_gradient_once_its_update_is_computed(tmp_path, offload_param):
+    """atomic_step=False, bf16, no clipping: nothing reads a disk chunk's gradient after its update, so the
+    backward frees it and waits for the disk step rather than hold every chunk's gradient: the host holds a
+    few chunks' gradients at once, and the results stay bitwise those of the step after the backward."""
+    from chunkmem.optim.sharded_optimizer import GRADIENTS_AHEAD_OF_THE_DISK_STEP
+
+    reference, data = _reference(), batches(3)
+    runs = {}
+    for in_backward in (False, True):
+        (tmp_path / str(in_backward)).mkdir()
+        model = cm.ShardedModelV2(copy.deepcopy(reference), cm.TensorShardStrategy(), tensor_placement_policy="cpu",
+                                  dtype=torch.bfloat16, chunk_size=8192,  # the largest parameter: many chunks
+                                  **_on_disk(tmp_path / str(in_backward), atomic_step=False, offload_param=offload_param))
+        optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-2, weight_decay=0.01),
+                                      step_in_backward=in_backward)
+        peak = _peak_host_grad_bytes(model)
+        _train(model, optim, data)
+        runs[in_backward] = model, optim, peak[0]
+    (a, oa, all_grads), (b, ob, bounded) = runs[False], runs[True]
+    _same_state(a, oa, b, ob)
+    chunks = [c for c in b.chunks if c.trainable]
+    grad_bytes = max(c.grad.nbytes for c in chunks)
+    assert len(chunks) > GRADIENTS_AHEAD_OF_THE_DISK_STEP + 2
+    assert all_grads == sum(c.grad.nbytes for c in chunks)  # the step after the backward: every gradient at once
+    assert bounded <= (GRADIENTS_AHEAD_OF_THE_DISK_STEP + 2) * grad_bytes < all_grads
+    assert b.tier_bytes()["host"].get("grad", 0) == 0

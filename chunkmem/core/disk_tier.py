@@ -114,6 +114,7 @@ class DiskTier:
         self._fetcher: ThreadPoolExecutor | None = None  # reads parameter chunks for compute, one at a time
         self._fetch_pool: AlignedBufferPool | None = None
         self._fetch_buffer: torch.Tensor | None = None
+        self._caller_pool: AlignedBufferPool | None = None  # whole-region reads and writes (see _caller_buffers)
 
     @property
     def path(self) -> str:
@@ -182,9 +183,23 @@ class DiskTier:
             self._pool = AlignedBufferPool(count, self.buffer_size)
         return self._pool
 
+    def _caller_buffers(self) -> AlignedBufferPool:
+        """One aligned buffer for whole-region reads and writes on the caller's thread (:meth:`read_all`,
+        :meth:`store`), apart from the streamed step's pool: a step streamed during the backward may hold
+        every buffer of that one while the backward reads a sharded chunk's parameters from disk (on the host
+        ledger, made on first use)."""
+        if self._caller_pool is None:
+            self.ledger.reserve(Tier.HOST, DISK_IO_FAMILY, aligned_nbytes(self.buffer_size),
+                                "the disk tier's in-line buffer")
+            self._caller_pool = AlignedBufferPool(1, self.buffer_size)
+        return self._caller_pool
+
     def release_buffers(self) -> None:
         """Give back the I/O buffers and stop the fetch thread (their bytes leave the host ledger)."""
         self._release_pool()
+        if self._caller_pool is not None:
+            self.ledger.release(Tier.HOST, DISK_IO_FAMILY, aligned_nbytes(self.buffer_size))
+            self._caller_pool = None
         if self._fetcher is not None:
             self._fetcher.shutdown(wait=True)
             self.ledger.release(Tier.HOST, DISK_IO_FAMILY, self._fetch_pool.total_nbytes)
@@ -249,7 +264,7 @@ class DiskTier:
 
     def read_all(self, region: DiskRegion, slot: int, out: torch.Tensor) -> None:
         """Copy ``region``'s ``slot`` into ``out`` (``region.numel`` elements, any device), piece by piece."""
-        pool = self.buffers(1)
+        pool = self._caller_buffers()
         staging = pool.take()
         self.ledger.count_disk(read=region.nbytes)
         try:
@@ -268,7 +283,7 @@ class DiskTier:
     def store(self, region: DiskRegion, slot: int, values: torch.Tensor | None) -> None:
         """Write ``values`` (``region.numel`` elements; ``None``: zeros) into ``region``'s ``slot``, piece
         by piece, waiting for the writes."""
-        pool = self.buffers(1)
+        pool = self._caller_buffers()
         staging = pool.take()
         try:
             if values is None:

@@ -86,6 +86,11 @@ class ChunkUpdate:
     updated_to: int = 0  # elements [0, updated_to) were updated (pieces run in order)
 
     @property
+    def computed(self) -> bool:
+        """Whether every piece was updated (written or not): the gradient is read no more."""
+        return self.updated_to >= self.chunk.shard_numel
+
+    @property
     def reads(self) -> list[FlatBuffer]:
         """The disk buffers read for the update: the fp32 master (a separate one, or the fp32
         parameters resting on disk) and the chunk's optimizer state families (Adam: exp_avg, exp_avg_sq)."""
@@ -161,6 +166,8 @@ class StreamedStep:
         self._thread: threading.Thread | None = None
         self._crash: BaseException | None = None  # an exception other than an I/O error, on the thread
         self._error: DiskIOError | None = None
+        self._progress = threading.Condition()  # notified when a chunk's update is computed or the thread ends
+        self._stopped = False  # the thread ended (every update done, an I/O error or a crash)
 
     @classmethod
     def over(cls, disk: DiskTier, updates: list[ChunkUpdate], agree: Callable[[bool], bool]) -> "StreamedStep":
@@ -228,6 +235,19 @@ class StreamedStep:
             self._stream()
         except BaseException as exc:  # re-raised by finish() on the caller's thread
             self._crash = exc
+        finally:
+            with self._progress:
+                self._stopped = True
+                self._progress.notify_all()
+
+    def wait_until_computed(self, pending: int) -> list[ChunkUpdate]:
+        """On a stream started with :meth:`start`: wait until at most ``pending`` of the updates handed over
+        are not computed yet (some piece not updated: they still read their gradient), or the thread
+        ended; return the updates that are computed (their gradients are read no more)."""
+        with self._progress:
+            while not self._stopped and sum(not u.computed for u in self.updates) > pending:
+                self._progress.wait()
+        return [u for u in self.updates if u.computed]
 
     def _commit(self) -> None:
         if self.agree(self._error is not None):  # (every rank agrees, also one without chunks on disk)
@@ -304,6 +324,9 @@ class StreamedStep:
                 writing.append((piece.held, []))
                 break
             self._update(piece)
+            if piece.update.computed:
+                with self._progress:
+                    self._progress.notify_all()
             handles = [self.disk.write_piece(buf.region, slot, piece.start, piece.end, raw)
                        for buf, raw, slot in zip(piece.update.writes, piece.buffers, write_slot[id(piece.update)])]
             writing.append((piece.held, handles))

@@ -32,6 +32,11 @@ from .loss_scaler import DynamicGradScaler
 from .mixed_precision import MixedPrecisionStep
 
 
+GRADIENTS_AHEAD_OF_THE_DISK_STEP = 2
+"""With ``step_in_backward`` and ``atomic_step=False``: how many chunks' gradients may wait for the disk step
+beyond the one it is computing before the backward waits for it (see ``_gradients_used_once``)."""
+
+
 class ShardedOptimizerV2(Optimizer):
     """Runs the optimizer over whole chunks where each chunk's optimizer state lives (Adam by chunkmem's
     kernel, any other torch optimizer by its own step on views of the chunks), with loss scaling.
@@ -711,6 +716,21 @@ class ShardedOptimizerV2(Optimizer):
         # As if nothing overflowed and nothing is clipped: step() checks both and redoes the step otherwise.
         self._speculated[chunk.index] = self._speculation_key(chunk)
         step.add(self._disk_update(chunk, 1.0 / self.mixed.loss_scale))
+        if self._gradients_used_once():
+            for update in step.wait_until_computed(GRADIENTS_AHEAD_OF_THE_DISK_STEP):
+                if update.grad is not None:
+                    self.runtime.release_gradients(update.chunk)
+                    update.grad = None
+
+    def _gradients_used_once(self) -> bool:
+        """Whether a disk chunk's gradient is read by its update in the backward and by nothing after: the
+        update is written in place (``atomic_step=False``: never redone) and the step needs no gradient
+        to decide (no loss scaler, no clipping: both are refused with it). The backward then frees each
+        gradient once its update is computed and waits for the disk step when more than
+        :data:`GRADIENTS_AHEAD_OF_THE_DISK_STEP` chunks' gradients are waiting for it, so the host holds a
+        few chunks' gradients instead of all of them (2 bytes a 16-bit parameter)."""
+        return (not self.runtime.memory.disk.atomic_step and self.mixed.scaler is None and self.max_norm == 0
+                and not self.model.reuse_fp16_shard)
 
     def _update_in_backward(self, chunk: Chunk) -> None:
         """Update ``chunk``, whose optimizer state is in memory, in this backward after taking its undo copy;

@@ -83,6 +83,11 @@ class GradientStore:
         """Drop (``set_to_none``) or zero every chunk's finished gradients."""
         raise NotImplementedError
 
+    def release(self, chunk: Chunk) -> None:
+        """Free ``chunk``'s finished gradient before the step ends: its update used it and nothing will
+        read it again (the disk step of ``step_in_backward`` without a redo, see
+        :class:`~chunkmem.ShardedOptimizerV2`). Nothing to free where it lives in the parameters' memory."""
+
     def abandon(self, chunk: Chunk) -> None:
         """An interrupted backward: forget what it left unfinished in ``chunk``."""
         raise NotImplementedError
@@ -246,6 +251,11 @@ class StagedGradients(GradientStore):
                     chunk.grad.free()
                 else:
                     chunk.grad.tensor.zero_()
+
+    def release(self, chunk: Chunk) -> None:
+        self._forget_kept(chunk)
+        if chunk.grad.allocated:
+            chunk.grad.free()
 
     def abandon(self, chunk: Chunk) -> None:
         """Drop the gradients of an unfinished chunk that this backward began (a buffer or kept tensors

@@ -446,6 +446,11 @@ class ChunkRuntime:
         self.executor.mark_updated(chunk, tier)
 
     @_untraced
+    def release_gradients(self, chunk: Chunk) -> None:
+        """Free ``chunk``'s finished gradient now: its update used it and no step will read it again."""
+        self.gradients.release(chunk)
+
+    @_untraced
     def drop_gradients(self, set_to_none: bool) -> None:
         """Drop (``set_to_none``) or zero every finished gradient, and what ``no_sync`` accumulated."""
         self.gradients.drop(set_to_none)
