@@ -390,8 +390,11 @@ def main() -> int:
         cm.set_host_memory_capacity(host_capacity)
     torch.manual_seed(0)
     t0 = time.perf_counter()
+    # with the parameters on disk they are built there too (ZeroInitContext(nvme_path=)): host memory then holds
+    # only the chunk being filled, never the whole model's 16-bit parameters
     with cm.ZeroInitContext(target_device=torch.device("cpu"), shard_strategy=cm.TensorShardStrategy(),
-                            shard_param=True, dtype=dtype, chunk_size=chunk_size):
+                            shard_param=True, dtype=dtype, chunk_size=chunk_size,
+                            nvme_path=args.nvme_path if args.offload_param else None):
         net = GPT(cfg, upcast=args.matmul == "fp32")
     t_init = time.perf_counter() - t0
     disk_kwargs = {} if disk is None else dict(

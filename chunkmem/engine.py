@@ -164,7 +164,9 @@ class TrainingEngine(nn.Module):
             raise InvalidArgumentError("retain_graph", retain_graph, "False (a chunkmem backward frees the graph)")
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
-        with self._timed("backward"):
+        # step_in_backward: only the backward before the step starts its updates; the others accumulate
+        accumulating = not self.is_gradient_accumulation_boundary() and hasattr(optimizer, "accumulating")
+        with self._timed("backward"), optimizer.accumulating() if accumulating else contextlib.nullcontext():
             optimizer.backward(loss)
         return loss
 

@@ -341,3 +341,54 @@ def test_two_ranks_in_memory_fp16_clipped_with_an_overflow(policy):
     for plain_steps, steps, started in run_ranks(_two_ranks_in_memory, 2, policy):
         assert plain_steps == steps == [True, False, True]
         assert all(n > 0 for n in started)
+
+
+@pytest.mark.parametrize("on_disk", [False, True], ids=["in-memory", "state-on-disk"])
+def test_backwards_inside_accumulating_add_up_and_the_last_one_starts_the_updates(tmp_path, on_disk):
+    """Gradient accumulation with step_in_backward: the backwards before the last run inside
+    ``optim.accumulating()``; bitwise the plain optimizer's accumulation of the same backwards."""
+    reference = _reference()
+    disk = dict(offload_optimizer="disk", nvme_path=str(tmp_path), buffer_size=PIECE) if on_disk else {}
+
+    def build(in_backward):
+        model = cm.ShardedModelV2(copy.deepcopy(reference), cm.TensorShardStrategy(), tensor_placement_policy="cpu",
+                                  dtype=torch.float16, chunk_size=CHUNK_BYTES, **(disk if in_backward else {}))
+        return model, cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-2), initial_scale=2**10,
+                                            max_norm=0.5, step_in_backward=in_backward)
+
+    pair = build(False), build(True)
+    data = batches(6)
+    for model, optim in pair:
+        for k in range(0, 6, 3):
+            with optim.accumulating():
+                for x in data[k:k + 2]:
+                    optim.backward(lm_loss(model(x), x))
+                assert optim.backward_updates == 0
+            optim.backward(lm_loss(model(data[k + 2]), data[k + 2]))
+            assert optim.step()
+            optim.zero_grad()
+    _same(*pair)
+    model, optim = pair[1]
+    x = data[0]
+    optim.backward(lm_loss(model(x), x))
+    with pytest.raises(cm.GradientAccumulationError, match="optim.accumulating"):
+        optim.backward(lm_loss(model(x), x))
+    with pytest.raises(cm.InvalidArgumentError, match="nested"):
+        with optim.accumulating(), optim.accumulating():
+            pass
+
+
+def test_engine_accumulation_with_step_in_backward_is_bitwise_the_plain_engine():
+    def run(in_backward):
+        torch.manual_seed(0)
+        module = TinyGPT()
+        config = {"zero": {"model_config": {"tensor_placement_policy": "cpu", "dtype": "bf16"},
+                           "optimizer_config": {"step_in_backward": in_backward}}}
+        engine, *_ = cm.initialize_engine(module, cm.HybridAdam(module.parameters(), lr=1e-2), config=config)
+        for n, x in enumerate(batches(4)):
+            engine.set_gradient_accumulation_boundary(n % 2 == 1)
+            engine.backward(lm_loss(engine(x), x))
+            engine.step()
+        return engine.module, engine.optimizer
+
+    _same(run(False), run(True))

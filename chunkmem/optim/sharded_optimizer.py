@@ -1,9 +1,10 @@
 """ShardedOptimizerV2: mixed-precision Adam over the chunks of a ShardedModelV2."""
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections import OrderedDict
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, Iterator, NoReturn
 
 import torch
 import torch.nn as nn
@@ -85,8 +86,8 @@ class ShardedOptimizerV2(Optimizer):
             rate changed in between. Refused at construction where an update could not be undone
             (``atomic_step=False`` with fp16 or clipping; ``reuse_fp16_shard=True``, whose gradients the
             update overwrites, with fp16, clipping or state in memory) and where the host has no room for
-            the undo copies of the state in memory. One backward per step (a second one before
-            :meth:`step` is refused). ``zero_grad()`` before :meth:`step` undoes the updates (refused
+            the undo copies of the state in memory. One backward per step starts updates: a second one
+            before :meth:`step` is refused, unless the earlier ones ran inside :meth:`accumulating`. ``zero_grad()`` before :meth:`step` undoes the updates (refused
             with ``atomic_step=False``: those cannot be undone). Between the backward and :meth:`step` the
             updated chunks' parameters hold the new values: read them after the step.
         max_norm, norm_type: (chunkmem additions, keyword only) clip the unscaled gradients to total norm
@@ -170,6 +171,7 @@ class ShardedOptimizerV2(Optimizer):
         self._speculated: dict[int, tuple[Any, ...]] = {}  # chunk index -> what its update in flight assumed
         self._undo = UndoCopies(self.runtime.memory)  # step_in_backward: chunks in memory updated by the backward
         self._kept_backward_updates = 0
+        self._accumulating = False  # inside accumulating(): backwards start no updates
         self._layout = layout  # None: the Adam kernel; else any_optimizer's stand-in step
         self._scalars: dict[int, dict[int, dict[str, Any]]] = {}  # any_optimizer: chunk -> group -> scalar state
         self._whole_state: dict[int, dict[int, dict[str, Any]]] = {}  # any_optimizer: chunk -> slot -> its state
@@ -547,8 +549,23 @@ class ShardedOptimizerV2(Optimizer):
         if self._step_in_flight is not None or len(self._undo):
             raise GradientAccumulationError(
                 "step_in_backward=True: the last backward already started this step's updates of the chunks, so "
-                "a second backward cannot add to their gradients; call optim.step() first")
+                "a second backward cannot add to their gradients; call optim.step() first, or run the backwards "
+                "before the last one inside optim.accumulating()")
         self.runtime.check_can_accumulate()
+
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """``with optim.accumulating(): optim.backward(loss)``: with ``step_in_backward``, the backwards run
+        inside add to the gradients without starting the step's updates, so that several backwards accumulate
+        before one :meth:`step`; run the last backward before :meth:`step` outside it (its updates start in
+        that backward, over the summed gradients). Without ``step_in_backward`` it changes nothing."""
+        if self._accumulating:
+            raise InvalidArgumentError("accumulating", "a nested accumulating()", "one accumulating() at a time")
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Clip the gradients of the coming step to total norm ``max_norm``; returns the total norm of the
@@ -696,7 +713,7 @@ class ShardedOptimizerV2(Optimizer):
         overflowed and nothing is clipped: hand a chunk whose optimizer state rests on disk to this
         backward's streamed step (started with the first such chunk), update one whose state is in memory
         after taking its undo copy (the runtime's :class:`~chunkmem.runtime.runtime.OptimizerListener` side)."""
-        if not self.step_in_backward or not chunk.trainable or self._broken_by:
+        if not self.step_in_backward or not chunk.trainable or self._broken_by or self._accumulating:
             return
         if self.runtime.optim_tier(chunk) is not Tier.DISK:
             self._update_in_backward(chunk)
