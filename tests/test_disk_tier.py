@@ -292,6 +292,12 @@ def _two_rank_worker(rank, world, path, dtype, fail_rank, offload_param=None, st
     os.makedirs(disk, exist_ok=True)
     a, oa = _build(reference, dtype)
     b, ob = _build(reference, dtype, step_in_backward=step_in_backward, **_on_disk(disk, offload_param=offload_param))
+    tier, reads = b.runtime.memory.disk, {"on the fetch thread": 0, "in line": 0}
+    for name, key in (("start_read_all", "on the fetch thread"), ("read_all", "in line")):
+        def counted(*args, _read=getattr(tier, name), _key=key):
+            reads[_key] += 1
+            return _read(*args)
+        setattr(tier, name, counted)
     _train(a, oa, data[:2])
     _train(b, ob, data[:2])
     out = {"failed": None}
@@ -309,6 +315,8 @@ def _two_rank_worker(rank, world, path, dtype, fail_rank, offload_param=None, st
     else:
         _train(b, ob, data[2:])
     _train(a, oa, data[2:])
+    out["prefetched"] = b.runtime.executor.prefetched  # (the third iteration follows the plan: it prefetches)
+    out["parameter reads"] = dict(reads)  # while training (the state dicts below read every chunk in line)
     sa, sb = a.state_dict(), b.state_dict()
     out["same"] = all(torch.equal(sa[k], sb[k]) for k in sa)
     da, db = oa.state_dict(), ob.state_dict()
@@ -331,6 +339,9 @@ def test_two_ranks_on_disk_match_cpu_placement(tmp_path):
         assert len(results) == 7
         for case, out in results.items():
             assert out["same"] and out["same_optim"], case
+            if case[1] == "disk":  # a rank's shard is read on the fetch thread, ahead of its use when prefetched
+                assert out["parameter reads"]["on the fetch thread"] > 0 and out["prefetched"] > 0, case
+                assert out["parameter reads"]["in line"] == 0, case
 
 
 def test_a_failure_on_one_rank_undoes_the_step_on_both(tmp_path):
@@ -439,15 +450,19 @@ def test_any_buffer_count_gives_the_same_training(tmp_path, buffer_count):
 
 def _watch_updates_during_backward(model, optim):
     """Record, each time a chunk's gradients become final, how many chunks the backward's step holds; at
-    the last one (still inside the backward) wait until the step thread has read from disk."""
+    the last one (still inside the backward) wait until the step thread has read from disk since the first
+    was handed over (it may have read them all by then: in place, the backward waits for it)."""
     seen, original = [], optim.on_grads_final
     ledger = model.runtime.ledger
+    before = []
 
     def watching(chunk):
+        if not before:
+            before.append(ledger.read_from_disk)
         original(chunk)
         seen.append(optim.backward_updates)
         if chunk is model.chunks[0]:  # the last chunk the backward finishes (embeddings, first layer)
-            start = ledger.read_from_disk
+            start = before[0]
             for _ in range(500):
                 if ledger.read_from_disk > start or optim.backward_updates == 0:
                     break

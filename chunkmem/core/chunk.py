@@ -378,6 +378,12 @@ class ParamBuffer:
             transfer = self._start_quantized_gather()
         elif self.sharded and self.gather_hierarchy is not None:
             transfer = self._start_hierarchical_gather()
+        elif self.sharded and self.shard.on_disk:  # read on the fetch thread (overlapping compute when
+            # prefetched); the gather starts when the transfer is waited on, in the same order on every rank
+            count_collective("parameters", "all_gather", self.shards.world, self.nbytes)
+            shard = self.device[self.shard_offset:self.shard_offset + self.shard_numel]  # gathered in place
+            reading = self.memory.disk.start_read_all(self.shard.region, self.shard.disk_slot, shard)
+            transfer = Transfer(lambda: self._gathered_from_disk(reading, shard))
         elif self.sharded:
             count_collective("parameters", "all_gather", self.shards.world, self.nbytes)
             gathering = start_all_gather(self.shards, self.device, self.shard.read(), what=f"{self.owner} parameters")
@@ -473,6 +479,18 @@ class ParamBuffer:
     def _fetched_from_disk(self, reading: "Future[None]") -> None:
         """Complete a fetch from the disk tier; a failed read leaves the device copy freed (and raises
         the :class:`~chunkmem.DiskIOError` naming the file and the chunk)."""
+        self._read_from_disk(reading)
+        self._fetched()
+
+    def _gathered_from_disk(self, reading: "Future[None]", shard: torch.Tensor) -> None:
+        """Complete a sharded fetch whose shard was read from the disk tier into ``shard`` (this rank's slot
+        of the device copy): gather the others' in place."""
+        self._read_from_disk(reading)
+        start_all_gather(self.shards, self.device, shard, what=f"{self.owner} parameters").wait()
+        self._fetched()
+
+    def _read_from_disk(self, reading: "Future[None]") -> None:
+        """Wait for a read from the disk tier; a failed one leaves the device copy freed and raises."""
         try:
             reading.result()
         except BaseException:
@@ -480,7 +498,6 @@ class ParamBuffer:
             self._device_life.outdated()
             self._drop_device()
             raise
-        self._fetched()
 
     def filled_together(self) -> None:
         """The device copy was written by a gather of several chunks at once (:func:`gather_together`)."""
