@@ -603,7 +603,8 @@ def test_step_in_backward_in_place_frees_each_gradient_once_its_update_is_comput
         (tmp_path / str(in_backward)).mkdir()
         model = cm.ShardedModelV2(copy.deepcopy(reference), cm.TensorShardStrategy(), tensor_placement_policy="cpu",
                                   dtype=torch.bfloat16, chunk_size=8192,  # the largest parameter: many chunks
-                                  **_on_disk(tmp_path / str(in_backward), atomic_step=False, offload_param=offload_param))
+                                  **_on_disk(tmp_path / str(in_backward), atomic_step=False,
+                                             offload_param=offload_param))
         optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-2, weight_decay=0.01),
                                       step_in_backward=in_backward)
         peak = _peak_host_grad_bytes(model)

@@ -28,7 +28,7 @@ from .any_optimizer import ParamView, PieceStep, StateLayout, check_elementwise,
 from .adam_kernels import adam_update_, adam_update_pieces_, param_spans
 from .adam_math import AdamHyper
 from .disk_step import ChunkUpdate, DiskStepError, StreamedStep, gaps, streamed_families
-from .speculation import UndoCopies, UndoCopy, undo_nbytes
+from .speculation import UndoCopies, UndoCopy
 from .loss_scaler import DynamicGradScaler
 from .mixed_precision import MixedPrecisionStep
 
@@ -87,9 +87,10 @@ class ShardedOptimizerV2(Optimizer):
             (``atomic_step=False`` with fp16 or clipping; ``reuse_fp16_shard=True``, whose gradients the
             update overwrites, with fp16, clipping or state in memory) and where the host has no room for
             the undo copies of the state in memory. One backward per step starts updates: a second one
-            before :meth:`step` is refused, unless the earlier ones ran inside :meth:`accumulating`. ``zero_grad()`` before :meth:`step` undoes the updates (refused
-            with ``atomic_step=False``: those cannot be undone). Between the backward and :meth:`step` the
-            updated chunks' parameters hold the new values: read them after the step.
+            before :meth:`step` is refused, unless the earlier ones ran inside :meth:`accumulating`.
+            ``zero_grad()`` before :meth:`step` undoes the updates (refused with ``atomic_step=False``: those
+            cannot be undone). Between the backward and :meth:`step` the updated chunks' parameters hold the
+            new values: read them after the step.
         max_norm, norm_type: (chunkmem additions, keyword only) clip the unscaled gradients to total norm
             ``max_norm`` (``norm_type`` norm) inside every :meth:`step` (0: no clipping); what DeepSpeed's
             ``gradient_clipping`` maps to.
@@ -335,9 +336,9 @@ class ShardedOptimizerV2(Optimizer):
             return
         layout, ledger = model.layout, model.runtime.ledger
         per_element = 2 if state is None else len(state.families)
-        state_bytes = sum((per_element + 1) * layout.shard_numel(i, model.shards.world) * 4
-                          for i in range(layout.num_chunks) if layout.trainable(i))
-        undo = state_bytes  # one fp32 copy of the masters (or fp32 parameters) and the per-element state
+        # the masters (or fp32 parameters) and the per-element state, fp32: the state, and its undo copy
+        state_bytes = undo = sum((per_element + 1) * layout.shard_numel(i, model.shards.world) * 4
+                                 for i in range(layout.num_chunks) if layout.trainable(i))
         if ledger.host_capacity is not None:
             room, what = ledger.host_capacity - ledger.tier_bytes(Tier.HOST) - state_bytes, "the host capacity"
         else:
