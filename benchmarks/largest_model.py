@@ -129,13 +129,14 @@ def estimate(cfg: GPTConfig, batch: int, placement: str, capacity: int, element_
         slots = 2 if disk["atomic_step"] else 1
         families = 3 + disk["offload_param"]
         io = disk["buffer_count"] * families * disk["buffer_size"]
-        disk_bytes = n_chunks * slots * 3 * aligned_nbytes(chunk_numel * 4)
-        if disk["offload_param"]:  # 16-bit parameters in files; gradients in their own host buffers
-            disk_bytes += n_chunks * slots * aligned_nbytes(chunk_param_bytes)
         host_state = 0
         if placement == "auto" and host_capacity is not None:  # what fits the host capacity stays there
             host_state = max(0, min(state, host_capacity - params - io))
-        state = host_state  # the files have a region for every chunk even so (placement can change)
+        state = host_state
+        on_disk = n_chunks - host_state // (chunk_numel * STATE_BYTES)  # the files hold only their regions
+        disk_bytes = on_disk * slots * 3 * aligned_nbytes(chunk_numel * 4)
+        if disk["offload_param"]:  # 16-bit parameters in files; gradients in their own host buffers
+            disk_bytes += n_chunks * slots * aligned_nbytes(chunk_param_bytes)
     chunks = params + state + io
     b, s, d, v, a = batch, cfg.seq, cfg.d_model, cfg.vocab, cfg.heads
     if placement == "cpu":

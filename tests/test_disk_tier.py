@@ -369,6 +369,10 @@ def test_auto_keeps_what_fits_the_host_capacity_on_the_host_and_matches_cpu(tmp_
         cm.set_host_memory_capacity(None)
     tiers = [ob.runtime.optim_tier(c) for c in b.chunks if c.trainable]
     assert tiers == [cm.Tier.HOST] * 2 + [cm.Tier.DISK] * (len(trainable) - 2)  # the last finished in backward
+    # files only for the chunks whose state rests on disk: families x 2 slots (+ the fp32 journal) each
+    region = -(-trainable[0].shard_numel * 4 // 4096) * 4096
+    families, journal = (3, 0) if dtype != torch.float32 else (2, 1)
+    assert b.disk_file_bytes() == (families * 2 + journal) * (len(trainable) - 2) * region
     if dtype != torch.float32:  # (fp32 counts its parameters, the masters, on the host too)
         on_disk = sum(3 * c.shard_numel * 4 for c in trainable[2:])  # the last chunk is trimmed
         assert ob.get_memory_usage(with_disk=True)[1:] == (2 * state_bytes, on_disk)

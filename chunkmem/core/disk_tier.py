@@ -145,6 +145,14 @@ class DiskTier:
                              f"{self._slots[family]} and {region} × {slots}")
         self._add_regions(family, [region] * max(chunks - len(regions), 0), slots)
 
+    def reserve_chunks(self, family: str, region_nbytes: list[int], slots: int | None = None) -> None:
+        """Make the family's file hold a region of ``region_nbytes[i]`` bytes for chunk ``i`` (0: none, for a
+        chunk whose family does not rest on disk) × ``slots`` (default: 2 with ``atomic_step``, else 1),
+        preallocated as :meth:`reserve` does; once per family."""
+        if family in self._regions:
+            raise ValueError(f"internal error: {family} regions reserved twice")
+        self._add_regions(family, [aligned_nbytes(n) for n in region_nbytes], self.slots if slots is None else slots)
+
     def add_region(self, family: str, region_nbytes: int) -> None:
         """One more chunk's region of ``region_nbytes`` bytes (one slot), whatever the others' sizes: a
         ``ZeroInitContext`` building onto the disk tier adds each chunk as it opens, and a parameter

@@ -126,12 +126,17 @@ def streamed_families(chunk: Chunk, params_on_disk: bool, atomic_step: bool) -> 
     """I/O buffers one piece of ``chunk``'s streamed update holds: one per family read or written (see
     :attr:`ChunkUpdate.writes`), plus the journal of fp32 parameters overwritten in host memory by an
     atomic step."""
-    state = len(chunk.state_families)
-    if chunk.has_master:
-        return state + (2 if params_on_disk else 1)
+    return streamed_count(len(chunk.state_families), chunk.has_master, params_on_disk, atomic_step)
+
+
+def streamed_count(state_families: int, has_master: bool, params_on_disk: bool, atomic_step: bool) -> int:
+    """:func:`streamed_families` of a trainable chunk with ``state_families`` per-element state families,
+    a separate master or not (16-bit or fp32 parameters), before any chunk exists."""
+    if has_master:
+        return state_families + (2 if params_on_disk else 1)
     if params_on_disk:
-        return state + 1
-    return state + (1 if atomic_step else 0)
+        return state_families + 1
+    return state_families + (1 if atomic_step else 0)
 
 
 @dataclass

@@ -27,7 +27,7 @@ from .adam import check_supported_optimizer, hyper_of_group, runs_adam_kernel
 from .any_optimizer import ParamView, PieceStep, StateLayout, check_elementwise, probe_state, step_views
 from .adam_kernels import adam_update_, adam_update_pieces_, param_spans
 from .adam_math import AdamHyper
-from .disk_step import ChunkUpdate, DiskStepError, StreamedStep, gaps, streamed_families
+from .disk_step import ChunkUpdate, DiskStepError, StreamedStep, gaps, streamed_count, streamed_families
 from .speculation import UndoCopies, UndoCopy
 from .loss_scaler import DynamicGradScaler
 from .mixed_precision import MixedPrecisionStep
@@ -151,7 +151,8 @@ class ShardedOptimizerV2(Optimizer):
         except ChunkmemError as refused:
             refuse_together(sharded_model.data_parallel, "ShardedOptimizerV2", refused)
         self._agree_on_settings(sharded_model, optimizer, settings, group_of)
-        self._reserve_disk(sharded_model, layout)
+        kept_on_host = self._optimizer_state_kept_on_host(sharded_model, layout)
+        self._reserve_disk(sharded_model, layout, kept_on_host)
 
         self.model = sharded_model
         self.optim = optimizer
@@ -181,7 +182,7 @@ class ShardedOptimizerV2(Optimizer):
             optimizer.state.clear()  # what its constructor made (Adagrad's sums): the chunks keep the state
             for chunk in self.runtime.trainable_chunks():
                 chunk.use_state_families(layout.families)
-        self.runtime.attach_optimizer(self, settings.gpu_margin_mem_ratio, self._optimizer_state_kept_on_host())
+        self.runtime.attach_optimizer(self, settings.gpu_margin_mem_ratio, kept_on_host)
 
     # ---- the settings, under the reference's names --------------------------------------------------
 
@@ -351,36 +352,41 @@ class ShardedOptimizerV2(Optimizer):
                 f"needs no copy: its other slot is the undo; or raise the host capacity)")
 
     @staticmethod
-    def _reserve_disk(model: ShardedModelV2, state: StateLayout | None) -> None:
-        """Preallocate the disk tier's files for the optimizer state (a full disk is refused here, before
-        anything changes)."""
+    def _reserve_disk(model: ShardedModelV2, state: StateLayout | None, kept_on_host: list[int]) -> None:
+        """Preallocate the disk tier's files for the optimizer state: a region for each trainable chunk whose
+        state rests on disk, none for frozen chunks and those ``kept_on_host`` (a full disk is refused here,
+        before anything changes)."""
         disk = model.runtime.memory.disk
         if disk is None or not model.settings.disk.optimizer_on_disk:
             return
         layout = model.layout
-        shard_numel = layout.chunk_numel // model.shards.world
-        families = (ADAM_STATE if state is None else state.families) + ((MASTER,) if model.dtype != torch.float32 else ())
+        region = layout.chunk_numel // model.shards.world * 4  # fp32, a chunk of the full size
+        regions = [region if layout.trainable(i) and i not in kept_on_host else 0 for i in range(layout.num_chunks)]
+        families = (ADAM_STATE if state is None else state.families) + (
+            (MASTER,) if model.dtype != torch.float32 else ())
         for family in families:
-            disk.reserve(family, shard_numel * 4, layout.num_chunks)
+            disk.reserve_chunks(family, regions)
         if model.dtype == torch.float32 and disk.atomic_step:
-            disk.reserve(JOURNAL, shard_numel * 4, layout.num_chunks, slots=1)
+            disk.reserve_chunks(JOURNAL, regions, slots=1)
 
-    def _optimizer_state_kept_on_host(self) -> list[int]:
+    @staticmethod
+    def _optimizer_state_kept_on_host(model: ShardedModelV2, state: StateLayout | None) -> list[int]:
         """Under ``auto`` with ``offload_optimizer="disk"`` and a host capacity: the chunks whose optimizer
         state stays on the host, the first trainable ones that fit in the host capacity after what the
         host already holds, the gradients the step will hold there and the disk tier's I/O buffers; the
         rest rests on disk. (Each chunk's state is used once per step, so which chunks stay does not change
         the bytes moved. The first chunks stay: their gradients are finished last in the backward, so
         with ``step_in_backward`` the disk chunks' updates overlap the rest of the backward.)"""
-        runtime, disk = self.runtime, self.runtime.memory.disk
+        runtime, disk = model.runtime, model.runtime.memory.disk
         ledger = runtime.ledger
         if not (runtime.policy.plans_from_trace and runtime.policy.optimizer_on_disk and ledger.host_capacity):
             return []
         chunks = runtime.trainable_chunks()
         first = chunks[0]
-        state_bytes = (len(first.state_families) + first.has_master) * first.shard_numel * 4
-        grads = 0 if self.model.reuse_fp16_shard else len(chunks) * first.param.shard.nbytes
-        streamed = streamed_families(first, runtime.policy.params_on_disk, disk.atomic_step)
+        families = len(ADAM_STATE if state is None else state.families)
+        state_bytes = (families + first.has_master) * first.shard_numel * 4
+        grads = 0 if model.reuse_fp16_shard else len(chunks) * first.param.shard.nbytes
+        streamed = streamed_count(families, first.has_master, runtime.policy.params_on_disk, disk.atomic_step)
         io_bytes = disk.buffer_count * streamed * disk.buffer_size
         free = ledger.host_capacity - ledger.tier_bytes(Tier.HOST) - grads - io_bytes
         count = min(max(free, 0) // state_bytes, len(chunks))
