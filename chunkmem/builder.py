@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from .core.chunk import PARAM, Chunk, ChunkKey
 from .core.disk_tier import DiskTier
+from .storage.disk_io import aligned_nbytes
 from .errors import HostCapacityError, InvalidArgumentError, check_type
 from .core.layout import ChunkLayout, aligned_numel, plan_layout, search_chunk_numel, staged_buffers
 from .core.memory import TierMemory
@@ -98,12 +99,15 @@ def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
     if staged_buffers(settings.placement.tensor_placement_policy, shards.sharded):
         memory.device_block_nbytes = max(layout.numels) * element_size
     disk = settings.disk
+    params_on_host = _param_chunks_kept_on_host(layout, policy, shards, host_capacity, settings)
+    params_to_disk = frozenset(i for i in range(layout.num_chunks) if policy.params_on_disk and i not in params_on_host)
     if disk.enabled:
         memory.disk = DiskTier(disk.nvme_path, disk.buffer_count, disk.buffer_size, disk.atomic_step, memory.ledger)
         if policy.params_on_disk:
-            memory.disk.reserve(PARAM, layout.chunk_bytes // shards.world, layout.num_chunks)
+            memory.disk.reserve_chunks(PARAM, [layout.chunk_bytes // shards.world if i in params_to_disk else 0
+                                               for i in range(layout.num_chunks)])
     param_names = {id(p): name for name, p in named}
-    chunks = _chunks_for(layout, _unique_chunks(context_slots), dtype, memory, shards, policy, param_names,
+    chunks = _chunks_for(layout, _unique_chunks(context_slots), dtype, memory, shards, params_to_disk, param_names,
                          reuse=reuse_context)
     if context_slots:  # chunks of parameters replaced after creation (the original weight of a tied head)
         for chunk in context_slots[0].chunk.built_with:
@@ -118,6 +122,7 @@ def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
     runtime = ChunkRuntime(module, chunks, memory, policy, settings.reuse_fp16_shard, reduction,
                            settings.shard_strategy.bucketed, check_capacity, groups.data_parallel,
                            settings.reduction.reductions_in_flight)
+    runtime.state.param_host_chunks = params_on_host
     secondary = secondary_group(shards, settings.secondary_partition_size)
     hierarchy = gather_hierarchy(shards, settings.gather_node_size)
     for chunk in chunks:
@@ -269,6 +274,31 @@ def _persistent(named: list[tuple[str, nn.Parameter]], settings: ModelSettings) 
     return marks
 
 
+def _param_chunks_kept_on_host(layout: ChunkLayout, policy: PlacementPolicy, shards: ShardGroup,
+                               host_capacity: int | None, settings: ModelSettings) -> frozenset[int]:
+    """Under ``auto`` with ``offload_param="disk"`` and a host capacity: the chunks whose parameters rest on
+    the host, the first ones that fit in the capacity after the gradients of the trainable chunks (they
+    rest on the host until the step) and the disk tier's I/O buffers (the streamed step's for Adam, the
+    fetch thread's and the in-line one); the others rest on disk. The parameters come before the
+    optimizer state (which the optimizer then fits in what is left): a parameter chunk kept in memory saves
+    3 bytes of disk traffic a step (two reads, one write) per byte of host memory, optimizer state 2.
+    Which chunks does not change the bytes moved (each is read in the forward and the backward)."""
+    if not (policy.plans_from_trace and policy.params_on_disk and host_capacity is not None):
+        return frozenset()
+    disk = settings.disk
+    shard_bytes = [layout.shard_bytes(i, shards.world) for i in range(layout.num_chunks)]
+    grads = sum(b for i, b in enumerate(shard_bytes) if layout.trainable(i))
+    streamed = 4 if layout.element_size != 4 else 3  # Adam's moments, the master or fp32 parameters, the param
+    io_bytes = (disk.buffer_count * streamed + 2) * aligned_nbytes(disk.buffer_size)
+    free, kept = host_capacity - grads - io_bytes, []
+    for i, nbytes in enumerate(shard_bytes):
+        if nbytes > free:
+            break
+        kept.append(i)
+        free -= nbytes
+    return frozenset(kept)
+
+
 def _check_host_capacity(layout: ChunkLayout, policy: PlacementPolicy, shards: ShardGroup,
                          host_capacity: int | None) -> None:
     """Refuse a host capacity below the parameter chunks that rest on the host (this rank's shards)."""
@@ -287,7 +317,7 @@ def _check_host_capacity(layout: ChunkLayout, policy: PlacementPolicy, shards: S
 # ---- the chunks ----------------------------------------------------------------------------------------
 
 def _chunks_for(layout: ChunkLayout, current: list[Chunk], dtype: torch.dtype, memory: TierMemory,
-                shards: ShardGroup, policy: PlacementPolicy, param_names: dict[int, str],
+                shards: ShardGroup, to_disk: frozenset[int], param_names: dict[int, str],
                 reuse: bool = True) -> list[Chunk]:
     """Chunks laid out as ``layout`` says: ``current`` (a ``ZeroInitContext``'s) if it already is and
     ``reuse`` allows, else new chunks in ``memory`` filled from the current values, one chunk of the
@@ -310,7 +340,7 @@ def _chunks_for(layout: ChunkLayout, current: list[Chunk], dtype: torch.dtype, m
             gathered[slot.chunk] = slot.chunk.gather(buf.local()) if buf.sharded else buf.current()
         return slot.view(gathered[slot.chunk])
 
-    chunks = build_chunks(layout, dtype, memory, Tier.HOST, shards, value_of, to_disk=policy.params_on_disk)
+    chunks = build_chunks(layout, dtype, memory, Tier.HOST, shards, value_of, to_disk=to_disk)
     gathered.clear()
     for chunk in current:
         free_chunk(chunk)
@@ -330,14 +360,14 @@ def _laid_out_as(layout: ChunkLayout, current: list[Chunk], shards: ShardGroup) 
 
 def build_chunks(layout: ChunkLayout, dtype: torch.dtype, memory: TierMemory, tier: Tier,
                  shards: ShardGroup, value_of: Callable[[nn.Parameter], torch.Tensor],
-                 to_disk: bool = False) -> list[Chunk]:
+                 to_disk: frozenset[int] = frozenset()) -> list[Chunk]:
     """New chunks as ``layout`` says, each parameter pointed into its chunk.
 
     Each chunk keeps this rank's shard of the parameters on ``tier`` (one rank: the whole chunk, on
     the device tier as its device copy); parameters view the (freed) full device copy when sharded.
     ``value_of(param)`` gives the parameter's full current value; it is cast to ``dtype``. Padding
-    elements are zero. ``to_disk``: each chunk's shard goes to the disk tier as soon as it is filled
-    (``offload_param="disk"``: host memory holds one chunk at a time).
+    elements are zero. ``to_disk``: the chunks whose shard goes to the disk tier as soon as it is filled
+    (``offload_param="disk"``: host memory holds one of them at a time).
     """
     chunks = []
     for n, indices in enumerate(layout.groups):
@@ -351,7 +381,7 @@ def build_chunks(layout: ChunkLayout, dtype: torch.dtype, memory: TierMemory, ti
             name, param, _ = layout.entries[i]
             chunk.write_own_part(chunk.add_slot(param, name), local, value_of(param))
         chunk.bind_views(chunk.param.device if chunk.param.sharded else local)
-        if to_disk:
+        if n in to_disk:
             chunk.param.shard.move_to(Tier.DISK)
             chunk.bind_views(chunk.param.device)
         for slot in chunk.slots:

@@ -622,3 +622,33 @@ def test_step_in_backward_in_place_frees_each_gradient_once_its_update_is_comput
     assert all_grads == sum(c.grad.nbytes for c in chunks)  # the step after the backward: every gradient at once
     assert bounded <= (GRADIENTS_AHEAD_OF_THE_DISK_STEP + 2) * grad_bytes < all_grads
     assert b.tier_bytes()["host"].get("grad", 0) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_auto_keeps_the_parameters_that_fit_the_host_capacity_on_the_host(tmp_path, dtype):
+    """auto, parameters and optimizer state on disk, a host capacity with room for three chunks' parameters
+    besides the gradients and the I/O buffers: those three rest on the host, the rest on disk (the files hold
+    regions only for those), and training is bitwise that of cpu placement."""
+    from chunkmem.core.disk_tier import DEFAULT_BUFFER_COUNT
+
+    reference, data = _reference(), batches(3)
+    a, oa = _build(reference, dtype)
+    chunks = [c for c in a.chunks]
+    shard = chunks[0].param.shard.nbytes
+    grads = sum(c.param.shard.nbytes for c in chunks if c.trainable)
+    streamed = 3 if dtype == torch.float32 else 4
+    io_bytes = (DEFAULT_BUFFER_COUNT * streamed + 2) * PIECE
+    cm.set_host_memory_capacity(grads + io_bytes + 3 * shard + shard // 2)
+    try:
+        b, ob = _build(reference, dtype, policy="auto", **_on_disk(tmp_path, offload_param="disk"))
+    finally:
+        cm.set_host_memory_capacity(None)
+    assert [c.param.shard.on_disk for c in b.chunks] == [False] * 3 + [True] * (len(chunks) - 3)
+    region = -(-shard // 4096) * 4096
+    param_files = 2 * region * (len(chunks) - 3)  # two slots (atomic steps) for each chunk resting on disk
+    assert b.runtime.memory.disk.file("param").nbytes == param_files
+    _train(a, oa, data)
+    _train(b, ob, data)
+    _same_state(a, oa, b, ob)
+    assert [c.param.shard.on_disk for c in b.chunks] == [False] * 3 + [True] * (len(chunks) - 3)
+    assert b.tier_bytes()["host"]["param"] == 3 * shard

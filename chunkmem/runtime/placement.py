@@ -19,8 +19,8 @@ no policy is ever changed after it is made and no caller needs to know which pol
   fetch, compute, evict after use), so ``auto`` trains wherever ``cpu`` does.
 
 With the disk tier (``optimizer_on_disk`` / ``params_on_disk``), what a policy rests on the host rests on
-disk instead: all of it, except (``auto`` with a host capacity) the optimizer state of the chunks in
-``PlacementState.optim_host_chunks``.
+disk instead: all of it, except (``auto`` with a host capacity) the parameters of the chunks in
+``PlacementState.param_host_chunks`` and the optimizer state of those in ``PlacementState.optim_host_chunks``.
 """
 from __future__ import annotations
 
@@ -40,14 +40,15 @@ POLICY_NAMES = ("cuda", "cpu", "auto", "static")
 class PlacementState:
     """What the placement depends on beyond the policy. Owned by the model's runtime: the layout facts
     (``num_chunks``; ``trainable``, the indices of the trainable chunks in packing order) when the chunks
-    are built; ``margin_ratio`` (``gpu_margin_mem_ratio``) and ``optim_host_chunks`` when the optimizer
-    is attached; ``plan``, ``margin_chunks`` (chunks whose optimizer state and parameters stay on the
+    are built, with ``param_host_chunks``; ``margin_ratio`` (``gpu_margin_mem_ratio``) and
+    ``optim_host_chunks`` when the optimizer is attached; ``plan``, ``margin_chunks`` (chunks whose optimizer state and parameters stay on the
     device; ``margin_bytes`` the margin) and ``following`` (the running iteration follows the plan) by the
     scheduler, under ``auto``."""
 
     num_chunks: int = 0
     trainable: tuple[int, ...] = ()
     margin_ratio: float = 0.0
+    param_host_chunks: frozenset[int] = frozenset()
     optim_host_chunks: frozenset[int] = frozenset()
     plan: MovePlan | None = None
     margin_chunks: frozenset[int] = frozenset()
@@ -74,9 +75,9 @@ class PlacementPolicy:
     """Whether the placement is decided from the traced schedule (``auto``): the scheduler then plans
     Belady's moves and the margin, and an iteration that leaves the schedule evicts after use."""
 
-    def _off_device(self) -> Tier:
-        """Where parameters rest when not on the device."""
-        return Tier.DISK if self.params_on_disk else Tier.HOST
+    def _off_device(self, chunk: Chunk, state: PlacementState) -> Tier:
+        """Where the chunk's parameters rest when not on the device."""
+        return Tier.DISK if self.params_on_disk and chunk.index not in state.param_host_chunks else Tier.HOST
 
     def param_rest_tier(self, chunk: Chunk, state: PlacementState) -> Tier | None:
         """Where the chunk's parameters go when no module uses them; ``None``: the plan decides."""
@@ -135,7 +136,7 @@ class HostPlacement(PlacementPolicy):
     name = "cpu"
 
     def param_rest_tier(self, chunk: Chunk, state: PlacementState) -> Tier:
-        return self._off_device()
+        return self._off_device(chunk, state)
 
     def compute_tier(self, chunk: Chunk, state: PlacementState) -> Tier:
         return Tier.HOST
@@ -160,7 +161,7 @@ class StaticPlacement(PlacementPolicy):
         return self._on_device(position, count, self.offload_optim_frac)
 
     def param_rest_tier(self, chunk: Chunk, state: PlacementState) -> Tier:
-        return Tier.DEVICE if self.params_on_device_at_rest(chunk.index, state.num_chunks) else self._off_device()
+        return Tier.DEVICE if self.params_on_device_at_rest(chunk.index, state.num_chunks) else self._off_device(chunk, state)
 
     def compute_tier(self, chunk: Chunk, state: PlacementState) -> Tier:
         position = state.trainable.index(chunk.index)
@@ -182,7 +183,7 @@ class AutoPlacement(PlacementPolicy):
             return Tier.DEVICE
         if state.following:
             return None
-        return self._off_device()
+        return self._off_device(chunk, state)
 
     def compute_tier(self, chunk: Chunk, state: PlacementState) -> Tier:
         return Tier.DEVICE if chunk.index in state.margin_chunks else Tier.HOST
