@@ -44,6 +44,8 @@ from .model import ShardedModelV2
 from .core.param_guard import slot_of
 from .distributed.shard_strategy import TensorShardStrategy
 from .core.tiers import parse_size
+from .distributed.traffic import bytes_sent, traffic
+from .cost_model import flash_attention_on_meta
 
 __all__ = ["PolicyPlan", "plan", "format_table"]
 
@@ -167,67 +169,60 @@ def meta_tiers() -> Iterator[None]:
             setattr(module, attribute, value)
 
 
-@contextmanager
-def flash_attention_on_meta() -> Iterator[None]:
-    """Make ``F.scaled_dot_product_attention`` on meta tensors count as the fused (flash) kernel that runs
-    on real devices, instead of the decomposed math kernel meta tensors otherwise get, which holds every
-    (sequence x sequence) attention matrix. An explicit mask or grouped-query attention keeps the math
-    kernel (an over-estimate)."""
-    original = F.scaled_dot_product_attention
-
-    def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
-                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-                  enable_gqa: bool = False) -> torch.Tensor:
-        if query.device.type != "meta" or attn_mask is not None or enable_gqa:
-            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                            scale=scale, enable_gqa=enable_gqa)
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p, is_causal,
-                                                                          scale=scale)[0]
-
-    F.scaled_dot_product_attention = attention
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = original
-
-
 def _optimizer_bytes(policy: Any, model: ShardedModelV2) -> dict[str, dict[str, int]]:
-    """The optimizer families' bytes per tier, by the policy's rule (as ShardedOptimizerV2 places them)."""
+    """The optimizer families' bytes per tier (this rank's shards), by the policy's rule (as
+    ShardedOptimizerV2 places them)."""
     out: dict[str, dict[str, int]] = {"device": {}, "host": {}}
     trainable = [c for c in model.chunks if c.trainable]
     families = (("master",) if model.dtype != torch.float32 else ()) + ("exp_avg", "exp_avg_sq")
     for position, chunk in enumerate(trainable):
         tier = "device" if policy.optim_on_device(position, len(trainable)) else "host"
         for family in families:
-            out[tier][family] = out[tier].get(family, 0) + chunk.numel * 4
+            out[tier][family] = out[tier].get(family, 0) + chunk.shard_numel * 4
     return out
 
 
 def _plan_policy(name: str, template: nn.Module, args: tuple, loss_fn: Any, device_capacity: int,
                  host_capacity: int | None, dtype: torch.dtype, chunk_size: int | None,
-                 reuse_fp16_shard: bool) -> PolicyPlan:
+                 reuse_fp16_shard: bool, **placement: Any) -> PolicyPlan:
+    """The meta run of one placement (``placement``: ``offload_param_frac`` / ``offload_optim_frac``
+    for ``static``). Besides the :class:`PolicyPlan` figures, ``extra`` keeps what the candidates built on
+    it need: the meta run's host peak, each chunk's shard bytes and where its parameters and optimizer
+    state rest, the collectives of the last iteration."""
     with meta_tiers(), flash_attention_on_meta():
         module = copy.deepcopy(template)
         tiers.set_device_memory_capacity(2**62)  # first the layout, to know the optimizer state's bytes
         probe = ShardedModelV2(module, TensorShardStrategy(), tensor_placement_policy=name, dtype=dtype,
-                               chunk_size=chunk_size, reuse_fp16_shard=reuse_fp16_shard)
+                               chunk_size=chunk_size, reuse_fp16_shard=reuse_fp16_shard, **placement)
         optim = _optimizer_bytes(probe.runtime.policy, probe)
         chunk_bytes, num_chunks = probe.layout.chunk_bytes, len(probe.chunks)
-        del probe, module
+        policy = probe.runtime.policy
+        trainable = [c for c in probe.chunks if c.trainable]
+        extra: dict[str, Any] = {
+            "chunk_numel": probe.layout.chunk_numel, "world": probe.shards.world,
+            "param_shard_bytes": [c.shard_numel * c.param.dtype.itemsize for c in probe.chunks],
+            "param_on_device": [policy.params_on_device_at_rest(i, num_chunks) for i in range(num_chunks)],
+            "trainable_shard_numels": [c.shard_numel for c in trainable],
+            "optim_on_device": [policy.optim_on_device(k, len(trainable)) for k in range(len(trainable))],
+            "has_master": dtype != torch.float32,
+        }
+        del probe, module, policy, trainable
         optim_device = sum(optim["device"].values())
         tiers.set_device_memory_capacity(max(device_capacity - optim_device, 1))
-        result = PolicyPlan(name, True, "fits", {}, 0, chunk_bytes, num_chunks, 0, 0)
+        result = PolicyPlan(name, True, "fits", {}, 0, chunk_bytes, num_chunks, 0, 0, extra=extra)
         model = None
         try:
             model = ShardedModelV2(copy.deepcopy(template), TensorShardStrategy(), tensor_placement_policy=name,
-                                   dtype=dtype, chunk_size=chunk_size, reuse_fp16_shard=reuse_fp16_shard)
+                                   dtype=dtype, chunk_size=chunk_size, reuse_fp16_shard=reuse_fp16_shard, **placement)
             resting = model.tier_bytes()
             ledger = model.runtime.ledger
             for _ in range(ITERATIONS):
                 before = ledger.moved_to_device, ledger.moved_to_host
+                sent_before = _bytes_sent()
                 out = model(*args)
                 loss = loss_fn(out, args[0] if len(args) == 1 else args) if loss_fn else _mean_of(out)
                 loss.backward()
+                extra["host_peak_meta"] = ledger.peak_host_bytes  # the gradients are still there
                 model.zero_grad()
             planner = model.runtime.scheduler
             planner.close_finished_traces()
@@ -235,6 +230,7 @@ def _plan_policy(name: str, template: nn.Module, args: tuple, loss_fn: Any, devi
             result.moved_to_device_per_step = ledger.moved_to_device - before[0]
             result.moved_to_host_per_step = ledger.moved_to_host - before[1]
             result.device_peak_bytes = ledger.peak_device_bytes + optim_device
+            extra["collective_bytes_sent"] = _bytes_sent() - sent_before
         except DeviceCapacityError as e:
             if model is not None:  # stopped inside an iteration: leave the tracer's counting mode
                 planner = model.runtime.scheduler
@@ -243,8 +239,11 @@ def _plan_policy(name: str, template: nn.Module, args: tuple, loss_fn: Any, devi
                 planner.close_finished_traces()
             result.fits, result.reason = False, (f"device: {e} (the meta run had device_memory less the "
                                                  f"{optim_device} bytes of optimizer state resting there)")
-            resting = {"device": {"param": num_chunks * chunk_bytes}, "host": {}} if name == "cuda" else \
-                {"device": {}, "host": {"param": num_chunks * chunk_bytes}}
+            param_total = sum(extra["param_shard_bytes"])
+            resting = {"device": {"param": param_total}, "host": {}} if name == "cuda" else \
+                {"device": {}, "host": {"param": param_total}}
+            extra.setdefault("host_peak_meta", resting["host"].get("param", 0))
+            extra["collective_bytes_sent"] = 0.0
     result.tier_bytes = {tier: {**resting[tier], **optim[tier]} for tier in ("device", "host")}
     for tier in result.tier_bytes:
         result.tier_bytes[tier] = {f: n for f, n in sorted(result.tier_bytes[tier].items()) if n}
@@ -256,6 +255,13 @@ def _plan_policy(name: str, template: nn.Module, args: tuple, loss_fn: Any, devi
     if result.fits and host_capacity is not None and host_total > host_capacity:
         result.fits, result.reason = False, f"host: {host_total} bytes of chunks exceed host_memory={host_capacity}"
     return result
+
+
+def _bytes_sent() -> float:
+    """Bytes this rank has sent in training collectives so far (ring implementation, see
+    :mod:`chunkmem.distributed.traffic`)."""
+    return float(sum(bytes_sent(collective, world, count.buffer_bytes)
+                     for (_, collective, world), count in traffic().items()))
 
 
 def _mean_of(out: Any) -> torch.Tensor:
