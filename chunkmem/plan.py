@@ -209,6 +209,7 @@ def _plan_policy(name: str, template: nn.Module, args: tuple, loss_fn: Any, devi
             "param_shard_bytes": [c.shard_numel * c.param.dtype.itemsize for c in probe.chunks],
             "param_on_device": [policy.params_on_device_at_rest(i, num_chunks) for i in range(num_chunks)],
             "trainable_shard_numels": [c.shard_numel for c in trainable],
+            "trainable_index": [c.index for c in trainable],
             "optim_on_device": [policy.optim_on_device(k, len(trainable)) for k in range(len(trainable))],
             "has_master": dtype != torch.float32,
         }
@@ -592,7 +593,7 @@ def _candidate(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse
     disk_io = 0
     if optim_disk or param_disk:
         disk_io = disk.buffer_count * io * (streamed if optim_disk and on_disk_numel else 1)
-        disk_io += io if param_disk else 0
+        disk_io += io if param_disk and ex["world"] == 1 else 0  # the fetch thread's buffer (sharded: reads in line)
         tier_bytes["host"]["disk_io"] = disk_io
     for tier in tier_bytes:
         tier_bytes[tier] = {f: n for f, n in sorted(tier_bytes[tier].items()) if n}
@@ -627,6 +628,11 @@ def _candidate(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse
         n for f, n in tier_bytes["host"].items() if f in families) + disk_io
     if param_disk and not optim_disk:  # the step reads a chunk's parameters from disk into host memory to update them
         host_peak += max((b for b, on in zip(ex["param_shard_bytes"], ex["param_on_device"]) if not on), default=0)
+    # a chunk whose parameters rest on the device and whose Adam runs on the host ('static') is updated in
+    # a host copy of its parameters: one at a time, or all of them in the streamed disk step
+    copies = [ex["param_shard_bytes"][i] for k, i in enumerate(ex["trainable_index"])
+              if ex["param_on_device"][i] and not on_device[k]]
+    host_peak += sum(copies) if optim_disk else max(copies, default=0)
 
     time = step_time(profile, compute_seconds, dtype, moved_bytes=moved_to_device + moved_to_host,
                      adam_elements=sum(numels), disk_adam_elements=on_disk_numel, disk_read_step=read,
@@ -688,6 +694,21 @@ def _main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--host-memory", default=None, help="host tier capacity, e.g. 64GiB (default: unbounded)")
     p.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], default="fp16")
     p.add_argument("--chunk-size", type=int, default=None, help="bytes per chunk (default: searched)")
+    p.add_argument("--candidates", action="store_true",
+                   help="plan every candidate (placements, static fractions, the disk tier, reuse_fp16_shard) with "
+                        "a predicted time per step, and mark the fastest that fits")
+    p.add_argument("--disk-memory", default=None, help="with --candidates: bytes the disk tier's files may use, "
+                                                       "e.g. 200GiB (default: no disk candidates)")
+    p.add_argument("--nvme-path", default=None, help="with --candidates: the disk tier's directory (its bandwidth "
+                                                     "is measured there)")
+    p.add_argument("--ranks", type=int, default=1, help="with --candidates: data-parallel processes (bytes per rank)")
+    p.add_argument("--static-fractions", default="0.5:0.5",
+                   help="with --candidates: offload_param_frac:offload_optim_frac pairs for 'static', comma-separated "
+                        "('' for none)")
+    p.add_argument("--profile", default=None, help="with --candidates: a MachineProfile JSON file to use instead "
+                                                   "of measuring this machine")
+    p.add_argument("--save-profile", default=None, help="with --candidates: write the profile used (with the "
+                                                        "operators measured) to this JSON file")
     args = p.parse_args(argv)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     if args.builder:
@@ -699,8 +720,25 @@ def _main(argv: Sequence[str] | None = None) -> None:
         def builder() -> nn.Module:
             return GPT(GPTConfig(vocab_size, d_model, layers, heads, args.seq_len))
         vocab = args.vocab or vocab_size
-    print(format_table(plan(builder, torch.randint(0, vocab, (args.batch_size, args.seq_len)), args.device_memory,
-                            args.host_memory, dtype=dtype, chunk_size=args.chunk_size)))
+    batch = torch.randint(0, vocab, (args.batch_size, args.seq_len))
+    if not args.candidates:
+        print(format_table(plan(builder, batch, args.device_memory, args.host_memory, dtype=dtype,
+                                chunk_size=args.chunk_size)))
+        return
+    profile = None
+    if args.profile:
+        with open(args.profile) as f:
+            profile = MachineProfile.from_dict(json.load(f))
+    fractions = tuple(tuple(float(x) for x in pair.split(":")) for pair in args.static_fractions.split(",") if pair)
+    choice = choose(builder, batch, args.device_memory, args.host_memory, args.disk_memory, ranks=args.ranks,
+                    dtype=dtype, profile=profile, nvme_path=args.nvme_path, chunk_size=args.chunk_size,
+                    static_fractions=fractions)
+    if args.save_profile:
+        with open(args.save_profile, "w") as f:
+            json.dump(choice.profile.to_dict(), f)
+    print(choice.table())
+    if choice.recommended is None:
+        print("nothing fits these budgets")
 
 
 if __name__ == "__main__":
