@@ -12,8 +12,9 @@ Two parts:
 * **the rest of the step** (:func:`step_time`): the bytes a placement moves between tiers (the planner's
   meta run counts them exactly) at the copy bandwidth, every trainable parameter's Adam update at the
   host kernel's rate, the disk tier's reads and writes at the disk's bandwidths (the streamed step
-  overlaps its reads, writes and updates: the slowest of the three counts), and the bytes each rank
-  sends in collectives at the measured gloo rate.
+  overlaps its reads, writes and updates: the slowest of the three counts; the parameters read for the
+  forward and backward are fetched on a thread while the modules compute: only what they take beyond
+  the compute counts), and the bytes each rank sends in collectives at the measured gloo rate.
 
 On a machine without a GPU the device tier is the CPU, so nothing overlaps compute except what the disk
 tier's threads do; the model adds the parts. Units: seconds, bytes, FLOPs, elements.
@@ -233,7 +234,9 @@ def step_time(profile: MachineProfile, compute_s: float, dtype: torch.dtype, *, 
         streamed = max(disk_read_step / profile.disk_read_bytes_per_s,
                        disk_written_step / profile.disk_write_bytes_per_s,
                        disk_adam_elements / adam_rate)
-        disk = streamed + disk_read_compute / profile.disk_read_bytes_per_s
+        # the forward's and backward's parameter reads run on the fetch thread, ahead of their use, while
+        # the modules compute: they cost only what they take beyond the compute
+        disk = streamed + max(0.0, disk_read_compute / profile.disk_read_bytes_per_s - compute_s)
     return StepTime(compute=compute_s, copies=moved_bytes / profile.copy_bytes_per_s,
                     adam=(adam_elements - disk_adam_elements) / adam_rate, disk=disk,
                     collectives=collective_bytes_sent / (profile.collective_bytes_per_s or 1.0))

@@ -301,6 +301,8 @@ class Candidate(PolicyPlan):
     bytes this rank sends in the training collectives of one step (ring implementation). ``time``: the
     predicted :class:`~chunkmem.cost_model.StepTime` in seconds (``None`` when the profile lacks a figure
     it needs, e.g. no disk bandwidth). ``recommended``: the one :func:`choose` recommends.
+    ``cost_inputs``: what the cost model was given besides the compute (bytes copied, Adam elements, disk
+    bytes, collective bytes: :func:`chunkmem.cost_model.step_time`'s arguments).
     """
 
     name: str = ""
@@ -313,6 +315,14 @@ class Candidate(PolicyPlan):
     collective_bytes_per_step: float = 0.0
     time: StepTime | None = None
     recommended: bool = False
+    cost_inputs: dict[str, Any] = field(default_factory=dict)
+
+    def predict(self, profile: MachineProfile, compute_seconds: float) -> StepTime | None:
+        """The step time again from another ``profile`` and the seconds of the forward and backward's
+        operators (``PlanChoice.compute_seconds``, or :meth:`ComputeTrace.seconds
+        <chunkmem.cost_model.ComputeTrace.seconds>` under that profile): the same cost model, the same
+        counted bytes and elements (``cost_inputs``)."""
+        return step_time(profile, compute_seconds, self.settings["dtype"], **self.cost_inputs)
 
     def total(self, tier: str) -> int:
         """Bytes on ``tier`` ("device", "host" or "disk") over all families."""
@@ -392,7 +402,8 @@ def choose(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: 
            chunk_size: int | None = None, static_fractions: Sequence[tuple[float, float]] = ((0.5, 0.5),),
            reuse_fp16_shard: bool | None = None, buffer_count: int = DEFAULT_BUFFER_COUNT,
            buffer_size: int = DEFAULT_BUFFER_SIZE, atomic_step: bool = True,
-           measure_operators: bool | None = None) -> PlanChoice:
+           measure_operators: bool | None = None,
+           policies: Sequence[str] = ("cuda", "cpu", "auto", "static")) -> PlanChoice:
     """Plan every candidate configuration and recommend the fastest predicted one that fits the budgets.
 
     The candidates: placements ``cuda``, ``cpu``, ``auto`` and ``static`` (one per pair of
@@ -420,6 +431,7 @@ def choose(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: 
         measure_operators: time the traced iteration's operators one by one on this machine (the compute
             part of the cost model; a few seconds, kept in ``profile.op_seconds``); ``None``: when the
             profile is measured here. Without it, FLOPs and bytes at the profile's rates estimate them.
+        policies: the placements considered, among ``"cuda"``, ``"cpu"``, ``"auto"``, ``"static"``.
     """
     device_capacity = parse_size(device_memory, "device_memory")
     host_capacity = None if host_memory is None else parse_size(host_memory, "host_memory")
@@ -443,6 +455,10 @@ def choose(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: 
     if reuse_fp16_shard and dtype == torch.float32:
         raise InvalidArgumentError("reuse_fp16_shard", reuse_fp16_shard, "None or False with dtype=torch.float32")
     check_disk_arguments(None, None, None, buffer_count, buffer_size, atomic_step, "cpu", False)
+    if isinstance(policies, str) or not policies:
+        raise InvalidArgumentError("policies", policies, "a non-empty sequence of 'cuda', 'cpu', 'auto', 'static'")
+    for name in policies:
+        check_choice("policies", name, ("cuda", "cpu", "auto", "static"))
     if measure_operators is not None and not isinstance(measure_operators, bool):
         raise ArgumentTypeError("measure_operators", measure_operators, "None, True or False")
     if loss_fn is not None and not callable(loss_fn):
@@ -467,8 +483,10 @@ def choose(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: 
 
     reuse_options = (reuse_fp16_shard,) if reuse_fp16_shard is not None else \
         ((False,) if dtype == torch.float32 else (False, True))
-    bases: list[tuple[str, dict[str, float]]] = [("cuda", {}), ("cpu", {}), ("auto", {})]
-    bases += [("static", {"offload_param_frac": float(p), "offload_optim_frac": float(o)}) for p, o in static_fractions]
+    bases: list[tuple[str, dict[str, float]]] = [(name, {}) for name in ("cuda", "cpu", "auto") if name in policies]
+    if "static" in policies:
+        bases += [("static", {"offload_param_frac": float(p), "offload_optim_frac": float(o)})
+                  for p, o in static_fractions]
     disk = _DiskSettings(buffer_count, buffer_size, atomic_step)
     saved_capacity = tiers.device_memory_capacity_setting()
     candidates: list[Candidate] = []
@@ -634,10 +652,10 @@ def _candidate(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse
               if ex["param_on_device"][i] and not on_device[k]]
     host_peak += sum(copies) if optim_disk else max(copies, default=0)
 
-    time = step_time(profile, compute_seconds, dtype, moved_bytes=moved_to_device + moved_to_host,
-                     adam_elements=sum(numels), disk_adam_elements=on_disk_numel, disk_read_step=read,
-                     disk_written_step=written, disk_read_compute=read_compute,
-                     collective_bytes_sent=ex["collective_bytes_sent"])
+    cost_inputs = dict(moved_bytes=moved_to_device + moved_to_host, adam_elements=sum(numels),
+                       disk_adam_elements=on_disk_numel, disk_read_step=read, disk_written_step=written,
+                       disk_read_compute=read_compute, collective_bytes_sent=ex["collective_bytes_sent"])
+    time = step_time(profile, compute_seconds, dtype, **cost_inputs)
     fits, reason = base.fits, base.reason
     if fits and host_capacity is not None and host_peak > host_capacity:
         fits, reason = False, f"host: a peak of {host_peak} bytes of chunks exceeds host_memory={host_capacity}"
@@ -649,7 +667,8 @@ def _candidate(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse
     return Candidate(policy, fits, reason, tier_bytes, base.non_model_peak, base.chunk_bytes, base.num_chunks,
                      moved_to_device, moved_to_host, base.device_peak_bytes, dict(ex), name=name, settings=settings,
                      ranks=ranks, host_peak_bytes=host_peak, disk_file_bytes=files, disk_read_per_step=read + read_compute,
-                     disk_written_per_step=written, collective_bytes_per_step=ex["collective_bytes_sent"], time=time)
+                     disk_written_per_step=written, collective_bytes_per_step=ex["collective_bytes_sent"], time=time,
+                     cost_inputs=cost_inputs)
 
 
 def _mean_of(out: Any) -> torch.Tensor:
