@@ -17,7 +17,8 @@ reproduced on another machine or in a test):
 * ``collective_bytes_per_s``: bytes each rank sends per second in a gloo all-reduce between 2 processes of
   this machine, ``None`` when not measured.
 
-:meth:`MachineProfile.measure` takes a few seconds (the disk and the collective add about a second and a
+:meth:`MachineProfile.measure` takes about a second (the disk adds a few seconds: 1 GiB written twice and
+read once, large enough that a virtual machine's host cache does not answer for the disk; the collective a
 few seconds); ``to_dict`` / ``from_dict`` (JSON-able) let a profile be kept and passed in again.
 """
 from __future__ import annotations
@@ -118,7 +119,7 @@ class MachineProfile:
         check_number("ranks", ranks, low=1, integer=True)
         read = write = None
         if nvme_path is not None:
-            read, write = measure_bandwidth(nvme_path, nbytes=256 * 2**20, block=16 * 2**20)
+            read, write = measure_bandwidth(nvme_path, nbytes=2**30, block=16 * 2**20)
         return cls(matmul_flops={dtype_name(d): _matmul_flops(d) for d in dtypes},
                    elementwise_bytes_per_s=_elementwise_bytes_per_s(),
                    adam_elements_per_s={dtype_name(d): _adam_elements_per_s(d) for d in dtypes},

@@ -13,10 +13,20 @@ cannot run on meta tensors; their bytes come from the policy's own ``optim_on_de
 device capacity the meta run gets is what is left after the optimizer state resting there.
 
 While :func:`plan` runs, chunkmem's tier functions point at the meta device (process-wide): do not
-train in another thread meanwhile. One process is planned (no ZeRO-3 sharding over ranks).
+train in another thread meanwhile. :func:`plan` plans one process (no ZeRO-3 sharding over ranks).
+
+:func:`choose` plans every candidate configuration (placements ``cuda``, ``cpu``, ``auto``, ``static``
+with offload fractions; the disk tier for the optimizer state and/or the parameters;
+``reuse_fp16_shard``) on the same meta runs, for one rank or several (the meta run then shards over a
+stand-in process group), checks each against device, host and disk budgets, predicts its seconds per
+step with :mod:`chunkmem.cost_model` from a :class:`~chunkmem.machine_profile.MachineProfile` measured on
+this machine, and recommends the fastest that fits (:class:`PlanChoice`); a :class:`Candidate` gives the
+:class:`~chunkmem.ShardedModelV2` settings it stands for, which ``chunkmem.initialize(..., plan=)`` takes.
 
 ``python -m chunkmem.plan --preset gpt2-small --batch-size 8 --seq-len 1024 --device-memory 24GiB``
-prints the table (the presets are :mod:`chunkmem.gpt`'s GPT, the model the benchmarks train);
+prints the per-placement table (the presets are :mod:`chunkmem.gpt`'s GPT, the model the benchmarks
+train); ``--candidates`` (with ``--host-memory``, ``--disk-memory``, ``--nvme-path``, ``--ranks``,
+``--profile``) the candidates with their predicted seconds per step and the recommendation marked;
 ``--builder module:function`` plans any model.
 """
 from __future__ import annotations
