@@ -148,7 +148,8 @@ def main() -> int:
           + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in profile.matmul_flops.items())
           + f"; Adam Mparams/s " + ", ".join(f"{k} {v / 1e6:.0f}" for k, v in profile.adam_elements_per_s.items())
           + f"; copy {profile.copy_bytes_per_s / 1e9:.1f} GB/s; disk read {profile.disk_read_bytes_per_s / 1e9:.2f}"
-          f" GB/s, write {profile.disk_write_bytes_per_s / 1e9:.2f} GB/s", flush=True)
+          f" GB/s, write {profile.disk_write_bytes_per_s / 1e9:.2f} GB/s, streamed step "
+          f"{profile.disk_step_bytes_per_s / 1e9:.2f} GB/s", flush=True)
     configs = [c for c in CONFIGS if args.only is None or args.only in c.name] + [LARGE[k] for k in args.large]
     results = []
     print(f"{'configuration':<36} {'params':>7} {'predicted s':>11} {'measured s':>10} {'ratio':>6} {'median s':>8}  "

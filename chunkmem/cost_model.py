@@ -11,8 +11,9 @@ Two parts:
   rate, or from the bytes it reads and writes at the profile's elementwise bandwidth. Views cost nothing.
 * **the rest of the step** (:func:`step_time`): the bytes a placement moves between tiers (the planner's
   meta run counts them exactly) at the copy bandwidth, every trainable parameter's Adam update at the
-  host kernel's rate, the disk tier's reads and writes at the disk's bandwidths (one disk serves the
-  streamed step's reads and writes, whose times add, and the updates overlap them; the parameters read for the
+  host kernel's rate, the disk tier's step traffic (bytes read and written) at the rate of the library's
+  streamed disk step measured as a whole (``MachineProfile.disk_step_bytes_per_s``; without it, reads and
+  writes at the disk's separate bandwidths, their times added), overlapping the updates; the parameters read for the
   forward and backward are fetched on a thread while the modules compute: only what they take beyond
   the compute counts), and the bytes each rank sends in collectives at the measured gloo rate.
 
@@ -231,9 +232,11 @@ def step_time(profile: MachineProfile, compute_s: float, dtype: torch.dtype, *, 
     adam_rate = profile.adam_rate(dtype)
     disk = 0.0
     if profile.has_disk:
-        # one disk serves the streamed step's reads and writes (their times add); the updates overlap them
-        streamed = max(disk_read_step / profile.disk_read_bytes_per_s + disk_written_step / profile.disk_write_bytes_per_s,
-                       disk_adam_elements / adam_rate)
+        if profile.disk_step_bytes_per_s is not None:  # the library's streamed step, measured as a whole
+            io = (disk_read_step + disk_written_step) / profile.disk_step_bytes_per_s
+        else:  # one disk serves the streamed step's reads and writes: their times add
+            io = disk_read_step / profile.disk_read_bytes_per_s + disk_written_step / profile.disk_write_bytes_per_s
+        streamed = max(io, disk_adam_elements / adam_rate)  # the updates overlap the I/O
         # the forward's and backward's parameter reads run on the fetch thread, ahead of their use, while
         # the modules compute: they cost only what they take beyond the compute
         disk = streamed + max(0.0, disk_read_compute / profile.disk_read_bytes_per_s - compute_s)
