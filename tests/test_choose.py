@@ -271,3 +271,23 @@ def test_command_line_prints_times_fits_and_the_recommendation(capsys, tmp_path)
     assert rows["cuda"][1] == "no"  # 38 MiB of parameters, gradients and moments do not fit in 32 MiB
     fastest = min(float(r[2]) for r in rows.values() if r[1] == "yes" and r[2] != "-")
     assert marked[0].split()[1] == "yes" and float(marked[0].split()[2]) == fastest
+
+
+def test_step_time_adds_its_parts():
+    from chunkmem.cost_model import step_time
+
+    p = profile()  # copies 5 GB/s, fp32 Adam 1G elements/s, disk 1 GB/s read, 0.5 GB/s write
+    t = step_time(p, 1.0, torch.float32, moved_bytes=5 * 10**9, adam_elements=3 * 10**9,
+                  disk_adam_elements=10**9, disk_read_step=10**9, disk_written_step=5 * 10**8,
+                  disk_read_compute=3 * 10**9, collective_bytes_sent=2 * 10**9)
+    # compute 1; copies 1; Adam of the chunks not on disk 2; the streamed step max(1 + 1, 1) plus the
+    # parameter reads of the forward and backward 3; collectives 2
+    assert (t.compute, t.copies, t.adam, t.disk, t.collectives) == (1.0, 1.0, 2.0, 5.0, 2.0) and t.total == 11.0
+    measured_step = profile(disk_step_bytes_per_s=3e9)  # the streamed step measured as a whole: 1.5 GB / 3 GB/s
+    t = step_time(measured_step, 1.0, torch.float32, moved_bytes=0, adam_elements=10**9, disk_adam_elements=10**9,
+                  disk_read_step=10**9, disk_written_step=5 * 10**8)
+    assert t.disk == 1.0 and t.adam == 0.0  # max(0.5 of I/O, 1 of updates)
+    no_disk = profile(disk_read_bytes_per_s=None, disk_write_bytes_per_s=None)
+    assert step_time(no_disk, 1.0, torch.float32, moved_bytes=0, adam_elements=1, disk_read_step=1) is None
+    assert step_time(profile(collective_bytes_per_s=None), 1.0, torch.float32, moved_bytes=0, adam_elements=1,
+                     collective_bytes_sent=1.0) is None
