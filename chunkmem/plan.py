@@ -612,15 +612,17 @@ def _candidate(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse
             kept = min(max(free, 0) // state_bytes, len(numels))
     for family in families:
         tier_bytes["host"].pop(family, None)
-    on_disk_numel = 0
+    on_disk_numel, optim_on_disk = 0, set()
     for position, k in enumerate(off):
         tier = "host" if position < kept else "disk"
         on_disk_numel += numels[k] if tier == "disk" else 0
+        if tier == "disk":
+            optim_on_disk.add(k)
         for family in families:
             tier_bytes[tier][family] = tier_bytes[tier].get(family, 0) + numels[k] * 4
     disk_io = 0
-    if optim_disk or param_disk:
-        disk_io = disk.buffer_count * io * (streamed if optim_disk and on_disk_numel else 1)
+    if on_disk_numel or param_disk:  # (the optimizer "on disk" with every chunk's state kept on the host: none)
+        disk_io = disk.buffer_count * io * (streamed if on_disk_numel else 1)
         disk_io += io if param_disk and ex["world"] == 1 else 0  # the fetch thread's buffer (sharded: reads in line)
         tier_bytes["host"]["disk_io"] = disk_io
     for tier in tier_bytes:
@@ -640,7 +642,6 @@ def _candidate(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse
         if not has_master and disk.atomic_step:
             files += aligned_nbytes(shard * 4) * base.num_chunks
     element = dtype.itemsize
-    param_disk_host_chunks = param_host  # parameter bytes resting on disk (all ranks' shards of this rank)
     read = written = read_compute = 0
     moved_to_device, moved_to_host = base.moved_to_device_per_step, base.moved_to_host_per_step
     if param_disk:
@@ -649,13 +650,16 @@ def _candidate(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse
     if optim_disk:
         read += len(families) * on_disk_numel * 4
         written += len(families) * on_disk_numel * 4
-    if param_disk:  # the step writes the parameters back; it reads them too unless the streamed step
-        written += param_disk_host_chunks  # writes 16-bit ones as its output
-        read += 0 if (has_master and optim_disk) else param_disk_host_chunks
+    # parameter chunks on disk: the step writes each back; it reads it too, except where the streamed
+    # step (the chunk's optimizer state on disk) writes 16-bit parameters as its output; one updated
+    # outside the streamed step is read into host memory first
+    param_chunks = [(k, i) for k, i in enumerate(ex["trainable_index"]) if param_disk and not ex["param_on_device"][i]]
+    written += sum(ex["param_shard_bytes"][i] for _, i in param_chunks)
+    read += sum(ex["param_shard_bytes"][i] for k, i in param_chunks if not (has_master and k in optim_on_disk))
+    loaded = [ex["param_shard_bytes"][i] for k, i in param_chunks if k not in optim_on_disk]
     host_peak = ex["host_peak_meta"] - (param_host if param_disk else 0) + sum(
         n for f, n in tier_bytes["host"].items() if f in families) + disk_io
-    if param_disk and not optim_disk:  # the step reads a chunk's parameters from disk into host memory to update them
-        host_peak += max((b for b, on in zip(ex["param_shard_bytes"], ex["param_on_device"]) if not on), default=0)
+    host_peak += max(loaded, default=0)
     # a chunk whose parameters rest on the device and whose Adam runs on the host ('static') is updated in
     # a host copy of its parameters: one at a time, or all of them in the streamed disk step
     copies = [ex["param_shard_bytes"][i] for k, i in enumerate(ex["trainable_index"])

@@ -103,6 +103,29 @@ def test_auto_with_the_optimizer_on_disk_keeps_what_the_host_capacity_allows(tmp
     assert real["host_peak"] == c.host_peak_bytes <= host
 
 
+@pytest.mark.parametrize("host", [50_000_000, 800_000])
+def test_auto_with_the_optimizer_on_disk_all_or_part_on_the_host(host, tmp_path):
+    """bf16: a host capacity that keeps every chunk's state on the host (the disk tier then streams
+    nothing: no I/O buffers unless parameters are on disk, and their update reads them), and one that
+    keeps part of it; every optimizer-on-disk candidate of 'auto' against a real run under it."""
+    batch = torch.randn(4, 64)
+    choice = cm.choose(build, batch, 10 * 2**20, host_memory=host, disk_memory=2**30, dtype=torch.bfloat16,
+                       profile=profile(), chunk_size=CHUNK, buffer_count=2, buffer_size=IO, policies=("auto",))
+    on_disk = [c for c in choice.candidates if "optim@disk" in c.name]
+    assert len(on_disk) == 3
+    if host == 50_000_000:
+        assert all("exp_avg" not in c.tier_bytes["disk"] for c in on_disk)
+    cm.set_device_memory_capacity(10 * 2**20)
+    cm.set_host_memory_capacity(host)
+    try:
+        for c in on_disk:
+            real = real_run(c, batch, str(tmp_path))
+            assert {k: real[k] for k in ("tier_bytes", "moved", "files")} == planned(c), c.name
+            assert real["host_peak"] == c.host_peak_bytes, c.name
+    finally:
+        cm.set_host_memory_capacity(None)
+
+
 def _two_ranks_worker(rank, world, nvme_path, expected):
     batch = torch.randn(4, 64, generator=torch.Generator().manual_seed(rank))
     cm.set_device_memory_capacity(10 * 2**20)
