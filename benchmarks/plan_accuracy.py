@@ -59,7 +59,7 @@ CONFIGS = [
     Config("23M fp32 auto", GPTConfig(8192, 512, 6, 8, 128), 2, torch.float32, "auto", device_bytes_per_param=12),
     Config("23M bf16 cpu", GPTConfig(8192, 512, 6, 8, 128), 2, torch.bfloat16, "cpu"),
     Config("49M fp32 cpu, parameters on disk", GPTConfig(8192, 768, 6, 12, 128), 2, torch.float32, "cpu+param@disk"),
-    Config("110M bf16 cpu, optimizer on disk", GPTConfig(16384, 768, 12, 12, 128), 2, torch.bfloat16,
+    Config("98M bf16 cpu, optimizer on disk", GPTConfig(16384, 768, 12, 12, 128), 2, torch.bfloat16,
            "cpu+optim@disk"),
 ]
 LARGE = {  # --large: a bf16 GPT with its optimizer state on disk
