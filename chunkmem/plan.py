@@ -451,13 +451,12 @@ def choose(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: 
     check_number("ranks", ranks, low=1, integer=True)
     if profile is not None and not isinstance(profile, MachineProfile):
         raise ArgumentTypeError("profile", type(profile).__name__, "a chunkmem.machine_profile.MachineProfile or None")
-    if isinstance(static_fractions, (str, tuple)) and static_fractions and not isinstance(static_fractions[0], tuple):
-        raise InvalidArgumentError("static_fractions", static_fractions, "a sequence of (offload_param_frac, "
-                                                                         "offload_optim_frac) pairs")
+    pairs_allowed = "a sequence of (offload_param_frac, offload_optim_frac) pairs, each in [0, 1]"
+    if isinstance(static_fractions, (str, bytes)) or not isinstance(static_fractions, (list, tuple)):
+        raise InvalidArgumentError("static_fractions", static_fractions, pairs_allowed)
     for pair in static_fractions:
-        if not isinstance(pair, tuple) or len(pair) != 2:
-            raise InvalidArgumentError("static_fractions", static_fractions, "a sequence of (offload_param_frac, "
-                                                                             "offload_optim_frac) pairs")
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise InvalidArgumentError("static_fractions", static_fractions, pairs_allowed)
         for value in pair:
             check_number("static_fractions", value, low=0.0, high=1.0)
     if reuse_fp16_shard is not None and not isinstance(reuse_fp16_shard, bool):
@@ -473,9 +472,9 @@ def choose(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: 
         raise ArgumentTypeError("measure_operators", measure_operators, "None, True or False")
     if loss_fn is not None and not callable(loss_fn):
         raise ArgumentTypeError("loss_fn", loss_fn, "a function (output, sample_batch) -> scalar, or None")
-    if dist.is_available() and dist.is_initialized():
-        raise UnsupportedOperationError("chunkmem.choose plans from one process; call it before "
-                                        "init_process_group (or in a process without one)")
+    if dist.is_available() and dist.is_initialized() and (ranks > 1 or dist.get_world_size() > 1):
+        raise UnsupportedOperationError("chunkmem.choose plans from one process (ranks= says how many it plans "
+                                        "for); call it before init_process_group (or in a process without one)")
     if not isinstance(model_or_builder, nn.Module) and not callable(model_or_builder):
         raise ArgumentTypeError("model_or_builder", type(model_or_builder).__name__,
                                 "a torch.nn.Module or a function that builds one")

@@ -232,15 +232,19 @@ def test_profile_round_trip_and_bad_values():
 
 def test_bad_arguments_are_named_and_change_nothing():
     batch = torch.randn(4, 64)
+    cm.set_device_memory_capacity(123_456_789)
     for kwargs, name in [(dict(ranks=0), "ranks"), (dict(static_fractions=((0.5, 2.0),)), "static_fractions"),
                          (dict(static_fractions=(0.5, 0.5)), "static_fractions"), (dict(profile="fast"), "profile"),
                          (dict(reuse_fp16_shard=True, dtype=torch.float32), "reuse_fp16_shard"),
                          (dict(buffer_size=1000), "buffer_size"), (dict(disk_memory="lots"), "disk_memory")]:
         with pytest.raises(cm.InvalidArgumentError, match=name):
             cm.choose(build, batch, 2**20, **{"profile": profile(), **kwargs})
-    assert cm.device_memory_capacity() == cm.device_memory_capacity()  # untouched setting
+    with pytest.raises(cm.InvalidArgumentError, match="policies"):
+        cm.choose(build, batch, 2**20, profile=profile(), policies=("gpu",))
+    assert cm.device_memory_capacity() == 123_456_789  # the setting is untouched by refused calls...
     disk = [c for c in cm.choose(build, batch, 2**20, disk_memory=2**30, dtype=torch.float32, profile=profile(),
-                                 chunk_size=CHUNK).candidates if c.uses_disk][0]
+                                 chunk_size=CHUNK, static_fractions=[[0.25, 0.5]]).candidates if c.uses_disk][0]
+    assert cm.device_memory_capacity() == 123_456_789  # ...and restored after the meta runs
     with pytest.raises(cm.InvalidArgumentError, match="nvme_path"):
         disk.model_config()
 
