@@ -28,6 +28,7 @@ few seconds); ``to_dict`` / ``from_dict`` (JSON-able) let a profile be kept and 
 """
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import tempfile
@@ -238,7 +239,8 @@ def _disk_step_bytes_per_s(nvme_path: str | os.PathLike, width: int = 2048, laye
             seconds += time.perf_counter() - begin
             moved += ledger.read_from_disk + ledger.written_to_disk - before
         optim.zero_grad()
-    del optim, model
+    del optim, model, ledger, module
+    gc.collect()  # the model's scratch directory goes with it
     return moved / seconds
 
 

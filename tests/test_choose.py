@@ -315,3 +315,20 @@ def test_step_time_adds_its_parts():
     assert step_time(no_disk, 1.0, torch.float32, moved_bytes=0, adam_elements=1, disk_read_step=1) is None
     assert step_time(profile(collective_bytes_per_s=None), 1.0, torch.float32, moved_bytes=0, adam_elements=1,
                      collective_bytes_sent=1.0) is None
+
+
+def test_measuring_the_machine_gives_every_figure(tmp_path):
+    from chunkmem.machine_profile import _disk_step_bytes_per_s
+
+    p = MachineProfile.measure(dtypes=(torch.float32, torch.bfloat16))
+    assert set(p.matmul_flops) == set(p.adam_elements_per_s) == {"float32", "bfloat16"}
+    assert all(v > 0 for v in [*p.matmul_flops.values(), *p.adam_elements_per_s.values(), p.copy_bytes_per_s,
+                               p.elementwise_bytes_per_s])
+    assert p.disk_read_bytes_per_s is None and p.collective_bytes_per_s is None and p.threads == torch.get_num_threads()
+    # the streamed disk step's rate, on a small model: its files are made and removed under the directory
+    assert _disk_step_bytes_per_s(str(tmp_path), width=256, layers=2) > 0
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(cm.InvalidArgumentError, match="dtypes"):
+        MachineProfile.measure(dtypes=(torch.int8,))
+    with pytest.raises(cm.InvalidArgumentError, match="ranks"):
+        MachineProfile.measure(ranks=0)
