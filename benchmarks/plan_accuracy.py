@@ -21,6 +21,7 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -161,6 +162,8 @@ def main() -> int:
         print(f"{r['name']:<36} {r['params'] / 1e6:6.0f}M {r['predicted']:11.3f} {r['measured']:10.3f} "
               f"{r['ratio']:6.2f} {r['median']:8.3f}  {parts}; steps {', '.join(f'{t:.3f}' for t in r['times'])}; planned in "
               f"{r['planning_s']:.1f} s; bytes equal: {r['bytes_equal']}", flush=True)
+    if not args.nvme_path:
+        shutil.rmtree(directory, ignore_errors=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -464,6 +464,8 @@ def choose(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: 
     if reuse_fp16_shard and dtype == torch.float32:
         raise InvalidArgumentError("reuse_fp16_shard", reuse_fp16_shard, "None or False with dtype=torch.float32")
     check_disk_arguments(None, None, None, buffer_count, buffer_size, atomic_step, "cpu", False)
+    if nvme_path is not None and (not isinstance(nvme_path, (str, os.PathLike)) or not os.path.isdir(nvme_path)):
+        raise InvalidArgumentError("nvme_path", nvme_path, "None or an existing directory (str or os.PathLike)")
     if isinstance(policies, str) or not policies:
         raise InvalidArgumentError("policies", policies, "a non-empty sequence of 'cuda', 'cpu', 'auto', 'static'")
     for name in policies:

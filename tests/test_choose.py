@@ -236,7 +236,8 @@ def test_bad_arguments_are_named_and_change_nothing():
     for kwargs, name in [(dict(ranks=0), "ranks"), (dict(static_fractions=((0.5, 2.0),)), "static_fractions"),
                          (dict(static_fractions=(0.5, 0.5)), "static_fractions"), (dict(profile="fast"), "profile"),
                          (dict(reuse_fp16_shard=True, dtype=torch.float32), "reuse_fp16_shard"),
-                         (dict(buffer_size=1000), "buffer_size"), (dict(disk_memory="lots"), "disk_memory")]:
+                         (dict(buffer_size=1000), "buffer_size"), (dict(disk_memory="lots"), "disk_memory"),
+                         (dict(nvme_path="/no/such/directory"), "nvme_path")]:
         with pytest.raises(cm.InvalidArgumentError, match=name):
             cm.choose(build, batch, 2**20, **{"profile": profile(), **kwargs})
     with pytest.raises(cm.InvalidArgumentError, match="policies"):
