@@ -18,7 +18,8 @@ from .model import ShardedModelV2
 from .optim.sharded_optimizer import ShardedOptimizerV2
 from .core.param_guard import ChunkGradient, ChunkParameter, ParameterAccessError
 from .runtime.parameter_access import GatheredParameters, register_external_parameter
-from .plan import PolicyPlan, plan
+from .plan import Candidate, PlanChoice, PolicyPlan, choose, plan
+from .machine_profile import MachineProfile
 from .tiled_linear import TiledLinear
 from .distributed.shard_strategy import BaseShardStrategy, BucketTensorShardStrategy, TensorShardStrategy
 from .core.states import ChunkStateError
@@ -28,13 +29,14 @@ from .core.tiers import (Tier, device_memory_capacity, host_memory_capacity, par
 __version__ = "0.1.0"
 
 __all__ = [
-    "ArgumentTypeError", "BaseShardStrategy", "BucketTensorShardStrategy", "CPUAdam", "CheckpointError",
+    "ArgumentTypeError", "BaseShardStrategy", "BucketTensorShardStrategy", "CPUAdam", "Candidate", "CheckpointError",
     "ChunkGradient", "ChunkParameter", "ChunkStateError", "ChunkmemError", "CollectiveError",
     "CollectiveTimeoutError", "DeviceCapacityError", "DiskIOError", "DiskStepError", "DynamicGradScaler",
     "GatheredParameters", "GradientAccumulationError", "HostCapacityError", "HybridAdam", "InvalidArgumentError",
-    "LayoutMismatchError", "LowLevelZeroOptimizer", "NoEffectWarning", "ParameterAccessError", "PolicyPlan",
+    "LayoutMismatchError", "LowLevelZeroOptimizer", "MachineProfile", "NoEffectWarning", "ParameterAccessError",
+    "PlanChoice", "PolicyPlan",
     "ShardedModelV2", "ShardedOptimizerV2", "StepMismatchError", "TensorShardStrategy", "Tier", "TiledLinear",
-    "TrainingEngine", "UnscaledBackwardError",
+    "TrainingEngine", "UnscaledBackwardError", "choose",
     "UnsupportedOperationError",
     "ZeroInitContext", "collective_timeout", "consolidate_checkpoint", "device_memory_capacity",
     "host_memory_capacity", "initialize", "initialize_engine", "load_checkpoint", "parse_size", "plan", "register_external_parameter",

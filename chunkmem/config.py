@@ -192,7 +192,8 @@ _STRATEGIES = {"TensorShardStrategy": TensorShardStrategy, "BucketTensorShardStr
 
 
 def initialize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-               config: dict[str, Any] | str | os.PathLike | None = None) -> tuple[nn.Module, Any]:
+               config: dict[str, Any] | str | os.PathLike | None = None, *, plan: Any = None,
+               nvme_path: str | os.PathLike | None = None) -> tuple[nn.Module, Any]:
     """Wrap ``model`` (and ``optimizer``) as ``config`` says; returns ``(model, optimizer)``.
 
     Args:
@@ -204,6 +205,9 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         config: a dict or the path of a JSON file, in the ColossalAI form (``zero`` with
             ``model_config`` / ``optimizer_config``) or the DeepSpeed form (``zero_optimization``,
             ``fp16``, ``bf16``, ``optimizer``); see the module docstring and ``KEY_TABLE``.
+        plan: instead of ``config``, a candidate of :func:`chunkmem.choose` (``choose(...).recommended``):
+            the model is wrapped with the settings it was planned with (``candidate.config(nvme_path)``).
+        nvme_path: with ``plan``, the disk tier's directory when the candidate uses it.
 
     Stage 3 (and the ColossalAI form) returns a :class:`~chunkmem.ShardedModelV2` and a
     :class:`~chunkmem.ShardedOptimizerV2`; stages 1 and 2 return the model unwrapped (cast to the
@@ -219,6 +223,14 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         raise ArgumentTypeError("model", type(model).__name__, "a torch.nn.Module")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise ArgumentTypeError("optimizer", type(optimizer).__name__, "a torch.optim.Optimizer or None")
+    if plan is not None:
+        if config is not None:
+            raise InvalidArgumentError("plan", getattr(plan, "name", plan), "None when config is given (one or the other)")
+        if not callable(getattr(plan, "config", None)) or not isinstance(getattr(plan, "settings", None), dict):
+            raise ArgumentTypeError("plan", type(plan).__name__, "a candidate of chunkmem.choose() (a chunkmem.plan.Candidate)")
+        config = plan.config(nvme_path)
+    elif nvme_path is not None:
+        raise InvalidArgumentError("nvme_path", nvme_path, "None unless plan is given (a config names its own)")
     config = read_config(config)
     if "zero" in config:
         extra = sorted(set(config) - {"zero"})

@@ -28,6 +28,7 @@ class TierLedger:
         self._bytes: dict[tuple[Tier, str], int] = defaultdict(int)
         self._totals: dict[Tier, int] = defaultdict(int)  # per tier, kept with _bytes (read every period)
         self.peak_device_bytes = 0
+        self.peak_host_bytes = 0  # the most bytes on the host tier at once (what a host capacity must allow)
         self.moved_to_device = 0
         self.moved_to_host = 0
         self.read_from_disk = 0
@@ -45,6 +46,8 @@ class TierLedger:
                              "CHUNKMEM_HOST_MEMORY", "on the disk tier")
         self._bytes[(tier, family)] += nbytes
         self._totals[tier] += nbytes
+        if tier is Tier.HOST:
+            self.peak_host_bytes = max(self.peak_host_bytes, self._totals[tier])
 
     def _check_room(self, tier: Tier, capacity: int, nbytes: int, what: str, error: type[Exception], setter: str,
                     variable: str, elsewhere: str) -> None:
