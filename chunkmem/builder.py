@@ -276,21 +276,28 @@ def _persistent(named: list[tuple[str, nn.Parameter]], settings: ModelSettings) 
 
 def _param_chunks_kept_on_host(layout: ChunkLayout, policy: PlacementPolicy, shards: ShardGroup,
                                host_capacity: int | None, settings: ModelSettings) -> frozenset[int]:
-    """Under ``auto`` with ``offload_param="disk"`` and a host capacity: the chunks whose parameters rest on
-    the host, the first ones that fit in the capacity after the gradients of the trainable chunks (they
-    rest on the host until the step) and the disk tier's I/O buffers (the streamed step's for Adam, the
-    fetch thread's and the in-line one); the others rest on disk. The parameters come before the
-    optimizer state (which the optimizer then fits in what is left): a parameter chunk kept in memory saves
-    3 bytes of disk traffic a step (two reads, one write) per byte of host memory, optimizer state 2.
-    Which chunks does not change the bytes moved (each is read in the forward and the backward)."""
+    """Under ``auto`` with ``offload_param="disk"`` and a host capacity: :func:`param_chunks_kept_on_host`."""
     if not (policy.plans_from_trace and policy.params_on_disk and host_capacity is not None):
         return frozenset()
-    disk = settings.disk
-    shard_bytes = [layout.shard_bytes(i, shards.world) for i in range(layout.num_chunks)]
-    grads = sum(b for i, b in enumerate(shard_bytes) if layout.trainable(i))
-    streamed = 4 if layout.element_size != 4 else 3  # Adam's moments, the master or fp32 parameters, the param
-    io_bytes = (disk.buffer_count * streamed + 2) * aligned_nbytes(disk.buffer_size)
-    free, kept = host_capacity - grads - io_bytes, []
+    return param_chunks_kept_on_host([layout.shard_bytes(i, shards.world) for i in range(layout.num_chunks)],
+                                     [layout.trainable(i) for i in range(layout.num_chunks)], layout.element_size,
+                                     host_capacity, settings.disk.buffer_count, settings.disk.buffer_size)
+
+
+def param_chunks_kept_on_host(shard_bytes: list[int], trainable: list[bool], element_size: int, host_capacity: int,
+                              buffer_count: int, buffer_size: int) -> frozenset[int]:
+    """The chunks whose parameters rest on the host under ``auto`` with ``offload_param="disk"`` and a host
+    capacity (bytes): the first ones (``shard_bytes``: this rank's bytes of each chunk) that fit in it after
+    the gradients of the ``trainable`` chunks (they rest on the host until the step) and the disk tier's I/O
+    buffers (``buffer_count`` x ``buffer_size`` bytes for each family the streamed step of Adam reads, the
+    fetch thread's and the in-line one); the others rest on disk. The parameters come before the optimizer
+    state, which the optimizer fits in what is left: a parameter chunk kept in memory saves 3 bytes of disk
+    traffic a step (two reads, one write) per byte of host memory, optimizer state 2. Which chunks does not
+    change the bytes moved (each is read in the forward and the backward)."""
+    grads = sum(b for b, t in zip(shard_bytes, trainable) if t)
+    streamed = 4 if element_size != 4 else 3  # Adam's moments, the master (or fp32 parameters), the parameters
+    free = host_capacity - grads - (buffer_count * streamed + 2) * aligned_nbytes(buffer_size)
+    kept = []
     for i, nbytes in enumerate(shard_bytes):
         if nbytes > free:
             break

@@ -57,6 +57,7 @@ from .cost_model import StepTime, step_time, trace_compute
 from .gpt import GPT, GPTConfig
 from .settings import check_chunk_size, check_dtype
 from .model import ShardedModelV2
+from .builder import param_chunks_kept_on_host
 from .core.param_guard import slot_of
 from .distributed.shard_strategy import TensorShardStrategy
 from .core.tiers import parse_size
@@ -233,7 +234,9 @@ def _plan_policy(name: str, template: nn.Module, args: tuple, loss_fn: Any, devi
                                    dtype=dtype, chunk_size=chunk_size, reuse_fp16_shard=reuse_fp16_shard, **placement)
             resting = model.tier_bytes()
             ledger = model.runtime.ledger
-            for _ in range(ITERATIONS):
+            for iteration in range(ITERATIONS):
+                if iteration == ITERATIONS - 1:  # the measured iteration: which chunks it fetches
+                    model.runtime.executor.events = []
                 before = ledger.moved_to_device, ledger.moved_to_host
                 sent_before = _bytes_sent()
                 out = model(*args)
@@ -245,6 +248,8 @@ def _plan_policy(name: str, template: nn.Module, args: tuple, loss_fn: Any, devi
             planner.close_finished_traces()
             result.non_model_peak = max((p.non_model_peak for p in planner.periods or []), default=0)
             result.moved_to_device_per_step = ledger.moved_to_device - before[0]
+            fetches = [e[1] for e in model.runtime.executor.events if e[0] == "fetch"]
+            extra["fetches"] = [fetches.count(i) for i in range(num_chunks)]
             result.moved_to_host_per_step = ledger.moved_to_host - before[1]
             result.device_peak_bytes = ledger.peak_device_bytes + optim_device
             extra["collective_bytes_sent"] = _bytes_sent() - sent_before
@@ -260,6 +265,7 @@ def _plan_policy(name: str, template: nn.Module, args: tuple, loss_fn: Any, devi
             resting = {"device": {"param": param_total}, "host": {}} if name == "cuda" else \
                 {"device": {}, "host": {"param": param_total}}
             extra.setdefault("host_peak_meta", resting["host"].get("param", 0))
+            extra["fetches"] = [0] * num_chunks
             extra["collective_bytes_sent"] = 0.0
     result.tier_bytes = {tier: {**resting[tier], **optim[tier]} for tier in ("device", "host")}
     for tier in result.tier_bytes:
@@ -592,9 +598,17 @@ def _candidate(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse
         name += "+reuse"
     tier_bytes = {"device": dict(base.tier_bytes["device"]), "host": dict(base.tier_bytes["host"]), "disk": {}}
     param_host = tier_bytes["host"].get("param", 0)
+    shard_bytes = ex["param_shard_bytes"]
+    param_kept: frozenset[int] = frozenset()  # auto with a host capacity: parameters resting on the host
+    if param_disk and policy == "auto" and host_capacity is not None:
+        trainable_flags = [i in set(ex["trainable_index"]) for i in range(base.num_chunks)]
+        param_kept = param_chunks_kept_on_host(shard_bytes, trainable_flags, dtype.itemsize, host_capacity,
+                                               disk.buffer_count, disk.buffer_size)
+    kept_param_bytes = sum(shard_bytes[i] for i in param_kept)
+    params_to_disk = param_disk and len(param_kept) < base.num_chunks
     if param_disk:
-        tier_bytes["host"].pop("param", None)
-        tier_bytes["disk"]["param"] = param_host
+        tier_bytes["host"]["param"] = kept_param_bytes
+        tier_bytes["disk"]["param"] = param_host - kept_param_bytes
     # the optimizer state off the device: on the host, or on disk (under auto with a host capacity the
     # first chunks that fit stay on the host, as ShardedOptimizerV2 decides)
     numels, on_device = ex["trainable_shard_numels"], ex["optim_on_device"]
@@ -607,8 +621,7 @@ def _candidate(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse
         if policy == "auto" and host_capacity is not None and numels:
             state_bytes = len(families) * numels[0] * 4
             grads = 0 if reuse else len(numels) * numels[0] * dtype.itemsize
-            host_now = 0 if param_disk else param_host
-            host_now += disk.buffer_count * io if param_disk else 0
+            host_now = param_host if not param_disk else kept_param_bytes + (io if params_to_disk else 0)
             free = host_capacity - host_now - grads - disk.buffer_count * streamed * disk.buffer_size
             kept = min(max(free, 0) // state_bytes, len(numels))
     for family in families:
@@ -622,9 +635,13 @@ def _candidate(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse
         for family in families:
             tier_bytes[tier][family] = tier_bytes[tier].get(family, 0) + numels[k] * 4
     disk_io = 0
-    if on_disk_numel or param_disk:  # (the optimizer "on disk" with every chunk's state kept on the host: none)
-        disk_io = disk.buffer_count * io * (streamed if on_disk_numel else 1)
-        disk_io += io if param_disk and ex["world"] == 1 else 0  # the fetch thread's buffer (sharded: reads in line)
+    if on_disk_numel or params_to_disk:  # (the optimizer "on disk" with every chunk's state on the host: none)
+        disk_io = io  # the in-line buffer (the initial values written to the files, whole-region reads)
+        # the streamed step's pool: buffers for the parameters too if a chunk it streams has them on disk
+        params_streamed = any(ex["trainable_index"][k] not in param_kept for k in optim_on_disk) and param_disk
+        pool = disk.buffer_count * io * _streamed_families(has_master, params_streamed, disk.atomic_step)
+        disk_io += pool if on_disk_numel else 0
+        disk_io += io if params_to_disk else 0  # the fetch thread's buffer
         tier_bytes["host"]["disk_io"] = disk_io
     for tier in tier_bytes:
         tier_bytes[tier] = {f: n for f, n in sorted(tier_bytes[tier].items()) if n}
@@ -636,29 +653,31 @@ def _candidate(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse
     slots = 2 if disk.atomic_step else 1
     shard = ex["chunk_numel"] // world
     files = 0
-    if param_disk:
-        files += aligned_nbytes(base.chunk_bytes // world) * slots * base.num_chunks
-    if optim_disk:
-        files += len(families) * aligned_nbytes(shard * 4) * slots * base.num_chunks
+    if param_disk:  # regions for the chunks whose parameters rest on disk only
+        files += aligned_nbytes(base.chunk_bytes // world) * slots * (base.num_chunks - len(param_kept))
+    if optim_disk:  # regions for the chunks whose state rests on disk only
+        files += len(families) * aligned_nbytes(shard * 4) * slots * len(optim_on_disk)
         if not has_master and disk.atomic_step:
-            files += aligned_nbytes(shard * 4) * base.num_chunks
+            files += aligned_nbytes(shard * 4) * len(optim_on_disk)
     element = dtype.itemsize
     read = written = read_compute = 0
     moved_to_device, moved_to_host = base.moved_to_device_per_step, base.moved_to_host_per_step
-    if param_disk:
-        read_compute = moved_to_device  # the forward's and backward's fetches come from the files
-        moved_to_device = 0
+    if param_disk:  # the forward's and backward's fetches of chunks resting on disk come from the files
+        fetched = [0 if ex["param_on_device"][i] else n * shard_bytes[i] for i, n in enumerate(ex["fetches"])]
+        read_compute = sum(b for i, b in enumerate(fetched) if i not in param_kept)
+        moved_to_device = sum(b for i, b in enumerate(fetched) if i in param_kept)
     if optim_disk:
         read += len(families) * on_disk_numel * 4
         written += len(families) * on_disk_numel * 4
     # parameter chunks on disk: the step writes each back; it reads it too, except where the streamed
     # step (the chunk's optimizer state on disk) writes 16-bit parameters as its output; one updated
     # outside the streamed step is read into host memory first
-    param_chunks = [(k, i) for k, i in enumerate(ex["trainable_index"]) if param_disk and not ex["param_on_device"][i]]
+    param_chunks = [(k, i) for k, i in enumerate(ex["trainable_index"])
+                    if param_disk and not ex["param_on_device"][i] and i not in param_kept]
     written += sum(ex["param_shard_bytes"][i] for _, i in param_chunks)
     read += sum(ex["param_shard_bytes"][i] for k, i in param_chunks if not (has_master and k in optim_on_disk))
     loaded = [ex["param_shard_bytes"][i] for k, i in param_chunks if k not in optim_on_disk]
-    host_peak = ex["host_peak_meta"] - (param_host if param_disk else 0) + sum(
+    host_peak = ex["host_peak_meta"] - (param_host - kept_param_bytes if param_disk else 0) + sum(
         n for f, n in tier_bytes["host"].items() if f in families) + disk_io
     host_peak += max(loaded, default=0)
     # a chunk whose parameters rest on the device and whose Adam runs on the host ('static') is updated in

@@ -354,14 +354,17 @@ class ShardedOptimizerV2(Optimizer):
     @staticmethod
     def _reserve_disk(model: ShardedModelV2, state: StateLayout | None, kept_on_host: list[int]) -> None:
         """Preallocate the disk tier's files for the optimizer state: a region for each trainable chunk whose
-        state rests on disk, none for frozen chunks and those ``kept_on_host`` (a full disk is refused here,
-        before anything changes)."""
+        state rests on disk, none for frozen chunks, those ``kept_on_host`` and those whose state the policy
+        keeps on the device (a full disk is refused here, before anything changes)."""
         disk = model.runtime.memory.disk
         if disk is None or not model.settings.disk.optimizer_on_disk:
             return
-        layout = model.layout
+        layout, policy = model.layout, model.runtime.policy
         region = layout.chunk_numel // model.shards.world * 4  # fp32, a chunk of the full size
-        regions = [region if layout.trainable(i) and i not in kept_on_host else 0 for i in range(layout.num_chunks)]
+        trainable = [i for i in range(layout.num_chunks) if layout.trainable(i)]
+        on_disk = {i for k, i in enumerate(trainable)
+                   if i not in kept_on_host and not policy.optim_on_device(k, len(trainable))}
+        regions = [region if i in on_disk else 0 for i in range(layout.num_chunks)]
         families = (ADAM_STATE if state is None else state.families) + (
             (MASTER,) if model.dtype != torch.float32 else ())
         for family in families:
