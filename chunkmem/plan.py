@@ -127,16 +127,10 @@ def plan(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: An
         raise InvalidArgumentError("policies", policies, "a non-empty sequence of 'cuda', 'cpu', 'auto'")
     for name in policies:
         check_choice("policies", name, ("cuda", "cpu", "auto"))
-    if loss_fn is not None and not callable(loss_fn):
-        raise ArgumentTypeError("loss_fn", loss_fn, "a function (output, sample_batch) -> scalar, or None")
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         raise UnsupportedOperationError("chunkmem.plan plans one process; call it before init_process_group "
                                         "(or in a process without one)")
-    if not isinstance(model_or_builder, nn.Module) and not callable(model_or_builder):
-        raise ArgumentTypeError("model_or_builder", type(model_or_builder).__name__,
-                                "a torch.nn.Module or a function that builds one")
-    args = tree_map(lambda x: x.to(META) if isinstance(x, torch.Tensor) else x,
-                    sample_batch if isinstance(sample_batch, tuple) else (sample_batch,))
+    args = _meta_inputs(model_or_builder, sample_batch, loss_fn)
     saved_capacity = tiers.device_memory_capacity_setting()  # the user's setting, restored after the meta runs
     template = _meta_model(model_or_builder)  # built once; each wrapped model below gets a (free) meta copy
     plans = {}
@@ -197,6 +191,18 @@ def _optimizer_bytes(policy: Any, model: ShardedModelV2) -> dict[str, dict[str, 
         for family in families:
             out[tier][family] = out[tier].get(family, 0) + chunk.shard_numel * 4
     return out
+
+
+def _meta_inputs(model_or_builder: Any, sample_batch: Any, loss_fn: Any) -> tuple:
+    """Check the model and loss arguments of :func:`plan` and :func:`choose`; the sample batch's tensors
+    on the meta device, as the model's positional arguments."""
+    if loss_fn is not None and not callable(loss_fn):
+        raise ArgumentTypeError("loss_fn", loss_fn, "a function (output, sample_batch) -> scalar, or None")
+    if not isinstance(model_or_builder, nn.Module) and not callable(model_or_builder):
+        raise ArgumentTypeError("model_or_builder", type(model_or_builder).__name__,
+                                "a torch.nn.Module or a function that builds one")
+    return tree_map(lambda x: x.to(META) if isinstance(x, torch.Tensor) else x,
+                    sample_batch if isinstance(sample_batch, tuple) else (sample_batch,))
 
 
 def _plan_policy(name: str, template: nn.Module, args: tuple, loss_fn: Any, device_capacity: int,
@@ -478,16 +484,10 @@ def choose(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: 
         check_choice("policies", name, ("cuda", "cpu", "auto", "static"))
     if measure_operators is not None and not isinstance(measure_operators, bool):
         raise ArgumentTypeError("measure_operators", measure_operators, "None, True or False")
-    if loss_fn is not None and not callable(loss_fn):
-        raise ArgumentTypeError("loss_fn", loss_fn, "a function (output, sample_batch) -> scalar, or None")
     if dist.is_available() and dist.is_initialized() and (ranks > 1 or dist.get_world_size() > 1):
         raise UnsupportedOperationError("chunkmem.choose plans from one process (ranks= says how many it plans "
                                         "for); call it before init_process_group (or in a process without one)")
-    if not isinstance(model_or_builder, nn.Module) and not callable(model_or_builder):
-        raise ArgumentTypeError("model_or_builder", type(model_or_builder).__name__,
-                                "a torch.nn.Module or a function that builds one")
-    args = tree_map(lambda x: x.to(META) if isinstance(x, torch.Tensor) else x,
-                    sample_batch if isinstance(sample_batch, tuple) else (sample_batch,))
+    args = _meta_inputs(model_or_builder, sample_batch, loss_fn)
     template = _meta_model(model_or_builder)
     if profile is None:
         profile = MachineProfile.measure(dtypes=(dtype,), nvme_path=nvme_path if disk_capacity is not None else None,
