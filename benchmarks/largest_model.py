@@ -94,6 +94,7 @@ import torch.nn.functional as F
 
 import chunkmem as cm
 from chunkmem.optim import host_adam_ext
+from chunkmem.optim.sharded_optimizer import GRADIENTS_AHEAD_OF_THE_DISK_STEP
 from chunkmem.storage.disk_io import aligned_nbytes
 
 from _gpt import (GPT, GPTConfig, chunk_layout, count_params, gib, machine_header, mib,
@@ -118,9 +119,11 @@ def layers_for(min_params: int, d_model: int, vocab: int, seq: int, heads: int) 
 
 def estimate(cfg: GPTConfig, batch: int, placement: str, capacity: int, element_size: int,
              baseline_rss: int, disk: dict | None = None, host_capacity: int | None = None,
-             chunk_size: int | None = None) -> dict:
+             chunk_size: int | None = None, step_in_backward: bool = False) -> dict:
     """Peak host memory of the run, in bytes, by parts (see the module docstring), and the bytes of the
-    disk tier's files (``disk``: ``offload_param``, ``atomic_step``, ``buffer_count``, ``buffer_size``)."""
+    disk tier's files (``disk``: ``offload_param``, ``atomic_step``, ``buffer_count``, ``buffer_size``).
+    With the parameters on disk the 16-bit bytes on the host are their gradients: all of them after the
+    backward, or a few chunks' with ``step_in_backward`` in place (each freed once its update is computed)."""
     chunk_numel, n_chunks, padding = chunk_layout(cfg, element_size, chunk_size)
     chunk_param_bytes = chunk_numel * element_size
     elements = n_chunks * chunk_numel
@@ -128,7 +131,9 @@ def estimate(cfg: GPTConfig, batch: int, placement: str, capacity: int, element_
     if disk is not None:
         slots = 2 if disk["atomic_step"] else 1
         families = 3 + disk["offload_param"]
-        io = disk["buffer_count"] * families * disk["buffer_size"]
+        io = (disk["buffer_count"] * families + 2) * disk["buffer_size"]  # + the in-line and fetch buffers
+        if disk["offload_param"] and step_in_backward and not disk["atomic_step"]:
+            params = min(n_chunks, GRADIENTS_AHEAD_OF_THE_DISK_STEP + 2) * chunk_param_bytes
         host_state = 0
         if placement == "auto" and host_capacity is not None:  # what fits the host capacity stays there
             host_state = max(0, min(state, host_capacity - params - io))
@@ -360,13 +365,13 @@ def main() -> int:
         print(f"host Adam kernel unavailable ({host_adam_ext.load_error()}): the torch-op path runs the update")
     baseline = rss_bytes()
     est = estimate(cfg, args.batch, args.placement, capacity, element_size, baseline, disk, host_capacity,
-                   chunk_size)
+                   chunk_size, args.step_in_backward)
     available = psutil.virtual_memory().available
     disk_free = None if disk is None else shutil.disk_usage(args.nvme_path).free
     print_estimate(est, cfg, n_params, available, "this run", disk_free)
     if args.dry_run_small:
         full_est = estimate(full_cfg, args.batch, args.placement, capacity, element_size, baseline, disk,
-                            host_capacity)
+                            host_capacity, step_in_backward=args.step_in_backward)
         print_estimate(full_est, full_cfg, full_params, available, "the full configuration", disk_free)
     sys.stdout.flush()
     if disk is not None and est["disk"] > disk_free:
