@@ -57,6 +57,8 @@ from .cost_model import StepTime, step_time, trace_compute
 from .gpt import GPT, GPTConfig
 from .settings import check_chunk_size, check_dtype
 from .model import ShardedModelV2
+from .core.chunk import ADAM_STATE
+from .optim.disk_step import streamed_count
 from .builder import param_chunks_kept_on_host
 from .core.param_guard import slot_of
 from .distributed.shard_strategy import TensorShardStrategy
@@ -565,16 +567,6 @@ def _disk_variants(policy: str, base: PolicyPlan, reuse: bool, with_disk: bool) 
     return variants
 
 
-def _streamed_families(has_master: bool, params_on_disk: bool, atomic_step: bool) -> int:
-    """I/O buffers per piece of the streamed disk step (as :func:`chunkmem.optim.disk_step.streamed_families`
-    counts them for Adam: two moments, the master, the parameters)."""
-    if has_master:
-        return 2 + (2 if params_on_disk else 1)
-    if params_on_disk:
-        return 3
-    return 2 + (1 if atomic_step else 0)
-
-
 def _candidate(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse: bool, optim_disk: bool,
                param_disk: bool, disk: _DiskSettings, dtype: torch.dtype, chunk_size: int | None, ranks: int,
                host_capacity: int | None, disk_capacity: int | None, profile: MachineProfile,
@@ -613,7 +605,7 @@ def _candidate(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse
     # first chunks that fit stay on the host, as ShardedOptimizerV2 decides)
     numels, on_device = ex["trainable_shard_numels"], ex["optim_on_device"]
     off = [k for k, on in enumerate(on_device) if not on]
-    streamed = _streamed_families(has_master, param_disk, disk.atomic_step)
+    streamed = streamed_count(len(ADAM_STATE), has_master, param_disk, disk.atomic_step)
     io = aligned_nbytes(disk.buffer_size)
     kept = len(off)
     if optim_disk:
@@ -639,7 +631,8 @@ def _candidate(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse
         disk_io = io  # the in-line buffer (the initial values written to the files, whole-region reads)
         # the streamed step's pool: buffers for the parameters too if a chunk it streams has them on disk
         params_streamed = any(ex["trainable_index"][k] not in param_kept for k in optim_on_disk) and param_disk
-        pool = disk.buffer_count * io * _streamed_families(has_master, params_streamed, disk.atomic_step)
+        pool = disk.buffer_count * io * streamed_count(len(ADAM_STATE), has_master, params_streamed,
+                                                        disk.atomic_step)
         disk_io += pool if on_disk_numel else 0
         disk_io += io if params_to_disk else 0  # the fetch thread's buffer
         tier_bytes["host"]["disk_io"] = disk_io
