@@ -340,7 +340,8 @@ def main() -> int:
     if disk is not None:
         print(f"disk tier: nvme_path {args.nvme_path}, offload_optimizer='disk'"
               + (", offload_param='disk'" if args.offload_param else "")
-              + f", atomic_step={args.atomic_step}, step_in_backward={args.step_in_backward}, max_norm={args.max_norm:g}"
+              + f", atomic_step={args.atomic_step}, step_in_backward={args.step_in_backward}"
+              + f", max_norm={args.max_norm:g}"
               + ("" if args.atomic_step else " (one slot: the files hold the state once; an atomic step's two "
                  "slots of a 4B model's 48 GB fp32 state would not fit this disk)")
               + f", buffer_count {args.buffer_count} x {mib(args.buffer_size)}; host capacity "

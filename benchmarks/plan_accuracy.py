@@ -7,8 +7,8 @@ iteration's operators timed on this machine; then the candidate is built for rea
 stands for (``candidate.model_config``), under the same device / host capacities, and trained: the fastest
 of the timed steps (after the warm-up steps: ``auto`` traces its first iteration and plans from it) is the
 measured figure, the median is printed beside it. Both sides take the fastest of their runs: the
-operators of the profile are timed that way too, so that another job on a shared machine slows neither. Prints predicted, measured and their ratio; exits 1 if any ratio is outside
-``1 +- --tolerance`` (0.30).
+operators of the profile are timed that way too, so that another job on a shared machine slows neither.
+Prints predicted, measured and their ratio; exits 1 if any ratio is outside ``1 +- --tolerance`` (0.30).
 
 Usage::
 
@@ -123,7 +123,8 @@ def run(config: Config, profile: cm.MachineProfile, nvme_path: str) -> dict:
     predicted = parts.total
     return dict(name=config.name, params=n_params, candidate=candidate.name, predicted=predicted, measured=measured,
                 median=statistics.median(times), first_prediction=candidate.seconds_per_step,
-                ratio=predicted / measured, times=times, planning_s=planning_s, bytes_equal=real_bytes == candidate.tier_bytes,
+                ratio=predicted / measured, times=times, planning_s=planning_s,
+                bytes_equal=real_bytes == candidate.tier_bytes,
                 parts=dict(compute=parts.compute, copies=parts.copies, adam=parts.adam, disk=parts.disk))
 
 
@@ -160,8 +161,8 @@ def main() -> int:
         results.append(r)
         parts = ", ".join(f"{v:.3f}" for v in r["parts"].values())
         print(f"{r['name']:<36} {r['params'] / 1e6:6.0f}M {r['predicted']:11.3f} {r['measured']:10.3f} "
-              f"{r['ratio']:6.2f} {r['median']:8.3f}  {parts}; steps {', '.join(f'{t:.3f}' for t in r['times'])}; planned in "
-              f"{r['planning_s']:.1f} s; bytes equal: {r['bytes_equal']}", flush=True)
+              f"{r['ratio']:6.2f} {r['median']:8.3f}  {parts}; steps {', '.join(f'{t:.3f}' for t in r['times'])}; "
+              f"planned in {r['planning_s']:.1f} s; bytes equal: {r['bytes_equal']}", flush=True)
     if not args.nvme_path:
         shutil.rmtree(directory, ignore_errors=True)
     if args.json:

@@ -225,9 +225,11 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         raise ArgumentTypeError("optimizer", type(optimizer).__name__, "a torch.optim.Optimizer or None")
     if plan is not None:
         if config is not None:
-            raise InvalidArgumentError("plan", getattr(plan, "name", plan), "None when config is given (one or the other)")
+            raise InvalidArgumentError("plan", getattr(plan, "name", plan),
+                                       "None when config is given (one or the other)")
         if not callable(getattr(plan, "config", None)) or not isinstance(getattr(plan, "settings", None), dict):
-            raise ArgumentTypeError("plan", type(plan).__name__, "a candidate of chunkmem.choose() (a chunkmem.plan.Candidate)")
+            raise ArgumentTypeError("plan", type(plan).__name__,
+                                    "a candidate of chunkmem.choose() (a chunkmem.plan.Candidate)")
         config = plan.config(nvme_path)
     elif nvme_path is not None:
         raise InvalidArgumentError("nvme_path", nvme_path, "None unless plan is given (a config names its own)")

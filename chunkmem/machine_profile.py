@@ -141,8 +141,8 @@ class MachineProfile:
         """Time each not yet measured operator of ``signatures`` (signature -> a function that runs it once
         on real tensors, see :mod:`chunkmem.cost_model`) and keep its seconds in :attr:`op_seconds`. Each
         runs once to warm up and then until about 50 ms have passed (at least twice, at most 7 times); the
-        fastest run is kept (on a shared machine the others are the ones another job slowed down). Stops measuring after ``budget_s`` seconds in all (the rest falls back on the
-        FLOP and bandwidth figures). ``again``: time the operators already measured too and keep the
+        fastest run is kept (on a shared machine the others are the ones another job slowed down). Stops
+        measuring after ``budget_s`` seconds in all (the rest falls back on the FLOP and bandwidth figures). ``again``: time the operators already measured too and keep the
         faster figure (a second look, at another moment of a shared machine)."""
         begin = time.perf_counter()
         for key, run in signatures.items():

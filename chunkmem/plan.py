@@ -693,8 +693,8 @@ def _candidate(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse
             "the profile has no collective bandwidth"
     return Candidate(policy, fits, reason, tier_bytes, base.non_model_peak, base.chunk_bytes, base.num_chunks,
                      moved_to_device, moved_to_host, base.device_peak_bytes, dict(ex), name=name, settings=settings,
-                     ranks=ranks, host_peak_bytes=host_peak, disk_file_bytes=files, disk_read_per_step=read + read_compute,
-                     disk_written_per_step=written, collective_bytes_per_step=ex["collective_bytes_sent"], time=time,
+                     ranks=ranks, host_peak_bytes=host_peak, disk_file_bytes=files,
+                     disk_read_per_step=read + read_compute, disk_written_per_step=written, collective_bytes_per_step=ex["collective_bytes_sent"], time=time,
                      cost_inputs=cost_inputs)
 
 

@@ -41,9 +41,9 @@ class PlacementState:
     """What the placement depends on beyond the policy. Owned by the model's runtime: the layout facts
     (``num_chunks``; ``trainable``, the indices of the trainable chunks in packing order) when the chunks
     are built, with ``param_host_chunks``; ``margin_ratio`` (``gpu_margin_mem_ratio``) and
-    ``optim_host_chunks`` when the optimizer is attached; ``plan``, ``margin_chunks`` (chunks whose optimizer state and parameters stay on the
-    device; ``margin_bytes`` the margin) and ``following`` (the running iteration follows the plan) by the
-    scheduler, under ``auto``."""
+    ``optim_host_chunks`` when the optimizer is attached; ``plan``, ``margin_chunks`` (chunks whose optimizer
+    state and parameters stay on the device; ``margin_bytes`` the margin) and ``following`` (the running
+    iteration follows the plan) by the scheduler, under ``auto``."""
 
     num_chunks: int = 0
     trainable: tuple[int, ...] = ()
@@ -161,7 +161,9 @@ class StaticPlacement(PlacementPolicy):
         return self._on_device(position, count, self.offload_optim_frac)
 
     def param_rest_tier(self, chunk: Chunk, state: PlacementState) -> Tier:
-        return Tier.DEVICE if self.params_on_device_at_rest(chunk.index, state.num_chunks) else self._off_device(chunk, state)
+        if self.params_on_device_at_rest(chunk.index, state.num_chunks):
+            return Tier.DEVICE
+        return self._off_device(chunk, state)
 
     def compute_tier(self, chunk: Chunk, state: PlacementState) -> Tier:
         position = state.trainable.index(chunk.index)
