@@ -133,22 +133,11 @@ class DiskTier:
 
     # ---- files and regions ---------------------------------------------------------------------------
 
-    def reserve(self, family: str, region_nbytes: int, chunks: int, slots: int | None = None) -> None:
-        """Make the family's file hold ``chunks`` × ``slots`` (default: 2 with ``atomic_step``, else 1)
-        regions of ``region_nbytes`` bytes each, preallocated, so that a full disk shows here, before any
-        state changes. Raises :class:`~chunkmem.storage.disk_io.DiskIOError` naming the file."""
-        region = aligned_nbytes(region_nbytes)
-        slots = self.slots if slots is None else slots
-        regions = self._regions.get(family, [])
-        if self._slots.get(family, slots) != slots or any(r != region for r in regions):
-            raise ValueError(f"internal error: {family} regions of {sorted(set(regions))} bytes × "
-                             f"{self._slots[family]} and {region} × {slots}")
-        self._add_regions(family, [region] * max(chunks - len(regions), 0), slots)
-
     def reserve_chunks(self, family: str, region_nbytes: list[int], slots: int | None = None) -> None:
         """Make the family's file hold a region of ``region_nbytes[i]`` bytes for chunk ``i`` (0: none, for a
         chunk whose family does not rest on disk) × ``slots`` (default: 2 with ``atomic_step``, else 1),
-        preallocated as :meth:`reserve` does; once per family."""
+        preallocated, so that a full disk shows here, before any state changes; once per family. Raises
+        :class:`~chunkmem.storage.disk_io.DiskIOError` naming the file."""
         if family in self._regions:
             raise ValueError(f"internal error: {family} regions reserved twice")
         self._add_regions(family, [aligned_nbytes(n) for n in region_nbytes], self.slots if slots is None else slots)
@@ -156,7 +145,7 @@ class DiskTier:
     def add_region(self, family: str, region_nbytes: int) -> None:
         """One more chunk's region of ``region_nbytes`` bytes (one slot), whatever the others' sizes: a
         ``ZeroInitContext`` building onto the disk tier adds each chunk as it opens, and a parameter
-        larger than its chunk size gets a chunk of its own size. Preallocated, as :meth:`reserve`."""
+        larger than its chunk size gets a chunk of its own size. Preallocated, as :meth:`reserve_chunks`."""
         self._add_regions(family, [aligned_nbytes(region_nbytes)], self._slots.get(family, 1))
 
     def _add_regions(self, family: str, new: list[int], slots: int) -> None:

@@ -800,8 +800,8 @@ class ShardedOptimizerV2(Optimizer):
 
     def _undo_updates_in_memory(self) -> None:
         """Undo every update the backward made of chunks whose state is in memory (see :meth:`_undo_update`)."""
-        for chunk in self._undo.chunks():
-            self._undo_update(self._undo.get(chunk))
+        for undo in self._undo.copies():
+            self._undo_update(undo)
 
     def _speculation_key(self, chunk: Chunk) -> tuple[Any, ...]:
         """What an update made in the backward assumed about ``chunk`` besides the multiplier: the parameters

@@ -13,9 +13,9 @@ decided.
 
 The copies rest on the host tier and are counted in the ledger as family ``undo``: at most one per chunk,
 released by ``step()`` or ``zero_grad()``, so the bytes are bounded by one copy of the in-memory optimizer
-state (:func:`undo_nbytes`, checked against the host's room when the optimizer is built). A copy the host
-tier has no room for at the time is not taken, and that chunk is updated in ``step()`` as without
-``step_in_backward``: the same bits, without the overlap.
+state (:func:`undo_nbytes` a chunk; the optimizer checks the host's room for all of them when it is built).
+A copy the host tier has no room for at the time is not taken, and that chunk is updated in ``step()`` as
+without ``step_in_backward``: the same bits, without the overlap.
 """
 from __future__ import annotations
 
@@ -75,8 +75,9 @@ class UndoCopies:
     def get(self, chunk: Chunk) -> UndoCopy | None:
         return self._copies.get(chunk.index)
 
-    def chunks(self) -> list[Chunk]:
-        return [copy_.chunk for copy_ in self._copies.values()]
+    def copies(self) -> list[UndoCopy]:
+        """Every copy held, in the order they were taken."""
+        return list(self._copies.values())
 
     def take(self, chunk: Chunk, params: torch.Tensor | None, multiplier: float, assumed: tuple[Any, ...],
              scalars: dict[int, dict[str, Any]], whole: dict[int, dict[str, Any]]) -> bool:
