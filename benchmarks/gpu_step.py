@@ -43,8 +43,12 @@ AUTO_CAPACITY_BYTES_PER_PARAM = 8
 LR, WEIGHT_DECAY = 1e-3, 0.01
 
 
-def child(config: str, size: str, warmup: int, steps: int) -> dict:
+def child(config: str, size: str, warmup: int, steps: int, limit: float) -> dict:
+    import faulthandler
+
     import torch
+
+    faulthandler.dump_traceback_later(limit, exit=True)  # a configuration that hangs shows where
     import torch.nn.functional as F
 
     spec = SIZES[size]
@@ -98,6 +102,7 @@ def child(config: str, size: str, warmup: int, steps: int) -> dict:
         torch.cuda.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
+        print(f"{config} step {i}: {time.perf_counter() - t0:.3f} s", file=sys.stderr, flush=True)
     out = dict(config=config, n_params=n_params, times=times, loss=float(loss),
                peak_gpu_bytes=torch.cuda.max_memory_allocated(), torch=torch.__version__,
                gpu=torch.cuda.get_device_name())
@@ -110,14 +115,28 @@ def child(config: str, size: str, warmup: int, steps: int) -> dict:
 
 def run_child(config: str, size: str, args: argparse.Namespace) -> dict | str:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", config, "--size", size,
-           "--warmup", str(args.warmup), "--steps", str(args.steps)]
+           "--warmup", str(args.warmup), "--steps", str(args.steps), "--limit", str(args.limit)]
+    start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_TAG):
             return json.loads(line[len(RESULT_TAG):])
-    sys.stderr.write(f"--- {size} {config} failed (status {proc.returncode}):\n{proc.stdout[-3000:]}"
-                     f"{proc.stderr[-3000:]}\n")
+    sys.stderr.write(f"--- {size} {config} failed (status {proc.returncode}) after "
+                     f"{time.perf_counter() - start:.0f} s:\n{proc.stdout[-3000:]}{proc.stderr[-6000:]}\n")
     return f"failed ({proc.returncode})"
+
+
+def print_row(config: str, r: dict | str, results: dict) -> None:
+    if not isinstance(r, dict):
+        print(f"{config:<13} {r}", flush=True)
+        return
+    base = results.get("plain-amp" if config.endswith("fp16") or config == "plain-amp" else "plain")
+    step = statistics.median(r["times"]) * 1e3
+    ratio = step / (statistics.median(base["times"]) * 1e3) if isinstance(base, dict) else float("nan")
+    moved = (f"{r['to_device'] / 2**20:11.1f} {r['to_host'] / 2**20:12.1f}" if "to_device" in r
+             else f"{'-':>11} {'-':>12}")
+    print(f"{config:<13} {step:9.1f} {ratio:7.3f} {r['peak_gpu_bytes'] / 2**30:13.2f} {moved} {r['loss']:8.4f}",
+          flush=True)
 
 
 def main() -> int:
@@ -125,11 +144,14 @@ def main() -> int:
     parser.add_argument("--sizes", default="50m,350m", help="comma-separated, of " + ", ".join(SIZES))
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per configuration")
+    parser.add_argument("--configs", default=None, help="comma-separated configurations (default: each size's plan)")
+    parser.add_argument("--limit", type=float, default=60.0,
+                        help="seconds a configuration may run before it is stopped with a traceback (default 60)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--size", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(RESULT_TAG + json.dumps(child(args.child, args.size, args.warmup, args.steps)), flush=True)
+        print(RESULT_TAG + json.dumps(child(args.child, args.size, args.warmup, args.steps, args.limit)), flush=True)
         return 0
     import torch
     if not torch.cuda.is_available():
@@ -139,24 +161,15 @@ def main() -> int:
           f"step ms = median; moved = chunk bytes copied host->GPU / GPU->host in the last iteration")
     for size in args.sizes.split(","):
         spec = SIZES[size]
-        results = {config: run_child(config, size, args) for config in PLAN[size]}
-        first = next((r for r in results.values() if isinstance(r, dict)), None)
-        n = first["n_params"] / 1e6 if first else float("nan")
+        n_params = _gpt.count_params(_gpt.GPTConfig(spec["vocab"], spec["d"], spec["layers"], spec["heads"], spec["seq"]))
         print(f"\n{size}: GPT vocab {spec['vocab']}, d {spec['d']}, {spec['layers']} layers, seq {spec['seq']}, "
-              f"batch {spec['batch']}: {n:.1f}M parameters")
+              f"batch {spec['batch']}: {n_params / 1e6:.1f}M parameters")
         print(f"{'config':<13} {'step ms':>9} {'x base':>7} {'peak GPU GiB':>13} {'to GPU MiB':>11} "
-              f"{'to host MiB':>12} {'loss':>8}")
-        for config, r in results.items():
-            if not isinstance(r, dict):
-                print(f"{config:<13} {r}")
-                continue
-            base = results["plain-amp" if config.endswith("fp16") or config == "plain-amp" else "plain"]
-            step = statistics.median(r["times"]) * 1e3
-            ratio = step / (statistics.median(base["times"]) * 1e3) if isinstance(base, dict) else float("nan")
-            moved = (f"{r['to_device'] / 2**20:11.1f} {r['to_host'] / 2**20:12.1f}" if "to_device" in r
-                     else f"{'-':>11} {'-':>12}")
-            print(f"{config:<13} {step:9.1f} {ratio:7.3f} {r['peak_gpu_bytes'] / 2**30:13.2f} {moved} "
-                  f"{r['loss']:8.4f}")
+              f"{'to host MiB':>12} {'loss':>8}", flush=True)
+        results: dict[str, dict | str] = {}
+        for config in (args.configs.split(",") if args.configs else PLAN[size]):
+            results[config] = run_child(config, size, args)
+            print_row(config, results[config], results)
     print("(x base: against plain for fp32 rows, against plain-amp for the fp16 rows)")
     return 0
 

@@ -101,6 +101,30 @@ def test_fp16_overflow_undoes_the_backward_updates_and_skips_the_step(tmp_path, 
     _same(plain, disk)
 
 
+@pytest.mark.parametrize("offload_optimizer", [None, "disk"])
+def test_auto_margin_decided_after_the_traced_iteration_is_where_the_step_updates(tmp_path, offload_optimizer):
+    """Under ``auto`` with ``gpu_margin_mem_ratio`` the margin's optimizer state moves to the device when a traced
+    iteration ends: that iteration's backward updates nothing (an update there would run where the state no
+    longer is: on a GPU another kernel, other rounding, not bitwise the plain step; with the state on disk the
+    step crashed), the iterations that follow the plan update every chunk."""
+    def build(step_in_backward):
+        disk = dict(offload_optimizer="disk", nvme_path=str(tmp_path),
+                    buffer_size=PIECE) if offload_optimizer else {}
+        model = cm.ShardedModelV2(copy.deepcopy(reference), cm.TensorShardStrategy(), tensor_placement_policy="auto",
+                                  dtype=torch.float16, chunk_size=CHUNK_BYTES, **disk)
+        optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-2), initial_scale=2**10,
+                                      gpu_margin_mem_ratio=0.5, step_in_backward=step_in_backward)
+        return model, optim
+
+    reference = _reference()
+    plain, ahead = build(False), build(True)
+    (plain_steps, _), (ahead_steps, started) = _run([plain, ahead], batches(4))
+    assert plain_steps == ahead_steps == [True] * 4
+    assert started[0] == 0 and started[-1] > 0
+    assert all(ahead[1].runtime.optim_tier(c) is cm.Tier.DEVICE for c in ahead[0].chunks if c.trainable)
+    _same(plain, ahead)
+
+
 def test_a_learning_rate_changed_between_backward_and_step_is_the_one_applied(tmp_path):
     plain, disk = _pair(_reference(), tmp_path, torch.bfloat16)
 
@@ -169,9 +193,14 @@ def _pair_in_memory(reference, dtype, policy, max_norm=0.0, optimizer=None, **mo
         return build(False), build(True)
     cm.set_device_memory_capacity(AUTO_DEVICE_BYTES)  # read when a model is wrapped
     try:
-        return build(False), build(True)
+        pair = build(False), build(True)
     finally:
         cm.set_device_memory_capacity(None)
+    # auto traces its first two iterations here, and the margin's state moves to the device as each ends: their
+    # backwards update nothing (the step does), so the cases below start once the plan is followed.
+    (_, (_, started)) = _run(pair, batches(2, seed=5))
+    assert started == [0, 0]
+    return pair
 
 
 def _kept(pair, data, before_step=None, loss_factor=None):

@@ -725,6 +725,10 @@ class ShardedOptimizerV2(Optimizer):
         after taking its undo copy (the runtime's :class:`~chunkmem.runtime.runtime.OptimizerListener` side)."""
         if not self.step_in_backward or not chunk.trainable or self._broken_by or self._accumulating:
             return
+        if self.runtime.scheduler.placing_optimizer_state:
+            # Where each chunk's state lives is decided when this traced iteration ends: an update here could
+            # run on another tier (another kernel, other rounding) than step() would. The step updates all.
+            return
         if self.runtime.optim_tier(chunk) is not Tier.DISK:
             self._update_in_backward(chunk)
             return

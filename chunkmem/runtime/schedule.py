@@ -137,6 +137,14 @@ class Scheduler:
     def mode(self) -> IterationMode:
         return self._mode
 
+    @property
+    def placing_optimizer_state(self) -> bool:
+        """Whether the running iteration's end may move optimizer state to the device: a traced iteration
+        under a policy that plans from the trace, with a margin for optimizer state (``auto`` with
+        ``gpu_margin_mem_ratio`` > 0: the plan picks the chunks whose state moves)."""
+        return (self._mode is IterationMode.TRACING and self.policy.plans_from_trace
+                and self.state.margin_ratio > 0)
+
     def _enter(self, mode: IterationMode, *allowed: IterationMode) -> None:
         if self._mode not in allowed:
             raise ChunkStateError("the iteration scheduler", f"enter {mode.name}", self._mode, allowed,
