@@ -86,7 +86,9 @@ class ShardedOptimizerV2(Optimizer):
             rate changed in between. Refused at construction where an update could not be undone
             (``atomic_step=False`` with fp16 or clipping; ``reuse_fp16_shard=True``, whose gradients the
             update overwrites, with fp16, clipping or state in memory) and where the host has no room for
-            the undo copies of the state in memory. One backward per step starts updates: a second one
+            the undo copies of the state in memory. Under ``auto`` with ``gpu_margin_mem_ratio`` > 0 a traced
+            iteration's backward starts none (the plan made at its end moves state to the device). One
+            backward per step starts updates: a second one
             before :meth:`step` is refused, unless the earlier ones ran inside :meth:`accumulating`.
             ``zero_grad()`` before :meth:`step` undoes the updates (refused with ``atomic_step=False``: those
             cannot be undone). Between the backward and :meth:`step` the updated chunks' parameters hold the
