@@ -250,6 +250,17 @@ def main() -> int:
                            f"{len(balanced)} order-balanced pairs of pairs (target >= 1; the order alone moves a "
                            f"pair's ratio by {order:.3f}x)", ratio >= 1.0))
     print()
+    print("the gradient norm's sum of squares over the same gradient (fp16 and bf16 are what a 16-bit step's overflow "
+          "check and clipping read):")
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        g = flat.to(dtype)
+        torch_s = statistics.median(timed(lambda: torch.linalg.vector_norm(g, 2, dtype=torch.float32).item())
+                                    for _ in range(args.rounds))
+        ours_s = statistics.median(timed(lambda: kernel.sum_squares(g)) for _ in range(args.rounds))
+        gbs = g.numel() * g.element_size() / ours_s / 1e9
+        print(f"  {str(dtype)[6:]:<9} torch vector_norm(dtype=float32) {torch_s * 1e3:7.1f} ms, chunkmem "
+              f"sum_squares {ours_s * 1e3:6.1f} ms ({gbs:.1f} GB/s): {torch_s / ours_s:.1f}x")
+    print()
     for text, ok in checks:
         print(f"{'PASS' if ok else 'MISS'}: {text}")
     return 0 if all(ok for _, ok in checks) or args.no_fail else 1

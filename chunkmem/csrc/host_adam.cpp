@@ -393,7 +393,7 @@ void parallel_range(int64_t n, int nthreads, int64_t min_per_thread, Body body) 
 // ---------------------------------------------------------------------------------------------------
 // Exported C ABI.
 
-CM_EXPORT int chunkmem_host_adam_abi(void) { return 4; }
+CM_EXPORT int chunkmem_host_adam_abi(void) { return 5; }
 
 CM_EXPORT int chunkmem_host_adam_cpu_ok(void) {
   __builtin_cpu_init();
@@ -540,4 +540,87 @@ CM_EXPORT void chunkmem_stream_mixed(float* a, float* b, float* c, const uint16_
                                      float s, int nthreads) {
   parallel_range(n, nthreads, 1 << 15,
                  [&](int64_t lo, int64_t hi) { stream_mixed_range(a, b, c, g, o, lo, hi, s); });
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Sum of squares (the gradient norm's), in double. Every square is exact in double (a float has 24
+// significant bits, its square at most 48), so only the additions round; they run in a fixed order
+// within blocks of kNormBlock elements and the block sums are added in block order, so the result does
+// not depend on the thread count.
+
+namespace {
+
+constexpr int64_t kNormBlock = 1 << 16;
+
+template <int D>
+CM_TARGET inline __m256 load8(const void* x, int64_t i) {
+  if constexpr (D == kF32) {
+    return _mm256_loadu_ps(static_cast<const float*>(x) + i);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(x) + i));
+    if constexpr (D == kF16) return _mm256_cvtph_ps(h);
+    else return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+template <int D>
+CM_TARGET inline float load1(const void* x, int64_t i) {
+  if constexpr (D == kF32) return static_cast<const float*>(x)[i];
+  else if constexpr (D == kF16) return _cvtsh_ss(static_cast<const uint16_t*>(x)[i]);
+  else return bf16_to_f32(static_cast<const uint16_t*>(x)[i]);
+}
+
+template <int D>
+CM_TARGET double sum_squares_block(const void* x, int64_t begin, int64_t end) {
+  __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
+  int64_t i = begin;
+  for (; i + 16 <= end; i += 16) {
+    const __m256 a = load8<D>(x, i), b = load8<D>(x, i + 8);
+    const __m256d a0 = _mm256_cvtps_pd(_mm256_castps256_ps128(a)), a1 = _mm256_cvtps_pd(_mm256_extractf128_ps(a, 1));
+    const __m256d b0 = _mm256_cvtps_pd(_mm256_castps256_ps128(b)), b1 = _mm256_cvtps_pd(_mm256_extractf128_ps(b, 1));
+    acc[0] = _mm256_fmadd_pd(a0, a0, acc[0]);
+    acc[1] = _mm256_fmadd_pd(a1, a1, acc[1]);
+    acc[2] = _mm256_fmadd_pd(b0, b0, acc[2]);
+    acc[3] = _mm256_fmadd_pd(b1, b1, acc[3]);
+  }
+  const __m256d sum = _mm256_add_pd(_mm256_add_pd(acc[0], acc[1]), _mm256_add_pd(acc[2], acc[3]));
+  double lanes[4];
+  _mm256_storeu_pd(lanes, sum);
+  double total = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+  for (; i < end; ++i) {
+    const double d = load1<D>(x, i);
+    total += d * d;
+  }
+  return total;
+}
+
+}  // namespace
+
+// *out = the sum of the squares of the n elements at x (dtype: kF32, kF16 or kBF16). Returns 0, or 1 for
+// an unknown dtype (nothing written).
+CM_EXPORT int chunkmem_sum_squares(const void* x, int dtype, int64_t n, int nthreads, double* out) {
+  double (*block)(const void*, int64_t, int64_t) = nullptr;
+  if (dtype == kF32) block = sum_squares_block<kF32>;
+  else if (dtype == kF16) block = sum_squares_block<kF16>;
+  else if (dtype == kBF16) block = sum_squares_block<kBF16>;
+  if (block == nullptr) return 1;
+  const int64_t blocks = (n + kNormBlock - 1) / kNormBlock;
+  std::vector<double> sums(size_t(blocks), 0.0);
+  std::atomic<int64_t> next{0};
+  auto work = [&] {
+    for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < blocks;)
+      sums[size_t(k)] = block(x, k * kNormBlock, std::min(n, (k + 1) * kNormBlock));
+  };
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(nthreads, blocks));
+  std::vector<std::thread> workers;
+  try {
+    for (int64_t t = 1; t < threads; ++t) workers.emplace_back(work);
+  } catch (...) {  // could not start a thread: the ones running (and this one) do the work
+  }
+  work();
+  for (auto& th : workers) th.join();
+  double total = 0.0;
+  for (double s : sums) total += s;
+  *out = total;
+  return 0;
 }

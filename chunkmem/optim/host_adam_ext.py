@@ -62,7 +62,7 @@ DISABLE_ENV = "CHUNKMEM_DISABLE_CPP_ADAM"
 FP32_ENV = "CHUNKMEM_CPP_ADAM_FP32"
 SOURCE = CSRC / "host_adam.cpp"
 CXXFLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-math-errno")
-ABI_VERSION = 4
+ABI_VERSION = 5
 # VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE: the mode in which torch's Tensor.sqrt calls vmsSqrt
 VML_SQRT_MODE = 0x2 | 0x140000 | 0x100
 SQRT_VARIANTS = ("ieee", "vml")
@@ -104,6 +104,8 @@ class HostAdamKernel:
         lib.chunkmem_stream_4r3w.restype = None
         lib.chunkmem_stream_mixed.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, f, i]
         lib.chunkmem_stream_mixed.restype = None
+        lib.chunkmem_sum_squares.argtypes = [ptr, i, i64, i, ctypes.POINTER(ctypes.c_double)]
+        lib.chunkmem_sum_squares.restype = i
         self._update = lib.chunkmem_host_adam
 
     def update(self, master: torch.Tensor, grad: "torch.Tensor | GradPieces", exp_avg: torch.Tensor,
@@ -155,6 +157,19 @@ class HostAdamKernel:
         if rc != 0:
             raise RuntimeError(f"chunkmem host Adam kernel refused dtypes {grad.dtype} -> "
                                f"{None if param_out is None else param_out.dtype}")
+
+    def sum_squares(self, x: torch.Tensor, nthreads: int | None = None) -> float:
+        """The sum of the squares of ``x``'s elements (a contiguous fp32, fp16 or bf16 CPU tensor) in double:
+        each square exact, the additions in an order fixed by the element count alone (not by the thread
+        count); inf or NaN where an element is. Memory-bound (one read of ``x``); what ``vector_norm`` with
+        ``dtype=torch.float32`` gives on a 16-bit CPU tensor at a tenth of the speed."""
+        if x.device.type != "cpu" or not x.is_contiguous() or x.dtype not in _DTYPE_CODES:
+            raise ValueError(f"sum_squares takes a contiguous fp32, fp16 or bf16 CPU tensor, not {x.dtype} on "
+                             f"{x.device} (contiguous: {x.is_contiguous()})")
+        out = ctypes.c_double()
+        self.lib.chunkmem_sum_squares(x.data_ptr(), _DTYPE_CODES[x.dtype], x.numel(),
+                                      torch.get_num_threads() if nthreads is None else nthreads, ctypes.byref(out))
+        return out.value
 
     def stream_4r3w(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor,
                     nthreads: int | None = None) -> None:

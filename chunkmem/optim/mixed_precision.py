@@ -20,6 +20,10 @@ import torch.distributed as dist
 
 from ..distributed.collectives import all_reduce_over
 from .loss_scaler import DynamicGradScaler
+from .norms import sum_of_squares
+
+HOST_SUMMED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""Gradient dtypes whose 2-norm on the CPU is summed by :func:`~chunkmem.optim.norms.sum_of_squares`."""
 
 
 class MixedPrecisionStep:
@@ -47,16 +51,23 @@ class MixedPrecisionStep:
     def total_norm(self, grads: Iterable[torch.Tensor | None], norm_type: float = 2.0) -> float:
         """The ``norm_type`` norm of all unscaled gradients (this rank's shards of them, reduced over the
         ranks): inf or NaN when some rank's gradients overflowed. One host synchronisation per device
-        holding gradients and one all-reduce per group."""
+        holding gradients and one all-reduce per group. The 2-norm of CPU tensors comes from
+        :func:`~chunkmem.optim.norms.sum_of_squares` (exact squares, a fixed order, the bandwidth bound)."""
         by_device: dict[torch.device, list[torch.Tensor]] = {}
+        host_squares = 0.0  # the 2-norm's sum of squares of CPU gradients, exact squares (chunkmem.optim.norms)
         for grad in grads:
-            if grad is not None:
-                norm = torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32)
-                by_device.setdefault(norm.device, []).append(norm)
+            if grad is None:
+                continue
+            if norm_type == 2.0 and grad.device.type == "cpu" and grad.dtype in HOST_SUMMED_DTYPES:
+                host_squares += sum_of_squares(grad)
+                continue
+            norm = torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32)
+            by_device.setdefault(norm.device, []).append(norm)
         if math.isinf(norm_type):
             local = max((torch.stack(ns).max().item() for ns in by_device.values()), default=0.0)
         else:
-            local = sum(torch.stack(ns).double().pow(norm_type).sum().item() for ns in by_device.values())
+            local = host_squares + sum(torch.stack(ns).double().pow(norm_type).sum().item()
+                                       for ns in by_device.values())
         total = self._reduce_over_ranks(local, maximum=math.isinf(norm_type))
         if not math.isinf(norm_type):
             total = total ** (1 / norm_type)
