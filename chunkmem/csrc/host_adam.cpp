@@ -553,29 +553,12 @@ namespace {
 constexpr int64_t kNormBlock = 1 << 16;
 
 template <int D>
-CM_TARGET inline __m256 load8(const void* x, int64_t i) {
-  if constexpr (D == kF32) {
-    return _mm256_loadu_ps(static_cast<const float*>(x) + i);
-  } else {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(x) + i));
-    if constexpr (D == kF16) return _mm256_cvtph_ps(h);
-    else return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
-}
-
-template <int D>
-CM_TARGET inline float load1(const void* x, int64_t i) {
-  if constexpr (D == kF32) return static_cast<const float*>(x)[i];
-  else if constexpr (D == kF16) return _cvtsh_ss(static_cast<const uint16_t*>(x)[i]);
-  else return bf16_to_f32(static_cast<const uint16_t*>(x)[i]);
-}
-
-template <int D>
 CM_TARGET double sum_squares_block(const void* x, int64_t begin, int64_t end) {
   __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
   int64_t i = begin;
   for (; i + 16 <= end; i += 16) {
-    const __m256 a = load8<D>(x, i), b = load8<D>(x, i + 8);
+    __m256 a, b;
+    load_grad16<D>(x, i, a, b);
     const __m256d a0 = _mm256_cvtps_pd(_mm256_castps256_ps128(a)), a1 = _mm256_cvtps_pd(_mm256_extractf128_ps(a, 1));
     const __m256d b0 = _mm256_cvtps_pd(_mm256_castps256_ps128(b)), b1 = _mm256_cvtps_pd(_mm256_extractf128_ps(b, 1));
     acc[0] = _mm256_fmadd_pd(a0, a0, acc[0]);
@@ -588,7 +571,7 @@ CM_TARGET double sum_squares_block(const void* x, int64_t begin, int64_t end) {
   _mm256_storeu_pd(lanes, sum);
   double total = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
   for (; i < end; ++i) {
-    const double d = load1<D>(x, i);
+    const double d = load_grad1<D>(x, i);
     total += d * d;
   }
   return total;
