@@ -94,7 +94,7 @@ import torch.nn.functional as F
 
 import chunkmem as cm
 from chunkmem.optim import host_adam_ext
-from chunkmem.optim.sharded_optimizer import GRADIENTS_AHEAD_OF_THE_DISK_STEP
+from chunkmem.optim.backward_step import GRADIENTS_AHEAD_OF_THE_DISK_STEP
 from chunkmem.storage.disk_io import aligned_nbytes
 
 from _gpt import (GPT, GPTConfig, chunk_layout, count_params, gib, machine_header, mib,

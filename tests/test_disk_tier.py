@@ -599,7 +599,7 @@ def test_step_in_backward_in_place_frees_each_gradient_once_its_update_is_comput
     """atomic_step=False, bf16, no clipping: nothing reads a disk chunk's gradient after its update, so the
     backward frees it and waits for the disk step rather than hold every chunk's gradient: the host holds a
     few chunks' gradients at once, and the results stay bitwise those of the step after the backward."""
-    from chunkmem.optim.sharded_optimizer import GRADIENTS_AHEAD_OF_THE_DISK_STEP
+    from chunkmem.optim.backward_step import GRADIENTS_AHEAD_OF_THE_DISK_STEP
 
     reference, data = _reference(), batches(3)
     runs = {}

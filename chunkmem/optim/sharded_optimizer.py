@@ -17,7 +17,7 @@ from ..errors import (ArgumentTypeError, ChunkmemError, DeviceCapacityError, Gra
                       InvalidArgumentError, UnscaledBackwardError, UnsupportedOperationError, check_number,
                       check_type)
 from ..core.param_guard import slot_of
-from ..core.tiers import Tier, host_memory_available
+from ..core.tiers import Tier
 from ..distributed.agreement import ARGUMENTS, LayoutDescription, ParamRecord, agree, refuse_together
 from ..distributed.collectives import ShardGroup
 from ..model import ShardedModelV2
@@ -27,15 +27,10 @@ from .adam import check_supported_optimizer, hyper_of_group, runs_adam_kernel
 from .any_optimizer import ParamView, PieceStep, StateLayout, check_elementwise, probe_state, step_views
 from .adam_kernels import adam_update_, adam_update_pieces_, param_spans
 from .adam_math import AdamHyper
-from .disk_step import ChunkUpdate, DiskStepError, StreamedStep, gaps, streamed_count, streamed_families
-from .speculation import UndoCopies, UndoCopy
+from .backward_step import BackwardStep, check_step_in_backward, check_undo_room, why_no_speculation
+from .disk_step import ChunkUpdate, DiskStepError, StreamedStep, gaps, streamed_count
 from .loss_scaler import DynamicGradScaler
 from .mixed_precision import MixedPrecisionStep
-
-
-GRADIENTS_AHEAD_OF_THE_DISK_STEP = 2
-"""With ``step_in_backward`` and ``atomic_step=False``: how many chunks' gradients may wait for the disk step
-beyond the one it is computing before the backward waits for it (see ``_gradients_used_once``)."""
 
 
 class ShardedOptimizerV2(Optimizer):
@@ -141,7 +136,7 @@ class ShardedOptimizerV2(Optimizer):
                 settings.dp_process_group, "dp_process_group", "the model's data-parallel ranks (its process_group)")
             if settings.mp_process_group is not None:
                 ShardGroup.of(settings.mp_process_group, "mp_process_group")
-            self._check_step_in_backward(sharded_model.settings, sharded_model.dtype, settings)
+            check_step_in_backward(sharded_model.settings, sharded_model.dtype, settings)
             if sharded_model.optimizer_attached:
                 raise InvalidArgumentError("sharded_model", "a model that already has a ShardedOptimizerV2",
                                            "a ShardedModelV2 without an optimizer")
@@ -149,7 +144,7 @@ class ShardedOptimizerV2(Optimizer):
             group_of = self._groups_of(sharded_model, optimizer)
             layout = self._state_layout(sharded_model, optimizer)
             self._check_capacity(sharded_model, layout)
-            self._check_undo_room(sharded_model, layout, settings)
+            check_undo_room(sharded_model, layout, settings)
         except ChunkmemError as refused:
             refuse_together(sharded_model.data_parallel, "ShardedOptimizerV2", refused)
         self._agree_on_settings(sharded_model, optimizer, settings, group_of)
@@ -171,11 +166,7 @@ class ShardedOptimizerV2(Optimizer):
         # with one, those run by backward() / backward_by_grad())
         self._accounted_backwards = self.runtime.backward_count
         self._broken_by: ChunkmemError | None = None  # a failed step that could not be undone
-        self._step_in_flight: StreamedStep | None = None  # step_in_backward: started by this backward
-        self._speculated: dict[int, tuple[Any, ...]] = {}  # chunk index -> what its update in flight assumed
-        self._undo = UndoCopies(self.runtime.memory)  # step_in_backward: chunks in memory updated by the backward
-        self._kept_backward_updates = 0
-        self._accumulating = False  # inside accumulating(): backwards start no updates
+        self._backward = BackwardStep(self)  # step_in_backward: what the backward started
         self._layout = layout  # None: the Adam kernel; else any_optimizer's stand-in step
         self._scalars: dict[int, dict[int, dict[str, Any]]] = {}  # any_optimizer: chunk -> group -> scalar state
         self._whole_state: dict[int, dict[int, dict[str, Any]]] = {}  # any_optimizer: chunk -> slot -> its state
@@ -235,34 +226,7 @@ class ShardedOptimizerV2(Optimizer):
         if settings.mp_process_group is not None:
             ShardGroup.of(settings.mp_process_group, "mp_process_group")
         if settings.step_in_backward:
-            cls._check_step_in_backward(model_settings, compute_dtype(module, model_settings), settings)
-
-    @staticmethod
-    def _check_step_in_backward(model_settings: ModelSettings, dtype: torch.dtype,
-                                settings: OptimizerSettings) -> None:
-        if not settings.step_in_backward:
-            return
-        if model_settings.reuse_fp16_shard and not model_settings.disk.optimizer_on_disk:
-            raise InvalidArgumentError("step_in_backward", True, "False with reuse_fp16_shard=True and the optimizer "
-                                       "state in memory (an update in the backward overwrites the gradients a redone "
-                                       "step needs), or True with offload_optimizer='disk'")
-        needs = "fp16 (its loss scaler may skip the step)" if dtype == torch.float16 else \
-            f"max_norm={settings.max_norm} (clipping)" if settings.max_norm > 0 else None
-        if needs is not None:
-            reason = ShardedOptimizerV2._why_no_speculation(model_settings)
-            if reason is not None:
-                raise InvalidArgumentError("step_in_backward", True, f"False with {needs} and {reason}")
-
-    @staticmethod
-    def _why_no_speculation(model_settings: ModelSettings) -> str | None:
-        """Why the backward's updates could not be undone if ``step()`` decides otherwise (``None``: they can).
-        They are made assuming no overflow and no clipping; an atomic step writes them to the disk's other
-        slot, so undoing them is not committing, and the gradients must survive them to redo the step."""
-        if not model_settings.disk.atomic_step:
-            return "atomic_step=False (the updates written in place on disk could not be undone)"
-        if model_settings.reuse_fp16_shard:
-            return "reuse_fp16_shard=True (the updates overwrite the gradients a redone step needs)"
-        return None
+            check_step_in_backward(model_settings, compute_dtype(module, model_settings), settings)
 
     @staticmethod
     def _groups_of(model: ShardedModelV2, optimizer: Any) -> dict[int, int]:
@@ -329,29 +293,6 @@ class ShardedOptimizerV2(Optimizer):
             raise DeviceCapacityError(
                 f"the optimizer state placed on the device needs {need} bytes, but only {free} of the device "
                 f"tier's capacity of {ledger.capacity} bytes are free; use placement 'cpu' or raise the capacity")
-
-    @staticmethod
-    def _check_undo_room(model: ShardedModelV2, state: StateLayout | None, settings: OptimizerSettings) -> None:
-        """``step_in_backward`` with the optimizer state in memory: refuse before any change if the host
-        has no room for one undo copy of it (see :mod:`chunkmem.optim.speculation`) besides the state
-        itself: the host capacity when one is set, else the memory the system has available."""
-        if not settings.step_in_backward or model.settings.disk.optimizer_on_disk:
-            return
-        layout, ledger = model.layout, model.runtime.ledger
-        per_element = 2 if state is None else len(state.families)
-        # the masters (or fp32 parameters) and the per-element state, fp32: the state, and its undo copy
-        state_bytes = undo = sum((per_element + 1) * layout.shard_numel(i, model.shards.world) * 4
-                                 for i in range(layout.num_chunks) if layout.trainable(i))
-        if ledger.host_capacity is not None:
-            room, what = ledger.host_capacity - ledger.tier_bytes(Tier.HOST) - state_bytes, "the host capacity"
-        else:
-            room, what = host_memory_available() - state_bytes, "the memory available"
-        if undo > room:
-            raise InvalidArgumentError(
-                "step_in_backward", True,
-                f"False, or room on the host for the undo copies of the optimizer state in memory: {undo} bytes, "
-                f"where {max(room, 0)} bytes of {what} are left after the state itself (offload_optimizer='disk' "
-                f"needs no copy: its other slot is the undo; or raise the host capacity)")
 
     @staticmethod
     def _reserve_disk(model: ShardedModelV2, state: StateLayout | None, kept_on_host: list[int]) -> None:
@@ -558,7 +499,7 @@ class ShardedOptimizerV2(Optimizer):
         self._accounted_backwards = self.runtime.backward_count
 
     def _check_can_accumulate(self) -> None:
-        if self._step_in_flight is not None or len(self._undo):
+        if self._backward.pending:
             raise GradientAccumulationError(
                 "step_in_backward=True: the last backward already started this step's updates of the chunks, so "
                 "a second backward cannot add to their gradients; call optim.step() first, or run the backwards "
@@ -571,20 +512,20 @@ class ShardedOptimizerV2(Optimizer):
         inside add to the gradients without starting the step's updates, so that several backwards accumulate
         before one :meth:`step`; run the last backward before :meth:`step` outside it (its updates start in
         that backward, over the summed gradients). Without ``step_in_backward`` it changes nothing."""
-        if self._accumulating:
+        if self._backward.accumulating:
             raise InvalidArgumentError("accumulating", "a nested accumulating()", "one accumulating() at a time")
-        self._accumulating = True
+        self._backward.accumulating = True
         try:
             yield
         finally:
-            self._accumulating = False
+            self._backward.accumulating = False
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Clip the gradients of the coming step to total norm ``max_norm``; returns the total norm of the
         unscaled gradients (inf or NaN if they overflowed). Clipping is folded into the update."""
         check_number("max_norm", max_norm, low=0.0, low_open=True)
         check_number("norm_type", norm_type, low=0.0, low_open=True)
-        reason = self._why_no_speculation(self.model.settings) if self.step_in_backward else None
+        reason = why_no_speculation(self.model.settings) if self.step_in_backward else None
         if reason is not None:
             raise UnsupportedOperationError(
                 f"clip_grad_norm with step_in_backward=True and {reason}: the chunks on disk are updated during the "
@@ -626,11 +567,11 @@ class ShardedOptimizerV2(Optimizer):
         if not self.runtime.grads_pending:
             return False
         self._check_backward_was_scaled()
-        self._kept_backward_updates = 0
+        self._backward.kept = 0
         multiplier = self.mixed.decide(self._grads(), self.max_norm, self.norm_type)
         if multiplier is None:
-            self._abandon_step_in_flight()  # made as if nothing overflowed
-            self._undo_updates_in_memory()
+            self._backward.abandon_in_flight()  # made as if nothing overflowed
+            self._backward.undo_in_memory()
             self._discard_grads()
             return False
         if self._broken_by is not None:
@@ -639,10 +580,10 @@ class ShardedOptimizerV2(Optimizer):
         try:
             self._update_on_disk(on_disk, multiplier)  # first: the only part that can fail half-way
         except BaseException:
-            self._undo_updates_in_memory()  # the step did not happen: neither did the backward's updates
+            self._backward.undo_in_memory()  # the step did not happen: neither did the backward's updates
             raise
         for chunk in self._trainable_chunks():
-            if self.runtime.optim_tier(chunk) is not Tier.DISK and not self._keep_backward_update(chunk, multiplier):
+            if self.runtime.optim_tier(chunk) is not Tier.DISK and not self._backward.keep(chunk, multiplier):
                 self._update_chunk(chunk, multiplier)
         self.mixed.stepped()
         self.runtime.end_step(release_gradients=True)
@@ -721,117 +662,10 @@ class ShardedOptimizerV2(Optimizer):
                            param_spans(chunk.slots, chunk.shard_offset), multiplier, rule)
 
     def on_grads_final(self, chunk: Chunk) -> None:
-        """``step_in_backward``: as soon as ``chunk``'s gradients are final, update it as if nothing
-        overflowed and nothing is clipped: hand a chunk whose optimizer state rests on disk to this
-        backward's streamed step (started with the first such chunk), update one whose state is in memory
-        after taking its undo copy (the runtime's :class:`~chunkmem.runtime.runtime.OptimizerListener` side)."""
-        if not self.step_in_backward or not chunk.trainable or self._broken_by or self._accumulating:
-            return
-        if self.runtime.scheduler.placing_optimizer_state:
-            # Where each chunk's state lives is decided when this traced iteration ends: an update here could
-            # run on another tier (another kernel, other rounding) than step() would. The step updates all.
-            return
-        if self.runtime.optim_tier(chunk) is not Tier.DISK:
-            self._update_in_backward(chunk)
-            return
-        step = self._step_in_flight
-        if step is None:
-            disk = self.runtime.memory.disk
-            families = max(streamed_families(c, c.param.shard.on_disk, disk.atomic_step)
-                           for c in self._trainable_chunks() if self.runtime.optim_tier(c) is Tier.DISK)
-            step = self._step_in_flight = StreamedStep(disk, self.mixed.any_rank, families)
-            step.start()
-        elif any(update.chunk is chunk for update in step.updates):
-            raise GradientAccumulationError(
-                f"step_in_backward=True: {chunk.name} received gradients again before optim.step(), but its update "
-                f"already started (a second backward, e.g. loss.backward() called twice); call optim.step() "
-                f"after each backward")
-        # As if nothing overflowed and nothing is clipped: step() checks both and redoes the step otherwise.
-        self._speculated[chunk.index] = self._speculation_key(chunk)
-        step.add(self._disk_update(chunk, 1.0 / self.mixed.loss_scale))
-        if self._gradients_used_once():
-            for update in step.wait_until_computed(GRADIENTS_AHEAD_OF_THE_DISK_STEP):
-                if update.grad is not None:
-                    self.runtime.release_gradients(update.chunk)
-                    update.grad = None
-
-    def _gradients_used_once(self) -> bool:
-        """Whether a disk chunk's gradient is read by its update in the backward and by nothing after: the
-        update is written in place (``atomic_step=False``: never redone) and the step needs no gradient
-        to decide (no loss scaler, no clipping: both are refused with it). The backward then frees each
-        gradient once its update is computed and waits for the disk step when more than
-        :data:`GRADIENTS_AHEAD_OF_THE_DISK_STEP` chunks' gradients are waiting for it, so the host holds a
-        few chunks' gradients instead of all of them (2 bytes a 16-bit parameter)."""
-        return (not self.runtime.memory.disk.atomic_step and self.mixed.scaler is None and self.max_norm == 0
-                and not self.model.reuse_fp16_shard)
-
-    def _update_in_backward(self, chunk: Chunk) -> None:
-        """Update ``chunk``, whose optimizer state is in memory, in this backward after taking its undo copy;
-        without room on the host for the copy (or with the gradients in the parameters' memory) it is left
-        for :meth:`step`."""
-        if chunk in self._undo:
-            raise GradientAccumulationError(
-                f"step_in_backward=True: {chunk.name} received gradients again before optim.step(), but it was "
-                f"already updated (a second backward, e.g. loss.backward() called twice); call optim.step() "
-                f"after each backward")
-        if self.model.reuse_fp16_shard:
-            return
-        multiplier = 1.0 / self.mixed.loss_scale
-        with self.runtime.untraced():
-            params = None if chunk.has_master else self.runtime.update_target(chunk, self.runtime.compute_tier(chunk))
-            if self._undo.take(chunk, params, multiplier, self._speculation_key(chunk), self.scalar_state(chunk),
-                               self.whole_state(chunk)):
-                self._update_chunk(chunk, multiplier)
-
-    def _keep_backward_update(self, chunk: Chunk, multiplier: float) -> bool:
-        """Whether the backward's update of ``chunk`` (state in memory) is this step's: the same multiplier
-        and nothing else changed. Its undo copy is released; an update that is not the step's is undone."""
-        undo = self._undo.get(chunk)
-        if undo is None:
-            return False
-        if undo.multiplier == multiplier and undo.assumed == self._speculation_key(chunk):
-            self._undo.release(chunk)
-            self._kept_backward_updates += 1
-            return True
-        self._undo_update(undo)
-        return False
-
-    def _undo_update(self, undo: UndoCopy) -> None:
-        """Put a chunk updated by the backward back as it was before (state, parameters, step count)."""
-        chunk = undo.chunk
-        with self.runtime.updating(chunk, self.runtime.compute_tier(chunk)) as target:
-            self._undo.restore_into(undo, target)
-        chunk.step = undo.step
-        self.replace_kept_state(chunk, undo.scalars, undo.whole)
-
-    def _undo_updates_in_memory(self) -> None:
-        """Undo every update the backward made of chunks whose state is in memory (see :meth:`_undo_update`)."""
-        for undo in self._undo.copies():
-            self._undo_update(undo)
-
-    def _speculation_key(self, chunk: Chunk) -> tuple[Any, ...]:
-        """What an update made in the backward assumed about ``chunk`` besides the multiplier: the parameters
-        it steps (trainable, in which group, which part) and every group's hyper-parameters."""
-        stepped = tuple((slot.index_in_chunk, group, part) for slot, group, part in self._stepped_slots(chunk))
-        groups = tuple(tuple((k, repr(v)) for k, v in sorted(g.items()) if k != "params")
-                       for g in self.optim.param_groups)
-        return stepped, groups
-
-    def _speculation_holds(self, multiplier: float) -> bool:
-        """Whether the updates the backward made are the step's: the same multiplier (no clipping, the
-        same loss scale) and nothing changed since (hyper-parameters, frozen parameters)."""
-        step = self._step_in_flight
-        return all(update.multiplier == multiplier
-                   and self._speculated.get(update.chunk.index) == self._speculation_key(update.chunk)
-                   for update in step.updates)
-
-    def _abandon_step_in_flight(self) -> None:
-        """Undo the updates the backward started (their slots were never committed; the parameters they
-        overwrote in host memory are put back bitwise), if any."""
-        step, self._step_in_flight = self._step_in_flight, None
-        self._speculated.clear()
-        if step is not None:
-            step.abandon()
+        """``step_in_backward``: update ``chunk`` now that its gradients are final, as if nothing overflowed
+        and nothing is clipped (:meth:`chunkmem.optim.backward_step.BackwardStep.on_grads_final`; the
+        runtime's :class:`~chunkmem.runtime.runtime.OptimizerListener` side)."""
+        self._backward.on_grads_final(chunk)
 
     def _update_on_disk(self, chunks: list[Chunk], multiplier: float) -> None:
         """Update the chunks whose optimizer state rests on disk in one streamed step (see
@@ -839,14 +673,13 @@ class ShardedOptimizerV2(Optimizer):
         ``step_in_backward``, the step the backward started, completed with any chunk it did not get."""
         if not self.runtime.policy.optimizer_on_disk:
             return  # (with a disk tier every rank runs the step below, even with no chunk on disk: it agrees)
-        if self._step_in_flight is not None and not self._speculation_holds(multiplier):
-            reason = self._why_no_speculation(self.model.settings)
+        if self._backward.in_flight is not None and not self._backward.holds(multiplier):
+            reason = why_no_speculation(self.model.settings)
             if reason is not None:  # (fp16 and clipping were refused: the hyper-parameters changed)
                 self._refuse_redo(reason)
-            self._abandon_step_in_flight()  # clipped, or the hyper-parameters changed: redone below
-        step, self._step_in_flight = self._step_in_flight, None
+            self._backward.abandon_in_flight()  # clipped, or the hyper-parameters changed: redone below
+        step = self._backward.take_in_flight()
         kept = 0 if step is None else len(step.updates)
-        self._speculated.clear()
         if step is None:
             step = StreamedStep.over(self.runtime.memory.disk, [self._disk_update(c, multiplier) for c in chunks],
                                      self.mixed.any_rank)
@@ -870,7 +703,7 @@ class ShardedOptimizerV2(Optimizer):
                     if update.updated_to and update.param is not None:
                         self.runtime.mark_updated(update.chunk, Tier.HOST)
             raise
-        self._kept_backward_updates += kept
+        self._backward.kept += kept
         self._completed(updates)
 
     def _completed(self, updates: list[ChunkUpdate]) -> None:
@@ -890,13 +723,12 @@ class ShardedOptimizerV2(Optimizer):
                    f"of the chunks on disk used the old ones and with {reason} they cannot be redone; change "
                    "hyper-parameters after optim.step(), as LR schedulers do. ")
         if self.runtime.memory.disk.atomic_step:
-            self._abandon_step_in_flight()
-            self._undo_updates_in_memory()
+            self._backward.abandon_in_flight()
+            self._backward.undo_in_memory()
             self._discard_grads()
             raise UnsupportedOperationError(message + "The step was skipped: parameters and optimizer state are "
                                             "as before the backward, its gradients dropped")
-        step, self._step_in_flight = self._step_in_flight, None
-        self._speculated.clear()
+        step = self._backward.take_in_flight()
         step.finish()  # the chunks it started are written in place: complete them, nothing else
         self._completed(step.updates)
         self._broken_by = UnsupportedOperationError(
@@ -908,13 +740,13 @@ class ShardedOptimizerV2(Optimizer):
     def kept_backward_updates(self) -> int:
         """With ``step_in_backward``: how many of the updates the backward made the last :meth:`step` kept
         as its own (the others it undid and redid, or undid when it skipped); 0 before any step."""
-        return self._kept_backward_updates
+        return self._backward.kept
 
     @property
     def backward_updates(self) -> int:
         """With ``step_in_backward``: how many chunks' updates the running (or last) backward started and
         :meth:`step` has not completed yet (0 when none)."""
-        return (0 if self._step_in_flight is None else len(self._step_in_flight.updates)) + len(self._undo)
+        return self._backward.started
 
     def state_loaded(self) -> None:
         """A state dict or checkpoint was loaded: a step over disk-resident state that had failed half-way
@@ -924,7 +756,7 @@ class ShardedOptimizerV2(Optimizer):
     def check_no_step_in_flight(self, action: str) -> None:
         """Raise :class:`~chunkmem.UnsupportedOperationError` if a backward with ``step_in_backward``
         started updates that :meth:`step` has not completed yet (``action``: what was attempted)."""
-        if self._step_in_flight is not None or len(self._undo):
+        if self._backward.pending:
             raise UnsupportedOperationError(
                 f"{action} between a backward and optim.step() with step_in_backward=True: the backward's "
                 f"updates are not decided yet (optim.step() keeps or redoes them); call optim.step() first")
@@ -943,14 +775,14 @@ class ShardedOptimizerV2(Optimizer):
         as they cannot be (``atomic_step=False``), :class:`~chunkmem.UnsupportedOperationError` is raised
         with nothing changed."""
         check_type("set_to_none", set_to_none, bool, "True or False")
-        if self._step_in_flight is not None:
+        if self._backward.in_flight is not None:
             if not self.runtime.memory.disk.atomic_step:
                 raise UnsupportedOperationError(
                     "zero_grad() after a backward with step_in_backward=True and atomic_step=False: the backward "
                     "already updated chunks in place on disk and that cannot be undone; call optim.step() to "
                     "complete the step")
-            self._abandon_step_in_flight()
-        self._undo_updates_in_memory()
+            self._backward.abandon_in_flight()
+        self._backward.undo_in_memory()
         self.runtime.drop_gradients(set_to_none)
         self.mixed.forget()
         self._forget_backwards()

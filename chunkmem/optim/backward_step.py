@@ -1,0 +1,233 @@
+"""``step_in_backward``: the updates a backward starts before ``step()`` decides, and how they are kept or undone.
+
+As soon as a chunk's gradients are final the backward updates it as if nothing overflowed and nothing is
+clipped, with the hyper-parameters of that moment (:meth:`BackwardStep.on_grads_final`):
+
+* a chunk whose optimizer state rests on disk joins this backward's :class:`~chunkmem.optim.disk_step.StreamedStep`
+  (started with the first such chunk), which writes into the disk's other slot (or in place with
+  ``atomic_step=False``) on a thread of its own;
+* a chunk whose state is in memory (host or device tier) is updated in place after an undo copy of its fp32
+  state (:class:`~chunkmem.optim.speculation.UndoCopies`).
+
+``step()`` then keeps each update whose multiplier and assumptions (:meth:`BackwardStep.key`: the parameters
+stepped, every group's hyper-parameters) are the step's, and undoes the others before updating again, so the
+result is bitwise the step after the backward. The optimizer (:class:`~chunkmem.optim.sharded_optimizer.ShardedOptimizerV2`)
+owns the updates themselves and the disk step's commit; this module owns what the backward started.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..core.chunk import Chunk
+from ..core.tiers import Tier, host_memory_available
+from ..errors import GradientAccumulationError, InvalidArgumentError
+from ..settings import ModelSettings, OptimizerSettings
+from .disk_step import StreamedStep, streamed_families
+from .speculation import UndoCopies, UndoCopy
+
+if TYPE_CHECKING:
+    from ..model import ShardedModelV2
+    from .any_optimizer import StateLayout
+    from .sharded_optimizer import ShardedOptimizerV2
+
+GRADIENTS_AHEAD_OF_THE_DISK_STEP = 2
+"""With ``step_in_backward`` and ``atomic_step=False``: how many chunks' gradients may wait for the disk step
+beyond the one it is computing before the backward waits for it (see :meth:`BackwardStep.gradients_used_once`)."""
+
+
+def why_no_speculation(model_settings: ModelSettings) -> str | None:
+    """Why the backward's updates could not be undone if ``step()`` decides otherwise (``None``: they can).
+    They are made assuming no overflow and no clipping; an atomic step writes them to the disk's other
+    slot, so undoing them is not committing, and the gradients must survive them to redo the step."""
+    if not model_settings.disk.atomic_step:
+        return "atomic_step=False (the updates written in place on disk could not be undone)"
+    if model_settings.reuse_fp16_shard:
+        return "reuse_fp16_shard=True (the updates overwrite the gradients a redone step needs)"
+    return None
+
+
+def check_step_in_backward(model_settings: ModelSettings, dtype: torch.dtype, settings: OptimizerSettings) -> None:
+    """Refuse ``step_in_backward=True`` where an update made in the backward could not be undone when the step
+    decides otherwise (fp16's skipped steps, clipping) or would overwrite the gradients in memory."""
+    if not settings.step_in_backward:
+        return
+    if model_settings.reuse_fp16_shard and not model_settings.disk.optimizer_on_disk:
+        raise InvalidArgumentError("step_in_backward", True, "False with reuse_fp16_shard=True and the optimizer "
+                                   "state in memory (an update in the backward overwrites the gradients a redone "
+                                   "step needs), or True with offload_optimizer='disk'")
+    needs = "fp16 (its loss scaler may skip the step)" if dtype == torch.float16 else \
+        f"max_norm={settings.max_norm} (clipping)" if settings.max_norm > 0 else None
+    if needs is not None:
+        reason = why_no_speculation(model_settings)
+        if reason is not None:
+            raise InvalidArgumentError("step_in_backward", True, f"False with {needs} and {reason}")
+
+
+def check_undo_room(model: "ShardedModelV2", state: "StateLayout | None", settings: OptimizerSettings) -> None:
+    """``step_in_backward`` with the optimizer state in memory: refuse before any change if the host
+    has no room for one undo copy of it (see :mod:`chunkmem.optim.speculation`) besides the state
+    itself: the host capacity when one is set, else the memory the system has available."""
+    if not settings.step_in_backward or model.settings.disk.optimizer_on_disk:
+        return
+    layout, ledger = model.layout, model.runtime.ledger
+    per_element = 2 if state is None else len(state.families)
+    # the masters (or fp32 parameters) and the per-element state, fp32: the state, and its undo copy
+    state_bytes = undo = sum((per_element + 1) * layout.shard_numel(i, model.shards.world) * 4
+                             for i in range(layout.num_chunks) if layout.trainable(i))
+    if ledger.host_capacity is not None:
+        room, what = ledger.host_capacity - ledger.tier_bytes(Tier.HOST) - state_bytes, "the host capacity"
+    else:
+        room, what = host_memory_available() - state_bytes, "the memory available"
+    if undo > room:
+        raise InvalidArgumentError(
+            "step_in_backward", True,
+            f"False, or room on the host for the undo copies of the optimizer state in memory: {undo} bytes, "
+            f"where {max(room, 0)} bytes of {what} are left after the state itself (offload_optimizer='disk' "
+            f"needs no copy: its other slot is the undo; or raise the host capacity)")
+
+
+class BackwardStep:
+    """What one optimizer's backwards started (see the module docstring). ``in_flight``: the streamed disk
+    step this backward started, or ``None``; ``undo``: the undo copies of the chunks in memory it updated;
+    ``kept``: how many of the backward's updates the last ``step()`` kept; ``accumulating``: inside
+    ``optim.accumulating()`` (backwards start nothing)."""
+
+    def __init__(self, optimizer: "ShardedOptimizerV2") -> None:
+        self.optimizer = optimizer
+        self.runtime = optimizer.runtime
+        self.in_flight: StreamedStep | None = None
+        self.speculated: dict[int, tuple[Any, ...]] = {}  # chunk index -> what its update in flight assumed
+        self.undo = UndoCopies(self.runtime.memory)
+        self.kept = 0
+        self.accumulating = False
+
+    @property
+    def pending(self) -> bool:
+        """Whether updates started by a backward wait for ``step()`` to decide."""
+        return self.in_flight is not None or len(self.undo) > 0
+
+    @property
+    def started(self) -> int:
+        """How many chunks' updates the running (or last) backward started that ``step()`` has not decided."""
+        return (0 if self.in_flight is None else len(self.in_flight.updates)) + len(self.undo)
+
+    def on_grads_final(self, chunk: Chunk) -> None:
+        """As soon as ``chunk``'s gradients are final, update it as if nothing overflowed and nothing is
+        clipped: hand a chunk whose optimizer state rests on disk to this backward's streamed step (started
+        with the first such chunk), update one whose state is in memory after taking its undo copy."""
+        opt = self.optimizer
+        if not opt.step_in_backward or not chunk.trainable or opt._broken_by or self.accumulating:
+            return
+        if self.runtime.scheduler.placing_optimizer_state:
+            # Where each chunk's state lives is decided when this traced iteration ends: an update here could
+            # run on another tier (another kernel, other rounding) than step() would. The step updates all.
+            return
+        if self.runtime.optim_tier(chunk) is not Tier.DISK:
+            self._update_in_memory(chunk)
+            return
+        step = self.in_flight
+        if step is None:
+            disk = self.runtime.memory.disk
+            families = max(streamed_families(c, c.param.shard.on_disk, disk.atomic_step)
+                           for c in opt._trainable_chunks() if self.runtime.optim_tier(c) is Tier.DISK)
+            step = self.in_flight = StreamedStep(disk, opt.mixed.any_rank, families)
+            step.start()
+        elif any(update.chunk is chunk for update in step.updates):
+            raise GradientAccumulationError(
+                f"step_in_backward=True: {chunk.name} received gradients again before optim.step(), but its update "
+                f"already started (a second backward, e.g. loss.backward() called twice); call optim.step() "
+                f"after each backward")
+        # As if nothing overflowed and nothing is clipped: step() checks both and redoes the step otherwise.
+        self.speculated[chunk.index] = self.key(chunk)
+        step.add(opt._disk_update(chunk, 1.0 / opt.mixed.loss_scale))
+        if self.gradients_used_once():
+            for update in step.wait_until_computed(GRADIENTS_AHEAD_OF_THE_DISK_STEP):
+                if update.grad is not None:
+                    self.runtime.release_gradients(update.chunk)
+                    update.grad = None
+
+    def gradients_used_once(self) -> bool:
+        """Whether a disk chunk's gradient is read by its update in the backward and by nothing after: the
+        update is written in place (``atomic_step=False``: never redone) and the step needs no gradient
+        to decide (no loss scaler, no clipping: both are refused with it). The backward then frees each
+        gradient once its update is computed and waits for the disk step when more than
+        :data:`GRADIENTS_AHEAD_OF_THE_DISK_STEP` chunks' gradients are waiting for it, so the host holds a
+        few chunks' gradients instead of all of them (2 bytes a 16-bit parameter)."""
+        opt = self.optimizer
+        return (not self.runtime.memory.disk.atomic_step and opt.mixed.scaler is None and opt.max_norm == 0
+                and not opt.model.reuse_fp16_shard)
+
+    def _update_in_memory(self, chunk: Chunk) -> None:
+        """Update ``chunk``, whose optimizer state is in memory, in this backward after taking its undo copy;
+        without room on the host for the copy (or with the gradients in the parameters' memory) it is left
+        for ``step()``."""
+        opt = self.optimizer
+        if chunk in self.undo:
+            raise GradientAccumulationError(
+                f"step_in_backward=True: {chunk.name} received gradients again before optim.step(), but it was "
+                f"already updated (a second backward, e.g. loss.backward() called twice); call optim.step() "
+                f"after each backward")
+        if opt.model.reuse_fp16_shard:
+            return
+        multiplier = 1.0 / opt.mixed.loss_scale
+        with self.runtime.untraced():
+            params = None if chunk.has_master else self.runtime.update_target(chunk, self.runtime.compute_tier(chunk))
+            if self.undo.take(chunk, params, multiplier, self.key(chunk), opt.scalar_state(chunk),
+                              opt.whole_state(chunk)):
+                opt._update_chunk(chunk, multiplier)
+
+    def keep(self, chunk: Chunk, multiplier: float) -> bool:
+        """Whether the backward's update of ``chunk`` (state in memory) is this step's: the same multiplier
+        and nothing else changed. Its undo copy is released; an update that is not the step's is undone."""
+        undo = self.undo.get(chunk)
+        if undo is None:
+            return False
+        if undo.multiplier == multiplier and undo.assumed == self.key(chunk):
+            self.undo.release(chunk)
+            self.kept += 1
+            return True
+        self._undo_update(undo)
+        return False
+
+    def _undo_update(self, undo: UndoCopy) -> None:
+        """Put a chunk updated by the backward back as it was before (state, parameters, step count)."""
+        chunk = undo.chunk
+        with self.runtime.updating(chunk, self.runtime.compute_tier(chunk)) as target:
+            self.undo.restore_into(undo, target)
+        chunk.step = undo.step
+        self.optimizer.replace_kept_state(chunk, undo.scalars, undo.whole)
+
+    def undo_in_memory(self) -> None:
+        """Undo every update the backward made of chunks whose state is in memory."""
+        for undo in self.undo.copies():
+            self._undo_update(undo)
+
+    def key(self, chunk: Chunk) -> tuple[Any, ...]:
+        """What an update made in the backward assumed about ``chunk`` besides the multiplier: the parameters
+        it steps (trainable, in which group, which part) and every group's hyper-parameters."""
+        opt = self.optimizer
+        stepped = tuple((slot.index_in_chunk, group, part) for slot, group, part in opt._stepped_slots(chunk))
+        groups = tuple(tuple((k, repr(v)) for k, v in sorted(g.items()) if k != "params")
+                       for g in opt.optim.param_groups)
+        return stepped, groups
+
+    def holds(self, multiplier: float) -> bool:
+        """Whether the disk updates the backward started are the step's: the same multiplier (no clipping,
+        the same loss scale) and nothing changed since (hyper-parameters, frozen parameters)."""
+        return all(update.multiplier == multiplier and self.speculated.get(update.chunk.index) == self.key(update.chunk)
+                   for update in self.in_flight.updates)
+
+    def take_in_flight(self) -> StreamedStep | None:
+        """The streamed step the backward started (``None`` if none), handed over to ``step()``."""
+        step, self.in_flight = self.in_flight, None
+        self.speculated.clear()
+        return step
+
+    def abandon_in_flight(self) -> None:
+        """Undo the disk updates the backward started (their slots were never committed; the parameters they
+        overwrote in host memory are put back bitwise), if any."""
+        step = self.take_in_flight()
+        if step is not None:
+            step.abandon()
