@@ -281,12 +281,12 @@ def test_initialize_takes_the_recommendation(tmp_path):
 
 
 def test_command_line_prints_times_fits_and_the_recommendation(capsys, tmp_path):
-    plan_module = importlib.import_module("chunkmem.plan")
+    plan_module = importlib.import_module("chunkmem.plan.cli")
     path = tmp_path / "profile.json"
     import json
 
     path.write_text(json.dumps(profile().to_dict()))
-    plan_module._main(["--preset", "tiny", "--seq-len", "8", "--batch-size", "1", "--device-memory", "32MiB",
+    plan_module.main(["--preset", "tiny", "--seq-len", "8", "--batch-size", "1", "--device-memory", "32MiB",
                        "--dtype", "fp32", "--candidates", "--profile", str(path), "--disk-memory", "1GiB"])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:3] == ["candidate", "fits", "s/step"]

@@ -150,7 +150,7 @@ def test_bad_arguments_are_named():
 
 
 def test_command_line_prints_the_table(capsys, monkeypatch):
-    from chunkmem.plan import _main
+    from chunkmem.plan.cli import main as _main
 
     monkeypatch.syspath_prepend(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
     _main(["--preset", "tiny", "--seq-len", "8", "--batch-size", "1", "--device-memory", "64MiB", "--dtype", "fp32"])

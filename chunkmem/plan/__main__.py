@@ -1,0 +1,4 @@
+"""``python -m chunkmem.plan``: see :mod:`chunkmem.plan.cli`."""
+from .cli import main
+
+main()
