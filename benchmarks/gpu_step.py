@@ -1,7 +1,8 @@
 """Step time, peak GPU memory and bytes moved per step of chunkmem against plain PyTorch on a real GPU.
 
 Each configuration trains the same GPT (:mod:`chunkmem.gpt`) in a process of its own, inputs on the GPU,
-``torch.cuda.synchronize()`` before every clock read:
+``torch.cuda.synchronize()`` before every clock read; fp16 runs start their loss scale at 2**16 (``GradScaler``'s)
+and the table counts the timed steps each skipped (an overflow), whose time has no update in it:
 
 * ``plain``: the model on the GPU, ``torch.optim.AdamW(fused=True)``, fp32;
 * ``plain-amp``: the same under ``torch.autocast(float16)`` with ``torch.amp.GradScaler`` (fp32 master weights:
@@ -40,6 +41,7 @@ PLAN = {
     "350m": ("plain", "cm-cuda", "cm-cpu", "cm-auto", "plain-amp", "cm-cuda-fp16", "cm-cpu-fp16", "cm-auto-fp16"),
 }
 AUTO_CAPACITY_BYTES_PER_PARAM = 8
+INITIAL_SCALE = 2.0**16  # torch.amp.GradScaler's
 LR, WEIGHT_DECAY = 1e-3, 0.01
 
 
@@ -66,15 +68,18 @@ def child(config: str, size: str, warmup: int, steps: int, limit: float) -> dict
         def train_step(x, y):
             with torch.autocast("cuda", dtype=torch.float16, enabled=amp):
                 loss = F.cross_entropy(net(x).float().reshape(-1, spec["vocab"]), y.reshape(-1))
+            stepped = True
             if amp:
+                scale = scaler.get_scale()
                 scaler.scale(loss).backward()
                 scaler.step(optim)
                 scaler.update()
+                stepped = scaler.get_scale() >= scale  # a skipped step backs the scale off
             else:
                 loss.backward()
                 optim.step()
             optim.zero_grad(set_to_none=True)
-            return loss
+            return loss, stepped
     else:
         import chunkmem as cm
         placement = config.split("-")[1]
@@ -82,28 +87,32 @@ def child(config: str, size: str, warmup: int, steps: int, limit: float) -> dict
         if placement == "auto":
             cm.set_device_memory_capacity(AUTO_CAPACITY_BYTES_PER_PARAM * n_params)
         model = cm.ShardedModelV2(net, cm.TensorShardStrategy(), tensor_placement_policy=placement, dtype=dtype)
-        optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY))
+        # the loss scale GradScaler starts from: the reference's default, 2**32, overflows (and skips) for the
+        # first thirty-odd steps, which would time skipped steps against plain-amp's updates
+        optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY),
+                                      initial_scale=INITIAL_SCALE)
 
         def train_step(x, y):
             loss = F.cross_entropy(model(x).reshape(-1, spec["vocab"]), y.reshape(-1))
             optim.backward(loss)
-            optim.step()
+            stepped = optim.step()
             optim.zero_grad(set_to_none=True)
-            return loss
+            return loss, stepped
 
     g = torch.Generator().manual_seed(1)
     data = [torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"] + 1), generator=g).cuda() for _ in range(4)]
-    times = []
+    times, skipped = [], 0
     for i in range(warmup + steps):
         tokens = data[i % len(data)]
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss = train_step(tokens[:, :-1], tokens[:, 1:])
+        loss, stepped = train_step(tokens[:, :-1], tokens[:, 1:])
         torch.cuda.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
+            skipped += not stepped
         print(f"{config} step {i}: {time.perf_counter() - t0:.3f} s", file=sys.stderr, flush=True)
-    out = dict(config=config, n_params=n_params, times=times, loss=float(loss),
+    out = dict(config=config, n_params=n_params, times=times, skipped=skipped, loss=float(loss),
                peak_gpu_bytes=torch.cuda.max_memory_allocated(), torch=torch.__version__,
                gpu=torch.cuda.get_device_name())
     if model is not None:
@@ -135,8 +144,8 @@ def print_row(config: str, r: dict | str, results: dict) -> None:
     ratio = step / (statistics.median(base["times"]) * 1e3) if isinstance(base, dict) else float("nan")
     moved = (f"{r['to_device'] / 2**20:11.1f} {r['to_host'] / 2**20:12.1f}" if "to_device" in r
              else f"{'-':>11} {'-':>12}")
-    print(f"{config:<13} {step:9.1f} {ratio:7.3f} {r['peak_gpu_bytes'] / 2**30:13.2f} {moved} {r['loss']:8.4f}",
-          flush=True)
+    print(f"{config:<13} {step:9.1f} {ratio:7.3f} {r['peak_gpu_bytes'] / 2**30:13.2f} {moved} {r['loss']:8.4f} "
+          f"{r['skipped']:>8}", flush=True)
 
 
 def main() -> int:
@@ -165,7 +174,7 @@ def main() -> int:
         print(f"\n{size}: GPT vocab {spec['vocab']}, d {spec['d']}, {spec['layers']} layers, seq {spec['seq']}, "
               f"batch {spec['batch']}: {n_params / 1e6:.1f}M parameters")
         print(f"{'config':<13} {'step ms':>9} {'x base':>7} {'peak GPU GiB':>13} {'to GPU MiB':>11} "
-              f"{'to host MiB':>12} {'loss':>8}", flush=True)
+              f"{'to host MiB':>12} {'loss':>8} {'skipped':>8}", flush=True)
         results: dict[str, dict | str] = {}
         for config in (args.configs.split(",") if args.configs else PLAN[size]):
             results[config] = run_child(config, size, args)
