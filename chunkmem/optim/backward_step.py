@@ -9,6 +9,10 @@ clipped, with the hyper-parameters of that moment (:meth:`BackwardStep.on_grads_
 * a chunk whose state is in memory (host or device tier) is updated in place after an undo copy of its fp32
   state (:class:`~chunkmem.optim.speculation.UndoCopies`).
 
+No update starts in a backward whose iteration ``auto`` traces with a margin for optimizer state
+(``gpu_margin_mem_ratio`` > 0): the plan made when it ends may move a chunk's state to the device, where the step
+must then update it.
+
 ``step()`` then keeps each update whose multiplier and assumptions (:meth:`BackwardStep.key`: the parameters
 stepped, every group's hyper-parameters) are the step's, and undoes the others before updating again, so the
 result is bitwise the step after the backward. The optimizer (:class:`~chunkmem.optim.sharded_optimizer.ShardedOptimizerV2`)
