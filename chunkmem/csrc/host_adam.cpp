@@ -550,7 +550,9 @@ CM_EXPORT void chunkmem_stream_mixed(float* a, float* b, float* c, const uint16_
 
 namespace {
 
+// parallel_range hands out ranges that start at multiples of kBlock: each is a whole number of norm blocks
 constexpr int64_t kNormBlock = 1 << 16;
+static_assert(kBlock % kNormBlock == 0, "a norm block must not straddle two ranges of parallel_range");
 
 template <int D>
 CM_TARGET double sum_squares_block(const void* x, int64_t begin, int64_t end) {
@@ -587,21 +589,10 @@ CM_EXPORT int chunkmem_sum_squares(const void* x, int dtype, int64_t n, int nthr
   else if (dtype == kF16) block = sum_squares_block<kF16>;
   else if (dtype == kBF16) block = sum_squares_block<kBF16>;
   if (block == nullptr) return 1;
-  const int64_t blocks = (n + kNormBlock - 1) / kNormBlock;
-  std::vector<double> sums(size_t(blocks), 0.0);
-  std::atomic<int64_t> next{0};
-  auto work = [&] {
-    for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < blocks;)
-      sums[size_t(k)] = block(x, k * kNormBlock, std::min(n, (k + 1) * kNormBlock));
-  };
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(nthreads, blocks));
-  std::vector<std::thread> workers;
-  try {
-    for (int64_t t = 1; t < threads; ++t) workers.emplace_back(work);
-  } catch (...) {  // could not start a thread: the ones running (and this one) do the work
-  }
-  work();
-  for (auto& th : workers) th.join();
+  std::vector<double> sums(size_t((n + kNormBlock - 1) / kNormBlock), 0.0);
+  parallel_range(n, nthreads, kNormBlock, [&](int64_t b, int64_t e) {
+    for (int64_t s = b; s < e; s += kNormBlock) sums[size_t(s / kNormBlock)] = block(x, s, std::min(e, s + kNormBlock));
+  });
   double total = 0.0;
   for (double s : sums) total += s;
   *out = total;

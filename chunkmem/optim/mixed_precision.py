@@ -20,10 +20,7 @@ import torch.distributed as dist
 
 from ..distributed.collectives import all_reduce_over
 from .loss_scaler import DynamicGradScaler
-from .norms import sum_of_squares
-
-HOST_SUMMED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-"""Gradient dtypes whose 2-norm on the CPU is summed by :func:`~chunkmem.optim.norms.sum_of_squares`."""
+from .norms import SUMMED_DTYPES, sum_of_squares
 
 
 class MixedPrecisionStep:
@@ -58,7 +55,7 @@ class MixedPrecisionStep:
         for grad in grads:
             if grad is None:
                 continue
-            if norm_type == 2.0 and grad.device.type == "cpu" and grad.dtype in HOST_SUMMED_DTYPES:
+            if norm_type == 2.0 and grad.device.type == "cpu" and grad.dtype in SUMMED_DTYPES:
                 host_squares += sum_of_squares(grad)
                 continue
             norm = torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32)

@@ -20,15 +20,17 @@ from . import host_adam_ext
 BLOCK = 1 << 16
 """Elements per block of the fixed summation order (the kernel's ``kNormBlock``)."""
 LANES = 16
+SUMMED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""The dtypes :func:`sum_of_squares` takes."""
 
 
 def sum_of_squares(tensor: torch.Tensor) -> float:
     """The sum of the squares of a CPU tensor's elements (fp32, fp16 or bf16), in double, in the fixed
     order of the module docstring; inf or NaN where an element is."""
-    if tensor.device.type != "cpu" or tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if tensor.device.type != "cpu" or tensor.dtype not in SUMMED_DTYPES:
         raise ValueError(f"sum_of_squares takes an fp32, fp16 or bf16 CPU tensor, not {tensor.dtype} on "
                          f"{tensor.device}")
-    flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().reshape(-1)
+    flat = tensor.contiguous().reshape(-1)  # (contiguous() is the tensor itself when it already is)
     kernel = None if host_adam_ext.disabled() else host_adam_ext.kernel()
     if kernel is not None:
         return kernel.sum_squares(flat)
