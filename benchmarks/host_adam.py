@@ -146,18 +146,18 @@ def main() -> int:
 
     compiled = {}
     if not args.no_compile:
-        c_master, c_avg, c_avg_sq = master.clone(), exp_avg.clone(), exp_avg_sq.clone()
-        c_out16 = {dt: out.clone() for dt, out in out16.items()}
+        # over chunkmem's own arrays: copies would sit on other pages, whose placement in the memory
+        # system moves a memory-bound pass by a percent or two either way
         single_pass = torch.compile(_adamw_single_pass, dynamic=False)
         bc1, bc2 = hyper.bias_corrections(10)
         scalars = dict(decay=1 - hyper.lr * hyper.weight_decay, w=1 - hyper.beta1, beta2=hyper.beta2,
                        omb2=1 - hyper.beta2, bc2s=bc2 ** 0.5, eps=hyper.eps, nss=-hyper.lr / bc1)
         for label, dt in (("fp16 -> fp16", torch.float16), ("bf16 -> bf16", torch.bfloat16), ("fp32", None)):
             grad = grad32 if dt is None else grad16[dt]
-            out = None if dt is None else c_out16[dt]
+            out = None if dt is None else out16[dt]
             mult = 1.0 if dt is None else 1 / LOSS_SCALE
             compiled[f"(p) torch.compile single pass {label}"] = (
-                lambda grad=grad, out=out, mult=mult: single_pass(c_master, grad, c_avg, c_avg_sq, out, mult=mult,
+                lambda grad=grad, out=out, mult=mult: single_pass(master, grad, exp_avg, exp_avg_sq, out, mult=mult,
                                                                   **scalars), 28)
         t0 = time.perf_counter()
         for fn, _ in compiled.values():

@@ -202,29 +202,34 @@ CM_TARGET inline void store_out16(void* o, int64_t i, __m256 p0, __m256 p1) {
   }
 }
 
-// The scalars broadcast to 8 lanes.
+// The scalars broadcast to 8 lanes. The gradient multiplier and the decoupled decay are 1 where the
+// update has none: x * 1 == x exactly (a signalling NaN comes out quiet, which the first subtraction
+// would do anyway), so the vector loop multiplies unconditionally instead of testing two flags per
+// vector; with fewer instructions in flight per element the core runs further ahead on the loads.
 struct Lanes {
   __m256 mult, decay, wd, w, beta2, omb2, bc2s, eps, nss;
-  bool apply_mult, decoupled, l2, small;
+  __m256 small;  // all bits set where |w| < 0.5 (the lerp's first branch), else zero
+  bool decoupled, l2;
   // sqrt(v) / 1 == sqrt(v) exactly: with bias correction off, or once 1 - beta2^step rounds to 1 (after
   // some 17,000 steps with beta2 = 0.999), skip that division (a third of the divider's work)
   bool div_bc2;
 
   CM_TARGET explicit Lanes(const Args& a)
-      : mult(_mm256_set1_ps(a.mult)), decay(_mm256_set1_ps(a.decay)), wd(_mm256_set1_ps(a.wd)),
+      : mult(_mm256_set1_ps(a.flags & kApplyMult ? a.mult : 1.0f)),
+        decay(_mm256_set1_ps(a.flags & kDecoupled ? a.decay : 1.0f)), wd(_mm256_set1_ps(a.wd)),
         w(_mm256_set1_ps(a.small ? a.w : a.w - 1.0f)), beta2(_mm256_set1_ps(a.beta2)),
         omb2(_mm256_set1_ps(a.omb2)), bc2s(_mm256_set1_ps(a.bc2s)), eps(_mm256_set1_ps(a.eps)),
-        nss(_mm256_set1_ps(a.nss)), apply_mult(a.flags & kApplyMult), decoupled(a.flags & kDecoupled),
-        l2(a.flags & kL2), small(a.small), div_bc2(a.bc2s != 1.0f) {}
+        nss(_mm256_set1_ps(a.nss)), small(_mm256_castsi256_ps(_mm256_set1_epi32(a.small ? -1 : 0))),
+        decoupled(a.flags & kDecoupled), l2(a.flags & kL2), div_bc2(a.bc2s != 1.0f) {}
 };
 
 // 8 lanes: p, m, v in registers become the decayed master and the new moments (g: fp32 gradient).
 template <bool FMA>
 CM_TARGET inline void moments8(const Lanes& c, __m256 g, __m256& p, __m256& m, __m256& v) {
-  if (c.apply_mult) g = _mm256_mul_ps(g, c.mult);
-  if (c.decoupled) p = _mm256_mul_ps(p, c.decay);
+  g = _mm256_mul_ps(g, c.mult);
+  p = _mm256_mul_ps(p, c.decay);
   if (c.l2) g = vmadd<FMA>(p, c.wd, g);
-  m = vmadd<FMA>(c.w, _mm256_sub_ps(g, m), c.small ? m : g);
+  m = vmadd<FMA>(c.w, _mm256_sub_ps(g, m), _mm256_blendv_ps(g, m, c.small));
   v = vmadd<FMA>(_mm256_mul_ps(c.omb2, g), g, _mm256_mul_ps(v, c.beta2));
 }
 
@@ -233,6 +238,24 @@ CM_TARGET inline __m256 finish8(const Lanes& c, __m256 p, __m256 m, __m256 sqrt_
   __m256 d = c.div_bc2 ? _mm256_div_ps(sqrt_v, c.bc2s) : sqrt_v;
   d = _mm256_add_ps(d, c.eps);
   return _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(c.nss, m), d));
+}
+
+// How far ahead of the element it updates the vector loop asks for the cache lines of the streams it
+// reads (elements): the hardware prefetchers alone leave the update a few percent under the bandwidth of
+// the machine (measured on AMD EPYC with AVX-512: 1.5-2.5% faster with 256; 512 and 1024 no better).
+constexpr int64_t kPrefetchAhead = 256;
+
+// Asks for the lines kPrefetchAhead elements ahead of element i of the streams read (a 16-bit gradient
+// line holds 32 elements, so every other call asks for a new one). Prefetches past the end of a buffer
+// are harmless: they never fault.
+template <int GD>
+CM_TARGET inline void prefetch16(const float* p, const void* g, const float* m, const float* v, int64_t i) {
+  const int64_t j = i + kPrefetchAhead;
+  _mm_prefetch(reinterpret_cast<const char*>(p + j), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(m + j), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(v + j), _MM_HINT_T0);
+  if constexpr (GD == kF32) _mm_prefetch(reinterpret_cast<const char*>(static_cast<const float*>(g) + j), _MM_HINT_T0);
+  else _mm_prefetch(reinterpret_cast<const char*>(static_cast<const uint16_t*>(g) + j), _MM_HINT_T0);
 }
 
 // The first element at or after i from which the 16-bit copy is 32-byte aligned (streaming stores).
@@ -252,6 +275,7 @@ CM_TARGET void adam_range_vec(float* __restrict p, const void* __restrict g, flo
     for (const int64_t head = aligned_from(out, i, end); i < head; ++i) adam_scalar<GD, OD, FMA>(p, g, m, v, out, i, a);
   }
   for (; i + 16 <= end; i += 16) {
+    prefetch16<GD>(p, g, m, v, i);
     __m256 g0, g1;
     load_grad16<GD>(g, i, g0, g1);
     __m256 p0 = _mm256_loadu_ps(p + i), p1 = _mm256_loadu_ps(p + i + 8);
@@ -292,6 +316,7 @@ CM_TARGET void adam_range_tiled(float* __restrict p, const void* __restrict g, f
   for (int64_t t = begin; t < end; t = stop, stop = std::min(end, t + kTile)) {
     int64_t i = t;
     for (; i + 16 <= stop; i += 16) {
+      prefetch16<GD>(p, g, m, v, i);
       __m256 g0, g1;
       load_grad16<GD>(g, i, g0, g1);
       __m256 p0 = _mm256_loadu_ps(p + i), p1 = _mm256_loadu_ps(p + i + 8);
