@@ -1,13 +1,13 @@
-"""Building chunkmem's one-file native libraries (``csrc/``) on first use and caching them.
+"""Building chunkmem's native libraries (``csrc/``) on first use and caching them.
 
-A library is compiled by the C++ compiler (``$CXX``, else ``g++``, ``c++`` or ``clang++``) into a cache
-folder (``$CHUNKMEM_CACHE_DIR``, else ``$XDG_CACHE_HOME/chunkmem``, else ``~/.cache/chunkmem``, else a
-folder in the temporary directory). The file name carries a hash of the source, the flags and the
-compiler's version, so a changed source, flag or compiler builds a new file; later processes load the
-cached one. Each build goes through a temporary file and an atomic rename, so processes building at
-the same time never load half a file. :class:`LoadedOnce` runs a loader at most once per process and
-reports a failure once, with a warning; callers decide what a failure means (they all fall back to
-torch).
+A library is compiled from one source file (with the files beside it that it includes) by the C++ compiler
+(``$CXX``, else ``g++``, ``c++`` or ``clang++``) into a cache folder (``$CHUNKMEM_CACHE_DIR``, else
+``$XDG_CACHE_HOME/chunkmem``, else ``~/.cache/chunkmem``, else a folder in the temporary directory). The file
+name carries a hash of the sources, the flags and the compiler's version, so a changed source, flag or
+compiler builds a new file; later processes load the cached one. Each build goes through a temporary file and
+an atomic rename, so processes building at the same time never load half a file. :class:`LoadedOnce` runs a
+loader at most once per process and reports a failure once, with a warning; callers decide what a failure
+means (they all fall back to torch).
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -76,8 +77,8 @@ def load_library(source: Path, flags: Sequence[str], stem: str) -> tuple[ctypes.
     found or the build fails (with the compiler's last lines)."""
     cxx = _compiler()
     version = subprocess.run([*cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
-    parts = [source.read_bytes(), " ".join(cxx).encode(), version.encode(), " ".join(flags).encode(),
-             platform.machine().encode()]
+    parts = [source.read_bytes(), *(header.read_bytes() for header in _included(source)), " ".join(cxx).encode(),
+             version.encode(), " ".join(flags).encode(), platform.machine().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     folder = _cache_dir()
     path = folder / f"{stem}_{key}.so"
@@ -88,6 +89,13 @@ def load_library(source: Path, flags: Sequence[str], stem: str) -> tuple[ctypes.
             path.unlink(missing_ok=True)
     seconds = _compile(cxx, source, flags, folder, path)
     return ctypes.CDLL(str(path)), path, seconds
+
+
+def _included(source: Path) -> list[Path]:
+    """The files beside ``source`` that it includes with ``#include "name"`` (one level: they are part of
+    the library's source, so a change in them builds a new file)."""
+    names = re.findall(r'^\s*#\s*include\s+"([^"]+)"', source.read_text(), flags=re.MULTILINE)
+    return [source.parent / name for name in dict.fromkeys(names)]
 
 
 def _compiler() -> list[str]:

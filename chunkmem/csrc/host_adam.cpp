@@ -1,9 +1,10 @@
-// One-pass Adam/AdamW update of a flat chunk on the host (x86-64, AVX2 + FMA + F16C).
+// One-pass Adam/AdamW update of a flat chunk on the host (x86-64: AVX2 + FMA + F16C, AVX-512 where the
+// CPU has it).
 //
-// Plain C ABI, loaded with ctypes by chunkmem/host_adam_ext.py: no torch headers, no pybind11, no
-// ninja; one `g++ -O3 -shared` of this file. The arithmetic mirrors, operation by operation and rounding
-// by rounding, the torch-op formulation in chunkmem/adam_kernels.py (itself torch.optim.Adam/AdamW with
-// foreach=False):
+// Plain C ABI, loaded with ctypes by chunkmem/optim/host_adam_ext.py: no torch headers, no pybind11, no
+// ninja; one `g++ -O3 -shared` of this file (which includes host_adam_vec.h twice), with -fopenmp where
+// torch runs on GNU OpenMP. The arithmetic mirrors, operation by operation and rounding by rounding, the
+// torch-op formulation in chunkmem/optim/adam_math.py (itself torch.optim.Adam/AdamW with foreach=False):
 //
 //   g  = float(grad) [* mult]                    grad.float().mul_(mult)
 //   p  = p * decay                                 master.mul_(1 - lr*wd)            (AdamW, wd != 0)
@@ -38,6 +39,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <pthread.h>
 #include <thread>
 #include <vector>
 
@@ -149,244 +151,176 @@ CM_TARGET inline void adam_tail1(float* __restrict p, const float* __restrict g,
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Vector body: 8 lanes per __m256, 16 elements per iteration.
+// Vector body (host_adam_vec.h), compiled twice: for AVX2 (8 lanes) and for AVX-512 (16 lanes), which
+// runs where the CPU and the OS have it. In the cache AVX-512 updates twice the elements a cycle; from
+// memory both are near the bandwidth, but with the core less busy the loads run further ahead.
 
-template <bool FMA>
-CM_TARGET inline __m256 vmadd(__m256 a, __m256 b, __m256 c) {
-  if constexpr (FMA) return _mm256_fmadd_ps(a, b, c);
-  else return _mm256_add_ps(_mm256_mul_ps(a, b), c);
-}
-
-template <int GD>
-CM_TARGET inline void load_grad16(const void* g, int64_t i, __m256& g0, __m256& g1) {
-  if constexpr (GD == kF32) {
-    const float* gf = static_cast<const float*>(g) + i;
-    g0 = _mm256_loadu_ps(gf);
-    g1 = _mm256_loadu_ps(gf + 8);
-  } else {
-    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(g) + i));
-    if constexpr (GD == kF16) {
-      g0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
-      g1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
-    } else {  // bf16 bits into the high halves of 32-bit lanes: quads (0 2 | 1 3), then interleave with 0
-      h = _mm256_permute4x64_epi64(h, 0xD8);
-      g0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), h));
-      g1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), h));
-    }
-  }
-}
-
-CM_TARGET inline __m256i bf16_round8(__m256 x) {  // 8 x (bf16 bits in the low half of each int32)
-  __m256i u = _mm256_castps_si256(x);
-  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
-  __m256 ord = _mm256_cmp_ps(x, x, _CMP_ORD_Q);
-  return _mm256_blendv_epi8(_mm256_set1_epi32(0x7FC0), r, _mm256_castps_si256(ord));
-}
-
-template <int OD, bool NT>
-CM_TARGET inline void store_out16(void* o, int64_t i, __m256 p0, __m256 p1) {
-  if constexpr (OD == kNone || OD == kF32) {
-    return;
-  } else {
-    __m256i packed;
-    if constexpr (OD == kF16) {
-      packed = _mm256_set_m128i(_mm256_cvtps_ph(p1, _MM_FROUND_TO_NEAREST_INT),
-                                _mm256_cvtps_ph(p0, _MM_FROUND_TO_NEAREST_INT));
-    } else {
-      packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_round8(p0), bf16_round8(p1)), 0xD8);
-    }
-    __m256i* dst = reinterpret_cast<__m256i*>(static_cast<uint16_t*>(o) + i);
-    if constexpr (NT) _mm256_stream_si256(dst, packed);
-    else _mm256_storeu_si256(dst, packed);
-  }
-}
-
-// The scalars broadcast to 8 lanes. The gradient multiplier and the decoupled decay are 1 where the
-// update has none: x * 1 == x exactly (a signalling NaN comes out quiet, which the first subtraction
-// would do anyway), so the vector loop multiplies unconditionally instead of testing two flags per
-// vector; with fewer instructions in flight per element the core runs further ahead on the loads.
-struct Lanes {
-  __m256 mult, decay, wd, w, beta2, omb2, bc2s, eps, nss;
-  __m256 small;  // all bits set where |w| < 0.5 (the lerp's first branch), else zero
-  bool decoupled, l2;
-  // sqrt(v) / 1 == sqrt(v) exactly: with bias correction off, or once 1 - beta2^step rounds to 1 (after
-  // some 17,000 steps with beta2 = 0.999), skip that division (a third of the divider's work)
-  bool div_bc2;
-
-  CM_TARGET explicit Lanes(const Args& a)
-      : mult(_mm256_set1_ps(a.flags & kApplyMult ? a.mult : 1.0f)),
-        decay(_mm256_set1_ps(a.flags & kDecoupled ? a.decay : 1.0f)), wd(_mm256_set1_ps(a.wd)),
-        w(_mm256_set1_ps(a.small ? a.w : a.w - 1.0f)), beta2(_mm256_set1_ps(a.beta2)),
-        omb2(_mm256_set1_ps(a.omb2)), bc2s(_mm256_set1_ps(a.bc2s)), eps(_mm256_set1_ps(a.eps)),
-        nss(_mm256_set1_ps(a.nss)), small(_mm256_castsi256_ps(_mm256_set1_epi32(a.small ? -1 : 0))),
-        decoupled(a.flags & kDecoupled), l2(a.flags & kL2), div_bc2(a.bc2s != 1.0f) {}
-};
-
-// 8 lanes: p, m, v in registers become the decayed master and the new moments (g: fp32 gradient).
-template <bool FMA>
-CM_TARGET inline void moments8(const Lanes& c, __m256 g, __m256& p, __m256& m, __m256& v) {
-  g = _mm256_mul_ps(g, c.mult);
-  p = _mm256_mul_ps(p, c.decay);
-  if (c.l2) g = vmadd<FMA>(p, c.wd, g);
-  m = vmadd<FMA>(c.w, _mm256_sub_ps(g, m), _mm256_blendv_ps(g, m, c.small));
-  v = vmadd<FMA>(_mm256_mul_ps(c.omb2, g), g, _mm256_mul_ps(v, c.beta2));
-}
-
-// 8 lanes: the updated master from the decayed one, exp_avg and sqrt(exp_avg_sq).
-CM_TARGET inline __m256 finish8(const Lanes& c, __m256 p, __m256 m, __m256 sqrt_v) {
-  __m256 d = c.div_bc2 ? _mm256_div_ps(sqrt_v, c.bc2s) : sqrt_v;
-  d = _mm256_add_ps(d, c.eps);
-  return _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(c.nss, m), d));
-}
-
-// How far ahead of the element it updates the vector loop asks for the cache lines of the streams it
-// reads (elements): the hardware prefetchers alone leave the update a few percent under the bandwidth of
-// the machine (measured on AMD EPYC with AVX-512: 1.5-2.5% faster with 256; 512 and 1024 no better).
+// How far ahead of the iteration it is at the vector loop asks for the cache lines of the streams it
+// reads (elements): the hardware prefetchers alone leave the update a few percent under the bandwidth
+// of the machine (measured on AMD EPYC with AVX-512: 1.5-2.5% faster with 256; 512 and 1024 no better).
 constexpr int64_t kPrefetchAhead = 256;
-
-// Asks for the lines kPrefetchAhead elements ahead of element i of the streams read (a 16-bit gradient
-// line holds 32 elements, so every other call asks for a new one). Prefetches past the end of a buffer
-// are harmless: they never fault.
-template <int GD>
-CM_TARGET inline void prefetch16(const float* p, const void* g, const float* m, const float* v, int64_t i) {
-  const int64_t j = i + kPrefetchAhead;
-  _mm_prefetch(reinterpret_cast<const char*>(p + j), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(m + j), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(v + j), _MM_HINT_T0);
-  if constexpr (GD == kF32) _mm_prefetch(reinterpret_cast<const char*>(static_cast<const float*>(g) + j), _MM_HINT_T0);
-  else _mm_prefetch(reinterpret_cast<const char*>(static_cast<const uint16_t*>(g) + j), _MM_HINT_T0);
-}
-
-// The first element at or after i from which the 16-bit copy is 32-byte aligned (streaming stores).
-inline int64_t aligned_from(const void* out, int64_t i, int64_t end) {
-  while (i < end && (reinterpret_cast<uintptr_t>(static_cast<const uint16_t*>(out) + i) & 31) != 0) ++i;
-  return i;
-}
-
-// One pass, everything in registers; the instruction set's square root.
-template <int GD, int OD, bool FMA, bool NT>
-CM_TARGET void adam_range_vec(float* __restrict p, const void* __restrict g, float* __restrict m,
-                              float* __restrict v, void* __restrict out, int64_t begin, int64_t end,
-                              const Args& a) {
-  const Lanes c(a);
-  int64_t i = begin;
-  if constexpr (NT) {
-    for (const int64_t head = aligned_from(out, i, end); i < head; ++i) adam_scalar<GD, OD, FMA>(p, g, m, v, out, i, a);
-  }
-  for (; i + 16 <= end; i += 16) {
-    prefetch16<GD>(p, g, m, v, i);
-    __m256 g0, g1;
-    load_grad16<GD>(g, i, g0, g1);
-    __m256 p0 = _mm256_loadu_ps(p + i), p1 = _mm256_loadu_ps(p + i + 8);
-    __m256 m0 = _mm256_loadu_ps(m + i), m1 = _mm256_loadu_ps(m + i + 8);
-    __m256 v0 = _mm256_loadu_ps(v + i), v1 = _mm256_loadu_ps(v + i + 8);
-    moments8<FMA>(c, g0, p0, m0, v0);
-    moments8<FMA>(c, g1, p1, m1, v1);
-    p0 = finish8(c, p0, m0, _mm256_sqrt_ps(v0));
-    p1 = finish8(c, p1, m1, _mm256_sqrt_ps(v1));
-    _mm256_storeu_ps(p + i, p0);
-    _mm256_storeu_ps(p + i + 8, p1);
-    _mm256_storeu_ps(m + i, m0);
-    _mm256_storeu_ps(m + i + 8, m1);
-    _mm256_storeu_ps(v + i, v0);
-    _mm256_storeu_ps(v + i + 8, v1);
-    store_out16<OD, NT>(out, i, p0, p1);
-  }
-  for (; i < end; ++i) adam_scalar<GD, OD, FMA>(p, g, m, v, out, i, a);
-  if constexpr (NT) _mm_sfence();
-}
-
-// Tiles of kTile elements (a multiple of 16), small enough for the L1 cache: the moments of a tile,
-// then a.vsqrt over its exp_avg_sq into a buffer, then its masters. The same memory traffic as the one
-// pass (the tile is re-read from cache), for a square root that rounds like the library torch's own
-// sqrt calls.
+// Elements a tile of adam_range_tiled, whose buffers stay in the L1 cache between its two halves.
 constexpr int64_t kTile = 512;
-
-template <int GD, int OD, bool FMA, bool NT>
-CM_TARGET void adam_range_tiled(float* __restrict p, const void* __restrict g, float* __restrict m,
-                                float* __restrict v, void* __restrict out, int64_t begin, int64_t end,
-                                const Args& a) {
-  const Lanes c(a);
-  alignas(32) float sqrt_v[kTile];
-  // with streaming stores, a first (short) tile up to where the 16-bit copy is aligned, so that every
-  // later tile's vector stores are
-  int64_t stop = NT ? aligned_from(out, begin, end) : begin;
-  if (stop == begin) stop = std::min(end, begin + kTile);
-  for (int64_t t = begin; t < end; t = stop, stop = std::min(end, t + kTile)) {
-    int64_t i = t;
-    for (; i + 16 <= stop; i += 16) {
-      prefetch16<GD>(p, g, m, v, i);
-      __m256 g0, g1;
-      load_grad16<GD>(g, i, g0, g1);
-      __m256 p0 = _mm256_loadu_ps(p + i), p1 = _mm256_loadu_ps(p + i + 8);
-      __m256 m0 = _mm256_loadu_ps(m + i), m1 = _mm256_loadu_ps(m + i + 8);
-      __m256 v0 = _mm256_loadu_ps(v + i), v1 = _mm256_loadu_ps(v + i + 8);
-      moments8<FMA>(c, g0, p0, m0, v0);
-      moments8<FMA>(c, g1, p1, m1, v1);
-      if (c.decoupled) {
-        _mm256_storeu_ps(p + i, p0);
-        _mm256_storeu_ps(p + i + 8, p1);
-      }
-      _mm256_storeu_ps(m + i, m0);
-      _mm256_storeu_ps(m + i + 8, m1);
-      _mm256_storeu_ps(v + i, v0);
-      _mm256_storeu_ps(v + i + 8, v1);
-    }
-    for (; i < stop; ++i) moments1<GD, FMA>(p, g, m, v, i, a);
-    a.vsqrt(stop - t, v + t, sqrt_v, a.vsqrt_mode);
-    for (i = t; i + 16 <= stop; i += 16) {
-      __m256 p0 = finish8(c, _mm256_loadu_ps(p + i), _mm256_loadu_ps(m + i), _mm256_load_ps(sqrt_v + (i - t)));
-      __m256 p1 = finish8(c, _mm256_loadu_ps(p + i + 8), _mm256_loadu_ps(m + i + 8),
-                          _mm256_load_ps(sqrt_v + (i - t) + 8));
-      _mm256_storeu_ps(p + i, p0);
-      _mm256_storeu_ps(p + i + 8, p1);
-      store_out16<OD, NT>(out, i, p0, p1);
-    }
-    for (; i < stop; ++i) finish1<OD>(p, m, out, i, sqrt_v[i - t], a);
-  }
-  if constexpr (NT) _mm_sfence();
-}
 
 using RangeFn = void (*)(float*, const void*, float*, float*, void*, int64_t, int64_t, const Args&);
 
-template <int GD, int OD, bool FMA, bool TILED>
-RangeFn pick_nt(bool nt) {
-  if constexpr (OD == kF16 || OD == kBF16) {
-    if (nt) return TILED ? &adam_range_tiled<GD, OD, FMA, true> : &adam_range_vec<GD, OD, FMA, true>;
-  }
-  return TILED ? &adam_range_tiled<GD, OD, FMA, false> : &adam_range_vec<GD, OD, FMA, false>;
-}
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
 
-template <int GD, bool FMA, bool TILED>
-RangeFn pick_out(int od, bool nt) {
-  switch (od) {
-    case kF16: return pick_nt<GD, kF16, FMA, TILED>(nt);
-    case kBF16: return pick_nt<GD, kBF16, FMA, TILED>(nt);
-    case kNone: return pick_nt<GD, kNone, FMA, TILED>(nt);
-    default: return nullptr;
-  }
-}
+struct V {
+  using F = __m256;
+  using Mask = __m256;  // every bit of a lane set, or none
+  static constexpr int kLanes = 8;
 
-template <bool FMA, bool TILED>
-RangeFn pick_grad(int gd, int od, bool nt) {
-  switch (gd) {
-    case kF32: return pick_out<kF32, FMA, TILED>(od, nt);
-    case kF16: return pick_out<kF16, FMA, TILED>(od, nt);
-    case kBF16: return pick_out<kBF16, FMA, TILED>(od, nt);
-    default: return nullptr;
-  }
-}
+  static F set1(float x) { return _mm256_set1_ps(x); }
+  static F loadu(const float* x) { return _mm256_loadu_ps(x); }
+  static void storeu(float* x, F a) { _mm256_storeu_ps(x, a); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F div(F a, F b) { return _mm256_div_ps(a, b); }
+  static F sqrt(F a) { return _mm256_sqrt_ps(a); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static Mask mask(bool on) { return _mm256_castsi256_ps(_mm256_set1_epi32(on ? -1 : 0)); }
+  static F select(Mask k, F a, F b) { return _mm256_blendv_ps(b, a, k); }  // a where k is set, else b
 
-RangeFn pick(int gd, int od, bool nt, bool fma, bool tiled) {
-  if (fma) return tiled ? pick_grad<true, true>(gd, od, nt) : pick_grad<true, false>(gd, od, nt);
-  return tiled ? pick_grad<false, true>(gd, od, nt) : pick_grad<false, false>(gd, od, nt);
-}
+  template <int GD>
+  static void load_grad2(const void* g, int64_t i, F& g0, F& g1) {
+    if constexpr (GD == kF32) {
+      const float* gf = static_cast<const float*>(g) + i;
+      g0 = _mm256_loadu_ps(gf);
+      g1 = _mm256_loadu_ps(gf + 8);
+    } else {
+      __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(g) + i));
+      if constexpr (GD == kF16) {
+        g0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+        g1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+      } else {  // bf16 bits into the high halves of 32-bit lanes: quads (0 2 | 1 3), then interleave with 0
+        h = _mm256_permute4x64_epi64(h, 0xD8);
+        g0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), h));
+        g1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), h));
+      }
+    }
+  }
+
+  static __m256i bf16_round(F x) {  // 8 x (bf16 bits in the low half of each int32)
+    __m256i u = _mm256_castps_si256(x);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+    __m256 ord = _mm256_cmp_ps(x, x, _CMP_ORD_Q);
+    return _mm256_blendv_epi8(_mm256_set1_epi32(0x7FC0), r, _mm256_castps_si256(ord));
+  }
+
+  template <int OD, bool NT>
+  static void store_out2(void* o, int64_t i, F p0, F p1) {
+    if constexpr (OD == kF16 || OD == kBF16) {
+      __m256i packed;
+      if constexpr (OD == kF16) {
+        packed = _mm256_set_m128i(_mm256_cvtps_ph(p1, _MM_FROUND_TO_NEAREST_INT),
+                                  _mm256_cvtps_ph(p0, _MM_FROUND_TO_NEAREST_INT));
+      } else {
+        packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_round(p0), bf16_round(p1)), 0xD8);
+      }
+      __m256i* dst = reinterpret_cast<__m256i*>(static_cast<uint16_t*>(o) + i);
+      if constexpr (NT) _mm256_stream_si256(dst, packed);
+      else _mm256_storeu_si256(dst, packed);
+    }
+  }
+};
+
+#include "host_adam_vec.h"
+
+}  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f")
+namespace avx512 {
+
+struct V {
+  using F = __m512;
+  using Mask = __mmask16;
+  static constexpr int kLanes = 16;
+
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static F loadu(const float* x) { return _mm512_loadu_ps(x); }
+  static void storeu(float* x, F a) { _mm512_storeu_ps(x, a); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static F sqrt(F a) { return _mm512_sqrt_ps(a); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static Mask mask(bool on) { return on ? Mask(0xFFFF) : Mask(0); }
+  static F select(Mask k, F a, F b) { return _mm512_mask_blend_ps(k, b, a); }  // a where k is set, else b
+
+  template <int GD>
+  static void load_grad2(const void* g, int64_t i, F& g0, F& g1) {
+    if constexpr (GD == kF32) {
+      const float* gf = static_cast<const float*>(g) + i;
+      g0 = _mm512_loadu_ps(gf);
+      g1 = _mm512_loadu_ps(gf + 16);
+    } else {
+      const uint16_t* gh = static_cast<const uint16_t*>(g) + i;
+      __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gh));
+      __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gh + 16));
+      if constexpr (GD == kF16) {
+        g0 = _mm512_cvtph_ps(lo);
+        g1 = _mm512_cvtph_ps(hi);
+      } else {  // bf16 bits into the high halves of 32-bit lanes
+        g0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(lo), 16));
+        g1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+      }
+    }
+  }
+
+  static __m256i bf16_round(F x) {  // 16 x bf16 bits
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), _mm512_set1_epi32(0x7FC0), r);
+    return _mm512_cvtepi32_epi16(r);
+  }
+
+  template <int OD, bool NT>
+  static void store_out2(void* o, int64_t i, F p0, F p1) {
+    if constexpr (OD == kF16 || OD == kBF16) {
+      __m256i lo, hi;
+      if constexpr (OD == kF16) {
+        lo = _mm512_cvtps_ph(p0, _MM_FROUND_TO_NEAREST_INT);
+        hi = _mm512_cvtps_ph(p1, _MM_FROUND_TO_NEAREST_INT);
+      } else {
+        lo = bf16_round(p0);
+        hi = bf16_round(p1);
+      }
+      __m512i packed = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      void* dst = static_cast<uint16_t*>(o) + i;
+      if constexpr (NT) _mm512_stream_si512(static_cast<__m512i*>(dst), packed);
+      else _mm512_storeu_si512(dst, packed);
+    }
+  }
+};
+
+#include "host_adam_vec.h"
+
+}  // namespace avx512
+#pragma GCC pop_options
+
+#ifdef _OPENMP
+// In a child forked from a process that has run OpenMP regions the runtime still counts the parent's
+// threads, which the fork did not copy: a parallel region there can wait for them forever. A forked
+// child runs its updates on threads of its own.
+std::atomic<bool> forked_child{false};
+const int at_fork_registered = pthread_atfork(nullptr, nullptr, [] { forked_child = true; });
+#endif
 
 // Runs body(begin, end) over [0, n) on up to nthreads threads (the calling thread one of them), at
-// least min_per_thread elements each. The threads take blocks of kBlock elements in turn from a shared
-// counter rather than fixed shares, so that on a shared machine a thread whose core is busy with
-// another process does less of the work instead of holding everyone up.
+// least min_per_thread elements each: on the OpenMP runtime where the library is built with it (see
+// host_adam_ext.py: where torch runs on GNU OpenMP), else on threads started for the call. The threads
+// take blocks of kBlock elements in turn from a shared counter rather than fixed shares, so that on a
+// shared machine a thread whose core is busy with another process does less of the work instead of
+// holding everyone up.
 constexpr int64_t kBlock = 1 << 16;
 
 template <typename Body>
@@ -403,6 +337,16 @@ void parallel_range(int64_t n, int nthreads, int64_t min_per_thread, Body body) 
     for (int64_t b; (b = next.fetch_add(kBlock, std::memory_order_relaxed)) < n;)
       body(b, b + kBlock < n ? b + kBlock : n);
   };
+#ifdef _OPENMP
+  if (!forked_child.load(std::memory_order_relaxed)) {
+    // the OpenMP runtime torch runs its operators on (the library is loaded once per process): its
+    // threads are started already, and none of them spins on a core this update needs, as the threads
+    // of a pool other than torch's would for a while after each torch operator
+#pragma omp parallel num_threads(int(t))
+    work();
+    return;
+  }
+#endif
   std::vector<std::thread> workers;
   workers.reserve(size_t(t - 1));
   try {
@@ -418,11 +362,26 @@ void parallel_range(int64_t n, int nthreads, int64_t min_per_thread, Body body) 
 // ---------------------------------------------------------------------------------------------------
 // Exported C ABI.
 
-CM_EXPORT int chunkmem_host_adam_abi(void) { return 5; }
+CM_EXPORT int chunkmem_host_adam_abi(void) { return 6; }
 
 CM_EXPORT int chunkmem_host_adam_cpu_ok(void) {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+
+// Whether the library runs its threads on the OpenMP runtime (built with -fopenmp).
+CM_EXPORT int chunkmem_host_adam_openmp(void) {
+#ifdef _OPENMP
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// Whether the AVX-512 body can run here (libgcc's check includes the OS saving the zmm registers).
+CM_EXPORT int chunkmem_host_adam_avx512_ok(void) {
+  __builtin_cpu_init();
+  return chunkmem_host_adam_cpu_ok() && __builtin_cpu_supports("avx512f");
 }
 
 // Returns 0 on success, nonzero for an unsupported combination (nothing written then). vsqrt: nullptr
@@ -431,18 +390,20 @@ CM_EXPORT int chunkmem_host_adam_cpu_ok(void) {
 // copy, FMA rounding, the instruction set's square root only). nseg == 0: g is the gradient of all n
 // elements. nseg > 0: the gradient comes in pieces, g ignored: piece k covers the elements
 // [seg_bounds[2k], seg_bounds[2k+1]) (sorted, disjoint) and starts at seg_grads[k]; elements no piece
-// covers are left as they are.
+// covers are left as they are. avx512: 1 for the AVX-512 body (the caller has checked
+// chunkmem_host_adam_avx512_ok), 0 for the AVX2 one: the same results either way.
 CM_EXPORT int chunkmem_host_adam(float* p, const void* g, int grad_dtype, float* m, float* v, void* out,
                                  int out_dtype, int64_t n, float mult, float decay, float wd, float w,
                                  float beta2, float omb2, float bc2s, float eps, float nss, int flags, int fma,
                                  void* vsqrt, int64_t vsqrt_mode, int nthreads, int64_t nt_min,
                                  const int64_t* tail_runs, int64_t ntail, const void* const* seg_grads,
-                                 const int64_t* seg_bounds, int64_t nseg) {
+                                 const int64_t* seg_bounds, int64_t nseg, int avx512) {
   if (out == nullptr) out_dtype = kNone;
   if (ntail > 0 && (grad_dtype != kF32 || out_dtype != kNone || fma == 0 || vsqrt != nullptr)) return 2;
-  // streaming stores only where some element of the 16-bit copy is 32-byte aligned
+  // streaming stores only where some element of the 16-bit copy is aligned for them
   const bool nt = n >= nt_min && (reinterpret_cast<uintptr_t>(out) & 1) == 0;
-  RangeFn fn = pick(grad_dtype, out_dtype, nt, fma != 0, vsqrt != nullptr);
+  RangeFn fn = avx512 ? avx512::pick(grad_dtype, out_dtype, nt, fma != 0, vsqrt != nullptr)
+                      : avx2::pick(grad_dtype, out_dtype, nt, fma != 0, vsqrt != nullptr);
   if (fn == nullptr) return 1;
   const Args a{mult, decay, wd, w, beta2, omb2, bc2s, eps, nss, flags, std::fabs(w) < 0.5f,
                reinterpret_cast<VecSqrt>(vsqrt), vsqrt_mode};
@@ -537,7 +498,7 @@ CM_TARGET static void stream_mixed_range(float* __restrict a, float* __restrict 
   }
   for (; i + 16 <= end; i += 16) {
     __m256 g0, g1;
-    load_grad16<kF16>(g, i, g0, g1);
+    avx2::V::load_grad2<kF16>(g, i, g0, g1);
     __m256 a0 = _mm256_loadu_ps(a + i), a1 = _mm256_loadu_ps(a + i + 8);
     __m256 b0 = _mm256_loadu_ps(b + i), b1 = _mm256_loadu_ps(b + i + 8);
     __m256 c0 = _mm256_loadu_ps(c + i), c1 = _mm256_loadu_ps(c + i + 8);
@@ -549,7 +510,7 @@ CM_TARGET static void stream_mixed_range(float* __restrict a, float* __restrict 
     _mm256_storeu_ps(b + i + 8, _mm256_fmadd_ps(b1, vs, g1));
     _mm256_storeu_ps(c + i, _mm256_fmadd_ps(c0, vs, g0));
     _mm256_storeu_ps(c + i + 8, _mm256_fmadd_ps(c1, vs, g1));
-    store_out16<kF16, true>(o, i, a0, a1);
+    avx2::V::store_out2<kF16, true>(o, i, a0, a1);
   }
   for (; i < end; ++i) {
     float gi = _cvtsh_ss(g[i]);
@@ -585,7 +546,7 @@ CM_TARGET double sum_squares_block(const void* x, int64_t begin, int64_t end) {
   int64_t i = begin;
   for (; i + 16 <= end; i += 16) {
     __m256 a, b;
-    load_grad16<D>(x, i, a, b);
+    avx2::V::load_grad2<D>(x, i, a, b);
     const __m256d a0 = _mm256_cvtps_pd(_mm256_castps256_ps128(a)), a1 = _mm256_cvtps_pd(_mm256_extractf128_ps(a, 1));
     const __m256d b0 = _mm256_cvtps_pd(_mm256_castps256_ps128(b)), b1 = _mm256_cvtps_pd(_mm256_extractf128_ps(b, 1));
     acc[0] = _mm256_fmadd_pd(a0, a0, acc[0]);

@@ -7,8 +7,14 @@ tensors, another dtype, overlapping buffers, the kernel unavailable or disabled)
 untouched so that the caller runs the torch-op formulation instead.
 
 The kernel is a plain C ABI library compiled from one source file by the C++ compiler (``$CXX``, else
-``g++``, ``c++`` or ``clang++``) with no torch headers, no pybind11 and no ninja, so it builds in a few
-seconds wherever a compiler is installed. Nothing happens at ``import chunkmem``: the first host update
+``g++``, ``c++`` or ``clang++``) with no torch headers, no pybind11 and no ninja, so it builds in some
+ten seconds wherever a compiler is installed. Its vector body is compiled for AVX2 and for AVX-512 and
+runs the AVX-512 one where the CPU has it (``HostAdamKernel.avx512``; the same bits either way). Where
+torch runs its operators on GNU OpenMP (its ``libgomp`` is loaded: the PyPI Linux wheels), the library is
+built with ``-fopenmp`` and splits an update over the threads of that same runtime (``openmp``): a pool
+of its own would start threads for each update and, right after a torch operator, share the cores with
+torch's threads, which spin for a while after each operator (measured: 5-7% slower at 50M parameters on
+2 cores). Elsewhere, or where ``-fopenmp`` does not build, it starts threads for each update. Nothing happens at ``import chunkmem``: the first host update
 builds it into chunkmem's cache folder (see :mod:`chunkmem.core.native_build`: a changed source rebuilds),
 later processes load the cached library. A failed build (no compiler, not
 x86-64, a CPU without AVX2/FMA/F16C, ...) is remembered for the process, reported once with a warning,
@@ -62,7 +68,7 @@ DISABLE_ENV = "CHUNKMEM_DISABLE_CPP_ADAM"
 FP32_ENV = "CHUNKMEM_CPP_ADAM_FP32"
 SOURCE = CSRC / "host_adam.cpp"
 CXXFLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-math-errno")
-ABI_VERSION = 5
+ABI_VERSION = 6
 # VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE: the mode in which torch's Tensor.sqrt calls vmsSqrt
 VML_SQRT_MODE = 0x2 | 0x140000 | 0x100
 SQRT_VARIANTS = ("ieee", "vml")
@@ -87,8 +93,10 @@ class HostAdamKernel:
     """The loaded library. ``fma``: whether it rounds like torch's FMA kernels; ``sqrt``: its square
     root, ``"ieee"`` or ``"vml"`` (see the module docstring); ``vml_sqrt``: the address of MKL's
     ``vmsSqrt`` in torch's library, ``None`` where torch has none; ``exact``: whether it matched the
-    torch-op path bit for bit at load; ``build_seconds``: compile time (``None`` if the library came
-    from the cache); ``path``: the library file."""
+    torch-op path bit for bit at load; ``avx512``: whether updates run the AVX-512 body by default
+    (where the CPU and the OS have it; else the AVX2 one: both give the same bits); ``openmp``: whether
+    it splits updates over torch's OpenMP threads (else threads it starts); ``build_seconds``:
+    compile time (``None`` if the library came from the cache); ``path``: the library file."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path, build_seconds: float | None,
                  vml_sqrt: int | None = None) -> None:
@@ -96,9 +104,12 @@ class HostAdamKernel:
         self.fma, self.sqrt, self.exact = True, "ieee", False
         self.fused_tail: int | None = None
         self.vml_sqrt = vml_sqrt
+        self.avx512_available = bool(lib.chunkmem_host_adam_avx512_ok())
+        self.avx512 = self.avx512_available
+        self.openmp = bool(lib.chunkmem_host_adam_openmp())
         f, i, i64, ptr = ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
         lib.chunkmem_host_adam.argtypes = ([ptr, ptr, i, ptr, ptr, ptr, i, i64] + [f] * 9
-                                           + [i, i, ptr, i64, i, i64, ptr, i64, ptr, ptr, i64])
+                                           + [i, i, ptr, i64, i, i64, ptr, i64, ptr, ptr, i64, i])
         lib.chunkmem_host_adam.restype = i
         lib.chunkmem_stream_4r3w.argtypes = [ptr, ptr, ptr, ptr, i64, f, i]
         lib.chunkmem_stream_4r3w.restype = None
@@ -111,13 +122,16 @@ class HostAdamKernel:
     def update(self, master: torch.Tensor, grad: "torch.Tensor | GradPieces", exp_avg: torch.Tensor,
                exp_avg_sq: torch.Tensor, step: int, hyper, grad_multiplier: float = 1.0,
                param_out: torch.Tensor | None = None, *, fma: bool | None = None, sqrt: str | None = None,
-               nt_min: int | None = None, nthreads: int | None = None, tail_runs: list[int] | None = None) -> None:
+               nt_min: int | None = None, nthreads: int | None = None, tail_runs: list[int] | None = None,
+               avx512: bool | None = None) -> None:
         """The update on already validated buffers (see :func:`try_update`); ``hyper`` an AdamHyper;
         ``grad`` one flat tensor or :data:`GradPieces` (elements no piece covers are not updated).
         ``fma``, ``sqrt``: a variant other than the chosen one; ``nt_min``: streaming stores of the
         16-bit copy from this many elements on; ``nthreads``: threads (default torch's); ``tail_runs``:
         flat ``[start, end, ...]`` element pairs (sorted, disjoint) rounded as the per-element tail of
-        ``torch.optim.AdamW(fused=True)`` (fp32 gradient, no 16-bit copy, FMA, IEEE square root only)."""
+        ``torch.optim.AdamW(fused=True)`` (fp32 gradient, no 16-bit copy, FMA, IEEE square root only);
+        ``avx512``: the AVX-512 body (``True``, only where ``avx512_available``) or the AVX2 one (``False``)
+        instead of the default (``self.avx512``)."""
         pieces = grad if isinstance(grad, list) else None
         grad_ptr = None if pieces is not None else grad.data_ptr()
         if pieces is not None:
@@ -129,6 +143,10 @@ class HostAdamKernel:
         if sqrt not in SQRT_VARIANTS or (sqrt == "vml" and self.vml_sqrt is None):
             raise ValueError(f"sqrt={sqrt!r}: expected one of {SQRT_VARIANTS}, 'vml' only where torch has "
                              f"MKL's vmsSqrt (here: {self.vml_sqrt is not None})")
+        if avx512 is None:
+            avx512 = self.avx512
+        elif avx512 and not self.avx512_available:
+            raise ValueError("avx512=True: this CPU (or its OS) has no AVX-512; use avx512=False or None")
         flags, decay, wd = 0, 1.0, 0.0
         if grad_multiplier != 1.0:
             flags |= _APPLY_MULT
@@ -153,7 +171,8 @@ class HostAdamKernel:
                           NT_MIN_ELEMENTS if nt_min is None else nt_min,
                           (ctypes.c_int64 * len(tail_runs))(*tail_runs) if tail_runs else None,
                           len(tail_runs) // 2 if tail_runs else 0,
-                          *((starts, bounds, len(pieces)) if pieces is not None else (None, None, 0)))
+                          *((starts, bounds, len(pieces)) if pieces is not None else (None, None, 0)),
+                          int(avx512))
         if rc != 0:
             raise RuntimeError(f"chunkmem host Adam kernel refused dtypes {grad.dtype} -> "
                                f"{None if param_out is None else param_out.dtype}")
@@ -208,7 +227,7 @@ def _load() -> HostAdamKernel:
         raise RuntimeError(f"the host kernel is for x86-64, not {platform.machine()}")
     if not sys.platform.startswith(("linux", "darwin")):
         raise RuntimeError(f"the host kernel is built for Linux and macOS only, not {sys.platform}")
-    lib, path, build_seconds = load_library(SOURCE, CXXFLAGS, "host_adam")
+    lib, path, build_seconds = _build()
     if lib.chunkmem_host_adam_abi() != ABI_VERSION:
         raise RuntimeError(f"{path} has another ABI version")
     if not lib.chunkmem_host_adam_cpu_ok():
@@ -217,6 +236,26 @@ def _load() -> HostAdamKernel:
     k.fma, k.sqrt, k.exact = _pick_rounding(k)
     k.fused_tail = _probe_fused_tail(k)
     return k
+
+
+def _torch_runs_gnu_openmp() -> bool:
+    """Whether this process has GNU OpenMP's ``libgomp`` loaded (torch's own, in the PyPI Linux wheels):
+    a library built with ``-fopenmp`` then shares torch's runtime, found by its name at load."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return any("libgomp" in line for line in maps)
+    except OSError:  # not Linux
+        return False
+
+
+def _build():
+    """The library, with ``-fopenmp`` where torch runs on GNU OpenMP and that builds, else without."""
+    if _torch_runs_gnu_openmp():
+        try:
+            return load_library(SOURCE, CXXFLAGS + ("-fopenmp",), "host_adam")
+        except RuntimeError:  # a compiler without OpenMP: threads of the library's own
+            pass
+    return load_library(SOURCE, CXXFLAGS, "host_adam")
 
 
 def _find_vml_sqrt() -> int | None:
