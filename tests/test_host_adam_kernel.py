@@ -6,6 +6,8 @@ that uses the kernel fail (the fallback has tests of its own below)."""
 import copy
 import subprocess
 import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from chunkmem.optim.adam_kernels import adam_update_
 from chunkmem.optim.adam_math import AdamHyper, adam_update_torch_
 
 ULP = 2.0**-24
-N = 10_007  # no multiple of the vector width (8) or of the loop step (16)
+N = 10_007  # no multiple of a vector width (8, 16) or of a loop step (16, 32)
 
 
 @pytest.fixture(autouse=True)
@@ -474,3 +476,141 @@ def test_gradient_pieces_the_kernel_cannot_read_change_nothing():
         before = [t.clone() for t in (master, m, v)]
         assert not host_adam_ext.try_update(master, pieces, m, v, 1, h, 1.0, None), what
         assert all(torch.equal(x, y) for x, y in zip(before, (master, m, v))), what
+
+
+# ---- instruction sets, threads, the build ------------------------------------------------------------
+
+
+def _isa_cases():
+    """(grad dtype, 16-bit copy dtype or None, sqrt, fma, fp32 tail runs)"""
+    cases = [(g, o, "ieee", fma, False) for g, o in ((torch.float32, None), (torch.float32, torch.bfloat16),
+                                                     (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
+                                                     (torch.bfloat16, torch.float16), (torch.float16, None))
+             for fma in (True, False)]
+    cases.append((torch.float32, None, "ieee", True, True))
+    if host_adam_ext.kernel() is not None and host_adam_ext.kernel().vml_sqrt is not None:
+        cases += [(torch.float32, None, "vml", True, False), (torch.float16, torch.float16, "vml", True, False)]
+    return cases
+
+
+@pytest.mark.parametrize("grad_dtype,out_dtype,sqrt,fma,tails", _isa_cases())
+def test_avx512_and_avx2_bodies_give_the_same_bits(grad_dtype, out_dtype, sqrt, fma, tails):
+    """The AVX-512 body (16 lanes, 32 elements an iteration, 64-byte streaming stores) against the AVX2 one
+    (8 lanes, 16, 32-byte) on every path: sizes around both loop steps and the tile, misaligned 16-bit
+    copies with and without streaming stores, 1 and 3 threads, every branch of the arithmetic, special
+    values in the gradient (inf, nan, denormals, -0)."""
+    k = get_kernel()
+    if not k.avx512_available:
+        pytest.skip("no AVX-512 on this CPU: only the AVX2 body runs here")
+    hypers = [AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True, True), AdamHyper(1e-2, 0.3, 0.99, 1e-6, 0.1, False, True),
+              AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, False, False)]
+    for n in (1, 31, 33, 512, 1061, (1 << 17) + 45):
+        for i, h in enumerate(hypers):
+            results = []
+            for avx512, nthreads, nt_min in ((False, 1, 1 << 62), (True, 1, 1 << 62), (True, 3, 0)):
+                master, grad, m, v = make_state(n, grad_dtype, seed=n + i, grad_scale=8.0)
+                grad[:: max(1, n // 7)] = torch.tensor([float("inf"), float("nan"), 1e-40, -0.0]).repeat(n)[
+                    : grad[:: max(1, n // 7)].numel()].to(grad_dtype)
+                out = None if out_dtype is None else torch.empty(n + 3, dtype=out_dtype)[3:]
+                runs = host_adam_ext.tail_runs([(0, n // 3), (n // 3, n)], n, 8) if tails else None
+                for step, mult in ((1, 1.0), (3, 1 / 8)):
+                    k.update(master, grad, m, v, step, h, mult, out, fma=fma, sqrt=sqrt, nthreads=nthreads,
+                             nt_min=nt_min, tail_runs=runs, avx512=avx512)
+                results.append([t.nan_to_num(-7.0) for t in (master, m, v, *(() if out is None else (out,)))])
+            for other in results[1:]:
+                assert all(torch.equal(a, b) for a, b in zip(results[0], other)), (n, h)
+
+
+def test_avx512_where_there_is_none_is_refused_and_changes_nothing():
+    k = get_kernel()
+    without = host_adam_ext.HostAdamKernel(k.lib, k.path, None)
+    without.avx512_available = without.avx512 = False
+    master, grad, m, v = make_state(100, torch.float16)
+    before = [t.clone() for t in (master, m, v)]
+    h = AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, True, True)
+    with pytest.raises(ValueError, match="avx512=True: this CPU"):
+        without.update(master, grad, m, v, 1, h, 1.0, None, avx512=True)
+    assert all(torch.equal(a, b) for a, b in zip(before, (master, m, v)))
+
+
+def _libgomp_files() -> set[str]:
+    with open("/proc/self/maps") as maps:
+        return {line.split()[-1] for line in maps if "libgomp" in line}
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps (Linux)")
+def test_updates_run_on_torchs_openmp_runtime_and_load_no_second_one():
+    """Where torch runs on GNU OpenMP the kernel is built with it and shares torch's runtime: the library
+    resolves libgomp to the one torch loaded, so the process holds one OpenMP runtime (two would each keep
+    threads spinning on the cores after their parallel regions)."""
+    before = _libgomp_files()
+    k = get_kernel()
+    assert k.openmp == bool(before)
+    master, grad, m, v = make_state(1 << 18, torch.float16)
+    k.update(master, grad, m, v, 1, AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, True, True), 1.0, None, nthreads=2)
+    assert _libgomp_files() == before
+
+
+def test_without_openmp_in_the_compiler_it_builds_with_threads_of_its_own(monkeypatch, tmp_path):
+    """A compiler that cannot build with -fopenmp: the library without it, threads started per update."""
+    monkeypatch.setattr(host_adam_ext, "_torch_runs_gnu_openmp", lambda: True)
+    built = []
+
+    def load(source, flags, stem):
+        built.append(tuple(flags))
+        if "-fopenmp" in flags:
+            raise RuntimeError("compiling host_adam.cpp failed: -fopenmp unsupported")
+        return native_build.load_library(source, flags, stem)
+
+    monkeypatch.setattr(host_adam_ext, "load_library", load)
+    lib, _path, _seconds = host_adam_ext._build()
+    assert built == [host_adam_ext.CXXFLAGS + ("-fopenmp",), host_adam_ext.CXXFLAGS]
+    assert lib.chunkmem_host_adam_openmp() == 0
+
+
+def test_a_forked_child_updates_on_threads_of_its_own():
+    """A child forked after the parent ran updates on the OpenMP runtime: the runtime counts the parent's
+    threads, which the child has not got, and a parallel region there would wait for them forever. The
+    child's update finishes, on threads of its own, and equals the parent's."""
+    script = textwrap.dedent("""
+        import os, sys, torch
+        from chunkmem.optim import host_adam_ext
+        from chunkmem.optim.adam_math import AdamHyper
+        k = host_adam_ext.kernel()
+        h = AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True, True)
+        n = 1 << 20
+        state = [torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)]
+        k.update(*state, 1, h, 1.0, None, nthreads=2)
+        expected = [t.clone() for t in state]
+        k.update(*expected, 2, h, 1.0, None, nthreads=2)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            k.update(*state, 2, h, 1.0, None, nthreads=2)
+            # compared in pieces below torch's parallel grain: torch's own parallel operators would hang here
+            equal = all(torch.equal(a[i:i + 8192], b[i:i + 8192]) for a, b in zip(state, expected)
+                        for i in range(0, n, 8192))
+            os.write(write, b"1" if equal else b"0")
+            os._exit(0)
+        os.waitpid(pid, 0)
+        print("openmp", k.openmp, "child equal", os.read(read, 1) == b"1")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "child equal True" in proc.stdout, proc.stdout
+
+
+def test_a_changed_included_file_builds_a_new_library(monkeypatch, tmp_path):
+    """native_build keys a library on the files its source includes too: an edit of host_adam_vec.h alone
+    must not load the library built from the old one."""
+    monkeypatch.setenv(native_build.CACHE_ENV, str(tmp_path / "cache"))
+    (tmp_path / "part.h").write_text("int value() { return 1; }\n")
+    source = tmp_path / "lib.cpp"
+    source.write_text('#include "part.h"\nextern "C" int get() { return value(); }\n')
+    flags = ("-O1", "-shared", "-fPIC")
+    first, first_path, built = native_build.load_library(source, flags, "t")
+    assert first.get() == 1 and built is not None
+    assert native_build.load_library(source, flags, "t")[1] == first_path  # unchanged: from the cache
+    (tmp_path / "part.h").write_text("int value() { return 2; }\n")
+    second, second_path, built = native_build.load_library(source, flags, "t")
+    assert second_path != first_path and second.get() == 2 and built is not None
