@@ -105,7 +105,9 @@ def main() -> int:
         print(f"host Adam kernel unavailable: {host_adam_ext.load_error()}", file=sys.stderr)
         return 2
     how = f"compiled in {kernel.build_seconds:.1f} s" if kernel.build_seconds is not None else "from the cache"
-    print(f"kernel: {kernel.path.name} ({how}; load + self-check {load_s:.2f} s), fma={kernel.fma}, "
+    threads = "torch's OpenMP runtime" if kernel.openmp else "threads started per update"
+    print(f"kernel: {kernel.path.name} ({how}; load + self-check {load_s:.2f} s), "
+          f"{'AVX-512' if kernel.avx512 else 'AVX2'} body on {threads}, fma={kernel.fma}, "
           f"bitwise equal to the torch-op path: {kernel.exact}; fp32 gradients reproduce torch's "
           f"{host_adam_ext.fp32_reference()} AdamW")
     print(f"CPU: {_gpt.cpu_kind()}")
