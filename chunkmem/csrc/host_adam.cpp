@@ -235,7 +235,7 @@ struct V {
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,avx512f")
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw")
 namespace avx512 {
 
 struct V {
@@ -275,26 +275,26 @@ struct V {
     }
   }
 
-  static __m256i bf16_round(F x) {  // 16 x bf16 bits
+  // The bf16 rounding of 16 floats, each in the high half of its 32-bit lane (the low half is garbage).
+  static __m512i bf16_round_high(F x) {
     __m512i u = _mm512_castps_si512(x);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-    r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), _mm512_set1_epi32(0x7FC0), r);
-    return _mm512_cvtepi32_epi16(r);
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
+    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), _mm512_set1_epi32(0x7FC00000), r);
   }
 
   template <int OD, bool NT>
   static void store_out2(void* o, int64_t i, F p0, F p1) {
     if constexpr (OD == kF16 || OD == kBF16) {
-      __m256i lo, hi;
+      __m512i packed;
       if constexpr (OD == kF16) {
-        lo = _mm512_cvtps_ph(p0, _MM_FROUND_TO_NEAREST_INT);
-        hi = _mm512_cvtps_ph(p1, _MM_FROUND_TO_NEAREST_INT);
-      } else {
-        lo = bf16_round(p0);
-        hi = bf16_round(p1);
+        packed = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtps_ph(p0, _MM_FROUND_TO_NEAREST_INT)),
+                                    _mm512_cvtps_ph(p1, _MM_FROUND_TO_NEAREST_INT), 1);
+      } else {  // the high 16-bit words of p0's lanes, then of p1's
+        const __m512i odd_words = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33,
+                                                   31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+        packed = _mm512_permutex2var_epi16(bf16_round_high(p0), odd_words, bf16_round_high(p1));
       }
-      __m512i packed = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
       void* dst = static_cast<uint16_t*>(o) + i;
       if constexpr (NT) _mm512_stream_si512(static_cast<__m512i*>(dst), packed);
       else _mm512_storeu_si512(dst, packed);
@@ -381,7 +381,7 @@ CM_EXPORT int chunkmem_host_adam_openmp(void) {
 // Whether the AVX-512 body can run here (libgcc's check includes the OS saving the zmm registers).
 CM_EXPORT int chunkmem_host_adam_avx512_ok(void) {
   __builtin_cpu_init();
-  return chunkmem_host_adam_cpu_ok() && __builtin_cpu_supports("avx512f");
+  return chunkmem_host_adam_cpu_ok() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
 }
 
 // Returns 0 on success, nonzero for an unsupported combination (nothing written then). vsqrt: nullptr
