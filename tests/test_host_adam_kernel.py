@@ -534,39 +534,61 @@ def test_avx512_where_there_is_none_is_refused_and_changes_nothing():
     assert all(torch.equal(a, b) for a, b in zip(before, (master, m, v)))
 
 
-def _libgomp_files() -> set[str]:
+def _openmp_files() -> set[str]:
     with open("/proc/self/maps") as maps:
-        return {line.split()[-1] for line in maps if "libgomp" in line}
+        return {line.split()[-1] for line in maps if "libgomp" in line or "libomp" in line or "libiomp" in line}
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps (Linux)")
 def test_updates_run_on_torchs_openmp_runtime_and_load_no_second_one():
-    """Where torch runs on GNU OpenMP the kernel is built with it and shares torch's runtime: the library
-    resolves libgomp to the one torch loaded, so the process holds one OpenMP runtime (two would each keep
+    """Where torch runs on an OpenMP runtime the kernel is built with OpenMP and shares torch's runtime:
+    the library resolves it to the one torch loaded, so the process holds one (two would each keep
     threads spinning on the cores after their parallel regions)."""
-    before = _libgomp_files()
+    before = _openmp_files()
     k = get_kernel()
     assert k.openmp == bool(before)
     master, grad, m, v = make_state(1 << 18, torch.float16)
     k.update(master, grad, m, v, 1, AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, True, True), 1.0, None, nthreads=2)
-    assert _libgomp_files() == before
+    assert _openmp_files() == before
 
 
-def test_without_openmp_in_the_compiler_it_builds_with_threads_of_its_own(monkeypatch, tmp_path):
-    """A compiler that cannot build with -fopenmp: the library without it, threads started per update."""
-    monkeypatch.setattr(host_adam_ext, "_torch_runs_gnu_openmp", lambda: True)
+def _recording_build(monkeypatch, runtimes_seen, fail_openmp):
+    """host_adam_ext._build with the OpenMP runtimes it sees (one set per look) and a compiler that fails
+    with -fopenmp if ``fail_openmp``; returns the flags of each build it asks for."""
+    looks = iter(runtimes_seen)
+    monkeypatch.setattr(host_adam_ext, "_openmp_runtimes", lambda: next(looks))
     built = []
 
     def load(source, flags, stem):
         built.append(tuple(flags))
-        if "-fopenmp" in flags:
+        if fail_openmp and "-fopenmp" in flags:
             raise RuntimeError("compiling host_adam.cpp failed: -fopenmp unsupported")
         return native_build.load_library(source, flags, stem)
 
     monkeypatch.setattr(host_adam_ext, "load_library", load)
+    return built
+
+
+def test_without_openmp_in_the_compiler_it_builds_with_threads_of_its_own(monkeypatch):
+    built = _recording_build(monkeypatch, [{"libgomp.so.1"}], fail_openmp=True)
     lib, _path, _seconds = host_adam_ext._build()
     assert built == [host_adam_ext.CXXFLAGS + ("-fopenmp",), host_adam_ext.CXXFLAGS]
     assert lib.chunkmem_host_adam_openmp() == 0
+
+
+def test_a_library_that_brings_a_second_openmp_runtime_is_not_used(monkeypatch):
+    """A compiler whose OpenMP is another runtime than torch's (clang's libomp beside torch's libgomp):
+    the OpenMP build is left unused and updates run on threads of the library's own."""
+    built = _recording_build(monkeypatch, [{"libgomp.so.1"}, {"libgomp.so.1", "libomp.so"}], fail_openmp=False)
+    lib, _path, _seconds = host_adam_ext._build()
+    assert built == [host_adam_ext.CXXFLAGS + ("-fopenmp",), host_adam_ext.CXXFLAGS]
+    assert lib.chunkmem_host_adam_openmp() == 0
+
+
+def test_without_an_openmp_runtime_in_the_process_no_openmp_build(monkeypatch):
+    built = _recording_build(monkeypatch, [set()], fail_openmp=False)
+    lib, _path, _seconds = host_adam_ext._build()
+    assert built == [host_adam_ext.CXXFLAGS] and lib.chunkmem_host_adam_openmp() == 0
 
 
 def test_a_forked_child_updates_on_threads_of_its_own():

@@ -85,6 +85,33 @@ inline void prefetch_ahead(const float* p, const void* g, const float* m, const 
     _mm_prefetch(reinterpret_cast<const char*>(static_cast<const uint16_t*>(g) + j), _MM_HINT_T0);
 }
 
+// Two vectors of a buffer: what one iteration reads or writes of it.
+struct Pair {
+  V::F lo, hi;
+};
+
+inline Pair load2(const float* x, int64_t i) { return {V::loadu(x + i), V::loadu(x + i + V::kLanes)}; }
+
+inline void store2(float* x, int64_t i, Pair a) {
+  V::storeu(x + i, a.lo);
+  V::storeu(x + i + V::kLanes, a.hi);
+}
+
+// The iteration at i up to the square root: reads its gradient and buffers, leaves the decayed master
+// and the new moments in pm, mm, vm.
+template <int GD, bool FMA>
+inline void iteration_moments(const Lanes& c, const float* p, const void* g, const float* m, const float* v,
+                              int64_t i, Pair& pm, Pair& mm, Pair& vm) {
+  prefetch_ahead<GD>(p, g, m, v, i);
+  V::F g0, g1;
+  V::template load_grad2<GD>(g, i, g0, g1);
+  pm = load2(p, i);
+  mm = load2(m, i);
+  vm = load2(v, i);
+  moments<FMA>(c, g0, pm.lo, mm.lo, vm.lo);
+  moments<FMA>(c, g1, pm.hi, mm.hi, vm.hi);
+}
+
 // One pass, everything in registers; the instruction set's square root.
 template <int GD, int OD, bool FMA, bool NT>
 void adam_range_vec(float* __restrict p, const void* __restrict g, float* __restrict m, float* __restrict v,
@@ -94,25 +121,14 @@ void adam_range_vec(float* __restrict p, const void* __restrict g, float* __rest
   if constexpr (NT) {
     for (const int64_t head = aligned_from(out, i, end); i < head; ++i) adam_scalar<GD, OD, FMA>(p, g, m, v, out, i, a);
   }
-  constexpr int L = V::kLanes;
   for (; i + kStep <= end; i += kStep) {
-    prefetch_ahead<GD>(p, g, m, v, i);
-    V::F g0, g1;
-    V::template load_grad2<GD>(g, i, g0, g1);
-    V::F p0 = V::loadu(p + i), p1 = V::loadu(p + i + L);
-    V::F m0 = V::loadu(m + i), m1 = V::loadu(m + i + L);
-    V::F v0 = V::loadu(v + i), v1 = V::loadu(v + i + L);
-    moments<FMA>(c, g0, p0, m0, v0);
-    moments<FMA>(c, g1, p1, m1, v1);
-    p0 = finish(c, p0, m0, V::sqrt(v0));
-    p1 = finish(c, p1, m1, V::sqrt(v1));
-    V::storeu(p + i, p0);
-    V::storeu(p + i + L, p1);
-    V::storeu(m + i, m0);
-    V::storeu(m + i + L, m1);
-    V::storeu(v + i, v0);
-    V::storeu(v + i + L, v1);
-    V::template store_out2<OD, NT>(out, i, p0, p1);
+    Pair pm, mm, vm;
+    iteration_moments<GD, FMA>(c, p, g, m, v, i, pm, mm, vm);
+    pm = {finish(c, pm.lo, mm.lo, V::sqrt(vm.lo)), finish(c, pm.hi, mm.hi, V::sqrt(vm.hi))};
+    store2(p, i, pm);
+    store2(m, i, mm);
+    store2(v, i, vm);
+    V::template store_out2<OD, NT>(out, i, pm.lo, pm.hi);
   }
   for (; i < end; ++i) adam_scalar<GD, OD, FMA>(p, g, m, v, out, i, a);
   if constexpr (NT) _mm_sfence();
@@ -127,7 +143,6 @@ void adam_range_tiled(float* __restrict p, const void* __restrict g, float* __re
                       void* __restrict out, int64_t begin, int64_t end, const Args& a) {
   static_assert(kTile % kStep == 0, "a tile is a whole number of iterations");
   const Lanes c(a);
-  constexpr int L = V::kLanes;
   alignas(64) float sqrt_v[kTile];
   // with streaming stores, a first (short) tile up to where the 16-bit copy is aligned, so that every
   // later tile's vector stores are
@@ -136,31 +151,19 @@ void adam_range_tiled(float* __restrict p, const void* __restrict g, float* __re
   for (int64_t t = begin; t < end; t = stop, stop = std::min(end, t + kTile)) {
     int64_t i = t;
     for (; i + kStep <= stop; i += kStep) {
-      prefetch_ahead<GD>(p, g, m, v, i);
-      V::F g0, g1;
-      V::template load_grad2<GD>(g, i, g0, g1);
-      V::F p0 = V::loadu(p + i), p1 = V::loadu(p + i + L);
-      V::F m0 = V::loadu(m + i), m1 = V::loadu(m + i + L);
-      V::F v0 = V::loadu(v + i), v1 = V::loadu(v + i + L);
-      moments<FMA>(c, g0, p0, m0, v0);
-      moments<FMA>(c, g1, p1, m1, v1);
-      if (c.decoupled) {
-        V::storeu(p + i, p0);
-        V::storeu(p + i + L, p1);
-      }
-      V::storeu(m + i, m0);
-      V::storeu(m + i + L, m1);
-      V::storeu(v + i, v0);
-      V::storeu(v + i + L, v1);
+      Pair pm, mm, vm;
+      iteration_moments<GD, FMA>(c, p, g, m, v, i, pm, mm, vm);
+      if (c.decoupled) store2(p, i, pm);
+      store2(m, i, mm);
+      store2(v, i, vm);
     }
     for (; i < stop; ++i) moments1<GD, FMA>(p, g, m, v, i, a);
     a.vsqrt(stop - t, v + t, sqrt_v, a.vsqrt_mode);
     for (i = t; i + kStep <= stop; i += kStep) {
-      V::F p0 = finish(c, V::loadu(p + i), V::loadu(m + i), V::loadu(sqrt_v + (i - t)));
-      V::F p1 = finish(c, V::loadu(p + i + L), V::loadu(m + i + L), V::loadu(sqrt_v + (i - t) + L));
-      V::storeu(p + i, p0);
-      V::storeu(p + i + L, p1);
-      V::template store_out2<OD, NT>(out, i, p0, p1);
+      const Pair pm = load2(p, i), mm = load2(m, i), sqrt_vm = load2(sqrt_v, i - t);
+      const Pair updated = {finish(c, pm.lo, mm.lo, sqrt_vm.lo), finish(c, pm.hi, mm.hi, sqrt_vm.hi)};
+      store2(p, i, updated);
+      V::template store_out2<OD, NT>(out, i, updated.lo, updated.hi);
     }
     for (; i < stop; ++i) finish1<OD>(p, m, out, i, sqrt_v[i - t], a);
   }

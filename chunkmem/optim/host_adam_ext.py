@@ -10,16 +10,18 @@ The kernel is a plain C ABI library compiled from one source file by the C++ com
 ``g++``, ``c++`` or ``clang++``) with no torch headers, no pybind11 and no ninja, so it builds in some
 ten seconds wherever a compiler is installed. Its vector body is compiled for AVX2 and for AVX-512 and
 runs the AVX-512 one where the CPU has it (``HostAdamKernel.avx512``; the same bits either way). Where
-torch runs its operators on GNU OpenMP (its ``libgomp`` is loaded: the PyPI Linux wheels), the library is
-built with ``-fopenmp`` and splits an update over the threads of that same runtime (``openmp``): a pool
-of its own would start threads for each update and, right after a torch operator, share the cores with
-torch's threads, which spin for a while after each operator (measured: 5-7% slower at 50M parameters on
-2 cores). Elsewhere, or where ``-fopenmp`` does not build, it starts threads for each update. Nothing happens at ``import chunkmem``: the first host update
-builds it into chunkmem's cache folder (see :mod:`chunkmem.core.native_build`: a changed source rebuilds),
-later processes load the cached library. A failed build (no compiler, not
-x86-64, a CPU without AVX2/FMA/F16C, ...) is remembered for the process, reported once with a warning,
-and every update then takes the torch-op path. ``CHUNKMEM_DISABLE_CPP_ADAM=1`` disables the kernel
-(checked at every update).
+torch runs its operators on an OpenMP runtime (GNU's ``libgomp`` in the PyPI Linux wheels), the library
+is built with ``-fopenmp`` and splits an update over the threads of that same runtime (``openmp``): a
+pool of its own would start threads for each update and, right after a torch operator, share the cores
+with torch's threads, which spin for a while after each operator (measured: 5-7% slower at 50M
+parameters on 2 cores). Where ``-fopenmp`` does not build, or the library would bring a runtime of its
+own (a compiler whose OpenMP is another library than torch's), it starts threads for each update.
+
+Nothing happens at ``import chunkmem``: the first host update builds the library into chunkmem's cache
+folder (see :mod:`chunkmem.core.native_build`: a changed source rebuilds), later processes load the
+cached library. A failed build (no compiler, not x86-64, a CPU without AVX2/FMA/F16C, ...) is remembered
+for the process, reported once with a warning, and every update then takes the torch-op path.
+``CHUNKMEM_DISABLE_CPP_ADAM=1`` disables the kernel (checked at every update).
 
 Rounding. The kernel performs the torch-op path's operations in the same order with the same fp32
 roundings. Two things differ from one torch build and CPU to another, and the kernel has a variant for
@@ -238,23 +240,32 @@ def _load() -> HostAdamKernel:
     return k
 
 
-def _torch_runs_gnu_openmp() -> bool:
-    """Whether this process has GNU OpenMP's ``libgomp`` loaded (torch's own, in the PyPI Linux wheels):
-    a library built with ``-fopenmp`` then shares torch's runtime, found by its name at load."""
+OPENMP_RUNTIMES = ("libgomp", "libomp", "libiomp")
+
+
+def _openmp_runtimes() -> set[str]:
+    """The files of the OpenMP runtimes this process has loaded (torch's, in its Linux builds); empty
+    where there is none or ``/proc/self/maps`` cannot be read (not Linux)."""
     try:
         with open("/proc/self/maps") as maps:
-            return any("libgomp" in line for line in maps)
-    except OSError:  # not Linux
-        return False
+            return {line.split()[-1] for line in maps if any(name in line for name in OPENMP_RUNTIMES)}
+    except OSError:
+        return set()
 
 
-def _build():
-    """The library, with ``-fopenmp`` where torch runs on GNU OpenMP and that builds, else without."""
-    if _torch_runs_gnu_openmp():
+def _build() -> tuple[ctypes.CDLL, Path, float | None]:
+    """The library (see :func:`native_build.load_library`): built with ``-fopenmp`` where torch has an
+    OpenMP runtime loaded, that builds, and loading it brings no second runtime; else without."""
+    runtimes = _openmp_runtimes()
+    if runtimes:
         try:
-            return load_library(SOURCE, CXXFLAGS + ("-fopenmp",), "host_adam")
-        except RuntimeError:  # a compiler without OpenMP: threads of the library's own
-            pass
+            built = load_library(SOURCE, CXXFLAGS + ("-fopenmp",), "host_adam")
+        except RuntimeError:  # a compiler without OpenMP
+            built = None
+        if built is not None and _openmp_runtimes() == runtimes:
+            return built
+        # else the library resolved OpenMP to a runtime of its own (left loaded: a runtime starts no
+        # thread before its first parallel region, and none will run in it)
     return load_library(SOURCE, CXXFLAGS, "host_adam")
 
 
