@@ -45,6 +45,7 @@
 
 #define CM_TARGET __attribute__((target("avx2,fma,f16c")))
 #define CM_EXPORT extern "C" __attribute__((visibility("default")))
+#define CM_INLINE inline __attribute__((always_inline))
 
 namespace {
 

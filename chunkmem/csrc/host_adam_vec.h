@@ -15,13 +15,15 @@
 // Every operation rounds as IEEE 754 prescribes whatever the width, so both instruction sets give
 // the same bits (tests/test_host_adam_kernel.py compares them). One iteration of the loops handles
 // 2*kLanes elements: two vectors, so that the 16-bit copy of an iteration is one aligned vector store.
+// The helpers of the loops are CM_INLINE (always inlined): one left out of line costs the loop half its
+// speed (its vectors pass through memory).
 
 constexpr int64_t kStep = 2 * V::kLanes;
 // The 16-bit copy of one iteration, in bytes: what a streaming store of it must be aligned to.
 constexpr int64_t kOutBytes = kStep * 2;
 
 template <bool FMA>
-inline V::F vmadd(V::F a, V::F b, V::F c) {
+CM_INLINE V::F vmadd(V::F a, V::F b, V::F c) {
   if constexpr (FMA) return V::fmadd(a, b, c);
   else return V::add(V::mul(a, b), c);
 }
@@ -48,7 +50,7 @@ struct Lanes {
 
 // One vector: p, m, v in registers become the decayed master and the new moments (g: fp32 gradient).
 template <bool FMA>
-inline void moments(const Lanes& c, V::F g, V::F& p, V::F& m, V::F& v) {
+CM_INLINE void moments(const Lanes& c, V::F g, V::F& p, V::F& m, V::F& v) {
   g = V::mul(g, c.mult);
   p = V::mul(p, c.decay);
   if (c.l2) g = vmadd<FMA>(p, c.wd, g);
@@ -57,7 +59,7 @@ inline void moments(const Lanes& c, V::F g, V::F& p, V::F& m, V::F& v) {
 }
 
 // One vector: the updated master from the decayed one, exp_avg and sqrt(exp_avg_sq).
-inline V::F finish(const Lanes& c, V::F p, V::F m, V::F sqrt_v) {
+CM_INLINE V::F finish(const Lanes& c, V::F p, V::F m, V::F sqrt_v) {
   V::F d = c.div_bc2 ? V::div(sqrt_v, c.bc2s) : sqrt_v;
   d = V::add(d, c.eps);
   return V::add(p, V::div(V::mul(c.nss, m), d));
@@ -72,7 +74,7 @@ inline int64_t aligned_from(const void* out, int64_t i, int64_t end) {
 // Asks for the cache lines kPrefetchAhead elements ahead of the iteration at i in the streams read.
 // Prefetches past the end of a buffer are harmless: they never fault.
 template <int GD>
-inline void prefetch_ahead(const float* p, const void* g, const float* m, const float* v, int64_t i) {
+CM_INLINE void prefetch_ahead(const float* p, const void* g, const float* m, const float* v, int64_t i) {
   const int64_t j = i + kPrefetchAhead;
   for (int64_t k = 0; k < kStep; k += 16) {  // 16 fp32 elements a line
     _mm_prefetch(reinterpret_cast<const char*>(p + j + k), _MM_HINT_T0);
@@ -90,9 +92,9 @@ struct Pair {
   V::F lo, hi;
 };
 
-inline Pair load2(const float* x, int64_t i) { return {V::loadu(x + i), V::loadu(x + i + V::kLanes)}; }
+CM_INLINE Pair load2(const float* x, int64_t i) { return {V::loadu(x + i), V::loadu(x + i + V::kLanes)}; }
 
-inline void store2(float* x, int64_t i, Pair a) {
+CM_INLINE void store2(float* x, int64_t i, Pair a) {
   V::storeu(x + i, a.lo);
   V::storeu(x + i + V::kLanes, a.hi);
 }
@@ -100,7 +102,7 @@ inline void store2(float* x, int64_t i, Pair a) {
 // The iteration at i up to the square root: reads its gradient and buffers, leaves the decayed master
 // and the new moments in pm, mm, vm.
 template <int GD, bool FMA>
-inline void iteration_moments(const Lanes& c, const float* p, const void* g, const float* m, const float* v,
+CM_INLINE void iteration_moments(const Lanes& c, const float* p, const void* g, const float* m, const float* v,
                               int64_t i, Pair& pm, Pair& mm, Pair& vm) {
   prefetch_ahead<GD>(p, g, m, v, i);
   V::F g0, g1;
