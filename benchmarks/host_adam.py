@@ -23,6 +23,12 @@ Configurations, each over ``--params`` parameters (default 50M):
   ``torch.compile`` (inductor) into one pass over the same arrays, for fp16, bf16 and fp32 gradients
   (``--no-compile`` leaves them out; compiling takes some 10-60 s).
 
+* ``threads``  informational, where the kernel runs on torch's OpenMP threads: the fp32 update right after
+  a parallel torch operator (``torch.add`` over 4M elements) and right after a pause, on those threads
+  against the same source built without OpenMP (threads started per update), each as a ratio to the
+  ``torch.compile`` pass after the same predecessor (``--no-threads`` leaves it out; the first run builds
+  the second library, some ten seconds).
+
 * ``(i) same traffic``  informational: the memory traffic of (a) exactly (fp16 stream in, three fp32
   streams in place, fp16 stream out with streaming stores) with trivial arithmetic, i.e. (a) with free
   arithmetic.
@@ -55,11 +61,13 @@ import time
 import torch
 
 import _gpt
+from chunkmem.core import native_build
 from chunkmem.optim import host_adam_ext
 from chunkmem.optim.adam_math import AdamHyper, adam_update_torch_
 
 TARGET = 0.95
 A16, B16, D32 = "(a) chunkmem one-pass fp16 -> fp16", "(b) chunkmem one-pass bf16 -> bf16", "(d) chunkmem one-pass fp32"
+D32_PEER = "(p) torch.compile single pass fp32"
 LOSS_SCALE = 1024.0
 
 
@@ -86,6 +94,44 @@ def _adamw_single_pass(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.
         out.copy_(p)
 
 
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def threads_comparison(kernel: host_adam_ext.HostAdamKernel, state: tuple, peer, rounds: int) -> None:
+    """The fp32 update (``state``: master, gradient, exp_avg, exp_avg_sq, hyper) on torch's OpenMP threads
+    against the same source built without OpenMP, right after a parallel torch operator and right after a
+    pause, as ratios to the compiled pass (``peer``) run after the same."""
+    master, grad, exp_avg, exp_avg_sq, hyper = state
+    lib, _path, _seconds = native_build.load_library(host_adam_ext.SOURCE, host_adam_ext.CXXFLAGS, "host_adam")
+    own = host_adam_ext.HostAdamKernel(lib, kernel.path, None)
+    assert not own.openmp
+
+    def update(k):
+        return lambda: k.update(master, grad, exp_avg, exp_avg_sq, 10, hyper, 1.0, None, fma=True, sqrt="ieee")
+
+    contenders = {"on torch's OpenMP threads": update(kernel), "on threads started per update": update(own),
+                  "peer": peer}
+    other = torch.ones(1 << 22)
+    predecessors = {"after a torch operator": lambda: other.add_(1.0), "after a 20 ms pause": lambda: time.sleep(0.02)}
+    times = {(c, b): [] for c in contenders for b in predecessors}
+    for _ in range(2 * rounds):
+        for b, run_before in predecessors.items():
+            for c, fn in contenders.items():
+                time.sleep(0.02)
+                run_before()
+                times[c, b].append(timed(fn))
+    print()
+    print("threads: the fp32 update as a ratio to the torch.compile pass run after the same (> 1: faster), "
+          f"median of {2 * rounds}:")
+    for b in predecessors:
+        cells = [f"{c} {statistics.median(p / t for p, t in zip(times['peer', b], times[c, b])):.3f}x"
+                 for c in list(contenders)[:2]]
+        print(f"  {b:<24} " + ", ".join(cells))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", default="50m", help="parameters per chunk (default 50m)")
@@ -93,6 +139,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--no-fail", action="store_true", help="exit 0 even if a target is missed")
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile peer rows")
+    parser.add_argument("--no-threads", action="store_true", help="leave out the OpenMP threads comparison")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -195,11 +242,6 @@ def main() -> int:
     for name in names:  # warm-up
         configs[name][0]()
 
-    def timed(fn) -> float:
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-
     times: dict[str, list[float]] = {name: [] for name in names}
     before: dict[str, list[float]] = {name: [] for name in names}  # the bound's time just before each run
     others = names[1:]
@@ -251,6 +293,8 @@ def main() -> int:
             checks.append((f"chunkmem {label} {ratio:.3f}x the speed of the torch.compile single pass, median of "
                            f"{len(balanced)} order-balanced pairs of pairs (target >= 1; the order alone moves a "
                            f"pair's ratio by {order:.3f}x)", ratio >= 1.0))
+    if kernel.openmp and not args.no_threads and D32_PEER in configs:
+        threads_comparison(kernel, (master, grad32, exp_avg, exp_avg_sq, hyper), configs[D32_PEER][0], args.rounds)
     print()
     print("the gradient norm's sum of squares over the same gradient (fp16 and bf16 are what a 16-bit step's overflow "
           "check and clipping read):")
