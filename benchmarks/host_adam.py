@@ -29,6 +29,9 @@ Configurations, each over ``--params`` parameters (default 50M):
   ``torch.compile`` pass after the same predecessor (``--no-threads`` leaves it out; the first run builds
   the second library, some ten seconds).
 
+* ``instruction sets``  informational, where the CPU has AVX-512: the update's compute speed on one thread
+  over 1M elements in the cache, its AVX-512 body against its AVX2 one, per gradient dtype.
+
 * ``(i) same traffic``  informational: the memory traffic of (a) exactly (fp16 stream in, three fp32
   streams in place, fp16 stream out with streaming stores) with trivial arithmetic, i.e. (a) with free
   arithmetic.
@@ -130,6 +133,30 @@ def threads_comparison(kernel: host_adam_ext.HostAdamKernel, state: tuple, peer,
         cells = [f"{c} {statistics.median(p / t for p, t in zip(times['peer', b], times[c, b])):.3f}x"
                  for c in list(contenders)[:2]]
         print(f"  {b:<24} " + ", ".join(cells))
+
+
+def instruction_sets_comparison(kernel: host_adam_ext.HostAdamKernel, hyper: AdamHyper) -> None:
+    """The update's compute speed on one thread over 1M elements held in the cache (4-16 MB: L2/L3), its
+    AVX-512 body against its AVX2 one (the same bits), for each gradient dtype."""
+    n, calls = 1 << 20, 20
+    gen = torch.Generator().manual_seed(1)
+    master, exp_avg = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-3
+    exp_avg_sq = torch.rand(n, generator=gen) * 1e-6
+    print()
+    print(f"instruction sets: one thread, {n / 2**20:.0f}M elements in the cache, G elements/s:")
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        grad = (torch.randn(n, generator=gen) * 64).to(dtype)
+        out = None if dtype == torch.float32 else torch.empty(n, dtype=dtype)
+        speeds = {}
+        for avx512 in (False, True):
+            def run():
+                for _ in range(calls):
+                    kernel.update(master, grad, exp_avg, exp_avg_sq, 10, hyper, 1 / LOSS_SCALE, out, nthreads=1,
+                                  sqrt="ieee", nt_min=1 << 62, avx512=avx512)
+            run()
+            speeds[avx512] = n * calls / min(timed(run) for _ in range(5)) / 1e9
+        label = {torch.float32: "fp32", torch.float16: "fp16 -> fp16", torch.bfloat16: "bf16 -> bf16"}[dtype]
+        print(f"  {label:<13} AVX2 {speeds[False]:.2f}, AVX-512 {speeds[True]:.2f} ({speeds[True] / speeds[False]:.2f}x)")
 
 
 def main() -> int:
@@ -295,6 +322,8 @@ def main() -> int:
                            f"pair's ratio by {order:.3f}x)", ratio >= 1.0))
     if kernel.openmp and not args.no_threads and D32_PEER in configs:
         threads_comparison(kernel, (master, grad32, exp_avg, exp_avg_sq, hyper), configs[D32_PEER][0], args.rounds)
+    if kernel.avx512_available:
+        instruction_sets_comparison(kernel, hyper)
     print()
     print("the gradient norm's sum of squares over the same gradient (fp16 and bf16 are what a 16-bit step's overflow "
           "check and clipping read):")
