@@ -103,7 +103,7 @@ CM_INLINE void store2(float* x, int64_t i, Pair a) {
 // and the new moments in pm, mm, vm.
 template <int GD, bool FMA>
 CM_INLINE void iteration_moments(const Lanes& c, const float* p, const void* g, const float* m, const float* v,
-                              int64_t i, Pair& pm, Pair& mm, Pair& vm) {
+                                 int64_t i, Pair& pm, Pair& mm, Pair& vm) {
   prefetch_ahead<GD>(p, g, m, v, i);
   V::F g0, g1;
   V::template load_grad2<GD>(g, i, g0, g1);
