@@ -525,12 +525,17 @@ def test_avx512_and_avx2_bodies_give_the_same_bits(grad_dtype, out_dtype, sqrt, 
 def test_avx512_where_there_is_none_is_refused_and_changes_nothing():
     k = get_kernel()
     without = host_adam_ext.HostAdamKernel(k.lib, k.path, None)
-    without.avx512_available = without.avx512 = False
+    without._avx512_ok = without.avx512 = False  # what loading it on a CPU without AVX-512 gives
     master, grad, m, v = make_state(100, torch.float16)
     before = [t.clone() for t in (master, m, v)]
     h = AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, True, True)
     with pytest.raises(ValueError, match="avx512=True: this CPU"):
         without.update(master, grad, m, v, 1, h, 1.0, None, avx512=True)
+    without.avx512 = True  # a user's setting of the default is checked too
+    with pytest.raises(ValueError, match="avx512=True: this CPU"):
+        without.update(master, grad, m, v, 1, h, 1.0, None)
+    with pytest.raises(AttributeError):
+        without.avx512_available = True
     assert all(torch.equal(a, b) for a, b in zip(before, (master, m, v)))
 
 

@@ -106,8 +106,8 @@ class HostAdamKernel:
         self.fma, self.sqrt, self.exact = True, "ieee", False
         self.fused_tail: int | None = None
         self.vml_sqrt = vml_sqrt
-        self.avx512_available = bool(lib.chunkmem_host_adam_avx512_ok())
-        self.avx512 = self.avx512_available
+        self._avx512_ok = bool(lib.chunkmem_host_adam_avx512_ok())
+        self.avx512 = self._avx512_ok
         self.openmp = bool(lib.chunkmem_host_adam_openmp())
         f, i, i64, ptr = ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
         lib.chunkmem_host_adam.argtypes = ([ptr, ptr, i, ptr, ptr, ptr, i, i64] + [f] * 9
@@ -120,6 +120,11 @@ class HostAdamKernel:
         lib.chunkmem_sum_squares.argtypes = [ptr, i, i64, i, ctypes.POINTER(ctypes.c_double)]
         lib.chunkmem_sum_squares.restype = i
         self._update = lib.chunkmem_host_adam
+
+    @property
+    def avx512_available(self) -> bool:
+        """Whether the CPU and its OS run the AVX-512 body (AVX512F and AVX512BW)."""
+        return self._avx512_ok
 
     def update(self, master: torch.Tensor, grad: "torch.Tensor | GradPieces", exp_avg: torch.Tensor,
                exp_avg_sq: torch.Tensor, step: int, hyper, grad_multiplier: float = 1.0,
@@ -147,8 +152,9 @@ class HostAdamKernel:
                              f"MKL's vmsSqrt (here: {self.vml_sqrt is not None})")
         if avx512 is None:
             avx512 = self.avx512
-        elif avx512 and not self.avx512_available:
-            raise ValueError("avx512=True: this CPU (or its OS) has no AVX-512; use avx512=False or None")
+        if avx512 and not self._avx512_ok:  # the AVX-512 body would stop the process on an illegal instruction
+            raise ValueError("avx512=True: this CPU (or its OS) has no AVX-512 (AVX512F and AVX512BW); use "
+                             "avx512=False, and leave HostAdamKernel.avx512 False here")
         flags, decay, wd = 0, 1.0, 0.0
         if grad_multiplier != 1.0:
             flags |= _APPLY_MULT
