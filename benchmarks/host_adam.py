@@ -108,8 +108,8 @@ def threads_comparison(kernel: host_adam_ext.HostAdamKernel, state: tuple, peer,
     against the same source built without OpenMP, right after a parallel torch operator and right after a
     pause, as ratios to the compiled pass (``peer``) run after the same."""
     master, grad, exp_avg, exp_avg_sq, hyper = state
-    lib, _path, _seconds = native_build.load_library(host_adam_ext.SOURCE, host_adam_ext.CXXFLAGS, "host_adam")
-    own = host_adam_ext.HostAdamKernel(lib, kernel.path, None)
+    lib, path, _seconds = native_build.load_library(host_adam_ext.SOURCE, host_adam_ext.CXXFLAGS, "host_adam")
+    own = host_adam_ext.HostAdamKernel(lib, path, None)
     assert not own.openmp
 
     def update(k):

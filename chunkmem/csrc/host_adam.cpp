@@ -3,8 +3,9 @@
 //
 // Plain C ABI, loaded with ctypes by chunkmem/optim/host_adam_ext.py: no torch headers, no pybind11, no
 // ninja; one `g++ -O3 -shared` of this file (which includes host_adam_vec.h twice), with -fopenmp where
-// torch runs on GNU OpenMP. The arithmetic mirrors, operation by operation and rounding by rounding, the
-// torch-op formulation in chunkmem/optim/adam_math.py (itself torch.optim.Adam/AdamW with foreach=False):
+// that shares the OpenMP runtime torch loaded (host_adam_ext._build). The arithmetic mirrors, operation
+// by operation and rounding by rounding, the torch-op formulation in chunkmem/optim/adam_math.py (itself
+// torch.optim.Adam/AdamW with foreach=False):
 //
 //   g  = float(grad) [* mult]                    grad.float().mul_(mult)
 //   p  = p * decay                                 master.mul_(1 - lr*wd)            (AdamW, wd != 0)
@@ -317,8 +318,8 @@ const int at_fork_registered = pthread_atfork(nullptr, nullptr, [] { forked_chil
 #endif
 
 // Runs body(begin, end) over [0, n) on up to nthreads threads (the calling thread one of them), at
-// least min_per_thread elements each: on the OpenMP runtime where the library is built with it (see
-// host_adam_ext.py: where torch runs on GNU OpenMP), else on threads started for the call. The threads
+// least min_per_thread elements each: on torch's OpenMP runtime where the library is built with it (see
+// host_adam_ext._build), else on threads started for the call. The threads
 // take blocks of kBlock elements in turn from a shared counter rather than fixed shares, so that on a
 // shared machine a thread whose core is busy with another process does less of the work instead of
 // holding everyone up.
