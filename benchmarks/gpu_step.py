@@ -1,34 +1,65 @@
-"""Step time, peak GPU memory and bytes moved per step of chunkmem against plain PyTorch on a real GPU.
+"""Step time, peak GPU memory and bytes moved per step of chunkmem, plain PyTorch and two offloading peers on a GPU.
 
-Each configuration trains the same GPT (:mod:`chunkmem.gpt`) in a process of its own, inputs on the GPU,
-``torch.cuda.synchronize()`` before every clock read; fp16 runs start their loss scale at 2**16 (``GradScaler``'s)
-and the table counts the timed steps each skipped (an overflow), whose time has no update in it:
+First the parent measures the PCIe bandwidth (256 MiB buffers, median of 5 copies after 2 warm-ups, GB/s = 1e9
+bytes/s): host->device and device->host from pinned and from pageable host memory, and both directions at once
+(pinned, one copy each way on two streams, each direction timed on its own stream).
 
-* ``plain``: the model on the GPU, ``torch.optim.AdamW(fused=True)``, fp32;
-* ``plain-amp``: the same under ``torch.autocast(float16)`` with ``torch.amp.GradScaler`` (fp32 master weights:
-  what a mixed-precision user of plain PyTorch runs);
-* ``cm-<placement>``: ``ShardedModelV2(tensor_placement_policy=<placement>)`` + ``ShardedOptimizerV2(HybridAdam)``,
-  fp32; ``cm-<placement>-fp16``: the same with ``dtype=torch.float16`` (fp32 masters in the optimizer);
-  ``auto`` runs under a device-tier capacity of 8 bytes per parameter (half of fp32 parameter, gradient and the
-  two Adam moments), so that chunks move.
+Then each row trains the same GPT (:mod:`chunkmem.gpt`) in a process of its own, inputs on the GPU,
+``torch.cuda.synchronize()`` before every clock read. A row is ``<config> <dtype>[ sib]``; ``fp32`` trains in fp32,
+``bf16`` in bfloat16 without a loss scale (``fp16``, outside the plans, starts its loss scale at 2**16 as
+``GradScaler`` does and the table counts the timed steps each skipped on an overflow):
+
+* ``plain``: the model on the GPU, ``torch.optim.AdamW(fused=True)``; ``bf16`` runs the same fp32 model and
+  optimizer under ``torch.autocast("cuda", bfloat16)`` (fp32 master weights: what a mixed-precision user of plain
+  PyTorch runs). The baseline of the rows of its dtype;
+* ``cm-<placement>`` (``cuda``, ``cpu``, ``auto``): ``ShardedModelV2(tensor_placement_policy=<placement>,
+  dtype=<dtype>)`` + ``ShardedOptimizerV2(HybridAdam)`` (fp32 masters in the optimizer); ``auto`` runs under a
+  device-tier capacity of 8 bytes per parameter (half of fp32 parameter, gradient and the two Adam moments) so
+  that chunks move, with ``gpu_margin_mem_ratio=--margin`` (default 0.0; recorded in the row); ``sib``: with
+  ``step_in_backward=True``;
+* ``fsdp2-offload``: PyTorch FSDP2 on one rank (an NCCL group of one): ``fully_shard`` with ``CPUOffloadPolicy``
+  on every transformer block, then on the root; the model is built on the CPU (the sharded parameters, gradients
+  and the optimizer state stay in pinned host memory), ``torch.optim.AdamW(fused=True)`` on the CPU parameters
+  (``foreach=True`` where fused is refused: the row's ``optimizer`` says which); ``bf16``:
+  ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``;
+* ``torchao-offload``: the model on the GPU, ``torchao.optim.CPUOffloadOptimizer(params, torch.optim.AdamW,
+  fused=True)`` (the optimizer state and step on the host, gradients kept on the GPU); ``bf16`` under autocast
+  as ``plain``. Without torchao the row fails ("no torchao") and the run goes on.
 
 Bytes moved are ``model.memory_stats()["totals"]`` of the last iteration (chunk copies between the GPU and the
-host); peak GPU memory is ``torch.cuda.max_memory_allocated()`` over the whole run (model, optimizer,
-activations). Needs CUDA; prints a table and exits 0 (the figures are for the README, no target is held).
+host; none for the peers, whose copies are not counted); peak GPU memory is ``torch.cuda.max_memory_allocated()``
+over the whole run (model, optimizer, activations); ``host waits/step`` and ``pinned bytes`` come from
+``memory_stats()["copy_engine"]`` where chunkmem reports it. The bound of a row is the step it would take were
+its copies fully overlapped with compute at the measured concurrent bandwidth:
 
-    python benchmarks/gpu_step.py                 # 350M: every configuration; 50M: plain against cm-cuda
+    bound_ms = max(plain_ms of the same dtype, to_device_bytes / h2d_both_at_once, to_host_bytes / d2h_both_at_once)
+
+and ``x bound`` is the row's step over it (none where the bytes are not known). Rows start only while the
+elapsed time plus the longest row so far (40 s before any) fits ``--total-limit``; the rest are listed as skipped.
+The results go to ``--json`` (default ``benchmarks/results/<gpu>-<date>.json``, and to ``$OUT/gpu_step.json``
+where ``$OUT`` is a directory), written again after every row. Needs CUDA; prints tables and exits 0 (the
+figures are for the README, no target is held).
+
+    python benchmarks/gpu_step.py                 # 350M: the full plan; 50M: plain against cm-cuda (fp32)
+    python benchmarks/gpu_step.py --sizes 350m --plan quick
+    python benchmarks/gpu_step.py --sizes 350m --configs plain:bf16,cm-cpu:bf16:sib,fsdp2-offload:bf16
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import re
+import socket
 import statistics
 import subprocess
 import sys
 import time
 
-import _gpt
+SCRIPT_START = time.perf_counter()  # before torch's import: --total-limit counts it
+
+import _gpt  # noqa: E402
 
 RESULT_TAG = "GPU_STEP_RESULT "
 SIZES = {
@@ -36,16 +67,83 @@ SIZES = {
     "50m": dict(vocab=8192, d=768, layers=6, heads=12, seq=128, batch=2),
     "350m": dict(vocab=32768, d=1024, layers=24, heads=16, seq=512, batch=8),
 }
-PLAN = {
-    "50m": ("plain", "cm-cuda"),
-    "350m": ("plain", "cm-cuda", "cm-cpu", "cm-auto", "plain-amp", "cm-cuda-fp16", "cm-cpu-fp16", "cm-auto-fp16"),
+CONFIGS = ("plain", "cm-cuda", "cm-cpu", "cm-auto", "fsdp2-offload", "torchao-offload")
+DTYPES = ("fp32", "bf16", "fp16")
+PER_DTYPE = ("cm-cuda", "cm-cpu", "cm-cpu:sib", "cm-auto", "cm-auto:sib", "cm-cuda:sib", "fsdp2-offload",
+             "torchao-offload")
+PLANS = {
+    "full": ["plain:fp32", "plain:bf16"] + [f"{c.split(':')[0]}:{d}" + (":sib" if c.endswith(":sib") else "")
+                                           for d in ("fp32", "bf16") for c in PER_DTYPE],
+    "quick": ["plain:fp32", "plain:bf16", "cm-cpu:fp32", "cm-cpu:bf16", "fsdp2-offload:fp32", "fsdp2-offload:bf16",
+              "torchao-offload:fp32", "torchao-offload:bf16"],
+    "small": ["plain:fp32", "cm-cuda:fp32"],
 }
+DEFAULT_PLAN = {"50m": "small", "350m": "full"}
 AUTO_CAPACITY_BYTES_PER_PARAM = 8
 INITIAL_SCALE = 2.0**16  # torch.amp.GradScaler's
 LR, WEIGHT_DECAY = 1e-3, 0.01
+BW_BYTES, BW_WARMUP, BW_REPEATS = 256 * 2**20, 2, 5
+FIRST_ROW_ESTIMATE_S = 40.0
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def child(config: str, size: str, warmup: int, steps: int, limit: float) -> dict:
+# ---- rows ------------------------------------------------------------------------------------------------
+
+def parse_row(text: str) -> tuple[str, str, bool]:
+    """``config:dtype[:sib]`` -> ``(config, dtype, step_in_backward)``."""
+    parts = text.strip().split(":")
+    if not 2 <= len(parts) <= 3 or parts[0] not in CONFIGS or parts[1] not in DTYPES \
+            or (len(parts) == 3 and parts[2] != "sib"):
+        raise ValueError(f"row {text!r}: expected config:dtype[:sib], config one of {', '.join(CONFIGS)}, "
+                         f"dtype one of {', '.join(DTYPES)}")
+    sib = len(parts) == 3
+    if sib and not parts[0].startswith("cm-"):
+        raise ValueError(f"row {text!r}: sib (step_in_backward) is a chunkmem option")
+    return parts[0], parts[1], sib
+
+
+def row_name(config: str, dtype: str, sib: bool) -> str:
+    return f"{config} {dtype}" + (" sib" if sib else "")
+
+
+def device_slug(name: str) -> str:
+    return re.sub(r"-+", "-", re.sub(r"[^a-z0-9]", "-", name.lower())).strip("-")
+
+
+def bound_ms(plain_ms: float | None, to_device: int | None, to_host: int | None, bw: dict | None) -> float | None:
+    """The step with every copy overlapped with compute at the measured concurrent bandwidth (GB/s)."""
+    if plain_ms is None or to_device is None or to_host is None or not bw:
+        return None
+    return max(plain_ms, to_device / (bw["h2d_both"] * 1e9) * 1e3, to_host / (bw["d2h_both"] * 1e9) * 1e3)
+
+
+def write_json(doc: dict, path: str) -> list[str]:
+    """Write ``doc`` to ``path`` (atomically) and a copy to ``$OUT/gpu_step.json`` where ``$OUT`` is a folder."""
+    paths = [path]
+    out = os.environ.get("OUT")
+    if out and os.path.isdir(out):
+        copy = os.path.join(out, "gpu_step.json")
+        if os.path.abspath(copy) != os.path.abspath(path):
+            paths.append(copy)
+    for p in paths:
+        os.makedirs(os.path.dirname(os.path.abspath(p)), exist_ok=True)
+        tmp = p + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(doc, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, p)
+    return paths
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- the child: one row ----------------------------------------------------------------------------------
+
+def child(row: str, size: str, warmup: int, steps: int, limit: float, margin: float) -> dict:
     import faulthandler
 
     import torch
@@ -53,23 +151,42 @@ def child(config: str, size: str, warmup: int, steps: int, limit: float) -> dict
     faulthandler.dump_traceback_later(limit, exit=True)  # a configuration that hangs shows where
     import torch.nn.functional as F
 
+    config, dtype_name, sib = parse_row(row)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     spec = SIZES[size]
     torch.manual_seed(0)
+    torch.cuda.set_device(0)
     net = _gpt.GPT(_gpt.GPTConfig(spec["vocab"], spec["d"], spec["layers"], spec["heads"], spec["seq"]))
     n_params = sum(p.numel() for p in net.parameters())
+    out = dict(config=config, dtype=dtype_name, step_in_backward=sib, n_params=n_params)
     torch.cuda.reset_peak_memory_stats()
     model = None
-    if config.startswith("plain"):
+    autocast = dtype != torch.float32
+
+    def lossf(logits, y):
+        return F.cross_entropy(logits.float().reshape(-1, spec["vocab"]), y.reshape(-1))
+
+    if config in ("plain", "torchao-offload"):
         net = net.cuda()
-        optim = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
-        amp = config == "plain-amp"
-        scaler = torch.amp.GradScaler("cuda") if amp else None
+        if config == "plain":
+            optim = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+            out["optimizer"] = "AdamW(fused=True)"
+        else:
+            try:
+                from torchao.optim import CPUOffloadOptimizer
+            except ImportError:
+                return dict(out, error="failed (no torchao)")
+            import torchao
+            optim = CPUOffloadOptimizer(net.parameters(), torch.optim.AdamW, fused=True, lr=LR,
+                                        weight_decay=WEIGHT_DECAY)
+            out["optimizer"] = f"torchao {torchao.__version__} CPUOffloadOptimizer(AdamW, fused=True)"
+        scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None
 
         def train_step(x, y):
-            with torch.autocast("cuda", dtype=torch.float16, enabled=amp):
-                loss = F.cross_entropy(net(x).float().reshape(-1, spec["vocab"]), y.reshape(-1))
+            with torch.autocast("cuda", dtype=dtype, enabled=autocast):
+                loss = lossf(net(x), y)
             stepped = True
-            if amp:
+            if scaler is not None:
                 scale = scaler.get_scale()
                 scaler.scale(loss).backward()
                 scaler.step(optim)
@@ -78,22 +195,62 @@ def child(config: str, size: str, warmup: int, steps: int, limit: float) -> dict
             else:
                 loss.backward()
                 optim.step()
-            optim.zero_grad(set_to_none=True)
+            optim.zero_grad()
             return loss, stepped
+    elif config == "fsdp2-offload":
+        import torch.distributed as dist
+        try:
+            from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        except ImportError:
+            from torch.distributed._composable.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        dist.init_process_group("nccl", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
+        mp = (MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if autocast
+              else MixedPrecisionPolicy())
+        for block in net.blocks:
+            fully_shard(block, offload_policy=CPUOffloadPolicy(), mp_policy=mp)
+        fully_shard(net, offload_policy=CPUOffloadPolicy(), mp_policy=mp)
+        opt_kind = {"name": "fused"}
+
+        def make_optim(**kind):
+            return torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, **kind)
+
+        try:
+            optim = make_optim(fused=True)
+        except (RuntimeError, ValueError, NotImplementedError) as e:
+            optim, opt_kind["name"] = make_optim(foreach=True), f"foreach=True; fused refused: {str(e)[:120]}"
+
+        def train_step(x, y):
+            nonlocal optim
+            loss = lossf(net(x), y)
+            loss.backward()
+            try:
+                optim.step()
+            except (RuntimeError, NotImplementedError) as e:  # fused refused on the first step: once, then foreach
+                if opt_kind["name"] != "fused":
+                    raise
+                optim, opt_kind["name"] = make_optim(foreach=True), f"foreach=True; fused refused: {str(e)[:120]}"
+                optim.step()
+            optim.zero_grad(set_to_none=True)
+            return loss, True
     else:
         import chunkmem as cm
         placement = config.split("-")[1]
-        dtype = torch.float16 if config.endswith("fp16") else torch.float32
         if placement == "auto":
             cm.set_device_memory_capacity(AUTO_CAPACITY_BYTES_PER_PARAM * n_params)
+            out["margin"] = margin
         model = cm.ShardedModelV2(net, cm.TensorShardStrategy(), tensor_placement_policy=placement, dtype=dtype)
-        # the loss scale GradScaler starts from: the reference's default, 2**32, overflows (and skips) for the
-        # first thirty-odd steps, which would time skipped steps against plain-amp's updates
-        optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY),
-                                      initial_scale=INITIAL_SCALE)
+        kw = dict(step_in_backward=sib)
+        if placement == "auto":
+            kw["gpu_margin_mem_ratio"] = margin
+        if dtype == torch.float16:
+            # the loss scale GradScaler starts from: the reference's default, 2**32, overflows (and skips) for
+            # the first thirty-odd steps, which would time skipped steps against plain's updates
+            kw["initial_scale"] = INITIAL_SCALE
+        optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY), **kw)
+        out["optimizer"] = "ShardedOptimizerV2(HybridAdam)"
 
         def train_step(x, y):
-            loss = F.cross_entropy(model(x).reshape(-1, spec["vocab"]), y.reshape(-1))
+            loss = lossf(model(x), y)
             optim.backward(loss)
             stepped = optim.step()
             optim.zero_grad(set_to_none=True)
@@ -111,75 +268,310 @@ def child(config: str, size: str, warmup: int, steps: int, limit: float) -> dict
         if i >= warmup:
             times.append(time.perf_counter() - t0)
             skipped += not stepped
-        print(f"{config} step {i}: {time.perf_counter() - t0:.3f} s", file=sys.stderr, flush=True)
-    out = dict(config=config, n_params=n_params, times=times, skipped=skipped, loss=float(loss),
+        print(f"{row} step {i}: {time.perf_counter() - t0:.3f} s", file=sys.stderr, flush=True)
+    if model is not None:  # one more step, synchronized between its phases: where a chunkmem step's time goes
+        tokens = data[0]
+        marks = [time.perf_counter()]
+        for phase in ("forward", "backward", "step"):
+            if phase == "forward":
+                phase_loss = lossf(model(tokens[:, :-1]), tokens[:, 1:])
+            elif phase == "backward":
+                optim.backward(phase_loss)
+            else:
+                optim.step()
+                optim.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            marks.append(time.perf_counter())
+        out["phases_ms"] = {p: round((b - a) * 1e3, 1) for p, a, b in zip(("forward", "backward", "step"),
+                                                                          marks, marks[1:])}
+    out.update(times=times, skipped=skipped, loss=float(loss.detach()),
                peak_gpu_bytes=torch.cuda.max_memory_allocated(), torch=torch.__version__,
-               gpu=torch.cuda.get_device_name())
+               gpu=torch.cuda.get_device_name(), to_device=None, to_host=None, host_waits_per_step=None,
+               pinned_bytes=None)
+    if config == "fsdp2-offload":
+        out["optimizer"] = "AdamW(fused=True)" if opt_kind["name"] == "fused" else f"AdamW({opt_kind['name']})"
+        import torch.distributed as dist
+        dist.destroy_process_group()
     if model is not None:
-        totals = model.memory_stats()["totals"]
+        stats = model.memory_stats()
+        totals = stats["totals"]
         out.update(to_device=totals["moved_to_device_bytes"], to_host=totals["moved_to_host_bytes"],
                    chunks=len(model.chunks), chunk_bytes=model.layout.chunk_bytes)
+        engine = stats.get("copy_engine")
+        if engine is not None:
+            out["host_waits_per_step"] = sum(engine.get("host_waits", {}).values()) / (warmup + steps)
+            out["pinned_bytes"] = engine.get("pinned_bytes")
+            out["copy_engine"] = engine
+    if os.environ.get(HASH_ENV):  # the exactness check: every parameter's bytes
+        import hashlib
+        digest = hashlib.sha256()
+        for name, value in sorted((model or net).state_dict().items()):
+            digest.update(name.encode())
+            digest.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        out["params_sha256"] = digest.hexdigest()
     return out
 
 
-def run_child(config: str, size: str, args: argparse.Namespace) -> dict | str:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", config, "--size", size,
-           "--warmup", str(args.warmup), "--steps", str(args.steps), "--limit", str(args.limit)]
+HASH_ENV = "CHUNKMEM_BENCH_HASH"
+
+
+def exactness_check(args: argparse.Namespace) -> list[dict]:
+    """The asynchronous copy engine against the synchronous one (``CHUNKMEM_COPY_ENGINE=cuda-sync``): the 50M
+    GPT under ``cpu`` placement, fp32 and bf16, with and without ``step_in_backward``, 3 steps each; the
+    losses and every parameter's bytes must be equal."""
+    results = []
+    print("\nexactness: the asynchronous copy engine (cuda) against the synchronous one (cuda-sync), 50M GPT, "
+          "cm-cpu, 3 steps", flush=True)
+    for row in ("cm-cpu:fp32", "cm-cpu:bf16", "cm-cpu:fp32:sib"):
+        got = {}
+        for engine in ("cuda-sync", "cuda"):
+            env = dict(os.environ, CHUNKMEM_COPY_ENGINE=engine, **{HASH_ENV: "1"})
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", row, "--size", "50m", "--warmup", "0",
+                   "--steps", "3", "--limit", "60", "--margin", "0"]
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=90)
+            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)), None)
+            got[engine] = json.loads(line[len(RESULT_TAG):]) if line else {"error": proc.stderr[-500:]}
+        a, b = got["cuda-sync"], got["cuda"]
+        same = "error" not in a and "error" not in b and a["loss"] == b["loss"] and a["params_sha256"] == b["params_sha256"]
+        results.append(dict(row=row, bitwise_equal=same, loss_sync=a.get("loss"), loss_async=b.get("loss"),
+                            error=a.get("error") or b.get("error")))
+        print(f"  {row:<18} bitwise equal: {'yes' if same else 'NO'}  (losses {a.get('loss')} / {b.get('loss')})"
+              + (f" error: {results[-1]['error']}" if results[-1]["error"] else ""), flush=True)
+    return results
+
+
+# ---- the parent ------------------------------------------------------------------------------------------
+
+def measure_bandwidth() -> dict:
+    """PCIe copy bandwidth in GB/s (1e9 bytes/s): medians of BW_REPEATS timed copies after BW_WARMUP."""
+    import torch
+
+    n = BW_BYTES
+    pinned = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    pageable = torch.ones(n, dtype=torch.uint8)  # touched: no first-touch page faults in the timing
+    dev = [torch.empty(n, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    for t in pinned + dev:
+        t.fill_(1)
+
+    def timed(copy) -> float:
+        rates = []
+        for i in range(BW_WARMUP + BW_REPEATS):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            copy()
+            torch.cuda.synchronize()
+            if i >= BW_WARMUP:
+                rates.append(n / (time.perf_counter() - t0) / 1e9)
+        return statistics.median(rates)
+
+    bw = dict(h2d_pinned=timed(lambda: dev[0].copy_(pinned[0], non_blocking=True)),
+              d2h_pinned=timed(lambda: pinned[0].copy_(dev[0], non_blocking=True)),
+              h2d_pageable=timed(lambda: dev[0].copy_(pageable)),
+              d2h_pageable=timed(lambda: pageable.copy_(dev[0])))
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    h2d, d2h, both = [], [], []
+    for i in range(BW_WARMUP + BW_REPEATS):
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.cuda.stream(streams[0]):
+            ev[0].record()
+            dev[0].copy_(pinned[0], non_blocking=True)
+            ev[1].record()
+        with torch.cuda.stream(streams[1]):
+            ev[2].record()
+            pinned[1].copy_(dev[1], non_blocking=True)
+            ev[3].record()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        if i >= BW_WARMUP:
+            h2d.append(n / (ev[0].elapsed_time(ev[1]) / 1e3) / 1e9)
+            d2h.append(n / (ev[2].elapsed_time(ev[3]) / 1e3) / 1e9)
+            both.append(2 * n / wall / 1e9)
+    bw.update(h2d_both=statistics.median(h2d), d2h_both=statistics.median(d2h),
+              sum_both=statistics.median(both))
+    del pinned, pageable, dev
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return {k: round(v, 3) for k, v in bw.items()}
+
+
+def print_bandwidth(bw: dict) -> None:
+    print(f"PCIe bandwidth, GB/s ({BW_BYTES // 2**20} MiB buffers, median of {BW_REPEATS} after {BW_WARMUP} "
+          f"warm-ups):")
+    print(f"  {'':<22} {'host->GPU':>10} {'GPU->host':>10}")
+    print(f"  {'pinned':<22} {bw['h2d_pinned']:10.2f} {bw['d2h_pinned']:10.2f}")
+    print(f"  {'pageable':<22} {bw['h2d_pageable']:10.2f} {bw['d2h_pageable']:10.2f}")
+    print(f"  {'pinned, both at once':<22} {bw['h2d_both']:10.2f} {bw['d2h_both']:10.2f}   "
+          f"(together {bw['sum_both']:.2f} over the wall clock)", flush=True)
+
+
+def run_child(row: str, size: str, args: argparse.Namespace, time_left: float) -> dict:
+    """Run one row in a process of its own; returns its result, or ``{"error": ...}``."""
+    limit = max(1.0, min(args.limit, time_left - 2))
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", row, "--size", size, "--warmup", str(args.warmup),
+           "--steps", str(args.steps), "--limit", str(limit), "--margin", str(args.margin)]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(1.0, time_left))
+    except subprocess.TimeoutExpired:
+        return {"error": f"timeout after {time.perf_counter() - start:.0f} s"}
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_TAG):
             return json.loads(line[len(RESULT_TAG):])
-    sys.stderr.write(f"--- {size} {config} failed (status {proc.returncode}) after "
+    sys.stderr.write(f"--- {size} {row} failed (status {proc.returncode}) after "
                      f"{time.perf_counter() - start:.0f} s:\n{proc.stdout[-3000:]}{proc.stderr[-6000:]}\n")
-    return f"failed ({proc.returncode})"
+    lines = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip()]
+    # the exception's line, or faulthandler's timeout line where the child was stopped
+    last = next((ln for ln in reversed(lines) if re.match(r"^[\w.]+(Error|Exception|Interrupt)\b", ln)
+                 or ln.startswith("Timeout")), lines[-1] if lines else "")
+    return {"error": f"failed ({proc.returncode}): {last[:200]}"}
 
 
-def print_row(config: str, r: dict | str, results: dict) -> None:
-    if not isinstance(r, dict):
-        print(f"{config:<13} {r}", flush=True)
-        return
-    base = results.get("plain-amp" if config.endswith("fp16") or config == "plain-amp" else "plain")
+def make_row(config: str, dtype: str, sib: bool, size: str, r: dict, plain: dict | None, bw: dict | None,
+             wall_s: float | None) -> dict:
+    """The JSON row: the child's result with the derived figures (``None`` where unknown)."""
+    row = dict(config=config, dtype=dtype, step_in_backward=sib, name=row_name(config, dtype, sib), size=size,
+               step_ms=None, ratio=None, bound_ms=None, x_bound=None, to_device_mib=None, to_host_mib=None,
+               host_waits_per_step=None, pinned_bytes=None, loss=None, peak_gpu_gib=None, skipped=None,
+               wall_s=None if wall_s is None else round(wall_s, 1))
+    extra = {k: v for k, v in r.items() if k not in ("config", "dtype", "step_in_backward")}
+    if r.get("error") or "times" not in r:
+        row.update(extra)
+        row.setdefault("error", "no result")
+        return row
     step = statistics.median(r["times"]) * 1e3
-    ratio = step / (statistics.median(base["times"]) * 1e3) if isinstance(base, dict) else float("nan")
-    moved = (f"{r['to_device'] / 2**20:11.1f} {r['to_host'] / 2**20:12.1f}" if "to_device" in r
-             else f"{'-':>11} {'-':>12}")
-    print(f"{config:<13} {step:9.1f} {ratio:7.3f} {r['peak_gpu_bytes'] / 2**30:13.2f} {moved} {r['loss']:8.4f} "
-          f"{r['skipped']:>8}", flush=True)
+    plain_ms = plain["step_ms"] if plain and plain.get("step_ms") is not None else None
+    to_device, to_host = r.get("to_device"), r.get("to_host")
+    if config == "plain":  # its own baseline; copies nothing
+        plain_ms, to_device, to_host = round(step, 2), 0, 0
+    bound = bound_ms(plain_ms, to_device, to_host, bw)
+    row.update(extra)
+    row.update(step_ms=round(step, 2), ratio=None if plain_ms is None else round(step / plain_ms, 4),
+               bound_ms=None if bound is None else round(bound, 2),
+               x_bound=None if bound is None else round(step / bound, 4),
+               to_device_mib=None if r.get("to_device") is None else round(r["to_device"] / 2**20, 1),
+               to_host_mib=None if r.get("to_host") is None else round(r["to_host"] / 2**20, 1),
+               loss=round(r["loss"], 5), peak_gpu_gib=round(r["peak_gpu_bytes"] / 2**30, 3),
+               times_ms=[round(t * 1e3, 2) for t in r["times"]])
+    del row["times"]
+    return row
+
+
+def fmt(v, spec: str, width: int) -> str:
+    return f"{'-':>{width}}" if v is None else f"{v:{width}{spec}}"
+
+
+def print_header() -> None:
+    print(f"{'row':<22} {'step ms':>9} {'x base':>7} {'bound ms':>9} {'x bound':>8} {'peak GPU GiB':>13} "
+          f"{'to GPU MiB':>11} {'to host MiB':>12} {'waits/step':>10} {'loss':>8} {'skipped':>8}", flush=True)
+
+
+def print_row(row: dict) -> None:
+    if row.get("step_ms") is None:
+        print(f"{row['name']:<22} {row.get('error', 'failed')}", flush=True)
+        return
+    print(f"{row['name']:<22} {row['step_ms']:9.1f} {fmt(row['ratio'], '.3f', 7)} {fmt(row['bound_ms'], '.1f', 9)} "
+          f"{fmt(row['x_bound'], '.3f', 8)} {row['peak_gpu_gib']:13.2f} {fmt(row['to_device_mib'], '.1f', 11)} "
+          f"{fmt(row['to_host_mib'], '.1f', 12)} {fmt(row['host_waits_per_step'], '.1f', 10)} {row['loss']:8.4f} "
+          f"{row['skipped']:>8}" + (" " + str(row["phases_ms"]) if row.get("phases_ms") else ""), flush=True)
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="50m,350m", help="comma-separated, of " + ", ".join(SIZES))
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration")
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per configuration")
-    parser.add_argument("--configs", default=None, help="comma-separated configurations (default: each size's plan)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per row")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per row")
+    parser.add_argument("--plan", choices=sorted(PLANS), default=None,
+                        help="rows to run (default: full for 350m, small (plain fp32, cm-cuda fp32) for 50m)")
+    parser.add_argument("--configs", default=None,
+                        help="comma-separated rows config:dtype[:sib] (e.g. plain:fp32,cm-cpu:bf16:sib); "
+                             "overrides --plan; configs: " + ", ".join(CONFIGS))
+    parser.add_argument("--margin", type=float, default=0.0, help="gpu_margin_mem_ratio of the cm-auto rows")
     parser.add_argument("--limit", type=float, default=60.0,
-                        help="seconds a configuration may run before it is stopped with a traceback (default 60)")
+                        help="seconds a row may run before it is stopped with a traceback (default 60)")
+    parser.add_argument("--total-limit", type=float, default=420.0,
+                        help="seconds the whole run may take; rows that would not fit are skipped (default 420)")
+    parser.add_argument("--json", default=None,
+                        help="results file (default benchmarks/results/<gpu>-<date>.json; "
+                             "a copy goes to $OUT/gpu_step.json where $OUT is a directory)")
+    parser.add_argument("--exactness", action="store_true",
+                        help="first check the asynchronous copy engine bitwise against the synchronous one")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--size", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(RESULT_TAG + json.dumps(child(args.child, args.size, args.warmup, args.steps, args.limit)), flush=True)
+        print(RESULT_TAG + json.dumps(child(args.child, args.size, args.warmup, args.steps, args.limit,
+                                            args.margin)), flush=True)
         return 0
+    sizes = args.sizes.split(",")
+    for size in sizes:
+        if size not in SIZES:
+            parser.error(f"--sizes: {size!r} is none of {', '.join(SIZES)}")
+    try:
+        explicit = [parse_row(r) for r in args.configs.split(",")] if args.configs else None
+    except ValueError as e:
+        parser.error(f"--configs: {e}")
     import torch
     if not torch.cuda.is_available():
         raise SystemExit("gpu_step.py needs CUDA (the CPU figures come from wrapper_overhead.py)")
-    print(f"{_gpt.machine_header()}; GPU {torch.cuda.get_device_name()}")
-    print(f"timing: {args.warmup} warm-up + {args.steps} timed steps per configuration, one process each; "
-          f"step ms = median; moved = chunk bytes copied host->GPU / GPU->host in the last iteration")
-    for size in args.sizes.split(","):
+    gpu = torch.cuda.get_device_name()
+    today = datetime.date.today().isoformat()
+    json_path = args.json or os.path.join(REPO, "benchmarks", "results", f"{device_slug(gpu)}-{today}.json")
+    print(f"{_gpt.machine_header()}; GPU {gpu}")
+    bw = measure_bandwidth()
+    print_bandwidth(bw)
+    models = []
+    for size in sizes:
         spec = SIZES[size]
-        n_params = _gpt.count_params(_gpt.GPTConfig(spec["vocab"], spec["d"], spec["layers"], spec["heads"], spec["seq"]))
-        print(f"\n{size}: GPT vocab {spec['vocab']}, d {spec['d']}, {spec['layers']} layers, seq {spec['seq']}, "
-              f"batch {spec['batch']}: {n_params / 1e6:.1f}M parameters")
-        print(f"{'config':<13} {'step ms':>9} {'x base':>7} {'peak GPU GiB':>13} {'to GPU MiB':>11} "
-              f"{'to host MiB':>12} {'loss':>8} {'skipped':>8}", flush=True)
-        results: dict[str, dict | str] = {}
-        for config in (args.configs.split(",") if args.configs else PLAN[size]):
-            results[config] = run_child(config, size, args)
-            print_row(config, results[config], results)
-    print("(x base: against plain for fp32 rows, against plain-amp for the fp16 rows)")
+        n = _gpt.count_params(_gpt.GPTConfig(spec["vocab"], spec["d"], spec["layers"], spec["heads"], spec["seq"]))
+        models.append(dict(size=size, **spec, n_params=n))
+    doc = dict(device=gpu, date=today, commit=git_commit(), host_cpu=_gpt.cpu_kind(), torch=torch.__version__,
+               bandwidth_gbps=bw, model=models[0], models=models, warmup=args.warmup, steps=args.steps,
+               margin=args.margin, total_limit_s=args.total_limit, rows=[])
+    if args.exactness:
+        doc["exactness"] = exactness_check(args)
+    written = write_json(doc, json_path)
+    print(f"timing: {args.warmup} warm-up + {args.steps} timed steps per row, one process each; step ms = median; "
+          f"moved = chunk bytes copied host->GPU / GPU->host in the last iteration; bound = max(plain of the dtype, "
+          f"moved / concurrent bandwidth); results: {', '.join(written)}")
+    longest = None
+    for size, model in zip(sizes, models):
+        print(f"\n{size}: GPT vocab {model['vocab']}, d {model['d']}, {model['layers']} layers, seq {model['seq']}, "
+              f"batch {model['batch']}: {model['n_params'] / 1e6:.1f}M parameters")
+        print_header()
+        rows = explicit or [parse_row(r) for r in PLANS[args.plan or DEFAULT_PLAN.get(size, "small")]]
+        plains: dict[str, dict] = {}
+        skipped_rows = []
+        for config, dtype, sib in rows:
+            elapsed = time.perf_counter() - SCRIPT_START
+            estimate = longest if longest is not None else FIRST_ROW_ESTIMATE_S
+            if skipped_rows or elapsed + estimate > args.total_limit:
+                skipped_rows.append(row_name(config, dtype, sib))
+                row = make_row(config, dtype, sib, size, {"error": "skipped: time"}, None, bw, None)
+            else:
+                t0 = time.perf_counter()
+                r = run_child(f"{config}:{dtype}" + (":sib" if sib else ""), size, args,
+                              args.total_limit - elapsed)
+                wall = time.perf_counter() - t0
+                longest = max(longest or 0.0, wall)
+                row = make_row(config, dtype, sib, size, r, plains.get(dtype), bw, wall)
+                if config == "plain" and row["step_ms"] is not None:
+                    plains[dtype] = row
+                print_row(row)
+            doc["rows"].append(row)
+            write_json(doc, json_path)
+        if skipped_rows:
+            print(f"skipped (--total-limit {args.total_limit:.0f} s): {', '.join(skipped_rows)}", flush=True)
+    print("(x base: against plain of the same dtype; x bound: against bound ms)")
     return 0
 
 

@@ -23,6 +23,8 @@ from .machine_profile import MachineProfile
 from .tiled_linear import TiledLinear
 from .distributed.shard_strategy import BaseShardStrategy, BucketTensorShardStrategy, TensorShardStrategy
 from .core.states import ChunkStateError
+from .core.copy_engine import set_copy_engine
+from .core.pinned import set_pinned_memory_budget
 from .core.tiers import (Tier, device_memory_capacity, host_memory_capacity, parse_size, set_device_memory_capacity,
                     set_host_memory_capacity)
 
@@ -40,5 +42,6 @@ __all__ = [
     "UnsupportedOperationError",
     "ZeroInitContext", "collective_timeout", "consolidate_checkpoint", "device_memory_capacity",
     "host_memory_capacity", "initialize", "initialize_engine", "load_checkpoint", "parse_size", "plan", "register_external_parameter",
-    "save_checkpoint", "set_collective_timeout", "set_device_memory_capacity", "set_host_memory_capacity", "utils",
+    "save_checkpoint", "set_collective_timeout", "set_copy_engine", "set_device_memory_capacity", "set_host_memory_capacity",
+    "set_pinned_memory_budget", "utils",
 ]

@@ -1,6 +1,7 @@
 """The CUDA path of issue #10 (skipped without CUDA; on a GPU machine: ``pytest -m cuda tests/test_cuda.py``):
 host-to-device transfers on a side stream with an event, the bounded pool of pinned staging buffers,
-host-tier buffers left pageable, and prefetch bitwise equal to no prefetch."""
+parameter shards and gradients pinned at their exact sizes (the rest pageable), gradients copied to the host
+on the device-to-host stream bitwise as synchronous copies, and prefetch bitwise equal to no prefetch."""
 import copy
 
 import pytest
@@ -76,18 +77,85 @@ def train_mlp(reference: nn.Module, policy: str, prefetch: bool, steps: int = 4)
     return model, losses
 
 
-def test_host_tier_buffers_are_pageable(monkeypatch):
-    import chunkmem.core.transfer
-
-    monkeypatch.setattr(chunkmem.core.transfer, "_pool", None)  # a fresh pool: its peak is this model's
+def test_shards_and_gradients_are_pinned_exactly_the_rest_pageable():
     model, _ = train_mlp(mlp(), "cpu", prefetch=True, steps=2)
-    host = [c.param.shard.tensor for c in model.chunks if c.param.shard.allocated]
-    host += [c.optim["exp_avg"].tensor for c in model.chunks if c.optim["exp_avg"].allocated]
-    assert host and all(t.device.type == "cpu" and not t.is_pinned() for t in host)
-    pool = staging_pool()
-    assert pool.buffers <= PINNED_STAGING_BUFFERS
-    chunk_bytes = model.chunks[0].param.nbytes
-    assert pool.peak_pinned_bytes <= PINNED_STAGING_BUFFERS * chunk_bytes
+    pinned = model.runtime.memory.pinned
+    shards = [c.param.shard.tensor for c in model.chunks if c.param.shard.allocated]
+    state = [c.optim["exp_avg"].tensor for c in model.chunks if c.optim["exp_avg"].allocated]
+    assert shards and all(t.is_pinned() for t in shards)
+    assert state and not any(t.is_pinned() for t in state)
+    stats = model.memory_stats()["copy_engine"]
+    assert stats["engine"] == "cuda" and stats["pinned_fallback_bytes"] == 0
+    # every pinned block is one shard or one step's gradient, at its exact size: no power-of-two rounding
+    shard_bytes = sum(t.numel() * t.element_size() for t in shards)
+    grad_bytes = sum(c.grad.nbytes for c in model.chunks if c.trainable)
+    assert stats["pinned_bytes"] == pinned.pinned_bytes == shard_bytes + grad_bytes
+    assert stats["pinned_in_use_bytes"] == shard_bytes  # the step released the gradients: kept for the next
+
+
+def test_gradient_copy_to_the_host_outlives_its_freed_source():
+    from chunkmem.core.copy_engine import engine_named
+    from chunkmem.core.pinned import PinnedHostMemory
+
+    engine = engine_named("cuda")
+    memory = PinnedHostMemory()
+    dst = memory.empty(1 << 22, torch.float32)
+    src = torch.arange(1 << 22, dtype=torch.float32, device="cuda")
+    torch.cuda._sleep(2_000_000)  # the compute stream is busy: the copy starts after it
+    handle = engine.to_host(dst, src, "test")
+    del src  # freed at once: record_stream keeps the memory until the copy read it
+    scratch = torch.full((1 << 22,), -1.0, device="cuda")  # would reuse the block if it were free
+    handle.wait()
+    assert torch.equal(dst, torch.arange(1 << 22, dtype=torch.float32))
+    del scratch
+    memory.give_back(dst)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("policy", ["cpu", "auto"])
+def test_asynchronous_copies_train_bitwise_as_synchronous_ones(policy, dtype):
+    """The cuda engine (gradients leave on the device-to-host stream into pinned buffers, parameters come
+    from pinned shards) against cuda-sync (every copy on the compute stream, waited for at once): with
+    clipping that triggers, an fp16 overflow and the step in the backward; no host wait inside the backward
+    when the step follows it."""
+    from chunkmem.core import copy_engine
+
+    reference = mlp()
+
+    def run(engine, in_backward):
+        copy_engine.set_copy_engine(engine)
+        if policy == "auto":
+            cm.set_device_memory_capacity(3 * 256 * 256 * 4 * 4)
+        try:
+            model = cm.ShardedModelV2(copy.deepcopy(reference), cm.TensorShardStrategy(),
+                                      tensor_placement_policy=policy, dtype=dtype, chunk_size=256 * 256 * 4)
+        finally:
+            copy_engine.set_copy_engine(None)
+            cm.set_device_memory_capacity(None)
+        optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-2), initial_scale=2**10,
+                                      max_norm=0.05, step_in_backward=in_backward)
+        engine_waits = model.runtime.memory.copies.host_waits
+        before = sum(v for k, v in engine_waits.items() if k.endswith("in backward"))
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for step in range(4):
+            x = torch.randn(32, 64, generator=g).cuda()
+            loss = model(x).float().pow(2).mean()
+            optim.backward(loss * (float("inf") if step == 2 and dtype == torch.float16 else 1.0))
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.item())
+        in_hooks = sum(v for k, v in engine_waits.items() if k.endswith("in backward")) - before
+        return losses, {k: v.clone() for k, v in model.state_dict().items()}, in_hooks
+
+    for in_backward in (False, True):
+        sync_losses, sync_state, _ = run("cuda-sync", in_backward)
+        async_losses, async_state, in_hooks = run("cuda", in_backward)
+        assert async_losses == sync_losses
+        for name, value in sync_state.items():
+            assert torch.equal(value, async_state[name]), name
+        if not in_backward and policy == "cpu":
+            assert in_hooks == 0
 
 
 @pytest.mark.parametrize("policy", ["cpu", "auto"])

@@ -53,7 +53,7 @@ from .layout import part_in_shard
 from .memory import TierMemory
 from .states import ChunkStateError, Contents, CopyLife, CopyState
 from .tiers import Tier, device_of_tier
-from .transfer import Transfer, start_copy
+from .transfer import Transfer
 
 PARAM = "param"
 GRAD = "grad"
@@ -184,8 +184,14 @@ class FlatBuffer:
         if self.on_disk:
             self.memory.disk.store(self.region, self.disk_slot, values.reshape(-1))
         else:
+            self.before_host_write()
             self.tensor.copy_(values.reshape(-1))
         self.life.written()
+
+    def before_host_write(self) -> None:
+        """The host is about to write the buffer in place: wait for a copy still reading it (a fetch)."""
+        if self.tier is Tier.HOST:
+            self.memory.copies.before_host_write(self.tensor, f"{self.family} write")
 
     def switch_disk_slot(self) -> None:
         """An atomic step wrote the new contents into the other slot and committed: it is current now."""
@@ -392,7 +398,7 @@ class ParamBuffer:
             reading = self.memory.disk.start_read_all(self.shard.region, self.shard.disk_slot, self.device)
             transfer = Transfer(lambda: self._fetched_from_disk(reading))
         else:
-            transfer = start_copy(self.device, self.shard.tensor, self._fetched)
+            transfer = self.memory.copies.to_device(self.device, self.shard.tensor, self._fetched)
         if self.shard.tier is Tier.HOST:
             self.memory.ledger.count_move(Tier.DEVICE, self.shard.nbytes)
         self._transfer = transfer
@@ -607,6 +613,7 @@ class ParamBuffer:
         """Sharded, ``reuse_fp16_shard``: ``reduced`` (this rank's shard of the reduced gradients) is
         written into the shard (VALUES -> GRADS); the gathered device copy is out of date."""
         self._take_grads()
+        self.shard.before_host_write()
         self.shard.tensor.copy_(reduced)
         self.shard.mark_written()
         if self._device_life.current:

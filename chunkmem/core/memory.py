@@ -12,9 +12,15 @@ from __future__ import annotations
 import torch
 
 from .block_pool import BlockPool, pool_for_this_machine
+from .copy_engine import CopyEngine, engine_for_new_model
 from .disk_tier import DiskTier
 from .ledger import TierLedger
+from .pinned import PinnedHostMemory
 from .tiers import Tier, empty_on_tier
+
+PINNED_FAMILIES = ("param", "grad")
+"""The host-tier families that cross PCIe every step: pinned on a GPU machine (the parameter shard, read by
+each fetch; the gradient, written by each backward). Optimizer state is read where it rests."""
 
 
 class TierMemory:
@@ -23,17 +29,24 @@ class TierMemory:
     ``ledger`` counts; ``blocks`` (``None`` with CUDA or without the native helper) lends device and host
     memory when the CPU holds both tiers; ``disk`` is the model's disk tier, or ``None`` without one.
 
+    ``copies``: the model's copy engine (:mod:`chunkmem.core.copy_engine`), chosen when the memory is made;
+    ``pinned``: with an engine that pins host memory, the exact-size pinned blocks of the
+    :data:`PINNED_FAMILIES` on the host tier (:mod:`chunkmem.core.pinned`), else ``None``.
+
     ``device_block_nbytes`` (bytes; 0: none): the block size of every device-tier buffer the pool lends, set
     when the device tier stages chunks for compute (placement ``cpu`` or ``auto``, or sharded). A chunk
     smaller than the others (a trimmed tail) then stages through the same blocks as the rest instead of
     keeping blocks of a size of its own cached; the ledger counts the bytes the chunk asked for.
     """
 
-    def __init__(self, ledger: TierLedger, blocks: BlockPool | None = None, disk: DiskTier | None = None) -> None:
+    def __init__(self, ledger: TierLedger, blocks: BlockPool | None = None, disk: DiskTier | None = None,
+                 copies: CopyEngine | None = None) -> None:
         self.ledger = ledger
         self.blocks = blocks
         self.disk = disk
         self.device_block_nbytes = 0
+        self.copies = copies if copies is not None else engine_for_new_model()
+        self.pinned = PinnedHostMemory() if self.copies.pins_host else None
 
     @staticmethod
     def for_this_machine(capacity: int, host_capacity: int | None = None) -> "TierMemory":
@@ -49,6 +62,8 @@ class TierMemory:
         if tier is Tier.DISK:
             return None
         try:
+            if self.pinned is not None and tier is Tier.HOST and family in PINNED_FAMILIES:
+                return self.pinned.empty(numel, dtype)
             if self.blocks is None:
                 return empty_on_tier(tier, numel, dtype)
             return self.blocks.empty(numel, dtype, self.device_block_nbytes if tier is Tier.DEVICE else 0)
@@ -59,7 +74,12 @@ class TierMemory:
     def give_back(self, tier: Tier, family: str, nbytes: int, tensor: torch.Tensor | None) -> None:
         """Return a buffer taken with :meth:`take` (``tensor`` ``None`` on the disk tier)."""
         self.ledger.release(tier, family, nbytes)
-        if tensor is not None and self.blocks is not None:
+        if tensor is None:
+            return
+        if self.pinned is not None and tier is Tier.HOST and family in PINNED_FAMILIES:
+            self.copies.before_host_write(tensor, "host buffer reuse")  # a copy may still read it
+            self.pinned.give_back(tensor)
+        elif self.blocks is not None:
             self.blocks.give_back(tensor)
 
     def fill_storage(self, storage: torch.UntypedStorage, family: str, nbytes: int, what: str) -> torch.Tensor | None:

@@ -1,19 +1,17 @@
-"""Transfers between tiers as handles, and the bounded pool of pinned host buffers they stage through.
+"""Transfers between tiers as handles, and the bounded pool of pinned host buffers pageable sources stage through.
 
-Starting a copy between tiers returns a :class:`Transfer`; whoever uses the destination first calls
-:meth:`Transfer.wait`. On the CPU (both tiers in CPU memory) the copy is done when it is started and
-``wait`` only runs the completion (the chunk's state moves from ``FETCHING`` to ``CURRENT``), so the
-same code path runs with and without a GPU. With CUDA, a copy from the host to the device is staged
-through a pinned buffer and runs on a side stream; ``wait`` makes the compute stream wait for the
-copy's event, so the copy overlaps whatever the compute stream does until then (prefetch). Copies from
-the device to the host are synchronous (the host reads them at once).
+A copy between tiers is issued by the model's copy engine (:mod:`chunkmem.core.copy_engine`) and returns a
+:class:`Transfer`; whoever uses the destination first calls :meth:`Transfer.wait`. What waiting means is the
+engine's: on the CPU the copy was done when it was issued and ``wait`` only runs the completion (a chunk's
+state moves from ``FETCHING`` to ``CURRENT``); with CUDA, a copy to the device makes the compute stream wait
+for the copy's event (no host wait), and a copy to the host makes the host wait for it (the host is about to
+read the bytes); the test engine does the copy itself only then.
 
-Host-tier buffers themselves are ordinary pageable memory: pinning every host buffer (all of the
-model's state) takes page-locked memory the kernel cannot reclaim and is a known way to be stopped by
-the OOM killer. Only the :class:`PinnedStagingPool` is pinned, and it holds at most
-``max_buffers`` buffers (default :data:`PINNED_STAGING_BUFFERS` = 4), each of the size of one transfer
-(one chunk buffer), so pinned memory is bounded by 4 chunk buffers whatever the model size. A transfer
-that finds every staging buffer busy first waits (on the host) for the oldest one's copy to finish.
+Host-tier buffers that cross PCIe every step (parameter shards, gradients) are pinned at their exact size
+(:mod:`chunkmem.core.pinned`). A pageable source (past the pinned budget) is staged through the
+:class:`PinnedStagingPool`: at most ``max_buffers`` buffers (default :data:`PINNED_STAGING_BUFFERS` = 4), each
+of the size of one transfer, so staging memory is bounded by 4 chunk buffers whatever the model size. A
+transfer that finds every staging buffer busy first waits (on the host) for the oldest one's copy to finish.
 """
 from __future__ import annotations
 
@@ -26,15 +24,16 @@ PINNED_STAGING_BUFFERS = 4
 
 
 class Transfer:
-    """A copy between tiers that has been issued. :meth:`wait` before the destination is used; it runs
-    the completion (``finish``) once. ``event`` is the CUDA event recorded after the copy, or ``None``
-    for a copy that was complete when it was issued."""
+    """A copy between tiers that has been issued. :meth:`wait` before the destination is used; it orders
+    the reader after the copy (``complete``, run once) and then runs the completion (``finish``) once.
+    ``event`` is the CUDA event recorded after the copy, or ``None`` for a copy that runs on no stream."""
 
-    def __init__(self, finish: Callable[[], None], event: "torch.cuda.Event | None" = None,
-                 device: torch.device | None = None) -> None:
+    def __init__(self, finish: Callable[[], None] = lambda: None, event: "torch.cuda.Event | None" = None,
+                 device: torch.device | None = None, complete: Callable[[], None] | None = None) -> None:
         self._finish = finish
+        self._complete = complete
         self.event = event
-        self.device = device  # the CUDA device whose compute stream waits for ``event``
+        self.device = device  # the CUDA device whose stream or host thread waits for ``event``
         self.waited = False
 
     @property
@@ -43,11 +42,11 @@ class Transfer:
         return self.event is not None
 
     def wait(self) -> None:
-        """Order the compute stream after the copy (CUDA) and run the completion; idempotent."""
+        """Order the reader after the copy and run the completion; idempotent."""
         if self.waited:
             return
-        if self.event is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.event)
+        if self._complete is not None:
+            self._complete()
         self.waited = True
         self._finish()
 
@@ -66,6 +65,7 @@ class PinnedStagingPool:
         self._busy: deque[tuple[torch.Tensor, torch.cuda.Event]] = deque()
         self.pinned_bytes = 0
         self.peak_pinned_bytes = 0
+        self.host_waits = 0  # times a take() waited for the oldest copy
 
     @property
     def buffers(self) -> int:
@@ -92,6 +92,7 @@ class PinnedStagingPool:
                 self.pinned_bytes -= self._idle.pop(0).numel()
                 continue
             buf, event = self._busy.popleft()
+            self.host_waits += 1
             event.synchronize()
             self._idle.append(buf)
 
@@ -101,7 +102,6 @@ class PinnedStagingPool:
 
 
 _pool: PinnedStagingPool | None = None
-_side_streams: dict[int, torch.cuda.Stream] = {}
 
 
 def staging_pool() -> PinnedStagingPool:
@@ -112,28 +112,8 @@ def staging_pool() -> PinnedStagingPool:
     return _pool
 
 
-def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream host-to-device copies run on, one per CUDA device."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _side_streams:
-        _side_streams[index] = torch.cuda.Stream(device=index)
-    return _side_streams[index]
-
-
 def start_copy(dst: torch.Tensor, src: torch.Tensor, finish: Callable[[], None]) -> Transfer:
-    """Issue ``dst.copy_(src)`` (same dtype and element count) and return its handle; ``finish`` runs at
-    the handle's first :meth:`~Transfer.wait`."""
-    if dst.device.type == "cuda" and src.device.type == "cpu":
-        pool = staging_pool()
-        staging = pool.take(src.numel() * src.element_size()).view(src.dtype)
-        staging.copy_(src)
-        stream = side_stream(dst.device)
-        stream.wait_stream(torch.cuda.current_stream(dst.device))  # dst's memory was given on the compute stream
-        with torch.cuda.stream(stream):
-            dst.copy_(staging, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        pool.give_back(staging.view(torch.uint8), event)
-        return Transfer(finish, event, dst.device)
-    dst.copy_(src)
-    return Transfer(finish)
+    """Issue ``dst.copy_(src)`` (same dtype and element count) through the machine's default copy engine
+    and return its handle; ``finish`` runs at the handle's first :meth:`~Transfer.wait`."""
+    from .copy_engine import default_engine
+    return default_engine().to_device(dst, src, finish)

@@ -326,6 +326,7 @@ class ChunkExecutor:
         if buf.sharded:
             if buf.shard.tier is not tier:
                 buf.shard.move_to(tier)
+            buf.shard.before_host_write()
             return buf.shard.tensor
         if tier is Tier.DEVICE:
             if chunk.has_master:
@@ -339,6 +340,7 @@ class ChunkExecutor:
             buf.write_back_shard()
         if buf.shard.on_disk:  # back to the disk when the chunk settles after the update
             buf.shard.move_to(Tier.HOST)
+        buf.shard.before_host_write()
         return buf.shard.tensor
 
     def mark_updated(self, chunk: Chunk, tier: Tier) -> None:

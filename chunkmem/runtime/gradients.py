@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from ..core.chunk import MASTER, Chunk, ParamSlot
+from ..core.transfer import Transfer
 from ..errors import GradientAccumulationError
 from ..core.tiers import Tier, device_of_tier
 from ..distributed.reduction import GradientReduction, PendingReduction
@@ -113,10 +114,19 @@ class StagedGradients(GradientStore):
     def __init__(self, executor: ChunkExecutor, reduction: GradientReduction,
                  adopt: Callable[[torch.Tensor], None]) -> None:
         super().__init__(executor, reduction)
-        self.keeps_autograd_tensors = device_of_tier(Tier.DEVICE).type == "cpu"
+        self.copies = executor.memory.copies
+        self.keeps_autograd_tensors = device_of_tier(Tier.DEVICE).type == "cpu" and self.copies.name == "plain"
         self._adopt = adopt  # tells the tracer that a kept tensor is chunk memory now
         self._kept: dict[Chunk, dict[int, torch.Tensor]] = {}  # chunk -> slot index -> its gradient
         self._reducing: dict[Chunk, PendingReduction] = {}  # reductions left running by finish(overlap=True)
+        self._landing: dict[Chunk, Transfer] = {}  # chunk -> the copy of its gradient to the host, in flight
+
+    def _landed(self, chunk: Chunk) -> None:
+        """Wait for the copy of the chunk's gradient to the host, if one is in flight: the host reads,
+        changes or frees the bytes next (the copy engine counts a wait that blocks as ``"grad landing"``)."""
+        landing = self._landing.pop(chunk, None)
+        if landing is not None:
+            landing.wait()
 
     def _direct(self, chunk: Chunk) -> bool:
         """Whether the chunk's gradients accumulate where they rest (no staging buffer)."""
@@ -180,20 +190,32 @@ class StagedGradients(GradientStore):
             finished = self.reduction.all_reduce_mean_(accumulator, f"{chunk.name} gradients")
         else:
             finished = accumulator
-        self._store(chunk, finished)
+        self._store(chunk, finished, owned=finished is accumulator)
         return False
 
     def complete(self, chunk: Chunk) -> None:
         pending = self._reducing.pop(chunk, None)
         if pending is not None:
-            self._store(chunk, pending.wait())
+            self._store(chunk, pending.wait(), owned=False)
 
-    def _store(self, chunk: Chunk, finished: torch.Tensor) -> None:
-        """The reduced gradient into the chunk's gradient buffer where it rests; the staging buffer goes."""
+    def _store(self, chunk: Chunk, finished: torch.Tensor, owned: bool) -> None:
+        """The reduced gradient into the chunk's gradient buffer where it rests; the staging buffer goes.
+        A gradient resting on the host leaves through the copy engine: on a GPU the copy runs on the
+        device-to-host stream while the backward goes on, and readers wait for it (:meth:`_landed`).
+        ``owned``: ``finished`` is the staging buffer freed here; otherwise it is the reduction's output
+        buffer, which the next chunk's reduction overwrites, so a copy that completes later reads a
+        private copy of it."""
         if chunk.grad.allocated:
+            self._landed(chunk)
             chunk.grad.tensor.add_(finished.to(chunk.grad.tensor.device))
         else:
-            chunk.grad.allocate(self.executor.grad_tier(chunk)).copy_(finished)
+            tier = self.executor.grad_tier(chunk)
+            target = chunk.grad.allocate(tier)
+            if tier is Tier.HOST:
+                source = finished if owned or not self.copies.asynchronous else finished.clone()
+                self._landing[chunk] = self.copies.to_host(target, source, "grad landing")
+            else:
+                target.copy_(finished)
             chunk.grad.mark_written()
         if chunk.grad.tier is Tier.HOST:
             chunk.memory.ledger.count_move(Tier.HOST, chunk.grad.nbytes)
@@ -202,6 +224,10 @@ class StagedGradients(GradientStore):
     def grad_of(self, chunk: Chunk) -> torch.Tensor | None:
         self.flatten(chunk)
         return chunk.grad.tensor
+
+    def tensors(self, chunk: Chunk) -> list[torch.Tensor]:
+        self._landed(chunk)
+        return super().tensors(chunk)
 
     def pieces(self, chunk: Chunk) -> list[tuple[int, torch.Tensor]] | None:
         kept = self._kept.get(chunk)
@@ -212,6 +238,7 @@ class StagedGradients(GradientStore):
     def flatten(self, chunk: Chunk) -> None:
         """The kept tensors go into the chunk's gradient buffer (zero where none is: slots still to come
         in a running backward, and the padding), which takes over their count on the ledger."""
+        self._landed(chunk)
         kept = self._kept.pop(chunk, None)
         if kept is None:
             return
@@ -238,6 +265,7 @@ class StagedGradients(GradientStore):
 
     def drop(self, set_to_none: bool) -> None:
         for chunk in self.executor.chunks:
+            self._landed(chunk)
             if chunk.grad_staging.allocated and not chunk.grad_slots_received:
                 chunk.grad_staging.free()
                 chunk.accumulator_fresh = False
@@ -253,6 +281,7 @@ class StagedGradients(GradientStore):
                     chunk.grad.tensor.zero_()
 
     def release(self, chunk: Chunk) -> None:
+        self._landed(chunk)
         self._forget_kept(chunk)
         if chunk.grad.allocated:
             chunk.grad.free()
@@ -261,6 +290,7 @@ class StagedGradients(GradientStore):
         """Drop the gradients of an unfinished chunk that this backward began (a buffer or kept tensors
         holding nothing finished); a staging buffer always."""
         if chunk.accumulator_fresh and chunk.grad_slots_received:
+            self._landed(chunk)
             self._forget_kept(chunk)
             if self._direct(chunk):
                 chunk.grad.free()

@@ -29,6 +29,12 @@ Schema ``chunkmem.memstats/1`` (every size in bytes, chunk ids are chunk indices
   its files occupy), ``read_bytes`` and ``written_bytes`` (moved so far), ``atomic_step``.
 * ``block_pool``: ``null`` with CUDA (or the pool off), else ``cached_bytes`` (freed chunk buffers kept
   for reuse) and ``blocks_mapped`` (mappings made so far); see :mod:`chunkmem.core.block_pool`.
+* ``copy_engine``: ``engine`` (its name, :mod:`chunkmem.core.copy_engine`), ``host_waits`` (site -> times the
+  host blocked on a copy, cumulative over the process's models using that engine; a site ending in
+  ``in backward`` was inside autograd's hooks), ``staging_waits`` (waits for a pinned staging buffer),
+  ``pinned_bytes`` (this model's pinned host blocks, in use or kept), ``pinned_in_use_bytes``,
+  ``pinned_fallback_bytes`` (host buffers left pageable past the budget), ``pinned_budget_bytes``,
+  ``process_pinned_bytes`` (every model's); the pinned figures are 0 without CUDA.
 * ``optimizer``: ``device_chunks``, ``host_chunks`` and ``disk_chunks`` (ids by where their optimizer
   state lives), ``device_bytes``, ``host_bytes`` and ``disk_bytes`` (fp32 masters, exp_avg,
   exp_avg_sq), ``margin_bytes`` and
@@ -109,6 +115,7 @@ def collect(runtime: Any, rank: int = 0, world_size: int = 1) -> dict[str, Any]:
         "tiers": runtime.memory.breakdown(),
         "block_pool": None if blocks is None else {"cached_bytes": blocks.cached_bytes,
                                                    "blocks_mapped": blocks.blocks_mapped},
+        "copy_engine": _copy_engine(runtime.memory),
         "disk": None if disk is None else {
             "path": disk.path, "file_bytes": disk.file_bytes, "read_bytes": ledger.read_from_disk,
             "written_bytes": ledger.written_to_disk, "atomic_step": disk.atomic_step},
@@ -149,3 +156,15 @@ def summary(doc: dict[str, Any]) -> str:
         lines.append(f"  disk tier {disk['path']}: files {disk['file_bytes'] / mib:.2f} MiB, read "
                      f"{disk['read_bytes'] / mib:.2f} MiB, written {disk['written_bytes'] / mib:.2f} MiB")
     return "\n".join(lines)
+
+
+def _copy_engine(memory: Any) -> dict[str, Any]:
+    from ..core.pinned import pinned_memory_budget, process_pinned_bytes
+
+    doc: dict[str, Any] = dict(memory.copies.stats())
+    if memory.pinned is not None:
+        doc.update(memory.pinned.stats())
+    else:
+        doc.update({"pinned_bytes": 0, "pinned_in_use_bytes": 0, "pinned_fallback_bytes": 0,
+                    "pinned_budget_bytes": pinned_memory_budget(), "process_pinned_bytes": process_pinned_bytes()})
+    return doc

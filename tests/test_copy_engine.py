@@ -1,0 +1,220 @@
+"""The copy engine (chunkmem.core.copy_engine) and the pinned host memory (chunkmem.core.pinned), checked
+without a GPU.
+
+The deferred engine completes every copy between the tiers only when its handle is waited on: the destination
+is NaN until then, and the source is read then. Each case trains the same model under the plain engine and
+under the deferred one and compares every parameter, optimizer state and loss bitwise: a reader that forgets
+to wait for a gradient or a parameter copy, or a source reused before its copy ran, makes them differ. The
+host's waits are counted by site, and none may happen inside the backward (autograd's hooks) where the step
+runs after it. The last test shows that a missing wait does fail these comparisons.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import chunkmem as cm
+from chunkmem.core import copy_engine, pinned
+from chunkmem.runtime.gradients import StagedGradients
+from tests.distributed import run_ranks
+from tests.models import TinyGPT, batches, lm_loss
+
+CHUNK_BYTES = 16384
+AUTO_DEVICE_BYTES = 800 * 1024
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _reference() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return TinyGPT()
+
+
+def _build(engine: str, reference, placement="cpu", dtype=torch.float32, max_norm=0.0, step_in_backward=False,
+           **model_args):
+    copy_engine.set_copy_engine(engine)
+    if placement == "auto":
+        cm.set_device_memory_capacity(AUTO_DEVICE_BYTES)
+    try:
+        model = cm.ShardedModelV2(copy.deepcopy(reference), cm.TensorShardStrategy(),
+                                  tensor_placement_policy=placement, dtype=dtype, chunk_size=CHUNK_BYTES,
+                                  **model_args)
+    finally:
+        copy_engine.set_copy_engine(None)
+        cm.set_device_memory_capacity(None)
+    optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-2, weight_decay=0.01),
+                                  initial_scale=2**10, max_norm=max_norm, step_in_backward=step_in_backward,
+                                  gpu_margin_mem_ratio=0.5 if placement == "auto" else 0.0)
+    return model, optim
+
+
+def _train(model, optim, data, micro_batches=1, overflow_at=None, clip=None):
+    """A step per batch (``micro_batches`` backwards before each); ``overflow_at``: the step whose loss is
+    multiplied by inf; ``clip``: ``clip_grad_norm`` before each step. Returns losses, steps taken, norms."""
+    losses, stepped, norms = [], [], []
+    for i, x in enumerate(data):
+        for m in range(micro_batches):
+            loss = lm_loss(model(x.roll(m, 1)), x.roll(m, 1))
+            optim.backward(loss * float("inf") if i == overflow_at else loss)
+            losses.append(loss.item())
+        if clip is not None:
+            norms.append(optim.clip_grad_norm(clip))
+        stepped.append(optim.step())
+        optim.zero_grad()
+    return losses, stepped, norms
+
+
+def _state(model, optim):
+    params = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {(i, k): v.clone() if torch.is_tensor(v) else v
+             for i, s in optim.state_dict()["state"].items() for k, v in s.items()}
+    return params, state
+
+
+def _assert_same(a, b):
+    (pa, sa), (pb, sb) = a, b
+    assert pa.keys() == pb.keys() and sa.keys() == sb.keys()
+    for k in pa:
+        assert torch.equal(pa[k], pb[k]), k
+    for k in sa:
+        assert (torch.equal(sa[k], sb[k]) if torch.is_tensor(sa[k]) else sa[k] == sb[k]), k
+
+
+def _compare(placement="cpu", dtype="fp32", steps=3, **case):
+    """Train under the plain and the deferred engine; same bits. Returns the host waits of the deferred model's
+    last step (by site; ``auto`` plans at the end of its traced backwards, and moves gradients then) and the model."""
+    reference = _reference()
+    train_args = {k: case.pop(k) for k in ("micro_batches", "overflow_at", "clip") if k in case}
+    data = batches(steps)
+    runs = []
+    for engine in ("plain", "deferred"):
+        model, optim = _build(engine, reference, placement, DTYPES[dtype], **case)
+        engine = model.runtime.memory.copies
+        result = _train(model, optim, data[:-1], **train_args)
+        before = dict(engine.host_waits)
+        last = _train(model, optim, data[-1:], **train_args)
+        result = tuple(a + b for a, b in zip(result, last))
+        waits = {k: v - before.get(k, 0) for k, v in engine.host_waits.items() if v != before.get(k, 0)}
+        runs.append((result, _state(model, optim), waits, model))
+    (plain_result, plain_state, _, _), (deferred_result, deferred_state, waits, model) = runs
+    assert plain_result == deferred_result
+    _assert_same(plain_state, deferred_state)
+    assert model.runtime.memory.copies.name == "deferred"
+    return waits, model
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("placement", ["cpu", "auto", "cuda"])
+def test_deferred_copies_train_bitwise_as_plain_copies(placement, dtype):
+    waits, model = _compare(placement, dtype)
+    assert not [site for site in waits if site.endswith("in backward")], waits
+    if placement == "cpu":  # every trainable chunk's gradient landed on the host, and was waited for once
+        assert waits == {"grad landing": sum(c.trainable for c in model.chunks)}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_deferred_copies_with_clipping_that_triggers_overflow_and_accumulation(dtype):
+    _compare("cpu", dtype, steps=4, max_norm=0.05, overflow_at=1 if dtype == "fp16" else None, micro_batches=2)
+    _compare("auto", dtype, steps=4, clip=0.05)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_deferred_copies_with_step_in_backward(dtype):
+    _compare("cpu", dtype, steps=4, step_in_backward=True, max_norm=0.05)
+    _compare("cuda", dtype, steps=3, step_in_backward=True)
+
+
+def test_deferred_copies_with_the_disk_tier(tmp_path):
+    _compare("cpu", "fp16", steps=3, offload_optimizer="disk", nvme_path=str(tmp_path), buffer_size=8192)
+    _compare("cpu", "fp32", steps=3, offload_optimizer="disk", nvme_path=str(tmp_path), buffer_size=8192,
+             step_in_backward=True)
+
+
+def _two_ranks(rank, world, engine):
+    reference = _reference()
+    model, optim = _build(engine, reference, "cpu", torch.float16)
+    data = [x[rank::world] for x in batches(3, batch=4)]
+    result = _train(model, optim, data)
+    params, state = _state(model, optim)
+    return result, params, {k: v for k, v in state.items() if torch.is_tensor(v)}
+
+
+def test_deferred_copies_on_two_ranks():
+    plain = run_ranks(_two_ranks, 2, "plain")
+    deferred = run_ranks(_two_ranks, 2, "deferred")
+    for (ra, pa, sa), (rb, pb, sb) in zip(plain, deferred):
+        assert ra == rb
+        _assert_same((pa, sa), (pb, sb))
+
+
+def test_a_missing_wait_fails_under_the_deferred_engine(monkeypatch):
+    """The control: a gradient store that reads its gradients without waiting for their copies trains
+    differently (on NaN) under the deferred engine, so the comparisons above can fail."""
+    monkeypatch.setattr(StagedGradients, "_landed", lambda self, chunk: self._landing.pop(chunk, None))
+    with pytest.raises(AssertionError):
+        _compare("cpu", "fp32", steps=2)
+
+
+def test_copy_engine_choice_is_checked():
+    with pytest.raises(cm.InvalidArgumentError, match="name"):
+        copy_engine.set_copy_engine("fast")
+    if not torch.cuda.is_available():
+        with pytest.raises(cm.InvalidArgumentError, match="CUDA is not available"):
+            copy_engine.set_copy_engine("cuda")
+    assert copy_engine.copy_engine_name() == ("cuda" if torch.cuda.is_available() else "plain")
+
+
+def test_memory_stats_report_the_copy_engine():
+    model, optim = _build("deferred", _reference())
+    _train(model, optim, batches(1))
+    stats = model.memory_stats()["copy_engine"]
+    assert stats["engine"] == "deferred" and stats["host_waits"]["grad landing"] >= 1
+    assert stats["pinned_bytes"] == 0  # nothing is pinned without CUDA
+
+
+class _FakeRegistration:
+    """cudaHostRegister / cudaHostUnregister stand-ins: which pointers are registered now."""
+
+    def __init__(self):
+        self.registered: dict[int, int] = {}
+
+    def register(self, ptr, nbytes):
+        self.registered[ptr] = nbytes
+        return True
+
+    def unregister(self, ptr):
+        del self.registered[ptr]
+
+
+def test_pinned_blocks_are_exact_reused_and_bounded(monkeypatch):
+    fake = _FakeRegistration()
+    monkeypatch.setattr(pinned, "_register", fake.register)
+    monkeypatch.setattr(pinned, "_unregister", fake.unregister)
+    pinned.set_pinned_memory_budget(3 * 4000 + 100)
+    try:
+        memory = pinned.PinnedHostMemory()
+        a = memory.empty(1000, torch.float32)
+        b = memory.empty(1000, torch.float32)
+        assert memory.pinned_bytes == 8000 and sorted(fake.registered.values()) == [4000, 4000]  # exact sizes
+        memory.give_back(a)
+        c = memory.empty(1000, torch.float32)  # the cached block, not a new registration
+        assert len(fake.registered) == 2 and memory.in_use_bytes == 8000
+        d = memory.empty(500, torch.float16)
+        assert memory.pinned_bytes == 9000
+        with pytest.warns(RuntimeWarning, match="pinned-memory budget"):
+            e = memory.empty(1000, torch.float32)  # past the budget: pageable
+        assert memory.fallback_bytes == 4000 and e.data_ptr() not in fake.registered
+        assert memory.stats()["pinned_budget_bytes"] == 12100
+        for t in (b, c, d, e):
+            memory.give_back(t)
+        assert memory.in_use_bytes == 0 and memory.fallback_bytes == 0
+        memory.release_cached()
+        assert fake.registered == {} and memory.pinned_bytes == 0 and pinned.process_pinned_bytes() == 0
+    finally:
+        pinned.set_pinned_memory_budget(None)
+
+
+def test_pinned_memory_budget_is_checked():
+    with pytest.raises(cm.InvalidArgumentError, match="nbytes"):
+        pinned.set_pinned_memory_budget("lots")
