@@ -14,8 +14,8 @@ Then each row trains the same GPT (:mod:`chunkmem.gpt`) in a process of its own,
   PyTorch runs). The baseline of the rows of its dtype;
 * ``cm-<placement>`` (``cuda``, ``cpu``, ``auto``): ``ShardedModelV2(tensor_placement_policy=<placement>,
   dtype=<dtype>)`` + ``ShardedOptimizerV2(HybridAdam)`` (fp32 masters in the optimizer); ``auto`` runs under a
-  device-tier capacity of 8 bytes per parameter (half of fp32 parameter, gradient and the two Adam moments) so
-  that chunks move, with ``gpu_margin_mem_ratio=--margin`` (default 0.0; recorded in the row); ``sib``: with
+  device-tier capacity of ``--auto-bytes-per-param`` bytes per parameter (default 8: half of fp32 parameter,
+  gradient and the two Adam moments) so that chunks move, with ``gpu_margin_mem_ratio=--margin`` (default 0.0; recorded in the row); ``sib``: with
   ``step_in_backward=True``;
 * ``fsdp2-offload``: PyTorch FSDP2 on one rank (an NCCL group of one): ``fully_shard`` with ``CPUOffloadPolicy``
   on every transformer block, then on the root; the model is built on the CPU (the sharded parameters, gradients
@@ -143,7 +143,8 @@ def free_port() -> int:
 
 # ---- the child: one row ----------------------------------------------------------------------------------
 
-def child(row: str, size: str, warmup: int, steps: int, limit: float, margin: float) -> dict:
+def child(row: str, size: str, warmup: int, steps: int, limit: float, margin: float,
+          auto_bytes_per_param: float = AUTO_CAPACITY_BYTES_PER_PARAM) -> dict:
     import faulthandler
 
     import torch
@@ -236,8 +237,8 @@ def child(row: str, size: str, warmup: int, steps: int, limit: float, margin: fl
         import chunkmem as cm
         placement = config.split("-")[1]
         if placement == "auto":
-            cm.set_device_memory_capacity(AUTO_CAPACITY_BYTES_PER_PARAM * n_params)
-            out["margin"] = margin
+            cm.set_device_memory_capacity(int(auto_bytes_per_param * n_params))
+            out.update(margin=margin, auto_bytes_per_param=auto_bytes_per_param)
         model = cm.ShardedModelV2(net, cm.TensorShardStrategy(), tensor_placement_policy=placement, dtype=dtype)
         kw = dict(step_in_backward=sib)
         if placement == "auto":
@@ -410,7 +411,8 @@ def run_child(row: str, size: str, args: argparse.Namespace, time_left: float) -
     """Run one row in a process of its own; returns its result, or ``{"error": ...}``."""
     limit = max(1.0, min(args.limit, time_left - 2))
     cmd = [sys.executable, os.path.abspath(__file__), "--child", row, "--size", size, "--warmup", str(args.warmup),
-           "--steps", str(args.steps), "--limit", str(limit), "--margin", str(args.margin)]
+           "--steps", str(args.steps), "--limit", str(limit), "--margin", str(args.margin),
+           "--auto-bytes-per-param", str(args.auto_bytes_per_param)]
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(1.0, time_left))
@@ -496,6 +498,9 @@ def main() -> int:
                         help="comma-separated rows config:dtype[:sib] (e.g. plain:fp32,cm-cpu:bf16:sib); "
                              "overrides --plan; configs: " + ", ".join(CONFIGS))
     parser.add_argument("--margin", type=float, default=0.0, help="gpu_margin_mem_ratio of the cm-auto rows")
+    parser.add_argument("--auto-bytes-per-param", type=float, default=AUTO_CAPACITY_BYTES_PER_PARAM,
+                        help="the device-tier capacity of the cm-auto rows, in bytes per parameter (default "
+                             f"{AUTO_CAPACITY_BYTES_PER_PARAM})")
     parser.add_argument("--limit", type=float, default=60.0,
                         help="seconds a row may run before it is stopped with a traceback (default 60)")
     parser.add_argument("--total-limit", type=float, default=420.0,
@@ -510,7 +515,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.child:
         print(RESULT_TAG + json.dumps(child(args.child, args.size, args.warmup, args.steps, args.limit,
-                                            args.margin)), flush=True)
+                                            args.margin, args.auto_bytes_per_param)), flush=True)
         return 0
     sizes = args.sizes.split(",")
     for size in sizes:
@@ -536,7 +541,7 @@ def main() -> int:
         models.append(dict(size=size, **spec, n_params=n))
     doc = dict(device=gpu, date=today, commit=git_commit(), host_cpu=_gpt.cpu_kind(), torch=torch.__version__,
                bandwidth_gbps=bw, model=models[0], models=models, warmup=args.warmup, steps=args.steps,
-               margin=args.margin, total_limit_s=args.total_limit, rows=[])
+               margin=args.margin, auto_bytes_per_param=args.auto_bytes_per_param, total_limit_s=args.total_limit, rows=[])
     if args.exactness:
         doc["exactness"] = exactness_check(args)
     written = write_json(doc, json_path)

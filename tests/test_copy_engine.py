@@ -218,3 +218,15 @@ def test_pinned_blocks_are_exact_reused_and_bounded(monkeypatch):
 def test_pinned_memory_budget_is_checked():
     with pytest.raises(cm.InvalidArgumentError, match="nbytes"):
         pinned.set_pinned_memory_budget("lots")
+
+
+def test_unpinned_blocks_are_kept_by_size_for_reuse():
+    memory = pinned.PinnedHostMemory(pin=False)
+    a = memory.empty(1000, torch.float32)
+    first = a.data_ptr()
+    memory.give_back(a)
+    b = memory.empty(1000, torch.float32)
+    assert b.data_ptr() == first and memory.pinned_bytes == 0 and memory.in_use_bytes == 4000
+    memory.give_back(b)
+    memory.release_cached()
+    assert memory.in_use_bytes == 0

@@ -21,6 +21,9 @@ from .tiers import Tier, empty_on_tier
 PINNED_FAMILIES = ("param", "grad")
 """The host-tier families that cross PCIe every step: pinned on a GPU machine (the parameter shard, read by
 each fetch; the gradient, written by each backward). Optimizer state is read where it rests."""
+REUSED_FAMILIES = ("undo",)
+"""Host-tier families taken and given back every step (``step_in_backward``'s undo copies): on a GPU machine,
+where no block pool serves the host tier, kept by size for reuse (pageable)."""
 
 
 class TierMemory:
@@ -31,7 +34,8 @@ class TierMemory:
 
     ``copies``: the model's copy engine (:mod:`chunkmem.core.copy_engine`), chosen when the memory is made;
     ``pinned``: with an engine that pins host memory, the exact-size pinned blocks of the
-    :data:`PINNED_FAMILIES` on the host tier (:mod:`chunkmem.core.pinned`), else ``None``.
+    :data:`PINNED_FAMILIES` on the host tier (:mod:`chunkmem.core.pinned`), else ``None``; ``reused``: with
+    it, the kept (unpinned) blocks of the :data:`REUSED_FAMILIES`.
 
     ``device_block_nbytes`` (bytes; 0: none): the block size of every device-tier buffer the pool lends, set
     when the device tier stages chunks for compute (placement ``cpu`` or ``auto``, or sharded). A chunk
@@ -47,6 +51,7 @@ class TierMemory:
         self.device_block_nbytes = 0
         self.copies = copies if copies is not None else engine_for_new_model()
         self.pinned = PinnedHostMemory() if self.copies.pins_host else None
+        self.reused = PinnedHostMemory(pin=False) if self.copies.pins_host else None
 
     @staticmethod
     def for_this_machine(capacity: int, host_capacity: int | None = None) -> "TierMemory":
@@ -64,6 +69,8 @@ class TierMemory:
         try:
             if self.pinned is not None and tier is Tier.HOST and family in PINNED_FAMILIES:
                 return self.pinned.empty(numel, dtype)
+            if self.reused is not None and tier is Tier.HOST and family in REUSED_FAMILIES:
+                return self.reused.empty(numel, dtype)
             if self.blocks is None:
                 return empty_on_tier(tier, numel, dtype)
             return self.blocks.empty(numel, dtype, self.device_block_nbytes if tier is Tier.DEVICE else 0)
@@ -79,6 +86,8 @@ class TierMemory:
         if self.pinned is not None and tier is Tier.HOST and family in PINNED_FAMILIES:
             self.copies.before_host_write(tensor, "host buffer reuse")  # a copy may still read it
             self.pinned.give_back(tensor)
+        elif self.reused is not None and tier is Tier.HOST and family in REUSED_FAMILIES:
+            self.reused.give_back(tensor)
         elif self.blocks is not None:
             self.blocks.give_back(tensor)
 

@@ -70,16 +70,22 @@ def _unregister(ptr: int) -> None:
 
 class PinnedHostMemory:
     """One model's pinned host blocks (module docstring). ``pinned_bytes``: registered now (in use or
-    cached); ``in_use_bytes``: lent out now; ``fallback_bytes``: pageable buffers lent past the budget now."""
+    cached); ``in_use_bytes``: lent out now; ``fallback_bytes``: pageable buffers lent past the budget now.
 
-    def __init__(self) -> None:
+    With ``pin=False`` the same cache of exact-size blocks without registering them (and without a budget):
+    host buffers a step takes and gives back every time (``step_in_backward``'s undo copies) reuse their
+    pages instead of faulting in new ones each step."""
+
+    def __init__(self, pin: bool = True) -> None:
+        self.pin = pin
         self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
-        self._blocks: dict[int, int] = {}  # data_ptr -> bytes of every registered block
+        self._blocks: dict[int, int] = {}  # data_ptr -> bytes of every registered (or, unpinned, kept) block
         self.pinned_bytes = 0
         self.in_use_bytes = 0
         self.fallback_bytes = 0
         self._warned = False
-        weakref.finalize(self, _unregister_all, self._blocks)
+        if pin:
+            weakref.finalize(self, _unregister_all, self._blocks)
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised host tensor of ``numel`` elements: pinned if the budget allows, else pageable."""
@@ -89,6 +95,11 @@ class PinnedHostMemory:
         if cached:
             self.in_use_bytes += nbytes
             return cached.pop().view(dtype)
+        if not self.pin:
+            block = torch.empty(nbytes, dtype=torch.uint8)
+            self._blocks[block.data_ptr()] = nbytes
+            self.in_use_bytes += nbytes
+            return block.view(dtype)
         with _lock:
             fits = nbytes > 0 and _process_pinned + nbytes <= pinned_memory_budget()
             if fits:
@@ -130,6 +141,8 @@ class PinnedHostMemory:
         for blocks in self._free.values():
             for block in blocks:
                 nbytes = self._blocks.pop(block.data_ptr())
+                if not self.pin:
+                    continue
                 _unregister(block.data_ptr())
                 self.pinned_bytes -= nbytes
                 with _lock:

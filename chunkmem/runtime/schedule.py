@@ -73,6 +73,10 @@ class PeriodStats:
     moved_to_host: int = 0
 
 
+PREFETCH_LOOKAHEAD = 64
+"""How many periods ahead a placement without a plan (``cpu``, sharded ``cuda``) looks for the next chunk to
+fetch (see :meth:`Scheduler._next_new_chunks`)."""
+
 @dataclass
 class PeriodOrders:
     """What the manager does at the start of a period, in this order: free the stale device copies but
@@ -257,14 +261,28 @@ class Scheduler:
         if index + 1 >= len(self.periods):
             return
         ahead = self.periods[index + 1]
+        period = self.periods[index]
         if plan is not None:
             orders.prefetch = list(plan.periods[index + 1].fetch)
         else:
-            orders.prefetch = list(ahead.needed)
-        period = self.periods[index]
+            orders.prefetch = self._next_new_chunks(index) or list(ahead.needed)
+            orders.keep += [c for c in orders.prefetch if c not in orders.keep]
         orders.needed = list(period.needed)
         staging = self._staging[index] if index < len(self._staging) else 0
         orders.reserve = period.non_model_peak + staging * self._param_bytes
+
+    def _next_new_chunks(self, index: int) -> list[int]:
+        """The chunks of the first period after ``index`` (within :data:`PREFETCH_LOOKAHEAD` periods) that needs
+        chunks period ``index`` does not: what to fetch next. A chunk spans many modules, so the next period
+        usually needs the same chunks, and fetching only its chunks would start a new chunk's copy one small
+        module before it is used; looking further ahead gives the copy the compute of every period in
+        between. They are kept on the device until then (the orders' ``keep``)."""
+        current = set(self.periods[index].needed)
+        for later in self.periods[index + 1:index + 1 + PREFETCH_LOOKAHEAD]:
+            new = [c for c in later.needed if c not in current]
+            if new:
+                return new
+        return []
 
     def need(self, chunk_index: int) -> bool:
         """A chunk is being made resident for the current period; returns whether the iteration just
