@@ -9,6 +9,8 @@
 # and all of them together by T_TOTAL (default 450 s: 7.5 minutes); the step benchmark gets --total-limit of
 # T_BENCH or what is left before the host Adam part, whichever is less. GPU_STEP_ARGS replaces the step
 # benchmark's default arguments (--sizes 350m --warmup 2 --steps 4 --limit 60; e.g. "--plan quick").
+# CHUNKMEM_COMMIT names the commit measured in the JSON (the device tool's copy of the checkout has a stale .git:
+# start the call with CHUNKMEM_COMMIT=<sha>).
 # RUN_SUITE=1 also runs the whole suite with the device tier on the GPU: most tests compare bitwise against CPU
 # references or build their inputs on the CPU, so expect failures that are the tests', not chunkmem's.
 set -u

@@ -480,9 +480,15 @@ def print_row(row: dict) -> None:
 
 
 def git_commit() -> str:
+    """``CHUNKMEM_COMMIT`` where the caller set it (the device tool's copy of a checkout carries a stale
+    ``.git``: name the commit in the command), else HEAD, with ``-dirty`` where the tree differs from it."""
+    if os.environ.get("CHUNKMEM_COMMIT"):
+        return os.environ["CHUNKMEM_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
                               timeout=10).stdout.strip() or "unknown"
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=REPO, timeout=30).returncode != 0
+        return head + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 

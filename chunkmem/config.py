@@ -54,8 +54,8 @@ KEY_TABLE: dict[str, tuple[str, str]] = {
     "zero_optimization.offload_optimizer.nvme_path": ("map", "ShardedModelV2(nvme_path=)"),
     "zero_optimization.offload_optimizer.buffer_count": ("map", "ShardedModelV2(buffer_count=) with nvme"),
     "zero_optimization.offload_optimizer.ratio": ("map", "stage 3: placement 'static' with offload_optim_frac=ratio"),
-    "zero_optimization.offload_optimizer.pin_memory": ("warn", "no effect: chunkmem stages host-to-device copies "
-                                                               "through pinned buffers itself when there is a GPU"),
+    "zero_optimization.offload_optimizer.pin_memory": ("warn", "no effect: with a GPU chunkmem pins the host buffers "
+                                                               "that cross PCIe itself (chunkmem.set_pinned_memory_budget)"),
     "zero_optimization.offload_optimizer.pipeline_read": ("warn", "chunkmem always pipelines; False has no effect"),
     "zero_optimization.offload_optimizer.pipeline_write": ("warn", "chunkmem always pipelines; False has no effect"),
     "zero_optimization.offload_optimizer.fast_init": ("warn", "no effect"),
@@ -640,8 +640,8 @@ def _check_offload_switches(offload_optimizer: dict[str, Any], offload_param: di
                 ("zero_optimization.offload_param", offload_param))
     for path, section in sections:
         if "pin_memory" in section and _check_bool(section["pin_memory"], f"{path}.pin_memory"):
-            _no_effect(f"{path}.pin_memory", "host-to-device copies go through pinned staging buffers when there "
-                                             "is a GPU, whatever this says")
+            _no_effect(f"{path}.pin_memory", "with a GPU the parameter shards and gradients on the host are pinned "
+                                             "within chunkmem.set_pinned_memory_budget, whatever this says")
         if "nvme_path" in section and section.get("device", "none") != "nvme":
             _no_effect(f"{path}.nvme_path", f"{path}.device is not 'nvme'")
         count = section.get("buffer_count")

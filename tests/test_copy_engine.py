@@ -206,7 +206,9 @@ def test_pinned_blocks_are_exact_reused_and_bounded(monkeypatch):
             e = memory.empty(1000, torch.float32)  # past the budget: pageable
         assert memory.fallback_bytes == 4000 and e.data_ptr() not in fake.registered
         assert memory.stats()["pinned_budget_bytes"] == 12100
-        for t in (b, c, d, e):
+        memory.give_back(d, keep=False)  # unregistered at once
+        assert memory.pinned_bytes == 8000 and len(fake.registered) == 2
+        for t in (b, c, e):
             memory.give_back(t)
         assert memory.in_use_bytes == 0 and memory.fallback_bytes == 0
         memory.release_cached()

@@ -85,7 +85,9 @@ class TierMemory:
             return
         if self.pinned is not None and tier is Tier.HOST and family in PINNED_FAMILIES:
             self.copies.before_host_write(tensor, "host buffer reuse")  # a copy may still read it
-            self.pinned.give_back(tensor)
+            # a step's gradients come back every step; a shard freed is rarely needed again (cuda placement
+            # frees the host shard the model was built in once, for good)
+            self.pinned.give_back(tensor, keep=family == "grad")
         elif self.reused is not None and tier is Tier.HOST and family in REUSED_FAMILIES:
             self.reused.give_back(tensor)
         elif self.blocks is not None:

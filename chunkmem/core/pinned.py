@@ -125,15 +125,25 @@ class PinnedHostMemory:
                           f"buffers are pageable, and their copies to and from the GPU are staged and slower",
                           RuntimeWarning, stacklevel=4)
 
-    def give_back(self, tensor: torch.Tensor) -> None:
-        """Keep a pinned block for the next buffer of its size; a pageable one is simply dropped. Whoever
-        gives a block back has waited for the copies that used it."""
+    def give_back(self, tensor: torch.Tensor, keep: bool = True) -> None:
+        """Keep a pinned block for the next buffer of its size (``keep``; else unregister it now); a pageable
+        one is simply dropped. Whoever gives a block back has waited for the copies that used it."""
+        global _process_pinned
         nbytes = tensor.numel() * tensor.element_size()
-        if tensor.data_ptr() in self._blocks and nbytes == self._blocks[tensor.data_ptr()]:
-            self.in_use_bytes -= nbytes
-            self._free[nbytes].append(tensor.view(torch.uint8))
-        else:
+        ptr = tensor.data_ptr()
+        if ptr not in self._blocks or nbytes != self._blocks[ptr]:
             self.fallback_bytes -= nbytes
+            return
+        self.in_use_bytes -= nbytes
+        if keep:
+            self._free[nbytes].append(tensor.view(torch.uint8))
+            return
+        del self._blocks[ptr]
+        if self.pin:
+            _unregister(ptr)
+            self.pinned_bytes -= nbytes
+            with _lock:
+                _process_pinned -= nbytes
 
     def release_cached(self) -> None:
         """Unregister and drop the blocks kept for reuse (those in use stay)."""

@@ -2,8 +2,8 @@
 
 A chunk's buffers live in a :class:`Tier`. ``Tier.DEVICE`` is the compute device: the current CUDA
 device when CUDA is available, otherwise the CPU under an explicit capacity. ``Tier.HOST`` is CPU
-memory, pageable: with CUDA, copies to the device are staged through a bounded pool of pinned buffers
-(:mod:`chunkmem.core.transfer`), so pinned memory does not grow with the model. Moving a buffer between tiers is always a copy into a newly
+memory: with CUDA the parameter shards and gradients resting there are pinned at their exact sizes under a
+budget (:mod:`chunkmem.core.pinned`), the rest pageable. Moving a buffer between tiers is always a copy into a newly
 allocated buffer, also when both tiers are the CPU, so the same code path runs with and without a GPU.
 """
 from __future__ import annotations
@@ -157,8 +157,8 @@ def tier_of_device(device: torch.device | str | int | None, argument: str = "tar
 
 
 def pin_host_memory() -> bool:
-    """Whether host-to-device copies are staged through pinned buffers (only when CUDA is available;
-    host-tier buffers themselves are never pinned, see :mod:`chunkmem.core.transfer`)."""
+    """Whether host memory is pinned for copies to and from the device (only when CUDA is available: the
+    parameter shards and gradients on the host, see :mod:`chunkmem.core.pinned`)."""
     return torch.cuda.is_available()
 
 
