@@ -17,6 +17,8 @@ Then each row trains the same GPT (:mod:`chunkmem.gpt`) in a process of its own,
   device-tier capacity of ``--auto-bytes-per-param`` bytes per parameter (default 8: half of fp32 parameter,
   gradient and the two Adam moments) so that chunks move, with ``gpu_margin_mem_ratio=--margin`` (default 0.0; recorded in the row); ``sib``: with
   ``step_in_backward=True``;
+* ``cm-optim-offload``: ``tensor_placement_policy="static"`` with ``offload_optim_frac=1.0``: the parameters rest
+  on the GPU, gradients and the Adam step on the host (the split torchao's ``CPUOffloadOptimizer`` makes);
 * ``fsdp2-offload``: PyTorch FSDP2 on one rank (an NCCL group of one): ``fully_shard`` with ``CPUOffloadPolicy``
   on every transformer block, then on the root; the model is built on the CPU (the sharded parameters, gradients
   and the optimizer state stay in pinned host memory), ``torch.optim.AdamW(fused=True)`` on the CPU parameters
@@ -67,10 +69,10 @@ SIZES = {
     "50m": dict(vocab=8192, d=768, layers=6, heads=12, seq=128, batch=2),
     "350m": dict(vocab=32768, d=1024, layers=24, heads=16, seq=512, batch=8),
 }
-CONFIGS = ("plain", "cm-cuda", "cm-cpu", "cm-auto", "fsdp2-offload", "torchao-offload")
+CONFIGS = ("plain", "cm-cuda", "cm-cpu", "cm-auto", "cm-optim-offload", "fsdp2-offload", "torchao-offload")
 DTYPES = ("fp32", "bf16", "fp16")
-PER_DTYPE = ("cm-cuda", "cm-cpu", "cm-cpu:sib", "cm-auto", "cm-auto:sib", "cm-cuda:sib", "fsdp2-offload",
-             "torchao-offload")
+PER_DTYPE = ("cm-cuda", "cm-cpu", "cm-cpu:sib", "cm-auto", "cm-auto:sib", "cm-cuda:sib", "cm-optim-offload",
+             "fsdp2-offload", "torchao-offload")
 PLANS = {
     "full": ["plain:fp32", "plain:bf16"] + [f"{c.split(':')[0]}:{d}" + (":sib" if c.endswith(":sib") else "")
                                            for d in ("fp32", "bf16") for c in PER_DTYPE],
@@ -236,10 +238,14 @@ def child(row: str, size: str, warmup: int, steps: int, limit: float, margin: fl
     else:
         import chunkmem as cm
         placement = config.split("-")[1]
+        placed = {}
         if placement == "auto":
             cm.set_device_memory_capacity(int(auto_bytes_per_param * n_params))
             out.update(margin=margin, auto_bytes_per_param=auto_bytes_per_param)
-        model = cm.ShardedModelV2(net, cm.TensorShardStrategy(), tensor_placement_policy=placement, dtype=dtype)
+        elif placement == "optim":  # torchao's split: parameters rest on the GPU, gradients and Adam on the host
+            placement, placed = "static", dict(offload_param_frac=0.0, offload_optim_frac=1.0)
+        model = cm.ShardedModelV2(net, cm.TensorShardStrategy(), tensor_placement_policy=placement, dtype=dtype,
+                                  **placed)
         kw = dict(step_in_backward=sib)
         if placement == "auto":
             kw["gpu_margin_mem_ratio"] = margin

@@ -52,19 +52,21 @@ class TrainingEngine(nn.Module):
     :func:`chunkmem.initialize_engine`, not directly. ``module`` is the wrapped model (a
     :class:`~chunkmem.ShardedModelV2` at stage 3, the plain module cast to the configured dtype at stages 1
     and 2), ``optimizer`` the chunkmem optimizer (``None`` for a model only), ``lr_scheduler`` the schedule
-    stepped at each applied optimizer step (``None``: none). Counters: ``global_steps`` (optimizer steps,
+    (``None``: none), stepped at each applied optimizer step where ``steps_schedule`` (DeepSpeed's engine; not
+    ColossalAI's, whose loop steps its schedule itself). Counters: ``global_steps`` (optimizer steps,
     skipped ones included), ``global_samples``, ``skipped_steps`` (overflows), ``micro_steps`` (calls of
     :meth:`step`). ``criterion``: the loss function given to :func:`chunkmem.initialize_engine`
     (ColossalAI's ``engine.criterion``), else ``None``.
     """
 
     def __init__(self, module: nn.Module, optimizer: Any, lr_scheduler: Any, loop: LoopSettings, stage: int,
-                 training_dataloader: Any = None, criterion: Any = None) -> None:
+                 training_dataloader: Any = None, criterion: Any = None, steps_schedule: bool = True) -> None:
         super().__init__()
         self.module = module
         self.criterion = criterion
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
+        self.steps_schedule = steps_schedule
         self.training_dataloader = training_dataloader
         self._loop = loop
         self._stage = stage
@@ -198,7 +200,7 @@ class TrainingEngine(nn.Module):
                 applied = optimizer.step()
                 self._step_applied = bool(applied)
                 if applied or not had_gradients:
-                    if self.lr_scheduler is not None:
+                    if self.lr_scheduler is not None and self.steps_schedule:
                         self._step_schedule(lr_kwargs)
                 else:
                     self.skipped_steps += 1
@@ -413,9 +415,11 @@ def initialize_engine(model: nn.Module, optimizer: Any = None, criterion: Any = 
     ``config`` is the ColossalAI form (``{"zero": {"model_config": ..., "optimizer_config": ...}}``, a dict or a
     JSON path), wrapped as :func:`chunkmem.initialize` wraps it (a DeepSpeed config goes to
     :func:`chunkmem.deepspeed.initialize`). Every :meth:`TrainingEngine.step` steps the optimizer (no
-    accumulation), then ``lr_scheduler`` if given: a schedule, or a callable that takes the wrapped optimizer and
-    returns one (a schedule built over the optimizer passed in works too, its param groups being the ones read,
-    but torch then warns that the optimizer never stepped). The data loaders are returned as they are."""
+    accumulation) and, as ColossalAI's ``Engine.step()``, never the schedule: the loop steps the returned
+    ``lr_scheduler`` itself (per step or per epoch). ``lr_scheduler``: ``None``, a schedule, or a callable that
+    takes the wrapped optimizer and returns one (a schedule built over the optimizer passed in works too, its
+    param groups being the ones read, but torch then warns that the optimizer never stepped). The engine saves and
+    loads the schedule's state with its checkpoints. The data loaders are returned as they are."""
     config = read_config(config)
     if "zero" not in config:
         raise InvalidArgumentError("config", sorted(config), "the ColossalAI form {'zero': {...}}; a DeepSpeed config "
@@ -428,5 +432,6 @@ def initialize_engine(model: nn.Module, optimizer: Any = None, criterion: Any = 
     module, optim = wrap(model, optimizer, config)
     if lr_scheduler is not None and not hasattr(lr_scheduler, "step"):
         lr_scheduler = lr_scheduler(optim)
-    engine = TrainingEngine(module, optim, lr_scheduler, LoopSettings(None, None, 1), 3, train_dataloader, criterion)
+    engine = TrainingEngine(module, optim, lr_scheduler, LoopSettings(None, None, 1), 3, train_dataloader, criterion,
+                            steps_schedule=False)
     return engine, train_dataloader, test_dataloader, lr_scheduler

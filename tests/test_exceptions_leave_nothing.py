@@ -96,3 +96,47 @@ def test_a_counting_mode_left_by_a_plain_backward_that_raised_breaks_no_operatio
     optim.backward(lm_loss(model(x), x))  # the next iteration ends the left mode
     optim.step()
     assert _active_modes() == []
+
+
+def _fails_in_a_bare_backward(model, x) -> None:
+    def boom(grad):
+        raise ValueError("boom in a backward hook")
+    loss = lm_loss(model(x), x)
+    handle = model.module.blocks[0].fc1.weight.register_hook(boom)
+    with pytest.raises(ValueError, match="boom"):
+        loss.backward()
+    handle.remove()
+
+
+@pytest.mark.parametrize("how", ["optim.backward", "loss.backward"])
+@pytest.mark.parametrize("policy", ["cuda", "cpu", "auto"])
+def test_a_failed_backward_leaves_nothing_for_the_step(policy, how):
+    """A backward that raised part-way drops every pending gradient, those of the chunks it had finished and
+    those accumulated before it: the next step() applies nothing (before 2026-11-27 it applied the finished
+    chunks' gradients, and one whose chunk was left without a gradient raised a TypeError after advancing
+    the first chunk's step count), and training goes on as if the failed iteration had not happened."""
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    data = batches(3, seed=4)
+
+    def build():
+        cm.set_device_memory_capacity(2**30 if policy == "auto" else None)
+        model = cm.ShardedModelV2(copy.deepcopy(reference), cm.TensorShardStrategy(), tensor_placement_policy=policy,
+                                  dtype=torch.float32, chunk_size=16384)
+        cm.set_device_memory_capacity(None)
+        return model, cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-2))
+
+    expected_model, expected_optim = build()
+    expected = _train(expected_model, expected_optim, data)
+    model, optim = build()
+    losses = _train(model, optim, data[:1])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optim.backward(lm_loss(model(data[1]), data[1]))  # accumulated, then lost with the failed one
+    if how == "optim.backward":
+        _fails_in_backward(model, optim, data[1])
+    else:
+        _fails_in_a_bare_backward(model, data[1])
+    assert optim.step() is False and not optim.grads_pending
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert [c.step for c in model.chunks if c.trainable] == [1] * sum(c.trainable for c in model.chunks)
+    assert losses + _train(model, optim, data[1:]) == expected

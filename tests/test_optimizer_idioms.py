@@ -206,6 +206,26 @@ def test_add_param_group_is_refused_and_changes_nothing():
     assert [dict(g) for g in optim.param_groups] == groups
 
 
+def test_add_param_group_on_the_wrapped_torch_optimizer_is_refused_too():
+    """Before 2026-11-27 the torch optimizer a script still holds accepted a new group, which then showed in
+    param_groups and got gradients but was never stepped or zeroed."""
+    import torch.nn as nn
+
+    reference = TinyGPT(d=16, layers=1, seq=8)
+    model, optim = chunked_pair(reference)
+    inner = optim.optim
+    groups = len(inner.param_groups)
+    with pytest.raises(cm.UnsupportedOperationError, match="optimizer wrapped by ShardedOptimizerV2.*never be stepped"):
+        inner.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+    assert len(inner.param_groups) == groups
+    plain = nn.Linear(4, 4)
+    torch_optim = torch.optim.SGD(plain.parameters(), lr=0.1)
+    cm.LowLevelZeroOptimizer(torch_optim)
+    with pytest.raises(cm.UnsupportedOperationError, match="optimizer wrapped by LowLevelZeroOptimizer"):
+        torch_optim.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+    pickle.loads(pickle.dumps(torch_optim.add_param_group))  # the stand-in pickles with the optimizer
+
+
 def test_pickle_and_copy_are_refused():
     model, optim = chunked_pair(TinyGPT(d=16, layers=1, seq=8))
     for attempt in (lambda: pickle.dumps(optim), lambda: copy.deepcopy(optim), lambda: copy.copy(optim)):

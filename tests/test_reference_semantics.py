@@ -144,3 +144,32 @@ def test_bad_max_norm_is_refused_before_anything_changes(bad):
     with pytest.raises(cm.InvalidArgumentError, match="max_norm"):
         cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters()), max_norm=bad)
     cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters()))  # the model is still free to take one
+
+
+@pytest.mark.parametrize("policy", ["cuda", "cpu"])
+def test_a_parameter_frozen_at_wrapping_and_unfrozen_later_is_refused_not_ignored(policy):
+    """torch keeps a frozen parameter in the optimizer's groups and trains it once unfrozen; its chunk here has
+    no gradient or optimizer state. Before 2026-11-27 it silently never trained; now the forward (and a step)
+    that would train it raises, naming it, and nothing changes; freezing it again trains on."""
+    torch.manual_seed(0)
+    module = TinyGPT()
+    module.blocks[1].fc1.weight.requires_grad_(False)
+    model = cm.ShardedModelV2(module, cm.TensorShardStrategy(), tensor_placement_policy=policy,
+                              dtype=torch.float32, chunk_size=16384)
+    optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=LR))
+    x = batches(1)[0]
+    optim.backward(lm_loss(model(x), x))
+    optim.step()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    module.blocks[1].fc1.weight.requires_grad_(True)
+    with pytest.raises(cm.UnsupportedOperationError, match="blocks.1.fc1.weight.*frozen.*when the model was wrapped"):
+        model(x)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    with torch.no_grad():
+        model(x)  # evaluation is not training: allowed
+    module.blocks[1].fc1.weight.requires_grad_(False)
+    optim.backward(lm_loss(model(x), x))
+    module.blocks[1].fc1.weight.requires_grad_(True)  # unfrozen between the backward and the step
+    with pytest.raises(cm.UnsupportedOperationError, match="ShardedOptimizerV2.step"):
+        optim.step()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())

@@ -727,6 +727,7 @@ class Chunk:
             memory.blocks.use_sizes(self._buffer_sizes)
         # Per-backward bookkeeping, reset by the manager.
         self.grad_slots_received: set[int] = set()
+        self.grads_expected = 0  # trainable slots when this backward's first gradient came
         self.grads_finished = False
         self.accumulator_fresh = False
         self._users = 0  # modules computing with the chunk now

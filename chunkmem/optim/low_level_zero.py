@@ -27,6 +27,7 @@ from ..errors import (ChunkmemError, InvalidArgumentError, UnscaledBackwardError
                       check_choice, check_number, check_type)
 from .loss_scaler import DynamicGradScaler
 from .mixed_precision import MixedPrecisionStep
+from .sealed import seal_param_groups
 from ..core.param_guard import slot_of
 from ..state_dicts import check_tensor_data
 from .zero_buckets import GradientBuckets
@@ -140,6 +141,7 @@ class LowLevelZeroOptimizer:
         separate = dtype != torch.float32 or master_device != device
 
         self.optim = optimizer
+        seal_param_groups(optimizer, "LowLevelZeroOptimizer")
         self.mixed = MixedPrecisionStep(scaler if dtype == torch.float16 else None,
                                         (shards.group if shards.sharded else None,), verbose)
         self.clip_grad_norm = float(clip_grad_norm)

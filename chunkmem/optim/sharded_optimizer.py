@@ -31,6 +31,7 @@ from .backward_step import BackwardStep, check_step_in_backward, check_undo_room
 from .disk_step import ChunkUpdate, DiskStepError, StreamedStep, gaps, streamed_count
 from .loss_scaler import DynamicGradScaler
 from .mixed_precision import MixedPrecisionStep
+from .sealed import seal_param_groups
 
 
 class ShardedOptimizerV2(Optimizer):
@@ -153,6 +154,7 @@ class ShardedOptimizerV2(Optimizer):
 
         self.model = sharded_model
         self.optim = optimizer
+        seal_param_groups(optimizer, "ShardedOptimizerV2")
         self.settings = settings
         self.runtime = sharded_model.runtime
         self._group_of = group_of
@@ -566,6 +568,7 @@ class ShardedOptimizerV2(Optimizer):
                                                               ("max_norm", self.max_norm)])
         if not self.runtime.grads_pending:
             return False
+        self.runtime.refuse_unfrozen("ShardedOptimizerV2.step()")
         self._check_backward_was_scaled()
         self._backward.kept = 0
         multiplier = self.mixed.decide(self._grads(), self.max_norm, self.norm_type)
@@ -760,6 +763,15 @@ class ShardedOptimizerV2(Optimizer):
             raise UnsupportedOperationError(
                 f"{action} between a backward and optim.step() with step_in_backward=True: the backward's "
                 f"updates are not decided yet (optim.step() keeps or redoes them); call optim.step() first")
+
+    def on_backward_failed(self) -> None:
+        """A backward raised part-way (the runtime's :class:`~chunkmem.runtime.runtime.OptimizerListener`
+        side): as :meth:`zero_grad`, every pending gradient is dropped and the updates the backward started
+        (``step_in_backward``) are undone, so the next :meth:`step` has nothing to apply. Updates made in place
+        on disk (``atomic_step=False``) cannot be undone: they stay, and :meth:`step` completes them."""
+        if self._backward.in_flight is not None and not self.runtime.memory.disk.atomic_step:
+            return
+        self.zero_grad(set_to_none=True)
 
     def _discard_grads(self) -> None:
         """Drop the gradients (a skipped step, a failed disk step that overwrote them): with

@@ -48,7 +48,7 @@ from torch._C import DisableTorchFunctionSubclass
 from torch.utils._pytree import tree_leaves
 
 from ..core.chunk import Chunk
-from ..errors import GradientAccumulationError, InvalidArgumentError
+from ..errors import GradientAccumulationError, InvalidArgumentError, UnsupportedOperationError
 from ..core.memory import TierMemory
 from ..core.param_guard import remembered_externals, slot_of
 from ..core.tiers import Tier, device_of_tier
@@ -72,6 +72,9 @@ class OptimizerListener(Protocol):
 
     def grad_multiplier(self) -> float:
         """What the next step multiplies the gradients by (unscaling and clipping)."""
+
+    def on_backward_failed(self) -> None:
+        """A backward raised part-way: drop every pending gradient and undo what the backward started."""
 
 
 def _untraced(method: Callable) -> Callable:
@@ -127,6 +130,7 @@ class ChunkRuntime:
         self._listener: weakref.ref | None = None
         self._stack: list[_Running] = []
         self._end_of_backward_queued = False
+        self._backward_began = False  # a backward of this iteration reached the model (cleared at its end)
         self._open_for_reading: Counter[Chunk] = Counter()
         self._open_for_writing: Counter[Chunk] = Counter()
         # Frozen chunks held for backward: how many module calls whose backward runs use each, and those a
@@ -209,9 +213,12 @@ class ChunkRuntime:
         self._end_of_backward_queued = False  # autograd drops the callback of a backward that raised
         if self.scheduler.running:  # the last iteration stopped on an error: release what it held
             self._recover_interrupted()
+        unfrozen = self._unfrozen_since_wrapping() if training and self.optimizer_attached else []
         self.agree("forward", "the model's forward", [("forwards so far", self.forward_count),
                                                       ("optimizer steps so far", self.step_count),
-                                                      ("autograd on", training)])
+                                                      ("autograd on", training),
+                                                      ("parameters unfrozen since wrapping", len(unfrozen))])
+        self.refuse_unfrozen("the model's forward", unfrozen)
         self.forward_count += 1
         self._drop_secondaries()
         if self.scheduler.begin_iteration(_shapes_of(inputs), training):
@@ -259,6 +266,7 @@ class ChunkRuntime:
         """A gradient of one of ``module``'s outputs arrived (``first``: the first of that forward call's
         outputs): the call's backward begins. ``tracked``: :meth:`frozen_backward_done` will say when it is
         over for the chunks without trainable parameters (else they stay until the end of the backward)."""
+        self._backward_began = True
         if module is self.root and not self._end_of_backward_queued:
             self._end_of_backward_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.post_backward)
@@ -298,13 +306,15 @@ class ChunkRuntime:
             param.grad = None
         slot = slot_of(param)
         chunk = slot.chunk
+        self._backward_began = True
         if not chunk.grad_slots_received:
             self.scheduler.grads_started(chunk.index)
+            chunk.grads_expected = len(chunk.trainable_slots())  # once a backward: every slot is read
         if self.gradients.in_param_memory:
             self._hold_for_backward([chunk])
         self.gradients.accumulate(chunk, slot, grad)
         chunk.grad_slots_received.add(slot.index_in_chunk)
-        if len(chunk.grad_slots_received) == len(chunk.trainable_slots()):
+        if len(chunk.grad_slots_received) == chunk.grads_expected:
             self._finish_grads(chunk)
 
     @_untraced
@@ -312,6 +322,7 @@ class ChunkRuntime:
         """After autograd finished: finish every trainable chunk not finished yet (parameters that got no
         gradient get zero), release what the backward held, close the iteration, plan a new schedule."""
         self._end_of_backward_queued = False
+        self._backward_began = False
         self.executor.cancel_prefetch()
         for chunk in self.chunks:
             if chunk.trainable and not chunk.grads_finished:
@@ -358,6 +369,9 @@ class ChunkRuntime:
         """The optimizer's step begins (``where`` names it): finished traces leave the dispatch-mode stack,
         and, sharded, the ranks check that they all are at this step with equal ``fields`` (the first
         collective of every step, see :meth:`agree`)."""
+        if self._backward_began and self.scheduler.running:  # a bare loss.backward() raised, no forward since
+            self._recover_interrupted()
+            self.scheduler.interrupt()
         self.scheduler.close_finished_traces()
         self.agree("step", where, [("optimizer steps so far", self.step_count), *fields])
         self.step_count += 1
@@ -376,6 +390,25 @@ class ChunkRuntime:
         self.executor.flush_stale()
         if release_gradients:
             self.drop_gradients(set_to_none=True)
+
+    def _unfrozen_since_wrapping(self) -> list[str]:
+        """Names of the parameters of chunks laid out frozen that require grad now."""
+        with DisableTorchFunctionSubclass():  # read past the parameter guard
+            return [slot.name for c in self.chunks if not c.trainable for slot in c.slots if slot.param.requires_grad]
+
+    def refuse_unfrozen(self, where: str, unfrozen: list[str] | None = None) -> None:
+        """Raise :class:`~chunkmem.UnsupportedOperationError` (``where`` names the call refused) if a parameter
+        that was frozen when the model was wrapped requires grad now (``unfrozen``: their names, when already
+        read): it sits in a chunk without gradient or optimizer state, so it cannot train, and leaving it alone
+        silently is not what torch would do."""
+        unfrozen = self._unfrozen_since_wrapping() if unfrozen is None else unfrozen
+        if unfrozen:
+            raise UnsupportedOperationError(
+                f"{where}: parameter {unfrozen[0]!r}{f' and {len(unfrozen) - 1} more' if len(unfrozen) > 1 else ''} "
+                f"requires grad now but was frozen (requires_grad=False) when the model was wrapped, so its chunk has "
+                f"no gradient or optimizer state and it cannot be trained: wrap the model with it trainable and "
+                f"freeze it after wrapping instead (a parameter frozen after wrapping keeps its optimizer state and is "
+                f"stepped again once unfrozen), or freeze it again; nothing was changed")
 
     # ---- the optimizer's side ----------------------------------------------------------------------
 
@@ -623,8 +656,13 @@ class ChunkRuntime:
     def _recover_interrupted(self) -> None:
         """The last iteration stopped on an error (e.g. :class:`~chunkmem.DeviceCapacityError` in its
         backward): release what its backward held, drop its unfinished gradients, and put every chunk
-        where it rests, so the next iteration starts as after a finished one. Gradients of chunks the
-        backward had finished stay (``optim.zero_grad()`` drops them)."""
+        where it rests, so the next iteration starts as after a finished one. Where the error came in the
+        backward, every pending gradient is dropped too, those of the chunks it had finished and those
+        accumulated by earlier backwards (they share the buffers its partial sums went into), and the
+        optimizer undoes the updates it started (:meth:`OptimizerListener.on_backward_failed`): the next
+        ``step()`` has nothing to apply, as if the failed iteration had not happened. (Before 2026-11-27 the
+        finished chunks' gradients stayed and joined the next step.)"""
+        failed_backward, self._backward_began = self._backward_began, False
         self.executor.cancel_prefetch()
         self._complete_reductions(0)  # a started collective cannot be called back; its result is kept
         self._drop_secondaries()
@@ -637,6 +675,13 @@ class ChunkRuntime:
             chunk.grads_finished = False
         self.executor.settle_all()
         self.executor.flush_stale()
+        if failed_backward:
+            optimizer = self._optimizer()
+            if optimizer is not None:
+                optimizer.on_backward_failed()
+            else:
+                self.drop_gradients(set_to_none=True)
+            self.grads_pending = False
 
     def _plan(self) -> None:
         """A new schedule was traced: agree on its peaks over the ranks, plan it, and move the margin's

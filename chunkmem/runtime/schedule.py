@@ -123,6 +123,7 @@ class Scheduler:
         self.policy = policy
         self.state = state
         self.periods: list[Period] | None = None
+        self._lookahead: list[list[int]] = []  # per period of the schedule: _next_new_chunks, computed once
         self.trace: IterationTrace | None = None
         self.signature: Any = None
         self._mode = IterationMode.IDLE
@@ -217,6 +218,7 @@ class Scheduler:
             self.periods = self.trace.finish()
             for period in self.periods:
                 period.needed_set = set(period.needed)
+            self._lookahead = [self._next_new_chunks(i) for i in range(len(self.periods))]
             self._to_close.append(self.trace)
             self.trace = None
             self.retrace = self._periods_changed
@@ -265,7 +267,7 @@ class Scheduler:
         if plan is not None:
             orders.prefetch = list(plan.periods[index + 1].fetch)
         else:
-            orders.prefetch = self._next_new_chunks(index) or list(ahead.needed)
+            orders.prefetch = list(self._lookahead[index]) or list(ahead.needed)
             orders.keep += [c for c in orders.prefetch if c not in orders.keep]
         orders.needed = list(period.needed)
         staging = self._staging[index] if index < len(self._staging) else 0
@@ -277,7 +279,7 @@ class Scheduler:
         usually needs the same chunks, and fetching only its chunks would start a new chunk's copy one small
         module before it is used; looking further ahead gives the copy the compute of every period in
         between. They are kept on the device until then (the orders' ``keep``)."""
-        current = set(self.periods[index].needed)
+        current = self.periods[index].needed_set
         for later in self.periods[index + 1:index + 1 + PREFETCH_LOOKAHEAD]:
             new = [c for c in later.needed if c not in current]
             if new:
