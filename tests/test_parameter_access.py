@@ -73,7 +73,7 @@ def test_gathered_change_trains_on_like_plain_pytorch_fp32():
     torch.manual_seed(0)
     reference = TinyGPT()
     plain = copy.deepcopy(reference)
-    plain_optim = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.01)
+    plain_optim = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
     model, optim = build_sharded(reference, "cpu", torch.float32)
     for index, x in enumerate(DATA):
         if index == 1:
@@ -243,7 +243,7 @@ def test_non_reentrant_checkpoint_early_stop_leaves_nothing_held(policy):
         optim.step()
         optim.zero_grad()
     plain, plain_losses = copy.deepcopy(reference), []
-    plain_optim = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.01)
+    plain_optim = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
     for x in batches(4):
         loss = lm_loss(plain(x), x)
         loss.backward()

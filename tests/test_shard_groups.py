@@ -64,7 +64,9 @@ def test_two_groups_of_two_train_like_one_process_with_the_4x_batch(tmp_path, ov
     for r in ranks:
         assert r["held"] == {PARAM: r["expected"], EXP_AVG: r["expected"], EXP_AVG_SQ: r["expected"]}
         for key, value in want.items():
-            torch.testing.assert_close(r["state"][key], value, rtol=1e-5, atol=1e-6)
+            # the 4-way gradient sum reassociated, which Adam's normalisation amplifies where a gradient is near
+            # zero (up to 2.2e-6 on an AVX2-only AMD EPYC); a wrong update would be off by about lr = 1e-2
+            torch.testing.assert_close(r["state"][key], value, rtol=1e-5, atol=1e-5)
             assert torch.equal(r["state"][key], ranks[0]["state"][key]), key  # the groups agree bit for bit
             assert torch.equal(r["after_write"][key], ranks[0]["after_write"][key]), key
     first = next(iter(want))

@@ -93,7 +93,7 @@ def _total_bytes(tier_bytes: dict) -> int:
 def _plain_adamw(data: list[torch.Tensor]) -> torch.nn.Module:
     torch.manual_seed(0)
     model = TinyGPT()
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
     for x in data:
         lm_loss(model(x), x).backward()
         optim.step()
@@ -113,7 +113,10 @@ def test_two_ranks_match_one_rank_with_the_double_batch(two_ranks, policy):
     one = run_training(policy, torch.float32, DATA)
     ranks = [r[policy] for r in two_ranks]
     assert ranks[0]["chunk_numel"] * 2 == one["chunk_numel"], "each rank keeps half of every chunk"
-    _assert_states_close(ranks[0]["state"], one["state"], rtol=1e-6)
+    # one process sums the 2b rows' gradients at once, the ranks b rows each and then the halves: the last fp32
+    # bit differs, and Adam's division by sqrt(v) amplifies it where a gradient is near zero (1.5e-6 in one
+    # element on an AVX2-only AMD EPYC; a wrong update is off by about lr = 1e-2)
+    _assert_states_close(ranks[0]["state"], one["state"], rtol=1e-5)
     torch.testing.assert_close(ranks[0]["state"], ranks[1]["state"], rtol=0, atol=0)
     mean_losses = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"])]
     assert mean_losses == pytest.approx(one["losses"], rel=1e-6)
@@ -126,7 +129,7 @@ def test_two_ranks_match_one_rank_with_the_double_batch(two_ranks, policy):
 def test_other_placements_match_one_rank(two_ranks, name):
     (policy, dtype), kwargs = OTHER_PLACEMENTS[name]
     one = run_training(policy, dtype, DATA, **kwargs)
-    _assert_states_close(two_ranks[0][name]["state"], one["state"], rtol=1e-6)
+    _assert_states_close(two_ranks[0][name]["state"], one["state"], rtol=1e-5)  # (as the test above)
     torch.testing.assert_close(two_ranks[0][name]["state"], two_ranks[1][name]["state"], rtol=0, atol=0)
     device_bytes, _host_bytes = two_ranks[0][name]["optim_bytes"]
     assert device_bytes > 0, "some optimizer state is on the device"

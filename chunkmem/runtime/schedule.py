@@ -274,13 +274,16 @@ class Scheduler:
         orders.reserve = period.non_model_peak + staging * self._param_bytes
 
     def _next_new_chunks(self, index: int) -> list[int]:
-        """The chunks of the first period after ``index`` (within :data:`PREFETCH_LOOKAHEAD` periods) that needs
-        chunks period ``index`` does not: what to fetch next. A chunk spans many modules, so the next period
+        """The chunks of the first period after ``index`` (within :data:`PREFETCH_LOOKAHEAD` periods of the same
+        phase, forward or backward) that needs chunks period ``index`` does not: what to fetch next. A chunk spans many modules, so the next period
         usually needs the same chunks, and fetching only its chunks would start a new chunk's copy one small
         module before it is used; looking further ahead gives the copy the compute of every period in
         between. They are kept on the device until then (the orders' ``keep``)."""
         current = self.periods[index].needed_set
+        phase = self.periods[index].phase
         for later in self.periods[index + 1:index + 1 + PREFETCH_LOOKAHEAD]:
+            if later.phase != phase:  # across the turn to the backward: the next period's chunks, as without it
+                return []
             new = [c for c in later.needed if c not in current]
             if new:
                 return new
