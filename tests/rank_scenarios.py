@@ -48,6 +48,29 @@ def clip_on_one_rank(rank: int) -> None:
     optim.step()
 
 
+def lr_on_one_rank(rank: int) -> None:
+    """A schedule stepped on one rank only (ReduceLROnPlateau on a rank-local metric): before 2026-11-27 each
+    rank stepped its shards with its own lr, silently."""
+    model = _zero3(rank)
+    optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-3))
+    x = batches(1, seed=rank)[0]
+    _zero3_step(model, optim, x)
+    if rank == 1:
+        optim.param_groups[0]["lr"] = 5e-4
+    _zero3_step(model, optim, x)
+
+
+def llz_lr_on_one_rank(rank: int) -> None:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    optim = cm.LowLevelZeroOptimizer(cm.HybridAdam(model.parameters()), partition_grad=True)
+    for i, x in enumerate(batches(2, seed=rank)):
+        if i == 1 and rank == 1:
+            optim.param_groups[0]["weight_decay"] = 0.5
+        optim.backward(lm_loss(model(x), x))
+        optim.step()
+
+
 def step_skipped(rank: int) -> None:
     model = _zero3(rank)
     optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters()))

@@ -50,6 +50,8 @@ def run_scenario(name: str, tmp_path, bound: float = EXIT_BOUND) -> list[dict]:
 @pytest.mark.parametrize("scenario, error", [
     ("scaler_differs", "LayoutMismatchError"),
     ("clip_on_one_rank", "StepMismatchError"),
+    ("lr_on_one_rank", "StepMismatchError"),
+    ("llz_lr_on_one_rank", "StepMismatchError"),
     ("step_skipped", "StepMismatchError"),
     ("step_skipped_fp16", "StepMismatchError"),
     ("disk_on_one_rank", "LayoutMismatchError"),

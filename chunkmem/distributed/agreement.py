@@ -194,6 +194,34 @@ POINT_FIELDS = 6
 ranks at different points meet in the same collective and see that they differ."""
 
 
+HYPER_PARAMETERS_FIELD = "the param groups' hyper-parameters (a digest of every group's lr, betas, weight_decay, ...)"
+
+
+def hyper_parameter_digest(param_groups: Sequence[dict]) -> float:
+    """A 52-bit digest (exact in a float64) of every param group's settings but its parameters, for
+    :func:`agree_on_point`: a schedule stepped on one rank only (``ReduceLROnPlateau`` on a rank-local metric)
+    would otherwise train each rank's shards with other hyper-parameters, silently."""
+    groups = [[(key, _comparable(value)) for key, value in sorted(group.items(), key=lambda kv: str(kv[0]))
+               if key != "params"] for group in param_groups]
+    return _digest52(json.dumps(groups).encode())
+
+
+def _comparable(value: Any) -> Any:
+    """What of a setting every rank can compare: numbers, strings and their sequences, a tensor's values;
+    anything else (an object whose text holds its address) only by its type."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().tolist()
+    if isinstance(value, (tuple, list)):
+        return [_comparable(v) for v in value]
+    return type(value).__name__
+
+
+def _digest52(data: bytes) -> float:
+    return float(int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 12)
+
+
 def agree_on_point(shards: ShardGroup, point: str, where: str, fields: Sequence[tuple[str, float]]) -> None:
     """Raise :class:`StepMismatchError` on every rank of ``shards`` unless all are at ``point`` (one of
     :data:`POINTS`; ``where`` names it for the message, e.g. ``"ShardedOptimizerV2.step()"``) with equal
@@ -211,8 +239,7 @@ def agree_on_point(shards: ShardGroup, point: str, where: str, fields: Sequence[
         raise ValueError(f"internal error: {len(fields)} fields at {where}, at most {POINT_FIELDS}")
     record = [float(POINTS.index(point))] + [float(v) for _, v in fields]
     record += [0.0] * (1 + POINT_FIELDS - len(record))
-    digest = float(int.from_bytes(hashlib.blake2b(json.dumps(record).encode(), digest_size=8).digest(), "little")
-                   >> 12)  # 52 bits: exact in a float64
+    digest = _digest52(json.dumps(record).encode())
     extremes = torch.tensor([digest, -digest], dtype=torch.float64)
     shards.all_reduce_(extremes, dist.ReduceOp.MAX, what=f"the ranks' agreement at {where}")
     if extremes[0].item() == -extremes[1].item():
@@ -229,7 +256,8 @@ def agree_on_point(shards: ShardGroup, point: str, where: str, fields: Sequence[
             f"others {reached[1]!r} (this rank: {where}). Every rank must run the same forwards, backwards, "
             f"clip_grad_norm and step calls in the same order; the training state now differs between the ranks: "
             f"restart from a checkpoint")
-    differing = [f"{name}: from {low[i + 1]:g} to {high[i + 1]:g} over the ranks (this rank: {value:g})"
+    differing = [name if name == HYPER_PARAMETERS_FIELD else
+                 f"{name}: from {low[i + 1]:g} to {high[i + 1]:g} over the ranks (this rank: {value:g})"
                  for i, (name, value) in enumerate(fields) if high[i + 1] != low[i + 1]]
     raise StepMismatchError(f"the {shards.world} ranks disagree at {where}: " + "; ".join(differing)
                             + ". Every rank must train with the same settings and call the same steps")

@@ -19,7 +19,8 @@ import torch.nn as nn
 from .adam import check_supported_optimizer, hyper_of_group, params_mismatch, runs_adam_kernel
 from .any_optimizer import ParamView, StateLayout, check_elementwise, probe_state, step_views
 from .adam_kernels import adam_update_, param_spans
-from ..distributed.agreement import ARGUMENTS, LayoutDescription, ParamRecord, agree, agree_on_point, refuse_together
+from ..distributed.agreement import (ARGUMENTS, HYPER_PARAMETERS_FIELD, LayoutDescription, ParamRecord, agree,
+                                    agree_on_point, hyper_parameter_digest, refuse_together)
 from ..distributed.collectives import ShardGroup, start_all_gather
 from ..core.chunk import ADAM_STATE
 from ..core.layout import join_runs
@@ -388,7 +389,8 @@ class LowLevelZeroOptimizer:
         :class:`~chunkmem.UnscaledBackwardError` and change nothing."""
         agree_on_point(self.shards, "step", "LowLevelZeroOptimizer.step()",
                        [("optimizer steps so far", self._steps), ("gradients pending", self.grads_pending),
-                        ("loss scale", self.loss_scale), ("unscaled backward", self._unscaled_backward)])
+                        ("loss scale", self.loss_scale), ("unscaled backward", self._unscaled_backward),
+                        (HYPER_PARAMETERS_FIELD, hyper_parameter_digest(self.optim.param_groups))])
         self._steps += 1
         if self._unscaled_backward:
             raise UnscaledBackwardError(

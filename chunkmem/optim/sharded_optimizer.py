@@ -18,7 +18,8 @@ from ..errors import (ArgumentTypeError, ChunkmemError, DeviceCapacityError, Gra
                       check_type)
 from ..core.param_guard import slot_of
 from ..core.tiers import Tier
-from ..distributed.agreement import ARGUMENTS, LayoutDescription, ParamRecord, agree, refuse_together
+from ..distributed.agreement import (ARGUMENTS, HYPER_PARAMETERS_FIELD, LayoutDescription, ParamRecord, agree,
+                                    hyper_parameter_digest, refuse_together)
 from ..distributed.collectives import ShardGroup
 from ..model import ShardedModelV2
 from ..builder import compute_dtype
@@ -565,7 +566,9 @@ class ShardedOptimizerV2(Optimizer):
         """
         self.runtime.begin_step("ShardedOptimizerV2.step()", [("gradients pending", self.runtime.grads_pending),
                                                               ("loss scale", self.loss_scale),
-                                                              ("max_norm", self.max_norm)])
+                                                              ("max_norm", self.max_norm),
+                                                              (HYPER_PARAMETERS_FIELD,
+                                                               hyper_parameter_digest(self.optim.param_groups))])
         if not self.runtime.grads_pending:
             return False
         self.runtime.refuse_unfrozen("ShardedOptimizerV2.step()")
