@@ -568,3 +568,33 @@ def test_a_damaged_sharded_rank_file_of_another_optimizer_is_refused_before_anyt
         cm.load_checkpoint(tmp_path / "ck", fresh, fresh_optim)
     assert fresh_optim.state_dict()["state"] == before[0]["state"] == {}
     assert all(torch.equal(v, before[1][k]) for k, v in fresh.state_dict().items())
+
+
+@pytest.mark.parametrize("wrapper", ["ShardedOptimizerV2", "LowLevelZeroOptimizer"])
+def test_momentum_switched_on_after_wrapping_is_refused_not_shared(wrapper):
+    """SGD built with momentum 0 keeps no per-element state; a schedule that switches momentum on (OneCycleLR's
+    cycle_momentum) makes it keep a buffer per parameter. Before 2026-11-27 that buffer was kept as one value per
+    param group (8% off torch, or a shape error); now the step refuses, with nothing changed."""
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    x = batches(2)[0]
+    if wrapper == "ShardedOptimizerV2":
+        model = cm.ShardedModelV2(copy.deepcopy(reference), cm.TensorShardStrategy(), tensor_placement_policy="cpu",
+                                  dtype=torch.float32, chunk_size=16384)
+        optim = cm.ShardedOptimizerV2(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0))
+    else:
+        model = copy.deepcopy(reference)
+        optim = cm.LowLevelZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0))
+    optim.backward(lm_loss(model(x), x))
+    optim.step()
+    optim.zero_grad()
+    optim.param_groups[0]["lr"] = 0.05  # another value of a setting that keeps the same state: fine
+    optim.backward(lm_loss(model(x), x))
+    optim.step()
+    optim.zero_grad()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optim.param_groups[0]["momentum"] = 0.9
+    optim.backward(lm_loss(model(x), x))
+    with pytest.raises(cm.UnsupportedOperationError, match="momentum_buffer.*build .* with the setting"):
+        optim.step()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())

@@ -434,3 +434,19 @@ def test_bad_optimizer_and_parameters():
         sd["state"] = {0: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(16, 8), "exp_avg_sq": torch.zeros(16, 8)}}
         optim.load_state_dict(sd)
     assert all(c.step == 0 for c in optim.chunks)
+
+
+def test_another_optimizers_state_dict_is_refused_and_changes_nothing():
+    """An AdamW state dict loaded into LowLevelZeroOptimizer(SGD(momentum=0)): before 2026-11-27 the groups took
+    AdamW's lr and weight decay and its moments were dropped, silently (stage 3 refused the same pair)."""
+    torch.manual_seed(0)
+    source = torch.nn.Linear(8, 8)
+    adamw = torch.optim.AdamW(source.parameters(), lr=0.5, weight_decay=0.3)
+    source(torch.ones(2, 8)).sum().backward()
+    adamw.step()
+    module = torch.nn.Linear(8, 8)
+    optim = cm.LowLevelZeroOptimizer(torch.optim.SGD(module.parameters(), lr=0.1))
+    before = [dict(g) for g in optim.param_groups]
+    with pytest.raises(cm.InvalidArgumentError, match="exp_avg.*another optimizer class"):
+        optim.load_state_dict(adamw.state_dict())
+    assert [dict(g) for g in optim.param_groups] == before

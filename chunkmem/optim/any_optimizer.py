@@ -39,7 +39,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch.optim import Optimizer
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, UnsupportedOperationError
 
 __all__ = ["ELEMENTWISE", "ParamView", "PieceStep", "StateLayout", "check_elementwise", "probe_state", "step_views"]
 
@@ -107,6 +107,42 @@ def probe_state(optimizer: Optimizer) -> StateLayout:
     if "master" in families:
         raise InvalidArgumentError("optimizer", type(optimizer).__name__, "an optimizer without a state key 'master'")
     return StateLayout(tuple(families), tuple(per_group))
+
+
+class LayoutWatch:
+    """Holds an optimizer to the :class:`StateLayout` its chunks were given: before each step whose
+    hyper-parameters changed since the last look (``SGD``'s momentum switched on by ``OneCycleLR``'s
+    ``cycle_momentum``, say), the state the optimizer keeps is probed again, and a step that would keep
+    other per-element state (a momentum buffer, which has no chunk family) is refused instead of being
+    kept as one value per group."""
+
+    def __init__(self, optimizer: Optimizer, layout: StateLayout, owner: str) -> None:
+        self.optimizer = optimizer
+        self.layout = layout
+        self.owner = owner
+        self._seen = self._hyper_parameters()
+
+    def _hyper_parameters(self) -> str:
+        return repr([sorted(_hyper(g).items(), key=lambda kv: kv[0]) for g in self.optimizer.param_groups])
+
+    def check(self) -> None:
+        """Raise :class:`~chunkmem.UnsupportedOperationError`, with nothing changed, if the optimizer's
+        current hyper-parameters make it keep other per-element state than the chunks have."""
+        seen = self._hyper_parameters()
+        if seen == self._seen:
+            return
+        now = probe_state(self.optimizer)
+        if now.whole != self.layout.whole or now.per_group != self.layout.per_group:
+            changed = [n for n, (a, b) in enumerate(zip(now.per_group, self.layout.per_group)) if a != b]
+            group = changed[0] if changed else 0
+            raise UnsupportedOperationError(
+                f"{type(self.optimizer).__name__}'s param group {group} now keeps the per-element state "
+                f"{list(now.per_group[group]) if group < len(now.per_group) else []} where {self.owner} was built "
+                f"for {list(self.layout.per_group[group]) if group < len(self.layout.per_group) else []} (a "
+                f"hyper-parameter changed since, e.g. SGD's momentum switched on by a schedule): the chunks have no "
+                f"family for it; build {self.owner} with the setting that keeps that state from the start (a "
+                f"schedule may change its value afterwards); nothing was changed")
+        self._seen = seen
 
 
 def check_elementwise(optimizer: Optimizer, where: str, why: str) -> None:

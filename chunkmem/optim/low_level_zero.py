@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from .adam import check_supported_optimizer, hyper_of_group, params_mismatch, runs_adam_kernel
-from .any_optimizer import ParamView, StateLayout, check_elementwise, probe_state, step_views
+from .any_optimizer import LayoutWatch, ParamView, StateLayout, check_elementwise, probe_state, step_views
 from .adam_kernels import adam_update_, param_spans
 from ..distributed.agreement import (ARGUMENTS, HYPER_PARAMETERS_FIELD, LayoutDescription, ParamRecord, agree,
                                     agree_on_point, hyper_parameter_digest, refuse_together)
@@ -157,6 +157,7 @@ class LowLevelZeroOptimizer:
         self.shards = shards
         self.separate_master = separate
         self._layout = layout  # None: the Adam kernel; else any_optimizer's stand-in step
+        self._layout_watch = None if layout is None else LayoutWatch(optimizer, layout, "LowLevelZeroOptimizer")
         self.chunks = build_partition(groups, dtype, shards.world, shards.rank, master_device, separate,
                                       ADAM_STATE if layout is None else layout.families)
         if layout is not None:
@@ -392,6 +393,8 @@ class LowLevelZeroOptimizer:
                         ("loss scale", self.loss_scale), ("unscaled backward", self._unscaled_backward),
                         (HYPER_PARAMETERS_FIELD, hyper_parameter_digest(self.optim.param_groups))])
         self._steps += 1
+        if self._layout_watch is not None:
+            self._layout_watch.check()
         if self._unscaled_backward:
             raise UnscaledBackwardError(
                 "a backward pass of the fp16 parameters did not go through the loss scaler (loss.backward()?): "

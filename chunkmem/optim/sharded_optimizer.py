@@ -25,7 +25,8 @@ from ..model import ShardedModelV2
 from ..builder import compute_dtype
 from ..settings import ModelSettings, OptimizerSettings
 from .adam import check_supported_optimizer, hyper_of_group, runs_adam_kernel
-from .any_optimizer import ParamView, PieceStep, StateLayout, check_elementwise, probe_state, step_views
+from .any_optimizer import (LayoutWatch, ParamView, PieceStep, StateLayout, check_elementwise, probe_state,
+                            step_views)
 from .adam_kernels import adam_update_, adam_update_pieces_, param_spans
 from .adam_math import AdamHyper
 from .backward_step import BackwardStep, check_step_in_backward, check_undo_room, why_no_speculation
@@ -171,6 +172,7 @@ class ShardedOptimizerV2(Optimizer):
         self._broken_by: ChunkmemError | None = None  # a failed step that could not be undone
         self._backward = BackwardStep(self)  # step_in_backward: what the backward started
         self._layout = layout  # None: the Adam kernel; else any_optimizer's stand-in step
+        self._layout_watch = None if layout is None else LayoutWatch(optimizer, layout, "ShardedOptimizerV2")
         self._scalars: dict[int, dict[int, dict[str, Any]]] = {}  # any_optimizer: chunk -> group -> scalar state
         self._whole_state: dict[int, dict[int, dict[str, Any]]] = {}  # any_optimizer: chunk -> slot -> its state
         self._init_optimizer_hooks()
@@ -572,6 +574,8 @@ class ShardedOptimizerV2(Optimizer):
         if not self.runtime.grads_pending:
             return False
         self.runtime.refuse_unfrozen("ShardedOptimizerV2.step()")
+        if self._layout_watch is not None:
+            self._layout_watch.check()
         self._check_backward_was_scaled()
         self._backward.kept = 0
         multiplier = self.mixed.decide(self._grads(), self.max_norm, self.norm_type)

@@ -298,6 +298,12 @@ def check_entry(index: Any, name: str, entry: Any, slot: ParamSlot, keys: tuple[
     for key in required:
         if key not in entry:
             raise InvalidArgumentError(where, f"a state without {key!r}", listing)
+    foreign = [key for key, value in entry.items() if key not in keys and isinstance(value, torch.Tensor)
+               and value.numel() == slot.numel and value.numel() > 1]
+    if foreign:  # e.g. an AdamW checkpoint loaded into SGD: its moments would be dropped, its lr taken
+        raise InvalidArgumentError(where, f"a state with {', '.join(map(repr, foreign))}",
+                                   f"the state this optimizer keeps ({listing or 'no per-element state'}): a state "
+                                   f"dict of another optimizer class is not loaded; nothing was changed")
     for key in keys:
         value = entry[key]
         if isinstance(value, torch.Tensor) and value.numel() != slot.numel:
