@@ -151,7 +151,7 @@ def _grad_shard(slot: ParamSlot) -> tuple[torch.Tensor, float] | None:
 
 def _state_shard(slot: ParamSlot, key: str) -> torch.Tensor | None:
     chunk = slot.chunk
-    if not chunk.trainable or chunk.step == 0:
+    if not chunk.trainable or chunk.step_of(slot) == 0:  # no state before the parameter's first step, as torch
         return None
     return _read_family(chunk, key)
 

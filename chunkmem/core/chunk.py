@@ -40,7 +40,7 @@ import enum
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Iterable, Protocol
 
 import torch
 import torch.nn as nn
@@ -732,10 +732,30 @@ class Chunk:
         self.accumulator_fresh = False
         self._users = 0  # modules computing with the chunk now
         self._held = False  # kept on the device until its gradients of this backward are finished
-        self.step = 0
+        # Per step: the slots whose parameters received a gradient since the gradients were last dropped (the
+        # step updates only those, as torch skips a parameter whose .grad is None), and per parameter the
+        # optimizer steps applied to it (Adam's bias correction counts them per parameter, as torch does).
+        self.slots_with_grads: set[int] = set()
+        self.steps: dict[int, int] = {}  # slot index -> steps; a slot not in it has taken none
         # persistent parameters (ShardedModelV2's persistence_threshold): the chunk is whole on every rank
         # of this group (its own ``shards`` are one process) and its gradients are all-reduced over it
         self.replicas: ShardGroup | None = None
+
+    # ---- optimizer steps per parameter ---------------------------------------------------------------------
+
+    def step_of(self, slot: ParamSlot) -> int:
+        """Optimizer steps applied to ``slot``'s parameter so far."""
+        return self.steps.get(slot.index_in_chunk, 0)
+
+    @property
+    def stepped(self) -> bool:
+        """Whether any parameter of the chunk has taken an optimizer step (it then has optimizer state)."""
+        return any(self.steps.values())
+
+    def advance_steps(self, slots: "Iterable[ParamSlot]") -> None:
+        """One more step for each of ``slots`` (the parameters a step updated)."""
+        for slot in slots:
+            self.steps[slot.index_in_chunk] = self.steps.get(slot.index_in_chunk, 0) + 1
 
     # ---- the owning runtime ---------------------------------------------------------------------------
 

@@ -60,7 +60,7 @@ from ..core.param_guard import slot_of
 from ..model import ShardedModelV2
 from ..optim.sharded_optimizer import ShardedOptimizerV2
 from ..errors import ChunkmemError, CheckpointError
-from .resharding import SavedLayout, plan_resharded_load, saved_state
+from .resharding import SavedLayout, plan_resharded_load, saved_slot_steps, saved_state
 from ..optim.state_dict import (adam_entry, any_entry, export_param_groups, plan_hyper_load, plan_optimizer_load,
                                 scalar_copy)
 from ..state_dicts import (bump_versions, check_tensor_data, first_few, plan_model_load, refuse_chunks_in_use,
@@ -408,7 +408,8 @@ def _rank_payload(model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None, g
                  "master": _saved(master) if chunk.has_master and master.allocated else None,
                  "step": 0, "exp_avg": None, "exp_avg_sq": None}
         if optimizer is not None and chunk.trainable:
-            entry["step"] = chunk.step
+            entry["slot_steps"] = [chunk.step_of(s) for s in chunk.slots]
+            entry["step"] = max(entry["slot_steps"], default=0)  # 0: the chunk has no optimizer state yet
             if optimizer.state_layout is None:
                 entry.update(exp_avg=_saved(chunk.optim[EXP_AVG]), exp_avg_sq=_saved(chunk.optim[EXP_AVG_SQ]))
             else:
@@ -483,7 +484,8 @@ def _plan_own_shards(path: str, model: ShardedModelV2, optimizer: ShardedOptimiz
                 if optimizer.state_layout is not None:
                     optimizer.replace_kept_state(chunk, {g: scalar_copy(v) for g, v in entry["scalars"].items()},
                                                  {k: scalar_copy(v) for k, v in entry["whole"].items()})
-                chunk.step = entry["step"]
+                chunk.steps = {slot.index_in_chunk: count for slot, count in zip(chunk.slots, saved_slot_steps(entry))
+                               if count}
         load_buffers()
     return apply
 
@@ -551,6 +553,11 @@ def _check_rank_values(name: str, model: ShardedModelV2, saved: dict[str, Any],
         if optimizer is not None and chunk.trainable:
             if entry["step"] < 0:
                 raise InvalidArgumentError(f"{where}['step']", entry["step"], "an integer >= 0")
+            counts = saved_slot_steps(entry)
+            if len(counts) != len(chunk.slots) or any(not isinstance(c, int) or isinstance(c, bool) or c < 0
+                                                      for c in counts):
+                raise InvalidArgumentError(f"{where}['slot_steps']", counts,
+                                           f"{len(chunk.slots)} integers >= 0, one per parameter of the chunk")
             state = saved_state(entry)
             if tuple(state) != chunk.state_families or (optimizer.state_layout is None) == ("state" in entry):
                 raise InvalidArgumentError(f"{where}: the optimizer state", f"families {list(state)}",
@@ -750,14 +757,15 @@ def _consolidate(path: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
     for index, name in enumerate(small["param_names"]):
         n, slot = located[name]
         entry = parts[0]["model"]["chunks"][n]
-        if not entry["trainable"] or entry["step"] == 0:
+        step = saved_slot_steps(entry)[entry["slots"].index(slot)] if entry["trainable"] else 0
+        if step == 0:  # torch keeps no state for a parameter never stepped
             continue
         if n not in families:
             families[n] = {key: joined([saved_state(part["model"]["chunks"][n])[key] for part in parts], n)
                            for key in saved_state(entry)}
         gathered = families[n]
         if "state" not in entry:
-            state[index] = adam_entry(entry["step"], _slot_view(gathered["exp_avg"], slot),
+            state[index] = adam_entry(step, _slot_view(gathered["exp_avg"], slot),
                                       _slot_view(gathered["exp_avg_sq"], slot), slot["shape"])
         elif entry["whole"]:  # whole-parameter state: one rank, by position in the chunk
             position = entry["slots"].index(slot)

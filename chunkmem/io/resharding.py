@@ -37,6 +37,13 @@ def saved_state(entry: dict[str, Any]) -> dict[str, Any]:
     return entry["state"] if "state" in entry else {"exp_avg": entry["exp_avg"], "exp_avg_sq": entry["exp_avg_sq"]}
 
 
+def saved_slot_steps(entry: dict[str, Any]) -> list[int]:
+    """The optimizer steps each parameter of a saved chunk took, in the order of its ``slots`` (checkpoints
+    written before 2026-11-27 hold one ``step`` for the whole chunk)."""
+    steps = entry.get("slot_steps")
+    return list(steps) if steps is not None else [entry["step"]] * len(entry["slots"])
+
+
 class SavedLayout:
     """The chunks of a sharded checkpoint as its rank files hold them: ``parts`` are the rank files'
     payloads in rank order (``files`` their names, for errors). Reads any element range of any saved
@@ -147,7 +154,7 @@ def plan_resharded_load(path: str, model: Any, optimizer: Any, saved: SavedLayou
     if optimizer is not None:
         families = _check_optimizer_state(path, model, optimizer, saved)
     saved.check_tensors(families)
-    steps = {c.index: _step_of(path, c, saved) for c in model.chunks if c.trainable} if optimizer is not None else {}
+    steps = _steps_by_name(path, saved) if optimizer is not None else {}
     scalars = {c.index: _scalars_of(path, c, saved, optimizer) for c in model.chunks if c.trainable} \
         if optimizer is not None and optimizer.state_layout is not None else {}
 
@@ -181,7 +188,7 @@ def plan_resharded_load(path: str, model: Any, optimizer: Any, saved: SavedLayou
                 chunk.optim[family].write(assemble(chunk, family, torch.float32))
             if optimizer.state_layout is not None:
                 optimizer.replace_kept_state(chunk, scalars[chunk.index], {})
-            chunk.step = steps[chunk.index]
+            chunk.steps = {slot.index_in_chunk: steps[slot.name] for slot in chunk.slots if steps.get(slot.name)}
     return apply
 
 
@@ -213,12 +220,16 @@ def _sources(chunk: Chunk, saved: SavedLayout) -> list[int]:
     return seen
 
 
-def _step_of(path: str, chunk: Chunk, saved: SavedLayout) -> int:
-    steps = {saved.chunks[n]["step"] for n in _sources(chunk, saved)}
-    if len(steps) != 1 or min(steps) < 0:
-        raise InvalidArgumentError(f"{path}: the optimizer steps of the parameters of {chunk.name}",
-                                   f"{sorted(steps)}", "one step count >= 0 (parameters that step together)")
-    return steps.pop()
+def _steps_by_name(path: str, saved: SavedLayout) -> dict[str, int]:
+    """Each saved parameter's optimizer steps, by name (a parameter keeps its count whatever chunk it lands in)."""
+    steps: dict[str, int] = {}
+    for n, entry in enumerate(saved.chunks):
+        counts = saved_slot_steps(entry)
+        if len(counts) != len(entry["slots"]) or any(not isinstance(c, int) or c < 0 for c in counts):
+            raise InvalidArgumentError(f"{path}: model.chunks[{n}]['slot_steps']", counts,
+                                       f"{len(entry['slots'])} integers >= 0, one per parameter of the chunk")
+        steps.update((slot["name"], count) for slot, count in zip(entry["slots"], counts))
+    return steps
 
 
 def _scalars_of(path: str, chunk: Chunk, saved: SavedLayout, optimizer: Any) -> dict[int, dict[str, Any]]:

@@ -200,7 +200,7 @@ class BackwardStep:
         chunk = undo.chunk
         with self.runtime.updating(chunk, self.runtime.compute_tier(chunk)) as target:
             self.undo.restore_into(undo, target)
-        chunk.step = undo.step
+        chunk.steps = dict(undo.steps)
         self.optimizer.replace_kept_state(chunk, undo.scalars, undo.whole)
 
     def undo_in_memory(self) -> None:

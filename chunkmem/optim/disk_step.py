@@ -39,7 +39,7 @@ import torch
 
 from .adam_kernels import adam_update_
 from .adam_math import AdamHyper
-from ..core.chunk import MASTER, Chunk, FlatBuffer
+from ..core.chunk import MASTER, Chunk, FlatBuffer, ParamSlot
 from ..storage.disk_io import DiskIOError, IOHandle, aligned_nbytes
 from ..core.disk_tier import JOURNAL, DiskTier, typed_view
 from ..errors import ChunkmemError
@@ -69,17 +69,18 @@ class PieceRule(Protocol):
 class ChunkUpdate:
     """What one chunk's streamed update needs: its host gradient (this rank's ``shard_numel``
     elements), where its parameters are (``param``: a host tensor, or ``None`` when the parameter shard
-    rests on disk too and is streamed like the state), the step number after the update, the ranges
-    updated with their hyper-parameters (``(start, end, hyper)``, elements of this rank's shard, one per
-    run of one param group's trainable parameters) and the gradient multiplier. ``rule``: the update of
+    rests on disk too and is streamed like the state), the slots it steps (their step counts advance once it
+    is written), the ranges updated with their hyper-parameters and the step number after the update
+    (``(start, end, hyper, step)``, elements of this rank's shard, one per run of one param group's stepped
+    parameters with one step count) and the gradient multiplier. ``rule``: the update of
     an optimizer other than Adam (its state families are the chunk's ``state_families``); ``None`` runs
     the Adam kernel over ``ranges``."""
 
     chunk: Chunk
     grad: torch.Tensor
     param: torch.Tensor | None
-    step: int
-    ranges: list[tuple[int, int, AdamHyper]]
+    stepped: list[ParamSlot]
+    ranges: list[tuple[int, int, AdamHyper, int]]
     spans: list[tuple[int, int]]  # the parameters' element spans in this rank's shard (see param_spans)
     multiplier: float
     rule: PieceRule | None = None
@@ -108,10 +109,10 @@ class ChunkUpdate:
         return self.reads + extra
 
 
-def gaps(ranges: list[tuple[int, int, AdamHyper]], start: int, end: int) -> list[tuple[int, int]]:
+def gaps(ranges: list[tuple[int, int, AdamHyper, int]], start: int, end: int) -> list[tuple[int, int]]:
     """The element ranges within ``[start, end)`` that none of ``ranges`` (sorted, disjoint) covers."""
     out, position = [], start
-    for a, b, _ in ranges:
+    for a, b, *_ in ranges:
         if a > position:
             out.append((position, min(a, end)))
         position = max(position, b)
@@ -379,12 +380,12 @@ class StreamedStep:
             update.updated_to = b
             return
         exp_avg, exp_avg_sq = state
-        for start, end, hyper in update.ranges:
+        for start, end, hyper, step in update.ranges:
             lo, hi = max(start, a), min(end, b)
             if lo >= hi:
                 continue
             piece = slice(lo - a, hi - a)
-            adam_update_(master[piece], update.grad[lo:hi], exp_avg[piece], exp_avg_sq[piece], update.step, hyper,
+            adam_update_(master[piece], update.grad[lo:hi], exp_avg[piece], exp_avg_sq[piece], step, hyper,
                          grad_multiplier=update.multiplier,
                          param_out=None if param_out is None else param_out[piece],
                          param_spans=[(s - lo, e - lo) for s, e in update.spans])

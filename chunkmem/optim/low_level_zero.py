@@ -624,7 +624,7 @@ class LowLevelZeroOptimizer:
                     step = check_entry(slot.index, f"index {slot.index}", entry, slot)
                 else:
                     step = check_entry(slot.index, f"index {slot.index}", entry, slot, chunk.state_families,
-                                       counts_steps=False)
+                                       counts_steps=False, whole=self._layout.whole)
                 steps.add(step)
                 if entry is not None and step > 0:
                     entries.append((slot, entry))

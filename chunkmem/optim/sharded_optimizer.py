@@ -347,25 +347,28 @@ class ShardedOptimizerV2(Optimizer):
         return self.runtime.trainable_chunks()
 
     def _stepped_slots(self, chunk: Chunk) -> list[tuple[ParamSlot, int, tuple[int, int] | None]]:
-        """``(slot, group, part)`` for each parameter of ``chunk`` the step updates (in a param group and
-        trainable now), ``part`` being its elements in this rank's shard ``(start, end)`` or ``None``."""
+        """``(slot, group, part)`` for each parameter of ``chunk`` the step updates (in a param group,
+        trainable now, and given a gradient since the last step: torch skips a parameter whose ``.grad`` is
+        None, its state and step count unchanged), ``part`` being its elements in this rank's shard
+        ``(start, end)`` or ``None``."""
         stepped = []
         with torch._C.DisableTorchFunctionSubclass():  # requires_grad of a chunk-managed parameter
             for slot in chunk.slots:
                 group = self._group_of.get(id(slot.param))
-                if group is not None and slot.param.requires_grad:
+                if group is not None and slot.param.requires_grad and slot.index_in_chunk in chunk.slots_with_grads:
                     stepped.append((slot, group, chunk.own_range(slot)))
         return stepped
 
-    def _ranges(self, chunk: Chunk) -> list[tuple[int, int, AdamHyper]]:
-        """``(start, end, hyper)``: the runs of this rank's shard of ``chunk`` (elements) whose parameters
-        are trainable now and in one param group, with that group's current hyper-parameters."""
+    def _ranges(self, chunk: Chunk) -> list[tuple[int, int, AdamHyper, int]]:
+        """``(start, end, hyper, step)``: the runs of this rank's shard of ``chunk`` (elements) whose parameters
+        the step updates (:meth:`_stepped_slots`), are in one param group and have taken the same number of
+        steps, with that group's current hyper-parameters and the step number after this update."""
         pieces = []
         for slot, group, part in self._stepped_slots(chunk):
             if part is not None:
                 start = slot.offset + part[0] - chunk.shard_offset
-                pieces.append((start, start + part[1] - part[0], group))
-        return [(a, b, hyper_of_group(self.optim.param_groups[g])) for a, b, g in join_runs(pieces)]
+                pieces.append((start, start + part[1] - part[0], (group, chunk.step_of(slot) + 1)))
+        return [(a, b, hyper_of_group(self.optim.param_groups[g]), step) for a, b, (g, step) in join_runs(pieces)]
 
     # ---- torch.optim.Optimizer ---------------------------------------------------------------------
     # Optimizer.__init__ is not called: it would build a second list of param groups and a second state.
@@ -586,6 +589,7 @@ class ShardedOptimizerV2(Optimizer):
             return False
         if self._broken_by is not None:
             raise self._broken_by
+        self._agree_on_gradients()
         on_disk = [c for c in self._trainable_chunks() if self.runtime.optim_tier(c) is Tier.DISK]
         try:
             self._update_on_disk(on_disk, multiplier)  # first: the only part that can fail half-way
@@ -603,6 +607,20 @@ class ShardedOptimizerV2(Optimizer):
     step = Optimizer.profile_hook_step(step)  # runs torch's step pre/post hooks around it
     step.hooked = True  # type: ignore[attr-defined]  # tells torch not to wrap it again
 
+    def _agree_on_gradients(self) -> None:
+        """With several ranks, a parameter has a gradient in this step when any rank produced one for it (as
+        under DDP), so every rank steps the same parameters: one small all-reduce of which parameters got one."""
+        group = self.runtime.data_parallel
+        if not group.sharded:
+            return
+        chunks = self._trainable_chunks()
+        had = torch.tensor([slot.index_in_chunk in c.slots_with_grads for c in chunks for slot in c.slots],
+                           dtype=torch.int32)
+        group.all_reduce_(had, torch.distributed.ReduceOp.MAX, what="the parameters given a gradient in this step")
+        flags = iter(had.tolist())
+        for chunk in chunks:
+            chunk.slots_with_grads = {slot.index_in_chunk for slot in chunk.slots if next(flags)}
+
     def _update_chunk(self, chunk: Chunk, multiplier: float) -> None:
         if self._layout is not None:
             self._update_with_any_optimizer(chunk, multiplier)
@@ -613,22 +631,22 @@ class ShardedOptimizerV2(Optimizer):
         with self.runtime.updating(chunk, tier) as target:
             if grad is not None:
                 grad = grad.to(target.device)
-            chunk.step += 1
             master = chunk.optim[MASTER].tensor if chunk.has_master else target
             exp_avg, exp_avg_sq = chunk.optim[EXP_AVG].tensor, chunk.optim[EXP_AVG_SQ].tensor
             ranges = self._ranges(chunk)
             spans = param_spans(chunk.slots, chunk.shard_offset)
-            for a, b, hyper in ranges:
+            for a, b, hyper, step in ranges:
                 out = target[a:b] if chunk.has_master else None
                 relative_spans = [(s - a, e - a) for s, e in spans]
                 if pieces is not None:
                     inside = [(offset - a, t) for offset, t in pieces if a <= offset < b]
-                    if adam_update_pieces_(master[a:b], inside, exp_avg[a:b], exp_avg_sq[a:b], chunk.step, hyper,
+                    if adam_update_pieces_(master[a:b], inside, exp_avg[a:b], exp_avg_sq[a:b], step, hyper,
                                            multiplier, out, relative_spans):
                         continue
                     pieces, grad = None, self.runtime.grad_of(chunk).to(target.device)  # flat from here on
-                adam_update_(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], chunk.step, hyper,
+                adam_update_(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], step, hyper,
                              grad_multiplier=multiplier, param_out=out, param_spans=relative_spans)
+            chunk.advance_steps(slot for slot, _, _ in self._stepped_slots(chunk))
             if chunk.has_master:  # the copy written may be new memory: what no range wrote is the master's rounding
                 for a, b in gaps(ranges, 0, chunk.shard_numel):
                     target[a:b].copy_(master[a:b])
@@ -653,8 +671,8 @@ class ShardedOptimizerV2(Optimizer):
             grad32 = grad.to(device=target.device, dtype=torch.float32, copy=True).mul_(multiplier)
             families = {key: chunk.optim[key].tensor for key in self._layout.families}
             step_views(self.optim, self._layout, views, groups, master, grad32, families, scalars,
-                       first_step=chunk.step == 0, whole_state=self.whole_state(chunk))
-            chunk.step += 1
+                       first_step=not chunk.stepped, whole_state=self.whole_state(chunk))
+            chunk.advance_steps(slot for slot, _, _ in self._stepped_slots(chunk))
             if chunk.has_master:
                 target.copy_(master)
 
@@ -667,9 +685,9 @@ class ShardedOptimizerV2(Optimizer):
         else:
             views, groups = self._param_views(chunk)
             rule = PieceStep(self.optim, self._layout, views, groups, self.scalar_state(chunk), multiplier,
-                             first_step=chunk.step == 0)
-        return ChunkUpdate(chunk, self.runtime.grad_of(chunk), param, chunk.step + 1, ranges,
-                           param_spans(chunk.slots, chunk.shard_offset), multiplier, rule)
+                             first_step=not chunk.stepped)
+        return ChunkUpdate(chunk, self.runtime.grad_of(chunk), param, [slot for slot, _, _ in self._stepped_slots(chunk)],
+                           ranges, param_spans(chunk.slots, chunk.shard_offset), multiplier, rule)
 
     def on_grads_final(self, chunk: Chunk) -> None:
         """``step_in_backward``: update ``chunk`` now that its gradients are final, as if nothing overflowed
@@ -719,7 +737,7 @@ class ShardedOptimizerV2(Optimizer):
     def _completed(self, updates: list[ChunkUpdate]) -> None:
         """The streamed step wrote ``updates``: their chunks' step counts, scalar state and parameters."""
         for update in updates:
-            update.chunk.step = update.step
+            update.chunk.advance_steps(update.stepped)
             if isinstance(update.rule, PieceStep):
                 self._scalars[update.chunk.index] = update.rule.scalars_after
             self.runtime.mark_updated(update.chunk, Tier.DISK if update.param is None else Tier.HOST)

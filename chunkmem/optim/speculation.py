@@ -6,7 +6,7 @@ gradients are final, as if nothing overflowed and nothing is clipped (the multip
 not committing is its undo (:mod:`chunkmem.optim.disk_step`). A chunk whose state is in memory is updated
 in place, so before its update the optimizer takes an :class:`UndoCopy` here: this rank's fp32 values of
 every optimizer family (the master included; for fp32 chunks the parameters, which are the master), the
-chunk's step count and another optimizer's scalar and whole-parameter state. ``step()`` either keeps the
+chunk's step counts and another optimizer's scalar and whole-parameter state. ``step()`` either keeps the
 update (same multiplier, nothing else changed) and releases the copy, or puts the copy back (the 16-bit
 parameters become the restored master's rounding, as after every step) and updates again with what it
 decided.
@@ -50,7 +50,7 @@ class UndoCopy:
     """What one chunk held before the update the backward made (see the module docstring)."""
 
     chunk: Chunk
-    step: int  # the chunk's step count before the update
+    steps: dict[int, int]  # the chunk's step counts (by slot) before the update
     multiplier: float  # what the update multiplied the gradients by
     assumed: tuple[Any, ...]  # the optimizer's speculation key: what else the update took as given
     families: dict[str, torch.Tensor] = field(default_factory=dict)  # family -> this rank's values (host)
@@ -100,7 +100,7 @@ class UndoCopies:
             saved.copy_(tensor)
         saved_params = copies.pop() if params is not None else None
         self._copies[chunk.index] = UndoCopy(
-            chunk, chunk.step, multiplier, assumed, dict(zip(undo_families(chunk), copies)), saved_params,
+            chunk, dict(chunk.steps), multiplier, assumed, dict(zip(undo_families(chunk), copies)), saved_params,
             copy.deepcopy(scalars), copy.deepcopy(whole))
         return True
 

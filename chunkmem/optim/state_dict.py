@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from ..core.chunk import ADAM_STATE, EXP_AVG, EXP_AVG_SQ, Chunk, ParamSlot
 from ..errors import InvalidArgumentError, check_type
-from ..state_dicts import check_tensor_data, first_few
+from ..state_dicts import check_tensor_data
 from .adam import UNSUPPORTED_OPTIONS, hyper_of_group
 _HYPER = "a param group with lr, betas (two numbers), eps and weight_decay"
 
@@ -87,7 +87,7 @@ def optimizer_state_dict(optim: Any, rank0_only: bool) -> dict[str, Any]:
     state: dict[int, dict[str, torch.Tensor]] = {}
     layout = optim.state_layout
     for chunk in optim.runtime.chunks:
-        if not chunk.trainable or chunk.step == 0:
+        if not chunk.trainable or not chunk.stepped:
             continue
         if layout is not None:
             state.update(_any_optimizer_entries(optim, chunk, index_of))
@@ -95,9 +95,9 @@ def optimizer_state_dict(optim: Any, rank0_only: bool) -> dict[str, Any]:
         exp_avg = chunk.gather(chunk.optim[EXP_AVG].read())  # collectives, in chunk order on every rank
         exp_avg_sq = chunk.gather(chunk.optim[EXP_AVG_SQ].read())
         for slot in chunk.slots:
-            if id(slot.param) in index_of:
-                state[index_of[id(slot.param)]] = adam_entry(chunk.step, slot.view(exp_avg), slot.view(exp_avg_sq),
-                                                             slot.shape)
+            if id(slot.param) in index_of and chunk.step_of(slot) > 0:  # torch keeps no state for one never stepped
+                state[index_of[id(slot.param)]] = adam_entry(chunk.step_of(slot), slot.view(exp_avg),
+                                                             slot.view(exp_avg_sq), slot.shape)
     if rank0_only and optim.model.data_parallel.rank != 0:
         return {}
     scaler = optim.grad_scaler.state_dict() if optim.grad_scaler is not None else None
@@ -128,7 +128,7 @@ class OptimizerLoad:
     """A checked plan to load a full optimizer state dict into a :class:`~chunkmem.ShardedOptimizerV2`."""
 
     def __init__(self, optim: Any, groups: list[Mapping[str, Any]],
-                 chunks: list[tuple[Chunk, int, list[tuple[ParamSlot, Mapping[str, Any]]]]],
+                 chunks: list[tuple[Chunk, dict[int, int], list[tuple[ParamSlot, Mapping[str, Any]]]]],
                  scaler: Mapping[str, Any] | None) -> None:
         self.optim = optim
         self.groups = groups
@@ -156,7 +156,7 @@ class OptimizerLoad:
                     chunk.optim[key].write(values)
                 if layout is not None:
                     self.optim.replace_kept_state(chunk, scalars, whole)
-                chunk.step = step
+                chunk.steps = {index: count for index, count in step.items() if count}
         for group, saved in zip(self.optim.optim.param_groups, self.groups):
             if layout is None:
                 import_group(group, saved)
@@ -205,7 +205,7 @@ def plan_optimizer_load(optim: Any, state_dict: Any) -> OptimizerLoad:
     for chunk in optim.runtime.chunks:
         if not chunk.trainable:
             continue
-        steps: dict[int, list[str]] = {}
+        steps: dict[int, int] = {}  # slot index -> its step count (a parameter without state: 0)
         entries = []
         for slot in chunk.slots:
             index, entry = entry_of.get(id(slot.param), (None, None))
@@ -216,17 +216,11 @@ def plan_optimizer_load(optim: Any, state_dict: Any) -> OptimizerLoad:
                 step = check_entry(index, name, entry, slot)
             else:
                 step = check_entry(index, name, entry, slot, layout.per_group[optim.group_of(slot.param)],
-                                   counts_steps=False)
-            steps.setdefault(step, []).append(name)
+                                   counts_steps=False, whole=layout.whole)
+            steps[slot.index_in_chunk] = step
             if entry is not None and step > 0:
                 entries.append((slot, entry))
-        if len(steps) > 1:
-            detail = "; ".join(f"step {s}: {first_few(n)}" for s, n in sorted(steps.items()))
-            raise InvalidArgumentError(
-                "state_dict['state']", f"different steps for parameters of one chunk ({detail})",
-                "one step for all parameters that share a chunk (chunkmem steps a chunk's parameters together; "
-                "a parameter without state counts as step 0)")
-        plan.chunks.append((chunk, next(iter(steps)) if steps else 0, entries))
+        plan.chunks.append((chunk, steps, entries))
     return plan
 
 
@@ -286,11 +280,12 @@ def _check_groups(groups: list[dict[str, Any]], saved_groups: Any, adam: bool = 
 
 
 def check_entry(index: Any, name: str, entry: Any, slot: ParamSlot, keys: tuple[str, ...] = ADAM_STATE,
-                counts_steps: bool = True) -> int:
+                counts_steps: bool = True, whole: bool = False) -> int:
     """The step of one parameter's saved state, after checking its per-element ``keys`` (Adam's moments, or
-    another optimizer's own), each of the parameter's size; raises naming both. ``counts_steps``: a
-    ``"step"`` >= 0 is required (Adam); otherwise it may be absent (SGD counts none: 1 is returned) and,
-    when there, is >= 1 (the state exists, so a step ran)."""
+    another optimizer's own), each of the parameter's size, and that it holds no other per-element tensor (the
+    state of another optimizer class); raises naming both. ``counts_steps``: a ``"step"`` >= 0 is required
+    (Adam); otherwise it may be absent (SGD counts none: 1 is returned) and, when there, is >= 1 (the state
+    exists, so a step ran). ``whole``: the optimizer keeps all its state per parameter (any tensor goes)."""
     where = f"state_dict['state'][{index!r}] (parameter {name!r})"
     required = ("step", *keys) if counts_steps else keys
     listing = ", ".join(required[:-1]) + f" and {required[-1]}" if len(required) > 1 else ", ".join(required)
@@ -298,8 +293,8 @@ def check_entry(index: Any, name: str, entry: Any, slot: ParamSlot, keys: tuple[
     for key in required:
         if key not in entry:
             raise InvalidArgumentError(where, f"a state without {key!r}", listing)
-    foreign = [key for key, value in entry.items() if key not in keys and isinstance(value, torch.Tensor)
-               and value.numel() == slot.numel and value.numel() > 1]
+    foreign = [] if whole else [key for key, value in entry.items() if key not in keys and isinstance(
+        value, torch.Tensor) and value.numel() == slot.numel and value.numel() > 1]
     if foreign:  # e.g. an AdamW checkpoint loaded into SGD: its moments would be dropped, its lr taken
         raise InvalidArgumentError(where, f"a state with {', '.join(map(repr, foreign))}",
                                    f"the state this optimizer keeps ({listing or 'no per-element state'}): a state "

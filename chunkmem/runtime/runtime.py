@@ -314,6 +314,7 @@ class ChunkRuntime:
             self._hold_for_backward([chunk])
         self.gradients.accumulate(chunk, slot, grad)
         chunk.grad_slots_received.add(slot.index_in_chunk)
+        chunk.slots_with_grads.add(slot.index_in_chunk)
         if len(chunk.grad_slots_received) == chunk.grads_expected:
             self._finish_grads(chunk)
 
@@ -485,8 +486,13 @@ class ChunkRuntime:
 
     @_untraced
     def drop_gradients(self, set_to_none: bool) -> None:
-        """Drop (``set_to_none``) or zero every finished gradient, and what ``no_sync`` accumulated."""
+        """Drop (``set_to_none``) or zero every finished gradient, and what ``no_sync`` accumulated. Zeroed
+        gradients still count as gradients for the next step (torch steps a parameter whose ``.grad`` is a
+        zero tensor); dropped ones do not."""
         self.gradients.drop(set_to_none)
+        if set_to_none:
+            for chunk in self.chunks:
+                chunk.slots_with_grads.clear()
         self.grads_pending = False
 
     def check_can_accumulate(self) -> None:
