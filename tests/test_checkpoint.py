@@ -152,7 +152,7 @@ def test_torch_adamw_state_loads_into_sharded_optimizer():
     model.load_state_dict(plain.state_dict())
     optim.load_state_dict(plain_optim.state_dict())
     assert optim.param_groups[0]["lr"] == 1e-2 and optim.param_groups[0]["adamw_mode"] is True
-    assert all(chunk.step == K for chunk in model.chunks if chunk.trainable)
+    assert all(set(chunk.steps.values()) == {K} for chunk in model.chunks if chunk.trainable)
 
     plain_step(plain, plain_optim, data[K])
     train(model, optim, data[K:])
@@ -422,14 +422,17 @@ def test_bad_optimizer_state_dicts_change_nothing(trained):
         (edited(lambda s: s["state"].update({99: s["state"][0]})), "index 99"),
         (edited(lambda s: s["state"][first].update(exp_avg=torch.zeros(2))), r"\['exp_avg'\].*shape"),
         (edited(lambda s: s["state"][first].update(step=torch.tensor(-1.0))), "non-negative whole number"),
-        (edited(lambda s: s["state"][second].update(step=torch.tensor(7.0))), "different steps.*step 7"),
-        (edited(lambda s: s["state"].pop(first)), "different steps.*step 0"),
         (edited(lambda s: s.update(loss_scaler={"scale": 2.0})), "loss_scaler.*overflows_since_growth"),
     ]
     for bad, match in cases:
         with pytest.raises(cm.InvalidArgumentError, match=match):
             optim.load_state_dict(bad)
         assert_same_optimizer_state(optim.state_dict(), good)
+    # parameters of one chunk with different steps, or without state, load as torch keeps them (before 2026-11-27
+    # refused: one step a chunk)
+    optim.load_state_dict(edited(lambda s: (s["state"][second].update(step=torch.tensor(7.0)), s["state"].pop(first))))
+    loaded = optim.state_dict()["state"]
+    assert first not in loaded and int(loaded[second]["step"]) == 7
 
 
 # ---- two ranks -----------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ def snapshot(model, optim) -> dict:
     chunks = []
     for chunk in model.chunks:
         families = {name: buf.tensor.clone() for name, buf in chunk.optim.items() if buf.allocated}
-        chunks.append((chunk.param.local().clone(), families, chunk.step))
+        chunks.append((chunk.param.local().clone(), families, dict(chunk.steps)))
     buffers = {k: v.clone() for k, v in model.module.named_buffers()}
     scaler = optim.grad_scaler.state_dict() if optim.grad_scaler is not None else None
     groups = [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in optim.param_groups]

@@ -192,3 +192,18 @@ def test_two_ranks_step_a_parameter_when_any_rank_gave_it_a_gradient():
     assert one_sided[0][1] == one_sided[1][1] == both[0][1]
     for name in one_sided[0][0]:
         assert torch.equal(one_sided[0][0][name], one_sided[1][0][name]), name
+
+
+def test_low_level_zero_skips_it_too():
+    reference = _reference()
+    data = batches(len(TAKEN), seed=3)
+    plain, plain_optim = _plain(reference, data, TAKEN)
+    model = copy.deepcopy(reference)
+    optim = cm.LowLevelZeroOptimizer(cm.HybridAdam(model.parameters(), lr=LR, weight_decay=WD))
+    for step, x in enumerate(data):
+        model.taken = TAKEN[step]
+        optim.backward(lm_loss(model(x), x))
+        optim.step()
+    for name, value in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+    _assert_steps_like_torch(optim, plain_optim)

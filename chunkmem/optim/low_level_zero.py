@@ -337,7 +337,9 @@ class LowLevelZeroOptimizer:
         if self.grad_scaler is not None and not self._in_backward:
             self._unscaled_backward = True
         grad, param.grad = param.grad, None
-        self.buckets.add(self._slot_of[id(param)], grad)
+        slot = self._slot_of[id(param)]
+        slot.chunk.slots_with_grads.add(slot.index)
+        self.buckets.add(slot, grad)
         self.grads_pending = True
 
     def _finish_reduction(self) -> None:
@@ -408,6 +410,7 @@ class LowLevelZeroOptimizer:
         if multiplier is None:
             self.zero_grad()
             return False
+        self._agree_on_gradients()
         gathers = []
         for chunk in self.chunks:
             self._update(chunk, multiplier)
@@ -432,16 +435,34 @@ class LowLevelZeroOptimizer:
                     f"built, so it has no fp32 master and cannot be trained: build the LowLevelZeroOptimizer with it "
                     f"trainable (freeze it after building instead), or freeze it again; nothing was changed")
 
-    def _ranges(self, chunk: FlatChunk) -> list[tuple[int, int, Any]]:
-        """``(start, end, None)``: the runs of this rank's shard of ``chunk`` (elements from the shard's
-        start) whose parameters are trainable now; the rest (frozen parameters, padding) is not updated."""
+    def _agree_on_gradients(self) -> None:
+        """With several ranks, a parameter has a gradient in this step when any rank produced one (as under
+        DDP): one small all-reduce of which parameters got one."""
+        if not self.shards.sharded:
+            return
+        had = torch.tensor([slot.index in c.slots_with_grads for c in self.chunks for slot in c.slots],
+                           dtype=torch.int32)
+        self.shards.all_reduce_(had, torch.distributed.ReduceOp.MAX, what="the parameters given a gradient in this step")
+        flags = iter(had.tolist())
+        for chunk in self.chunks:
+            chunk.slots_with_grads = {slot.index for slot in chunk.slots if next(flags)}
+
+    def _stepped(self, chunk: FlatChunk) -> list[FlatSlot]:
+        """The parameters of ``chunk`` the step updates: trainable now and given a gradient since the last step
+        (torch skips a parameter whose ``.grad`` is None: its state and step count stay)."""
+        return [slot for slot in chunk.slots if slot.param.requires_grad and slot.index in chunk.slots_with_grads]
+
+    def _ranges(self, chunk: FlatChunk) -> list[tuple[int, int, int]]:
+        """``(start, end, step)``: the runs of this rank's shard of ``chunk`` (elements from the shard's start)
+        whose parameters the step updates (:meth:`_stepped`) and have taken the same number of steps, with the
+        step number after this update; the rest (frozen or unused parameters, padding) is not updated."""
         pieces = []
-        for slot in chunk.slots:
+        for slot in self._stepped(chunk):
             part = slot.owned()
-            if part is None or not slot.param.requires_grad:
+            if part is None:
                 continue
             start = slot.offset + part[0] - chunk.own_start
-            pieces.append((start, start + part[1] - part[0], None))
+            pieces.append((start, start + part[1] - part[0], chunk.step_of(slot) + 1))
         return join_runs(pieces)
 
     def _update(self, chunk: FlatChunk, multiplier: float) -> None:
@@ -454,30 +475,31 @@ class LowLevelZeroOptimizer:
             grad = grad.to(chunk.master.device)
         own = chunk.own(chunk.param)
         same_device = own.device == chunk.master.device
-        chunk.step += 1
         spans = param_spans(chunk.slots, chunk.own_start)
         exp_avg, exp_avg_sq = chunk.state["exp_avg"], chunk.state["exp_avg_sq"]
-        for a, b, _ in self._ranges(chunk):
-            adam_update_(chunk.master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], chunk.step, hyper,
+        for a, b, step in self._ranges(chunk):
+            adam_update_(chunk.master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], step, hyper,
                          grad_multiplier=multiplier,
                          param_out=own[a:b] if self.separate_master and same_device else None,
                          param_spans=[(s - a, e - a) for s, e in spans])
             if self.separate_master and not same_device:
                 own[a:b].copy_(chunk.master[a:b], non_blocking=False)
+        _advance(chunk, self._stepped(chunk))
 
     def _update_with_any_optimizer(self, chunk: FlatChunk, multiplier: float) -> None:
         """The wrapped optimizer's own step over this rank's shard of ``chunk`` on stand-ins (views of the
         masters, shaped where the rank owns a parameter whole; :mod:`chunkmem.optim.any_optimizer`)."""
         views = []
-        for slot in chunk.slots:
+        stepped = self._stepped(chunk)
+        for slot in stepped:
             part = slot.owned()
-            if part is not None and slot.param.requires_grad:
+            if part is not None:
                 views.append(ParamView.of_part(slot.offset, slot.numel, slot.shape, part, chunk.own_start,
                                                chunk.group, slot.index))
         grad = self._own_grad(chunk).to(device=chunk.master.device, dtype=torch.float32, copy=True).mul_(multiplier)
         step_views(self.optim, self._layout, views, {chunk.group}, chunk.master, grad, chunk.state, chunk.scalars,
-                   first_step=chunk.step == 0, whole_state=chunk.whole_state)
-        chunk.step += 1
+                   first_step=not chunk.stepped, whole_state=chunk.whole_state)
+        _advance(chunk, stepped)
         if self.separate_master:
             own = chunk.own(chunk.param)
             for a, b, _ in self._ranges(chunk):
@@ -490,6 +512,8 @@ class LowLevelZeroOptimizer:
         if not self.buckets.idle:  # the collectives every rank started must complete on every rank
             self.buckets.finish()
         for chunk in self.chunks:
+            if set_to_none:  # zeroed gradients still count: torch steps a parameter whose .grad is zeros
+                chunk.slots_with_grads.clear()
             if chunk.grad is not None:
                 if set_to_none:
                     chunk.grad, chunk.spare_grad = None, chunk.grad
@@ -538,7 +562,7 @@ class LowLevelZeroOptimizer:
             return chunk.master, 1.0
         if family == "grad":
             return None if chunk.grad is None else (self._own_grad(chunk), self.mixed.multiplier)
-        if chunk.step == 0:
+        if chunk.step_of(slot) == 0:
             return None
         return chunk.state[family], 1.0
 
@@ -566,12 +590,14 @@ class LowLevelZeroOptimizer:
         groups, _ = export_param_groups(self)
         state: dict[int, dict[str, torch.Tensor]] = {}
         for chunk in self.chunks:
-            if chunk.step == 0:
+            if not chunk.stepped:
                 continue
             gathered = {family: self._gather(chunk, shard) for family, shard in chunk.state.items()}
             for slot in chunk.slots:
+                if chunk.step_of(slot) == 0:  # torch keeps no state for a parameter never stepped
+                    continue
                 if self._layout is None:
-                    state[slot.index] = adam_entry(chunk.step, slot.view(gathered["exp_avg"]),
+                    state[slot.index] = adam_entry(chunk.step_of(slot), slot.view(gathered["exp_avg"]),
                                                    slot.view(gathered["exp_avg_sq"]), slot.shape)
                 elif self._layout.whole:
                     if slot.index in chunk.whole_state:
@@ -613,9 +639,9 @@ class LowLevelZeroOptimizer:
             if not isinstance(index, int) or not 0 <= index < total:
                 raise InvalidArgumentError("state_dict['state']", f"a state for index {index!r}",
                                            f"indices of the param_groups' 'params' ({total} parameters)")
-        writes: list[tuple[FlatChunk, int, list[tuple[FlatSlot, Mapping[str, Any]]]]] = []
+        writes: list[tuple[FlatChunk, dict[int, int], list[tuple[FlatSlot, Mapping[str, Any]]]]] = []
         for chunk in self.chunks:
-            steps, entries = set(), []
+            steps, entries = {}, []
             for slot in chunk.slots:
                 entry = state.get(slot.index)
                 if entry is None:
@@ -625,13 +651,11 @@ class LowLevelZeroOptimizer:
                 else:
                     step = check_entry(slot.index, f"index {slot.index}", entry, slot, chunk.state_families,
                                        counts_steps=False, whole=self._layout.whole)
-                steps.add(step)
+                if step:
+                    steps[slot.index] = step
                 if entry is not None and step > 0:
                     entries.append((slot, entry))
-            if len(steps) > 1:
-                raise InvalidArgumentError("state_dict['state']", f"steps {sorted(steps)} within chunk{chunk.index}",
-                                           "one step for the parameters that share a chunk")
-            writes.append((chunk, steps.pop(), entries))
+            writes.append((chunk, steps, entries))
 
         def apply() -> None:
             plan.apply()
@@ -648,7 +672,7 @@ class LowLevelZeroOptimizer:
                             chunk.whole_state[slot.index] = scalar_copy(entry)
                         elif self._layout is not None:
                             chunk.scalars[chunk.group] = scalar_copy(entry, chunk.state_families)
-                    chunk.step = step
+                    chunk.steps = dict(step)
         return apply
 
     @staticmethod
@@ -738,3 +762,9 @@ def _agree_on_settings(shards: ShardGroup, groups: list[list[nn.Parameter]], set
             params.add(f"param group {g}, parameter {i}", p.shape, True)
     description = [(ARGUMENTS, "accepted")] + [(k, repr(v)) for k, v in settings.items()]
     agree(shards, LayoutDescription("LowLevelZeroOptimizer", description, params))
+
+
+def _advance(chunk: FlatChunk, stepped: list[FlatSlot]) -> None:
+    """One more step for each parameter the update stepped."""
+    for slot in stepped:
+        chunk.steps[slot.index] = chunk.steps.get(slot.index, 0) + 1

@@ -54,8 +54,9 @@ class FlatChunk:
     ``shard_numel`` fp32 elements each), another optimizer's ``scalars`` (``{group: {key: value}}``) or
     whole-parameter state (``whole_state``, by the parameter's index: :mod:`chunkmem.optim.any_optimizer`),
     the finished gradient store ``grad`` (``None`` until a backward reduced into it; after ``zero_grad``
-    its memory is kept in ``spare_grad`` for the next backward, as DDP keeps its buckets) and the
-    ``step`` count."""
+    its memory is kept in ``spare_grad`` for the next backward, as DDP keeps its buckets), the parameters given a
+    gradient since the last step and each parameter's step count (torch's semantics: a parameter without a
+    gradient is not stepped)."""
 
     index: int
     group: int
@@ -70,7 +71,17 @@ class FlatChunk:
     whole_state: dict[int, dict[str, Any]] = field(default_factory=dict)
     grad: torch.Tensor | None = None
     spare_grad: torch.Tensor | None = None
-    step: int = 0
+    slots_with_grads: set[int] = field(default_factory=set)  # param indices given a gradient since the last step
+    steps: dict[int, int] = field(default_factory=dict)  # param index -> optimizer steps it took (torch's count)
+
+    def step_of(self, slot: FlatSlot) -> int:
+        """Optimizer steps ``slot``'s parameter took so far."""
+        return self.steps.get(slot.index, 0)
+
+    @property
+    def stepped(self) -> bool:
+        """Whether any parameter of the chunk has taken a step (it then has optimizer state)."""
+        return any(self.steps.values())
 
     @property
     def shard_numel(self) -> int:
