@@ -121,7 +121,8 @@ def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
                                   groups.replicas, settings.reduction.quantized_gradients)
     runtime = ChunkRuntime(module, chunks, memory, policy, settings.reuse_fp16_shard, reduction,
                            settings.shard_strategy.bucketed, check_capacity, groups.data_parallel,
-                           settings.reduction.reductions_in_flight)
+                           settings.reduction.reductions_in_flight,
+                           accumulate_in_fp32=settings.grad_accum_dtype in (None, torch.float32))
     runtime.state.param_host_chunks = params_on_host
     secondary = secondary_group(shards, settings.secondary_partition_size)
     hierarchy = gather_hierarchy(shards, settings.gather_node_size)
@@ -240,6 +241,7 @@ def _agree_on_layout(settings: ModelSettings, layout: ChunkLayout, groups: Group
         ("quantized_weights", str(settings.quantized_weights)),
         ("secondary_partition_size", str(settings.secondary_partition_size)),
         ("gather_node_size", str(settings.gather_node_size)),
+        ("grad_accum_dtype", str(settings.grad_accum_dtype)),
         ("reductions_in_flight", str(reduction.reductions_in_flight)),
         ("offload_optimizer", repr(disk.offload_optimizer)),
         ("offload_param", repr(disk.offload_param)),

@@ -152,6 +152,7 @@ class ModelSettings:
     quantized_weights: bool | str = False
     secondary_partition_size: int | None = None
     gather_node_size: int | None = None
+    grad_accum_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         check_type("shard_strategy", self.shard_strategy, BaseShardStrategy,
@@ -203,6 +204,12 @@ class ModelSettings:
         check_chunk_size(self.chunk_size)
         if self.dtype is not None:
             check_dtype("dtype", self.dtype)
+        if self.grad_accum_dtype is not None and (
+                self.grad_accum_dtype not in (torch.float32, torch.float16, torch.bfloat16) or
+                self.dtype is not None and self.grad_accum_dtype not in (torch.float32, self.dtype)):
+            raise InvalidArgumentError("grad_accum_dtype", self.grad_accum_dtype,
+                                       "None or torch.float32 (sum 16-bit gradients over backwards in fp32), or the "
+                                       "model's dtype (sum them in it: 2 bytes a parameter fewer while accumulating)")
         disk = self.disk
         check_disk_arguments(disk.offload_optimizer, disk.offload_param, disk.nvme_path, disk.buffer_count,
                              disk.buffer_size, disk.atomic_step, self.placement.tensor_placement_policy,
@@ -222,7 +229,8 @@ class ModelSettings:
                        reductions_in_flight: int = 0, shard_group_size: int | None = None,
                        quantized_gradients: bool = False, quantized_weights: bool | str = False,
                        secondary_partition_size: int | None = None,
-                       gather_node_size: int | None = None) -> "ModelSettings":
+                       gather_node_size: int | None = None,
+                       grad_accum_dtype: torch.dtype | None = None) -> "ModelSettings":
         """The settings named by ``ShardedModelV2``'s arguments (the same names and defaults)."""
         return ModelSettings(
             shard_strategy, process_group, reduce_scatter_process_group,
@@ -232,7 +240,7 @@ class ModelSettings:
             reuse_fp16_shard, dtype, chunk_size,
             DiskSettings(offload_optimizer, offload_param, nvme_path, buffer_count, buffer_size, atomic_step),
             prefetch_numel, persistence_threshold, model_persistence_threshold, shard_group_size, quantized_weights,
-            secondary_partition_size, gather_node_size)
+            secondary_partition_size, gather_node_size, grad_accum_dtype)
 
     def policy(self) -> PlacementPolicy:
         """The placement policy these settings choose."""
@@ -247,7 +255,7 @@ MODEL_KEYWORDS = ("shard_strategy", "process_group", "reduce_scatter_process_gro
                   "offload_param", "nvme_path", "buffer_count", "buffer_size", "atomic_step", "prefetch_numel",
                   "persistence_threshold", "model_persistence_threshold", "reductions_in_flight",
                   "shard_group_size", "quantized_gradients", "quantized_weights", "secondary_partition_size",
-                  "gather_node_size")
+                  "gather_node_size", "grad_accum_dtype")
 """The keyword arguments of :meth:`ModelSettings.from_arguments` (``ShardedModelV2``'s, and the keys of
 the ColossalAI form's ``model_config``)."""
 

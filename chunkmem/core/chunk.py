@@ -150,6 +150,7 @@ class FlatBuffer:
         self.family = family
         self.numel = numel
         self.dtype = dtype
+        self.base_dtype = dtype  # what the buffer holds when next allocated (``widen`` changes ``dtype`` until freed)
         self.memory = memory
         self.owner = owner
         self.region = DiskRegion(family, index, numel, dtype, f"{owner}.{family}")
@@ -206,10 +207,12 @@ class FlatBuffer:
     def state(self) -> CopyState:
         return self.life.state
 
-    def allocate(self, tier: Tier, zero: bool = False) -> torch.Tensor | None:
-        """Allocate the buffer on ``tier`` (FREED -> STALE; zero-filled and CURRENT if ``zero``); returns
-        the tensor, or ``None`` on the disk tier (its region in the file; see :meth:`write`)."""
+    def allocate(self, tier: Tier, zero: bool = False, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        """Allocate the buffer on ``tier`` (FREED -> STALE; zero-filled and CURRENT if ``zero``), in ``dtype``
+        (a wider one until freed, see :meth:`widen`; default the buffer's own); returns the tensor, or
+        ``None`` on the disk tier (its region in the file; see :meth:`write`)."""
         self.life.check("allocate", CopyState.FREED)
+        self.dtype = dtype or self.base_dtype
         self.tensor = self.memory.take(tier, self.family, self.numel, self.dtype, self.region.label)
         self.tier = tier
         if tier is Tier.DISK:
@@ -257,6 +260,17 @@ class FlatBuffer:
             self.disk_slot = 0
         self.memory.give_back(old_tier, self.family, self.nbytes, old)
 
+    def widen(self, dtype: torch.dtype) -> None:
+        """Hold the contents in ``dtype`` (wider: fp32 for a 16-bit sum of gradients) from now on, on the same
+        tier: a new buffer, the contents copied, the old one returned; until the buffer is freed."""
+        self.life.check("be widened", CopyState.CURRENT, CopyState.STALE)
+        if dtype == self.dtype or self.tier is Tier.DISK:
+            return
+        wide = self.memory.take(self.tier, self.family, self.numel, dtype, self.region.label)
+        wide.copy_(self.tensor)
+        self.memory.give_back(self.tier, self.family, self.nbytes, self.tensor)
+        self.tensor, self.dtype = wide, dtype
+
     def free(self) -> None:
         """Return the buffer's memory (-> FREED); nothing to do when it has none."""
         if not self.life.holds_memory:
@@ -264,6 +278,7 @@ class FlatBuffer:
         self.life.freed()
         old, tier, self.tensor, self.tier = self.tensor, self.tier, None, None
         self.memory.give_back(tier, self.family, self.nbytes, old)
+        self.dtype = self.base_dtype
 
 
 class ParamBuffer:

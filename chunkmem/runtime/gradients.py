@@ -5,7 +5,9 @@
   unsharded, else a staging buffer); when the chunk's gradients are complete they are reduced over the
   ranks (sharded) and rest in the chunk's gradient buffer where its Adam runs. Several backwards add up
   (gradient accumulation); inside ``no_sync`` a sharded chunk keeps accumulating in its staging buffer,
-  unreduced, until the first backward outside.
+  unreduced, until the first backward outside. 16-bit sums of several backwards are kept in fp32 (the
+  buffer holding an earlier backward's sum is widened when the next one's first gradient comes), unless
+  ``grad_accum_dtype`` is the model's dtype.
   Where the device tier is the CPU and a chunk's gradients rest there unsharded, the chunk keeps the
   tensors autograd produced instead (one a parameter, counted on the ledger as the chunk's gradient
   buffer): copying them into the buffer would move every gradient byte twice more, and the host Adam
@@ -112,10 +114,12 @@ class StagedGradients(GradientStore):
     device tier a chunk resting there unsharded keeps autograd's tensors instead (module docstring)."""
 
     def __init__(self, executor: ChunkExecutor, reduction: GradientReduction,
-                 adopt: Callable[[torch.Tensor], None]) -> None:
+                 adopt: Callable[[torch.Tensor], None], accumulate_in_fp32: bool = True) -> None:
         super().__init__(executor, reduction)
+        self.accumulate_in_fp32 = accumulate_in_fp32
         self.copies = executor.memory.copies
-        self.keeps_autograd_tensors = device_of_tier(Tier.DEVICE).type == "cpu" and self.copies.name == "plain"
+        # (not under the deferred test engine, which stands for a GPU's copies: it runs the path CUDA takes)
+        self.keeps_autograd_tensors = device_of_tier(Tier.DEVICE).type == "cpu" and not self.copies.asynchronous
         self._adopt = adopt  # tells the tracer that a kept tensor is chunk memory now
         self._kept: dict[Chunk, dict[int, torch.Tensor]] = {}  # chunk -> slot index -> its gradient
         self._reducing: dict[Chunk, PendingReduction] = {}  # reductions left running by finish(overlap=True)
@@ -143,7 +147,21 @@ class StagedGradients(GradientStore):
             chunk.accumulator_fresh = True
         return buf.tensor
 
+    def _widen_for_accumulation(self, chunk: Chunk) -> None:
+        """A backward's first gradient of ``chunk`` arrives while the chunk holds an earlier backward's 16-bit
+        sum (gradient accumulation, ``no_sync``): with ``accumulate_in_fp32`` that sum moves to fp32 first,
+        so the backwards add up in fp32 (kept tensors go into the flat buffer, which is widened)."""
+        if not self.accumulate_in_fp32 or chunk.dtype == torch.float32:
+            return
+        self.flatten(chunk)
+        if self._direct(chunk) and chunk.grad.allocated:
+            chunk.grad.widen(torch.float32)
+        elif chunk.grad_staging.allocated and not chunk.accumulator_fresh:  # (inside no_sync: kept unreduced)
+            chunk.grad_staging.widen(torch.float32)
+
     def accumulate(self, chunk: Chunk, slot: ParamSlot, grad: torch.Tensor) -> None:
+        if not chunk.grad_slots_received and not chunk.accumulator_fresh:
+            self._widen_for_accumulation(chunk)
         kept = self._kept.get(chunk)
         if kept is None and self.keeps_autograd_tensors and not chunk.grad.allocated and self._direct(chunk):
             _count_as_grad_buffer(chunk)
@@ -207,10 +225,13 @@ class StagedGradients(GradientStore):
         private copy of it."""
         if chunk.grad.allocated:
             self._landed(chunk)
+            if self.accumulate_in_fp32:
+                chunk.grad.widen(torch.float32)  # an earlier backward's sum: add up in fp32 (no-op for fp32)
             chunk.grad.tensor.add_(finished.to(chunk.grad.tensor.device))
         else:
             tier = self.executor.grad_tier(chunk)
-            target = chunk.grad.allocate(tier)
+            widened = chunk.grad_staging.allocated and chunk.grad_staging.dtype != chunk.grad_staging.base_dtype
+            target = chunk.grad.allocate(tier, dtype=finished.dtype if widened else None)
             if tier is Tier.HOST:
                 source = finished if owned or not self.copies.asynchronous else finished.clone()
                 self._landing[chunk] = self.copies.to_host(target, source, "grad landing")
@@ -357,10 +378,11 @@ class GradientsInParamMemory(GradientStore):
 
 
 def gradient_store(in_param_memory: bool, executor: ChunkExecutor, reduction: GradientReduction,
-                   adopt: Callable[[torch.Tensor], None]) -> GradientStore:
+                   adopt: Callable[[torch.Tensor], None], accumulate_in_fp32: bool = True) -> GradientStore:
     """The strategy for ``reuse_fp16_shard`` (``in_param_memory``); ``adopt`` is told of each tensor
     made by the model's backward that becomes chunk memory (the tracer's
-    :meth:`~chunkmem.runtime.schedule.Scheduler.adopt`)."""
+    :meth:`~chunkmem.runtime.schedule.Scheduler.adopt`); ``accumulate_in_fp32``: 16-bit gradients of several
+    backwards are summed in fp32 (``ShardedModelV2(grad_accum_dtype=)``)."""
     if in_param_memory:
         return GradientsInParamMemory(executor, reduction)
-    return StagedGradients(executor, reduction, adopt)
+    return StagedGradients(executor, reduction, adopt, accumulate_in_fp32)

@@ -109,7 +109,8 @@ class ChunkRuntime:
 
     def __init__(self, root: nn.Module, chunks: list[Chunk], memory: TierMemory, policy: PlacementPolicy,
                  gradients_in_param_memory: bool, reduction: GradientReduction, gather_together: bool,
-                 check_capacity: CapacityCheck, data_parallel: ShardGroup, reductions_in_flight: int = 0) -> None:
+                 check_capacity: CapacityCheck, data_parallel: ShardGroup, reductions_in_flight: int = 0,
+                 accumulate_in_fp32: bool = True) -> None:
         self.root = root
         self._check_capacity = check_capacity
         self.policy = policy
@@ -118,7 +119,8 @@ class ChunkRuntime:
         self.scheduler = Scheduler(memory.ledger, policy, self.state, device_of_tier(Tier.DEVICE))
         self.reduction = reduction
         self.data_parallel = data_parallel  # every rank of the model (agreement and planning collectives)
-        self.gradients = gradient_store(gradients_in_param_memory, self.executor, reduction, self.scheduler.adopt)
+        self.gradients = gradient_store(gradients_in_param_memory, self.executor, reduction, self.scheduler.adopt,
+                                        accumulate_in_fp32)
         self.grads_pending = False
         self.reductions_in_flight = reductions_in_flight  # the bound (see ShardedModelV2's argument)
         self._reducing: deque[Chunk] = deque()  # chunks whose gradient reductions run, oldest first
