@@ -14,7 +14,8 @@ from chunkmem.runtime.placement import AutoPlacement, HostPlacement, PlacementSt
 from chunkmem.runtime.schedule import IterationMode, Scheduler
 from chunkmem.core.states import ChunkStateError, Contents, CopyLife, CopyState
 from chunkmem.core.tiers import Tier
-from chunkmem.core.transfer import PinnedStagingPool, Transfer, start_copy
+from chunkmem.core.copy_engine import start_copy
+from chunkmem.core.transfer import PinnedStagingPool, Transfer
 
 S = CopyState
 

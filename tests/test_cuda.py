@@ -9,7 +9,8 @@ import torch
 import torch.nn as nn
 
 import chunkmem as cm
-from chunkmem.core.transfer import PINNED_STAGING_BUFFERS, PinnedStagingPool, staging_pool, start_copy
+from chunkmem.core.copy_engine import start_copy
+from chunkmem.core.transfer import PinnedStagingPool
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

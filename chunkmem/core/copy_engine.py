@@ -268,3 +268,9 @@ def engine_for_new_model() -> CopyEngine:
 def default_engine() -> CopyEngine:
     """The machine's default engine (``cuda`` with CUDA, else ``plain``), for copies outside any model."""
     return engine_named("cuda" if torch.cuda.is_available() else "plain")
+
+
+def start_copy(dst: torch.Tensor, src: torch.Tensor, finish: Callable[[], None]) -> Transfer:
+    """Issue ``dst.copy_(src)`` (same dtype and element count) through the machine's default engine and return
+    its handle; ``finish`` runs at the handle's first :meth:`~chunkmem.core.transfer.Transfer.wait`."""
+    return default_engine().to_device(dst, src, finish)

@@ -110,10 +110,3 @@ def staging_pool() -> PinnedStagingPool:
     if _pool is None:
         _pool = PinnedStagingPool()
     return _pool
-
-
-def start_copy(dst: torch.Tensor, src: torch.Tensor, finish: Callable[[], None]) -> Transfer:
-    """Issue ``dst.copy_(src)`` (same dtype and element count) through the machine's default copy engine
-    and return its handle; ``finish`` runs at the handle's first :meth:`~Transfer.wait`."""
-    from .copy_engine import default_engine
-    return default_engine().to_device(dst, src, finish)
