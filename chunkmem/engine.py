@@ -13,6 +13,8 @@ them; what is inside is chunkmem's (see :meth:`TrainingEngine.save_checkpoint`).
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import io
 import os
 import time
 import warnings
@@ -36,6 +38,9 @@ __all__ = ["TrainingEngine", "initialize_engine"]
 ENGINE_STATE = "engine_state.pt"
 """The file of a checkpoint tag directory with the engine's counters, the schedule and the client state."""
 ENGINE_FORMAT = "chunkmem.engine/1"
+ENGINE_ENVELOPE = "chunkmem.engine-checksummed/1"
+"""The file's envelope since 2026-11-27: the engine state's bytes and their SHA-256 (files of format
+:data:`ENGINE_FORMAT` alone, written before, still load)."""
 LATEST = "latest"
 """The file under ``save_dir`` naming the last tag saved (DeepSpeed's name)."""
 
@@ -43,6 +48,52 @@ LATEST = "latest"
 def _barrier() -> None:
     if ShardGroup.of(None).world > 1:
         dist.barrier()
+
+
+def _agree_on(error: Exception | None, what: str) -> None:
+    """Raise on every rank if ``error`` happened on any (one small all-reduce when distributed)."""
+    group = ShardGroup.of(None)
+    if group.world > 1:
+        failed = torch.tensor([0 if error is None else group.rank + 1], dtype=torch.int64)
+        group.all_reduce_(failed, dist.ReduceOp.MAX, what=f"the outcome of {what}")
+        if error is None and int(failed.item()):
+            raise CheckpointError(f"{what} failed on rank {int(failed.item()) - 1} (see its error); the checkpoint "
+                                  f"was not changed")
+    if error is not None:
+        raise error
+
+
+class _PendingFile:
+    """A file written beside its final name, put in place (:meth:`commit`) or removed (:meth:`discard`)."""
+
+    def __init__(self, path: str, written: str) -> None:
+        self.path, self.written = path, written
+
+    def commit(self) -> None:
+        os.replace(self.written, self.path)
+
+    def discard(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.written)
+
+
+def _write_engine_state(path: str, state: dict[str, Any]) -> _PendingFile:
+    """Serialize ``state`` (raising before any file changes when it does not pickle) and write it, with its
+    SHA-256, beside ``path``."""
+    buffer = io.BytesIO()
+    try:
+        torch.save(state, buffer)
+    except Exception as e:  # noqa: BLE001 - the user's client_state is any object
+        raise InvalidArgumentError("client_state", type(state["client_state"]).__name__,
+                                   f"a dict torch.save can write ({type(e).__name__}: {e}); nothing was saved") from e
+    payload = buffer.getvalue()
+    written = f"{path}.pending-{os.getpid()}"
+    envelope = {"format": ENGINE_ENVELOPE, "sha256": hashlib.sha256(payload).hexdigest(), "payload": payload}
+    with open(written, "wb") as f:
+        torch.save(envelope, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return _PendingFile(path, written)
 
 
 class TrainingEngine(nn.Module):
@@ -253,8 +304,11 @@ class TrainingEngine(nn.Module):
         ``save_dir/latest``. Every rank calls it. Inside the tag directory: stage 3 writes a chunkmem
         sharded checkpoint ``zero/`` (each rank its shards; loads at any world size, resharded, unless the
         config says ``elastic_checkpoint: false``), stages 1 and 2 a full checkpoint ``model_optim.pt``;
-        rank 0 writes ``engine_state.pt`` (``torch.save``: counters, schedule state, ``client_state``).
-        Each file is written atomically; ``latest`` is written last. Returns ``True``."""
+        rank 0 writes ``engine_state.pt`` (``torch.save``: counters, schedule state, ``client_state``, with the
+        SHA-256 of those bytes, checked at load). The engine state is serialized first (a ``client_state`` that
+        does not pickle raises :class:`~chunkmem.InvalidArgumentError` before any file changes) and written
+        beside its name before the model's files, and put in place once they committed; ``latest`` is written
+        last. Returns ``True``."""
         save_dir = self._check_dir(save_dir, "save_dir")
         tag = f"global_step{self.global_steps}" if tag is None else tag
         tag = self._check_tag(tag)
@@ -265,14 +319,32 @@ class TrainingEngine(nn.Module):
             raise InvalidArgumentError("exclude_frozen_parameters", exclude_frozen_parameters,
                                        "False (chunkmem checkpoints hold every parameter)")
         directory = os.path.join(save_dir, tag)
-        os.makedirs(directory, exist_ok=True)
-        save_checkpoint(self._model_checkpoint_path(directory), self.module, self.optimizer, sharded=self._sharded_files)
+        engine_file = None
         if self.global_rank == 0:
             state = {"format": ENGINE_FORMAT, "global_steps": self.global_steps, "global_samples": self.global_samples,
                      "skipped_steps": self.skipped_steps, "micro_steps": self.micro_steps,
                      "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
                      "world_size": self.world_size, "client_state": client_state}
-            write_atomically(os.path.join(directory, ENGINE_STATE), lambda f: torch.save(state, f))
+        # The engine state is serialized and written (beside its final name) before the model's files change, and
+        # put in place right after they committed: an unpicklable client_state or a full disk leaves the tag as it
+        # was, where before it left the new weights with the old counters, schedule and client state.
+        error = None
+        try:
+            os.makedirs(directory, exist_ok=True)
+            if self.global_rank == 0:
+                engine_file = _write_engine_state(os.path.join(directory, ENGINE_STATE), state)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            error = exc
+        _agree_on(error, f"writing the engine state of {directory!r}")
+        try:
+            save_checkpoint(self._model_checkpoint_path(directory), self.module, self.optimizer,
+                            sharded=self._sharded_files)
+        except BaseException:
+            if engine_file is not None:
+                engine_file.discard()
+            raise
+        if engine_file is not None:
+            engine_file.commit()
             if save_latest:
                 write_atomically(os.path.join(save_dir, LATEST), lambda f: f.write(tag.encode()))
         _barrier()
@@ -393,8 +465,14 @@ class TrainingEngine(nn.Module):
         try:
             # the engine's own file, which holds the user's client_state (any picklable object)
             state = torch.load(path, map_location="cpu", weights_only=False)
+            if isinstance(state, dict) and state.get("format") == ENGINE_ENVELOPE:
+                if hashlib.sha256(state["payload"]).hexdigest() != state["sha256"]:
+                    raise CheckpointError(f"{path!r} is corrupt: its SHA-256 does not match the one saved with it")
+                state = torch.load(io.BytesIO(state["payload"]), map_location="cpu", weights_only=False)
         except FileNotFoundError as e:
             raise CheckpointError(f"{directory!r} is not a checkpoint of this engine: {ENGINE_STATE} is missing") from e
+        except CheckpointError:
+            raise
         except Exception as e:  # noqa: BLE001 - any unreadable file is the same error for the user
             raise CheckpointError(f"{path!r} could not be read ({type(e).__name__}: {e})") from e
         fields = {"global_steps": int, "global_samples": int, "skipped_steps": int, "micro_steps": int,

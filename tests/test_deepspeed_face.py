@@ -144,6 +144,40 @@ def test_checkpoint_resumes_bitwise_with_client_state_and_latest(tmp_path, stage
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_failed_save_leaves_the_tag_whole_and_a_corrupt_engine_state_is_refused(tmp_path, stage):
+    """Before 2026-11-27 a save whose engine state could not be written (a client_state that does not pickle)
+    left the tag with the new weights and the old counters, schedule and client state; and engine_state.pt had no
+    checksum (a flipped bit loaded changed counters)."""
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    data = batches(4, seed=4)
+    schedule = {"type": "WarmupDecayLR", "params": {"total_num_steps": 4, "warmup_max_lr": LR, "warmup_num_steps": 2}}
+    config = _config(stage, scheduler=schedule)
+    engine, _, _ = _engine(reference, config)
+    for x in data[:2]:
+        engine.backward(lm_loss(engine(x), x))
+        engine.step()
+    engine.save_checkpoint(tmp_path, tag="fixed", client_state={"epoch": 1})
+    saved, saved_steps = [w.clone() for w in _weights(engine)], engine.global_steps
+    for x in data[2:]:
+        engine.backward(lm_loss(engine(x), x))
+        engine.step()
+    with pytest.raises(cm.InvalidArgumentError, match="client_state.*nothing was saved"):
+        engine.save_checkpoint(tmp_path, tag="fixed", client_state={"callback": lambda: None})
+    resumed, _, _ = _engine(reference, config)
+    _, client = resumed.load_checkpoint(tmp_path, tag="fixed")
+    assert client == {"epoch": 1} and resumed.global_steps == saved_steps < engine.global_steps
+    assert all(torch.equal(a, b) for a, b in zip(_weights(resumed), saved))  # the weights of the same save
+    state_file = tmp_path / "fixed" / "engine_state.pt"
+    envelope = torch.load(state_file, weights_only=False)
+    payload = bytearray(envelope["payload"])
+    payload[len(payload) // 2] ^= 0x01
+    torch.save(dict(envelope, payload=bytes(payload)), state_file)
+    with pytest.raises(cm.CheckpointError, match="engine_state.pt.*corrupt.*SHA-256"):
+        _engine(reference, config)[0].load_checkpoint(tmp_path, tag="fixed")
+
+
 def test_load_without_latest_warns_and_returns_none(tmp_path):
     engine, _, _ = _engine(TinyGPT(), _config(3))
     with pytest.warns(UserWarning, match="latest"):
