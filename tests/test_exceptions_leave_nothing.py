@@ -140,3 +140,37 @@ def test_a_failed_backward_leaves_nothing_for_the_step(policy, how):
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert [set(c.steps.values()) for c in model.chunks if c.trainable] == [{1}] * sum(c.trainable for c in model.chunks)
     assert losses + _train(model, optim, data[1:]) == expected
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_a_failed_backward_with_the_step_in_it_on_disk_neither_hangs_nor_trains_on_silently(atomic, tmp_path):
+    """step_in_backward with the optimizer state on disk, and a backward that raises after the disk step took some
+    chunks: atomic steps are undone (training goes on as if the failed iteration had not happened); in-place
+    ones cannot be, so those started are completed and the optimizer refuses to step until a checkpoint is
+    loaded. Before 2026-11-27 the next step raised a TypeError and every later one spun forever."""
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    data = batches(3, seed=4)
+
+    def build(directory):
+        model = cm.ShardedModelV2(copy.deepcopy(reference), cm.TensorShardStrategy(), tensor_placement_policy="cpu",
+                                  dtype=torch.float32, chunk_size=16384, offload_optimizer="disk",
+                                  nvme_path=str(directory), buffer_size=8192, atomic_step=atomic)
+        return model, cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-2), step_in_backward=True)
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    expected = _train(*build(tmp_path / "a"), data)
+    model, optim = build(tmp_path / "b")
+    losses = _train(model, optim, data[:1])
+    cm.save_checkpoint(str(tmp_path / "ckpt"), model, optim)
+    _fails_in_backward(model, optim, data[1])  # (its hook is on the first block: late in the backward)
+    assert optim.backward_updates == 0 and optim.step() is False
+    if atomic:
+        assert losses + _train(model, optim, data[1:]) == expected
+        return
+    with pytest.raises(cm.UnsupportedOperationError, match="in place on disk.*load a checkpoint"):
+        _train(model, optim, data[1:2])
+    optim.zero_grad()
+    cm.load_checkpoint(str(tmp_path / "ckpt"), model, optim)
+    assert losses + _train(model, optim, data[1:]) == expected

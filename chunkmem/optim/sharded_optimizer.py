@@ -792,9 +792,24 @@ class ShardedOptimizerV2(Optimizer):
     def on_backward_failed(self) -> None:
         """A backward raised part-way (the runtime's :class:`~chunkmem.runtime.runtime.OptimizerListener`
         side): as :meth:`zero_grad`, every pending gradient is dropped and the updates the backward started
-        (``step_in_backward``) are undone, so the next :meth:`step` has nothing to apply. Updates made in place
-        on disk (``atomic_step=False``) cannot be undone: they stay, and :meth:`step` completes them."""
+        (``step_in_backward``) are undone, so the next :meth:`step` has nothing to apply. Updates the backward
+        made in place on disk (``atomic_step=False``) cannot be undone: those it started are completed (its
+        I/O buffers returned), and the optimizer refuses to step until a checkpoint or state dict is loaded, as
+        after a failed step (before 2026-11-27 every later step spun on the stream's buffers forever)."""
         if self._backward.in_flight is not None and not self.runtime.memory.disk.atomic_step:
+            step = self._backward.take_in_flight()
+            try:
+                step.finish()
+            finally:
+                self._completed(step.updates)
+                self._broken_by = UnsupportedOperationError(
+                    "a backward raised after step_in_backward=True had updated chunks in place on disk "
+                    "(atomic_step=False): those updates cannot be undone and the other chunks were not updated; "
+                    "load a checkpoint (chunkmem.load_checkpoint) or a state dict to step again")
+                self._backward.undo_in_memory()
+                self.runtime.drop_gradients(set_to_none=True)
+                self.mixed.forget()
+                self._forget_backwards()
             return
         self.zero_grad(set_to_none=True)
 
