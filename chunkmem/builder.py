@@ -23,7 +23,7 @@ from .core.layout import ChunkLayout, aligned_numel, plan_layout, search_chunk_n
 from .core.memory import TierMemory
 from .core.param_guard import adopt, disown, remembered_externals, slot_of
 from .core.tiers import Tier, device_memory_capacity, device_of_tier, host_memory_capacity
-from .distributed.agreement import LayoutDescription, ParamRecord, agree
+from .distributed.agreement import LayoutDescription, ParamRecord, agree, agree_on_settings_before_groups
 from .distributed.collectives import SINGLE_PROCESS, ShardGroup
 from .distributed.reduction import GradientReduction
 from .distributed.shard_groups import GroupLayout, gather_hierarchy, group_layout, secondary_group
@@ -57,6 +57,9 @@ def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
     data_parallel = ShardGroup.of(settings.process_group, "process_group")
     reduce_shards = data_parallel.of_same_ranks(settings.reduce_scatter_process_group, "reduce_scatter_process_group",
                                                 "process_group")
+    agree_on_settings_before_groups(data_parallel, "the ShardedModelV2", [
+        ("shard_group_size", settings.shard_group_size), ("secondary_partition_size", settings.secondary_partition_size),
+        ("gather_node_size", settings.gather_node_size)])
     groups = group_layout(data_parallel, settings.shard_group_size)
     shards = groups.shards
     if groups.replicas is not None and settings.persistence_threshold:

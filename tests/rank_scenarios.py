@@ -89,6 +89,12 @@ def step_skipped_fp16(rank: int) -> None:
             optim.step()
 
 
+def gather_node_size_on_one_rank(rank: int) -> None:
+    """A setting that shapes the sub-groups every rank creates, on one rank only: before 2026-11-27 rank 0 waited
+    in torch.distributed.new_group for a rank that never came (MiCS' shard_group_size at 4 ranks did the same)."""
+    _zero3(rank, gather_node_size=1 if rank == 0 else None)
+
+
 def disk_on_one_rank(rank: int) -> None:
     disk = dict(offload_optimizer="disk", nvme_path=os.environ["RANK_SCENARIO_DIR"]) if rank == 0 else {}
     _zero3(rank, **disk)

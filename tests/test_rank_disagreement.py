@@ -55,6 +55,7 @@ def run_scenario(name: str, tmp_path, bound: float = EXIT_BOUND) -> list[dict]:
     ("step_skipped", "StepMismatchError"),
     ("step_skipped_fp16", "StepMismatchError"),
     ("disk_on_one_rank", "LayoutMismatchError"),
+    ("gather_node_size_on_one_rank", "LayoutMismatchError"),
     ("llz_bucket_differs", "LayoutMismatchError"),
     ("llz_clip_differs", "LayoutMismatchError"),
     ("llz_step_skipped", "StepMismatchError"),

@@ -194,6 +194,28 @@ POINT_FIELDS = 6
 ranks at different points meet in the same collective and see that they differ."""
 
 
+def agree_on_settings_before_groups(shards: ShardGroup, where: str, settings: Sequence[tuple[str, int | None]]) -> None:
+    """Raise :class:`LayoutMismatchError` on every rank of ``shards`` unless all passed the same ``settings``
+    (``(name, value)``: the sizes that shape the sub-groups every rank creates together, e.g.
+    ``shard_group_size``). One all-reduce, before any group is created: a rank that disagreed would otherwise
+    create other groups than the rest, and ``torch.distributed.new_group`` would wait for it forever."""
+    if not shards.sharded:
+        return
+    values = [-1 if v is None else int(v) for _, v in settings]
+    both = torch.tensor(values + [-v for v in values], dtype=torch.int64)
+    shards.all_reduce_(both, dist.ReduceOp.MAX, what=f"the ranks' settings of {where}")
+    high, low = both[:len(values)].tolist(), [-v for v in both[len(values):].tolist()]
+    differing = [f"{name}: {_shown(low[i])} on some ranks, {_shown(high[i])} on others (this rank: {_shown(values[i])})"
+                 for i, (name, _) in enumerate(settings) if high[i] != low[i]]
+    if differing:
+        raise LayoutMismatchError(f"the {shards.world} ranks build {where} with different settings: "
+                                  + "; ".join(differing) + ". Every rank must pass the same ones; nothing was changed")
+
+
+def _shown(value: int) -> str:
+    return "None" if value == -1 else str(value)
+
+
 HYPER_PARAMETERS_FIELD = "the param groups' hyper-parameters (a digest of every group's lr, betas, weight_decay, ...)"
 
 
