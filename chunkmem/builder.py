@@ -62,6 +62,9 @@ def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
         ("gather_node_size", settings.gather_node_size)])
     groups = group_layout(data_parallel, settings.shard_group_size)
     shards = groups.shards
+    # (before anything is packed: a refused size leaves the module as it was)
+    secondary = secondary_group(shards, settings.secondary_partition_size)
+    hierarchy = gather_hierarchy(shards, settings.gather_node_size)
     if groups.replicas is not None and settings.persistence_threshold:
         raise InvalidArgumentError("persistence_threshold", settings.persistence_threshold,
                                    f"0 with shard_group_size={settings.shard_group_size} (persistent parameters are "
@@ -127,8 +130,6 @@ def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
                            settings.reduction.reductions_in_flight,
                            accumulate_in_fp32=settings.grad_accum_dtype in (None, torch.float32))
     runtime.state.param_host_chunks = params_on_host
-    secondary = secondary_group(shards, settings.secondary_partition_size)
-    hierarchy = gather_hierarchy(shards, settings.gather_node_size)
     for chunk in chunks:
         chunk.param.quantized_gathers = bool(settings.quantized_weights) and (
             settings.quantized_weights is True or not chunk.trainable)

@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 import chunkmem as cm
+from models import TinyGPT
 
 
 def assert_type_error(exc_info, argument):
@@ -326,3 +327,17 @@ def test_capacity_environment_variable_of_zero_is_refused(monkeypatch):
     monkeypatch.setenv("CHUNKMEM_DEVICE_MEMORY", "0B")
     with pytest.raises(cm.InvalidArgumentError, match="CHUNKMEM_DEVICE_MEMORY='0B'"):
         cm.device_memory_capacity()
+
+
+@pytest.mark.parametrize("argument", ["secondary_partition_size", "gather_node_size"])
+def test_group_sizes_that_do_not_fit_one_rank_are_refused_before_packing(argument):
+    """Before 2026-11-27 these were refused after the parameters were packed into chunks, and wrapping the module
+    again then failed with an AttributeError."""
+    torch.manual_seed(0)
+    module = TinyGPT()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(cm.InvalidArgumentError, match=argument):
+        cm.ShardedModelV2(module, cm.TensorShardStrategy(), tensor_placement_policy="cpu", **{argument: 2})
+    assert all(torch.equal(v, module.state_dict()[k]) for k, v in before.items())
+    model = cm.ShardedModelV2(module, cm.TensorShardStrategy(), tensor_placement_policy="cpu")  # wraps as new
+    assert torch.equal(model.state_dict()["wte.weight"], before["wte.weight"])
