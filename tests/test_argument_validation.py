@@ -337,7 +337,9 @@ def test_group_sizes_that_do_not_fit_one_rank_are_refused_before_packing(argumen
     module = TinyGPT()
     before = {k: v.clone() for k, v in module.state_dict().items()}
     with pytest.raises(cm.InvalidArgumentError, match=argument):
-        cm.ShardedModelV2(module, cm.TensorShardStrategy(), tensor_placement_policy="cpu", **{argument: 2})
+        cm.ShardedModelV2(module, cm.TensorShardStrategy(), tensor_placement_policy="cpu", dtype=torch.float32,
+                          **{argument: 2})
     assert all(torch.equal(v, module.state_dict()[k]) for k, v in before.items())
-    model = cm.ShardedModelV2(module, cm.TensorShardStrategy(), tensor_placement_policy="cpu")  # wraps as new
+    model = cm.ShardedModelV2(module, cm.TensorShardStrategy(), tensor_placement_policy="cpu",
+                              dtype=torch.float32)  # wraps as new
     assert torch.equal(model.state_dict()["wte.weight"], before["wte.weight"])
