@@ -63,6 +63,23 @@ def _agree_on(error: Exception | None, what: str) -> None:
         raise error
 
 
+def _read_latest(path: str) -> str:
+    """The tag a ``latest`` file names; :class:`CheckpointError` naming the file when it names none (a file
+    that is not text, empty, or a name with path separators), where before a bare ``UnicodeDecodeError`` or an
+    error about a ``tag`` argument the caller never passed came."""
+    with open(path, "rb") as f:
+        content = f.read(4097)
+    try:
+        tag = content.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        tag = ""
+    if not tag or len(content) > 4096 or tag in (".", "..") or os.sep in tag or (os.altsep and os.altsep in tag) \
+            or any(not c.isprintable() for c in tag):
+        raise CheckpointError(f"{path!r} does not name a checkpoint tag (it holds {content[:40]!r}): pass tag= to "
+                              f"load one, or save again to rewrite it")
+    return tag
+
+
 class _PendingFile:
     """A file written beside its final name, put in place (:meth:`commit`) or removed (:meth:`discard`)."""
 
@@ -375,8 +392,7 @@ class TrainingEngine(nn.Module):
                 warnings.warn(f"load_checkpoint: no {latest!r}: nothing loaded (pass tag= to name a checkpoint)",
                               stacklevel=2)
                 return None, None
-            with open(latest) as f:
-                tag = f.read().strip()
+            tag = _read_latest(latest)
         directory = os.path.join(load_dir, self._check_tag(tag))
         state = self._read_engine_state(directory)
         with_optimizer = load_optimizer_states and not load_module_only and self.optimizer is not None

@@ -178,6 +178,15 @@ def test_a_failed_save_leaves_the_tag_whole_and_a_corrupt_engine_state_is_refuse
         _engine(reference, config)[0].load_checkpoint(tmp_path, tag="fixed")
 
 
+@pytest.mark.parametrize("content", [b"\xff\xfe\x00garbage", b"", b"../elsewhere", b"tag\x00"])
+def test_a_corrupt_latest_file_is_named(tmp_path, content):
+    """Before 2026-11-27 a bare UnicodeDecodeError, or an error about a ``tag`` argument never passed."""
+    engine, _, _ = _engine(TinyGPT(), _config(3))
+    (tmp_path / "latest").write_bytes(content)
+    with pytest.raises(cm.CheckpointError, match="latest.*does not name a checkpoint tag"):
+        engine.load_checkpoint(tmp_path)
+
+
 def test_load_without_latest_warns_and_returns_none(tmp_path):
     engine, _, _ = _engine(TinyGPT(), _config(3))
     with pytest.warns(UserWarning, match="latest"):
