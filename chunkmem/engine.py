@@ -350,6 +350,10 @@ class TrainingEngine(nn.Module):
             os.makedirs(directory, exist_ok=True)
             if self.global_rank == 0:
                 engine_file = _write_engine_state(os.path.join(directory, ENGINE_STATE), state)
+        except OSError as exc:  # a file where the directory goes, a read-only or full file system
+            error = CheckpointError(f"save_checkpoint: cannot write the checkpoint directory {directory!r} "
+                                    f"({type(exc).__name__}: {exc}); nothing was saved")
+            error.__cause__ = exc
         except Exception as exc:  # noqa: BLE001 - raised on every rank below
             error = exc
         _agree_on(error, f"writing the engine state of {directory!r}")

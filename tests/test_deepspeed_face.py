@@ -187,6 +187,23 @@ def test_a_corrupt_latest_file_is_named(tmp_path, content):
         engine.load_checkpoint(tmp_path)
 
 
+def test_save_where_no_directory_can_be_written_is_a_checkpoint_error(tmp_path):
+    """Before 2026-11-27 a raw OSError (a file where the directory goes, a read-only directory, /proc)."""
+    engine, _, _ = _engine(TinyGPT(), _config(3))
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    read_only.chmod(0o500)
+    try:
+        targets = [a_file, "/proc"] + ([] if os.geteuid() == 0 else [read_only])  # (root writes anywhere)
+        for target in targets:
+            with pytest.raises(cm.CheckpointError, match="cannot write the checkpoint directory.*nothing was saved"):
+                engine.save_checkpoint(target, tag="t")
+    finally:
+        read_only.chmod(0o700)
+
+
 def test_load_without_latest_warns_and_returns_none(tmp_path):
     engine, _, _ = _engine(TinyGPT(), _config(3))
     with pytest.warns(UserWarning, match="latest"):
