@@ -279,9 +279,9 @@ class TrainingEngine(nn.Module):
 
     def _step_schedule(self, lr_kwargs: dict[str, Any] | None) -> None:
         with warnings.catch_warnings():
-            if not isinstance(self.optimizer, torch.optim.Optimizer):
-                # a torch schedule over LowLevelZeroOptimizer's wrapped optimizer, whose own step() never runs:
-                # torch's warning that the schedule stepped before the optimizer would be false
+            if getattr(self.lr_scheduler, "optimizer", self.optimizer) is not self.optimizer:
+                # a torch schedule over the optimizer chunkmem's wraps, whose own step() never runs: torch's
+                # warning that the schedule stepped before the optimizer would be false
                 warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
             self.lr_scheduler.step(**(lr_kwargs or {}))
 

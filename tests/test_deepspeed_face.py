@@ -391,6 +391,28 @@ def test_a_module_passed_first_is_the_model_and_a_client_schedule_is_stepped():
     assert schedule.last_batch_iteration == 1 and engine.get_lr() == [LR]  # log warm-up over 2 steps: done
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_callable_schedule_gets_the_clients_optimizer_as_in_deepspeed(stage):
+    """Before 2026-11-27 it got chunkmem's wrapper (LowLevelZeroOptimizer at stages 1 and 2)."""
+    module = TinyGPT()
+    optimizer = torch.optim.AdamW(module.parameters(), lr=LR)
+    given = []
+
+    def make(o):
+        given.append(o)
+        return WarmupLR(o, warmup_max_lr=LR, warmup_num_steps=2)
+    engine, optim, _, _ = deepspeed.initialize(module, optimizer=optimizer, lr_scheduler=make,
+                                               config={"train_micro_batch_size_per_gpu": 2,
+                                                       "zero_optimization": {"stage": stage}})
+    assert given == [optimizer] and optim is not optimizer
+    x = batches(1)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no false "lr_scheduler.step() before optimizer.step()"
+        engine.backward(lm_loss(engine(x), x))
+        engine.step()
+    assert engine.get_lr() == [optim.param_groups[0]["lr"]]
+
+
 def test_accelerator_and_comm_describe_one_cpu_process():
     accelerator = deepspeed.accelerator.get_accelerator()
     if not torch.cuda.is_available():

@@ -98,7 +98,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if lr_scheduler is None and loop.scheduler is not None and optim is not None:
         lr_scheduler = schedule_from_config(loop.scheduler, optim)
     elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-        lr_scheduler = lr_scheduler(optim)
+        # as DeepSpeed, which calls it with the client's optimizer, not the ZeRO wrapper (the schedule's changes
+        # to its param groups are the wrapper's)
+        lr_scheduler = lr_scheduler(getattr(optim, "optim", optim))
     loader = None if training_data is None else _dataloader(training_data, loop.micro_batch, collate_fn)
     engine = DeepSpeedEngine(module, optim, lr_scheduler, loop, stage, loader)
     return engine, optim, loader, lr_scheduler
