@@ -391,6 +391,20 @@ def test_a_module_passed_first_is_the_model_and_a_client_schedule_is_stepped():
     assert schedule.last_batch_iteration == 1 and engine.get_lr() == [LR]  # log warm-up over 2 steps: done
 
 
+def test_a_schedule_argument_only_its_step_reads_is_refused_before_anything_is_wrapped():
+    """Before 2026-11-27 StepLR's step_size="3" raised a TypeError at the first step, after the weights were
+    updated."""
+    module = TinyGPT()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+              "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+              "scheduler": {"type": "StepLR", "params": {"step_size": "3"}}}
+    with pytest.raises(cm.InvalidArgumentError, match="scheduler.params.*StepLR"):
+        deepspeed.initialize(model=module, model_parameters=module.parameters(), config=config)
+    assert all(torch.equal(v, module.state_dict()[k]) for k, v in before.items())
+    cm.ShardedModelV2(module, cm.TensorShardStrategy(), dtype=torch.float32)  # not wrapped: free to wrap
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_a_callable_schedule_gets_the_clients_optimizer_as_in_deepspeed(stage):
     """Before 2026-11-27 it got chunkmem's wrapper (LowLevelZeroOptimizer at stages 1 and 2)."""

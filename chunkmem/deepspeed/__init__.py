@@ -90,7 +90,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         groups = len(optimizer.param_groups) if optimizer is not None else 1
         with warnings.catch_warnings():  # its warnings come when the real one is built
             warnings.simplefilter("ignore")
-            schedule_from_config(loop.scheduler, _stand_in(groups))
+            _check_schedule_steps(schedule_from_config(loop.scheduler, _stand_in(groups)), loop.scheduler)
     if optimizer is None and model_parameters is not None and "optimizer" in rest:
         optimizer = build_optimizer(rest.pop("optimizer"), model_parameters)
     module, optim = _wrap(model, optimizer, rest)
@@ -104,6 +104,18 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     loader = None if training_data is None else _dataloader(training_data, loop.micro_batch, collate_fn)
     engine = DeepSpeedEngine(module, optim, lr_scheduler, loop, stage, loader)
     return engine, optim, loader, lr_scheduler
+
+
+def _check_schedule_steps(schedule: Any, section: dict[str, Any]) -> None:
+    """Step a schedule built over a stand-in a few times: an argument of the wrong type that only its ``step``
+    reads (``StepLR``'s ``step_size="3"``) is refused here, before anything is wrapped, instead of at the first
+    training step, after the weights were updated."""
+    try:
+        for _ in range(3):
+            schedule.step()
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise InvalidArgumentError("scheduler.params", section.get("params"),
+                                   f"arguments {section.get('type')} can step with ({type(e).__name__}: {e})") from e
 
 
 def _stand_in(groups: int) -> torch.optim.Optimizer:
