@@ -400,8 +400,12 @@ class TrainingEngine(nn.Module):
         directory = os.path.join(load_dir, self._check_tag(tag))
         state = self._read_engine_state(directory)
         with_optimizer = load_optimizer_states and not load_module_only and self.optimizer is not None
-        load_checkpoint(self._model_checkpoint_path(directory), self.module, self.optimizer if with_optimizer else None,
-                        elastic=self._loop.elastic_checkpoint)
+        if self._stage in (1, 2) and self.optimizer is not None:  # its masters are the module's values
+            load_checkpoint(self._model_checkpoint_path(directory), self.module, self.optimizer,
+                            elastic=self._loop.elastic_checkpoint, model_only=not with_optimizer)
+        else:
+            load_checkpoint(self._model_checkpoint_path(directory), self.module,
+                            self.optimizer if with_optimizer else None, elastic=self._loop.elastic_checkpoint)
         if not load_module_only:
             self.global_steps, self.global_samples = state["global_steps"], state["global_samples"]
             self.skipped_steps, self.micro_steps = state["skipped_steps"], state["micro_steps"]

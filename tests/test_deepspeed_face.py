@@ -204,6 +204,28 @@ def test_save_where_no_directory_can_be_written_is_a_checkpoint_error(tmp_path):
         read_only.chmod(0o700)
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("how", ["load_module_only", "load_optimizer_states"])
+def test_loading_the_module_only_works_at_every_stage(tmp_path, stage, how):
+    """Before 2026-11-27 stages 1 and 2 asked for a ShardedModelV2. The module's weights (and at stages 1/2 the
+    masters, which are them) come from the checkpoint; the optimizer's state stays."""
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    data = batches(4, seed=4)
+    engine, _, _ = _engine(reference, _config(stage))
+    for x in data[:2]:
+        engine.backward(lm_loss(engine(x), x))
+        engine.step()
+    engine.save_checkpoint(tmp_path, tag="t")
+    saved = [w.clone() for w in _weights(engine)]
+    fresh, _, _ = _engine(reference, _config(stage))
+    fresh.load_checkpoint(tmp_path, tag="t", **{how: how == "load_module_only"})
+    assert all(torch.equal(a, b) for a, b in zip(_weights(fresh), saved))
+    for x in data[2:]:  # and it trains on from there
+        fresh.backward(lm_loss(fresh(x), x))
+        fresh.step()
+
+
 def test_load_without_latest_warns_and_returns_none(tmp_path):
     engine, _, _ = _engine(TinyGPT(), _config(3))
     with pytest.warns(UserWarning, match="latest"):

@@ -113,7 +113,7 @@ def save_checkpoint(path: str | os.PathLike, model: ShardedModelV2, optimizer: S
 
 
 def load_checkpoint(path: str | os.PathLike, model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None = None,
-                    *, elastic: bool = True) -> None:
+                    *, elastic: bool = True, model_only: bool = False) -> None:
     """Load a checkpoint written by :func:`save_checkpoint` into ``model`` (and ``optimizer``, which
     needs a checkpoint saved with one). The format is read from ``path``: a file is a full checkpoint,
     a directory a sharded one; both load at any world size, chunk size and placement policy, every fp32
@@ -128,13 +128,16 @@ def load_checkpoint(path: str | os.PathLike, model: ShardedModelV2, optimizer: S
     :class:`CheckpointError` naming it. Like ``param.copy_`` in plain PyTorch, the load marks the
     parameters modified: a backward of a forward run before it raises. With a
     :class:`~chunkmem.LowLevelZeroOptimizer` (required then), ``model`` is the plain module it trains (any
-    other module is refused, naming ``model``) and ``path`` a full checkpoint file.
+    other module is refused, naming ``model``) and ``path`` a full checkpoint file; ``model_only`` loads the
+    module's values (and the optimizer's fp32 masters, which are its values) and leaves the optimizer's state
+    (with a ``ShardedOptimizerV2``, pass ``optimizer=None`` for that).
     """
+    check_type("model_only", model_only, bool, "True or False")
     if _is_low_level_zero(optimizer):
         path = _check_low_level_zero_args(_check_existing_path(path), model, optimizer, False)
         error, apply = None, None
         try:
-            apply = _plan_low_level_zero(path, model, optimizer)
+            apply = _plan_low_level_zero(path, model, optimizer, model_only)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the ranks agree
             error = exc
         _agree(optimizer.shards, error, f"loading {path!r}")
@@ -316,13 +319,13 @@ def _save_low_level_zero(path: str, model: torch.nn.Module, optimizer: Any) -> N
                 optimizer.state_dict(rank0_only=True))
 
 
-def _plan_low_level_zero(path: str, model: torch.nn.Module, optimizer: Any) -> Callable[[], None]:
+def _plan_low_level_zero(path: str, model: torch.nn.Module, optimizer: Any, model_only: bool) -> Callable[[], None]:
     payload = _read_full(path)
-    if payload["optimizer"] is None:
+    if payload["optimizer"] is None and not model_only:
         raise InvalidArgumentError("optimizer", "a LowLevelZeroOptimizer",
                                    f"None: the checkpoint {path!r} was saved without optimizer state")
     load_model = optimizer.plan_load_model_state_dict(model, payload["model"])
-    load_optimizer = optimizer.plan_load_state_dict(payload["optimizer"])
+    load_optimizer = (lambda: None) if model_only else optimizer.plan_load_state_dict(payload["optimizer"])
 
     def apply() -> None:
         load_model()
