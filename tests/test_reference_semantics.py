@@ -173,3 +173,30 @@ def test_a_parameter_frozen_at_wrapping_and_unfrozen_later_is_refused_not_ignore
     with pytest.raises(cm.UnsupportedOperationError, match="ShardedOptimizerV2.step"):
         optim.step()
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.parametrize("policy", ["cpu", "auto", "cuda"])
+def test_a_second_backward_through_a_retained_graph_adds_the_gradients_as_torch(policy):
+    """Before 2026-11-27 the second ``loss.backward()`` read a chunk already sent back to its tier ("setStorage
+    ... out of bounds for storage of size 0") under cpu and auto: each backward pass now fetches the chunks."""
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    x = batches(1)[0]
+    cm.set_device_memory_capacity(2**20 if policy == "auto" else None)
+    try:
+        model = cm.ShardedModelV2(copy.deepcopy(reference), cm.TensorShardStrategy(), tensor_placement_policy=policy,
+                                  dtype=torch.float32, chunk_size=16384)
+    finally:
+        cm.set_device_memory_capacity(None)
+    optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=LR))
+    loss = lm_loss(model(x), x)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    plain = copy.deepcopy(reference)
+    plain_loss = lm_loss(plain(x), x)
+    plain_loss.backward(retain_graph=True)
+    plain_loss.backward()
+    for p, q in zip(model.module.parameters(), plain.parameters()):
+        if q.grad is not None:
+            assert torch.equal(cm.utils.safe_get_full_grad(p), q.grad)
+    assert optim.step()

@@ -34,6 +34,9 @@ class StepEdges(Protocol):
 
     def pre_backward(self, module: nn.Module, first: bool, tracked: bool = False) -> None: ...
 
+    @property
+    def backward_count(self) -> int: ...
+
     def gradient_ready(self, param: nn.Parameter) -> None: ...
 
     def uses_frozen_chunks(self, module: nn.Module) -> bool: ...
@@ -95,14 +98,16 @@ class ModelHooks:
 
 
 def _watch_outputs(runtime: StepEdges, module: nn.Module, output: Any, tracker: "FrozenBackward | None") -> None:
-    """Hook the gradients of one forward call's outputs: the call's backward begins with the first."""
-    fired = False
+    """Hook the gradients of one forward call's outputs: the call's backward begins with the first (of each
+    backward pass: a second one through a graph kept with ``retain_graph=True`` fetches the chunks again)."""
+    fired_in: int | None = None  # the backward pass (the runtime's count) whose first output gradient came
 
     def pre_backward(grad: torch.Tensor) -> None:
-        nonlocal fired
-        first, fired = not fired, True
-        runtime.pre_backward(module, first, tracked=tracker is not None)
-        if first and tracker is not None:
+        nonlocal fired_in
+        first_ever = fired_in is None
+        first, fired_in = fired_in != runtime.backward_count, runtime.backward_count
+        runtime.pre_backward(module, first, tracked=tracker is not None and first_ever)
+        if first_ever and tracker is not None:
             tracker.begin()
 
     for tensor in tree_leaves(output):
