@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import io
 import os
+import shutil
 import time
 import warnings
 from typing import Any, Iterator
@@ -80,37 +81,60 @@ def _read_latest(path: str) -> str:
     return tag
 
 
-class _PendingFile:
-    """A file written beside its final name, put in place (:meth:`commit`) or removed (:meth:`discard`)."""
-
-    def __init__(self, path: str, written: str) -> None:
-        self.path, self.written = path, written
-
-    def commit(self) -> None:
-        os.replace(self.written, self.path)
-
-    def discard(self) -> None:
-        with contextlib.suppress(OSError):
-            os.unlink(self.written)
-
-
-def _write_engine_state(path: str, state: dict[str, Any]) -> _PendingFile:
-    """Serialize ``state`` (raising before any file changes when it does not pickle) and write it, with its
-    SHA-256, beside ``path``."""
+def _serialized_engine_state(state: dict[str, Any]) -> bytes:
+    """``state``'s bytes as ``torch.save`` writes them; a ``client_state`` that does not pickle is an
+    :class:`InvalidArgumentError` naming it."""
     buffer = io.BytesIO()
     try:
         torch.save(state, buffer)
     except Exception as e:  # noqa: BLE001 - the user's client_state is any object
         raise InvalidArgumentError("client_state", type(state["client_state"]).__name__,
                                    f"a dict torch.save can write ({type(e).__name__}: {e}); nothing was saved") from e
-    payload = buffer.getvalue()
-    written = f"{path}.pending-{os.getpid()}"
+    return buffer.getvalue()
+
+
+def _write_engine_state(path: str, payload: bytes) -> None:
+    """Write the engine state's bytes with their SHA-256 (checked at load)."""
     envelope = {"format": ENGINE_ENVELOPE, "sha256": hashlib.sha256(payload).hexdigest(), "payload": payload}
-    with open(written, "wb") as f:
-        torch.save(envelope, f)
-        f.flush()
-        os.fsync(f.fileno())
-    return _PendingFile(path, written)
+    write_atomically(path, lambda f: torch.save(envelope, f))
+
+
+def _swap_in(pending: str, directory: str) -> None:
+    """Make the complete directory ``pending`` the tag ``directory``: the old one (if any) is renamed aside,
+    the new one into place, the old one removed. A kill between the two renames leaves no tag and the old one
+    aside, which :func:`_recover_tag` puts back."""
+    aside = None
+    if os.path.lexists(directory):
+        aside = f"{os.path.dirname(directory)}/.{os.path.basename(directory)}.replaced"
+        _remove_tree(aside)
+        os.rename(directory, aside)
+    os.rename(pending, directory)
+    _fsync_dir(os.path.dirname(directory))
+    if aside is not None:
+        _remove_tree(aside)
+
+
+def _recover_tag(directory: str) -> None:
+    """A save killed between :func:`_swap_in`'s renames left the tag's previous contents aside: put them back."""
+    aside = f"{os.path.dirname(directory)}/.{os.path.basename(directory)}.replaced"
+    if not os.path.lexists(directory) and os.path.isdir(aside):
+        os.rename(aside, directory)
+
+
+def _remove_tree(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
+def _fsync_dir(path: str) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 class TrainingEngine(nn.Module):
@@ -135,6 +159,7 @@ class TrainingEngine(nn.Module):
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.steps_schedule = steps_schedule
+        self._saves = 0  # save_checkpoint calls so far (names the directory a save writes before it is swapped in)
         self.training_dataloader = training_dataloader
         self._loop = loop
         self._stage = stage
@@ -322,10 +347,11 @@ class TrainingEngine(nn.Module):
         sharded checkpoint ``zero/`` (each rank its shards; loads at any world size, resharded, unless the
         config says ``elastic_checkpoint: false``), stages 1 and 2 a full checkpoint ``model_optim.pt``;
         rank 0 writes ``engine_state.pt`` (``torch.save``: counters, schedule state, ``client_state``, with the
-        SHA-256 of those bytes, checked at load). The engine state is serialized first (a ``client_state`` that
-        does not pickle raises :class:`~chunkmem.InvalidArgumentError` before any file changes) and written
-        beside its name before the model's files, and put in place once they committed; ``latest`` is written
-        last. Returns ``True``."""
+        SHA-256 of those bytes, checked at load). One atomic unit per tag: every file is written into a directory
+        beside the tag, which replaces the tag only once all are there (a ``client_state`` that does not pickle
+        raises :class:`~chunkmem.InvalidArgumentError` before any file is written); ``latest`` is written last.
+        A save that fails or is killed leaves the tag as it was (a kill between the two renames of the swap
+        leaves the old tag aside, and the next load of it puts it back). Returns ``True``."""
         save_dir = self._check_dir(save_dir, "save_dir")
         tag = f"global_step{self.global_steps}" if tag is None else tag
         tag = self._check_tag(tag)
@@ -336,38 +362,50 @@ class TrainingEngine(nn.Module):
             raise InvalidArgumentError("exclude_frozen_parameters", exclude_frozen_parameters,
                                        "False (chunkmem checkpoints hold every parameter)")
         directory = os.path.join(save_dir, tag)
-        engine_file = None
+        state = None
         if self.global_rank == 0:
             state = {"format": ENGINE_FORMAT, "global_steps": self.global_steps, "global_samples": self.global_samples,
                      "skipped_steps": self.skipped_steps, "micro_steps": self.micro_steps,
                      "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
                      "world_size": self.world_size, "client_state": client_state}
-        # The engine state is serialized and written (beside its final name) before the model's files change, and
-        # put in place right after they committed: an unpicklable client_state or a full disk leaves the tag as it
-        # was, where before it left the new weights with the old counters, schedule and client state.
+        # The whole tag is written into a directory beside it and swapped in by two renames once every file is
+        # there (model, optimizer, engine state), and ``latest`` after: a save that fails or is killed leaves the
+        # tag as it was. Before 2026-11-27 the files were replaced one by one, and a failure between them left the
+        # new weights with the old counters, schedule and client state.
+        self._saves += 1
+        pending = os.path.join(save_dir, f".{tag}.pending-{self._saves}-{self.global_steps}")
         error = None
         try:
-            os.makedirs(directory, exist_ok=True)
             if self.global_rank == 0:
-                engine_file = _write_engine_state(os.path.join(directory, ENGINE_STATE), state)
+                payload = _serialized_engine_state(state)  # before any file: an unpicklable client_state raises
+                _remove_tree(pending)  # left by a process killed at this same save
+                os.makedirs(pending)
         except OSError as exc:  # a file where the directory goes, a read-only or full file system
             error = CheckpointError(f"save_checkpoint: cannot write the checkpoint directory {directory!r} "
                                     f"({type(exc).__name__}: {exc}); nothing was saved")
             error.__cause__ = exc
         except Exception as exc:  # noqa: BLE001 - raised on every rank below
             error = exc
-        _agree_on(error, f"writing the engine state of {directory!r}")
+        _agree_on(error, f"preparing the checkpoint {directory!r}")
+        error = None
         try:
-            save_checkpoint(self._model_checkpoint_path(directory), self.module, self.optimizer,
+            save_checkpoint(self._model_checkpoint_path(pending), self.module, self.optimizer,
                             sharded=self._sharded_files)
-        except BaseException:
-            if engine_file is not None:
-                engine_file.discard()
-            raise
-        if engine_file is not None:
-            engine_file.commit()
-            if save_latest:
-                write_atomically(os.path.join(save_dir, LATEST), lambda f: f.write(tag.encode()))
+            if self.global_rank == 0:
+                _write_engine_state(os.path.join(pending, ENGINE_STATE), payload)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            error = exc
+        _barrier()
+        if error is None and self.global_rank == 0:
+            try:
+                _swap_in(pending, directory)
+                if save_latest:
+                    write_atomically(os.path.join(save_dir, LATEST), lambda f: f.write(tag.encode()))
+            except Exception as exc:  # noqa: BLE001 - raised on every rank below
+                error = exc
+        if error is not None and self.global_rank == 0:
+            _remove_tree(pending)
+        _agree_on(error, f"saving the checkpoint {directory!r}")
         _barrier()
         return True
 
@@ -398,6 +436,9 @@ class TrainingEngine(nn.Module):
                 return None, None
             tag = _read_latest(latest)
         directory = os.path.join(load_dir, self._check_tag(tag))
+        if self.global_rank == 0:
+            _recover_tag(directory)
+        _barrier()
         state = self._read_engine_state(directory)
         with_optimizer = load_optimizer_states and not load_module_only and self.optimizer is not None
         if self._stage in (1, 2) and self.optimizer is not None:  # its masters are the module's values

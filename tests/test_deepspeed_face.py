@@ -226,6 +226,51 @@ def test_loading_the_module_only_works_at_every_stage(tmp_path, stage, how):
         fresh.step()
 
 
+@pytest.mark.parametrize("where", ["model files", "between the renames"])
+def test_a_save_that_dies_part_way_leaves_the_previous_tag_whole(tmp_path, monkeypatch, where):
+    """The tag is one unit: a save that fails while writing the model's files, or dies between the two renames
+    that swap the new tag in, leaves the previous save of that tag loadable whole (weights, counters, client
+    state), and the next load puts a tag left aside back."""
+    import chunkmem.engine as engine_module
+
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    data = batches(4, seed=4)
+    engine, _, _ = _engine(reference, _config(3))
+    for x in data[:2]:
+        engine.backward(lm_loss(engine(x), x))
+        engine.step()
+    engine.save_checkpoint(tmp_path, tag="fixed", client_state={"epoch": 1})
+    saved, saved_steps = [w.clone() for w in _weights(engine)], engine.global_steps
+    for x in data[2:]:
+        engine.backward(lm_loss(engine(x), x))
+        engine.step()
+
+    class Died(Exception):
+        pass
+
+    if where == "model files":
+        def dies(*args, **kwargs):
+            raise Died()
+        monkeypatch.setattr(engine_module, "save_checkpoint", dies)
+    else:
+        real_rename = os.rename
+
+        def dies(src, dst):
+            if ".pending-" in os.fspath(src):  # the second rename: the old tag is aside already
+                raise Died()
+            real_rename(src, dst)
+        monkeypatch.setattr(os, "rename", dies)
+    with pytest.raises(Died):
+        engine.save_checkpoint(tmp_path, tag="fixed", client_state={"epoch": 2})
+    monkeypatch.undo()
+    assert not [p for p in os.listdir(tmp_path) if ".pending-" in p]  # the half-written save is removed
+    resumed, _, _ = _engine(reference, _config(3))
+    _, client = resumed.load_checkpoint(tmp_path)
+    assert client == {"epoch": 1} and resumed.global_steps == saved_steps
+    assert all(torch.equal(a, b) for a, b in zip(_weights(resumed), saved))
+
+
 def test_load_without_latest_warns_and_returns_none(tmp_path):
     engine, _, _ = _engine(TinyGPT(), _config(3))
     with pytest.warns(UserWarning, match="latest"):
