@@ -31,7 +31,7 @@ from .distributed.collectives import ShardGroup
 from .errors import ArgumentTypeError, CheckpointError, InvalidArgumentError, UnsupportedOperationError, check_type
 from .io.checkpoint import load_checkpoint, save_checkpoint
 from .model import ShardedModelV2
-from .storage.atomic_file import write_atomically
+from .storage.atomic_file import fsync_directory, write_atomically
 from .loop_settings import LoopSettings
 
 __all__ = ["TrainingEngine", "initialize_engine"]
@@ -109,7 +109,7 @@ def _swap_in(pending: str, directory: str) -> None:
         _remove_tree(aside)
         os.rename(directory, aside)
     os.rename(pending, directory)
-    _fsync_dir(os.path.dirname(directory))
+    fsync_directory(os.path.dirname(directory))
     if aside is not None:
         _remove_tree(aside)
 
@@ -127,14 +127,6 @@ def _remove_tree(path: str) -> None:
     elif os.path.lexists(path):
         os.unlink(path)
 
-
-def _fsync_dir(path: str) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 class TrainingEngine(nn.Module):

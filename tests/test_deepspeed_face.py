@@ -144,25 +144,32 @@ def test_checkpoint_resumes_bitwise_with_client_state_and_latest(tmp_path, stage
         assert torch.equal(got, want)
 
 
+def _saved_then_trained_on(directory, config):
+    """An engine trained 2 steps, saved under tag "fixed" (client_state {"epoch": 1}), then trained 2 more:
+    ``(reference, engine, the saved weights, the saved global_steps)``."""
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    data = batches(4, seed=4)
+    engine, _, _ = _engine(reference, config)
+    for x in data[:2]:
+        engine.backward(lm_loss(engine(x), x))
+        engine.step()
+    engine.save_checkpoint(directory, tag="fixed", client_state={"epoch": 1})
+    saved, saved_steps = [w.clone() for w in _weights(engine)], engine.global_steps
+    for x in data[2:]:
+        engine.backward(lm_loss(engine(x), x))
+        engine.step()
+    return reference, engine, saved, saved_steps
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_a_failed_save_leaves_the_tag_whole_and_a_corrupt_engine_state_is_refused(tmp_path, stage):
     """Before 2026-11-27 a save whose engine state could not be written (a client_state that does not pickle)
     left the tag with the new weights and the old counters, schedule and client state; and engine_state.pt had no
     checksum (a flipped bit loaded changed counters)."""
-    torch.manual_seed(0)
-    reference = TinyGPT()
-    data = batches(4, seed=4)
     schedule = {"type": "WarmupDecayLR", "params": {"total_num_steps": 4, "warmup_max_lr": LR, "warmup_num_steps": 2}}
     config = _config(stage, scheduler=schedule)
-    engine, _, _ = _engine(reference, config)
-    for x in data[:2]:
-        engine.backward(lm_loss(engine(x), x))
-        engine.step()
-    engine.save_checkpoint(tmp_path, tag="fixed", client_state={"epoch": 1})
-    saved, saved_steps = [w.clone() for w in _weights(engine)], engine.global_steps
-    for x in data[2:]:
-        engine.backward(lm_loss(engine(x), x))
-        engine.step()
+    reference, engine, saved, saved_steps = _saved_then_trained_on(tmp_path, config)
     with pytest.raises(cm.InvalidArgumentError, match="client_state.*nothing was saved"):
         engine.save_checkpoint(tmp_path, tag="fixed", client_state={"callback": lambda: None})
     resumed, _, _ = _engine(reference, config)
@@ -233,18 +240,7 @@ def test_a_save_that_dies_part_way_leaves_the_previous_tag_whole(tmp_path, monke
     state), and the next load puts a tag left aside back."""
     import chunkmem.engine as engine_module
 
-    torch.manual_seed(0)
-    reference = TinyGPT()
-    data = batches(4, seed=4)
-    engine, _, _ = _engine(reference, _config(3))
-    for x in data[:2]:
-        engine.backward(lm_loss(engine(x), x))
-        engine.step()
-    engine.save_checkpoint(tmp_path, tag="fixed", client_state={"epoch": 1})
-    saved, saved_steps = [w.clone() for w in _weights(engine)], engine.global_steps
-    for x in data[2:]:
-        engine.backward(lm_loss(engine(x), x))
-        engine.step()
+    reference, engine, saved, saved_steps = _saved_then_trained_on(tmp_path, _config(3))
 
     class Died(Exception):
         pass

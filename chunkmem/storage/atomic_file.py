@@ -32,7 +32,7 @@ def write_atomically(path: str, write: Callable[[BinaryIO], Any]) -> None:
         with contextlib.suppress(OSError):
             os.remove(temp)
         raise
-    _fsync_directory(directory)
+    fsync_directory(directory)
 
 
 def write_json_atomically(doc: Any, path: str) -> None:
@@ -73,7 +73,8 @@ def _temporary_name(name: str, tag: str) -> str:
     return f".{name}.{tag}.tmp"
 
 
-def _fsync_directory(directory: str) -> None:
+def fsync_directory(directory: str) -> None:
+    """Make a rename or a new file inside ``directory`` durable (where the file system allows)."""
     with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY)
         try:
