@@ -248,3 +248,18 @@ def test_bf16_gradients_of_several_backwards_are_summed_in_fp32(placement):
     far = _bf16_grads_summed(reference, data, torch.bfloat16)
     near = _bf16_grads_summed(reference, data, torch.float32)
     assert any(not torch.equal(far[k].float(), near[k]) for k in far)  # the two sums differ: the test can fail
+
+
+@pytest.mark.parametrize("partition_grad", [False, True])
+def test_low_level_zero_sums_bf16_gradients_of_several_backwards_in_fp32(partition_grad):
+    reference = _reference()
+    data = batches(MICRO_BATCHES, seed=7)
+    for accumulate in (torch.float32, torch.bfloat16):
+        module = copy.deepcopy(reference).to(torch.bfloat16)
+        optim = cm.LowLevelZeroOptimizer(cm.HybridAdam(module.parameters(), lr=LR), partition_grad=partition_grad,
+                                         grad_accum_dtype=None if accumulate == torch.float32 else torch.bfloat16)
+        for x in data:
+            optim.backward(lm_loss(module(x), x))
+        expected = _bf16_grads_summed(reference, data, accumulate)
+        for name, p in module.named_parameters():
+            assert torch.equal(cm.utils.safe_get_full_grad(p), expected[name].float()), name

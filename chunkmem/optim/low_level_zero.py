@@ -108,6 +108,10 @@ class LowLevelZeroOptimizer:
             not wrapped.
         dp_process_group: the data-parallel group (``None``: the default group once
             ``torch.distributed`` is initialised, else one process). Keyword only.
+        grad_accum_dtype: (addition) what 16-bit gradients of several backwards are summed in: ``None`` or
+            ``torch.float32`` (default: a store holding an earlier backward's sum is widened to fp32, 2 more
+            bytes an element while accumulating), or the parameters' dtype (summed in it). Inside
+            :meth:`no_sync` the gradients accumulate in ``param.grad`` as autograd sums them. Keyword only.
 
     A wrong type raises :class:`~chunkmem.ArgumentTypeError`, a value out of range
     :class:`~chunkmem.InvalidArgumentError`; nothing is changed then.
@@ -118,11 +122,12 @@ class LowLevelZeroOptimizer:
                  hysteresis: int = 2, max_scale: float = 2**24, clip_grad_norm: float = 0.0, verbose: bool = False,
                  reduce_bucket_size: int = 1024 * 1024, communication_dtype: torch.dtype | None = None,
                  overlap_communication: bool = False, partition_grad: bool = False, cpu_offload: bool = False,
-                 forced_dtype: torch.dtype | None = None, *, dp_process_group: Any = None) -> None:
+                 forced_dtype: torch.dtype | None = None, *, dp_process_group: Any = None,
+                 grad_accum_dtype: torch.dtype | None = None) -> None:
         scaler, shards, groups, layout = self._checked(
             optimizer, initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale,
             clip_grad_norm, verbose, reduce_bucket_size, communication_dtype, overlap_communication, partition_grad,
-            cpu_offload, forced_dtype, dp_process_group)
+            cpu_offload, forced_dtype, dp_process_group, grad_accum_dtype)
         for params in groups:
             for p in params:
                 p._low_level_zero = True  # type: ignore[attr-defined]
@@ -153,6 +158,10 @@ class LowLevelZeroOptimizer:
         self.partition_grad = partition_grad
         self.cpu_offload = cpu_offload
         self.dtype = dtype
+        self._accumulate_in_fp32 = grad_accum_dtype in (None, torch.float32) and dtype != torch.float32
+        # backwards begun so far: a store last added to in an earlier one holds that backward's sum (the reductions
+        # of one backward may complete after it ends, with overlap_communication)
+        self._backwards_begun = 0
         self.dp_process_group = dp_process_group
         self.shards = shards
         self.separate_master = separate
@@ -202,7 +211,8 @@ class LowLevelZeroOptimizer:
                  backoff_factor: float, growth_interval: int, hysteresis: int, max_scale: float, clip_grad_norm: float,
                  verbose: bool, reduce_bucket_size: int, communication_dtype: torch.dtype | None,
                  overlap_communication: bool, partition_grad: bool, cpu_offload: bool,
-                 forced_dtype: torch.dtype | None, dp_process_group: Any, cast_to: torch.dtype | None = None
+                 forced_dtype: torch.dtype | None, dp_process_group: Any, grad_accum_dtype: torch.dtype | None = None,
+                 cast_to: torch.dtype | None = None
                  ) -> tuple[DynamicGradScaler, ShardGroup, list[list[nn.Parameter]], StateLayout | None]:
         """Every check of the constructor's arguments (nothing changed): the scaler, the data-parallel
         group, the trainable parameters per param group and what the optimizer keeps (``None``: Adam)."""
@@ -222,6 +232,11 @@ class LowLevelZeroOptimizer:
                                 ("cpu_offload", cpu_offload)):
                 check_type(name, value, bool, "True or False")
             groups = cls._check_params(optimizer, forced_dtype, cast_to)
+            dtype = forced_dtype or cast_to or groups[0][0].dtype
+            if grad_accum_dtype not in (None, torch.float32, dtype):
+                raise InvalidArgumentError("grad_accum_dtype", grad_accum_dtype,
+                                           f"None or torch.float32 (16-bit gradients of several backwards summed in "
+                                           f"fp32), or the parameters' dtype {dtype} (summed in it)")
             layout = None
             if not runs_adam_kernel(optimizer):
                 layout = probe_state(optimizer)
@@ -308,12 +323,19 @@ class LowLevelZeroOptimizer:
     # ---- backward ----------------------------------------------------------------------------------
 
     def _grad_store(self, chunk: FlatChunk) -> torch.Tensor:
+        """Where ``chunk``'s reduced gradients of this backward are added: a 16-bit store holding an earlier
+        backward's sum is widened to fp32 first (gradient accumulation summed in fp32, unless
+        ``grad_accum_dtype`` is the parameters' dtype)."""
         if chunk.grad is None:
             if chunk.spare_grad is not None:  # memory already touched: no page faults, no allocator call
                 chunk.grad, chunk.spare_grad = chunk.spare_grad.zero_(), None
             else:
                 numel = chunk.shard_numel if self.partition_grad else chunk.numel
                 chunk.grad = torch.zeros(numel, dtype=self.dtype, device=chunk.param.device)
+        elif (self._accumulate_in_fp32 and chunk.grad_backward != self._backwards_begun
+              and chunk.grad.dtype != torch.float32):
+            chunk.grad = chunk.grad.float()
+        chunk.grad_backward = self._backwards_begun
         return chunk.grad
 
     def _on_grad(self, param: nn.Parameter) -> None:
@@ -321,6 +343,7 @@ class LowLevelZeroOptimizer:
         runs the ranks' agreement first, then the gradient goes to the buckets."""
         if not self._backward_agreed:
             self._backward_agreed = True
+            self._backwards_begun += 1
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
             agree_on_point(self.shards, "backward", "LowLevelZeroOptimizer's backward",
                            [("backward passes so far", self._backwards), ("optimizer steps so far", self._steps),
@@ -515,8 +538,8 @@ class LowLevelZeroOptimizer:
             if set_to_none:  # zeroed gradients still count: torch steps a parameter whose .grad is zeros
                 chunk.slots_with_grads.clear()
             if chunk.grad is not None:
-                if set_to_none:
-                    chunk.grad, chunk.spare_grad = None, chunk.grad
+                if set_to_none:  # (a store widened for accumulation is not kept: the next backward's is 16-bit)
+                    chunk.grad, chunk.spare_grad = None, chunk.grad if chunk.grad.dtype == self.dtype else None
                 else:
                     chunk.grad.zero_()
         for slot in self._slot_of.values():

@@ -71,6 +71,7 @@ class FlatChunk:
     whole_state: dict[int, dict[str, Any]] = field(default_factory=dict)
     grad: torch.Tensor | None = None
     spare_grad: torch.Tensor | None = None
+    grad_backward: int = -1  # which backward (the optimizer's count of those begun) last added to ``grad``
     slots_with_grads: set[int] = field(default_factory=set)  # param indices given a gradient since the last step
     steps: dict[int, int] = field(default_factory=dict)  # param index -> optimizer steps it took (torch's count)
 
