@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 
 from ..errors import InvalidArgumentError
-from .transfer import PinnedStagingPool, Transfer, staging_pool
+from .transfer import Transfer, staging_pool
 
 ENGINE_ENV = "CHUNKMEM_COPY_ENGINE"
 ENGINE_NAMES = ("plain", "cuda", "cuda-sync", "deferred")
@@ -108,9 +108,6 @@ class CopyEngine:
     def before_host_write(self, tensor: torch.Tensor, site: str) -> None:
         """``tensor`` (a host buffer) is about to be written by the host: wait for copies still reading it."""
 
-    def synchronize(self) -> None:
-        """Wait for every copy issued so far (before host buffers are given back for good)."""
-
     def stats(self) -> dict[str, object]:
         """``{"engine", "host_waits" (site -> count), "staging_waits"}`` (cumulative over the process)."""
         return {"engine": self.name, "host_waits": dict(self.host_waits), "staging_waits": 0}
@@ -126,13 +123,8 @@ class DeferredCopies(CopyEngine):
     name = "deferred"
     asynchronous = True
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.copies_deferred = 0
-
     def _defer(self, dst: torch.Tensor, src: torch.Tensor, site: str | None, finish: Callable[[], None]) -> Transfer:
         _poison(dst)
-        self.copies_deferred += 1
         # A view of its own keeps the source's memory from reuse until the copy ran (the block pool does not
         # take back a block something else views), as record_stream does for the CUDA engine's sources.
         src = src.view(src.shape)
@@ -179,15 +171,8 @@ class CudaCopies(CopyEngine):
             streams[index] = torch.cuda.Stream(device=index)
         return streams[index]
 
-    @property
-    def staging(self) -> PinnedStagingPool:
-        return staging_pool()
-
     def to_device(self, dst: torch.Tensor, src: torch.Tensor, finish: Callable[[], None] = lambda: None) -> Transfer:
-        if dst.device.type != "cuda" or src.device.type != "cpu":
-            dst.copy_(src)
-            return Transfer(finish)
-        if self.synchronous:
+        if self.synchronous or dst.device.type != "cuda" or src.device.type != "cpu":
             dst.copy_(src)
             return Transfer(finish)
         compute = torch.cuda.current_stream(dst.device)
@@ -196,7 +181,7 @@ class CudaCopies(CopyEngine):
         staging = None
         source = src
         if not src.is_pinned():
-            staging = self.staging.take(src.numel() * src.element_size()).view(src.dtype)
+            staging = staging_pool().take(src.numel() * src.element_size()).view(src.dtype)
             staging.copy_(src)
             source = staging
         with torch.cuda.stream(stream):
@@ -204,7 +189,7 @@ class CudaCopies(CopyEngine):
             event = torch.cuda.Event()
             event.record(stream)
         if staging is not None:
-            self.staging.give_back(staging.view(torch.uint8), event)
+            staging_pool().give_back(staging.view(torch.uint8), event)
         else:
             self._reading[src.data_ptr()] = event
         return Transfer(finish, event, dst.device, complete=lambda: compute.wait_event(event))
@@ -234,14 +219,8 @@ class CudaCopies(CopyEngine):
             self.count_wait(site)
             event.synchronize()
 
-    def synchronize(self) -> None:
-        for stream in (*self._up.values(), *self._down.values()):
-            stream.synchronize()
-        self._reading.clear()
-
     def stats(self) -> dict[str, object]:
-        return {"engine": self.name, "host_waits": dict(self.host_waits),
-                "staging_waits": staging_pool().host_waits if torch.cuda.is_available() else 0}
+        return {"engine": self.name, "host_waits": dict(self.host_waits), "staging_waits": staging_pool().host_waits}
 
 
 _engines: dict[str, CopyEngine] = {}

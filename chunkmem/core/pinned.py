@@ -128,7 +128,6 @@ class PinnedHostMemory:
     def give_back(self, tensor: torch.Tensor, keep: bool = True) -> None:
         """Keep a pinned block for the next buffer of its size (``keep``; else unregister it now); a pageable
         one is simply dropped. Whoever gives a block back has waited for the copies that used it."""
-        global _process_pinned
         nbytes = tensor.numel() * tensor.element_size()
         ptr = tensor.data_ptr()
         if ptr not in self._blocks or nbytes != self._blocks[ptr]:
@@ -137,27 +136,25 @@ class PinnedHostMemory:
         self.in_use_bytes -= nbytes
         if keep:
             self._free[nbytes].append(tensor.view(torch.uint8))
-            return
-        del self._blocks[ptr]
+        else:
+            self._forget(ptr)
+
+    def release_cached(self) -> None:
+        """Unregister and drop the blocks kept for reuse (those in use stay)."""
+        for blocks in self._free.values():
+            for block in blocks:
+                self._forget(block.data_ptr())
+        self._free.clear()
+
+    def _forget(self, ptr: int) -> None:
+        """Stop keeping the block at ``ptr`` (unregistered when pinned; its mapping goes with its last tensor)."""
+        global _process_pinned
+        nbytes = self._blocks.pop(ptr)
         if self.pin:
             _unregister(ptr)
             self.pinned_bytes -= nbytes
             with _lock:
                 _process_pinned -= nbytes
-
-    def release_cached(self) -> None:
-        """Unregister and drop the blocks kept for reuse (those in use stay)."""
-        global _process_pinned
-        for blocks in self._free.values():
-            for block in blocks:
-                nbytes = self._blocks.pop(block.data_ptr())
-                if not self.pin:
-                    continue
-                _unregister(block.data_ptr())
-                self.pinned_bytes -= nbytes
-                with _lock:
-                    _process_pinned -= nbytes
-        self._free.clear()
 
     def stats(self) -> dict[str, int]:
         return {"pinned_bytes": self.pinned_bytes, "pinned_in_use_bytes": self.in_use_bytes,
