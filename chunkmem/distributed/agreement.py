@@ -216,6 +216,16 @@ def _shown(value: int) -> str:
     return "None" if value == -1 else str(value)
 
 
+def held_on_any_rank(shards: ShardGroup, flags: Sequence[bool], what: str) -> list[bool]:
+    """For each of ``flags``, whether it holds on any rank of ``shards`` (one all-reduce; every rank passes
+    as many flags, in the same order). ``what`` names them for a collective's error."""
+    if not shards.sharded:
+        return list(flags)
+    held = torch.tensor([bool(f) for f in flags], dtype=torch.int32)
+    shards.all_reduce_(held, dist.ReduceOp.MAX, what=what)
+    return [bool(v) for v in held.tolist()]
+
+
 HYPER_PARAMETERS_FIELD = "the param groups' hyper-parameters (a digest of every group's lr, betas, weight_decay, ...)"
 
 

@@ -39,6 +39,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch.optim import Optimizer
 
+from ..distributed.agreement import hyper_parameter_digest
 from ..errors import InvalidArgumentError, UnsupportedOperationError
 
 __all__ = ["ELEMENTWISE", "ParamView", "PieceStep", "StateLayout", "check_elementwise", "probe_state", "step_views"]
@@ -120,15 +121,12 @@ class LayoutWatch:
         self.optimizer = optimizer
         self.layout = layout
         self.owner = owner
-        self._seen = self._hyper_parameters()
-
-    def _hyper_parameters(self) -> str:
-        return repr([sorted(_hyper(g).items(), key=lambda kv: kv[0]) for g in self.optimizer.param_groups])
+        self._seen = hyper_parameter_digest(optimizer.param_groups)
 
     def check(self) -> None:
         """Raise :class:`~chunkmem.UnsupportedOperationError`, with nothing changed, if the optimizer's
         current hyper-parameters make it keep other per-element state than the chunks have."""
-        seen = self._hyper_parameters()
+        seen = hyper_parameter_digest(self.optimizer.param_groups)
         if seen == self._seen:
             return
         now = probe_state(self.optimizer)

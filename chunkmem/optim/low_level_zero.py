@@ -20,7 +20,7 @@ from .adam import check_supported_optimizer, hyper_of_group, params_mismatch, ru
 from .any_optimizer import LayoutWatch, ParamView, StateLayout, check_elementwise, probe_state, step_views
 from .adam_kernels import adam_update_, param_spans
 from ..distributed.agreement import (ARGUMENTS, HYPER_PARAMETERS_FIELD, LayoutDescription, ParamRecord, agree,
-                                    agree_on_point, hyper_parameter_digest, refuse_together)
+                                    agree_on_point, held_on_any_rank, hyper_parameter_digest, refuse_together)
 from ..distributed.collectives import ShardGroup, start_all_gather
 from ..core.chunk import ADAM_STATE
 from ..core.layout import join_runs
@@ -461,12 +461,8 @@ class LowLevelZeroOptimizer:
     def _agree_on_gradients(self) -> None:
         """With several ranks, a parameter has a gradient in this step when any rank produced one (as under
         DDP): one small all-reduce of which parameters got one."""
-        if not self.shards.sharded:
-            return
-        had = torch.tensor([slot.index in c.slots_with_grads for c in self.chunks for slot in c.slots],
-                           dtype=torch.int32)
-        self.shards.all_reduce_(had, torch.distributed.ReduceOp.MAX, what="the parameters given a gradient in this step")
-        flags = iter(had.tolist())
+        flags = iter(held_on_any_rank(self.shards, [s.index in c.slots_with_grads for c in self.chunks for s in c.slots],
+                                      "the parameters given a gradient in this step"))
         for chunk in self.chunks:
             chunk.slots_with_grads = {slot.index for slot in chunk.slots if next(flags)}
 
@@ -507,7 +503,7 @@ class LowLevelZeroOptimizer:
                          param_spans=[(s - a, e - a) for s, e in spans])
             if self.separate_master and not same_device:
                 own[a:b].copy_(chunk.master[a:b], non_blocking=False)
-        _advance(chunk, self._stepped(chunk))
+        chunk.advance_steps(self._stepped(chunk))
 
     def _update_with_any_optimizer(self, chunk: FlatChunk, multiplier: float) -> None:
         """The wrapped optimizer's own step over this rank's shard of ``chunk`` on stand-ins (views of the
@@ -522,7 +518,7 @@ class LowLevelZeroOptimizer:
         grad = self._own_grad(chunk).to(device=chunk.master.device, dtype=torch.float32, copy=True).mul_(multiplier)
         step_views(self.optim, self._layout, views, {chunk.group}, chunk.master, grad, chunk.state, chunk.scalars,
                    first_step=not chunk.stepped, whole_state=chunk.whole_state)
-        _advance(chunk, stepped)
+        chunk.advance_steps(stepped)
         if self.separate_master:
             own = chunk.own(chunk.param)
             for a, b, _ in self._ranges(chunk):
@@ -785,9 +781,3 @@ def _agree_on_settings(shards: ShardGroup, groups: list[list[nn.Parameter]], set
             params.add(f"param group {g}, parameter {i}", p.shape, True)
     description = [(ARGUMENTS, "accepted")] + [(k, repr(v)) for k, v in settings.items()]
     agree(shards, LayoutDescription("LowLevelZeroOptimizer", description, params))
-
-
-def _advance(chunk: FlatChunk, stepped: list[FlatSlot]) -> None:
-    """One more step for each parameter the update stepped."""
-    for slot in stepped:
-        chunk.steps[slot.index] = chunk.steps.get(slot.index, 0) + 1

@@ -19,7 +19,7 @@ from ..errors import (ArgumentTypeError, ChunkmemError, DeviceCapacityError, Gra
 from ..core.param_guard import slot_of
 from ..core.tiers import Tier
 from ..distributed.agreement import (ARGUMENTS, HYPER_PARAMETERS_FIELD, LayoutDescription, ParamRecord, agree,
-                                    hyper_parameter_digest, refuse_together)
+                                    held_on_any_rank, hyper_parameter_digest, refuse_together)
 from ..distributed.collectives import ShardGroup
 from ..model import ShardedModelV2
 from ..builder import compute_dtype
@@ -610,14 +610,10 @@ class ShardedOptimizerV2(Optimizer):
     def _agree_on_gradients(self) -> None:
         """With several ranks, a parameter has a gradient in this step when any rank produced one for it (as
         under DDP), so every rank steps the same parameters: one small all-reduce of which parameters got one."""
-        group = self.runtime.data_parallel
-        if not group.sharded:
-            return
         chunks = self._trainable_chunks()
-        had = torch.tensor([slot.index_in_chunk in c.slots_with_grads for c in chunks for slot in c.slots],
-                           dtype=torch.int32)
-        group.all_reduce_(had, torch.distributed.ReduceOp.MAX, what="the parameters given a gradient in this step")
-        flags = iter(had.tolist())
+        flags = iter(held_on_any_rank(self.runtime.data_parallel,
+                                      [s.index_in_chunk in c.slots_with_grads for c in chunks for s in c.slots],
+                                      "the parameters given a gradient in this step"))
         for chunk in chunks:
             chunk.slots_with_grads = {slot.index_in_chunk for slot in chunk.slots if next(flags)}
 

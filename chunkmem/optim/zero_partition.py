@@ -84,6 +84,11 @@ class FlatChunk:
         """Whether any parameter of the chunk has taken a step (it then has optimizer state)."""
         return any(self.steps.values())
 
+    def advance_steps(self, slots: list[FlatSlot]) -> None:
+        """One more step for each of ``slots`` (the parameters a step updated)."""
+        for slot in slots:
+            self.steps[slot.index] = self.steps.get(slot.index, 0) + 1
+
     @property
     def shard_numel(self) -> int:
         """Elements each rank owns."""
