@@ -1,6 +1,7 @@
 """ShardedModelV2: wraps a module so that its parameters live in chunks placed by a policy."""
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from collections import OrderedDict
@@ -188,6 +189,38 @@ class ShardedModelV2(nn.Module):
         self.layout = built.layout
         self.compute_device = device_of_tier(Tier.DEVICE)
         self._param_names = built.param_names
+        self._show_module_signature(module)
+
+    def _show_module_signature(self, module: nn.Module) -> None:
+        """Make ``inspect.signature(self.forward)`` the wrapped module's: libraries choose what to pass by
+        it (Hugging Face ``Trainer`` drops every dataset column the forward does not name)."""
+        try:
+            signature = inspect.signature(module.forward)
+        except (TypeError, ValueError):  # a forward inspect cannot read (a builtin): keep (*args, **kwargs)
+            return
+        forward = ShardedModelV2.forward.__get__(self)
+
+        def forward_with_module_signature(*args: Any, **kwargs: Any) -> Any:
+            return forward(*args, **kwargs)
+
+        forward_with_module_signature.__signature__ = signature  # type: ignore[attr-defined]
+        forward_with_module_signature.__doc__ = ShardedModelV2.forward.__doc__
+        self.__dict__["forward"] = forward_with_module_signature
+
+    def __getattr__(self, name: str) -> Any:
+        """Attributes this wrapper does not have come from the wrapped module (``config``,
+        ``save_pretrained``, ``gradient_checkpointing_enable``, ``main_input_name``, ...), as libraries that
+        look at the model expect; parameters, buffers and submodules are this wrapper's own (``module.``)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError as missing:
+            modules = self.__dict__.get("_modules", {})
+            if name.startswith("__") or "module" not in modules:
+                raise
+            try:
+                return getattr(modules["module"], name)
+            except AttributeError:
+                raise missing from None
 
     # ---- the reference's attributes, read from the settings ----------------------------------------
 
@@ -266,6 +299,8 @@ class ShardedModelV2(nn.Module):
     # ---- forward -----------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped module's forward (its signature: ``inspect.signature(model.forward)``), its chunks
+        fetched as it runs; in 16-bit mode floating inputs cast to the model's dtype, outputs to fp32."""
         args, kwargs = tree_map(self._cast_input, (args, kwargs))
         self.runtime.begin_iteration((args, kwargs), torch.is_grad_enabled())
         try:
