@@ -146,7 +146,7 @@ def _grad_shard(slot: ParamSlot) -> tuple[torch.Tensor, float] | None:
     grad = host.grad_of(chunk) if chunk.trainable else None
     if grad is None:
         return None
-    return grad, host.grad_multiplier()
+    return grad, host.grad_multiplier(slot)
 
 
 def _state_shard(slot: ParamSlot, key: str) -> torch.Tensor | None:

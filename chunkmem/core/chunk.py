@@ -40,7 +40,7 @@ import enum
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Any, Iterable, Protocol
 
 import torch
 import torch.nn as nn
@@ -131,8 +131,12 @@ class ChunkHost(Protocol):
     def grad_of(self, chunk: "Chunk") -> torch.Tensor | None:
         """This rank's shard of the chunk's finished gradient, or ``None``."""
 
-    def grad_multiplier(self) -> float:
-        """What the next step multiplies the gradients by (unscaling and clipping; 1 without optimizer)."""
+    def grad_multiplier(self, slot: "ParamSlot | None" = None) -> float:
+        """What the next step multiplies the gradients by (unscaling and clipping; 1 without optimizer;
+        for ``slot``, with the factor torch's in-place idioms gave its gradient)."""
+
+    def run_gradient_idiom(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A torch function on the ``.grad`` stand-ins of this model's parameters (clip_grad_norm_ ...)."""
 
     def register_external(self, module: nn.Module, param: nn.Parameter) -> None:
         """Fetch ``param``'s chunk with ``module`` (a submodule of the model) from now on."""

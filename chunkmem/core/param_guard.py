@@ -24,9 +24,9 @@ anywhere else, sharded chunk      refused unless gathered            refused (us
 Refusals raise :class:`ParameterAccessError` naming the parameter and the documented way. Metadata
 (``shape``, ``dtype``, ``requires_grad`` and ``requires_grad_``, hook registration...) always passes through.
 ``param.data`` outside a forward gives a copy whose in-place changes are applied to the parameter by
-the rules above. ``param.grad`` is ``None`` until a backward, then a stand-in that refuses every use
-(gradients live in chunks: ``optim.clip_grad_norm``); setting it to ``None`` zeroes the parameter's
-gradient. ``copy.deepcopy`` and pickling of a chunk-managed parameter are refused.
+the rules above. ``param.grad`` is ``None`` until a backward gives the parameter a gradient, then a
+:class:`ChunkGradient` stand-in on which torch's gradient idioms work (``clip_grad_norm_``, reads:
+:mod:`chunkmem.optim.gradient_idioms`); setting it to ``None`` zeroes the parameter's gradient. ``copy.deepcopy`` and pickling of a chunk-managed parameter are refused.
 
 A tensor that a module's forward got from a parameter and kept past the forward (``w = p.data`` inside
 ``forward``, stored on ``self``) still views chunk memory: keep copies, not views.
@@ -151,7 +151,7 @@ def _is_metadata(func: Any, attribute: tuple[str, str] | None) -> bool:
     return getattr(func, "__name__", "") in _METADATA_METHODS
 
 
-def _written_target(func: Any, args: tuple, kwargs: dict) -> Any:
+def written_target(func: Any, args: tuple, kwargs: dict) -> Any:
     """The tensor an in-place call modifies (its first argument, or ``out=``), or ``None``."""
     out = kwargs.get("out")
     if out is not None:
@@ -183,7 +183,7 @@ class ChunkParameter(nn.Parameter):
         params = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, ChunkParameter)]
         if attribute:
             return _attribute_access(params[0], attribute, func, args, kwargs)
-        target = _written_target(func, args, kwargs)
+        target = written_target(func, args, kwargs)
         if all(_passes(p, p is target) for p in params):
             return _plain(func, args, kwargs)
         if isinstance(target, ChunkParameter):
@@ -248,16 +248,17 @@ def _gradient_stand_in(param: ChunkParameter, slot: ParamSlot) -> Any:
     host = slot.chunk.host
     with DisableTorchFunctionSubclass():
         requires_grad = param.requires_grad
-    if host is None or not host.grads_pending or not requires_grad or not slot.chunk.trainable:
-        return None
-    return ChunkGradient(slot.name, slot.shape, slot.chunk.dtype, slot.chunk.param.device.device)
+    if (host is None or not host.grads_pending or not requires_grad or not slot.chunk.trainable
+            or slot.index_in_chunk not in slot.chunk.slots_with_grads):
+        return None  # (torch's .grad is None for a parameter no backward reached)
+    return ChunkGradient(slot, slot.chunk.param.device.device)
 
 
 def _set_gradient(slot: ParamSlot, value: Any, func: Any, args: tuple) -> None:
     if value is not None:
         raise ParameterAccessError(
             f"assigning .grad of the chunk-managed parameter {slot.name!r}: gradients live in chunks and are "
-            "written by backward; clip them with optim.clip_grad_norm(max_norm)")
+            "written by backward; torch.nn.utils.clip_grad_norm_ and clip_grad_value_ clip them where they are")
     host = slot.chunk.host
     grad = host.grad_of(slot.chunk) if host is not None else None
     part = slot.chunk.own_range(slot)
@@ -360,7 +361,7 @@ class _DataCopy(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        target = _written_target(func, args, kwargs)
+        target = written_target(func, args, kwargs)
         if isinstance(target, _DataCopy):
             param = target._param
             with torch.no_grad():
@@ -379,30 +380,34 @@ class _DataCopy(torch.Tensor):
 
 
 class ChunkGradient(torch.Tensor):
-    """What ``param.grad`` of a chunk-managed parameter gives once a backward wrote gradients: a
-    stand-in with the gradient's shape, dtype and device that refuses every other use (the gradients
-    live in chunks, possibly scaled by the loss scale and sharded over ranks)."""
+    """What ``param.grad`` of a chunk-managed parameter gives once a backward gave it a gradient: a
+    stand-in with the gradient's shape, dtype and device (the gradient lives in its chunk, possibly
+    scaled by the loss scale and sharded over ranks). torch's idioms work on it
+    (``torch.nn.utils.clip_grad_norm_``, ``clip_grad_value_``, norms, reads of a whole chunk's gradient);
+    :mod:`chunkmem.optim.gradient_idioms` says what each does. ``slot`` is where its parameter lives."""
 
-    _name: str
+    slot: ParamSlot
 
     @staticmethod
-    def __new__(cls, name: str, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> "ChunkGradient":
-        stand_in = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
-        stand_in._name = name
+    def __new__(cls, slot: ParamSlot, device: torch.device) -> "ChunkGradient":
+        stand_in = torch.Tensor._make_wrapper_subclass(cls, slot.shape, dtype=slot.chunk.dtype, device=device)
+        stand_in.slot = slot
         return stand_in
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
         if _kind_of(func) is _METADATA:
-            return _plain(func, args, kwargs or {})
+            return _plain(func, args, kwargs)
         if getattr(func, "__name__", "") == "__repr__":
-            return f"ChunkGradient({args[0]._name!r}, shape={tuple(args[0].shape)}, dtype={args[0].dtype})"
+            return f"ChunkGradient({args[0].slot.name!r}, shape={tuple(args[0].shape)}, dtype={args[0].dtype})"
         stand_in = next(t for t in tree_leaves((args, kwargs)) if isinstance(t, ChunkGradient))
-        raise ParameterAccessError(
-            f"{getattr(func, '__name__', func)} on the gradient of the chunk-managed parameter {stand_in._name!r}: "
-            "gradients live in chunks (scaled by the loss scale with fp16, sharded over ranks). Clip them with "
-            "optim.clip_grad_norm(max_norm) (instead of torch.nn.utils.clip_grad_norm_), zero them with "
-            "optim.zero_grad()")
+        host = stand_in.slot.chunk.host
+        if host is None or not host.owns(stand_in.slot.chunk):
+            raise ParameterAccessError(
+                f"{getattr(func, '__name__', func)} on a gradient of {stand_in.slot.name!r} kept from a model that "
+                "was unwrapped: read .grad again")
+        return host.run_gradient_idiom(func, args, kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:

@@ -32,6 +32,9 @@ class MixedPrecisionStep:
         self.groups = [g for g in groups if g is not None and dist.get_world_size(g) > 1]
         self.verbose = verbose
         self.clip_coef = 1.0
+        self.factors: dict[int, float] = {}  # id(slot) -> what torch's in-place idioms multiplied its gradient by
+        self.factors_since: int | None = None  # the model's backward count when the first factor came
+        self.scaled_by = 1.0  # the one factor of ``factors`` the coming step applies (set by the step)
         self.norm: float | None = None  # the unscaled norm an explicit clip computed for the coming step
         self.last_norm: float | None = None  # the unscaled norm the last step computed (clipping, overflow check)
 
@@ -42,8 +45,9 @@ class MixedPrecisionStep:
 
     @property
     def multiplier(self) -> float:
-        """What the coming step multiplies the gradients by: the clipping coefficient over the loss scale."""
-        return self.clip_coef / self.loss_scale
+        """What the coming step multiplies the gradients by: the clipping coefficient (and the factor of
+        torch's in-place idioms, :mod:`chunkmem.optim.gradient_idioms`) over the loss scale."""
+        return self.clip_coef * self.scaled_by / self.loss_scale
 
     def total_norm(self, grads: Iterable[torch.Tensor | None], norm_type: float = 2.0) -> float:
         """The ``norm_type`` norm of all unscaled gradients (this rank's shards of them, reduced over the
@@ -68,7 +72,7 @@ class MixedPrecisionStep:
         total = self._reduce_over_ranks(local, maximum=math.isinf(norm_type))
         if not math.isinf(norm_type):
             total = total ** (1 / norm_type)
-        return total / self.loss_scale
+        return total / self.loss_scale * abs(self.scaled_by)
 
     def clip(self, grads: Iterable[torch.Tensor | None], max_norm: float, norm_type: float = 2.0) -> float:
         """Clip the coming step's gradients to total norm ``max_norm``; returns the unscaled total norm."""
@@ -105,7 +109,8 @@ class MixedPrecisionStep:
 
     def forget(self) -> None:
         """The gradients are gone (stepped, skipped or dropped): no clipping decided for the next step."""
-        self.clip_coef, self.norm = 1.0, None
+        self.clip_coef, self.norm, self.scaled_by = 1.0, None, 1.0
+        self.factors, self.factors_since = {}, None
 
     def any_rank(self, failed: bool) -> bool:
         """Whether ``failed`` holds on any rank of the groups (one small all-reduce)."""

@@ -32,6 +32,7 @@ from .adam_math import AdamHyper
 from .backward_step import BackwardStep, check_step_in_backward, check_undo_room, why_no_speculation
 from .disk_step import ChunkUpdate, DiskStepError, StreamedStep, gaps, streamed_count
 from .loss_scaler import DynamicGradScaler
+from .gradient_idioms import GradientIdioms
 from .mixed_precision import MixedPrecisionStep
 from .sealed import seal_param_groups
 
@@ -171,6 +172,7 @@ class ShardedOptimizerV2(Optimizer):
         self._accounted_backwards = self.runtime.backward_count
         self._broken_by: ChunkmemError | None = None  # a failed step that could not be undone
         self._backward = BackwardStep(self)  # step_in_backward: what the backward started
+        self._idioms = GradientIdioms(self)  # torch's idioms on the parameters' .grad stand-ins
         self._layout = layout  # None: the Adam kernel; else any_optimizer's stand-in step
         self._layout_watch = None if layout is None else LayoutWatch(optimizer, layout, "ShardedOptimizerV2")
         self._scalars: dict[int, dict[int, dict[str, Any]]] = {}  # any_optimizer: chunk -> group -> scalar state
@@ -533,17 +535,27 @@ class ShardedOptimizerV2(Optimizer):
         unscaled gradients (inf or NaN if they overflowed). Clipping is folded into the update."""
         check_number("max_norm", max_norm, low=0.0, low_open=True)
         check_number("norm_type", norm_type, low=0.0, low_open=True)
-        reason = why_no_speculation(self.model.settings) if self.step_in_backward else None
-        if reason is not None:
-            raise UnsupportedOperationError(
-                f"clip_grad_norm with step_in_backward=True and {reason}: the chunks on disk are updated during the "
-                f"backward, before the norm of all gradients exists, and clipping would have to redo them; build the "
-                f"ShardedOptimizerV2 without step_in_backward to clip")
+        self.check_can_rescale("clip_grad_norm")
         self.runtime.agree("clip", "ShardedOptimizerV2.clip_grad_norm()",
                            [("optimizer steps so far", self.runtime.step_count), ("max_norm", max_norm),
                             ("norm_type", norm_type)])
         self._check_backward_was_scaled()
         return self.mixed.clip(self._grads(), max_norm, float(norm_type))
+
+    def check_can_rescale(self, what: str) -> None:
+        """Refuse ``what`` (a clipping decided after the backward) where the backward's updates could not be
+        redone with another multiplier."""
+        reason = why_no_speculation(self.model.settings) if self.step_in_backward else None
+        if reason is not None:
+            raise UnsupportedOperationError(
+                f"{what} with step_in_backward=True and {reason}: the chunks on disk are updated during the "
+                f"backward, before the norm of all gradients exists, and clipping would have to redo them; build the "
+                f"ShardedOptimizerV2 without step_in_backward to clip")
+
+    def run_gradient_idiom(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A torch function on the ``.grad`` stand-ins of this model's parameters (the runtime's
+        :class:`~chunkmem.runtime.runtime.OptimizerListener` side; :mod:`chunkmem.optim.gradient_idioms`)."""
+        return self._idioms.run(func, args, kwargs)
 
     def _grads(self) -> list[torch.Tensor]:
         """This rank's gradients for the global norm: its shards, and a replicated chunk's whole gradients
@@ -551,10 +563,11 @@ class ShardedOptimizerV2(Optimizer):
         return [t for c in self._trainable_chunks() if c.replicas is None or c.replicas.rank == 0
                 for t in self.runtime.grad_tensors(c)]
 
-    def grad_multiplier(self) -> float:
-        """What the coming step multiplies the gradients by: the clipping over the loss scale (the
-        runtime's :class:`~chunkmem.runtime.runtime.OptimizerListener` side, read by the accessors)."""
-        return self.mixed.multiplier
+    def grad_multiplier(self, slot: ParamSlot | None = None) -> float:
+        """What the coming step multiplies the gradients by: the clipping over the loss scale, and for
+        ``slot`` the factor torch's in-place idioms gave its gradient (the runtime's
+        :class:`~chunkmem.runtime.runtime.OptimizerListener` side, read by the accessors)."""
+        return self.mixed.multiplier * (1.0 if slot is None else self._idioms.factor_of(slot))
 
     def step(self) -> bool:  # type: ignore[override]
         """Unscale, check for overflow, clip, and update every chunk where its optimizer state lives.
@@ -569,13 +582,21 @@ class ShardedOptimizerV2(Optimizer):
         :class:`~chunkmem.UnscaledBackwardError` and change nothing. Hooks registered with
         ``register_step_pre_hook`` / ``register_step_post_hook`` run before and after.
         """
+        try:
+            scaled_by, refused = self._idioms.uniform_factor(self._trainable_chunks()), None
+        except UnsupportedOperationError as error:
+            scaled_by, refused = float("nan"), error
         self.runtime.begin_step("ShardedOptimizerV2.step()", [("gradients pending", self.runtime.grads_pending),
                                                               ("loss scale", self.loss_scale),
                                                               ("max_norm", self.max_norm),
+                                                              ("gradients scaled in place by", repr(scaled_by)),
                                                               (HYPER_PARAMETERS_FIELD,
                                                                hyper_parameter_digest(self.optim.param_groups))])
+        if refused is not None:
+            raise refused
         if not self.runtime.grads_pending:
             return False
+        self.mixed.scaled_by = scaled_by
         self.runtime.refuse_unfrozen("ShardedOptimizerV2.step()")
         if self._layout_watch is not None:
             self._layout_watch.check()

@@ -47,10 +47,10 @@ import torch.nn as nn
 from torch._C import DisableTorchFunctionSubclass
 from torch.utils._pytree import tree_leaves
 
-from ..core.chunk import Chunk
+from ..core.chunk import Chunk, ParamSlot
 from ..errors import GradientAccumulationError, InvalidArgumentError, UnsupportedOperationError
 from ..core.memory import TierMemory
-from ..core.param_guard import remembered_externals, slot_of
+from ..core.param_guard import ParameterAccessError, remembered_externals, slot_of
 from ..core.tiers import Tier, device_of_tier
 from ..distributed.agreement import agree_on_point
 from ..distributed.collectives import CollectiveError, ShardGroup
@@ -70,8 +70,12 @@ class OptimizerListener(Protocol):
         """``chunk``'s gradients of this backward are reduced and rest where its update runs (outside
         ``no_sync``)."""
 
-    def grad_multiplier(self) -> float:
-        """What the next step multiplies the gradients by (unscaling and clipping)."""
+    def grad_multiplier(self, slot: ParamSlot | None = None) -> float:
+        """What the next step multiplies the gradients by (unscaling and clipping; for ``slot``, with the
+        factor torch's in-place idioms gave its gradient)."""
+
+    def run_gradient_idiom(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A torch function on ``.grad`` stand-ins of the model's parameters (:mod:`chunkmem.optim.gradient_idioms`)."""
 
     def on_backward_failed(self) -> None:
         """A backward raised part-way: drop every pending gradient and undo what the backward started."""
@@ -440,9 +444,18 @@ class ChunkRuntime:
     def _optimizer(self) -> OptimizerListener | None:
         return None if self._listener is None else self._listener()
 
-    def grad_multiplier(self) -> float:
+    def grad_multiplier(self, slot: ParamSlot | None = None) -> float:
         optimizer = self._optimizer()
-        return 1.0 if optimizer is None else optimizer.grad_multiplier()
+        return 1.0 if optimizer is None else optimizer.grad_multiplier(slot)
+
+    def run_gradient_idiom(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A torch function on ``.grad`` stand-ins of this model's parameters: the optimizer's to serve."""
+        optimizer = self._optimizer()
+        if optimizer is None:
+            raise ParameterAccessError(
+                f"{getattr(func, '__name__', func)} on the gradient of a chunk-managed parameter of a model without "
+                "a chunkmem optimizer: build ShardedOptimizerV2 (or chunkmem.initialize with an optimizer) first")
+        return optimizer.run_gradient_idiom(func, args, kwargs)
 
     def grad_of(self, chunk: Chunk) -> torch.Tensor | None:
         """This rank's shard of the chunk's finished gradient (where it rests), or ``None``."""

@@ -1,0 +1,248 @@
+"""torch's gradient idioms on the ``.grad`` of chunk-managed parameters, for one :class:`~chunkmem.ShardedOptimizerV2`.
+
+A chunk-managed parameter's ``.grad`` is a :class:`~chunkmem.ChunkGradient` stand-in: the gradient itself
+lives in its chunk, possibly multiplied by the loss scale (fp16) and sharded over ranks. What plain loops,
+Hugging Face ``Trainer``, Accelerate and Lightning do with ``.grad`` reaches :meth:`GradientIdioms.run`:
+
+=============================================  ========================================================
+the use                                        what it does
+=============================================  ========================================================
+``torch.linalg.vector_norm(g, p)``,            the parameter's unscaled gradient norm over every rank,
+``torch._foreach_norm(gs, p)``, ``g.norm(p)``  as a 0-d fp32 tensor. The first such call after a
+                                               backward computes every parameter's norm in one pass
+                                               over the chunks and one all-reduce; the others read it.
+``g.mul_(c)``, ``torch._foreach_mul_(gs, c)``  records the factor ``c`` (a number or a one-element
+                                               tensor) for those parameters. The step folds it into
+                                               its update multiplier, the place it folds its own
+                                               clipping, so the update is the one torch would make
+                                               with the scaled gradient, without writing gradients.
+``g.clamp_(min, max)``,                        clamps the gradient in its chunk (bounds in unscaled
+``torch._foreach_clamp_min_/max_``             units): ``clip_grad_value_``.
+any other read (``g.sum()``, ``g.clone()``,    runs on a copy of the unscaled gradient (times the
+``print(g)``, ``g.float()``...)                recorded factors), for a chunk that is whole on this
+                                               rank; refused for a sharded one (each rank holds a
+                                               piece): read it with ``chunkmem.utils.safe_get_full_grad``
+any other in-place change                      refused, naming ``clip_grad_norm_`` / ``optim.zero_grad()``
+=============================================  ========================================================
+
+So ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` returns torch's total norm (the norm
+of the per-parameter norms: equal to the global norm within fp32 rounding) and the step applies torch's
+``min(1, max_norm / (norm + 1e-6))``: the same training as plain PyTorch, within reassociation.
+
+The step takes one factor for all gradients, so it refuses (:class:`~chunkmem.UnsupportedOperationError`,
+nothing changed) gradients that were scaled by different factors (a ``clip_grad_norm_`` over some of the
+parameters only: clip them all, or use ``optim.clip_grad_norm``), and a backward that added gradients
+after they were scaled (torch would scale only the earlier ones: scale after the last backward).
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch._C import DisableTorchFunctionSubclass
+from torch.utils._pytree import tree_leaves, tree_map
+
+from ..core.chunk import Chunk, ParamSlot
+from ..core.param_guard import ChunkGradient, ParameterAccessError, written_target
+from ..distributed.collectives import all_reduce_over
+from ..errors import UnsupportedOperationError
+
+if TYPE_CHECKING:
+    from .sharded_optimizer import ShardedOptimizerV2
+
+_NORMS = {"linalg_vector_norm", "_foreach_norm", "norm"}
+_SCALINGS = {"mul_", "_foreach_mul_"}
+_CLAMPS = {"clamp_", "_foreach_clamp_min_", "_foreach_clamp_max_", "clamp_min_", "clamp_max_"}
+
+
+class GradientIdioms:
+    """The stand-ins' side of one optimizer (see the module docstring)."""
+
+    def __init__(self, optimizer: "ShardedOptimizerV2") -> None:
+        self._optimizer = optimizer
+        self._norms: dict[tuple[int, int, float], dict[int, float]] = {}  # (backward, step, p) -> slot -> norm
+
+    # ---- what the step and the accessors ask -------------------------------------------------------
+
+    def factor_of(self, slot: ParamSlot) -> float:
+        """The factor torch's in-place idioms multiplied ``slot``'s gradient by since the backward."""
+        return self._optimizer.mixed.factors.get(id(slot), 1.0)
+
+    def uniform_factor(self, chunks: list[Chunk]) -> float:
+        """The one factor the coming step applies for the idioms: every parameter given a gradient has the
+        same (see the module docstring for what is refused)."""
+        mixed = self._optimizer.mixed
+        factors = mixed.factors
+        if not factors:
+            return 1.0
+        if mixed.factors_since != self._optimizer.runtime.backward_count:
+            raise UnsupportedOperationError(
+                "optim.step() after a backward that added gradients to gradients already scaled in place "
+                "(clip_grad_norm_ or .grad.mul_ before that backward): torch would have scaled only the earlier "
+                "ones, which the chunks cannot tell apart. Clip after the last backward of the step; call "
+                "optim.zero_grad() to drop these gradients")
+        seen = {factors.get(id(slot), 1.0) for chunk in chunks for slot in chunk.slots
+                if slot.index_in_chunk in chunk.slots_with_grads and _requires_grad(slot)}
+        if len(seen) > 1:
+            raise UnsupportedOperationError(
+                f"optim.step() with gradients scaled by different factors ({sorted(seen)[:4]}): torch's in-place "
+                "idioms on .grad (clip_grad_norm_ over some of the parameters, .grad.mul_) reach the step as one "
+                "factor for all gradients. Clip all the model's parameters at once "
+                "(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)) or use optim.clip_grad_norm(max_norm)")
+        return seen.pop() if seen else 1.0
+
+    # ---- the stand-ins ------------------------------------------------------------------------------
+
+    def run(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """What ``func(*args, **kwargs)`` does when some argument is a stand-in (module docstring)."""
+        name = getattr(func, "__name__", "")
+        stand_ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, ChunkGradient)]
+        if name in _NORMS:
+            return self._norm(name, args, kwargs)
+        if name in _SCALINGS and isinstance(args[0], (ChunkGradient, list, tuple)) and len(args) == 2:
+            return self._scale(args[0], args[1])
+        if name in _CLAMPS:
+            return self._clamp(name, args, kwargs)
+        if isinstance(written_target(func, args, kwargs), ChunkGradient):
+            raise ParameterAccessError(
+                f"{name} on the gradient of the chunk-managed parameter {stand_ins[0].slot.name!r}: gradients "
+                "live in chunks; torch's clip_grad_norm_ / clip_grad_value_ (or .grad.mul_) work on them, "
+                "optim.zero_grad() (or param.grad = None) drops them")
+        copies = {id(g): self.value(g.slot) for g in stand_ins}
+        swapped = tree_map(lambda t: copies.get(id(t), t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
+        with DisableTorchFunctionSubclass():
+            return func(*swapped[0], **swapped[1])
+
+    def value(self, slot: ParamSlot) -> torch.Tensor:
+        """A copy of the parameter's unscaled gradient (times the recorded factor), shaped like it, in its
+        dtype, where its chunk's gradient rests; refused when the chunk is sharded."""
+        chunk = slot.chunk
+        if chunk.param.sharded:
+            raise ParameterAccessError(
+                f"reading the gradient of {slot.name!r}, whose chunk is sharded over {chunk.param.shards.world} "
+                "ranks (this rank holds a piece of it): read it whole with chunkmem.utils.safe_get_full_grad(param) "
+                "(every rank calls it), or this rank's piece with safe_get_local_grad(param); torch's "
+                "clip_grad_norm_ / clip_grad_value_ work as they are")
+        grad = self._optimizer.runtime.grad_of(chunk)
+        if grad is None or slot.index_in_chunk not in chunk.slots_with_grads:
+            return torch.zeros(slot.shape, dtype=chunk.dtype)
+        multiplier = self._optimizer.grad_multiplier() * self.factor_of(slot)
+        return slot.view(grad).to(torch.float32, copy=True).mul_(multiplier).to(chunk.dtype)
+
+    def _norm(self, name: str, args: tuple, kwargs: dict) -> Any:
+        grads = args[0] if name == "_foreach_norm" else [args[0]]
+        p = kwargs.get("ord", kwargs.get("p", args[1] if len(args) > 1 else 2.0))
+        extra = {k: v for k, v in kwargs.items() if k not in ("ord", "p", "dtype") and v not in (None, False)}
+        if len(args) > 2 or extra or not all(isinstance(g, ChunkGradient) for g in grads) or not (
+                p == "fro" or _is_order(p)):
+            raise ParameterAccessError(
+                f"{name} of chunk-managed gradients with these arguments: the norm over every element (an order "
+                "p in (0, inf], no dim) of each gradient is supported, as torch.nn.utils.clip_grad_norm_ takes it")
+        norms = self._slot_norms(2.0 if p == "fro" else float(p))
+        out = [torch.tensor(norms[id(g.slot)] * abs(self.factor_of(g.slot)), dtype=torch.float32, device=g.device)
+               for g in grads]
+        return out if name == "_foreach_norm" else out[0]
+
+    def _slot_norms(self, p: float) -> dict[int, float]:
+        """Every trainable parameter's unscaled gradient norm of order ``p`` over the ranks (one all-reduce)."""
+        optimizer = self._optimizer
+        key = (optimizer.runtime.backward_count, optimizer.runtime.step_count, p)
+        if key not in self._norms:
+            self._norms.clear()
+            slots = [s for c in optimizer.runtime.trainable_chunks() for s in c.slots]
+            local = torch.zeros(len(slots), dtype=torch.float64)
+            for index, slot in enumerate(slots):
+                local[index] = _local_power_sum(optimizer, slot, p)
+            maximum = math.isinf(p)
+            for group in optimizer.mixed.groups:
+                all_reduce_over(group, local, torch.distributed.ReduceOp.MAX if maximum else None,
+                                what="the gradient norms of clip_grad_norm_")
+            totals = local if maximum else local.pow(1 / p)
+            scale = optimizer.mixed.loss_scale
+            self._norms[key] = {id(s): totals[i].item() / scale for i, s in enumerate(slots)}
+        return self._norms[key]
+
+    def _scale(self, target: Any, factor: Any) -> Any:
+        grads = list(target) if isinstance(target, (list, tuple)) else [target]
+        if not all(isinstance(g, ChunkGradient) for g in grads):
+            raise ParameterAccessError("_foreach_mul_ over chunk-managed gradients mixed with other tensors: "
+                                       "scale the model's gradients in one call of their own")
+        if isinstance(factor, (list, tuple)) or (isinstance(factor, torch.Tensor) and factor.numel() != 1):
+            raise ParameterAccessError(
+                "multiplying a chunk-managed gradient by a tensor of several elements: only a scalar factor (as "
+                "clip_grad_norm_ applies) can be folded into the step")
+        self._optimizer.check_can_rescale("scaling gradients in place (clip_grad_norm_, .grad.mul_)")
+        value = float(factor.item() if isinstance(factor, torch.Tensor) else factor)
+        mixed = self._optimizer.mixed
+        for g in grads:
+            mixed.factors[id(g.slot)] = mixed.factors.get(id(g.slot), 1.0) * value
+        if mixed.factors_since is None:
+            mixed.factors_since = self._optimizer.runtime.backward_count
+        return None if isinstance(target, (list, tuple)) else target
+
+    def _clamp(self, name: str, args: tuple, kwargs: dict) -> Any:
+        grads = args[0] if name.startswith("_foreach") else [args[0]]
+        if name in ("_foreach_clamp_min_", "clamp_min_"):
+            low, high = args[1], None
+        elif name in ("_foreach_clamp_max_", "clamp_max_"):
+            low, high = None, args[1]
+        else:
+            low, high = kwargs.get("min", args[1] if len(args) > 1 else None), kwargs.get(
+                "max", args[2] if len(args) > 2 else None)
+        if any(isinstance(b, torch.Tensor) and b.numel() != 1 for b in (low, high)):
+            raise ParameterAccessError("clamping a chunk-managed gradient by tensors of bounds: only numbers (as "
+                                       "clip_grad_value_ passes) are supported")
+        optimizer = self._optimizer
+        if optimizer.step_in_backward:
+            raise UnsupportedOperationError(
+                "clamping gradients in place (clip_grad_value_) with step_in_backward=True: the backward already "
+                "started the updates with the unclamped gradients; build the ShardedOptimizerV2 without "
+                "step_in_backward to clamp gradients")
+        for g in grads:
+            slot = g.slot
+            multiplier = optimizer.grad_multiplier() * self.factor_of(slot)
+            grad = optimizer.runtime.grad_of(slot.chunk)
+            part = _local_part(slot, grad) if grad is not None else None
+            if part is None or part.numel() == 0 or multiplier == 0:
+                continue
+            bounds = [None if b is None else float(b) / multiplier for b in (low, high)]
+            if multiplier < 0:
+                bounds.reverse()
+            part.clamp_(*bounds)
+        self._norms.clear()
+        return None if name.startswith("_foreach") else grads[0]
+
+
+def _requires_grad(slot: ParamSlot) -> bool:
+    with DisableTorchFunctionSubclass():
+        return slot.param.requires_grad
+
+
+def _is_order(p: Any) -> bool:
+    return isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0
+
+
+def _local_part(slot: ParamSlot, shard: torch.Tensor) -> torch.Tensor | None:
+    """The parameter's elements in this rank's shard of the chunk's gradient, or ``None``."""
+    part = slot.chunk.own_range(slot)
+    if part is None:
+        return None
+    start = slot.offset + part[0] - slot.chunk.shard_offset
+    return shard[start:start + part[1] - part[0]]
+
+
+def _local_power_sum(optimizer: "ShardedOptimizerV2", slot: ParamSlot, p: float) -> float:
+    """This rank's share of ``sum |g|**p`` (the max of ``|g|`` for p = inf) of the parameter's raw gradient,
+    counted once over the ranks that hold the same copy (a replicated chunk on its first replica)."""
+    chunk = slot.chunk
+    if slot.index_in_chunk not in chunk.slots_with_grads or not _requires_grad(slot):
+        return 0.0
+    if chunk.replicas is not None and chunk.replicas.rank != 0:
+        return 0.0
+    grad = optimizer.runtime.grad_of(chunk)
+    part = None if grad is None else _local_part(slot, grad)
+    if part is None or part.numel() == 0:
+        return 0.0
+    values = part.double().abs()
+    return values.max().item() if math.isinf(p) else values.pow(p).sum().item()

@@ -1,0 +1,257 @@
+"""torch's gradient idioms on chunkmem's model, against the same loop on the plain module:
+``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` and ``clip_grad_value_`` (what every hand-written
+loop, Hugging Face ``Trainer`` and Accelerate call), ``p.grad`` reads, ``None`` after ``zero_grad()`` and for a
+parameter no backward reached; the model's forward signature and attributes. Before 2026-11-27 the first
+raised ``ParameterAccessError`` ("clip them with optim.clip_grad_norm") and Trainer dropped every column."""
+from __future__ import annotations
+
+import copy
+import inspect
+
+import pytest
+import torch
+import torch.nn as nn
+
+import chunkmem as cm
+from tests.distributed import run_ranks
+from tests.models import TinyGPT, batches, lm_loss
+
+NO_CLIPPING = {"gradient_clipping": 0}  # a DeepSpeed config clips at 1.0 by default, as DeepSpeed does
+
+
+def _config(placement: str, **extra) -> dict:
+    offload = {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}} if placement == "cpu" else {}
+    return {"zero_optimization": {"stage": 3, **offload}, **NO_CLIPPING, **extra}
+
+
+def _pair(make_optimizer, placement="cpu", **extra):
+    torch.manual_seed(0)
+    plain = TinyGPT()
+    module = copy.deepcopy(plain)
+    model, optim = cm.initialize(module, make_optimizer(module.parameters()), _config(placement, **extra))
+    return plain, make_optimizer(plain.parameters()), model, optim
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01, fused=True)
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
+
+
+def _assert_weights_close(model, plain, rtol=1e-5):
+    ours = model.state_dict()
+    for key, value in plain.state_dict().items():
+        torch.testing.assert_close(ours[key], value, rtol=rtol, atol=rtol * value.abs().max().item())
+
+
+def _clipped_loop(model, optim, plain, plain_optim, clip, steps=4, clip_fn=torch.nn.utils.clip_grad_norm_):
+    norms = []
+    for x in batches(steps):
+        for net, opt in ((model, optim), (plain, plain_optim)):
+            lm_loss(net(x), x).backward()
+            norms.append(clip_fn(net.parameters(), clip))
+            opt.step()
+            opt.zero_grad()
+    return norms
+
+
+@pytest.mark.parametrize("placement", ["cpu", "cuda"])
+@pytest.mark.parametrize("make_optimizer", [_adamw, _sgd], ids=["adamw-kernel", "sgd-any-optimizer"])
+def test_torch_clip_grad_norm_on_model_parameters_trains_like_plain_torch(placement, make_optimizer):
+    plain, plain_optim, model, optim = _pair(make_optimizer, placement)
+    norms = _clipped_loop(model, optim, plain, plain_optim, clip=0.05)
+    ours, theirs = norms[0::2], norms[1::2]
+    assert all(float(t) > 0.05 for t in theirs)  # the clipping triggers in every step
+    for a, b in zip(ours, theirs):
+        assert isinstance(a, torch.Tensor) and a.dim() == 0
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
+    _assert_weights_close(model, plain)
+
+
+def test_clip_grad_value_trains_like_plain_torch():
+    plain, plain_optim, model, optim = _pair(_adamw)
+    _clipped_loop(model, optim, plain, plain_optim, clip=1e-3, clip_fn=torch.nn.utils.clip_grad_value_)
+    _assert_weights_close(model, plain)
+
+
+def test_fp16_clip_grad_norm_counts_the_loss_scale():
+    """With fp16 the chunks hold gradients times the loss scale; the norm torch's idiom returns is the unscaled
+    one, and the step clips as optim.clip_grad_norm would (the same coefficient, up to the summation order)."""
+    results = []
+    for idiom in (True, False):
+        torch.manual_seed(0)
+        module = TinyGPT()
+        model, optim = cm.initialize(module, torch.optim.AdamW(module.parameters(), lr=1e-2),
+                                     {"zero_optimization": {"stage": 3}, "fp16": {"enabled": True,
+                                                                                  "initial_scale_power": 10},
+                                      **NO_CLIPPING})
+        norms = []
+        for x in batches(3):
+            optim.backward(lm_loss(model(x), x))
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)) if idiom
+                         else optim.clip_grad_norm(0.05))
+            optim.step()
+            optim.zero_grad()
+        results.append((norms, model.state_dict()))
+    (idiom_norms, idiom_state), (own_norms, own_state) = results
+    assert optim.loss_scale == 2.0 ** 10
+    torch.testing.assert_close(torch.tensor(idiom_norms), torch.tensor(own_norms), rtol=1e-5, atol=0)
+    for key, value in own_state.items():
+        torch.testing.assert_close(idiom_state[key], value, rtol=1e-4, atol=1e-4)
+
+
+def test_step_in_backward_redoes_the_updates_torch_clipping_changes():
+    states = []
+    for step_in_backward in (False, True):
+        torch.manual_seed(0)
+        module = TinyGPT()
+        model = cm.ShardedModelV2(module, cm.TensorShardStrategy(), tensor_placement_policy="cpu",
+                                  dtype=torch.float32, chunk_size=16384)
+        optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-2),
+                                      step_in_backward=step_in_backward)
+        for x in batches(3):
+            optim.backward(lm_loss(model(x), x))
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            optim.step()
+            optim.zero_grad()
+        states.append(model.state_dict())
+    for key, value in states[0].items():
+        assert torch.equal(states[1][key], value), key
+
+
+def test_grad_reads_like_plain_torch_and_is_none_where_torch_has_none():
+    plain, plain_optim, model, optim = _pair(_adamw)
+    x = batches(1)[0]
+    assert all(p.grad is None for p in model.parameters())
+    lm_loss(model(x), x).backward()
+    lm_loss(plain(x), x).backward()
+    for (name, ours), theirs in zip(model.module.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(ours.grad.clone(), theirs.grad, rtol=1e-5, atol=1e-7, msg=name)
+        assert ours.grad.shape == theirs.grad.shape and ours.grad.dtype == theirs.grad.dtype
+    optim.zero_grad(set_to_none=True)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_parameter_no_backward_reached_has_no_grad():
+    torch.manual_seed(0)
+    module = nn.ModuleDict({"used": nn.Linear(4, 4), "unused": nn.Linear(4, 4)})
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = module
+
+        def forward(self, x):
+            return self.layers["used"](x).sum()
+
+    net = Net()
+    model, optim = cm.initialize(net, torch.optim.AdamW(net.parameters()), _config("cpu"))
+    model(torch.randn(2, 4)).backward()
+    assert model.module.layers["used"].weight.grad is not None
+    assert model.module.layers["unused"].weight.grad is None  # torch's .grad stays None: clip_grad_norm_ skips it
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optim.step()
+
+
+def test_clipping_some_parameters_only_is_refused_at_the_step_with_nothing_changed():
+    plain, plain_optim, model, optim = _pair(_adamw)
+    x = batches(1)[0]
+    lm_loss(model(x), x).backward()
+    before = model.state_dict()
+    torch.nn.utils.clip_grad_norm_(list(model.parameters())[:2], 1e-3)
+    with pytest.raises(cm.UnsupportedOperationError, match="scaled by different factors"):
+        optim.step()
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    optim.zero_grad()
+    lm_loss(model(x), x).backward()
+    assert optim.step()  # zero_grad dropped the factors with the gradients
+
+
+def test_a_backward_after_clipping_is_refused_at_the_step():
+    plain, plain_optim, model, optim = _pair(_adamw)
+    x = batches(1)[0]
+    lm_loss(model(x), x).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    lm_loss(model(x), x).backward()
+    with pytest.raises(cm.UnsupportedOperationError, match="added gradients to gradients already scaled"):
+        optim.step()
+
+
+def test_other_in_place_changes_of_grad_are_refused():
+    plain, plain_optim, model, optim = _pair(_adamw)
+    x = batches(1)[0]
+    lm_loss(model(x), x).backward()
+    grad = next(model.parameters()).grad
+    with pytest.raises(cm.ParameterAccessError, match="clip_grad_norm_"):
+        grad.add_(1.0)
+    with pytest.raises(cm.ParameterAccessError, match="several elements"):
+        grad.mul_(torch.ones(grad.shape))
+
+
+def _two_ranks(rank, world):
+    torch.manual_seed(0)
+    module = TinyGPT()
+    model, optim = cm.initialize(module, torch.optim.AdamW(module.parameters(), lr=1e-2), _config("cpu"))
+    norms = []
+    for i, x in enumerate(batches(6)):
+        if i % world != rank:
+            continue
+        lm_loss(model(x), x).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+        optim.step()
+        optim.zero_grad()
+    sharded_read = None
+    x = batches(1)[0]
+    lm_loss(model(x), x).backward()
+    try:
+        next(model.parameters()).grad.sum()
+    except cm.ParameterAccessError as refused:
+        sharded_read = str(refused)
+    return norms, model.state_dict(), sharded_read
+
+
+def test_two_ranks_clip_the_global_norm_like_one_process_with_the_whole_batch():
+    ranks = run_ranks(_two_ranks, 2)
+    torch.manual_seed(0)
+    plain = TinyGPT()
+    plain_optim = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    data = batches(6)
+    norms = []
+    for i in range(0, 6, 2):
+        for x in data[i:i + 2]:
+            (lm_loss(plain(x), x) / 2).backward()  # the mean over the ranks, as the reduction takes it
+        norms.append(float(torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05)))
+        plain_optim.step()
+        plain_optim.zero_grad()
+    for ours, state, sharded_read in ranks:
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(norms), rtol=1e-5, atol=0)
+        for key, value in plain.state_dict().items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-5 * value.abs().max().item())
+        assert "safe_get_full_grad" in sharded_read
+
+
+def test_the_model_shows_its_module_signature_and_attributes():
+    class Net(nn.Module):
+        main_input_name = "input_ids"
+
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+            self.config = {"hidden": 4}
+
+        def forward(self, input_ids, labels=None):
+            return self.linear(input_ids)
+
+        def describe(self):
+            return "net"
+
+    model = cm.ShardedModelV2(Net(), cm.TensorShardStrategy(), tensor_placement_policy="cpu", dtype=torch.float32)
+    assert list(inspect.signature(model.forward).parameters) == ["input_ids", "labels"]
+    assert model.config == {"hidden": 4} and model.main_input_name == "input_ids" and model.describe() == "net"
+    out = model(input_ids=torch.ones(2, 4))
+    assert out.shape == (2, 4)
+    with pytest.raises(AttributeError, match="ShardedModelV2"):
+        model.no_such_attribute
