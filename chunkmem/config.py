@@ -5,8 +5,8 @@ Two forms of configuration are read, as a dict or as the path of a JSON file:
 * the ColossalAI form, ``{"zero": {"model_config": {...}, "optimizer_config": {...}}}``, whose two
   sections are the keyword arguments of :class:`~chunkmem.ShardedModelV2` and
   :class:`~chunkmem.ShardedOptimizerV2` (``shard_strategy`` may also be the name of a strategy class);
-* the DeepSpeed form, with the sections ``zero_optimization``, ``fp16``, ``bf16`` and ``optimizer``
-  (plus the training-loop keys DeepSpeed reads, which chunkmem leaves to the loop).
+* the DeepSpeed form, with the sections ``zero_optimization``, ``fp16``, ``bf16``, ``data_types`` and
+  ``optimizer`` (plus the training-loop keys DeepSpeed reads, which chunkmem leaves to the loop).
 
 Every key is checked before anything is built. An unknown key, a key chunkmem cannot honour and two
 keys that contradict each other raise :class:`~chunkmem.InvalidArgumentError` naming the key path
@@ -124,6 +124,12 @@ KEY_TABLE: dict[str, tuple[str, str]] = {
     "fp16.consecutive_hysteresis": ("warn", "no effect"),
     "fp16.auto_cast": ("warn", "no effect: inputs are always cast to the model dtype"),
     "bf16.enabled": ("map", "dtype torch.bfloat16 (unscaled)"),
+    "data_types.grad_accum_dtype": ("map", "what 16-bit gradients of several backwards are summed in: stage 3: "
+                                           "ShardedModelV2(grad_accum_dtype=); stages 1, 2: LowLevelZeroOptimizer("
+                                           "grad_accum_dtype=). 'fp32' (or absent/null: chunkmem's default, fp32), "
+                                           "or the model's dtype ('bf16' with bf16.enabled, 'fp16' with "
+                                           "fp16.enabled); DeepSpeed's other spellings (float32, bfloat16, half, "
+                                           "torch.float16, ...) too"),
     "optimizer.type": ("map", "Adam, AdamW, HybridAdam, CPUAdam: HybridAdam (Adam: adam_w_mode, default True); "
                               "another torch.optim class name (SGD, ...): that class, as DeepSpeed builds it "
                               "(with several ranks an elementwise one: see chunkmem.optim.any_optimizer)"),
@@ -174,8 +180,13 @@ _LOOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_ac
 _OPTIMIZER_GATES = ("zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer")
 """DeepSpeed's switches that let a client or torch optimizer run under ZeRO (-Offload): accepted (bools),
 no effect (chunkmem steps any torch optimizer where its state lives)."""
-_DEEPSPEED_KEYS = ({"zero_optimization", "fp16", "bf16", "optimizer", "gradient_clipping", *_OPTIMIZER_GATES}
-                   | _LOOP_KEYS)
+_DEEPSPEED_KEYS = ({"zero_optimization", "fp16", "bf16", "data_types", "optimizer", "gradient_clipping",
+                    *_OPTIMIZER_GATES} | _LOOP_KEYS)
+_GRAD_ACCUM_DTYPES = {  # DeepSpeed's names of data_types.grad_accum_dtype (its DtypeEnum spellings) -> the dtype
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32, "torch.float32": torch.float32,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16, "torch.float16": torch.float16,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "torch.bfloat16": torch.bfloat16,
+}
 OVERLAP_COMM_REDUCTIONS_IN_FLIGHT = 2
 """``ShardedModelV2(reductions_in_flight=)`` for ``zero_optimization.overlap_comm: true`` at stage 3: the
 reduce-scatter of a chunk runs on while the next chunk's gradients are computed, with one more in reserve."""
@@ -427,6 +438,7 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
                                    "1, 2 or 3 (stage 0, no ZeRO, is plain PyTorch: use torch's DDP)")
     _check_zero_switches(zero)
     dtype, scaler = _precision(config)
+    grad_accum_dtype = _grad_accum_dtype(config, dtype)
     offload_optimizer = _section(zero, "offload_optimizer", "zero_optimization.offload_optimizer")
     offload_param = _section(zero, "offload_param", "zero_optimization.offload_param")
     _check_keys(offload_optimizer, _OFFLOAD_OPTIMIZER_KEYS, "zero_optimization.offload_optimizer")
@@ -486,7 +498,10 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
         kwargs.update(_persistence(zero, disk=optim_device == "nvme" or param_device == "nvme"))
         if bucket is not None:
             kwargs["reduce_scatter_bucket_size_mb"] = bucket * dtype.itemsize / 2**20
+        if grad_accum_dtype is not None:
+            kwargs["grad_accum_dtype"] = grad_accum_dtype
         model_keys = {"dtype": "fp16.enabled/bf16.enabled",
+                      "grad_accum_dtype": "data_types.grad_accum_dtype",
                       "reduce_scatter_bucket_size_mb": "zero_optimization.reduce_bucket_size",
                       "shard_group_size": "zero_optimization.mics_shard_size",
                       "quantized_gradients": "zero_optimization.zero_quantized_gradients",
@@ -535,6 +550,8 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
         kwargs["reduce_bucket_size"] = bucket
     if overlap is not None:
         kwargs["overlap_communication"] = overlap
+    if grad_accum_dtype is not None:
+        kwargs["grad_accum_dtype"] = grad_accum_dtype
     return _stages_1_and_2(model, optimizer, dtype, kwargs)
 
 
@@ -560,7 +577,7 @@ def _stages_1_and_2(model: nn.Module, optimizer: Any, dtype: torch.dtype,
                     kwargs: dict[str, Any]) -> tuple[nn.Module, LowLevelZeroOptimizer]:
     """The module cast to ``dtype`` and a LowLevelZeroOptimizer with ``kwargs``, every argument checked
     (against the parameters as the cast will leave them) before the module is cast."""
-    keys = dict(_SCALER_KEYS, clip_grad_norm="gradient_clipping")
+    keys = dict(_SCALER_KEYS, clip_grad_norm="gradient_clipping", grad_accum_dtype="data_types.grad_accum_dtype")
     _rename_errors("zero_optimization.", lambda: LowLevelZeroOptimizer.check_arguments(optimizer, cast_to=dtype,
                                                                                        **kwargs), keys)
     model.to(dtype)
@@ -692,6 +709,33 @@ def _stage3_model_kwargs(optim_device: str, param_device: str, ratio: float, off
         if counts:
             kwargs["buffer_count"] = counts.pop()
     return kwargs
+
+
+def _grad_accum_dtype(config: dict[str, Any], dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype DeepSpeed's ``data_types.grad_accum_dtype`` names (``None``: absent or null), checked
+    against the model's ``dtype``: chunkmem sums 16-bit gradients over backwards in fp32 or in the model's
+    own dtype, nothing else."""
+    section = _section(config, "data_types", "data_types")
+    _check_keys(section, {"grad_accum_dtype"}, "data_types")
+    name = section.get("grad_accum_dtype")
+    if name is None:
+        return None
+    path = "data_types.grad_accum_dtype"
+    if not isinstance(name, str):
+        raise ArgumentTypeError(path, name, "a dtype name: 'fp32', 'fp16' or 'bf16' (DeepSpeed's names)")
+    if name not in _GRAD_ACCUM_DTYPES:
+        raise InvalidArgumentError(path, name, "'fp32', 'fp16' or 'bf16' (DeepSpeed's names; also "
+                                               + _listing(set(_GRAD_ACCUM_DTYPES) - {"fp32", "fp16", "bf16"}) + ")")
+    chosen = _GRAD_ACCUM_DTYPES[name]
+    if chosen not in (torch.float32, dtype):
+        why = "chunkmem sums the gradients of several backwards in fp32 or in the model's own dtype"
+        if dtype == torch.float32:
+            allowed = f"'fp32' (the model trains in fp32, neither fp16 nor bf16 being enabled: {why})"
+        else:
+            allowed = (f"'fp32' or the model's dtype {'fp16' if dtype == torch.float16 else 'bf16'!r} "
+                       f"({'fp16' if dtype == torch.float16 else 'bf16'}.enabled): {why}")
+        raise InvalidArgumentError(path, name, allowed)
+    return chosen
 
 
 def _precision(config: dict[str, Any]) -> tuple[torch.dtype, dict[str, Any]]:

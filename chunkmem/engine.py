@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .config import initialize as wrap, read_config
+from .core.param_guard import ParameterAccessError, slot_of
 from .core.tiers import Tier, device_of_tier
 from .distributed.collectives import ShardGroup
 from .errors import ArgumentTypeError, CheckpointError, InvalidArgumentError, UnsupportedOperationError, check_type
@@ -128,14 +129,55 @@ def _remove_tree(path: str) -> None:
         os.unlink(path)
 
 
+def _refuse_sharded_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    """``engine.module.state_dict()`` at stage 3 with the parameters sharded over ranks (a pre-hook the
+    engine registers on the user's module there): each rank holds only its shard, which DeepSpeed's
+    ``state_dict`` returns as empty tensors without a word. Refused here, before any value is read, naming
+    the ways to the whole weights, unless every sharded parameter is gathered now (inside
+    ``GatheredParameters``). ``keep_vars=True`` reads nothing and passes (the wrapper's own ``state_dict``
+    takes the parameter objects that way)."""
+    if keep_vars:
+        return
+    for name, param in module.named_parameters(prefix=prefix.rstrip(".")):
+        slot = slot_of(param)
+        chunk = None if slot is None else slot.chunk
+        host = None if chunk is None else chunk.host
+        if host is None or not chunk.param.sharded or host.in_forward or host.is_open(chunk, for_writing=False):
+            continue
+        raise ParameterAccessError(
+            f"engine.module.state_dict() at ZeRO stage 3 with the parameters sharded over {chunk.param.shards.world} "
+            f"ranks: this rank holds only its shard of {name!r} (DeepSpeed returns empty tensors here). For the whole "
+            "weights, every rank calls one of: engine.save_16bit_model(save_dir) (rank 0 writes them in the training "
+            "dtype); engine.sharded_model.state_dict() (fp32, gathered a chunk at a time; rank0_only=True keeps it "
+            "on rank 0 only); or `with deepspeed.zero.GatheredParameters(list(engine.module.parameters())): state = "
+            "{k: v.clone() for k, v in engine.module.state_dict().items()}` (clone inside the block: its tensors "
+            "view the gathered chunks, freed when it ends)")
+
 
 class TrainingEngine(nn.Module):
     """The training engine over a chunkmem model (see the module docstring).
 
     Built by :func:`chunkmem.deepspeed.initialize` (there also named ``DeepSpeedEngine``) or
-    :func:`chunkmem.initialize_engine`, not directly. ``module`` is the wrapped model (a
-    :class:`~chunkmem.ShardedModelV2` at stage 3, the plain module cast to the configured dtype at stages 1
-    and 2), ``optimizer`` the chunkmem optimizer (``None`` for a model only), ``lr_scheduler`` the schedule
+    :func:`chunkmem.initialize_engine`, not directly. ``module`` is the user's module at every stage, as in
+    DeepSpeed: the object passed in (cast to the configured dtype at stages 1 and 2; at stage 3 its parameters
+    are chunk-managed, :class:`~chunkmem.ChunkParameter`), so ``engine.module.named_parameters()`` and
+    ``engine.module.state_dict()`` carry the module's own keys and its own methods (``save_pretrained``) are
+    there. ``sharded_model`` is the :class:`~chunkmem.ShardedModelV2` wrapping it at stage 3 (``None`` at
+    stages 1 and 2): what the engine's forward, backward, step and checkpoints run on, and chunkmem's own
+    surface (``memory_stats()``, ``tier_bytes()``, a gathered fp32 ``state_dict()``). Only ``module`` is a
+    registered submodule, so ``engine.parameters()`` yields each parameter once and ``engine.state_dict()``
+    has DeepSpeed's ``module.``-prefixed keys.
+
+    Reading the weights at stage 3 (see :mod:`chunkmem.core.param_guard`): in one process
+    ``engine.module.state_dict()`` returns copies of the current values in the training dtype (fp32 masters
+    where they exist: ``engine.sharded_model.state_dict()``). With the parameters sharded over several ranks,
+    where DeepSpeed's ``engine.module.state_dict()`` silently returns empty partitioned tensors, chunkmem's
+    raises :class:`~chunkmem.ParameterAccessError` naming the ways to the full weights:
+    :meth:`save_16bit_model`, ``engine.sharded_model.state_dict()``, or ``engine.module.state_dict()`` inside
+    ``deepspeed.zero.GatheredParameters(engine.module.parameters())``, cloned there (its tensors view the
+    gathered chunks, freed when the block ends); every rank calls each.
+
+    ``optimizer`` is the chunkmem optimizer (``None`` for a model only), ``lr_scheduler`` the schedule
     (``None``: none), stepped at each applied optimizer step where ``steps_schedule`` (DeepSpeed's engine; not
     ColossalAI's, whose loop steps its schedule itself). Counters: ``global_steps`` (optimizer steps,
     skipped ones included), ``global_samples``, ``skipped_steps`` (overflows), ``micro_steps`` (calls of
@@ -146,7 +188,13 @@ class TrainingEngine(nn.Module):
     def __init__(self, module: nn.Module, optimizer: Any, lr_scheduler: Any, loop: LoopSettings, stage: int,
                  training_dataloader: Any = None, criterion: Any = None, steps_schedule: bool = True) -> None:
         super().__init__()
-        self.module = module
+        sharded = module if isinstance(module, ShardedModelV2) else None
+        # the wrapper is kept out of the submodules: registered beside the user's module, every parameter would
+        # come twice from engine.parameters() (and state_dict() would hold each key twice)
+        self.__dict__["_sharded_model"] = sharded
+        self.module = sharded.module if sharded is not None else module
+        if sharded is not None and sharded.shards.world > 1:
+            self.module.register_state_dict_pre_hook(_refuse_sharded_state_dict)
         self.criterion = criterion
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
@@ -218,9 +266,35 @@ class TrainingEngine(nn.Module):
     def bfloat16_enabled(self) -> bool:
         return self._dtype() == torch.bfloat16
 
+    @property
+    def sharded_model(self) -> ShardedModelV2 | None:
+        """The :class:`~chunkmem.ShardedModelV2` wrapping :attr:`module` at stage 3 (``None`` at stages 1 and
+        2, where the module itself trains): chunkmem's own surface (``memory_stats()``, ``tier_bytes()``,
+        ``state_dict()`` gathered in fp32, ``full_parameter(p)``)."""
+        return self._sharded_model
+
+    @property
+    def _model(self) -> nn.Module:
+        """What the loop runs and the checkpoints read and write: the wrapper at stage 3, else the module."""
+        return self._sharded_model if self._sharded_model is not None else self.module
+
+    def train(self, mode: bool = True) -> "TrainingEngine":
+        """``module.train(mode)`` (``eval()``: ``train(False)``), the wrapper's flag along with it."""
+        super().train(mode)
+        if self._sharded_model is not None:
+            self._sharded_model.train(mode)
+        return self
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "TrainingEngine":
+        # engine.to(...), .half(), .cuda(): at stage 3 refused as the wrapper refuses them (its parameters'
+        # dtype and placement belong to chunkmem), as before the user's module became engine.module
+        if self._sharded_model is not None:
+            self._sharded_model._apply(fn, recurse)
+        return super()._apply(fn, recurse)
+
     def _dtype(self) -> torch.dtype:
-        if isinstance(self.module, ShardedModelV2):
-            return self.module.dtype
+        if self._sharded_model is not None:
+            return self._sharded_model.dtype
         return next((p.dtype for p in self.module.parameters() if p.is_floating_point()), torch.float32)
 
     def get_lr(self) -> list[float]:
@@ -237,7 +311,7 @@ class TrainingEngine(nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """The module's forward."""
         with self._timed("forward"):
-            return self.module(*inputs, **kwargs)
+            return self._model(*inputs, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss`` divided by ``gradient_accumulation_steps`` (``scale_wrt_gas=False``: as it
@@ -313,7 +387,10 @@ class TrainingEngine(nn.Module):
         refuses it at stages 2 and 3; chunkmem has it at every stage. :meth:`step` inside is refused."""
         if self._in_no_sync:
             raise InvalidArgumentError("no_sync", "a nested no_sync()", "one no_sync() at a time")
-        inner = self.module.no_sync() if self._stage == 3 else self._require_optimizer("no_sync").no_sync()
+        if self._sharded_model is not None:
+            inner = self._sharded_model.no_sync()
+        else:
+            inner = self._require_optimizer("no_sync").no_sync()
         self._in_no_sync = True
         try:
             with inner:
@@ -324,8 +401,8 @@ class TrainingEngine(nn.Module):
     def empty_partition_cache(self) -> None:
         """Give back the memory of chunk buffers kept for reuse (chunkmem's block pool; with CUDA,
         torch's cached blocks too). The model's parameters stay where the placement keeps them."""
-        if isinstance(self.module, ShardedModelV2):
-            self.module.empty_cache()
+        if self._sharded_model is not None:
+            self._sharded_model.empty_cache()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
@@ -381,7 +458,7 @@ class TrainingEngine(nn.Module):
         _agree_on(error, f"preparing the checkpoint {directory!r}")
         error = None
         try:
-            save_checkpoint(self._model_checkpoint_path(pending), self.module, self.optimizer,
+            save_checkpoint(self._model_checkpoint_path(pending), self._model, self.optimizer,
                             sharded=self._sharded_files)
             if self.global_rank == 0:
                 _write_engine_state(os.path.join(pending, ENGINE_STATE), payload)
@@ -434,10 +511,10 @@ class TrainingEngine(nn.Module):
         state = self._read_engine_state(directory)
         with_optimizer = load_optimizer_states and not load_module_only and self.optimizer is not None
         if self._stage in (1, 2) and self.optimizer is not None:  # its masters are the module's values
-            load_checkpoint(self._model_checkpoint_path(directory), self.module, self.optimizer,
+            load_checkpoint(self._model_checkpoint_path(directory), self._model, self.optimizer,
                             elastic=self._loop.elastic_checkpoint, model_only=not with_optimizer)
         else:
-            load_checkpoint(self._model_checkpoint_path(directory), self.module,
+            load_checkpoint(self._model_checkpoint_path(directory), self._model,
                             self.optimizer if with_optimizer else None, elastic=self._loop.elastic_checkpoint)
         if not load_module_only:
             self.global_steps, self.global_samples = state["global_steps"], state["global_samples"]
@@ -455,8 +532,8 @@ class TrainingEngine(nn.Module):
         check_type("save_filename", save_filename, str, "a file name")
         if exclude_frozen_parameters is not False:
             raise InvalidArgumentError("exclude_frozen_parameters", exclude_frozen_parameters, "False")
-        dtype = self.module.dtype if isinstance(self.module, ShardedModelV2) else None
-        state = self.module.state_dict()
+        dtype = None if self._sharded_model is None else self._sharded_model.dtype
+        state = self._model.state_dict()  # stage 3: the wrapper's, gathered (the module's keys)
         if dtype is not None:
             state = type(state)((k, v.to(dtype) if v.is_floating_point() else v) for k, v in state.items())
         if self.global_rank == 0:

@@ -87,7 +87,7 @@ def main() -> None:
     if rank0:
         print(f"loss {sum(first[:8]) / 8:.3f} -> {sum(second[-8:]) / 8:.3f} over {engine.global_steps} steps; "
               f"resumed from {checkpoints}: last steps {'identical' if again == second else 'DIFFERENT'}")
-        print(f"bytes per tier: {engine.module.tier_bytes()}")
+        print(f"bytes per tier: {engine.sharded_model.tier_bytes()}")
 
 
 if __name__ == "__main__":

@@ -515,3 +515,64 @@ def test_mics_hierarchical_params_gather_takes_the_node_size_from_local_world_si
     m, _ = cm.initialize(model, cm.HybridAdam(model.parameters()),
                          {"zero_optimization": dict(zero, mics_hierarchical_params_gather=False)})
     assert m.settings.gather_node_size is None
+
+
+# ---- data_types.grad_accum_dtype ---------------------------------------------------------------------
+
+def _gradient_sum_dtype(stage: int, data_types: dict | None) -> torch.dtype:
+    """What a bf16 model's gradients of two backwards are summed in, wrapped as the config says: read off the
+    chunks' gradient memory (stage 3: bytes on the ledger per element; stages 1, 2: the stores' dtype)."""
+    config = {"zero_optimization": {"stage": stage}, "bf16": {"enabled": True}, "optimizer": {"type": "AdamW"}}
+    if data_types is not None:
+        config["data_types"] = data_types
+    m, o = cm.initialize(make_model(), config=config)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x = torch.randn(4, 8, generator=g).to(torch.bfloat16)
+        o.backward(m(x).float().pow(2).mean())
+    if stage == 3:
+        grad_bytes = sum(n for tier in ("device", "host") for family, n in m.tier_bytes()[tier].items()
+                         if family == "grad")
+        per_element = grad_bytes // sum(c.shard_numel for c in m.chunks if c.trainable)
+        return {4: torch.float32, 2: torch.bfloat16}[per_element]
+    (dtype,) = {c.grad.dtype for c in o.chunks}
+    return dtype
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_data_types_grad_accum_dtype_sets_what_gradients_of_several_backwards_are_summed_in(stage):
+    """DeepSpeed's key: absent, null or 'fp32', 16-bit gradients of several backwards are summed in fp32
+    (chunkmem's default); the model's dtype ('bf16', or DeepSpeed's other spellings of it) keeps the sum in it."""
+    assert _gradient_sum_dtype(stage, None) == torch.float32
+    assert _gradient_sum_dtype(stage, {"grad_accum_dtype": None}) == torch.float32
+    assert _gradient_sum_dtype(stage, {"grad_accum_dtype": "fp32"}) == torch.float32
+    assert _gradient_sum_dtype(stage, {"grad_accum_dtype": "bf16"}) == torch.bfloat16
+    assert _gradient_sum_dtype(stage, {"grad_accum_dtype": "bfloat16"}) == torch.bfloat16
+    model = make_model()
+    m, _ = cm.initialize(model, cm.HybridAdam(model.parameters()), {"zero_optimization": {"stage": 3},
+                                                                   "fp16": {"enabled": True},
+                                                                   "data_types": {"grad_accum_dtype": "half"}})
+    assert m.settings.grad_accum_dtype == torch.float16
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("precision, value, error, allowed", [
+    ({}, "fp16", cm.InvalidArgumentError, "'fp32' (the model trains in fp32"),
+    ({"bf16": {"enabled": True}}, "fp16", cm.InvalidArgumentError, "'fp32' or the model's dtype 'bf16'"),
+    ({"fp16": {"enabled": True}}, "bf16", cm.InvalidArgumentError, "'fp32' or the model's dtype 'fp16'"),
+    ({"bf16": {"enabled": True}}, "int8", cm.InvalidArgumentError, "'fp32', 'fp16' or 'bf16'"),
+    ({"bf16": {"enabled": True}}, "BF16", cm.InvalidArgumentError, "'fp32', 'fp16' or 'bf16'"),
+    ({"bf16": {"enabled": True}}, 16, cm.ArgumentTypeError, "'fp32', 'fp16' or 'bf16'"),
+])
+def test_a_bad_grad_accum_dtype_names_the_key_and_leaves_the_model(stage, precision, value, error, allowed):
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(error) as info:
+        cm.initialize(model, optimizer, {"zero_optimization": {"stage": stage}, **precision,
+                                         "data_types": {"grad_accum_dtype": value}})
+    assert info.value.argument == "data_types.grad_accum_dtype" and info.value.value == value
+    assert allowed in str(info.value)
+    assert all(type(p) is nn.Parameter and p.dtype == torch.float32 for p in model.parameters())
+    with pytest.raises(cm.InvalidArgumentError) as info:
+        cm.initialize(model, optimizer, {"zero_optimization": {"stage": stage}, "data_types": {"param_dtype": "bf16"}})
+    assert info.value.argument == "data_types.param_dtype"

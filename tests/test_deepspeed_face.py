@@ -382,6 +382,93 @@ def test_accessors_read_zero12_parameters_like_plain_adamw():
         deepspeed.utils.safe_set_full_fp32_param(next(engine.module.parameters()), torch.zeros(1))
 
 
+# ---- engine.module: the user's module, as DeepSpeed's -------------------------------------------------
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_engine_module_is_the_module_passed_in_with_its_own_names(stage):
+    """Before 2026-11-27 engine.module was the ShardedModelV2 at stage 3: its names carried a 'module.'
+    prefix. engine.parameters() yields each parameter once (the wrapper is no submodule of the engine)."""
+    reference = TinyGPT()
+    module = copy.deepcopy(reference)
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=torch.optim.AdamW(module.parameters(), lr=LR),
+                                           config=_config(stage))
+    assert engine.module is module
+    names = [name for name, _ in reference.named_parameters()]
+    assert [name for name, _ in engine.module.named_parameters()] == names
+    assert [name for name, _ in engine.named_parameters()] == ["module." + name for name in names]
+    assert len({id(p) for p in engine.parameters()}) == len(list(engine.parameters())) == len(names)
+    assert list(engine.module.state_dict()) == list(reference.state_dict())
+    assert list(engine.state_dict()) == ["module." + key for key in reference.state_dict()]
+    if stage == 3:
+        assert isinstance(engine.sharded_model, cm.ShardedModelV2) and engine.sharded_model.module is module
+        assert all(isinstance(p, cm.ChunkParameter) for p in engine.module.parameters())
+    else:
+        assert engine.sharded_model is None
+    engine.eval()
+    assert not module.training and (stage != 3 or not engine.sharded_model.training)
+    engine.train()
+    assert module.training and (stage != 3 or engine.sharded_model.training)
+
+
+def test_engine_module_state_dict_at_stage_3_equals_plain_adamw():
+    """fp32, one process: engine.module.state_dict() (the module's own state_dict over chunk-managed
+    parameters) holds the trained values under the module's keys, as plain PyTorch trained them."""
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    data = batches(4, seed=8)
+    engine, _, _ = _engine(reference, _config(3, gradient_clipping=0.0))
+    for x in data:
+        engine.backward(lm_loss(engine(x), x))
+        engine.step()
+    plain = copy.deepcopy(reference)
+    optim = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=WD)
+    for step in range(2):
+        for x in data[2 * step:2 * step + 2]:
+            (lm_loss(plain(x), x) / 2).backward()
+        optim.step()
+        optim.zero_grad()
+    assert type(engine.module) is TinyGPT
+    state, want = engine.module.state_dict(), plain.state_dict()
+    assert list(state) == list(want)
+    for name, p in engine.module.named_parameters():  # a read outside the forward: a copy of the values
+        torch.testing.assert_close(p.detach(), want[name], rtol=0, atol=1e-6, msg=name)
+    for key, value in want.items():
+        assert type(state[key]) is torch.Tensor and state[key].dtype == torch.float32, key  # copies, not chunk views
+        torch.testing.assert_close(state[key], value, rtol=0, atol=1e-6, msg=key)
+    assert not torch.equal(state["wte.weight"], reference.state_dict()["wte.weight"])  # it trained
+    for key, value in engine.state_dict().items():
+        assert torch.equal(value, state[key[len("module."):]]), key
+
+
+def test_engine_module_save_pretrained_at_stage_3(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    module = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0))
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=torch.optim.AdamW(module.parameters(), lr=LR),
+                                           config=_config(3))
+    x = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(3))
+    for _ in range(2):
+        engine.backward(engine(x, labels=x)["loss"])
+        engine.step()
+    assert engine.module is module
+    engine.module.save_pretrained(tmp_path)
+    loaded = type(module).from_pretrained(tmp_path)
+    state = engine.sharded_model.state_dict()
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(value, state[key]), key
+
+
+def test_data_types_grad_accum_dtype_reaches_the_engines_model():
+    config = dict(_config(3), bf16={"enabled": True}, data_types={"grad_accum_dtype": "bf16"})
+    engine, _, _ = _engine(TinyGPT(), config)
+    assert engine.sharded_model.settings.grad_accum_dtype == torch.bfloat16
+    with pytest.raises(cm.InvalidArgumentError) as caught:
+        _engine(TinyGPT(), dict(config, data_types={"grad_accum_dtype": "fp8"}))
+    assert caught.value.argument == "data_types.grad_accum_dtype"
+
+
 # ---- bad input ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("config, argument", [
@@ -446,7 +533,8 @@ def test_a_module_passed_first_is_the_model_and_a_client_schedule_is_stepped():
         module, optimizer=optimizer, lr_scheduler=lambda o: WarmupLR(o, warmup_max_lr=LR, warmup_num_steps=2),
         training_data=torch.utils.data.TensorDataset(torch.zeros(6, 16, dtype=torch.long)),
         config={"train_micro_batch_size_per_gpu": 3, "zero_optimization": {"stage": 3}})
-    assert isinstance(engine.module, cm.ShardedModelV2) and isinstance(schedule, WarmupLR)
+    assert engine.module is module and isinstance(engine.sharded_model, cm.ShardedModelV2)
+    assert isinstance(schedule, WarmupLR)
     assert [len(b[0]) for b in loader] == [3, 3]
     for (x,) in loader:
         engine.backward(lm_loss(engine(x), x))
@@ -538,8 +626,17 @@ def _two_rank_worker(rank: int, world: int, stage: int, workdir: str) -> dict:
         engine.step()
     _, client = engine.load_checkpoint(workdir)  # back to the middle, in the same engine
     back = _weights(engine)
+    refused, gathered = None, None
+    if stage == 3:  # each rank holds a shard: the module's state_dict is refused, naming the ways (DeepSpeed's
+        try:        # returns empty tensors); gathered, it holds the whole values
+            engine.module.state_dict()
+        except cm.ParameterAccessError as e:
+            refused = str(e)
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            state = {key: value.clone() for key, value in engine.module.state_dict().items()}  # as it says
+        gathered = [state[name] for name, _ in engine.module.named_parameters()]
     return {"weights_after_load": back, "client": client, "global_steps": engine.global_steps,
-            "lr": engine.get_lr()}
+            "lr": engine.get_lr(), "refused": refused, "gathered": gathered}
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -561,6 +658,12 @@ def test_two_ranks_equal_one_process_with_the_double_batch(tmp_path, stage):
         assert result["client"] == {"rank_sees": "the same"} and result["global_steps"] == 2
         for got, w in zip(result["weights_after_load"], want):
             torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-6)
+        if stage == 3:
+            assert all(way in result["refused"] for way in ("sharded over 2 ranks", "engine.save_16bit_model",
+                                                            "GatheredParameters", "engine.sharded_model.state_dict"))
+            assert len(result["gathered"]) == len(result["weights_after_load"])
+            for got, w in zip(result["gathered"], result["weights_after_load"]):
+                assert torch.equal(got, w)
     # what 2 ranks saved loads into one process: resharded (stage 3) or the full file (stage 2), bit for bit
     _, client = one.load_checkpoint(tmp_path)
     assert client == {"rank_sees": "the same"} and one.global_steps == 2
@@ -652,7 +755,7 @@ def test_progress_lines_breakdown_and_partial_loads(tmp_path, capsys):
     engine.load_checkpoint(tmp_path, tag="mid", load_optimizer_states=False)
     assert engine.global_steps == 2
     engine.empty_partition_cache()
-    assert engine.module.cached_bytes() == 0
+    assert engine.sharded_model.cached_bytes() == 0
 
 
 def test_add_config_arguments_and_init_distributed_in_one_process(tmp_path):

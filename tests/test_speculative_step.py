@@ -418,6 +418,6 @@ def test_engine_accumulation_with_step_in_backward_is_bitwise_the_plain_engine()
             engine.set_gradient_accumulation_boundary(n % 2 == 1)
             engine.backward(lm_loss(engine(x), x))
             engine.step()
-        return engine.module, engine.optimizer
+        return engine.sharded_model, engine.optimizer
 
     _same(run(False), run(True))

@@ -5,9 +5,10 @@
 training_dataloader, lr_scheduler)``; the engine (:class:`~chunkmem.engine.TrainingEngine`) runs
 DeepSpeed's loop (gradient accumulation, clipping, the config's schedule, checkpoints with a client state,
 ``save_16bit_model``) over :class:`~chunkmem.ShardedModelV2` / :class:`~chunkmem.ShardedOptimizerV2`
-(stage 3) or :class:`~chunkmem.LowLevelZeroOptimizer` (stages 1, 2). The submodules ``zero``, ``utils``,
-``comm`` and ``accelerator`` carry the DeepSpeed names scripts call. What a config key becomes is in
-``chunkmem.config.KEY_TABLE``.
+(stage 3) or :class:`~chunkmem.LowLevelZeroOptimizer` (stages 1, 2); as DeepSpeed's, ``engine.module`` is
+the module passed in at every stage (``engine.sharded_model`` the wrapper at stage 3). The submodules
+``zero``, ``utils``, ``comm`` and ``accelerator`` carry the DeepSpeed names scripts call. What a config key
+becomes is in ``chunkmem.config.KEY_TABLE``.
 """
 from __future__ import annotations
 
