@@ -309,3 +309,41 @@ def test_gathering_one_chunk_after_another_outside_an_iteration_frees_each_devic
             assert model.tier_bytes()["device"].get("param", 0) == 0
     finally:
         cm.set_device_memory_capacity(None)
+
+
+_KEPT_VIEWS_CHILD = """
+import torch, chunkmem as cm
+from models import TinyGPT, batches, lm_loss
+for modifier_rank in (None, 0):
+    model = cm.ShardedModelV2(TinyGPT(), cm.TensorShardStrategy(), tensor_placement_policy="cpu",
+                              dtype=torch.float32, chunk_size=16384)
+    optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-2))
+    with cm.GatheredParameters(list(model.module.parameters()), modifier_rank=modifier_rank):
+        kept = model.module.state_dict()
+        data = model.module.wte.weight.data
+        if modifier_rank is not None:
+            with torch.no_grad():
+                model.module.ln_f.weight.mul_(0.5)  # a change: written back into the chunk on exit
+    expected = model.state_dict()
+    for x in batches(2):  # the chunks' memory is freed, reused and refilled
+        optim.backward(lm_loss(model(x), x))
+        optim.step()
+        optim.zero_grad()
+    for key, value in kept.items():
+        assert torch.equal(value, expected[key]), key
+    assert torch.equal(data, expected["wte.weight"])
+print("ok")
+"""
+
+
+def test_views_kept_from_a_gathered_block_stay_valid_after_it():
+    """A state_dict() (or p.data) taken inside GatheredParameters views the gathered memory; read after the block
+    (whose chunks are freed and refilled by training) it keeps the values it had. Before 2026-11-27 reading it
+    crashed the process (a segmentation fault): a child process runs it."""
+    import os
+    import subprocess
+    import sys
+    tests = os.path.dirname(__file__)
+    done = subprocess.run([sys.executable, "-c", _KEPT_VIEWS_CHILD], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.path.dirname(tests)])})
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -379,6 +379,24 @@ class ParamBuffer:
                                               f"{self.owner}.{PARAM}")
         self._device_life.allocated()
 
+    def storage_users(self) -> int:
+        """How many tensors view the device copy's memory (this buffer's and its parameters' among them)."""
+        return torch._C._storage_Use_Count(self.device.untyped_storage()._cdata)
+
+    def leave_device_memory_to_viewers(self) -> torch.Tensor:
+        """Tensors outside chunkmem view the device copy (kept from a ``GatheredParameters`` block): leave
+        them its memory for good, and continue with a new device copy holding the same values (returned:
+        the chunk points its parameters at it). Freeing the device copy later then cannot take memory from
+        under them; the memory they keep is theirs, off the ledger, freed by torch with the last of them."""
+        self.wait()
+        fresh = torch.empty(self.numel, dtype=self.dtype, device=self.device.device)
+        fresh.untyped_storage().resize_(0)
+        lent = self.memory.fill_storage(fresh.untyped_storage(), PARAM, self.nbytes, f"{self.owner}.{PARAM}")
+        fresh.copy_(self.device)
+        self.memory.ledger.release(Tier.DEVICE, PARAM, self.nbytes)  # the old memory is the viewers' now
+        self.device, self._lent = fresh, lent
+        return fresh
+
     @property
     def approximate(self) -> bool:
         """Whether the device copy holds dequantized values of a quantized gather (for compute only)."""
@@ -775,6 +793,13 @@ class Chunk:
         """One more step for each of ``slots`` (the parameters a step updated)."""
         for slot in slots:
             self.steps[slot.index_in_chunk] = self.steps.get(slot.index_in_chunk, 0) + 1
+
+    def leave_device_memory_to_viewers(self) -> None:
+        """See :meth:`ParamBuffer.leave_device_memory_to_viewers`; the parameters view the new device copy."""
+        fresh = self.param.leave_device_memory_to_viewers()
+        with torch._C.DisableTorchFunctionSubclass():
+            for slot in self.slots:
+                slot.param.data = slot.view(fresh)
 
     # ---- the owning runtime ---------------------------------------------------------------------------
 

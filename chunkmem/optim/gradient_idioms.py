@@ -47,6 +47,7 @@ from ..core.chunk import Chunk, ParamSlot
 from ..core.param_guard import ChunkGradient, ParameterAccessError, written_target
 from ..distributed.collectives import all_reduce_over
 from ..errors import UnsupportedOperationError
+from .norms import SUMMED_DTYPES, sum_of_squares
 
 if TYPE_CHECKING:
     from .sharded_optimizer import ShardedOptimizerV2
@@ -151,9 +152,11 @@ class GradientIdioms:
         if key not in self._norms:
             self._norms.clear()
             slots = [s for c in optimizer.runtime.trainable_chunks() for s in c.slots]
-            local = torch.zeros(len(slots), dtype=torch.float64)
-            for index, slot in enumerate(slots):
-                local[index] = _local_power_sum(optimizer, slot, p)
+            sums = [_local_power_sum(optimizer, slot, p) for slot in slots]
+            local = torch.tensor([v if isinstance(v, float) else 0.0 for v in sums], dtype=torch.float64)
+            on_device = [i for i, v in enumerate(sums) if isinstance(v, torch.Tensor)]
+            if on_device:  # one copy to the host for all of them, not one wait per parameter
+                local[on_device] = torch.stack([sums[i] for i in on_device]).cpu()
             maximum = math.isinf(p)
             for group in optimizer.mixed.groups:
                 all_reduce_over(group, local, torch.distributed.ReduceOp.MAX if maximum else None,
@@ -232,9 +235,11 @@ def _local_part(slot: ParamSlot, shard: torch.Tensor) -> torch.Tensor | None:
     return shard[start:start + part[1] - part[0]]
 
 
-def _local_power_sum(optimizer: "ShardedOptimizerV2", slot: ParamSlot, p: float) -> float:
+def _local_power_sum(optimizer: "ShardedOptimizerV2", slot: ParamSlot, p: float) -> float | torch.Tensor:
     """This rank's share of ``sum |g|**p`` (the max of ``|g|`` for p = inf) of the parameter's raw gradient,
-    counted once over the ranks that hold the same copy (a replicated chunk on its first replica)."""
+    counted once over the ranks that hold the same copy (a replicated chunk on its first replica): a number,
+    or a 0-d float64 tensor on the device where the gradient rests. A 2-norm of host gradients comes from
+    :func:`~chunkmem.optim.norms.sum_of_squares` (exact squares, at the memory bandwidth)."""
     chunk = slot.chunk
     if slot.index_in_chunk not in chunk.slots_with_grads or not _requires_grad(slot):
         return 0.0
@@ -244,5 +249,8 @@ def _local_power_sum(optimizer: "ShardedOptimizerV2", slot: ParamSlot, p: float)
     part = None if grad is None else _local_part(slot, grad)
     if part is None or part.numel() == 0:
         return 0.0
-    values = part.double().abs()
-    return values.max().item() if math.isinf(p) else values.pow(p).sum().item()
+    if p == 2.0 and part.device.type == "cpu" and part.dtype in SUMMED_DTYPES:
+        return sum_of_squares(part)
+    if math.isinf(p):
+        return part.abs().max().double()
+    return torch.linalg.vector_norm(part, p, dtype=torch.float64) ** p

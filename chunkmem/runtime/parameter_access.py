@@ -68,6 +68,7 @@ class GatheredParameters:
         self.chunks = sorted({id(s.chunk): s.chunk for s in self.slots}.values(),
                              key=lambda c: (models[id(c.host)], c.index))
         self._entered = False
+        self._users: dict[int, int] = {}  # chunk -> tensors viewing its device copy when the block began
         if enabled and modifier_rank is not None:
             for chunk in self.chunks:
                 world = chunk.host.data_parallel.world
@@ -83,6 +84,7 @@ class GatheredParameters:
                 raise ParameterAccessError("GatheredParameters inside the model's forward: use it outside")
         for host, chunks in _by_host(self.chunks):
             host.open_chunks(chunks, for_writing=self.modifier_rank is not None)
+        self._users = {id(chunk): chunk.param.storage_users() for chunk in self.chunks}
         self._entered = True
         if self.fwd_module is not None:
             for slot in self.slots:
@@ -102,6 +104,9 @@ class GatheredParameters:
                                                         what=f"{chunk.name} parameters")
                 for slot in self.slots:
                     new_values[id(slot)] = slot.view(slot.chunk.param.device).clone()
+        for chunk in self.chunks:  # views kept from inside the block (a state_dict(), p.detach(), p.data)
+            if chunk.param.storage_users() > self._users[id(chunk)]:
+                chunk.leave_device_memory_to_viewers()
         for host, chunks in _by_host(self.chunks):
             host.close_chunks(chunks, for_writing=writable)
         if new_values:
