@@ -14,6 +14,7 @@ from .errors import (ArgumentTypeError, CheckpointError, ChunkmemError, DeviceCa
 from .init_context import ZeroInitContext
 from .optim.loss_scaler import DynamicGradScaler
 from .optim.low_level_zero import LowLevelZeroOptimizer
+from .optim.zero_gradient_view import ZeroGradient
 from .model import ShardedModelV2
 from .optim.sharded_optimizer import ShardedOptimizerV2
 from .core.param_guard import ChunkGradient, ChunkParameter, ParameterAccessError
@@ -40,7 +41,7 @@ __all__ = [
     "ShardedModelV2", "ShardedOptimizerV2", "StepMismatchError", "TensorShardStrategy", "Tier", "TiledLinear",
     "TrainingEngine", "UnscaledBackwardError", "choose",
     "UnsupportedOperationError",
-    "ZeroInitContext", "collective_timeout", "consolidate_checkpoint", "device_memory_capacity",
+    "ZeroGradient", "ZeroInitContext", "collective_timeout", "consolidate_checkpoint", "device_memory_capacity",
     "host_memory_capacity", "initialize", "initialize_engine", "load_checkpoint", "parse_size", "plan", "register_external_parameter",
     "save_checkpoint", "set_collective_timeout", "set_copy_engine", "set_device_memory_capacity", "set_host_memory_capacity",
     "set_pinned_memory_budget", "utils",

@@ -32,6 +32,7 @@ from .sealed import seal_param_groups
 from ..core.param_guard import slot_of
 from ..state_dicts import check_tensor_data
 from .zero_buckets import GradientBuckets
+from .zero_gradient_view import GradientViews
 from .zero_partition import FlatChunk, FlatSlot, build_partition
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -63,9 +64,13 @@ class LowLevelZeroOptimizer:
     view into its chunk) and each rank owns an equal contiguous shard of every chunk: it keeps the fp32
     master, ``exp_avg`` and ``exp_avg_sq`` of that shard only, updates it, and all-gathers the updated
     parameters after the step. Gradients are reduced (mean over the ranks) in buckets during the
-    backward and kept in a store per chunk: whole (stage 1) or only this rank's shard (stage 2);
-    ``param.grad`` stays ``None``. Every parameter the optimizer holds that requires grad is stepped at
-    every step (one that got no gradient counts as zero, as in :class:`~chunkmem.ShardedOptimizerV2`);
+    backward and kept in a store per chunk: whole (stage 1) or only this rank's shard (stage 2); they
+    are complete when the backward ends. ``param.grad`` then holds a :class:`~chunkmem.ZeroGradient`
+    stand-in for the gradient in the store, on which torch's idioms work
+    (``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` returns the unscaled norm and clips what the
+    step applies, ``clip_grad_value_``, reads; ``None`` where torch's ``.grad`` is ``None``):
+    :mod:`chunkmem.optim.zero_gradient_view`. Every parameter the optimizer holds that requires grad is
+    stepped at every step (one that got no gradient counts as zero, as in :class:`~chunkmem.ShardedOptimizerV2`);
     a parameter whose ``requires_grad`` is ``False`` at the step is left alone (no weight decay, no moment
     update, as torch's AdamW leaves a parameter without a gradient; its step count is its chunk's). A
     parameter frozen when the optimizer is built has no master and cannot be trained: if it requires grad
@@ -190,6 +195,7 @@ class LowLevelZeroOptimizer:
         self._backwards = 0  # backward passes with gradients so far
         self._steps = 0  # step() calls so far
         self._backward_agreed = False  # the running backward's agreement ran
+        self._views = GradientViews(self)  # param.grad: stand-ins for the gradients in the stores
         self._hooks = [slot.param.register_post_accumulate_grad_hook(self._on_grad)
                        for slot in self._slot_of.values()]
         for slot in self._slot_of.values():
@@ -320,6 +326,26 @@ class LowLevelZeroOptimizer:
         """The current loss scale (1.0 without a scaler: bf16 and fp32)."""
         return self.mixed.loss_scale
 
+    @property
+    def grads_sharded(self) -> bool:
+        """Whether each rank holds only its shard of the reduced gradients (stage 2 over several ranks)."""
+        return self.partition_grad and self.shards.sharded
+
+    def grad_part(self, slot: FlatSlot) -> torch.Tensor | None:
+        """This rank's elements of ``slot``'s reduced gradient in its chunk's store, as a flat view (the whole
+        parameter unless :attr:`grads_sharded`; possibly empty), in the store's units (times the loss
+        scale with fp16); ``None`` while the chunk has no store."""
+        store = slot.chunk.grad
+        if store is None:
+            return None
+        if not self.partition_grad:
+            return store[slot.offset:slot.offset + slot.numel]
+        part = slot.owned()
+        if part is None:
+            return store[:0]
+        start = slot.offset + part[0] - slot.chunk.own_start
+        return store[start:start + part[1] - part[0]]
+
     # ---- backward ----------------------------------------------------------------------------------
 
     def _grad_store(self, chunk: FlatChunk) -> torch.Tensor:
@@ -351,29 +377,36 @@ class LowLevelZeroOptimizer:
         self._take_grad(param)
 
     def _backward_ended(self) -> None:
+        """The backward's final callback (every rank runs the same backward): its reductions complete here,
+        ``loss.backward()`` as :meth:`backward`, so the ``.grad`` stand-ins read finished stores."""
         self._backward_agreed = False
         self._backwards += 1
+        self._finish_reduction()
 
     def _take_grad(self, param: nn.Parameter) -> None:
-        if self._no_sync or param.grad is None:
+        """Send ``param``'s local gradient (what autograd left in ``param.grad``, or added to its stand-in)
+        to the buckets and leave the stand-in in ``param.grad``; inside :meth:`no_sync` it stays local."""
+        slot = self._slot_of[id(param)]
+        grad = self._views.settle(slot, take=not self._no_sync)
+        if grad is None:
             return
         if self.grad_scaler is not None and not self._in_backward:
             self._unscaled_backward = True
-        grad, param.grad = param.grad, None
-        slot = self._slot_of[id(param)]
         slot.chunk.slots_with_grads.add(slot.index)
         self.buckets.add(slot, grad)
+        self._views.install(slot)
         self.grads_pending = True
 
     def _finish_reduction(self) -> None:
         """Take gradients autograd left in ``param.grad`` (accumulated inside :meth:`no_sync` and not
-        touched since), then reduce what is left and wait for every collective in flight."""
+        touched since; a ``param.grad`` the user set), then reduce what is left and wait for every
+        collective in flight."""
         if self._no_sync:
             return
         for slot in self._slot_of.values():
-            if slot.param.grad is not None:
-                self._take_grad(slot.param)
+            self._take_grad(slot.param)
         self.buckets.finish()
+        self._views.changed()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` times the loss scale; the gradients are reduced over the ranks into the
@@ -530,6 +563,9 @@ class LowLevelZeroOptimizer:
         check_type("set_to_none", set_to_none, bool, "True or False")
         if not self.buckets.idle:  # the collectives every rank started must complete on every rank
             self.buckets.finish()
+        if not set_to_none:  # a gradient whose .grad the user set to None is gone, not zeroed
+            for slot in self._slot_of.values():
+                self._views.settle(slot, take=False)
         for chunk in self.chunks:
             if set_to_none:  # zeroed gradients still count: torch steps a parameter whose .grad is zeros
                 chunk.slots_with_grads.clear()
@@ -538,8 +574,9 @@ class LowLevelZeroOptimizer:
                     chunk.grad, chunk.spare_grad = None, chunk.grad if chunk.grad.dtype == self.dtype else None
                 else:
                     chunk.grad.zero_()
-        for slot in self._slot_of.values():
-            slot.param.grad = None
+        self._views.clear(keep=not set_to_none)
+        for slot in self._slot_of.values():  # zeroed: the stand-ins stay (reading zeros), as torch's zeroed .grad
+            slot.param.grad = None if set_to_none else self._views.current(slot)
         self.grads_pending = False
         self._unscaled_backward = False
 
