@@ -26,9 +26,9 @@ classes cover the rest:
 Refused around a chunkmem model, with :class:`~chunkmem.UnsupportedOperationError` naming the alternative:
 Accelerate's or ``Trainer``'s mixed precision (``fp16=``/``bf16=``: chunkmem chooses the dtype, in its
 config), ``torch.compile``, DeepSpeed, FSDP, Megatron, XLA and tensor/context parallelism (chunkmem shards
-the model), and the ZeRO-1/2 ``LowLevelZeroOptimizer`` (not a ``torch.optim.Optimizer``, and it takes each
-gradient out of ``param.grad`` during the backward, so ``clip_grad_norm_`` over the parameters sees none:
-use stage 3).
+the model). The ZeRO-1/2 ``LowLevelZeroOptimizer`` is refused by both classes for now (not a
+``torch.optim.Optimizer``: Accelerate leaves it unprepared, ``save_state`` would miss its state and
+``torchrun`` would put DDP over its own reduction); use stage 3.
 
 Importing this module imports ``transformers`` and ``accelerate``.
 """
@@ -56,11 +56,11 @@ OPTIMIZER_NAME = "optimizer.pt"  # the file names Trainer resumes from (transfor
 SCHEDULER_NAME = "scheduler.pt"
 TRAINING_ARGS_NAME = "training_args.bin"
 
-_STAGES_1_2 = ("chunkmem's ZeRO-1/2 LowLevelZeroOptimizer under Accelerate or Trainer: it is not a torch.optim."
-               "Optimizer (a schedule attaches to the optimizer it wraps) and it takes each gradient out of "
-               "param.grad during the backward, so clip_grad_norm_(model.parameters(), c) would see none. Use "
-               "stage 3 (chunkmem.initialize with zero_optimization.stage 3), whose model and optimizer these "
-               "libraries drive")
+_STAGES_1_2 = ("chunkmem's ZeRO-1/2 LowLevelZeroOptimizer under ChunkmemTrainer / ChunkmemAccelerator: not supported "
+               "yet. It is not a torch.optim.Optimizer, so Accelerate does not prepare it (save_state would leave "
+               "its state out; under torchrun the module would be wrapped in DistributedDataParallel on top of "
+               "its own gradient reduction) and Trainer saves its state from rank 0 alone (its state_dict() "
+               "gathers over the ranks). Use stage 3 (zero_optimization.stage 3), which these classes drive")
 
 
 def _inner_optimizer(optimizer: Any) -> Any:
