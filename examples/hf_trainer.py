@@ -73,7 +73,8 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="Trainer's clipping (its default, 1.0)")
     p.add_argument("--save-steps", type=int, default=0, help="a checkpoint every N steps (0: none)")
-    p.add_argument("--output-dir", default=None, help="checkpoints and final/ (default: a temporary directory)")
+    p.add_argument("--output-dir", default=None,
+                   help="checkpoints and final/ (default: chunkmem_hf_trainer in the temporary directory)")
     p.add_argument("--resume", default=None, help="a checkpoint directory to resume from")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--plain", action="store_true", help="without chunkmem (the same script, two lines undone)")
@@ -85,7 +86,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.quiet:
         transformers.logging.set_verbosity_error()
-    output_dir = args.output_dir or tempfile.mkdtemp(prefix="hf_trainer_")
+    # one path for every process (under torchrun each rank writes its part of a checkpoint there)
+    output_dir = args.output_dir or os.path.join(tempfile.gettempdir(), "chunkmem_hf_trainer")
     torch.manual_seed(0)  # every process builds the same model
     model = LlamaForCausalLM(LlamaConfig(
         num_hidden_layers=args.layers, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
