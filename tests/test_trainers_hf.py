@@ -117,8 +117,11 @@ def test_trainer_trains_as_the_plain_module(cls, max_grad_norm, accumulation, tm
     """Trainer's default max_grad_norm=1.0 clips here (the norms are above 1); 0.01 clips every step."""
     plain_logged, plain_weights, plain_eval = _plain_trainer_run(max_grad_norm, accumulation)
     model, optim = _model_and_optimizer(True)
+    # the plain Trainer reads the label names off the model's class, the wrapper's here: it needs them named
+    # (else evaluate() computes no loss); ChunkmemTrainer reads them off the wrapped module's class
+    labels = {"label_names": ["labels"]} if cls is Trainer else {}
     ours = _trainer(cls, model, optim, tmp_path, max_grad_norm=max_grad_norm,
-                    gradient_accumulation_steps=accumulation)
+                    gradient_accumulation_steps=accumulation, **labels)
     ours.train()
     _assert_close_runs(_logged(ours), plain_logged)
     if max_grad_norm:
