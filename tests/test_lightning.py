@@ -19,6 +19,7 @@ that sampler explicitly.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -205,3 +206,21 @@ def test_what_cannot_work_is_refused_naming_the_setting():
     assert "2 optimizers" in str(error)
     error = _fit_error(ChunkmemStrategy({"zero_optimization": {"stage": 0}}))
     assert isinstance(error, cm.InvalidArgumentError) and error.argument == "zero_optimization.stage"
+
+
+EXAMPLE_TINY = ["--vocab", "32", "--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "16",
+                "--batch-size", "4", "--epochs", "2", "--epoch-steps", "4", "--warmup", "2", "--lr", "1e-2", "--quiet"]
+
+
+def test_the_example_trains_and_resumes_bit_for_bit(tmp_path):
+    spec = importlib.util.spec_from_file_location("lightning_module_example", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    straight = example.main(EXAMPLE_TINY)
+    losses = straight["losses"]
+    assert len(losses) == 8 and sum(losses[-2:]) < sum(losses[:2]) - 0.2
+    assert isinstance(straight["trainer"].strategy.model, cm.ShardedModelV2) and straight["val_loss"] is not None
+    first = example.main(EXAMPLE_TINY + ["--stop-after", "1", "--save", str(tmp_path / "run.ckpt")])
+    assert first["losses"] == losses[:4]
+    resumed = example.main(EXAMPLE_TINY + ["--resume", str(tmp_path / "run.ckpt")])
+    assert resumed["losses"] == losses[4:]
