@@ -197,9 +197,7 @@ def test_resume_from_checkpoint_continues_bit_for_bit(chunkmem, tmp_path):
 
 
 @pytest.mark.parametrize("scale_power", [
-    8, pytest.param(20, marks=pytest.mark.xfail(raises=cm.UnsupportedOperationError, strict=True, reason=(
-        "Trainer logs the norm with clip_grad_norm_(params, inf) every step: on an overflowed fp16 backward the "
-        "factors recorded are NaN, and the step refuses them as 'different' instead of skipping")))],
+    8, 20],
     ids=["no-skip", "skips"])
 def test_fp16_goes_through_the_loss_scaler_and_skipped_steps_keep_the_schedule(scale_power, tmp_path):
     """A chunkmem fp16 model under ChunkmemTrainer trains as chunkmem's own loop (optim.backward; a step the

@@ -83,8 +83,12 @@ class GradientIdioms:
                 "(clip_grad_norm_ or .grad.mul_ before that backward): torch would have scaled only the earlier "
                 "ones, which the chunks cannot tell apart. Clip after the last backward of the step; call "
                 "optim.zero_grad() to drop these gradients")
-        seen = {factors.get(id(slot), 1.0) for chunk in chunks for slot in chunk.slots
+        # (a non-finite factor is one: clip_grad_norm_ of gradients that overflowed gives inf / inf, a NaN per
+        # parameter, and the step then skips the update as torch's GradScaler would)
+        seen = {_finite_or_nan(factors.get(id(slot), 1.0)) for chunk in chunks for slot in chunk.slots
                 if slot.index_in_chunk in chunk.slots_with_grads and _requires_grad(slot)}
+        if len(seen) > 1 and any(math.isnan(f) for f in seen):
+            seen = {f for f in seen if math.isnan(f)}
         if len(seen) > 1:
             raise UnsupportedOperationError(
                 f"optim.step() with gradients scaled by different factors ({sorted(seen)[:4]}): torch's in-place "
@@ -215,6 +219,10 @@ class GradientIdioms:
             part.clamp_(*bounds)
         self._norms.clear()
         return None if name.startswith("_foreach") else grads[0]
+
+
+def _finite_or_nan(factor: float) -> float:
+    return factor if math.isfinite(factor) else math.nan
 
 
 def _requires_grad(slot: ParamSlot) -> bool:
