@@ -36,7 +36,8 @@ from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 import chunkmem as cm  # noqa: E402
 from chunkmem.integrations.lightning import ChunkmemStrategy  # noqa: E402
-from lightning_script import CLIP, SAMPLES, STAGE3, LitGPT, dataset, trainer  # noqa: E402
+from lightning_script import CLIP, SAMPLES, SEQ, STAGE3, VOCAB, LitGPT, dataset, trainer  # noqa: E402
+from models import TinyGPT  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLE = os.path.join(HERE, os.pardir, "examples", "lightning_module.py")
@@ -109,6 +110,28 @@ def test_zero_stage_2_trains_as_plain_lightning(plain):
     assert isinstance(run.optimizers[0], cm.LowLevelZeroOptimizer)
     assert model.losses == pytest.approx(plain.losses, rel=1e-5)
     _assert_close_weights(run.strategy.lightning_module_state_dict(), plain.state_dict())
+
+
+class _BuiltInConfigureModel(LitGPT):
+    """The GPT made in ``configure_model`` (the strategy's ``tensor_init_context``), as large models are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.gpt
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "gpt"):
+            torch.manual_seed(0)
+            self.gpt = TinyGPT(vocab=VOCAB, seq=SEQ)
+
+
+def test_a_model_made_in_configure_model_trains_as_plain_lightning(plain):
+    model = _BuiltInConfigureModel()
+    run = trainer(ChunkmemStrategy(STAGE3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run.fit(model, DataLoader(dataset(), batch_size=8))
+    assert model.losses == pytest.approx(plain.losses, rel=1e-5)
 
 
 def test_validate_and_predict_after_fit_use_the_wrapped_model(plain, straight):

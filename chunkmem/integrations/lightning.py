@@ -27,11 +27,10 @@ Only this module of chunkmem imports Lightning (``lightning.pytorch``).
 from __future__ import annotations
 
 import copy
-import logging
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -41,7 +40,8 @@ import lightning.pytorch as pl
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.fabric.utilities.init import _EmptyInit
+from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
@@ -49,15 +49,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from ..config import DEEPSPEED_GRADIENT_CLIPPING, initialize, read_config
+from ..config import initialize, read_config
 from ..errors import InvalidArgumentError, UnsupportedOperationError
 from ..model import ShardedModelV2
 from ..optim.low_level_zero import LowLevelZeroOptimizer
 from ..optim.sharded_optimizer import ShardedOptimizerV2
 
 __all__ = ["ChunkmemStrategy", "ChunkmemPrecision"]
-
-log = logging.getLogger(__name__)
 
 _WRAPPER_ATTR = "_chunkmem_lightning_wrapper"  # on the LightningModule: the ShardedModelV2 that holds it
 
@@ -186,7 +184,7 @@ class ChunkmemStrategy(DDPStrategy):
       ``clip_grad_norm(gradient_clip_val)`` after the backward (stage 3), or the LowLevelZeroOptimizer's
       configured clipping (stages 1, 2). The DeepSpeed form's ``gradient_clipping`` defaults to 1.0 in
       :func:`chunkmem.initialize`; under Lightning an absent key means no clipping unless the Trainer asks,
-      and a config that clips while the Trainer clips too is refused. Clipping by value is refused.
+      and a config that clips at another norm than the Trainer is refused. Clipping by value is refused.
     * ``accumulate_grad_batches``: several backwards before one step (each backward's gradients are reduced
       as it ends; the sum is kept in fp32 for 16-bit models). A DeepSpeed ``gradient_accumulation_steps``
       that differs from it is refused.
@@ -263,6 +261,18 @@ class ChunkmemStrategy(DDPStrategy):
         if not _is_stage3(self.config) and not isinstance(self.model, ShardedModelV2):
             self.model.to(self.root_device)
 
+    @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """``configure_model`` and ``trainer.init_module()``: at stage 3 the tensors are made on the CPU, not
+        on this process's device (chunkmem packs them into chunks and places those; a model made on the
+        device would have to fit there whole). Stages 1 and 2: on the device, as under DDP."""
+        if not _is_stage3(self.config):
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with _EmptyInit(enabled=bool(empty_init)), torch.device("cpu"):
+            yield
+
     # ---- setup -----------------------------------------------------------------------------------
 
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -299,7 +309,7 @@ class ChunkmemStrategy(DDPStrategy):
                 f"configure_optimizers returned {len(self.optimizers)} optimizers: ChunkmemStrategy trains one "
                 f"model with one optimizer (use param groups for different hyper-parameters)")
         optimizer = _plain_optimizer(self.optimizers[0])
-        if type(optimizer).__name__ == "_MockOptimizer":  # configure_optimizers returned none
+        if isinstance(optimizer, _MockOptimizer):  # configure_optimizers returned none
             optimizer = None
         model, optim = initialize(module, optimizer, self._config_for(trainer, fitting=True))
         if optim is None:
@@ -431,6 +441,7 @@ class ChunkmemStrategy(DDPStrategy):
         module.__dict__.pop(_WRAPPER_ATTR, None)
         if self.model is wrapper:
             self.model = module
+        self.optimizers, self.lr_scheduler_configs = [], []  # the chunkmem optimizer went with the chunks
         self.precision_plugin.attach(None, None)
 
     def on_exception(self, exception: BaseException) -> None:
