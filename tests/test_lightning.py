@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import warnings
@@ -167,9 +168,15 @@ def test_two_processes_train_as_one_with_the_global_batch(tmp_path):
     out = tmp_path / "out.json"
     env = {k: v for k, v in os.environ.items()
            if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RANK")}
-    done = subprocess.run([sys.executable, os.path.join(HERE, "lightning_script.py"), str(out), str(tmp_path), "2"],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and out.exists(), done.stderr[-4000:]
+    # a session of its own: Lightning starts rank 1 from rank 0, and a timeout ends both
+    script = subprocess.Popen([sys.executable, os.path.join(HERE, "lightning_script.py"), str(out), str(tmp_path), "2"],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, stderr = script.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(script.pid, signal.SIGKILL)
+        raise
+    assert script.returncode == 0 and out.exists(), stderr[-4000:]
     with open(out) as f:
         got = json.load(f)
     ranks = got["ranks"]
