@@ -142,21 +142,17 @@ class ChunkmemPrecision(Precision):
         return closure_result
 
     def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        """Stage 3: :meth:`ShardedOptimizerV2.clip_grad_norm` (one pass over the chunks, folded into the
+        step). Stages 1, 2: torch's ``clip_grad_norm_``, which the LowLevelZeroOptimizer's gradient
+        stand-ins serve (unscaled norms over every rank, the factor applied in the store)."""
         optim = self._chunkmem_optimizer("gradient clipping")
-        if isinstance(optim, LowLevelZeroOptimizer):
-            if float(clip_val) != optim.clip_grad_norm:
-                raise UnsupportedOperationError(
-                    f"clipping the gradients to norm {clip_val} at ZeRO stage 1 or 2 under ChunkmemStrategy: the "
-                    f"LowLevelZeroOptimizer clips inside its step at the norm it was built with "
-                    f"({optim.clip_grad_norm}; 0: none). Set Trainer(gradient_clip_val=...) (the strategy passes it "
-                    f"to the optimizer) or the config's gradient_clipping, or use stage 3")
-            return  # the step clips at exactly this norm
-        optim.clip_grad_norm(float(clip_val))
+        if isinstance(optim, ShardedOptimizerV2):
+            optim.clip_grad_norm(float(clip_val))
+        else:
+            super().clip_grad_by_norm(optim, clip_val)
 
-    def clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
-        raise UnsupportedOperationError(
-            "gradient_clip_algorithm='value' under ChunkmemStrategy: the gradients live in chunks (sharded over the "
-            "ranks) and chunkmem clips them by their global norm only; use gradient_clip_algorithm='norm'")
+    # clip_grad_by_value: Lightning's, torch's clip_grad_value_ over the optimizer's parameters, whose
+    # gradient stand-ins clamp the gradients where they live (in unscaled units) at every stage
 
 
 class ChunkmemStrategy(DDPStrategy):
@@ -180,11 +176,13 @@ class ChunkmemStrategy(DDPStrategy):
 
     What the Trainer's settings become:
 
-    * ``gradient_clip_val`` (``gradient_clip_algorithm="norm"``): the chunkmem optimizer's
-      ``clip_grad_norm(gradient_clip_val)`` after the backward (stage 3), or the LowLevelZeroOptimizer's
-      configured clipping (stages 1, 2). The DeepSpeed form's ``gradient_clipping`` defaults to 1.0 in
-      :func:`chunkmem.initialize`; under Lightning an absent key means no clipping unless the Trainer asks,
-      and a config that clips at another norm than the Trainer is refused. Clipping by value is refused.
+    * ``gradient_clip_val``: after the backward, by norm (torch's ``min(1, max_norm / (norm + 1e-6))``)
+      through :meth:`ShardedOptimizerV2.clip_grad_norm` at stage 3 and torch's ``clip_grad_norm_`` at stages
+      1 and 2, by value (``gradient_clip_algorithm="value"``) through torch's ``clip_grad_value_``: chunkmem's
+      gradient stand-ins (``param.grad``) serve torch's idioms on gradients that live in chunks or stores.
+      The DeepSpeed form's ``gradient_clipping`` defaults to 1.0 in :func:`chunkmem.initialize`; under
+      Lightning an absent key means no clipping unless the Trainer asks, and a config that clips (inside
+      the step) while the Trainer clips too is refused.
     * ``accumulate_grad_batches``: several backwards before one step (each backward's gradients are reduced
       as it ends; the sum is kept in fp32 for 16-bit models). A DeepSpeed ``gradient_accumulation_steps``
       that differs from it is refused.
@@ -334,10 +332,10 @@ class ChunkmemStrategy(DDPStrategy):
         return dtypes.pop() if len(dtypes) == 1 and torch.float32 not in dtypes else None
 
     def _config_for(self, trainer: "pl.Trainer", fitting: bool) -> dict[str, Any]:
-        """The config with the Trainer's clipping and accumulation checked against it; in the DeepSpeed form,
-        an absent ``gradient_clipping`` becomes the Trainer's ``gradient_clip_val`` at stages 1 and 2 (the
-        LowLevelZeroOptimizer clips in its step) and 0 otherwise (the Trainer's clipping, if any, is applied
-        through ``clip_grad_norm``)."""
+        """The config with the Trainer's clipping and accumulation checked against it. In the DeepSpeed form
+        an absent ``gradient_clipping`` is 0 (:func:`chunkmem.initialize` alone takes DeepSpeed's 1.0): under
+        Lightning the Trainer's ``gradient_clip_val`` clips, after the backward; a config that clips too is
+        refused (the step would clip again)."""
         config = copy.deepcopy(self.config)
         if not fitting:  # validate / test / predict before any fit: the model only, no optimizer state
             config.pop("optimizer", None)
@@ -345,30 +343,18 @@ class ChunkmemStrategy(DDPStrategy):
             if isinstance(config.get("zero"), Mapping):
                 config["zero"] = {k: v for k, v in config["zero"].items() if k != "optimizer_config"}
             return config
-        clip = trainer.gradient_clip_val
-        if clip is not None and trainer.gradient_clip_algorithm == "value":
-            raise UnsupportedOperationError(
-                "Trainer(gradient_clip_algorithm='value') with ChunkmemStrategy: chunkmem clips the gradients by "
-                "their global norm only (they live in chunks, sharded over the ranks); use "
-                "gradient_clip_algorithm='norm'")
-        clip = float(clip) if clip else 0.0
+        clip = float(trainer.gradient_clip_val) if trainer.gradient_clip_val else 0.0
         if "zero" in config:
             optimizer_config = config["zero"].get("optimizer_config") or {}
             configured = optimizer_config.get("max_norm", 0.0) if isinstance(optimizer_config, Mapping) else 0.0
             key = "zero.optimizer_config.max_norm"
         else:
-            configured = config.get("gradient_clipping")
+            configured = config.setdefault("gradient_clipping", 0.0)  # not chunkmem.initialize's 1.0
             key = "gradient_clipping"
-            if configured is None:
-                config["gradient_clipping"] = clip if not _is_stage3(config) else 0.0
-                configured = 0.0
-            elif not _is_stage3(config) and clip and configured in (0, 0.0):
-                config["gradient_clipping"] = clip
-                configured = 0.0
-        if clip and configured and configured != clip:
+        if clip and configured:
             raise InvalidArgumentError(
                 key, configured, f"absent or 0 when Trainer(gradient_clip_val={trainer.gradient_clip_val}) clips "
-                                 f"too (one clipping: give it in one place)")
+                                 f"(one clipping, in one place: the Trainer's, or the config's inside the step)")
         steps = config.get("gradient_accumulation_steps") if "zero" not in config else None
         if steps is not None and steps != trainer.accumulate_grad_batches:
             raise InvalidArgumentError(
