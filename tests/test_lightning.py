@@ -245,6 +245,13 @@ def test_what_cannot_work_is_refused_naming_the_setting():
     assert isinstance(error, cm.InvalidArgumentError) and "accumulate_grad_batches=1" in str(error)
     error = _fit_error(ChunkmemStrategy(STAGE3), _TwoOptimizers(), gradient_clip_val=None)
     assert "2 optimizers" in str(error)
+    zero2 = LitGPT()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer(ChunkmemStrategy({"zero_optimization": {"stage": 2}}), 1, limit_train_batches=1).fit(
+            zero2, DataLoader(dataset(), batch_size=8))
+    error = _fit_error(ChunkmemStrategy({"zero_optimization": {"stage": 2}}), zero2)
+    assert "second fit" in str(error) and "ckpt_path" in str(error)
     error = _fit_error(ChunkmemStrategy({"zero_optimization": {"stage": 0}}))
     assert isinstance(error, cm.InvalidArgumentError) and error.argument == "zero_optimization.stage"
 

@@ -52,7 +52,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from ..config import initialize, read_config
 from ..errors import InvalidArgumentError, UnsupportedOperationError
 from ..model import ShardedModelV2
-from ..optim.low_level_zero import LowLevelZeroOptimizer
+from ..optim.low_level_zero import LowLevelZeroOptimizer, optimizer_of
 from ..optim.sharded_optimizer import ShardedOptimizerV2
 
 __all__ = ["ChunkmemStrategy", "ChunkmemPrecision"]
@@ -281,9 +281,16 @@ class ChunkmemStrategy(DDPStrategy):
         if getattr(self, "_layer_sync", None) is not None and trainer.state.fn == TrainerFn.FITTING:
             raise UnsupportedOperationError("Trainer(sync_batchnorm=True) with ChunkmemStrategy: not supported")
         wrapper = module.__dict__.get(_WRAPPER_ATTR)
+        self._failed = False
         if trainer.state.fn == TrainerFn.FITTING:
             if wrapper is not None:  # fitted before: pack again with the new optimizer (the weights carry over)
                 self._unwrap_module(wrapper)
+            if any(optimizer_of(p) is not None for p in module.parameters()):
+                raise UnsupportedOperationError(
+                    "a second fit of a LightningModule trained at ZeRO stage 1 or 2: its parameters stay in the "
+                    "first fit's LowLevelZeroOptimizer for good, and a new optimizer cannot take them. Continue "
+                    "that training with a fresh module and trainer.fit(module, ckpt_path=...), or use stage 3 "
+                    "(a second fit packs the module again)")
             self.model_to_device()
             self.setup_optimizers(trainer)
         else:
