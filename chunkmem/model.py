@@ -192,20 +192,25 @@ class ShardedModelV2(nn.Module):
         self._show_module_signature(module)
 
     def _show_module_signature(self, module: nn.Module) -> None:
-        """Make ``inspect.signature(self.forward)`` the wrapped module's: libraries choose what to pass by
-        it (Hugging Face ``Trainer`` drops every dataset column the forward does not name)."""
+        """Make ``inspect.signature(self.forward)`` the wrapped module's, on the instance and on its class
+        (``type(model).forward``, with ``self``): libraries choose what to pass by it (Hugging Face ``Trainer``
+        drops every dataset column the forward does not name, and finds the label names and whether the model
+        returns a loss on the class). The model's class becomes a subclass of its own, under the same name."""
         try:
             signature = inspect.signature(module.forward)
         except (TypeError, ValueError):  # a forward inspect cannot read (a builtin): keep (*args, **kwargs)
             return
-        forward = ShardedModelV2.forward.__get__(self)
+        base = type(self)
 
-        def forward_with_module_signature(*args: Any, **kwargs: Any) -> Any:
-            return forward(*args, **kwargs)
+        def forward(model: "ShardedModelV2", *args: Any, **kwargs: Any) -> Any:
+            return base.forward(model, *args, **kwargs)
 
-        forward_with_module_signature.__signature__ = signature  # type: ignore[attr-defined]
-        forward_with_module_signature.__doc__ = ShardedModelV2.forward.__doc__
-        self.__dict__["forward"] = forward_with_module_signature
+        forward.__doc__ = base.forward.__doc__
+        forward.__signature__ = signature.replace(  # type: ignore[attr-defined]
+            parameters=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+                        *signature.parameters.values()])
+        self.__class__ = type(base.__name__, (base,), {"forward": forward, "__module__": base.__module__,
+                                                       "__qualname__": base.__qualname__})
 
     def __getattr__(self, name: str) -> Any:
         """Attributes this wrapper does not have come from the wrapped module (``config``,

@@ -101,13 +101,15 @@ def run(dtype_name):
             report(dtype=dtype_name, access=access, phase="done", error=type(exc).__name__, message=str(exc))
         else:
             report(dtype=dtype_name, access=access, phase="done", value_ok=result is True)
-    # after a backward, before the step: the gradient stand-in refuses clip_grad_norm_
+    # after a backward, before the step: torch's clip_grad_norm_ reads the gradient stand-ins (a max_norm that
+    # clips nothing: the training below must stay the twin's, bit for bit)
     torch.manual_seed(2)
     optim.backward(model(torch.randint(0, 64, (2, 8))).float().pow(2).mean())
     report(dtype=dtype_name, access="clip_grad_norm_ (grads)", phase="start")
     try:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        report(dtype=dtype_name, access="clip_grad_norm_ (grads)", phase="done", value_ok=False)
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+        report(dtype=dtype_name, access="clip_grad_norm_ (grads)", phase="done",
+               value_ok=0.0 < norm < float("inf"))
     except cm.ChunkmemError as exc:
         report(dtype=dtype_name, access="clip_grad_norm_ (grads)", phase="done", error=type(exc).__name__,
                message=str(exc))

@@ -250,6 +250,8 @@ def test_the_model_shows_its_module_signature_and_attributes():
 
     model = cm.ShardedModelV2(Net(), cm.TensorShardStrategy(), tensor_placement_policy="cpu", dtype=torch.float32)
     assert list(inspect.signature(model.forward).parameters) == ["input_ids", "labels"]
+    assert list(inspect.signature(type(model).forward).parameters) == ["self", "input_ids", "labels"]  # Trainer's labels
+    assert isinstance(model, cm.ShardedModelV2) and type(model).__name__ == "ShardedModelV2"
     assert model.config == {"hidden": 4} and model.main_input_name == "input_ids" and model.describe() == "net"
     out = model(input_ids=torch.ones(2, 4))
     assert out.shape == (2, 4)

@@ -38,7 +38,7 @@ EXPECTED = {
     "torch.save(param)": ("ParameterAccessError", "pickling"),
     "param.data = zeros": ("ParameterAccessError", "assigning .data"),
     "clip_grad_norm_ (no grads)": "value",
-    "clip_grad_norm_ (grads)": ("ParameterAccessError", "optim.clip_grad_norm"),
+    "clip_grad_norm_ (grads)": "value",
     "training unchanged by the accesses": "value",
 }
 
