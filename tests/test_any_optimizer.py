@@ -549,9 +549,9 @@ def test_two_rank_sharded_checkpoint_from_the_disk_tier_resumes_on_the_host_bitw
 
 @pytest.mark.parametrize("field,edit,error", [
     ("state", lambda e: e.pop("state"), cm.InvalidArgumentError),  # then it reads as Adam's: refused
-    ("scalars", lambda e: e.update(scalars=[1]), cm.CheckpointError),
-    ("scalars", lambda e: e["scalars"].update({0: 5}), cm.CheckpointError),
-    ("scalars", lambda e: e["scalars"][0].update(step=torch.empty(1, device="meta")), cm.InvalidArgumentError),
+    ("scalars", lambda e: e.update(slot_scalars=[1]), cm.CheckpointError),
+    ("scalars", lambda e: e["slot_scalars"].update({0: 5}), cm.CheckpointError),
+    ("scalars", lambda e: e["slot_scalars"][0].update(step=torch.empty(1, device="meta")), cm.InvalidArgumentError),
 ])
 def test_a_damaged_sharded_rank_file_of_another_optimizer_is_refused_before_anything_changes(tmp_path, field, edit,
                                                                                               error):

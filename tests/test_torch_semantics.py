@@ -263,3 +263,240 @@ def test_low_level_zero_sums_bf16_gradients_of_several_backwards_in_fp32(partiti
         expected = _bf16_grads_summed(reference, data, accumulate)
         for name, p in module.named_parameters():
             assert torch.equal(cm.utils.safe_get_full_grad(p), expected[name].float()), name
+
+
+# ---- any torch optimizer (chunkmem.optim.any_optimizer): the same semantics --------------------------------------
+# Before 2026-11-27 its scalar state (step, NAdam's mu_product) was one per chunk and param group and a parameter's
+# first step was its chunk's: a parameter frozen for its chunk's first steps got zeros for a state torch creates
+# (SGD's dampened momentum buffer starts as the gradient, Adagrad's sum as initial_accumulator_value) and its
+# neighbours' step count (NAdam 1.9e-3 off at lr 1e-2 after 4 steps, frozen for 2).
+
+ANY = {
+    "nadam": lambda p: torch.optim.NAdam(p, lr=LR, weight_decay=WD),
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.5),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.05, lr_decay=0.01, initial_accumulator_value=0.1),
+}
+FROZEN = {0, 2}  # blocks.1 frozen for its chunk's first step (its state is created later) and for one in between
+
+
+def _plain_any(reference, make, data, taken, frozen=()):
+    model = copy.deepcopy(reference)
+    optim = make(model.parameters())
+    _train_plain(model, optim, data, taken, frozen)
+    return model, optim
+
+
+def _train_plain(model, optim, data, taken, frozen=(), first=0):
+    for step, x in enumerate(data, start=first):
+        model.taken = taken[step]
+        for name, p in model.named_parameters():
+            p.requires_grad_(not (name.startswith("blocks.1.") and step in frozen))
+        lm_loss(model(x), x).backward()
+        optim.step()
+        optim.zero_grad()
+
+
+def _wrap_any(reference, make, placement="cpu", model_args=None, **optim_args):
+    """As chunkmem.initialize wraps: the torch optimizer over the plain module, then the chunks (Adagrad reads
+    its parameters when built)."""
+    module = copy.deepcopy(reference)
+    optimizer = make(module.parameters())
+    model = cm.ShardedModelV2(module, cm.TensorShardStrategy(), tensor_placement_policy=placement,
+                              dtype=torch.float32, chunk_size=16384, **(model_args or {}))
+    return model, cm.ShardedOptimizerV2(model, optimizer, **optim_args)
+
+
+def _assert_state_like_torch(optim, plain_optim, atol=0.0):
+    """Each parameter's state as torch keeps it: the same parameters have state, each its own step count and
+    scalars, and the per-element state. (Adagrad's constructor gives every parameter a state of step 0, which
+    torch keeps for one never stepped, Branching's unused ``side``; chunkmem keeps none: not compared here.)"""
+    ours, theirs = optim.state_dict()["state"], plain_optim.state_dict()["state"]
+    theirs = {i: e for i, e in theirs.items() if "step" not in e or float(e["step"]) > 0}
+    assert sorted(ours) == sorted(theirs)
+    for index, entry in theirs.items():
+        assert set(ours[index]) == set(entry), index
+        for key, value in entry.items():
+            torch.testing.assert_close(torch.as_tensor(ours[index][key]), torch.as_tensor(value), rtol=0, atol=atol,
+                                       msg=f"{index} {key}")
+
+
+def _assert_close_to_plain(model, plain, atol=0.0):
+    state = model.state_dict()
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=0, atol=atol, msg=name)
+
+
+def _frozen_shares_a_chunk_with_others(model):
+    """The test can fail: blocks.1's parameters share a chunk with parameters stepped while they are frozen."""
+    names = {id(p): n for n, p in model.module.named_parameters()}
+    return any(len({names[id(s.param)].startswith("blocks.1.") for s in c.slots}) == 2 for c in model.chunks)
+
+
+@pytest.mark.parametrize("case", ["cpu", "cuda", "disk", "step_in_backward", "disk_step_in_backward"])
+@pytest.mark.parametrize("name", list(ANY))
+def test_any_optimizer_keeps_a_frozen_parameters_own_state_as_torch(name, case, tmp_path):
+    reference = _reference()
+    data = batches(4, seed=5)
+    taken = [True] * 4
+    plain, plain_optim = _plain_any(reference, ANY[name], data, taken, FROZEN)
+    model_args = {"offload_optimizer": "disk", "nvme_path": str(tmp_path), "buffer_size": 8192} \
+        if case.startswith("disk") else None  # pieces of 2048 elements: they cut parameters
+    model, optim = _wrap_any(reference, ANY[name], "cuda" if case == "cuda" else "cpu", model_args,
+                             step_in_backward=case.endswith("step_in_backward"))
+    assert _frozen_shares_a_chunk_with_others(model)
+    _train(model, optim, data, taken, FROZEN)
+    atol = 1e-6 if case == "cuda" and torch.cuda.is_available() else 0.0  # a GPU's forward is not the CPU's
+    _assert_close_to_plain(model, plain, atol)
+    _assert_state_like_torch(optim, plain_optim, atol)
+    counts = {int(e["step"]) for i, e in optim.state_dict()["state"].items() if "step" in e}
+    assert counts == ({2, 4} if name != "sgd" else set())  # (SGD counts no steps)
+
+
+@pytest.mark.parametrize("load", ["state_dict", "checkpoint", "sharded", "sharded_other_layout"])
+@pytest.mark.parametrize("name", list(ANY))
+def test_any_optimizer_per_parameter_state_survives_a_state_dict_and_checkpoints(name, load, tmp_path):
+    """Saved after 2 steps (blocks.1 stepped once, its neighbours twice), loaded into a fresh wrap (a sharded
+    checkpoint also into another chunk size, the resharded load), resumed: exactly plain torch's 4 steps."""
+    reference = _reference()
+    data = batches(4, seed=5)
+    taken = [True] * 4
+    plain, plain_optim = _plain_any(reference, ANY[name], data, taken, FROZEN)
+    model, optim = _wrap_any(reference, ANY[name])
+    _train(model, optim, data[:2], taken, FROZEN)
+    fresh_args = {"chunk_size": 32768} if load == "sharded_other_layout" else {}
+    module = copy.deepcopy(reference)
+    optimizer = ANY[name](module.parameters())
+    fresh = cm.ShardedModelV2(module, cm.TensorShardStrategy(), tensor_placement_policy="cpu", dtype=torch.float32,
+                              **{"chunk_size": 16384, **fresh_args})
+    fresh_optim = cm.ShardedOptimizerV2(fresh, optimizer)
+    if load == "state_dict":
+        fresh.load_state_dict(model.state_dict())
+        fresh_optim.load_state_dict(optim.state_dict())
+    else:
+        cm.save_checkpoint(str(tmp_path / "ckpt"), model, optim, sharded=load != "checkpoint")
+        _assert_same_state(cm.consolidate_checkpoint(str(tmp_path / "ckpt"))["optimizer"]["state"],
+                           optim.state_dict()["state"])
+        cm.load_checkpoint(str(tmp_path / "ckpt"), fresh, fresh_optim, **({"elastic": True} if fresh_args else {}))
+    _train(fresh, fresh_optim, data[2:], taken, FROZEN, first=2)
+    _assert_close_to_plain(fresh, plain)
+    _assert_state_like_torch(fresh_optim, plain_optim)
+
+
+def _assert_same_state(ours, theirs):
+    assert sorted(ours) == sorted(theirs)
+    for index, entry in theirs.items():
+        assert set(ours[index]) == set(entry), index
+        for key, value in entry.items():
+            assert torch.equal(torch.as_tensor(ours[index][key]), torch.as_tensor(value)), (index, key)
+
+
+def _as_saved_with_scalars_per_group(payload):
+    """A rank file as chunkmem wrote it before 2026-11-27: another optimizer's scalar state one per chunk and
+    param group (here one group), not one per parameter."""
+    for entry in payload["model"]["chunks"]:
+        if "slot_scalars" in entry:
+            per_slot = entry.pop("slot_scalars")
+            entry["scalars"] = {0: per_slot[min(per_slot)]} if per_slot else {}
+
+
+@pytest.mark.parametrize("layout", ["same", "other"])
+def test_any_optimizer_loads_a_sharded_checkpoint_with_scalars_per_param_group(layout, tmp_path):
+    """Such a checkpoint still loads (with its layout, and resharded into another chunk size) and consolidates:
+    each parameter that had stepped takes its group's scalar state, one never stepped (Branching's unused
+    ``side``) none."""
+    from tests.test_checkpoint_integrity import edit_rank_file
+    reference = _reference()
+    data = batches(4, seed=5)
+    taken = [True] * 4
+    plain, plain_optim = _plain_any(reference, ANY["nadam"], data, taken)
+    model, optim = _wrap_any(reference, ANY["nadam"])
+    _train(model, optim, data[:2], taken)
+    path = str(tmp_path / "ckpt")
+    cm.save_checkpoint(path, model, optim, sharded=True)
+    edit_rank_file(path, _as_saved_with_scalars_per_group)
+    _assert_same_state(cm.consolidate_checkpoint(path)["optimizer"]["state"], optim.state_dict()["state"])
+    module = copy.deepcopy(reference)
+    optimizer = ANY["nadam"](module.parameters())
+    fresh = cm.ShardedModelV2(module, cm.TensorShardStrategy(), tensor_placement_policy="cpu", dtype=torch.float32,
+                              chunk_size=16384 if layout == "same" else 32768)
+    fresh_optim = cm.ShardedOptimizerV2(fresh, optimizer)
+    cm.load_checkpoint(path, fresh, fresh_optim, elastic=layout == "other")
+    _assert_same_state(fresh_optim.state_dict()["state"], optim.state_dict()["state"])
+    _train(fresh, fresh_optim, data[2:], taken, first=2)
+    _assert_close_to_plain(fresh, plain)
+    _assert_state_like_torch(fresh_optim, plain_optim)
+
+
+def _two_ranks_any(rank, world, local_branch):
+    reference = _reference()
+    model, optim = _wrap_any(reference, ANY["nadam"])
+    data = [x[rank::world] for x in batches(len(TAKEN), batch=4, seed=3)]
+    model.module.branch[0].bias_learns = rank == 0 or not local_branch
+    _train(model, optim, data, TAKEN)
+    held_elsewhere = sum(c.own_range(s) is None for c in model.chunks if c.trainable for s in c.slots)
+    state = {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in e.items()}
+             for i, e in optim.state_dict()["state"].items()}
+    return {k: v.clone() for k, v in model.state_dict().items()}, state, held_elsewhere
+
+
+def test_any_optimizer_on_two_ranks_steps_each_parameter_as_torch():
+    """test_two_ranks_step_a_parameter_when_any_rank_gave_it_a_gradient with NAdam: each parameter's step count
+    and mu_product are torch's on both ranks, also those of parameters none of whose elements a rank holds (it
+    advances their scalar state on a one-element stand-in), and the ranks stay bit for bit equal."""
+    reference = _reference()
+    both = run_ranks(_two_ranks_any, 2, False)
+    plain, plain_optim = _plain_any(reference, ANY["nadam"], batches(len(TAKEN), batch=4, seed=3), TAKEN)
+    assert all(held_elsewhere > 0 for _, _, held_elsewhere in both)  # the stand-ins are exercised
+    theirs = plain_optim.state_dict()["state"]
+    for params, state, _ in both:
+        assert sorted(state) == sorted(theirs)
+        assert {int(e["step"]) for e in state.values()} == {sum(TAKEN), len(TAKEN)}
+        for index, entry in theirs.items():
+            for key in ("step", "mu_product"):
+                assert torch.equal(torch.as_tensor(state[index][key]), torch.as_tensor(entry[key])), (index, key)
+        for name, value in plain.state_dict().items():
+            torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5)
+    one_sided = run_ranks(_two_ranks_any, 2, True)
+    for index, entry in one_sided[0][1].items():
+        for key in ("step", "mu_product"):
+            assert torch.equal(entry[key], one_sided[1][1][index][key]), (index, key)
+            assert torch.equal(entry[key], both[0][1][index][key]), (index, key)
+    for name in one_sided[0][0]:
+        assert torch.equal(one_sided[0][0][name], one_sided[1][0][name]), name
+
+
+@pytest.mark.parametrize("name", list(ANY))
+def test_any_optimizer_undoes_and_redoes_the_backwards_update_of_a_frozen_parameters_own_state(name):
+    """step_in_backward: a clipping decided after the backward undoes its updates (per-element state, step
+    counts and each parameter's scalar state put back) and redoes them: bit for bit the wrap without
+    step_in_backward, and torch with clip_grad_norm_ (within the norm's summation order)."""
+    reference = _reference()
+    data = batches(4, seed=5)
+    clip = {1: 1e-2, 3: 1e-2}  # steps 1 and 3 (blocks.1 stepped, not stepped) clipped hard
+    plain = copy.deepcopy(reference)
+    plain_optim = ANY[name](plain.parameters())
+    for step, x in enumerate(data):
+        for param_name, p in plain.named_parameters():
+            p.requires_grad_(not (param_name.startswith("blocks.1.") and step in FROZEN))
+        lm_loss(plain(x), x).backward()
+        if step in clip:
+            torch.nn.utils.clip_grad_norm_([p for p in plain.parameters() if p.grad is not None], clip[step])
+        plain_optim.step()
+        plain_optim.zero_grad()
+    wraps = [_wrap_any(reference, ANY[name], step_in_backward=speculating) for speculating in (True, False)]
+    for step, x in enumerate(data):
+        for model, optim in wraps:
+            for param_name, p in model.module.named_parameters():
+                p.requires_grad_(not (param_name.startswith("blocks.1.") and step in FROZEN))
+            optim.backward(lm_loss(model(x), x))
+            if step in clip:
+                optim.clip_grad_norm(clip[step])
+            optim.step()
+            optim.zero_grad()
+            if model is wraps[0][0]:  # the clipped steps redid every update the backward made, the others kept them
+                assert optim.kept_backward_updates == (0 if step in clip else len(optim.runtime.trainable_chunks()))
+    (model, optim), (other, other_optim) = wraps
+    _assert_close_to_plain(model, other)
+    _assert_same_state(optim.state_dict()["state"], other_optim.state_dict()["state"])
+    _assert_close_to_plain(model, plain, atol=1e-6)
+    _assert_state_like_torch(optim, plain_optim, atol=1e-6)

@@ -11,8 +11,9 @@ Two formats:
 * **sharded** (``sharded=True``): a directory in which every rank writes only what it holds, with no
   gather: ``shard-{token}-rank{r}-of-{N}.pt`` has, per chunk, this rank's parameter shard (chunk dtype),
   fp32 master / exp_avg / exp_avg_sq shards and step (another optimizer: ``"state"``, its per-element
-  families' shards by key, ``"scalars"``, its scalar state by param group, and ``"whole"``, its
-  whole-parameter state by position in the chunk), with the layout (world size, rank, chunk numel and
+  families' shards by key, ``"slot_scalars"``, each stepped parameter's scalar state, and ``"whole"``, its
+  whole-parameter state, both by position in the chunk; files written before 2026-11-27 hold ``"scalars"``,
+  one per param group, instead, and still load), with the layout (world size, rank, chunk numel and
   dtype, per parameter its name, offset and numel in elements, shape), plus the module buffers, the
   optimizer's param groups and the loss-scaler state. ``manifest.json`` names the token of the last
   complete save and holds the SHA-256 checksum of every rank file's bytes. At the world size and
@@ -60,7 +61,7 @@ from ..core.param_guard import slot_of
 from ..model import ShardedModelV2
 from ..optim.sharded_optimizer import ShardedOptimizerV2
 from ..errors import ChunkmemError, CheckpointError
-from .resharding import SavedLayout, plan_resharded_load, saved_slot_steps, saved_state
+from .resharding import SavedLayout, plan_resharded_load, saved_slot_scalars, saved_slot_steps, saved_state
 from ..optim.state_dict import (adam_entry, any_entry, export_param_groups, plan_hyper_load, plan_optimizer_load,
                                 scalar_copy)
 from ..state_dicts import (bump_versions, check_tensor_data, first_few, plan_model_load, refuse_chunks_in_use,
@@ -417,7 +418,7 @@ def _rank_payload(model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None, g
                 entry.update(exp_avg=_saved(chunk.optim[EXP_AVG]), exp_avg_sq=_saved(chunk.optim[EXP_AVG_SQ]))
             else:
                 entry.update(state={key: _saved(chunk.optim[key]) for key in chunk.state_families},
-                             scalars={g: scalar_copy(v) for g, v in optimizer.scalar_state(chunk).items()},
+                             slot_scalars={k: scalar_copy(v) for k, v in optimizer.scalar_state(chunk).items()},
                              whole={k: scalar_copy(v) for k, v in optimizer.whole_state(chunk).items()})
         chunks.append(entry)
     keys, buffers = [], {}
@@ -485,7 +486,8 @@ def _plan_own_shards(path: str, model: ShardedModelV2, optimizer: ShardedOptimiz
                 for key, values in saved_state(entry).items():
                     chunk.optim[key].write(values)
                 if optimizer.state_layout is not None:
-                    optimizer.replace_kept_state(chunk, {g: scalar_copy(v) for g, v in entry["scalars"].items()},
+                    scalars = saved_slot_scalars(entry, [optimizer.group_of(slot.param) for slot in chunk.slots])
+                    optimizer.replace_kept_state(chunk, {k: scalar_copy(v) for k, v in scalars.items()},
                                                  {k: scalar_copy(v) for k, v in entry["whole"].items()})
                 chunk.steps = {slot.index_in_chunk: count for slot, count in zip(chunk.slots, saved_slot_steps(entry))
                                if count}
@@ -568,7 +570,7 @@ def _check_rank_values(name: str, model: ShardedModelV2, saved: dict[str, Any],
                                            f"optimizer class)")
             for family, values in state.items():
                 check_tensor_data(f"{where}[{family!r}]", values, floating=True, numel=chunk.shard_numel)
-            for kind in ("scalars", "whole") if "state" in entry else ():
+            for kind in (_scalars_field(entry), "whole") if "state" in entry else ():
                 for key, kept in entry[kind].items():
                     if not isinstance(kept, dict):
                         raise CheckpointError(f"{where}[{kind!r}][{key!r}] is a {type(kept).__name__}, expected a "
@@ -668,7 +670,7 @@ def _read_rank_file(path: str, manifest: dict[str, Any], rank: int, verify: bool
 _CHUNK_FIELDS = {"index": int, "numel": int, "shard_numel": int, "shard_offset": int, "dtype": str,
                  "trainable": bool, "slots": list, "param": torch.Tensor, "master": (torch.Tensor, type(None)),
                  "step": int, "exp_avg": (torch.Tensor, type(None)), "exp_avg_sq": (torch.Tensor, type(None))}
-_ANY_OPTIMIZER_FIELDS = {"state": dict, "scalars": dict, "whole": dict}
+_ANY_OPTIMIZER_FIELDS = {"state": dict, "whole": dict}  # and the scalar state's (_scalars_field)
 _SLOT_FIELDS = {"name": str, "offset": int, "numel": int, "shape": list}
 
 
@@ -690,6 +692,7 @@ def _check_rank_fields(name: str, payload: dict[str, Any]) -> None:
         if "state" in entry:  # another optimizer than Adam
             for key, kinds in _ANY_OPTIMIZER_FIELDS.items():
                 _field(entry, key, kinds, name, _kind_names(kinds), where)
+            _field(entry, _scalars_field(entry), dict, name, "dict", where)
         for m, slot in enumerate(entry["slots"]):
             if not isinstance(slot, dict):
                 raise CheckpointError(f"{name}: field '{where}slots[{m}]' is a {type(slot).__name__}, expected a dict")
@@ -699,6 +702,12 @@ def _check_rank_fields(name: str, payload: dict[str, Any]) -> None:
     if optimizer is not None:
         for key, kinds in {"param_groups": list, "param_names": list, "loss_scaler": (dict, type(None))}.items():
             _field(optimizer, key, kinds, name, _kind_names(kinds), "optimizer.")
+
+
+def _scalars_field(entry: dict[str, Any]) -> str:
+    """The field of a saved chunk that holds another optimizer's scalar state: ``"slot_scalars"`` (by
+    parameter), or ``"scalars"`` (by param group) in a file written before 2026-11-27."""
+    return "scalars" if "scalars" in entry and "slot_scalars" not in entry else "slot_scalars"
 
 
 def _field(doc: dict[str, Any], key: str, kinds: type | tuple[type, ...], file: str, what: str,
@@ -757,6 +766,7 @@ def _consolidate(path: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
     state: dict[int, dict[str, torch.Tensor]] = {}
     families: dict[int, dict[str, torch.Tensor]] = {}
     group_of = {i: g for g, group in enumerate(small["param_groups"]) for i in group["params"]}
+    group_of_name = {name: group_of[i] for i, name in enumerate(small["param_names"])}
     for index, name in enumerate(small["param_names"]):
         n, slot = located[name]
         entry = parts[0]["model"]["chunks"][n]
@@ -774,10 +784,13 @@ def _consolidate(path: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
             position = entry["slots"].index(slot)
             if position in entry["whole"]:
                 state[index] = scalar_copy(entry["whole"][position])
-        elif group_of[index] in entry["scalars"]:
-            keys = small["per_group"][group_of[index]]
-            state[index] = any_entry(entry["scalars"][group_of[index]], {k: gathered[k] for k in keys},
-                                     lambda flat, s=slot: _slot_view(flat, s), slot["shape"])
+        else:
+            scalars = saved_slot_scalars(entry, [group_of_name.get(s["name"]) for s in entry["slots"]])
+            position = entry["slots"].index(slot)
+            if position in scalars:
+                keys = small["per_group"][group_of[index]]
+                state[index] = any_entry(scalars[position], {k: gathered[k] for k in keys},
+                                         lambda flat, s=slot: _slot_view(flat, s), slot["shape"])
     optimizer_state = {"state": state, "param_groups": small["param_groups"], "loss_scaler": small["loss_scaler"]}
     return {"model": model_state, "optimizer": optimizer_state}
 

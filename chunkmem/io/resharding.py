@@ -44,6 +44,18 @@ def saved_slot_steps(entry: dict[str, Any]) -> list[int]:
     return list(steps) if steps is not None else [entry["step"]] * len(entry["slots"])
 
 
+def saved_slot_scalars(entry: dict[str, Any], groups: list[int | None]) -> dict[int, dict[str, Any]]:
+    """Another optimizer's scalar state of each parameter of a saved chunk that has stepped, by its position
+    in the chunk's ``slots`` (the file's own dicts, not copied). Checkpoints written before 2026-11-27 hold
+    one ``"scalars"`` per param group instead: each parameter of the group that has stepped takes it
+    (``groups``: each slot's param group, ``None`` for one in none)."""
+    if "slot_scalars" in entry:
+        return dict(entry["slot_scalars"])
+    return {position: entry["scalars"][group]
+            for position, (group, count) in enumerate(zip(groups, saved_slot_steps(entry)))
+            if count and group in entry["scalars"]}
+
+
 class SavedLayout:
     """The chunks of a sharded checkpoint as its rank files hold them: ``parts`` are the rank files'
     payloads in rank order (``files`` their names, for errors). Reads any element range of any saved
@@ -155,7 +167,7 @@ def plan_resharded_load(path: str, model: Any, optimizer: Any, saved: SavedLayou
         families = _check_optimizer_state(path, model, optimizer, saved)
     saved.check_tensors(families)
     steps = _steps_by_name(path, saved) if optimizer is not None else {}
-    scalars = {c.index: _scalars_of(path, c, saved, optimizer) for c in model.chunks if c.trainable} \
+    scalars = {c.index: _scalars_of(c, saved, optimizer) for c in model.chunks if c.trainable} \
         if optimizer is not None and optimizer.state_layout is not None else {}
 
     def assemble(chunk: Chunk, family: str, dtype: torch.dtype) -> torch.Tensor:
@@ -232,34 +244,22 @@ def _steps_by_name(path: str, saved: SavedLayout) -> dict[str, int]:
     return steps
 
 
-def _scalars_of(path: str, chunk: Chunk, saved: SavedLayout, optimizer: Any) -> dict[int, dict[str, Any]]:
-    """Another optimizer's scalar state (by param group) for ``chunk``'s groups: the saved chunks holding
-    its parameters must agree for each group they share."""
-    groups = {optimizer.group_of(slot.param) for slot in chunk.slots}
-    merged: dict[int, dict[str, Any]] = {}
-    for n in _sources(chunk, saved):
-        for group, state in saved.chunks[n]["scalars"].items():
-            if group not in groups:
-                continue
-            if not isinstance(state, dict):
-                raise CheckpointError(f"{saved.files[0]}: model.chunks[{n}]['scalars'][{group!r}] is a "
-                                      f"{type(state).__name__}, expected a dict of the optimizer's state")
-            if group in merged and not _same_state(merged[group], state):
-                raise InvalidArgumentError(f"{path}: the scalar optimizer state of param group {group}",
-                                           "different values in the saved chunks",
-                                           "one value per group (parameters that step together)")
-            merged.setdefault(group, {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()})
-    return merged
-
-
-def _same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    if a.keys() != b.keys():
-        return False
-    for key, value in a.items():
-        other = b[key]
-        if isinstance(value, torch.Tensor) or isinstance(other, torch.Tensor):
-            if not (isinstance(value, torch.Tensor) and isinstance(other, torch.Tensor) and torch.equal(value, other)):
-                return False
-        elif value != other:
-            return False
-    return True
+def _scalars_of(chunk: Chunk, saved: SavedLayout, optimizer: Any) -> dict[int, dict[str, Any]]:
+    """Another optimizer's scalar state of each of ``chunk``'s parameters that has stepped, by its position in
+    ``chunk``: its own, from the saved chunk that holds it (a checkpoint saved before 2026-11-27: its saved
+    chunk's value for its param group)."""
+    group_of_name = {slot.name: optimizer.group_of(slot.param) for c in optimizer.model.chunks for slot in c.slots}
+    kept: dict[int, dict[str, Any]] = {}
+    for slot in chunk.slots:
+        n, saved_slot = saved.where[slot.name]
+        entry = saved.chunks[n]
+        position = entry["slots"].index(saved_slot)
+        scalars = saved_slot_scalars(entry, [group_of_name.get(s["name"]) for s in entry["slots"]])
+        if position not in scalars:
+            continue
+        state = scalars[position]
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{saved.files[0]}: model.chunks[{n}]['slot_scalars'][{position!r}] is a "
+                                  f"{type(state).__name__}, expected a dict of the optimizer's state")
+        kept[slot.index_in_chunk] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    return kept

@@ -7,7 +7,10 @@ shaped like the parameter is **per-element** state (SGD's ``momentum_buffer``, A
 RMSprop's ``square_avg``, AMSGrad's ``max_exp_avg_sq``); a 0-d tensor or a number is **scalar** state
 (``step``, NAdam's ``mu_product``). Each per-element key becomes an fp32 state family of every trainable
 chunk, named as the key: it lives on the chunk's optimizer tier, moves with it, and the ledger counts it.
-Scalar state is kept per chunk and param group on the host (a few bytes).
+Scalar state is kept per parameter, as torch keeps it (a parameter frozen for a while, or without a gradient
+in a step, keeps its ``step`` while the others advance), on the host (a few bytes each), by the parameter's
+position in its chunk (:attr:`ParamView.key`): :func:`step_parameters`. (:class:`~chunkmem.LowLevelZeroOptimizer`
+still keeps it per chunk and param group, through :func:`step_views`.)
 
 **Whole-parameter state.** An optimizer that keeps anything else (Adafactor's factored ``row_var`` /
 ``col_var``, a quantized state with per-block scales) has no per-element families: all its state is kept
@@ -20,21 +23,26 @@ see whole parameters, so it runs in one process only, with the optimizer state o
 stand-in parameters that are views of this rank's part of each parameter in the fp32 master (shaped like
 the parameter when the rank holds it whole, flat pieces when it is sharded), with gradients unscaled and
 clipped, and the state entries views of the families (before a parameter's first step there is none: the
-optimizer creates it, and it is copied into the families after). The math is the optimizer's own, so
+optimizer creates it as torch would, SGD's momentum buffer a copy of the gradient, Adagrad's sum its
+initial accumulator, and it is copied into the families after; a parameter has state once it has stepped
+itself, whatever its neighbours did: it then has scalar state). The math is the optimizer's own, so
 the result equals plain PyTorch for every element. An optimizer whose step reads a whole parameter
 (a norm, a trust ratio: LAMB, LARS, Adafactor's factors) would see a piece when the chunk is sharded: only
 the classes of :data:`ELEMENTWISE` are stepped on a sharded model.
 
 **On the disk tier** the streamed step (:mod:`chunkmem.optim.disk_step`) hands each chunk over in pieces
 of its I/O buffers' size: :class:`PieceStep` steps every piece on flat stand-ins (so again only the
-classes of :data:`ELEMENTWISE`), each piece from the chunk's scalar state before the step; the scalar
+classes of :data:`ELEMENTWISE`), each piece from its parameters' scalar state before the step; the scalar
 state after it is committed with the step, and forgotten when a failed step is undone.
+
+**On several ranks** a stepped parameter none of whose elements lie in this rank's shard steps a one-element
+stand-in (:meth:`ParamView.elsewhere`), so that every rank advances its scalar state alike.
 """
 from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Hashable, Iterable, Sequence
 
 import torch
 from torch.optim import Optimizer
@@ -42,7 +50,8 @@ from torch.optim import Optimizer
 from ..distributed.agreement import hyper_parameter_digest
 from ..errors import InvalidArgumentError, UnsupportedOperationError
 
-__all__ = ["ELEMENTWISE", "ParamView", "PieceStep", "StateLayout", "check_elementwise", "probe_state", "step_views"]
+__all__ = ["ELEMENTWISE", "ParamView", "PieceStep", "StateLayout", "check_elementwise", "probe_state",
+           "step_parameters", "step_views"]
 
 ELEMENTWISE: tuple[type, ...] = (torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adam,
                                  torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
@@ -115,7 +124,7 @@ class LayoutWatch:
     hyper-parameters changed since the last look (``SGD``'s momentum switched on by ``OneCycleLR``'s
     ``cycle_momentum``, say), the state the optimizer keeps is probed again, and a step that would keep
     other per-element state (a momentum buffer, which has no chunk family) is refused instead of being
-    kept as one value per group."""
+    kept, a piece standing for the whole, with the scalar state."""
 
     def __init__(self, optimizer: Optimizer, layout: StateLayout, owner: str) -> None:
         self.optimizer = optimizer
@@ -157,105 +166,147 @@ def check_elementwise(optimizer: Optimizer, where: str, why: str) -> None:
 @dataclass
 class ParamView:
     """One parameter's part in this rank's shard, for one update: where it is (``start``, ``count`` in
-    the shard), its shape when whole (``None``: a flat piece), its param group and ``key``, the number
-    its whole-parameter state is kept under (its position in the chunk)."""
+    the shard; ``count`` 0: none of its elements, see :meth:`elsewhere`), its shape when whole (``None``: a
+    flat piece), its param group and ``key``, the number its scalar and whole-parameter state are kept
+    under (its position in the chunk)."""
 
     start: int
     count: int
     shape: tuple[int, ...] | None
     group: int
-    key: int = -1
+    key: Hashable = -1
 
     @classmethod
     def of_part(cls, offset: int, numel: int, shape: Sequence[int], part: tuple[int, int], shard_offset: int,
-                group: int, key: int) -> "ParamView":
+                group: int, key: Hashable) -> "ParamView":
         """The view of elements ``part`` (``(start, end)`` of the parameter) of a parameter of ``numel``
         elements and ``shape`` at ``offset`` in its chunk, in the rank's shard starting at ``shard_offset``
         (elements of the chunk): shaped when the part is the whole parameter."""
         whole = part == (0, numel)
         return cls(offset + part[0] - shard_offset, part[1] - part[0], tuple(shape) if whole else None, group, key)
 
+    @classmethod
+    def elsewhere(cls, group: int, key: Hashable) -> "ParamView":
+        """A stepped parameter none of whose elements lie in this rank's shard: its step advances only its
+        scalar state (on a one-element stand-in), as on the ranks that hold it."""
+        return cls(0, 0, None, group, key)
 
-def step_views(optimizer: Optimizer, layout: StateLayout, views: Iterable[ParamView], groups: Iterable[int],
-               master: torch.Tensor, grad: torch.Tensor, families: dict[str, torch.Tensor],
-               scalars: dict[int, dict[str, Any]], first_step: bool,
-               whole_state: dict[int, dict[str, Any]] | None = None) -> None:
-    """Run ``optimizer``'s step over the parameters of one chunk on stand-ins: views of ``master`` (this
-    rank's fp32 shard, updated in place) with gradients from ``grad`` (fp32, same layout, unscaled and
-    clipped) and per-element state from ``families`` (``{key: fp32 shard}``, written in place).
 
-    Scalar state (``step``, ...) is the same for all parameters of one group in one chunk (they step
-    together): ``scalars[group]`` holds it and is replaced by the new values. ``groups``: every group with
-    trainable parameters in the chunk; a group none of whose elements lie in this rank's shard steps a
-    one-element stand-in, so that every rank keeps the same scalar state. ``first_step``: no state exists
-    yet (the optimizer creates it; the per-element part is copied into the families). With
+def step_parameters(optimizer: Optimizer, layout: StateLayout, views: Iterable[ParamView], master: torch.Tensor,
+                    grad: torch.Tensor, families: dict[str, torch.Tensor], scalars: dict[Hashable, dict[str, Any]],
+                    whole_state: dict[Hashable, dict[str, Any]] | None = None) -> None:
+    """Run ``optimizer``'s step over the stepped parameters of one chunk (``views``, one each) on stand-ins:
+    views of ``master`` (this rank's fp32 shard, updated in place) with gradients from ``grad`` (fp32, same
+    layout, unscaled and clipped) and per-element state from ``families`` (``{key: fp32 shard}``, written
+    in place).
+
+    Scalar state (``step``, ...) is per parameter, as torch keeps it: ``scalars[view.key]`` holds a
+    parameter's and is replaced by its new values. A parameter without an entry takes its first step: the
+    optimizer creates its state, per-element part included (copied into the families), as torch does at a
+    parameter's first step, whatever its neighbours' count. A view of no elements
+    (:meth:`ParamView.elsewhere`) steps a one-element stand-in: every rank keeps the same scalar state. With
     ``layout.whole``, ``whole_state[view.key]`` holds each parameter's whole state instead (absent before
     its first step) and every view must be shaped."""
+    views = [view for view in views if view.count or not layout.whole]  # (whole state: one process)
+    if not views:  # (a piece of the disk step with no stepped parameter in it)
+        return
     if layout.whole:
         _step_whole(optimizer, views, master, grad, whole_state)
         return
-    stand_ins: list[tuple[int, torch.Tensor, dict[str, torch.Tensor]]] = []  # (group, stand-in, its state views)
+    stand_ins: list[tuple[ParamView, torch.Tensor, dict[str, torch.Tensor]]] = []  # (view, stand-in, state views)
     for view in views:
+        keys = layout.per_group[view.group]
+        if view.count == 0:  # held by other ranks: its scalar state advances here too
+            param = torch.zeros(1, device=master.device)
+            param.grad = torch.zeros(1, device=master.device)
+            stand_ins.append((view, param, {key: torch.zeros(1, device=master.device) for key in keys}))
+            continue
+
         def cut(flat: torch.Tensor, v: ParamView = view) -> torch.Tensor:
             piece = flat[v.start:v.start + v.count]
             return piece.view(v.shape) if v.shape is not None else piece
         param = cut(master)
         param.grad = cut(grad)
-        stand_ins.append((view.group, param, {key: cut(families[key]) for key in layout.per_group[view.group]}))
-    for group in sorted(set(groups) - {view.group for view in views}):  # keeps this rank's scalar state in step
-        param = torch.zeros(1, device=master.device)
-        param.grad = torch.zeros(1, device=master.device)
-        stand_ins.append((group, param, {key: torch.zeros(1, device=master.device) for key in layout.per_group[group]}))
+        stand_ins.append((view, param, {key: cut(families[key]) for key in keys}))
     by_group: dict[int, list[torch.Tensor]] = {}
-    for group, param, _ in stand_ins:
-        by_group.setdefault(group, []).append(param)
+    for view, param, _ in stand_ins:
+        by_group.setdefault(view.group, []).append(param)
     shadow = _copy_of(optimizer, [{**_hyper(optimizer.param_groups[g]), "params": params}
                                   for g, params in by_group.items()])
-    if not first_step:
-        for group, param, state in stand_ins:
-            own = dict(state)  # per-element: views written in place; scalars: a copy per parameter
-            own.update((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.get(group, {}).items())
+    for view, param, state in stand_ins:
+        if view.key in scalars:  # stepped before: per-element views written in place, scalars a copy
+            own = dict(state)
+            own.update((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars[view.key].items())
             shadow.state[param] = own
     with torch.no_grad():
         shadow.step()
-    for group, param, state in stand_ins:
+    for view, param, state in stand_ins:
         kept = shadow.state[param]
         for key, target in state.items():
             if kept[key] is not target:  # created by this step: into the family
                 target.copy_(kept[key])
-        scalars[group] = {k: v for k, v in kept.items() if k not in state}
+        scalars[view.key] = {k: v for k, v in kept.items() if k not in state}
         param.grad = None
+
+
+def step_views(optimizer: Optimizer, layout: StateLayout, views: Iterable[ParamView], groups: Iterable[int],
+               master: torch.Tensor, grad: torch.Tensor, families: dict[str, torch.Tensor],
+               scalars: dict[int, dict[str, Any]], first_step: bool,
+               whole_state: dict[int, dict[str, Any]] | None = None) -> None:
+    """:func:`step_parameters` for a caller that keeps scalar state per param group (``scalars[group]``)
+    and decides the first step for all of ``views`` at once (``first_step``: none has state yet), as
+    :class:`~chunkmem.LowLevelZeroOptimizer` still does. That differs from torch where a group's parameters
+    have not all taken the same steps (a parameter frozen for a while): torch counts per parameter, and
+    creates a parameter's state at its own first step; use :func:`step_parameters`. ``groups``: every
+    group with trainable parameters in the chunk; a group none of whose elements lie in this rank's shard
+    steps a one-element stand-in."""
+    views = list(views)
+    if layout.whole:
+        step_parameters(optimizer, layout, views, master, grad, families, {}, whole_state)
+        return
+    absent = [ParamView.elsewhere(group, ("group", group)) for group in sorted(set(groups) - {v.group for v in views})]
+    per_key = {view.key: scalars[view.group] for view in views + absent
+               if not first_step and view.group in scalars}
+    step_parameters(optimizer, layout, views + absent, master, grad, families, per_key)
+    for view in views + absent:
+        scalars[view.group] = per_key[view.key]
 
 
 class PieceStep:
     """One chunk's update by ``optimizer`` piece by piece, as the disk tier's streamed step calls it
     (:class:`~chunkmem.optim.disk_step.PieceRule`). ``views``: the stepped parameters' parts of this
-    rank's shard; ``groups``: every group with trainable parameters in the chunk; ``scalars``: the
-    chunk's scalar state before the step (not changed: the new one is :attr:`scalars_after`);
-    ``multiplier``: what the gradients are multiplied by (unscaling and clipping)."""
+    rank's shard (:meth:`ParamView.elsewhere` for those with none); ``scalars``: the parameters' scalar
+    state before the step, by key (not changed: the new one is :attr:`scalars_after`, where the parameters
+    not stepped keep theirs); ``multiplier``: what the gradients are multiplied by (unscaling and
+    clipping). Every piece steps its parameters from their state before the step (a parameter over several
+    pieces gets the same scalar state from each); the parameters held elsewhere step with the first piece."""
 
-    def __init__(self, optimizer: Optimizer, layout: StateLayout, views: list[ParamView], groups: set[int],
-                 scalars: dict[int, dict[str, Any]], multiplier: float, first_step: bool) -> None:
-        self.optimizer, self.layout, self.views, self.groups = optimizer, layout, views, groups
-        self.scalars_before, self.multiplier, self.first_step = scalars, multiplier, first_step
-        self.scalars_after: dict[int, dict[str, Any]] = {}
+    def __init__(self, optimizer: Optimizer, layout: StateLayout, views: list[ParamView],
+                 scalars: dict[Hashable, dict[str, Any]], multiplier: float) -> None:
+        self.optimizer, self.layout, self.views = optimizer, layout, views
+        self.scalars_before, self.multiplier = scalars, multiplier
+        self.scalars_after: dict[Hashable, dict[str, Any]] = dict(scalars)
 
     def __call__(self, master: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], start: int,
                  end: int) -> None:
         inside = []
         for view in self.views:
+            if view.count == 0:
+                if start == 0:
+                    inside.append(view)
+                continue
             lo, hi = max(view.start, start), min(view.start + view.count, end)
             if lo < hi:
-                inside.append(ParamView(lo - start, hi - lo, None, view.group))
+                inside.append(ParamView(lo - start, hi - lo, None, view.group, view.key))
         grad32 = grad[start:end].to(device=master.device, dtype=torch.float32, copy=True).mul_(self.multiplier)
-        scalars = dict(self.scalars_before)  # every piece steps from the state before the step
-        step_views(self.optimizer, self.layout, inside, self.groups, master, grad32, state, scalars, self.first_step)
-        self.scalars_after = scalars
+        scalars = {view.key: self.scalars_before[view.key] for view in inside if view.key in self.scalars_before}
+        step_parameters(self.optimizer, self.layout, inside, master, grad32, state, scalars)
+        self.scalars_after.update(scalars)
 
 
 def _step_whole(optimizer: Optimizer, views: Iterable[ParamView], master: torch.Tensor, grad: torch.Tensor,
-                whole_state: dict[int, dict[str, Any]]) -> None:
-    """:func:`step_views` for whole-parameter state: each stand-in gets its parameter's own state back."""
+                whole_state: dict[Hashable, dict[str, Any]]) -> None:
+    """:func:`step_parameters` for whole-parameter state: each stand-in gets its parameter's own state back."""
     by_group: dict[int, list[torch.Tensor]] = {}
     stand_ins = []
     for view in views:

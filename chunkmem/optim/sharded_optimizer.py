@@ -26,7 +26,7 @@ from ..builder import compute_dtype
 from ..settings import ModelSettings, OptimizerSettings
 from .adam import check_supported_optimizer, hyper_of_group, runs_adam_kernel
 from .any_optimizer import (LayoutWatch, ParamView, PieceStep, StateLayout, check_elementwise, probe_state,
-                            step_views)
+                            step_parameters)
 from .adam_kernels import adam_update_, adam_update_pieces_, param_spans
 from .adam_math import AdamHyper
 from .backward_step import BackwardStep, check_step_in_backward, check_undo_room, why_no_speculation
@@ -175,7 +175,7 @@ class ShardedOptimizerV2(Optimizer):
         self._idioms = GradientIdioms(self)  # torch's idioms on the parameters' .grad stand-ins
         self._layout = layout  # None: the Adam kernel; else any_optimizer's stand-in step
         self._layout_watch = None if layout is None else LayoutWatch(optimizer, layout, "ShardedOptimizerV2")
-        self._scalars: dict[int, dict[int, dict[str, Any]]] = {}  # any_optimizer: chunk -> group -> scalar state
+        self._scalars: dict[int, dict[int, dict[str, Any]]] = {}  # any_optimizer: chunk -> slot -> scalar state
         self._whole_state: dict[int, dict[int, dict[str, Any]]] = {}  # any_optimizer: chunk -> slot -> its state
         self._init_optimizer_hooks()
         if layout is not None:
@@ -433,8 +433,9 @@ class ShardedOptimizerV2(Optimizer):
         return self._group_of.get(id(param))
 
     def scalar_state(self, chunk: Chunk) -> dict[int, dict[str, Any]]:
-        """An optimizer other than Adam: ``{group: scalar state}`` of ``chunk``'s parameters (the same for
-        a group's parameters in one chunk: they step together), changed in place."""
+        """An optimizer other than Adam: the scalar state (``step``, ...) of each of ``chunk``'s parameters
+        that has stepped, by its position in the chunk (``index_in_chunk``; per parameter, as torch keeps
+        it), changed in place."""
         return self._scalars.setdefault(chunk.index, {})
 
     def whole_state(self, chunk: Chunk) -> dict[int, dict[str, Any]]:
@@ -444,8 +445,8 @@ class ShardedOptimizerV2(Optimizer):
 
     def replace_kept_state(self, chunk: Chunk, scalars: dict[int, dict[str, Any]],
                            whole: dict[int, dict[str, Any]]) -> None:
-        """Make ``scalars`` (by param group) and ``whole`` (by position in the chunk) another optimizer's
-        scalar and whole-parameter state for ``chunk`` (loading a checkpoint; the caller's copies are kept)."""
+        """Make ``scalars`` and ``whole`` (both by position in the chunk) another optimizer's scalar and
+        whole-parameter state for ``chunk`` (loading a checkpoint; the caller's copies are kept)."""
         for kept, loaded in ((self.scalar_state(chunk), scalars), (self.whole_state(chunk), whole)):
             kept.clear()
             kept.update(loaded)
@@ -668,27 +669,26 @@ class ShardedOptimizerV2(Optimizer):
                 for a, b in gaps(ranges, 0, chunk.shard_numel):
                     target[a:b].copy_(master[a:b])
 
-    def _param_views(self, chunk: Chunk) -> tuple[list[ParamView], set[int]]:
-        """The stepped parameters' parts of this rank's shard of ``chunk`` (shaped where whole) and every
-        param group with trainable parameters in it, for :mod:`chunkmem.optim.any_optimizer`."""
-        stepped = self._stepped_slots(chunk)
-        views = [ParamView.of_part(slot.offset, slot.numel, slot.shape, part, chunk.shard_offset, group,
-                                   slot.index_in_chunk)
-                 for slot, group, part in stepped if part is not None]
-        return views, {group for _, group, _ in stepped}
+    def _param_views(self, chunk: Chunk) -> list[ParamView]:
+        """The stepped parameters' parts of this rank's shard of ``chunk`` (shaped where whole; those with
+        none :meth:`~chunkmem.optim.any_optimizer.ParamView.elsewhere`), keyed by their position in the
+        chunk, for :mod:`chunkmem.optim.any_optimizer`."""
+        return [ParamView.elsewhere(group, slot.index_in_chunk) if part is None else
+                ParamView.of_part(slot.offset, slot.numel, slot.shape, part, chunk.shard_offset, group,
+                                  slot.index_in_chunk)
+                for slot, group, part in self._stepped_slots(chunk)]
 
     def _update_with_any_optimizer(self, chunk: Chunk, multiplier: float) -> None:
         """The wrapped optimizer's own step over ``chunk`` on stand-ins (:mod:`chunkmem.optim.any_optimizer`)."""
         tier = self.runtime.compute_tier(chunk)
         grad = self.runtime.grad_of(chunk)
-        views, groups = self._param_views(chunk)
-        scalars = self.scalar_state(chunk)
+        views = self._param_views(chunk)
         with self.runtime.updating(chunk, tier) as target:
             master = chunk.optim[MASTER].tensor if chunk.has_master else target
             grad32 = grad.to(device=target.device, dtype=torch.float32, copy=True).mul_(multiplier)
             families = {key: chunk.optim[key].tensor for key in self._layout.families}
-            step_views(self.optim, self._layout, views, groups, master, grad32, families, scalars,
-                       first_step=not chunk.stepped, whole_state=self.whole_state(chunk))
+            step_parameters(self.optim, self._layout, views, master, grad32, families, self.scalar_state(chunk),
+                            whole_state=self.whole_state(chunk))
             chunk.advance_steps(slot for slot, _, _ in self._stepped_slots(chunk))
             if chunk.has_master:
                 target.copy_(master)
@@ -700,9 +700,8 @@ class ShardedOptimizerV2(Optimizer):
         if self._layout is None:
             ranges = self._ranges(chunk)
         else:
-            views, groups = self._param_views(chunk)
-            rule = PieceStep(self.optim, self._layout, views, groups, self.scalar_state(chunk), multiplier,
-                             first_step=not chunk.stepped)
+            rule = PieceStep(self.optim, self._layout, self._param_views(chunk), self.scalar_state(chunk),
+                             multiplier)
         return ChunkUpdate(chunk, self.runtime.grad_of(chunk), param, [slot for slot, _, _ in self._stepped_slots(chunk)],
                            ranges, param_spans(chunk.slots, chunk.shard_offset), multiplier, rule)
 

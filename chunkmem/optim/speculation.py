@@ -55,7 +55,7 @@ class UndoCopy:
     assumed: tuple[Any, ...]  # the optimizer's speculation key: what else the update took as given
     families: dict[str, torch.Tensor] = field(default_factory=dict)  # family -> this rank's values (host)
     params: torch.Tensor | None = None  # fp32 chunks: the parameters' values (host)
-    scalars: dict[int, dict[str, Any]] = field(default_factory=dict)  # another optimizer's, by group
+    scalars: dict[int, dict[str, Any]] = field(default_factory=dict)  # another optimizer's, by slot
     whole: dict[int, dict[str, Any]] = field(default_factory=dict)  # another optimizer's, by slot
 
 

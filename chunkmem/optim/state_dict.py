@@ -9,7 +9,8 @@ The format is ``torch.optim.Optimizer.state_dict()``'s:
 
 * ``"state"``: ``{index: {"step": tensor(float32 scalar), "exp_avg": fp32 tensor shaped like the
   parameter, "exp_avg_sq": the same}}``, indices numbered over ``optimizer.param_groups`` in order;
-  a parameter whose chunk has never stepped has no entry (torch creates state at the first step).
+  a parameter that has never stepped has no entry (torch creates state at its first step). Another
+  optimizer's entries hold its own keys, each parameter's scalars (``step``, ...) its own.
 * ``"param_groups"``: each group's hyper-parameters with ``"params"`` the group's indices. The
   decoupled-weight-decay flag is written in both spellings, ``adamw_mode`` (HybridAdam) and
   ``decoupled_weight_decay`` (torch), so that ``torch.optim.Adam`` and ``AdamW`` read it.
@@ -63,7 +64,7 @@ def adam_entry(step: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, shape
 
 def any_entry(scalars: Mapping[str, Any], whole: Mapping[str, torch.Tensor], view: Any,
               shape: Any) -> dict[str, Any]:
-    """One parameter's state as another torch optimizer keeps it: copies of its group's ``scalars`` and,
+    """One parameter's state as another torch optimizer keeps it: copies of its ``scalars`` and,
     for each per-element key, its part of the chunk-long ``whole[key]`` (cut by ``view``) as an fp32 CPU
     tensor shaped like the parameter."""
     entry: dict[str, Any] = scalar_copy(scalars)
@@ -112,15 +113,18 @@ def _any_optimizer_entries(optim: Any, chunk: Chunk, index_of: dict[int, int]) -
     scalars, whole = optim.scalar_state(chunk), optim.whole_state(chunk)
     entries = {}
     for slot in chunk.slots:
-        group = optim.group_of(slot.param)
+        if id(slot.param) not in index_of:
+            continue
         if layout.whole:
-            if id(slot.param) in index_of and slot.index_in_chunk in whole:
+            if slot.index_in_chunk in whole:
                 entries[index_of[id(slot.param)]] = scalar_copy(whole[slot.index_in_chunk])
             continue
-        if id(slot.param) not in index_of or group not in scalars:
+        if slot.index_in_chunk not in scalars:  # never stepped: torch keeps no state for it
             continue
+        group = optim.group_of(slot.param)
         entries[index_of[id(slot.param)]] = any_entry(
-            scalars[group], {key: gathered[key] for key in layout.per_group[group]}, slot.view, slot.shape)
+            scalars[slot.index_in_chunk], {key: gathered[key] for key in layout.per_group[group]}, slot.view,
+            slot.shape)
     return entries
 
 
@@ -150,8 +154,8 @@ class OptimizerLoad:
                         chunk.write_own_part(slot, families[key], entry[key])
                     if layout is not None and layout.whole:
                         whole[slot.index_in_chunk] = scalar_copy(entry)
-                    elif layout is not None:
-                        scalars[self.optim.group_of(slot.param)] = scalar_copy(entry, keys)
+                    elif layout is not None:  # its own (older state dicts hold the group's in each entry)
+                        scalars[slot.index_in_chunk] = scalar_copy(entry, keys)
                 for key, values in families.items():
                     chunk.optim[key].write(values)
                 if layout is not None:
