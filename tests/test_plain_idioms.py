@@ -19,17 +19,29 @@ from tests.models import TinyGPT, batches, lm_loss
 NO_CLIPPING = {"gradient_clipping": 0}  # a DeepSpeed config clips at 1.0 by default, as DeepSpeed does
 
 
-def _config(placement: str, **extra) -> dict:
+def _config(placement: str, stage: int = 3, **extra) -> dict:
     offload = {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}} if placement == "cpu" else {}
-    return {"zero_optimization": {"stage": 3, **offload}, **NO_CLIPPING, **extra}
+    if stage != 3:
+        offload.pop("offload_param", None)
+    return {"zero_optimization": {"stage": stage, **offload}, **NO_CLIPPING, **extra}
 
 
-def _pair(make_optimizer, placement="cpu", **extra):
+def _pair(make_optimizer, placement="cpu", extra_stage=3, **extra):
     torch.manual_seed(0)
     plain = TinyGPT()
     module = copy.deepcopy(plain)
-    model, optim = cm.initialize(module, make_optimizer(module.parameters()), _config(placement, **extra))
+    model, optim = cm.initialize(module, make_optimizer(module.parameters()), _config(placement, extra_stage, **extra))
     return plain, make_optimizer(plain.parameters()), model, optim
+
+
+class _as_sharded_state:
+    """A stage-1/2 model (the plain module) seen through state_dict() as the assertions read a wrapped one."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def state_dict(self):
+        return {k: v.float() for k, v in self.module.state_dict().items()}
 
 
 def _adamw(params):
@@ -257,3 +269,32 @@ def test_the_model_shows_its_module_signature_and_attributes():
     assert out.shape == (2, 4)
     with pytest.raises(AttributeError, match="ShardedModelV2"):
         model.no_such_attribute
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_step_takes_torch_closure_and_a_schedule_sees_the_step(stage, recwarn):
+    """torch's optimizer.step(closure) (Accelerate passes one): the closure runs once with autograd on, before the
+    update, and step returns its loss; a schedule built on the wrapped torch optimizer (Lightning, stages 1 and 2)
+    gives no 'lr_scheduler.step() before optimizer.step()' warning."""
+    plain, plain_optim, model, optim = _pair(_adamw, extra_stage=stage)
+    inner = optim.optim
+    schedule = torch.optim.lr_scheduler.StepLR(inner, 1, gamma=0.5)
+    x = batches(1)[0]
+    calls = []
+
+    def closure():
+        calls.append(torch.is_grad_enabled())
+        loss = lm_loss(model(x), x)
+        loss.backward()
+        return loss
+
+    with torch.no_grad():
+        loss = optim.step(closure)
+    schedule.step()
+    lm_loss(plain(x), x).backward()
+    plain_optim.step()
+    assert calls == [True] and isinstance(loss, torch.Tensor)
+    _assert_weights_close(model if stage == 3 else _as_sharded_state(model), plain)
+    assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]
+    with pytest.raises(cm.ArgumentTypeError, match="closure"):
+        optim.step(closure=1.0)

@@ -5,7 +5,6 @@ gradient clipping, gradient accumulation, Accelerate's save_state/load_state, an
 from __future__ import annotations
 
 import functools
-import inspect
 import os
 import tempfile
 
@@ -28,13 +27,6 @@ from chunkmem.integrations.transformers import ChunkmemAccelerator, ChunkmemTrai
 STAGE3 = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
           "gradient_clipping": 0.0}  # the clipping is the trainer's (max_grad_norm / clip_grad_norm_)
 LR = 1e-2
-
-# Accelerate calls optimizer.step(closure); until chunkmem's optimizers take torch's closure argument,
-# a plain Trainer or Accelerator over them fails there (ChunkmemTrainer / ChunkmemAccelerator do not).
-_NO_CLOSURE = "closure" not in inspect.signature(ShardedOptimizerV2.step).parameters
-_plain_driver = pytest.mark.xfail(_NO_CLOSURE, raises=TypeError, strict=True,
-                                  reason="ShardedOptimizerV2.step() does not take torch's closure argument yet")
-
 
 @pytest.fixture(autouse=True)
 def _fresh_accelerate_state():
@@ -109,7 +101,7 @@ def _plain_trainer_run(max_grad_norm, accumulation, tied=False):
         return _logged(plain), plain.model.state_dict(), plain.evaluate()["eval_loss"]
 
 
-@pytest.mark.parametrize("cls", [ChunkmemTrainer, pytest.param(Trainer, marks=_plain_driver)],
+@pytest.mark.parametrize("cls", [ChunkmemTrainer, Trainer],
                          ids=["ChunkmemTrainer", "Trainer"])
 @pytest.mark.parametrize("max_grad_norm, accumulation", [(0.0, 1), (1.0, 1), (0.01, 2)],
                          ids=["no-clip", "default-clip", "clip0.01-accumulate2"])
@@ -282,7 +274,7 @@ def _plain_accelerate_run():
         return _accelerate_loop(Accelerator, False, out=out)[:3]
 
 
-@pytest.mark.parametrize("accelerator_cls", [ChunkmemAccelerator, pytest.param(Accelerator, marks=_plain_driver)],
+@pytest.mark.parametrize("accelerator_cls", [ChunkmemAccelerator, Accelerator],
                          ids=["ChunkmemAccelerator", "Accelerator"])
 def test_accelerate_loop_trains_saves_and_resumes_as_the_plain_module(accelerator_cls, tmp_path):
     plain_losses, plain_norms, plain_weights = _plain_accelerate_run()

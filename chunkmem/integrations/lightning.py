@@ -136,9 +136,6 @@ class ChunkmemPrecision(Precision):
                 f"ChunkmemStrategy steps one optimizer, the chunkmem optimizer it built; got {type(optimizer).__name__}")
         closure_result = self._wrap_closure(model, optimizer, closure)
         optim.step()
-        # torch's schedulers warn "lr_scheduler.step() before optimizer.step()" unless the optimizer they
-        # hold ran its step; chunkmem steps on its behalf, so say so (the flag torch's step wrapper sets)
-        optim.optim._opt_called = True
         return closure_result
 
     def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:

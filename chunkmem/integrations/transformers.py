@@ -47,6 +47,7 @@ from transformers.utils import can_return_loss, find_labels
 
 from ..errors import UnsupportedOperationError
 from ..model import ShardedModelV2
+from ..optim.closure import run_closure
 from ..optim.low_level_zero import LowLevelZeroOptimizer
 from ..optim.sharded_optimizer import ShardedOptimizerV2
 
@@ -84,10 +85,7 @@ class ChunkmemAcceleratedOptimizer(AcceleratedOptimizer):
         and its loss returned."""
         if not self.gradient_state.sync_gradients:
             return None
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         pending = self.optimizer.grads_pending
         stepped = self.optimizer.step()
         self._is_overflow = pending and not stepped  # gradients there but not applied: the scaler skipped

@@ -26,6 +26,7 @@ from ..core.chunk import ADAM_STATE
 from ..core.layout import join_runs
 from ..errors import (ChunkmemError, InvalidArgumentError, UnscaledBackwardError, UnsupportedOperationError,
                       check_choice, check_number, check_type)
+from .closure import run_closure
 from .loss_scaler import DynamicGradScaler
 from .mixed_precision import MixedPrecisionStep
 from .sealed import seal_param_groups
@@ -438,14 +439,24 @@ class LowLevelZeroOptimizer:
         store = self._grad_store(chunk)
         return store if self.partition_grad else chunk.own(store)
 
-    def step(self) -> bool:
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Unscale, check for overflow, clip, update this rank's shard of every chunk with Adam, and
         all-gather the updated parameters. Returns ``True`` if the parameters changed; ``False`` when
-        the step was skipped (an overflow on some rank, or no gradients since the last step). Either way
+        the step was skipped (an overflow on some rank, or no gradients since the last step); with
+        ``closure`` (torch's argument, run once before the update: :mod:`chunkmem.optim.closure`), what the
+        closure returned. Either way
         the gradients it consumed are released (as the reference's step does), so the next backward
         starts from zero without a ``zero_grad()``. With fp16,
         gradients from a backward that bypassed :meth:`backward` raise
-        :class:`~chunkmem.UnscaledBackwardError` and change nothing."""
+        :class:`~chunkmem.UnscaledBackwardError` and change nothing. A learning-rate schedule built on the
+        wrapped optimizer (``optim.optim``) sees the step as torch's own (no "scheduler before optimizer"
+        warning)."""
+        loss = run_closure(closure)
+        applied = self._step()
+        self.optim._opt_called = True  # what torch's schedulers read to tell that the optimizer stepped
+        return applied if closure is None else loss
+
+    def _step(self) -> bool:
         agree_on_point(self.shards, "step", "LowLevelZeroOptimizer.step()",
                        [("optimizer steps so far", self._steps), ("gradients pending", self.grads_pending),
                         ("loss scale", self.loss_scale), ("unscaled backward", self._unscaled_backward),

@@ -32,6 +32,7 @@ from .adam_math import AdamHyper
 from .backward_step import BackwardStep, check_step_in_backward, check_undo_room, why_no_speculation
 from .disk_step import ChunkUpdate, DiskStepError, StreamedStep, gaps, streamed_count
 from .loss_scaler import DynamicGradScaler
+from .closure import run_closure
 from .gradient_idioms import GradientIdioms
 from .mixed_precision import MixedPrecisionStep
 from .sealed import seal_param_groups
@@ -570,11 +571,12 @@ class ShardedOptimizerV2(Optimizer):
         :class:`~chunkmem.runtime.runtime.OptimizerListener` side, read by the accessors)."""
         return self.mixed.multiplier * (1.0 if slot is None else self._idioms.factor_of(slot))
 
-    def step(self) -> bool:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Unscale, check for overflow, clip, and update every chunk where its optimizer state lives.
 
         Returns ``True`` if the parameters were updated, ``False`` if the step was skipped (overflow,
-        or no gradients since the last step). Either way the step releases the gradients it consumed,
+        or no gradients since the last step); with ``closure`` (torch's argument: it recomputes the loss,
+        run once before the update, :mod:`chunkmem.optim.closure`), what the closure returned. Either way the step releases the gradients it consumed,
         as the reference does, so a loop without ``zero_grad()`` trains like one with it; several
         backwards before one step accumulate. A skipped step leaves masters and optimizer state
         untouched. With ``max_norm`` the gradients are clipped to that total norm inside the step (unless
@@ -583,6 +585,12 @@ class ShardedOptimizerV2(Optimizer):
         :class:`~chunkmem.UnscaledBackwardError` and change nothing. Hooks registered with
         ``register_step_pre_hook`` / ``register_step_post_hook`` run before and after.
         """
+        loss = run_closure(closure)
+        applied = self._step()
+        self.optim._opt_called = True  # a schedule built on the wrapped optimizer reads it: it stepped
+        return applied if closure is None else loss
+
+    def _step(self) -> bool:
         try:
             scaled_by, refused = self._idioms.uniform_factor(self._trainable_chunks()), None
         except UnsupportedOperationError as error:
