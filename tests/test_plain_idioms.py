@@ -6,6 +6,7 @@ raised ``ParameterAccessError`` ("clip them with optim.clip_grad_norm") and Trai
 from __future__ import annotations
 
 import copy
+import math
 import inspect
 
 import pytest
@@ -201,6 +202,8 @@ def test_other_in_place_changes_of_grad_are_refused():
         grad.add_(1.0)
     with pytest.raises(cm.ParameterAccessError, match="several elements"):
         grad.mul_(torch.ones(grad.shape))
+    with pytest.raises(cm.ParameterAccessError, match="clip_grad_norm_"):
+        torch._foreach_add_([grad], 1.0)
 
 
 def _two_ranks(rank, world):
@@ -298,3 +301,18 @@ def test_step_takes_torch_closure_and_a_schedule_sees_the_step(stage, recwarn):
     assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]
     with pytest.raises(cm.ArgumentTypeError, match="closure"):
         optim.step(closure=1.0)
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_the_norm_of_gradients_that_overflowed_is_torch_s(stage, norm_type):
+    """inf stays inf and NaN stays NaN through the per-parameter norms and their reduction (an infinity made
+    finite would clip by a tiny factor instead of reporting the overflow)."""
+    plain, plain_optim, model, optim = _pair(_adamw, extra_stage=stage)
+    x = batches(1)[0]
+    for net in (model, plain):
+        (lm_loss(net(x), x) * (1e38 if norm_type == 2.0 else math.inf)).backward()  # some gradients overflow
+    ours = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=norm_type))
+    theirs = float(torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0, norm_type=norm_type))
+    assert not math.isfinite(theirs)
+    assert (math.isnan(ours), math.isinf(ours)) == (math.isnan(theirs), math.isinf(theirs))

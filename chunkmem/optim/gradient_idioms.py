@@ -109,7 +109,8 @@ class GradientIdioms:
             return self._scale(args[0], args[1])
         if name in _CLAMPS:
             return self._clamp(name, args, kwargs)
-        if isinstance(written_target(func, args, kwargs), ChunkGradient):
+        if isinstance(written_target(func, args, kwargs), ChunkGradient) or (name.startswith("_foreach_")
+                                                                            and name.endswith("_")):
             raise ParameterAccessError(
                 f"{name} on the gradient of the chunk-managed parameter {stand_ins[0].slot.name!r}: gradients "
                 "live in chunks; torch's clip_grad_norm_ / clip_grad_value_ (or .grad.mul_) work on them, "
@@ -162,10 +163,13 @@ class GradientIdioms:
             if on_device:  # one copy to the host for all of them, not one wait per parameter
                 local[on_device] = torch.stack([sums[i] for i in on_device]).cpu()
             maximum = math.isinf(p)
+            nan = torch.isnan(local).double()  # (a max over the ranks may drop a NaN: it travels as a count)
+            local = torch.where(torch.isnan(local), 0.0, local)  # (nan_to_num would make inf finite)
             for group in optimizer.mixed.groups:
+                all_reduce_over(group, nan, what="which gradient norms of clip_grad_norm_ are NaN")
                 all_reduce_over(group, local, torch.distributed.ReduceOp.MAX if maximum else None,
                                 what="the gradient norms of clip_grad_norm_")
-            totals = local if maximum else local.pow(1 / p)
+            totals = torch.where(nan > 0, math.nan, local if maximum else local.pow(1 / p))
             scale = optimizer.mixed.loss_scale
             self._norms[key] = {id(s): totals[i].item() / scale for i, s in enumerate(slots)}
         return self._norms[key]

@@ -541,7 +541,7 @@ def _reduce_norms(groups: list[Any], local: torch.Tensor, order: float) -> torch
     """Per-parameter norms of this rank's pieces -> norms of the whole gradients, over the ranks."""
     if math.isinf(order):
         nan = torch.isnan(local).double()
-        local = local.nan_to_num(nan=0.0)
+        local = torch.where(torch.isnan(local), 0.0, local)  # (nan_to_num would make inf finite)
         for group in groups:
             all_reduce_over(group, nan, what="which gradient norms of clip_grad_norm_ are NaN")
             all_reduce_over(group, local, torch.distributed.ReduceOp.MAX, what="the gradient norms of clip_grad_norm_")
