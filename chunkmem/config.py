@@ -349,8 +349,9 @@ def _initialize_colossal(model: nn.Module, optimizer: Any, zero: Any) -> tuple[n
     elif not isinstance(strategy, BaseShardStrategy):
         raise ArgumentTypeError("zero.model_config.shard_strategy", strategy,
                                 "a shard strategy instance or " + _listing(_STRATEGIES))
-    if isinstance(model_config.get("dtype"), str):
-        model_config["dtype"] = _dtype_named(model_config["dtype"], "zero.model_config.dtype")
+    for key in ("dtype", "grad_accum_dtype"):  # (by name too, as Candidate.config writes them)
+        if isinstance(model_config.get(key), str):
+            model_config[key] = _dtype_named(model_config[key], f"zero.model_config.{key}")
     model_settings = _rename_errors("zero.model_config.",
                                     lambda: ModelSettings.from_arguments(strategy, **model_config))
     optimizer_settings = _rename_errors("zero.optimizer_config.",

@@ -32,6 +32,19 @@ def check_dtype(argument: str, dtype: Any) -> None:
         raise InvalidArgumentError(argument, dtype, SUPPORTED_DTYPE_NAMES)
 
 
+def check_grad_accum_dtype(grad_accum_dtype: Any, dtype: torch.dtype | None) -> None:
+    """Raise :class:`~chunkmem.InvalidArgumentError` naming ``grad_accum_dtype`` unless it is ``None``,
+    ``torch.float32`` or the model's ``dtype`` (with ``dtype`` ``None``, not known yet: any 16-bit dtype):
+    ``ShardedModelV2``'s check, shared with :func:`chunkmem.plan` and :func:`chunkmem.choose`."""
+    if grad_accum_dtype is not None and (
+            not isinstance(grad_accum_dtype, torch.dtype) or
+            grad_accum_dtype not in (torch.float32, torch.float16, torch.bfloat16) or
+            dtype is not None and grad_accum_dtype not in (torch.float32, dtype)):
+        raise InvalidArgumentError("grad_accum_dtype", grad_accum_dtype,
+                                   "None or torch.float32 (sum 16-bit gradients over backwards in fp32), or the "
+                                   "model's dtype (sum them in it: 2 bytes a parameter fewer while accumulating)")
+
+
 def check_chunk_size(chunk_size: Any, dtype: torch.dtype | None = None, min_elements: int = 1) -> None:
     """Raise unless ``chunk_size`` is ``None`` or a positive byte count; given ``dtype``, also unless it
     is a whole number of elements of ``dtype``, at least ``min_elements`` of them."""
@@ -204,12 +217,7 @@ class ModelSettings:
         check_chunk_size(self.chunk_size)
         if self.dtype is not None:
             check_dtype("dtype", self.dtype)
-        if self.grad_accum_dtype is not None and (
-                self.grad_accum_dtype not in (torch.float32, torch.float16, torch.bfloat16) or
-                self.dtype is not None and self.grad_accum_dtype not in (torch.float32, self.dtype)):
-            raise InvalidArgumentError("grad_accum_dtype", self.grad_accum_dtype,
-                                       "None or torch.float32 (sum 16-bit gradients over backwards in fp32), or the "
-                                       "model's dtype (sum them in it: 2 bytes a parameter fewer while accumulating)")
+        check_grad_accum_dtype(self.grad_accum_dtype, self.dtype)
         disk = self.disk
         check_disk_arguments(disk.offload_optimizer, disk.offload_param, disk.nvme_path, disk.buffer_count,
                              disk.buffer_size, disk.atomic_step, self.placement.tensor_placement_policy,

@@ -334,3 +334,123 @@ def test_measuring_the_machine_gives_every_figure(tmp_path):
         MachineProfile.measure(dtypes=(torch.int8,))
     with pytest.raises(cm.InvalidArgumentError, match="ranks"):
         MachineProfile.measure(ranks=0)
+
+
+def accumulating_real_run(candidate: cm.Candidate, batch: torch.Tensor, nvme_path: str, backwards: int,
+                          steps: int = 3) -> dict:
+    """``real_run`` with ``backwards`` backwards before each step; ``device_peak``: the ledger's device peak
+    read before the last step."""
+    model = cm.ShardedModelV2(build(), cm.TensorShardStrategy(), **candidate.model_config(nvme_path))
+    optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-3), initial_scale=2**8)
+    ledger = model.runtime.ledger
+    for _ in range(steps):
+        before = (ledger.moved_to_device, ledger.moved_to_host, ledger.read_from_disk, ledger.written_to_disk)
+        for _ in range(backwards):
+            optim.backward(model(batch).float().mean())
+        device_peak = ledger.peak_device_bytes
+        optim.step()
+        optim.zero_grad()
+    after = (ledger.moved_to_device, ledger.moved_to_host, ledger.read_from_disk, ledger.written_to_disk)
+    return {"tier_bytes": model.tier_bytes(), "moved": tuple(a - b for a, b in zip(after, before)),
+            "files": model.disk_file_bytes(), "host_peak": ledger.peak_host_bytes, "device_peak": device_peak}
+
+
+def test_every_candidate_with_gradient_accumulation_equals_a_real_run(tmp_path):
+    """bf16, two backwards per step, the sums in fp32: every candidate's bytes, moves per step (both passes),
+    files, device peak and host peak against a real run that accumulates; no reuse_fp16_shard candidate (it
+    cannot accumulate); the time counts two passes' compute."""
+    batch = torch.randn(4, 64)
+    kwargs = dict(disk_memory=2**30, dtype=torch.bfloat16, profile=profile(), chunk_size=CHUNK, buffer_count=2,
+                  buffer_size=IO)
+    one = {c.name: c for c in cm.choose(build, batch, 10 * 2**20, **kwargs).candidates}
+    choice = cm.choose(build, batch, 10 * 2**20, gradient_accumulation_steps=2, **kwargs)
+    assert [c.name for c in choice.candidates] == [name for name in one if "reuse" not in name]
+    cm.set_device_memory_capacity(10 * 2**20)
+    for c in choice.candidates:
+        assert c.fits and c.gradient_accumulation_steps == 2 and "grad_accum_dtype" not in c.settings, c.name
+        real = accumulating_real_run(c, batch, str(tmp_path), 2)
+        assert {k: real[k] for k in ("tier_bytes", "moved", "files")} == planned(c), c.name
+        assert real["device_peak"] == c.device_peak_bytes, c.name
+        if c.policy == "static" or "param@disk" in c.name:  # bounded from above, as with one backward
+            assert real["host_peak"] <= c.host_peak_bytes <= real["host_peak"] + CHUNK, c.name
+        else:
+            assert real["host_peak"] == c.host_peak_bytes, c.name
+        assert c.time.compute == 2 * one[c.name].time.compute == 2 * choice.compute_seconds, c.name
+        assert c.predict(choice.profile, choice.compute_seconds) == c.time, c.name
+    # where the fp32 sums rest: the device under 'cuda', the host under 'cpu'
+    by_name = {c.name: c for c in choice.candidates}
+    assert by_name["cuda"].device_peak_bytes > one["cuda"].device_peak_bytes
+    assert by_name["cpu"].host_peak_bytes > one["cpu"].host_peak_bytes
+    assert by_name["cpu"].device_peak_bytes == one["cpu"].device_peak_bytes
+
+
+def test_choose_stops_fitting_when_accumulation_widens_the_sums(tmp_path):
+    """A device budget between the 'cuda' peaks of one and two backwards per step: with one 'cuda' fits and is
+    recommended (it moves nothing), with two it does not and 'cpu' is; a host budget between the 'cpu' host
+    peaks: 'cpu' fits with one backward per step, not with two. Summed in bf16 (grad_accum_dtype) they fit
+    again; the recommendation carries grad_accum_dtype into the model it builds."""
+    batch = torch.randn(4, 64)
+    kwargs = dict(dtype=torch.bfloat16, profile=profile(), chunk_size=CHUNK, static_fractions=(),
+                  policies=("cuda", "cpu"), reuse_fp16_shard=False)
+    one = {c.name: c for c in cm.choose(build, batch, 10 * 2**20, **kwargs).candidates}
+    two = {c.name: c for c in cm.choose(build, batch, 10 * 2**20, gradient_accumulation_steps=2,
+                                        **kwargs).candidates}
+    device = (one["cuda"].device_peak_bytes + two["cuda"].device_peak_bytes) // 2 + one["cuda"].non_model_peak
+    assert cm.choose(build, batch, device, **kwargs).recommended.name == "cuda"
+    tight = cm.choose(build, batch, device, gradient_accumulation_steps=2, **kwargs)
+    assert tight.recommended.name == "cpu"
+    cuda = {c.name: c for c in tight.candidates}["cuda"]
+    assert not cuda.fits and cuda.reason.startswith("device")
+    kept = cm.choose(build, batch, device, gradient_accumulation_steps=2, grad_accum_dtype=torch.bfloat16, **kwargs)
+    r = kept.recommended
+    assert r.name == "cuda" and r.settings["grad_accum_dtype"] == torch.bfloat16
+    assert r.config()["zero"]["model_config"]["grad_accum_dtype"] == "bfloat16"
+    module = build()
+    cm.set_device_memory_capacity(device)
+    model, optim = cm.initialize(module, torch.optim.AdamW(module.parameters(), lr=1e-3), plan=r)
+    assert model.settings.grad_accum_dtype == torch.bfloat16
+    for _ in range(2):  # two backwards in bf16 within the budget
+        optim.backward(model(batch).float().mean())
+    optim.step()
+    assert model.tier_bytes() == r.tier_bytes
+    cm.set_device_memory_capacity(None)
+
+    host = (one["cpu"].host_peak_bytes + two["cpu"].host_peak_bytes) // 2
+    cpu_only = dict(kwargs, policies=("cpu",))
+    assert cm.choose(build, batch, 10 * 2**20, host_memory=host, **cpu_only).recommended.name == "cpu"
+    refused = cm.choose(build, batch, 10 * 2**20, host_memory=host, gradient_accumulation_steps=2, **cpu_only)
+    assert refused.recommended is None
+    assert not refused.candidates[0].fits and refused.candidates[0].reason.startswith("host")
+    cm.set_host_memory_capacity(host)  # the real runtime agrees
+    try:
+        accumulating_real_run(one["cpu"], batch, str(tmp_path), 1)
+        with pytest.raises(cm.HostCapacityError):
+            accumulating_real_run(two["cpu"], batch, str(tmp_path), 2)
+    finally:
+        cm.set_host_memory_capacity(None)
+
+
+def test_bad_accumulation_arguments_are_named_in_choose(capsys, tmp_path):
+    batch = torch.randn(4, 64)
+    for kwargs, name in [(dict(gradient_accumulation_steps=0), "gradient_accumulation_steps"),
+                         (dict(gradient_accumulation_steps=1.5), "gradient_accumulation_steps"),
+                         (dict(gradient_accumulation_steps=2, reuse_fp16_shard=True), "gradient_accumulation_steps"),
+                         (dict(dtype=torch.bfloat16, grad_accum_dtype=torch.float16), "grad_accum_dtype"),
+                         (dict(dtype=torch.float32, grad_accum_dtype=torch.bfloat16), "grad_accum_dtype")]:
+        with pytest.raises(cm.InvalidArgumentError, match=name):
+            cm.choose(build, batch, 2**20, **{"profile": profile(), **kwargs})
+    # the command line's options reach both
+    plan_module = importlib.import_module("chunkmem.plan.cli")
+    path = tmp_path / "profile.json"
+    import json
+
+    path.write_text(json.dumps(profile().to_dict()))
+    common = ["--preset", "tiny", "--seq-len", "8", "--batch-size", "1", "--device-memory", "64MiB", "--dtype", "bf16"]
+    plan_module.main(common + ["--candidates", "--profile", str(path), "--static-fractions", "",
+                               "--gradient-accumulation-steps", "2"])
+    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:4]]
+    assert rows == ["cuda", "cpu", "auto"]  # no '+reuse' candidates: they cannot accumulate
+    with pytest.raises(cm.InvalidArgumentError, match="grad_accum_dtype"):
+        plan_module.main(common + ["--grad-accum-dtype", "fp16"])
+    with pytest.raises(cm.InvalidArgumentError, match="gradient_accumulation_steps"):
+        plan_module.main(common + ["--gradient-accumulation-steps", "0"])

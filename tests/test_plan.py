@@ -175,3 +175,130 @@ def test_activations_that_do_not_fit_beside_the_chunks_make_a_plan_not_fit():
     assert p.tier_bytes["device"] == {"param": chunks, "exp_avg": chunks, "exp_avg_sq": chunks}
     assert plan(build, torch.randn(4, 64), 18 * CHUNK, dtype=torch.float32, chunk_size=CHUNK,
                 policies=("cuda",))["cuda"].fits
+
+
+def accumulating_run(policy: str, dtype: torch.dtype, batch: torch.Tensor, backwards: int,
+                     grad_accum_dtype: torch.dtype | None = None) -> tuple[int, int]:
+    """A real run with ``backwards`` backwards before each of 3 steps: its ledger's device peak read before
+    the last step (the ledger's device peak restarts at each period, as the meta run's does) and its host
+    peak. The optimizer state is on the ledger here; the plan adds it to its peaks."""
+    m = cm.ShardedModelV2(build(), cm.TensorShardStrategy(), tensor_placement_policy=policy, dtype=dtype,
+                          chunk_size=CHUNK, grad_accum_dtype=grad_accum_dtype)
+    o = cm.ShardedOptimizerV2(m, cm.HybridAdam(m.parameters(), lr=1e-3), initial_scale=2**8)
+    ledger = m.runtime.ledger
+    for _ in range(3):
+        for _ in range(backwards):
+            o.backward(m(batch).float().mean())
+        device_peak = ledger.peak_device_bytes
+        o.step()
+        o.zero_grad()
+    return device_peak, ledger.peak_host_bytes
+
+
+def test_gradient_accumulation_counts_the_sums_widened_to_fp32_at_the_peak():
+    """bf16 with two backwards before a step: the second backward widens each chunk's 16-bit sum to fp32 where
+    it rests (the device under 'cuda', the host under 'cpu'); the plan's peak there grows by exactly those
+    bytes, as a real run's ledger counts them. Summed in bf16 (grad_accum_dtype), or an fp32 model: no change."""
+    batch = torch.randn(4, 64)
+    bf16 = torch.bfloat16
+    one = plan(build, batch, 10 * 2**20, dtype=bf16, chunk_size=CHUNK, policies=("cuda", "cpu"))
+    two = plan(build, batch, 10 * 2**20, dtype=bf16, chunk_size=CHUNK, policies=("cuda", "cpu"),
+               gradient_accumulation_steps=2)
+    kept = plan(build, batch, 10 * 2**20, dtype=bf16, chunk_size=CHUNK, policies=("cuda", "cpu"),
+                gradient_accumulation_steps=2, grad_accum_dtype=bf16)
+    # the layout (chunks of 32768 elements): [w1, b1] and [w2, b2, w3, b3] trimmed to 17024 (see above)
+    numels = one["cuda"].extra["trainable_shard_numels"]
+    assert numels == [32768, 17024] and two["cpu"].extra["trainable_shard_numels"] == numels
+    # the backward reaches the chunks last to first, and the first gradient of each widens the chunk's sum of
+    # the first backward: 2 bytes more per element of every chunk widened so far, and while the 16-bit sum
+    # is copied into its fp32 buffer both are held (4 bytes more per element of that chunk); the peak is at
+    # the first chunk, the last one widened
+    widened = max(2 * sum(numels[k + 1:]) + 4 * numels[k] for k in range(len(numels)))
+    assert widened == 2 * (32768 + 17024) + 2 * 32768 == 165120
+    # where the sums rest: 'cuda' on the device, 'cpu' on the host (the device holds this backward's 16-bit
+    # staging buffer, freed when the chunk's gradients are added to the host's sum)
+    assert two["cuda"].device_peak_bytes - one["cuda"].device_peak_bytes == widened
+    assert two["cuda"].host_peak_bytes == one["cuda"].host_peak_bytes
+    assert two["cpu"].host_peak_bytes - one["cpu"].host_peak_bytes == widened
+    assert two["cpu"].device_peak_bytes == one["cpu"].device_peak_bytes
+    for policy in ("cuda", "cpu"):
+        assert (kept[policy].device_peak_bytes, kept[policy].host_peak_bytes) == \
+            (one[policy].device_peak_bytes, one[policy].host_peak_bytes), policy
+        assert two[policy].fits and two[policy].gradient_accumulation_steps == 2
+        assert two[policy].tier_bytes == one[policy].tier_bytes  # between steps: nothing more rests
+    # the reference: real runs' ledgers, with one and two backwards before each step
+    cm.set_device_memory_capacity(10 * 2**20)
+    for policy in ("cuda", "cpu"):
+        for plans, backwards, summed_in in ((one, 1, None), (two, 2, None), (kept, 2, bf16)):
+            real = accumulating_run(policy, bf16, batch, backwards, summed_in)
+            assert (plans[policy].device_peak_bytes, plans[policy].host_peak_bytes) == real, (policy, backwards)
+    # fp32: the sums are fp32 already
+    one32 = plan(build, batch, 10 * 2**20, dtype=torch.float32, chunk_size=CHUNK, policies=("cuda", "cpu"))
+    two32 = plan(build, batch, 10 * 2**20, dtype=torch.float32, chunk_size=CHUNK, policies=("cuda", "cpu"),
+                 gradient_accumulation_steps=2)
+    for policy in ("cuda", "cpu"):
+        assert (two32[policy].device_peak_bytes, two32[policy].host_peak_bytes) == \
+            (one32[policy].device_peak_bytes, one32[policy].host_peak_bytes), policy
+        assert (two32[policy].device_peak_bytes, two32[policy].host_peak_bytes) == \
+            accumulating_run(policy, torch.float32, batch, 2), policy
+    # a third backward adds in fp32: the peak of the second one's widening stays the step's peak
+    three = plan(build, batch, 10 * 2**20, dtype=bf16, chunk_size=CHUNK, policies=("cuda",),
+                 gradient_accumulation_steps=3)["cuda"]
+    assert three.device_peak_bytes == two["cuda"].device_peak_bytes
+    # the bytes moved per step are those of its passes: twice one pass's under 'cpu' (fetches and gradients)
+    assert two["cpu"].moved_to_device_per_step == 2 * one["cpu"].moved_to_device_per_step
+
+
+def test_fits_turns_false_when_the_widened_sums_exceed_a_capacity():
+    """A device capacity (under 'cuda') and a host capacity (under 'cpu') between the peaks of one and two
+    backwards per step: the plan fits with one and not with two, as a real run under that capacity trains
+    with one backward per step and runs out with two."""
+    batch = torch.randn(4, 64)
+    bf16 = torch.bfloat16
+    one = plan(build, batch, 10 * 2**20, dtype=bf16, chunk_size=CHUNK, policies=("cuda", "cpu"))
+    two = plan(build, batch, 10 * 2**20, dtype=bf16, chunk_size=CHUNK, policies=("cuda", "cpu"),
+               gradient_accumulation_steps=2)
+    cuda_chunks = (one["cuda"].device_peak_bytes + two["cuda"].device_peak_bytes) // 2
+    device = cuda_chunks + one["cuda"].non_model_peak
+    assert plan(build, batch, device, dtype=bf16, chunk_size=CHUNK, policies=("cuda",))["cuda"].fits
+    refused = plan(build, batch, device, dtype=bf16, chunk_size=CHUNK, policies=("cuda",),
+                   gradient_accumulation_steps=2)["cuda"]
+    assert not refused.fits and refused.reason.startswith("device")
+    assert plan(build, batch, device, dtype=bf16, chunk_size=CHUNK, policies=("cuda",), gradient_accumulation_steps=2,
+                grad_accum_dtype=bf16)["cuda"].fits  # summed in bf16: nothing widened
+    host = (one["cpu"].host_peak_bytes + two["cpu"].host_peak_bytes) // 2
+    assert plan(build, batch, 10 * 2**20, host, dtype=bf16, chunk_size=CHUNK, policies=("cpu",))["cpu"].fits
+    refused = plan(build, batch, 10 * 2**20, host, dtype=bf16, chunk_size=CHUNK, policies=("cpu",),
+                   gradient_accumulation_steps=2)["cpu"]
+    assert not refused.fits and refused.reason.startswith("host")
+    # the real runtime agrees (its device capacity bounds the chunks alone)
+    cm.set_device_memory_capacity(cuda_chunks)
+    accumulating_run("cuda", bf16, batch, 1)
+    with pytest.raises(cm.DeviceCapacityError):
+        accumulating_run("cuda", bf16, batch, 2)
+    cm.set_device_memory_capacity(10 * 2**20)
+    cm.set_host_memory_capacity(host)
+    try:
+        accumulating_run("cpu", bf16, batch, 1)
+        with pytest.raises(cm.HostCapacityError):
+            accumulating_run("cpu", bf16, batch, 2)
+    finally:
+        cm.set_host_memory_capacity(None)
+
+
+def test_bad_accumulation_arguments_are_named():
+    batch = torch.randn(1, 64)
+    for value in (0, -1):
+        with pytest.raises(cm.InvalidArgumentError, match="gradient_accumulation_steps"):
+            plan(build, batch, 2**20, gradient_accumulation_steps=value)
+    for value in (2.0, True, "2", None):
+        with pytest.raises(cm.ArgumentTypeError, match="gradient_accumulation_steps"):
+            plan(build, batch, 2**20, gradient_accumulation_steps=value)
+    with pytest.raises(cm.InvalidArgumentError, match="gradient_accumulation_steps"):  # cannot accumulate
+        plan(build, batch, 2**20, reuse_fp16_shard=True, gradient_accumulation_steps=2)
+    for dtype, value in ((torch.bfloat16, torch.float16), (torch.float32, torch.bfloat16), (torch.float16, "fp32"),
+                         (torch.float16, torch.int8)):
+        with pytest.raises(cm.InvalidArgumentError, match="grad_accum_dtype"):
+            plan(build, batch, 2**20, dtype=dtype, grad_accum_dtype=value)
+        with pytest.raises(cm.InvalidArgumentError, match="grad_accum_dtype"):  # ShardedModelV2's own check
+            cm.ShardedModelV2(build(), cm.TensorShardStrategy(), dtype=dtype, grad_accum_dtype=value)

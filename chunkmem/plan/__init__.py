@@ -4,11 +4,14 @@ The planner runs chunkmem itself, with both tiers on PyTorch's ``meta`` device: 
 shapes and dtypes but no memory, while every byte count stays exact. The model is built (or copied)
 on the meta device and wrapped in a real :class:`~chunkmem.ShardedModelV2` (the same chunk-size search,
 packing, capacity check, hooks, tracer, Belady planner and byte ledger as a real run), which then runs
-three forward/backward iterations on the sample batch: the first is traced (the tracer's
+three training iterations on the sample batch, each ``gradient_accumulation_steps`` forward/backward passes
+(default 1) and a step: the first pass is traced (the tracer's
 :class:`~chunkmem.runtime.tracer.StorageCounter` gives the non-model peak: activations, temporaries,
-autograd's gradients), the later ones follow the schedule, and the ledger counts the bytes the last one
+autograd's gradients), the later ones follow the schedule, and the ledger counts the bytes the last iteration
 moves (attention on meta tensors is counted as the fused kernel real devices run, see
-:func:`flash_attention_on_meta`). The optimizer's families (``master`` for 16-bit models, ``exp_avg``, ``exp_avg_sq``, all fp32)
+:func:`flash_attention_on_meta`). With several passes the gradient sums of the later backwards (16-bit ones
+widened to fp32 unless ``grad_accum_dtype`` is the model's dtype) are on the ledger, so the device and host
+peaks include them. The optimizer's families (``master`` for 16-bit models, ``exp_avg``, ``exp_avg_sq``, all fp32)
 cannot run on meta tensors; their bytes come from the policy's own ``optim_on_device`` rule, and the
 device capacity the meta run gets is what is left after the optimizer state resting there.
 
@@ -28,7 +31,8 @@ line :mod:`chunkmem.plan.cli`: ``python -m chunkmem.plan --preset gpt2-small --b
 prints the per-placement table (the presets are :mod:`chunkmem.gpt`'s GPT, the model the benchmarks
 train); ``--candidates`` (with ``--host-memory``, ``--disk-memory``, ``--nvme-path``, ``--ranks``,
 ``--profile``) the candidates with their predicted seconds per step and the recommendation marked;
-``--builder module:function`` plans any model.
+``--gradient-accumulation-steps`` and ``--grad-accum-dtype`` plan either for training with gradient
+accumulation; ``--builder module:function`` plans any model.
 """
 from .candidates import Candidate, PlanChoice, choose, format_candidates
 from .meta_run import PolicyPlan, format_table, plan

@@ -2,10 +2,12 @@
 
 Placements ``cuda``, ``cpu``, ``auto``, ``static`` with offload fractions; the disk tier for the optimizer state
 and/or the parameters; ``reuse_fp16_shard``; for one rank or several (the meta run then shards over a stand-in
-process group). Each is checked against device, host and disk budgets, its seconds per step predicted with
-:mod:`chunkmem.cost_model` from a :class:`~chunkmem.machine_profile.MachineProfile` measured on this machine, and
-the fastest that fits recommended (:class:`PlanChoice`); a :class:`Candidate` gives the
-:class:`~chunkmem.ShardedModelV2` settings it stands for, which ``chunkmem.initialize(..., plan=)`` takes.
+process group); with gradient accumulation (several forward/backward passes per step, their 16-bit gradient
+sums in fp32 unless ``grad_accum_dtype`` says otherwise). Each is checked against device, host and disk budgets,
+its seconds per step predicted with :mod:`chunkmem.cost_model` from a
+:class:`~chunkmem.machine_profile.MachineProfile` measured on this machine, and the fastest that fits
+recommended (:class:`PlanChoice`); a :class:`Candidate` gives the :class:`~chunkmem.ShardedModelV2` settings
+it stands for, which ``chunkmem.initialize(..., plan=)`` takes.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from ..core.chunk import ADAM_STATE
 from ..optim.disk_step import streamed_count
 from ..builder import param_chunks_kept_on_host
 from ..core.tiers import parse_size
-from .meta_run import PolicyPlan, _meta_inputs, _meta_model, _plan_policy
+from .meta_run import PolicyPlan, _meta_inputs, _meta_model, _plan_policy, check_accumulation
 
 
 @dataclass
@@ -39,9 +41,11 @@ class Candidate(PolicyPlan):
     ``"disk"``; with ``ranks`` > 1 every figure is one rank's, and all ranks hold the same) and more.
 
     ``name``: a short label (``"static(0.5,0.5)+optim@disk"``). ``settings``: the keyword arguments of
-    :class:`~chunkmem.ShardedModelV2` it stands for (``nvme_path`` left out: see :meth:`model_config`).
-    ``host_peak_bytes``: the most chunk bytes on the host at once (the gradients before the step, the
-    optimizer state and the disk tier's I/O buffers included): what a host capacity must allow.
+    :class:`~chunkmem.ShardedModelV2` it stands for (``nvme_path`` left out: see :meth:`model_config`;
+    ``grad_accum_dtype`` there when :func:`choose` was given one).
+    ``host_peak_bytes``: the most chunk bytes on the host at once (the gradients before the step, widened
+    to fp32 when they accumulate over several backwards, the optimizer state and the disk tier's I/O buffers
+    included): what a host capacity must allow.
     ``disk_file_bytes``: what the disk tier's files occupy (preallocated, both slots of an atomic step):
     what the disk budget must allow. ``disk_read_per_step`` / ``disk_written_per_step``: bytes the disk
     tier reads and writes in one step (forward, backward and optimizer step). ``collective_bytes_per_step``:
@@ -49,13 +53,13 @@ class Candidate(PolicyPlan):
     predicted :class:`~chunkmem.cost_model.StepTime` in seconds (``None`` when the profile lacks a figure
     it needs, e.g. no disk bandwidth). ``recommended``: the one :func:`choose` recommends.
     ``cost_inputs``: what the cost model was given besides the compute (bytes copied, Adam elements, disk
-    bytes, collective bytes: :func:`chunkmem.cost_model.step_time`'s arguments).
+    bytes, collective bytes: :func:`chunkmem.cost_model.step_time`'s arguments), all per step, i.e. over its
+    ``gradient_accumulation_steps`` forward/backward passes.
     """
 
     name: str = ""
     settings: dict[str, Any] = field(default_factory=dict)
     ranks: int = 1
-    host_peak_bytes: int = 0
     disk_file_bytes: int = 0
     disk_read_per_step: int = 0
     disk_written_per_step: int = 0
@@ -65,11 +69,13 @@ class Candidate(PolicyPlan):
     cost_inputs: dict[str, Any] = field(default_factory=dict)
 
     def predict(self, profile: MachineProfile, compute_seconds: float) -> StepTime | None:
-        """The step time again from another ``profile`` and the seconds of the forward and backward's
+        """The step time again from another ``profile`` and the seconds of one forward and backward's
         operators (``PlanChoice.compute_seconds``, or :meth:`ComputeTrace.seconds
-        <chunkmem.cost_model.ComputeTrace.seconds>` under that profile): the same cost model, the same
-        counted bytes and elements (``cost_inputs``)."""
-        return step_time(profile, compute_seconds, self.settings["dtype"], **self.cost_inputs)
+        <chunkmem.cost_model.ComputeTrace.seconds>` under that profile; a step runs
+        ``gradient_accumulation_steps`` of them): the same cost model, the same counted bytes and elements
+        (``cost_inputs``)."""
+        return step_time(profile, compute_seconds * self.gradient_accumulation_steps, self.settings["dtype"],
+                         **self.cost_inputs)
 
     def total(self, tier: str) -> int:
         """Bytes on ``tier`` ("device", "host" or "disk") over all families."""
@@ -103,6 +109,8 @@ class Candidate(PolicyPlan):
         before, so that ``auto`` and the disk tier plan against the same budgets."""
         model_config = self.model_config(nvme_path)
         model_config["dtype"] = dtype_name(model_config["dtype"])
+        if model_config.get("grad_accum_dtype") is not None:
+            model_config["grad_accum_dtype"] = dtype_name(model_config["grad_accum_dtype"])
         return {"zero": {"model_config": model_config, "optimizer_config": {}}}
 
 
@@ -110,7 +118,8 @@ class Candidate(PolicyPlan):
 class PlanChoice:
     """What :func:`choose` returns: every ``candidates`` (in the order considered), the ``recommended``
     one (the fastest predicted that fits; ``None`` when none fits), the ``profile`` the times come from
-    and ``compute_seconds``, the predicted seconds of one forward and backward's operators."""
+    and ``compute_seconds``, the predicted seconds of one forward and backward's operators (a step runs
+    ``gradient_accumulation_steps`` of them)."""
 
     candidates: list[Candidate]
     recommended: Candidate | None
@@ -150,7 +159,8 @@ def choose(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: 
            reuse_fp16_shard: bool | None = None, buffer_count: int = DEFAULT_BUFFER_COUNT,
            buffer_size: int = DEFAULT_BUFFER_SIZE, atomic_step: bool = True,
            measure_operators: bool | None = None,
-           policies: Sequence[str] = ("cuda", "cpu", "auto", "static")) -> PlanChoice:
+           policies: Sequence[str] = ("cuda", "cpu", "auto", "static"), gradient_accumulation_steps: int = 1,
+           grad_accum_dtype: torch.dtype | None = None) -> PlanChoice:
     """Plan every candidate configuration and recommend the fastest predicted one that fits the budgets.
 
     The candidates: placements ``cuda``, ``cpu``, ``auto`` and ``static`` (one per pair of
@@ -159,7 +169,10 @@ def choose(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: 
     off the device with the optimizer state, the parameters, or both on the disk tier. Each is run on the
     meta device as :func:`plan` does (exact bytes per tier and family, now with the disk tier, and per rank
     with ``ranks`` > 1: the meta run then shards the chunks over a stand-in process group of ``ranks``),
-    checked against the budgets, and timed by :mod:`chunkmem.cost_model` from ``profile``.
+    checked against the budgets, and timed by :mod:`chunkmem.cost_model` from ``profile``. A candidate fits
+    when its device peak (``device_peak_bytes`` and the non-model peak) is within ``device_memory``, its host
+    peak (``host_peak_bytes``) within ``host_memory`` and its files within ``disk_memory``; with
+    ``gradient_accumulation_steps`` > 1 both peaks include the gradient sums widened to fp32.
 
     Args:
         model_or_builder, sample_batch, loss_fn, dtype: as :func:`plan`; ``sample_batch`` is one rank's batch.
@@ -179,6 +192,12 @@ def choose(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: 
             part of the cost model; a few seconds, kept in ``profile.op_seconds``); ``None``: when the
             profile is measured here. Without it, FLOPs and bytes at the profile's rates estimate them.
         policies: the placements considered, among ``"cuda"``, ``"cpu"``, ``"auto"``, ``"static"``.
+        gradient_accumulation_steps, grad_accum_dtype: as :func:`plan` (forward/backward passes per step,
+            an int >= 1; what 16-bit gradients of several backwards are summed in): every meta run takes
+            that many passes per step, so the peaks, the fits and the bytes moved per step count the
+            accumulated (by default fp32) gradients, and the predicted step time that many passes' compute.
+            With more than 1 the ``reuse_fp16_shard`` candidates are left out (``reuse_fp16_shard=True`` is
+            refused): their gradients cannot accumulate.
     """
     device_capacity = parse_size(device_memory, "device_memory")
     host_capacity = None if host_memory is None else parse_size(host_memory, "host_memory")
@@ -200,6 +219,7 @@ def choose(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: 
         raise ArgumentTypeError("reuse_fp16_shard", reuse_fp16_shard, "None, True or False")
     if reuse_fp16_shard and dtype == torch.float32:
         raise InvalidArgumentError("reuse_fp16_shard", reuse_fp16_shard, "None or False with dtype=torch.float32")
+    check_accumulation(gradient_accumulation_steps, grad_accum_dtype, dtype, reuse_fp16_shard)
     check_disk_arguments(None, None, None, buffer_count, buffer_size, atomic_step, "cpu", False)
     if nvme_path is not None and (not isinstance(nvme_path, (str, os.PathLike)) or not os.path.isdir(nvme_path)):
         raise InvalidArgumentError("nvme_path", nvme_path, "None or an existing directory (str or os.PathLike)")
@@ -224,7 +244,7 @@ def choose(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: 
     compute_seconds = compute.seconds(profile)
 
     reuse_options = (reuse_fp16_shard,) if reuse_fp16_shard is not None else \
-        ((False,) if dtype == torch.float32 else (False, True))
+        ((False,) if dtype == torch.float32 or gradient_accumulation_steps > 1 else (False, True))
     bases: list[tuple[str, dict[str, float]]] = [(name, {}) for name in ("cuda", "cpu", "auto") if name in policies]
     if "static" in policies:
         bases += [("static", {"offload_param_frac": float(p), "offload_optim_frac": float(o)})
@@ -237,11 +257,11 @@ def choose(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: 
             for reuse in reuse_options:
                 for policy, fractions in bases:
                     base = _plan_policy(policy, template, args, loss_fn, device_capacity, None, dtype, chunk_size,
-                                        reuse, **fractions)
+                                        reuse, gradient_accumulation_steps, grad_accum_dtype, **fractions)
                     for optim_disk, param_disk in _disk_variants(policy, base, reuse, disk_capacity is not None):
                         candidates.append(_candidate(base, policy, fractions, reuse, optim_disk, param_disk, disk,
                                                      dtype, chunk_size, ranks, host_capacity, disk_capacity, profile,
-                                                     compute_seconds))
+                                                     compute_seconds, grad_accum_dtype))
     finally:
         tiers.set_device_memory_capacity(saved_capacity)
     timed = [c for c in candidates if c.fits and c.time is not None]
@@ -293,13 +313,17 @@ def _disk_variants(policy: str, base: PolicyPlan, reuse: bool, with_disk: bool) 
 def _candidate(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse: bool, optim_disk: bool,
                param_disk: bool, disk: _DiskSettings, dtype: torch.dtype, chunk_size: int | None, ranks: int,
                host_capacity: int | None, disk_capacity: int | None, profile: MachineProfile,
-               compute_seconds: float) -> Candidate:
+               compute_seconds: float, grad_accum_dtype: torch.dtype | None = None) -> Candidate:
+    """One candidate on the meta run ``base``; ``compute_seconds``: one forward and backward's operators (the
+    step runs ``base.gradient_accumulation_steps`` of them)."""
     ex = base.extra
     has_master = ex["has_master"]
     families = (("master",) if has_master else ()) + ("exp_avg", "exp_avg_sq")
     settings: dict[str, Any] = {"tensor_placement_policy": policy, "dtype": dtype,
                                 "chunk_size": base.chunk_bytes if chunk_size is None else chunk_size,
                                 "reuse_fp16_shard": reuse, **fractions}
+    if grad_accum_dtype is not None:
+        settings["grad_accum_dtype"] = grad_accum_dtype
     name = policy + (f"({fractions['offload_param_frac']:g},{fractions['offload_optim_frac']:g})" if fractions else "")
     if optim_disk:
         settings["offload_optimizer"] = "disk"
@@ -404,7 +428,8 @@ def _candidate(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse
     cost_inputs = dict(moved_bytes=moved_to_device + moved_to_host, adam_elements=sum(numels),
                        disk_adam_elements=on_disk_numel, disk_read_step=read, disk_written_step=written,
                        disk_read_compute=read_compute, collective_bytes_sent=ex["collective_bytes_sent"])
-    time = step_time(profile, compute_seconds, dtype, **cost_inputs)
+    steps = base.gradient_accumulation_steps
+    time = step_time(profile, compute_seconds * steps, dtype, **cost_inputs)
     fits, reason = base.fits, base.reason
     if fits and host_capacity is not None and host_peak > host_capacity:
         fits, reason = False, f"host: a peak of {host_peak} bytes of chunks exceeds host_memory={host_capacity}"
@@ -417,4 +442,4 @@ def _candidate(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse
                      moved_to_device, moved_to_host, base.device_peak_bytes, dict(ex), name=name, settings=settings,
                      ranks=ranks, host_peak_bytes=host_peak, disk_file_bytes=files,
                      disk_read_per_step=read + read_compute, disk_written_per_step=written, collective_bytes_per_step=ex["collective_bytes_sent"], time=time,
-                     cost_inputs=cost_inputs)
+                     cost_inputs=cost_inputs, gradient_accumulation_steps=steps)

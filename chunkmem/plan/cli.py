@@ -34,6 +34,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--host-memory", default=None, help="host tier capacity, e.g. 64GiB (default: unbounded)")
     p.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], default="fp16")
     p.add_argument("--chunk-size", type=int, default=None, help="bytes per chunk (default: searched)")
+    p.add_argument("--gradient-accumulation-steps", type=int, default=1,
+                   help="forward/backward passes per optimizer step (default 1): the peaks count the gradients "
+                        "summed over them")
+    p.add_argument("--grad-accum-dtype", choices=["fp32", "fp16", "bf16"], default=None,
+                   help="what 16-bit gradients of several backwards are summed in: fp32 (the default) or the "
+                        "model's --dtype (kept in 16 bits, 2 bytes a parameter fewer while accumulating)")
     p.add_argument("--candidates", action="store_true",
                    help="plan every candidate (placements, static fractions, the disk tier, reuse_fp16_shard) with "
                         "a predicted time per step, and mark the fastest that fits")
@@ -50,7 +56,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--save-profile", default=None, help="with --candidates: write the profile used (with the "
                                                         "operators measured) to this JSON file")
     args = p.parse_args(argv)
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+    dtype = dtypes[args.dtype]
+    accumulation = dict(gradient_accumulation_steps=args.gradient_accumulation_steps,
+                        grad_accum_dtype=dtypes.get(args.grad_accum_dtype))
     if args.builder:
         module_name, _, function = args.builder.partition(":")
         builder = getattr(importlib.import_module(module_name), function)
@@ -63,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     batch = torch.randint(0, vocab, (args.batch_size, args.seq_len))
     if not args.candidates:
         print(format_table(plan(builder, batch, args.device_memory, args.host_memory, dtype=dtype,
-                                chunk_size=args.chunk_size)))
+                                chunk_size=args.chunk_size, **accumulation)))
         return
     profile = None
     if args.profile:
@@ -72,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     fractions = tuple(tuple(float(x) for x in pair.split(":")) for pair in args.static_fractions.split(",") if pair)
     choice = choose(builder, batch, args.device_memory, args.host_memory, args.disk_memory, ranks=args.ranks,
                     dtype=dtype, profile=profile, nvme_path=args.nvme_path, chunk_size=args.chunk_size,
-                    static_fractions=fractions)
+                    static_fractions=fractions, **accumulation)
     if args.save_profile:
         with open(args.save_profile, "w") as f:
             json.dump(choice.profile.to_dict(), f)

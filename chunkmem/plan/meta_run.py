@@ -3,14 +3,17 @@
 Both tiers point at the meta device while it runs (:func:`meta_tiers`): tensors there have shapes and dtypes but
 no memory, while every byte count stays exact. The model is built (or copied) on the meta device and wrapped in a
 real :class:`~chunkmem.ShardedModelV2` (the same chunk-size search, packing, capacity check, hooks, tracer,
-Belady planner and byte ledger as a real run), which then runs :data:`ITERATIONS` forward/backward iterations on
-the sample batch: the first is traced (the tracer's :class:`~chunkmem.runtime.tracer.StorageCounter` gives the
-non-model peak: activations, temporaries, autograd's gradients), the later ones follow the schedule, and the
-ledger counts the bytes the last one moves (attention on meta tensors is counted as the fused kernel real devices
-run, see :func:`~chunkmem.cost_model.flash_attention_on_meta`). The optimizer's families (``master`` for 16-bit
-models, ``exp_avg``, ``exp_avg_sq``, all fp32) cannot run on meta tensors; their bytes come from the policy's own
-``optim_on_device`` rule, and the device capacity the meta run gets is what is left after the optimizer state
-resting there.
+Belady planner and byte ledger as a real run), which then runs :data:`ITERATIONS` training iterations on the
+sample batch, each ``gradient_accumulation_steps`` forward/backward passes and a step: the first pass is traced
+(the tracer's :class:`~chunkmem.runtime.tracer.StorageCounter` gives the non-model peak: activations,
+temporaries, autograd's gradients), the later ones follow the schedule, and the ledger counts the bytes the last
+iteration moves (attention on meta tensors is counted as the fused kernel real devices run, see
+:func:`~chunkmem.cost_model.flash_attention_on_meta`). With several passes before a step the gradients of the
+later backwards add to the earlier ones as in a real run: 16-bit sums widened to fp32 (unless
+``grad_accum_dtype`` is the model's dtype) are on the ledger, so the peaks include them. The optimizer's
+families (``master`` for 16-bit models, ``exp_avg``, ``exp_avg_sq``, all fp32) cannot run on meta tensors; their
+bytes come from the policy's own ``optim_on_device`` rule, and the device capacity the meta run gets is what is
+left after the optimizer state resting there.
 """
 from __future__ import annotations
 
@@ -27,8 +30,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from ..core import block_pool, tiers
 from ..errors import ArgumentTypeError, DeviceCapacityError, InvalidArgumentError, UnsupportedOperationError
-from ..errors import check_choice
-from ..settings import check_chunk_size, check_dtype
+from ..errors import check_choice, check_number
+from ..settings import check_chunk_size, check_dtype, check_grad_accum_dtype
 from ..model import ShardedModelV2
 from ..core.param_guard import slot_of
 from ..distributed.shard_strategy import TensorShardStrategy
@@ -38,7 +41,7 @@ from ..cost_model import flash_attention_on_meta
 
 
 META = torch.device("meta")
-ITERATIONS = 3  # traced, planned, followed: the last one is measured
+ITERATIONS = 3  # traced, planned, followed: the last one is measured (each: the passes of one step)
 
 
 @dataclass
@@ -47,8 +50,15 @@ class PolicyPlan:
 
     ``tier_bytes``: ``{"device"|"host": {family: bytes}}`` between steps, as ``model.tier_bytes()``
     reports it after a step. ``device_peak_bytes``: the most chunk bytes on the device at once (the meta
-    run's ledger peak plus the optimizer state resting there). ``moved_*_per_step``: bytes copied between
-    the tiers by one forward/backward that follows the schedule, as the ledger counts them.
+    run's ledger peak, which restarts at each period: the largest it reads at the end of each pass of the
+    measured iteration and after its step, plus the optimizer state resting there).
+    ``host_peak_bytes``: the most chunk bytes on the host at once (the meta run's ledger peak: the parameters
+    and the gradients resting there before the step, plus the optimizer state resting there): what a host
+    capacity must allow. Both peaks include, with ``gradient_accumulation_steps`` > 1, the 16-bit gradient
+    sums widened to fp32 (2 bytes more per gradient element where they rest, and for a moment the 16-bit
+    copy of the chunk being widened beside its fp32 one). ``moved_*_per_step``: bytes copied between the
+    tiers by one training step that follows the schedule (its ``gradient_accumulation_steps``
+    forward/backward passes), as the ledger counts them.
     """
 
     policy: str
@@ -62,6 +72,8 @@ class PolicyPlan:
     moved_to_host_per_step: int
     device_peak_bytes: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    host_peak_bytes: int = 0
+    gradient_accumulation_steps: int = 1
 
     def total(self, tier: str) -> int:
         """Bytes on ``tier`` ("device" or "host") over all families."""
@@ -71,7 +83,8 @@ class PolicyPlan:
 def plan(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: Any, device_memory: int | str,
          host_memory: int | str | None = None, *, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
          dtype: torch.dtype = torch.float16, chunk_size: int | None = None, reuse_fp16_shard: bool = False,
-         policies: Sequence[str] = ("cuda", "cpu", "auto")) -> dict[str, PolicyPlan]:
+         policies: Sequence[str] = ("cuda", "cpu", "auto"), gradient_accumulation_steps: int = 1,
+         grad_accum_dtype: torch.dtype | None = None) -> dict[str, PolicyPlan]:
     """Plan one process's training of a model without allocating its state; returns a plan per policy.
 
     Args:
@@ -79,14 +92,27 @@ def plan(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: An
             nothing is allocated), or a module (copied to the meta device; the copy costs one model).
         sample_batch: what the model is called with (a tensor, or a tuple of positional arguments); its
             tensors are moved to the meta device.
-        device_memory: the device tier's capacity in bytes (an int or a size like ``"24GiB"``).
-        host_memory: the host tier's capacity in bytes (``None``: unbounded).
+        device_memory: the device tier's capacity in bytes (an int or a size like ``"24GiB"``): the device
+            peak (chunks and the non-model peak) must fit in it.
+        host_memory: the host tier's capacity in bytes (``None``: unbounded): the host peak
+            (``host_peak_bytes``: chunks resting there and the gradients resting there before the step) must
+            fit in it.
         loss_fn: ``loss_fn(output, sample_batch)`` -> scalar (default: the mean of the output). The
             output stays referenced through the backward, as in a loop that keeps ``logits``.
         dtype: the model dtype, torch.float16, torch.bfloat16 or torch.float32.
         chunk_size: bytes per chunk (``None``: searched as ShardedModelV2 does).
         reuse_fp16_shard: as ShardedModelV2's.
         policies: among ``"cuda"``, ``"cpu"``, ``"auto"`` (``auto`` with ``gpu_margin_mem_ratio=0``).
+        gradient_accumulation_steps: forward/backward passes per optimizer step (an int >= 1): each meta
+            iteration runs that many before its step, so the gradients of the later backwards add to the
+            earlier ones as in training with gradient accumulation, and the peaks and the bytes moved per
+            step count them (with a 16-bit ``dtype`` and ``grad_accum_dtype`` ``None``/fp32, the sums
+            rest in fp32 from the second backward on: 2 bytes more per gradient element where they rest).
+            More than 1 needs ``reuse_fp16_shard=False`` (the gradients in the parameters' memory cannot
+            accumulate).
+        grad_accum_dtype: what 16-bit gradients of several backwards are summed in, as
+            ``ShardedModelV2(grad_accum_dtype=)``: ``None`` or ``torch.float32`` (fp32, the default), or
+            ``dtype`` (kept in 16 bits: no widening). Matters only with ``gradient_accumulation_steps`` > 1.
     """
     device_capacity = parse_size(device_memory, "device_memory")
     host_capacity = None if host_memory is None else parse_size(host_memory, "host_memory")
@@ -94,6 +120,7 @@ def plan(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: An
     check_chunk_size(chunk_size, dtype)
     if not isinstance(reuse_fp16_shard, bool):
         raise ArgumentTypeError("reuse_fp16_shard", reuse_fp16_shard, "True or False")
+    check_accumulation(gradient_accumulation_steps, grad_accum_dtype, dtype, reuse_fp16_shard)
     if isinstance(policies, str) or not policies:
         raise InvalidArgumentError("policies", policies, "a non-empty sequence of 'cuda', 'cpu', 'auto'")
     for name in policies:
@@ -108,10 +135,24 @@ def plan(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: An
     try:
         for name in policies:
             plans[name] = _plan_policy(name, template, args, loss_fn, device_capacity, host_capacity, dtype,
-                                       chunk_size, reuse_fp16_shard)
+                                       chunk_size, reuse_fp16_shard, gradient_accumulation_steps, grad_accum_dtype)
     finally:
         tiers.set_device_memory_capacity(saved_capacity)
     return plans
+
+
+def check_accumulation(gradient_accumulation_steps: Any, grad_accum_dtype: Any, dtype: torch.dtype,
+                       reuse_fp16_shard: bool | None) -> None:
+    """Check :func:`plan`'s and :func:`~chunkmem.plan.choose`'s ``gradient_accumulation_steps`` (an int >= 1;
+    more than 1 refused with ``reuse_fp16_shard=True``) and ``grad_accum_dtype`` (as ``ShardedModelV2``
+    checks it against ``dtype``)."""
+    check_number("gradient_accumulation_steps", gradient_accumulation_steps, low=1, integer=True,
+                 allowed="an integer >= 1 (forward/backward passes per optimizer step)")
+    check_grad_accum_dtype(grad_accum_dtype, dtype)
+    if reuse_fp16_shard and gradient_accumulation_steps > 1:
+        raise InvalidArgumentError("gradient_accumulation_steps", gradient_accumulation_steps,
+                                   "1 with reuse_fp16_shard=True (the gradients live in the parameters' memory "
+                                   "and cannot add up over backwards); or reuse_fp16_shard=False")
 
 
 def _meta_model(model_or_builder: Any) -> nn.Module:
@@ -178,16 +219,19 @@ def _meta_inputs(model_or_builder: Any, sample_batch: Any, loss_fn: Any) -> tupl
 
 def _plan_policy(name: str, template: nn.Module, args: tuple, loss_fn: Any, device_capacity: int,
                  host_capacity: int | None, dtype: torch.dtype, chunk_size: int | None,
-                 reuse_fp16_shard: bool, **placement: Any) -> PolicyPlan:
+                 reuse_fp16_shard: bool, gradient_accumulation_steps: int = 1,
+                 grad_accum_dtype: torch.dtype | None = None, **placement: Any) -> PolicyPlan:
     """The meta run of one placement (``placement``: ``offload_param_frac`` / ``offload_optim_frac``
-    for ``static``). Besides the :class:`PolicyPlan` figures, ``extra`` keeps what the candidates built on
-    it need: the meta run's host peak, each chunk's shard bytes and where its parameters and optimizer
-    state rest, the collectives of the last iteration."""
+    for ``static``), ``gradient_accumulation_steps`` forward/backward passes per step, the model built with
+    ``grad_accum_dtype``. Besides the :class:`PolicyPlan` figures, ``extra`` keeps what the candidates built
+    on it need: the meta run's host peak (bytes, the optimizer state aside), each chunk's shard bytes and
+    where its parameters and optimizer state rest, the collectives of the last iteration."""
     with meta_tiers(), flash_attention_on_meta():
         module = copy.deepcopy(template)
         tiers.set_device_memory_capacity(2**62)  # first the layout, to know the optimizer state's bytes
         probe = ShardedModelV2(module, TensorShardStrategy(), tensor_placement_policy=name, dtype=dtype,
-                               chunk_size=chunk_size, reuse_fp16_shard=reuse_fp16_shard, **placement)
+                               chunk_size=chunk_size, reuse_fp16_shard=reuse_fp16_shard,
+                               grad_accum_dtype=grad_accum_dtype, **placement)
         optim = _optimizer_bytes(probe.runtime.policy, probe)
         chunk_bytes, num_chunks = probe.layout.chunk_bytes, len(probe.chunks)
         policy = probe.runtime.policy
@@ -204,21 +248,28 @@ def _plan_policy(name: str, template: nn.Module, args: tuple, loss_fn: Any, devi
         del probe, module, policy, trainable
         optim_device = sum(optim["device"].values())
         tiers.set_device_memory_capacity(max(device_capacity - optim_device, 1))
-        result = PolicyPlan(name, True, "fits", {}, 0, chunk_bytes, num_chunks, 0, 0, extra=extra)
+        result = PolicyPlan(name, True, "fits", {}, 0, chunk_bytes, num_chunks, 0, 0, extra=extra,
+                            gradient_accumulation_steps=gradient_accumulation_steps)
         model = None
         try:
             model = ShardedModelV2(copy.deepcopy(template), TensorShardStrategy(), tensor_placement_policy=name,
-                                   dtype=dtype, chunk_size=chunk_size, reuse_fp16_shard=reuse_fp16_shard, **placement)
+                                   dtype=dtype, chunk_size=chunk_size, reuse_fp16_shard=reuse_fp16_shard,
+                                   grad_accum_dtype=grad_accum_dtype, **placement)
             resting = model.tier_bytes()
             ledger = model.runtime.ledger
+            device_peak = 0  # the ledger's device peak at the end of each pass of the measured iteration
             for iteration in range(ITERATIONS):
                 if iteration == ITERATIONS - 1:  # the measured iteration: which chunks it fetches
                     model.runtime.executor.events = []
                 before = ledger.moved_to_device, ledger.moved_to_host
                 sent_before = _bytes_sent()
-                out = model(*args)
-                loss = loss_fn(out, args[0] if len(args) == 1 else args) if loss_fn else _mean_of(out)
-                loss.backward()
+                for _ in range(gradient_accumulation_steps):  # later backwards add to the gradients
+                    out = model(*args)
+                    loss = loss_fn(out, args[0] if len(args) == 1 else args) if loss_fn else _mean_of(out)
+                    loss.backward()
+                    if iteration == ITERATIONS - 1:  # (the ledger's device peak restarts at each period: an
+                        # earlier pass's last period, e.g. the widening of the first sums, is kept this way)
+                        device_peak = max(device_peak, ledger.peak_device_bytes)
                 extra["host_peak_meta"] = ledger.peak_host_bytes  # the gradients are still there
                 _meta_step(model)
             planner = model.runtime.scheduler
@@ -228,7 +279,7 @@ def _plan_policy(name: str, template: nn.Module, args: tuple, loss_fn: Any, devi
             fetches = [e[1] for e in model.runtime.executor.events if e[0] == "fetch"]
             extra["fetches"] = [fetches.count(i) for i in range(num_chunks)]
             result.moved_to_host_per_step = ledger.moved_to_host - before[1]
-            result.device_peak_bytes = ledger.peak_device_bytes + optim_device
+            result.device_peak_bytes = max(device_peak, ledger.peak_device_bytes) + optim_device
             extra["collective_bytes_sent"] = _bytes_sent() - sent_before
         except DeviceCapacityError as e:
             if model is not None:  # stopped inside an iteration: leave the tracer's counting mode
@@ -251,9 +302,11 @@ def _plan_policy(name: str, template: nn.Module, args: tuple, loss_fn: Any, devi
         result.fits, result.reason = False, (
             f"device: {result.device_peak_bytes} bytes of chunks at the peak and the non-model peak of "
             f"{result.non_model_peak} bytes exceed device_memory={device_capacity}")
-    host_total = result.total("host")
-    if result.fits and host_capacity is not None and host_total > host_capacity:
-        result.fits, result.reason = False, f"host: {host_total} bytes of chunks exceed host_memory={host_capacity}"
+    result.host_peak_bytes = extra["host_peak_meta"] + sum(optim["host"].values())
+    if result.fits and host_capacity is not None and result.host_peak_bytes > host_capacity:
+        result.fits, result.reason = False, (
+            f"host: a peak of {result.host_peak_bytes} bytes of chunks (the gradients before the step included) "
+            f"exceeds host_memory={host_capacity}")
     return result
 
 
