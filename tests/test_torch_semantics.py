@@ -500,3 +500,131 @@ def test_any_optimizer_undoes_and_redoes_the_backwards_update_of_a_frozen_parame
     _assert_same_state(optim.state_dict()["state"], other_optim.state_dict()["state"])
     _assert_close_to_plain(model, plain, atol=1e-6)
     _assert_state_like_torch(optim, plain_optim, atol=1e-6)
+
+
+# ---- the same under LowLevelZeroOptimizer (ZeRO-1/2) ---------------------------------------------------------------
+# Before 2026-11-27 (after ShardedOptimizerV2 was fixed) LowLevelZeroOptimizer still kept another optimizer's scalar
+# state one per chunk and param group and took a parameter's first step with its chunk's: the same differences.
+
+def _zero12_any(reference, make, **kwargs):
+    module = copy.deepcopy(reference)
+    return module, cm.LowLevelZeroOptimizer(make(module.parameters()), **kwargs)
+
+
+def _train_zero12(module, optim, data, taken, frozen=(), first=0):
+    for step, x in enumerate(data, start=first):
+        module.taken = taken[step]
+        for name, p in module.named_parameters():
+            p.requires_grad_(not (name.startswith("blocks.1.") and step in frozen))
+        optim.backward(lm_loss(module(x), x))
+        optim.step()
+        optim.zero_grad()
+
+
+def _frozen_shares_a_flat_chunk_with_others(module, optim):
+    names = {id(p): n for n, p in module.named_parameters()}
+    return any(len({names[id(s.param)].startswith("blocks.1.") for s in c.slots}) == 2 for c in optim.chunks)
+
+
+def _assert_module_equal(module, plain):
+    state = module.state_dict()
+    for name, value in plain.state_dict().items():
+        assert torch.equal(state[name], value), name
+
+
+@pytest.mark.parametrize("partition_grad", [False, True], ids=["stage1", "stage2"])
+@pytest.mark.parametrize("name", list(ANY))
+def test_low_level_zero_keeps_a_frozen_parameters_own_state_as_torch(name, partition_grad):
+    reference = _reference()
+    data = batches(4, seed=5)
+    taken = [True] * 4
+    plain, plain_optim = _plain_any(reference, ANY[name], data, taken, FROZEN)
+    module, optim = _zero12_any(reference, ANY[name], partition_grad=partition_grad)
+    assert _frozen_shares_a_flat_chunk_with_others(module, optim)
+    _train_zero12(module, optim, data, taken, FROZEN)
+    _assert_module_equal(module, plain)
+    _assert_state_like_torch(optim, plain_optim)
+    counts = {int(e["step"]) for e in optim.state_dict()["state"].values() if "step" in e}
+    assert counts == ({2, 4} if name != "sgd" else set())  # (SGD counts no steps)
+
+
+@pytest.mark.parametrize("load", ["state_dict", "checkpoint"])
+@pytest.mark.parametrize("partition_grad", [False, True], ids=["stage1", "stage2"])
+@pytest.mark.parametrize("name", list(ANY))
+def test_low_level_zero_per_parameter_state_survives_a_state_dict_and_a_checkpoint(name, partition_grad, load,
+                                                                                   tmp_path):
+    """Saved after 2 steps (blocks.1 stepped once, its neighbours twice), loaded into a fresh optimizer, resumed:
+    exactly plain torch's 4 steps."""
+    reference = _reference()
+    data = batches(4, seed=5)
+    taken = [True] * 4
+    plain, plain_optim = _plain_any(reference, ANY[name], data, taken, FROZEN)
+    module, optim = _zero12_any(reference, ANY[name], partition_grad=partition_grad)
+    _train_zero12(module, optim, data[:2], taken, FROZEN)
+    fresh, fresh_optim = _zero12_any(reference, ANY[name], partition_grad=partition_grad)
+    if load == "state_dict":
+        fresh_optim.load_model_state_dict(fresh, optim.model_state_dict(module))
+        fresh_optim.load_state_dict(optim.state_dict())
+    else:
+        cm.save_checkpoint(str(tmp_path / "ckpt.pt"), module, optim)
+        cm.load_checkpoint(str(tmp_path / "ckpt.pt"), fresh, fresh_optim)
+    _assert_same_state(fresh_optim.state_dict()["state"], optim.state_dict()["state"])
+    _train_zero12(fresh, fresh_optim, data[2:], taken, FROZEN, first=2)
+    _assert_module_equal(fresh, plain)
+    _assert_state_like_torch(fresh_optim, plain_optim)
+
+
+def test_low_level_zero_loads_a_state_dict_with_the_group_scalars_in_each_entry():
+    """A state dict LowLevelZeroOptimizer wrote before 2026-11-27 (each entry its chunk and group's scalar state)
+    loads: each parameter takes its entry's, exports it again and counts on from it by its own steps (blocks.1,
+    frozen again, one step fewer)."""
+    reference = _reference()
+    data = batches(4, seed=5)
+    taken = [True] * 4
+    module, optim = _zero12_any(reference, ANY["nadam"])
+    _train_zero12(module, optim, data[:2], taken, FROZEN)
+    saved = optim.state_dict()
+    group = max(saved["state"].values(), key=lambda e: int(e["step"]))
+    for entry in saved["state"].values():
+        entry.update(step=group["step"].clone(), mu_product=group["mu_product"].clone())
+    fresh, fresh_optim = _zero12_any(reference, ANY["nadam"])
+    fresh_optim.load_state_dict(saved)
+    _assert_same_state(fresh_optim.state_dict()["state"], saved["state"])
+    _train_zero12(fresh, fresh_optim, data[2:], taken, FROZEN, first=2)
+    names = [n for n, _ in fresh.named_parameters()]
+    steps = {names[i]: int(e["step"]) for i, e in fresh_optim.state_dict()["state"].items()}
+    assert steps == {n: 3 if n.startswith("blocks.1.") else 4 for n in names if n != "side.weight"}
+
+
+def _two_ranks_zero12_any(rank, world):
+    reference = _reference()
+    module, optim = _zero12_any(reference, ANY["nadam"], partition_grad=True)
+    data = [x[rank::world] for x in batches(len(TAKEN), batch=4, seed=3)]
+    _train_zero12(module, optim, data, TAKEN, FROZEN)
+    names = {id(p): n for n, p in module.named_parameters()}
+    held_elsewhere = sorted(names[id(s.param)] for c in optim.chunks for s in c.slots if s.owned() is None)
+    state = {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in e.items()}
+             for i, e in optim.state_dict()["state"].items()}
+    return {k: v.clone() for k, v in module.state_dict().items()}, state, held_elsewhere
+
+
+def test_low_level_zero_on_two_ranks_steps_each_parameter_as_torch():
+    """Stage 2 with NAdam on 2 ranks, the branch not taken in some steps and blocks.1 frozen in some: each
+    parameter's step count and mu_product are torch's on both ranks, also those of parameters none of whose
+    elements a rank holds (it advances their scalar state on a one-element stand-in)."""
+    reference = _reference()
+    ranks = run_ranks(_two_ranks_zero12_any, 2)
+    plain, plain_optim = _plain_any(reference, ANY["nadam"], batches(len(TAKEN), batch=4, seed=3), TAKEN, FROZEN)
+    for _, _, held_elsewhere in ranks:  # the stand-ins are exercised, also for a parameter frozen for a while
+        assert any(n.startswith("blocks.1.") for n in held_elsewhere), held_elsewhere
+    theirs = plain_optim.state_dict()["state"]
+    for params, state, _ in ranks:
+        assert sorted(state) == sorted(theirs)
+        assert {int(e["step"]) for e in state.values()} == {sum(TAKEN), len(TAKEN) - len(FROZEN), len(TAKEN)}
+        for index, entry in theirs.items():
+            for key in ("step", "mu_product"):
+                assert torch.equal(torch.as_tensor(state[index][key]), torch.as_tensor(entry[key])), (index, key)
+        for name, value in plain.state_dict().items():
+            torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5)
+    for name in ranks[0][0]:
+        assert torch.equal(ranks[0][0][name], ranks[1][0][name]), name

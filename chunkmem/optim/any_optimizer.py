@@ -1,5 +1,6 @@
 """Any torch optimizer over the chunks: the update of an optimizer that is not Adam (SGD, RMSprop,
-Adagrad, AdamW with ``amsgrad``, ...), by :class:`~chunkmem.ShardedOptimizerV2`.
+Adagrad, AdamW with ``amsgrad``, ...), by :class:`~chunkmem.ShardedOptimizerV2` and
+:class:`~chunkmem.LowLevelZeroOptimizer`.
 
 **What the optimizer keeps.** :func:`probe_state` steps a throw-away copy of the optimizer (same class,
 same hyper-parameters per group) twice on a small tensor and sorts what it keeps per parameter: a tensor
@@ -8,9 +9,9 @@ RMSprop's ``square_avg``, AMSGrad's ``max_exp_avg_sq``); a 0-d tensor or a numbe
 (``step``, NAdam's ``mu_product``). Each per-element key becomes an fp32 state family of every trainable
 chunk, named as the key: it lives on the chunk's optimizer tier, moves with it, and the ledger counts it.
 Scalar state is kept per parameter, as torch keeps it (a parameter frozen for a while, or without a gradient
-in a step, keeps its ``step`` while the others advance), on the host (a few bytes each), by the parameter's
-position in its chunk (:attr:`ParamView.key`): :func:`step_parameters`. (:class:`~chunkmem.LowLevelZeroOptimizer`
-still keeps it per chunk and param group, through :func:`step_views`.)
+in a step, keeps its ``step`` while the others advance), on the host (a few bytes each), under the parameter's
+:attr:`ParamView.key` (its position in its chunk; for :class:`~chunkmem.LowLevelZeroOptimizer` its index in
+the param groups): :func:`step_parameters`.
 
 **Whole-parameter state.** An optimizer that keeps anything else (Adafactor's factored ``row_var`` /
 ``col_var``, a quantized state with per-block scales) has no per-element families: all its state is kept
@@ -51,7 +52,7 @@ from ..distributed.agreement import hyper_parameter_digest
 from ..errors import InvalidArgumentError, UnsupportedOperationError
 
 __all__ = ["ELEMENTWISE", "ParamView", "PieceStep", "StateLayout", "check_elementwise", "probe_state",
-           "step_parameters", "step_views"]
+           "step_parameters"]
 
 ELEMENTWISE: tuple[type, ...] = (torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adam,
                                  torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
@@ -168,7 +169,7 @@ class ParamView:
     """One parameter's part in this rank's shard, for one update: where it is (``start``, ``count`` in
     the shard; ``count`` 0: none of its elements, see :meth:`elsewhere`), its shape when whole (``None``: a
     flat piece), its param group and ``key``, the number its scalar and whole-parameter state are kept
-    under (its position in the chunk)."""
+    under (its position in the chunk; :class:`~chunkmem.LowLevelZeroOptimizer`: its index in the param groups)."""
 
     start: int
     count: int
@@ -247,29 +248,6 @@ def step_parameters(optimizer: Optimizer, layout: StateLayout, views: Iterable[P
                 target.copy_(kept[key])
         scalars[view.key] = {k: v for k, v in kept.items() if k not in state}
         param.grad = None
-
-
-def step_views(optimizer: Optimizer, layout: StateLayout, views: Iterable[ParamView], groups: Iterable[int],
-               master: torch.Tensor, grad: torch.Tensor, families: dict[str, torch.Tensor],
-               scalars: dict[int, dict[str, Any]], first_step: bool,
-               whole_state: dict[int, dict[str, Any]] | None = None) -> None:
-    """:func:`step_parameters` for a caller that keeps scalar state per param group (``scalars[group]``)
-    and decides the first step for all of ``views`` at once (``first_step``: none has state yet), as
-    :class:`~chunkmem.LowLevelZeroOptimizer` still does. That differs from torch where a group's parameters
-    have not all taken the same steps (a parameter frozen for a while): torch counts per parameter, and
-    creates a parameter's state at its own first step; use :func:`step_parameters`. ``groups``: every
-    group with trainable parameters in the chunk; a group none of whose elements lie in this rank's shard
-    steps a one-element stand-in."""
-    views = list(views)
-    if layout.whole:
-        step_parameters(optimizer, layout, views, master, grad, families, {}, whole_state)
-        return
-    absent = [ParamView.elsewhere(group, ("group", group)) for group in sorted(set(groups) - {v.group for v in views})]
-    per_key = {view.key: scalars[view.group] for view in views + absent
-               if not first_step and view.group in scalars}
-    step_parameters(optimizer, layout, views + absent, master, grad, families, per_key)
-    for view in views + absent:
-        scalars[view.group] = per_key[view.key]
 
 
 class PieceStep:

@@ -17,7 +17,8 @@ import torch
 import torch.nn as nn
 
 from .adam import check_supported_optimizer, hyper_of_group, params_mismatch, runs_adam_kernel
-from .any_optimizer import LayoutWatch, ParamView, StateLayout, check_elementwise, probe_state, step_views
+from .any_optimizer import (LayoutWatch, ParamView, StateLayout, check_elementwise, probe_state,
+                            step_parameters)
 from .adam_kernels import adam_update_, param_spans
 from ..distributed.agreement import (ARGUMENTS, HYPER_PARAMETERS_FIELD, LayoutDescription, ParamRecord, agree,
                                     agree_on_point, held_on_any_rank, hyper_parameter_digest, refuse_together)
@@ -70,15 +71,15 @@ class LowLevelZeroOptimizer:
     stand-in for the gradient in the store, on which torch's idioms work
     (``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` returns the unscaled norm and clips what the
     step applies, ``clip_grad_value_``, reads; ``None`` where torch's ``.grad`` is ``None``):
-    :mod:`chunkmem.optim.zero_gradient_view`. Every parameter the optimizer holds that requires grad is
-    stepped at every step (one that got no gradient counts as zero, as in :class:`~chunkmem.ShardedOptimizerV2`);
-    a parameter whose ``requires_grad`` is ``False`` at the step is left alone (no weight decay, no moment
-    update, as torch's AdamW leaves a parameter without a gradient; its step count is its chunk's). A
-    parameter frozen when the optimizer is built has no master and cannot be trained: if it requires grad
-    at a step, :meth:`step` raises :class:`~chunkmem.UnsupportedOperationError`. All ranks must run the
-    same backward graph (the buckets are filled in the order autograd finishes gradients). It is not a
-    ``torch.optim.Optimizer``: attach learning-rate schedulers to the wrapped optimizer, whose param
-    groups are the ones read.
+    :mod:`chunkmem.optim.zero_gradient_view`. A step updates the parameters that require grad and were given
+    a gradient since the last step (on any rank); one without (a branch not taken) or whose ``requires_grad``
+    is ``False`` at the step is left alone (no weight decay, no moment update, as torch's optimizers leave a
+    parameter without a gradient): its step count, and another optimizer's scalar state (NAdam's
+    ``mu_product``, ...), stay, both per parameter as torch keeps them. A parameter frozen when the optimizer
+    is built has no master and cannot be trained: if it requires grad at a step, :meth:`step` raises
+    :class:`~chunkmem.UnsupportedOperationError`. All ranks must run the same backward graph (the buckets are
+    filled in the order autograd finishes gradients). It is not a ``torch.optim.Optimizer``: attach
+    learning-rate schedulers to the wrapped optimizer, whose param groups are the ones read.
 
     Loss scaling applies to fp16 working parameters only (bf16 and fp32 train unscaled and never skip):
     with fp16, backward must go through :meth:`backward`. A step whose gradients hold inf/NaN on any
@@ -551,17 +552,16 @@ class LowLevelZeroOptimizer:
 
     def _update_with_any_optimizer(self, chunk: FlatChunk, multiplier: float) -> None:
         """The wrapped optimizer's own step over this rank's shard of ``chunk`` on stand-ins (views of the
-        masters, shaped where the rank owns a parameter whole; :mod:`chunkmem.optim.any_optimizer`)."""
-        views = []
+        masters, shaped where the rank owns a parameter whole; a stepped parameter none of whose elements the rank
+        owns advances its scalar state on a one-element stand-in: :mod:`chunkmem.optim.any_optimizer`). The
+        scalar state is per parameter (``chunk.scalars`` by its index), as torch keeps it."""
         stepped = self._stepped(chunk)
-        for slot in stepped:
-            part = slot.owned()
-            if part is not None:
-                views.append(ParamView.of_part(slot.offset, slot.numel, slot.shape, part, chunk.own_start,
-                                               chunk.group, slot.index))
+        views = [ParamView.elsewhere(chunk.group, slot.index) if part is None else
+                 ParamView.of_part(slot.offset, slot.numel, slot.shape, part, chunk.own_start, chunk.group, slot.index)
+                 for slot in stepped for part in (slot.owned(),)]
         grad = self._own_grad(chunk).to(device=chunk.master.device, dtype=torch.float32, copy=True).mul_(multiplier)
-        step_views(self.optim, self._layout, views, {chunk.group}, chunk.master, grad, chunk.state, chunk.scalars,
-                   first_step=not chunk.stepped, whole_state=chunk.whole_state)
+        step_parameters(self.optim, self._layout, views, chunk.master, grad, chunk.state, chunk.scalars,
+                        whole_state=chunk.whole_state)
         chunk.advance_steps(stepped)
         if self.separate_master:
             own = chunk.own(chunk.param)
@@ -599,7 +599,7 @@ class LowLevelZeroOptimizer:
         ``zero_grad`` included), ``"master"`` (separate fp32 masters; 0 when the fp32 working shard is its
         own master) and each per-element optimizer state family (``"exp_avg"``, ``"exp_avg_sq"`` for
         Adam; another optimizer's keys, e.g. ``"momentum_buffer"``). Not counted: the reduction's scratch
-        buffers (a few buckets) and another optimizer's scalar state (a few numbers per chunk)."""
+        buffers (a few buckets) and another optimizer's scalar state (a few numbers per parameter)."""
         def size(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.numel() * t.element_size()
         return {"params": sum(size(c.param) for c in self.chunks),
@@ -669,8 +669,8 @@ class LowLevelZeroOptimizer:
                 elif self._layout.whole:
                     if slot.index in chunk.whole_state:
                         state[slot.index] = scalar_copy(chunk.whole_state[slot.index])
-                else:
-                    state[slot.index] = any_entry(chunk.scalars.get(chunk.group, {}), gathered, slot.view, slot.shape)
+                elif slot.index in chunk.scalars:  # its own scalar state (step, ...), as torch keeps it
+                    state[slot.index] = any_entry(chunk.scalars[slot.index], gathered, slot.view, slot.shape)
         if rank0_only and self.shards.rank != 0:
             return {}
         scaler = self.grad_scaler.state_dict() if self.grad_scaler is not None else None
@@ -679,10 +679,11 @@ class LowLevelZeroOptimizer:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a full optimizer state dict (this class's, :class:`~chunkmem.ShardedOptimizerV2`'s or the
         wrapped optimizer's torch class's over the same parameters in the same group order): each
-        chunk's step, this rank's part of the per-element state, another optimizer's scalar state, the
+        parameter's step, this rank's part of the per-element state, another optimizer's scalar state (each
+        entry's own; a state dict written before 2026-11-27 holds its chunk and group's in each entry), the
         hyper-parameters and (fp16) the loss scaler. Everything is checked first
-        (:class:`~chunkmem.InvalidArgumentError` naming the entry; all parameters of one chunk must share
-        a step); nothing changes on an error. No collective."""
+        (:class:`~chunkmem.InvalidArgumentError` naming the entry); nothing changes on an error. No
+        collective."""
         self.plan_load_state_dict(state_dict)()
 
     def state_loaded(self) -> None:
@@ -737,8 +738,8 @@ class LowLevelZeroOptimizer:
                             self._write_own(slot, shard, entry[family])
                         if self._layout is not None and self._layout.whole:
                             chunk.whole_state[slot.index] = scalar_copy(entry)
-                        elif self._layout is not None:
-                            chunk.scalars[chunk.group] = scalar_copy(entry, chunk.state_families)
+                        elif self._layout is not None:  # its own (older state dicts hold the group's in each)
+                            chunk.scalars[slot.index] = scalar_copy(entry, chunk.state_families)
                     chunk.steps = dict(step)
         return apply
 

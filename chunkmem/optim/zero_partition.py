@@ -51,8 +51,10 @@ class FlatSlot:
 class FlatChunk:
     """One chunk: the full working ``param`` buffer (``numel`` elements, every rank), this rank's
     ``master`` and per-element optimizer ``state`` by family (``exp_avg``, ``exp_avg_sq`` for Adam;
-    ``shard_numel`` fp32 elements each), another optimizer's ``scalars`` (``{group: {key: value}}``) or
-    whole-parameter state (``whole_state``, by the parameter's index: :mod:`chunkmem.optim.any_optimizer`),
+    ``shard_numel`` fp32 elements each), another optimizer's ``scalars`` (``{param index: {key: value}}``, each
+    parameter that has stepped its own ``step``, ..., as torch keeps them; also on a rank that holds none of the
+    parameter's elements) or whole-parameter state (``whole_state``, by the parameter's index:
+    :mod:`chunkmem.optim.any_optimizer`),
     the finished gradient store ``grad`` (``None`` until a backward reduced into it; after ``zero_grad``
     its memory is kept in ``spare_grad`` for the next backward, as DDP keeps its buckets), the parameters given a
     gradient since the last step and each parameter's step count (torch's semantics: a parameter without a
@@ -67,7 +69,7 @@ class FlatChunk:
     slots: list[FlatSlot] = field(default_factory=list)
     master: torch.Tensor | None = None
     state: dict[str, torch.Tensor] = field(default_factory=dict)
-    scalars: dict[int, dict[str, Any]] = field(default_factory=dict)
+    scalars: dict[int, dict[str, Any]] = field(default_factory=dict)  # param index -> its scalar state
     whole_state: dict[int, dict[str, Any]] = field(default_factory=dict)
     grad: torch.Tensor | None = None
     spare_grad: torch.Tensor | None = None
