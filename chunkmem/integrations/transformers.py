@@ -10,9 +10,8 @@ classes cover the rest:
 * :class:`ChunkmemTrainer`, a ``transformers.Trainer``. ``save_model`` and every checkpoint write the
   gathered weights with the wrapped model's ``save_pretrained`` (``config.json``, tied weights once), so
   ``from_pretrained`` loads them; the plain ``Trainer`` writes a bare ``model.safetensors`` for a module that
-  is not a ``PreTrainedModel`` and fails on tied weights (safetensors refuses shared tensors).
-  ``evaluate()`` computes the loss: ``Trainer`` reads the label names off the model's class, here the
-  wrapper's, and would find none. Every rank takes part in the gathers a save needs. With
+  is not a ``PreTrainedModel`` and fails on tied weights (safetensors refuses shared tensors). The label
+  names come from the wrapped module's class (a PEFT model's base model). Every rank takes part in the gathers a save needs. With
   ``optimizers=(None, None)`` the optimizer ``Trainer`` builds is wrapped in a ``ShardedOptimizerV2``. Its
   Accelerator is a :class:`ChunkmemAccelerator`.
 * :class:`ChunkmemAccelerator`, an ``accelerate.Accelerator``. A chunkmem model is neither moved nor wrapped
@@ -197,9 +196,8 @@ class ChunkmemTrainer(Trainer):
         if isinstance(self.optimizer, LowLevelZeroOptimizer):
             raise UnsupportedOperationError(_STAGES_1_2)
         if isinstance(self.model, ShardedModelV2):
-            # Trainer reads the label names off the model's class (find_labels(model.__class__)); the
-            # wrapper's class forward takes (*args, **kwargs), so it would find none and evaluate() would
-            # compute no loss: read them off the wrapped module's class, as for the plain model.
+            # Trainer reads the label names off the model's class; read them off the wrapped module's (for a
+            # PeftModel, whose forward takes **kwargs, off its base model's), as for the plain model.
             module = self.model.module
             module = module.get_base_model() if hasattr(module, "get_base_model") else module  # a PeftModel
             if self.args.label_names is None:
