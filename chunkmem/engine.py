@@ -150,8 +150,7 @@ def _refuse_sharded_state_dict(module: nn.Module, prefix: str, keep_vars: bool) 
             "weights, every rank calls one of: engine.save_16bit_model(save_dir) (rank 0 writes them in the training "
             "dtype); engine.sharded_model.state_dict() (fp32, gathered a chunk at a time; rank0_only=True keeps it "
             "on rank 0 only); or `with deepspeed.zero.GatheredParameters(list(engine.module.parameters())): state = "
-            "{k: v.clone() for k, v in engine.module.state_dict().items()}` (clone inside the block: its tensors "
-            "view the gathered chunks, freed when it ends)")
+            "engine.module.state_dict()` (its tensors keep the gathered values after the block)")
 
 
 class TrainingEngine(nn.Module):
@@ -174,8 +173,8 @@ class TrainingEngine(nn.Module):
     where DeepSpeed's ``engine.module.state_dict()`` silently returns empty partitioned tensors, chunkmem's
     raises :class:`~chunkmem.ParameterAccessError` naming the ways to the full weights:
     :meth:`save_16bit_model`, ``engine.sharded_model.state_dict()``, or ``engine.module.state_dict()`` inside
-    ``deepspeed.zero.GatheredParameters(engine.module.parameters())``, cloned there (its tensors view the
-    gathered chunks, freed when the block ends); every rank calls each.
+    ``deepspeed.zero.GatheredParameters(engine.module.parameters())`` (its tensors keep the gathered values
+    after the block); every rank calls each.
 
     ``optimizer`` is the chunkmem optimizer (``None`` for a model only), ``lr_scheduler`` the schedule
     (``None``: none), stepped at each applied optimizer step where ``steps_schedule`` (DeepSpeed's engine; not

@@ -633,7 +633,7 @@ def _two_rank_worker(rank: int, world: int, stage: int, workdir: str) -> dict:
         except cm.ParameterAccessError as e:
             refused = str(e)
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
-            state = {key: value.clone() for key, value in engine.module.state_dict().items()}  # as it says
+            state = engine.module.state_dict()  # read after the block: it keeps the gathered values
         gathered = [state[name] for name, _ in engine.module.named_parameters()]
     return {"weights_after_load": back, "client": client, "global_steps": engine.global_steps,
             "lr": engine.get_lr(), "refused": refused, "gathered": gathered}
