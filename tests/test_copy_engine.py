@@ -121,8 +121,41 @@ def test_deferred_copies_with_clipping_that_triggers_overflow_and_accumulation(d
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 def test_deferred_copies_with_step_in_backward(dtype):
-    _compare("cpu", dtype, steps=4, step_in_backward=True, max_norm=0.05)
+    """The backward's host updates run off autograd's thread (chunkmem/optim/host_updates.py): the hook never
+    waits for a gradient's copy (before 2026-11-27 each chunk's update waited in the hook: 'grad landing in
+    backward'), and the result is bitwise the plain engine's, clipping redone included."""
+    waits, model = _compare("cpu", dtype, steps=4, step_in_backward=True, max_norm=0.05)
+    assert not [site for site in waits if site.endswith("in backward")], waits
+    assert waits.get("grad landing", 0) > 0  # the update thread waited for them instead
+    assert model.runtime._optimizer()._backward.host_updates.pending == 0
     _compare("cuda", dtype, steps=3, step_in_backward=True)
+
+
+def test_a_backward_that_fails_while_updates_run_off_autograd_s_thread_leaves_nothing():
+    """A backward that raises after it handed chunks' updates to the update thread: they end before anything is
+    undone, the state is the one before the backward, nothing is left for the step, and training goes on
+    bitwise as without the failed iteration."""
+    data = batches(3, seed=4)
+    expected_model, expected_optim = _build("plain", _reference(), step_in_backward=True)
+    expected = _train(expected_model, expected_optim, data)
+    model, optim = _build("deferred", _reference(), step_in_backward=True)
+    first = _train(model, optim, data[:1])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def boom(grad):  # the first block's gradient comes after the later chunks' updates were handed over
+        assert optim._backward.host_updates.pending > 0
+        raise ValueError("boom")
+
+    handle = model.module.blocks[0].fc1.weight.register_hook(boom)
+    with pytest.raises(ValueError, match="boom"):
+        optim.backward(lm_loss(model(data[1]), data[1]))
+    handle.remove()
+    assert optim._backward.host_updates.pending == 0 and not optim._backward.pending
+    assert optim.step() is False
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    rest = _train(model, optim, data[1:])
+    assert tuple(a + b for a, b in zip(first, rest)) == expected
+    _assert_same(_state(expected_model, expected_optim), _state(model, optim))
 
 
 def test_deferred_copies_with_the_disk_tier(tmp_path):

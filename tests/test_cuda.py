@@ -155,7 +155,7 @@ def test_asynchronous_copies_train_bitwise_as_synchronous_ones(policy, dtype):
         assert async_losses == sync_losses
         for name, value in sync_state.items():
             assert torch.equal(value, async_state[name]), name
-        if not in_backward and policy == "cpu":
+        if policy == "cpu":  # with the step in the backward too: its host updates run off autograd's thread
             assert in_hooks == 0
 
 

@@ -29,6 +29,7 @@ from ..core.tiers import Tier, host_memory_available
 from ..errors import GradientAccumulationError, InvalidArgumentError
 from ..settings import ModelSettings, OptimizerSettings
 from .disk_step import StreamedStep, streamed_families
+from .host_updates import HostUpdates
 from .speculation import UndoCopies, UndoCopy
 
 if TYPE_CHECKING:
@@ -104,6 +105,7 @@ class BackwardStep:
         self.in_flight: StreamedStep | None = None
         self.speculated: dict[int, tuple[Any, ...]] = {}  # chunk index -> what its update in flight assumed
         self.undo = UndoCopies(self.runtime.memory)
+        self.host_updates = HostUpdates()  # in-memory updates handed off autograd's thread (CUDA)
         self.kept = 0
         self.accumulating = False
 
@@ -176,11 +178,23 @@ class BackwardStep:
         if opt.model.reuse_fp16_shard:
             return
         multiplier = 1.0 / opt.mixed.loss_scale
+        off_thread = opt.updates_off_thread(chunk)
         with self.runtime.untraced():
             params = None if chunk.has_master else self.runtime.update_target(chunk, self.runtime.compute_tier(chunk))
-            if self.undo.take(chunk, params, multiplier, self.key(chunk), opt.scalar_state(chunk),
-                              opt.whole_state(chunk)):
+            if not self.undo.take(chunk, params, multiplier, self.key(chunk), opt.scalar_state(chunk),
+                                  opt.whole_state(chunk), fill=not off_thread):
+                return
+            if off_thread:
+                undo = self.undo.get(chunk)
+                opt.start_update_off_thread(chunk, multiplier, self.host_updates, lambda: self.undo.fill(undo))
+            else:
                 opt._update_chunk(chunk, multiplier)
+
+    def settle(self) -> None:
+        """Wait for the updates running off autograd's thread and complete them (the backward's end; raises
+        the first that failed: its chunk and every other updated one are undone by the caller)."""
+        if self.host_updates.pending:
+            self.host_updates.join()
 
     def keep(self, chunk: Chunk, multiplier: float) -> bool:
         """Whether the backward's update of ``chunk`` (state in memory) is this step's: the same multiplier
@@ -204,9 +218,13 @@ class BackwardStep:
         self.optimizer.replace_kept_state(chunk, undo.scalars, undo.whole)
 
     def undo_in_memory(self) -> None:
-        """Undo every update the backward made of chunks whose state is in memory."""
+        """Undo every update the backward made of chunks whose state is in memory (a copy never filled: its
+        update never began, nothing to put back)."""
         for undo in self.undo.copies():
-            self._undo_update(undo)
+            if undo.filled:
+                self._undo_update(undo)
+            else:
+                self.undo.release(undo.chunk)
 
     def key(self, chunk: Chunk) -> tuple[Any, ...]:
         """What an update made in the backward assumed about ``chunk`` besides the multiplier: the parameters

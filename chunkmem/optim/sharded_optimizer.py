@@ -34,6 +34,7 @@ from .disk_step import ChunkUpdate, DiskStepError, StreamedStep, gaps, streamed_
 from .loss_scaler import DynamicGradScaler
 from .closure import run_closure
 from .gradient_idioms import GradientIdioms
+from .host_updates import HostUpdates
 from .mixed_precision import MixedPrecisionStep
 from .sealed import seal_param_groups
 
@@ -591,6 +592,7 @@ class ShardedOptimizerV2(Optimizer):
         return applied if closure is None else loss
 
     def _step(self) -> bool:
+        self._backward.settle()  # (the backward's end did; a backward that stopped on a collective error did not)
         try:
             scaled_by, refused = self._idioms.uniform_factor(self._trainable_chunks()), None
         except UnsupportedOperationError as error:
@@ -655,27 +657,62 @@ class ShardedOptimizerV2(Optimizer):
         pieces = self.runtime.grad_pieces(chunk)  # autograd's tensors, where the runtime kept them
         grad = self.runtime.grad_of(chunk) if pieces is None else None
         with self.runtime.updating(chunk, tier) as target:
-            if grad is not None:
-                grad = grad.to(target.device)
-            master = chunk.optim[MASTER].tensor if chunk.has_master else target
-            exp_avg, exp_avg_sq = chunk.optim[EXP_AVG].tensor, chunk.optim[EXP_AVG_SQ].tensor
-            ranges = self._ranges(chunk)
-            spans = param_spans(chunk.slots, chunk.shard_offset)
-            for a, b, hyper, step in ranges:
-                out = target[a:b] if chunk.has_master else None
-                relative_spans = [(s - a, e - a) for s, e in spans]
-                if pieces is not None:
-                    inside = [(offset - a, t) for offset, t in pieces if a <= offset < b]
-                    if adam_update_pieces_(master[a:b], inside, exp_avg[a:b], exp_avg_sq[a:b], step, hyper,
-                                           multiplier, out, relative_spans):
-                        continue
-                    pieces, grad = None, self.runtime.grad_of(chunk).to(target.device)  # flat from here on
-                adam_update_(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], step, hyper,
-                             grad_multiplier=multiplier, param_out=out, param_spans=relative_spans)
+            self._adam(chunk, target, grad, pieces, self._ranges(chunk), multiplier)
             chunk.advance_steps(slot for slot, _, _ in self._stepped_slots(chunk))
-            if chunk.has_master:  # the copy written may be new memory: what no range wrote is the master's rounding
-                for a, b in gaps(ranges, 0, chunk.shard_numel):
-                    target[a:b].copy_(master[a:b])
+
+    def updates_off_thread(self, chunk: Chunk) -> bool:
+        """Whether the backward may hand ``chunk``'s update to :mod:`chunkmem.optim.host_updates`: Adam's
+        kernel on the host, over the flat gradient whose copy to the host completes late (CUDA)."""
+        return (self._layout is None and self.runtime.memory.copies.asynchronous
+                and self.runtime.compute_tier(chunk) is Tier.HOST and self.runtime.grad_pieces(chunk) is None)
+
+    def start_update_off_thread(self, chunk: Chunk, multiplier: float, updates: HostUpdates,
+                                first: Callable[[], None]) -> None:
+        """:meth:`_update_chunk` of a chunk :meth:`updates_off_thread` allows, as a job of ``updates``: the
+        bookkeeping now, the wait for the gradient's copy, ``first()`` (the undo copy) and the update on the
+        job's thread, the copy marked updated and the step counts advanced when ``updates`` is joined."""
+        tier = self.runtime.compute_tier(chunk)
+        grad, landed = self.runtime.grad_landing(chunk)
+        target = self.runtime.update_target(chunk, tier)
+        ranges = self._ranges(chunk)
+        stepped = [slot for slot, _, _ in self._stepped_slots(chunk)]
+
+        def work() -> None:
+            landed()
+            first()
+            self._adam(chunk, target, grad, None, ranges, multiplier)
+
+        def then() -> None:
+            self.runtime.mark_updated(chunk, tier)
+            chunk.advance_steps(stepped)
+
+        updates.submit(work, then)
+
+    def _adam(self, chunk: Chunk, target: torch.Tensor, grad: torch.Tensor | None,
+              pieces: list[tuple[int, torch.Tensor]] | None, ranges: list[tuple[int, int, AdamHyper, int]],
+              multiplier: float) -> None:
+        """Adam over ``ranges`` of this rank's shard of ``chunk`` into ``target`` (the copy of the parameters
+        the update writes), from the flat ``grad`` or from autograd's ``pieces``; tensors only, no runtime
+        state, except where pieces fall back to the flat gradient."""
+        if grad is not None:
+            grad = grad.to(target.device)
+        master = chunk.optim[MASTER].tensor if chunk.has_master else target
+        exp_avg, exp_avg_sq = chunk.optim[EXP_AVG].tensor, chunk.optim[EXP_AVG_SQ].tensor
+        spans = param_spans(chunk.slots, chunk.shard_offset)
+        for a, b, hyper, step in ranges:
+            out = target[a:b] if chunk.has_master else None
+            relative_spans = [(s - a, e - a) for s, e in spans]
+            if pieces is not None:
+                inside = [(offset - a, t) for offset, t in pieces if a <= offset < b]
+                if adam_update_pieces_(master[a:b], inside, exp_avg[a:b], exp_avg_sq[a:b], step, hyper,
+                                       multiplier, out, relative_spans):
+                    continue
+                pieces, grad = None, self.runtime.grad_of(chunk).to(target.device)  # flat from here on
+            adam_update_(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], step, hyper,
+                         grad_multiplier=multiplier, param_out=out, param_spans=relative_spans)
+        if chunk.has_master:  # the copy written may be new memory: what no range wrote is the master's rounding
+            for a, b in gaps(ranges, 0, chunk.shard_numel):
+                target[a:b].copy_(master[a:b])
 
     def _param_views(self, chunk: Chunk) -> list[ParamView]:
         """The stepped parameters' parts of this rank's shard of ``chunk`` (shaped where whole; those with
@@ -813,6 +850,11 @@ class ShardedOptimizerV2(Optimizer):
                 f"{action} between a backward and optim.step() with step_in_backward=True: the backward's "
                 f"updates are not decided yet (optim.step() keeps or redoes them); call optim.step() first")
 
+    def on_backward_end(self) -> None:
+        """The backward is over (the runtime's :class:`~chunkmem.runtime.runtime.OptimizerListener` side):
+        complete the updates it handed off autograd's thread (:mod:`chunkmem.optim.host_updates`)."""
+        self._backward.settle()
+
     def on_backward_failed(self) -> None:
         """A backward raised part-way (the runtime's :class:`~chunkmem.runtime.runtime.OptimizerListener`
         side): as :meth:`zero_grad`, every pending gradient is dropped and the updates the backward started
@@ -851,6 +893,10 @@ class ShardedOptimizerV2(Optimizer):
         as they cannot be (``atomic_step=False``), :class:`~chunkmem.UnsupportedOperationError` is raised
         with nothing changed."""
         check_type("set_to_none", set_to_none, bool, "True or False")
+        try:
+            self._backward.settle()
+        except Exception:  # an update that failed off autograd's thread: undone below with the others
+            pass
         if self._backward.in_flight is not None:
             if not self.runtime.memory.disk.atomic_step:
                 raise UnsupportedOperationError(

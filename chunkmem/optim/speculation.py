@@ -57,6 +57,8 @@ class UndoCopy:
     params: torch.Tensor | None = None  # fp32 chunks: the parameters' values (host)
     scalars: dict[int, dict[str, Any]] = field(default_factory=dict)  # another optimizer's, by slot
     whole: dict[int, dict[str, Any]] = field(default_factory=dict)  # another optimizer's, by slot
+    sources: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (copy, source) to fill
+    filled: bool = False  # the values are in (an update started off autograd's thread fills it first)
 
 
 class UndoCopies:
@@ -80,10 +82,11 @@ class UndoCopies:
         return list(self._copies.values())
 
     def take(self, chunk: Chunk, params: torch.Tensor | None, multiplier: float, assumed: tuple[Any, ...],
-             scalars: dict[int, dict[str, Any]], whole: dict[int, dict[str, Any]]) -> bool:
+             scalars: dict[int, dict[str, Any]], whole: dict[int, dict[str, Any]], fill: bool = True) -> bool:
         """Copy ``chunk``'s optimizer state (and, for an fp32 chunk, ``params``: the copy of its parameters
         the update will write) to the host tier before an update in the backward. Returns ``False``, with
-        nothing taken, when the host tier has no room for it."""
+        nothing taken, when the host tier has no room for it. ``fill=False`` only takes the memory: the
+        update's own thread copies the values (:meth:`fill`) before it writes the state."""
         tensors = [chunk.optim[name].tensor for name in undo_families(chunk)]
         if params is not None:
             tensors.append(params)
@@ -96,13 +99,21 @@ class UndoCopies:
             for taken in copies:
                 self.memory.give_back(Tier.HOST, UNDO, taken.numel() * 4, taken)
             return False
-        for saved, tensor in zip(copies, tensors):
-            saved.copy_(tensor)
+        saved = list(copies)
         saved_params = copies.pop() if params is not None else None
-        self._copies[chunk.index] = UndoCopy(
+        undo = self._copies[chunk.index] = UndoCopy(
             chunk, dict(chunk.steps), multiplier, assumed, dict(zip(undo_families(chunk), copies)), saved_params,
-            copy.deepcopy(scalars), copy.deepcopy(whole))
+            copy.deepcopy(scalars), copy.deepcopy(whole), sources=list(zip(saved, tensors)))
+        if fill:
+            self.fill(undo)
         return True
+
+    @staticmethod
+    def fill(undo: UndoCopy) -> None:
+        """Copy the values into ``undo`` (tensors only: callable from the update's thread)."""
+        for saved, tensor in undo.sources:
+            saved.copy_(tensor)
+        undo.sources, undo.filled = [], True
 
     def restore_into(self, undo: UndoCopy, params: torch.Tensor) -> None:
         """Put ``undo``'s values back into its chunk's families and ``params`` (the copy of the parameters

@@ -66,6 +66,11 @@ class GradientStore:
         """This rank's shard of the chunk's finished gradient (where it rests), or ``None``."""
         raise NotImplementedError
 
+    def landing(self, chunk: Chunk) -> tuple[torch.Tensor, Callable[[], None]]:
+        """The chunk's finished flat gradient where it rests, and a function that waits for its copy there
+        (none here); callable from another thread (:mod:`chunkmem.optim.host_updates`)."""
+        return self.grad_of(chunk), lambda: None
+
     def pieces(self, chunk: Chunk) -> list[tuple[int, torch.Tensor]] | None:
         """The chunk's finished gradient as ``(offset, tensor)`` pieces (``offset`` in elements of the
         chunk; the elements between them are padding) where it is kept in pieces, else ``None``."""
@@ -245,6 +250,12 @@ class StagedGradients(GradientStore):
     def grad_of(self, chunk: Chunk) -> torch.Tensor | None:
         self.flatten(chunk)
         return chunk.grad.tensor
+
+    def landing(self, chunk: Chunk) -> tuple[torch.Tensor, Callable[[], None]]:
+        if chunk in self._kept:
+            self.flatten(chunk)
+        landing = self._landing.get(chunk)  # (left for grad_of to pop: the copy is waited for again, for free)
+        return chunk.grad.tensor, (lambda: None) if landing is None else landing.wait
 
     def tensors(self, chunk: Chunk) -> list[torch.Tensor]:
         self._landed(chunk)

@@ -80,6 +80,9 @@ class OptimizerListener(Protocol):
     def on_backward_failed(self) -> None:
         """A backward raised part-way: drop every pending gradient and undo what the backward started."""
 
+    def on_backward_end(self) -> None:
+        """The backward is over: finish the updates it started off autograd's thread (raising what failed)."""
+
 
 def _untraced(method: Callable) -> Callable:
     """The one tracer rule: chunkmem's own allocations are not the model's non-model memory, so every
@@ -337,6 +340,9 @@ class ChunkRuntime:
             elif chunk.held_for_backward:
                 self.executor.release_backward_hold(chunk)
         self._complete_reductions(0)
+        optimizer = self._optimizer()
+        if optimizer is not None:  # before anything is freed, moved or planned
+            optimizer.on_backward_end()
         self._drop_secondaries()
         self._frozen_users.clear()
         self._frozen_kept.clear()
@@ -460,6 +466,11 @@ class ChunkRuntime:
     def grad_of(self, chunk: Chunk) -> torch.Tensor | None:
         """This rank's shard of the chunk's finished gradient (where it rests), or ``None``."""
         return self.gradients.grad_of(chunk)
+
+    def grad_landing(self, chunk: Chunk) -> tuple[torch.Tensor, Callable[[], None]]:
+        """The chunk's finished flat gradient where it rests and a function that waits for its copy there
+        (callable from another thread; no bookkeeping: a later :meth:`grad_of` does that)."""
+        return self.gradients.landing(chunk)
 
     def grad_pieces(self, chunk: Chunk) -> list[tuple[int, torch.Tensor]] | None:
         """The chunk's finished gradient as ``(offset, tensor)`` pieces where it is kept so (see
@@ -686,6 +697,12 @@ class ChunkRuntime:
         failed_backward, self._backward_began = self._backward_began, False
         self.executor.cancel_prefetch()
         self._complete_reductions(0)  # a started collective cannot be called back; its result is kept
+        optimizer = self._optimizer()
+        if failed_backward and optimizer is not None:
+            try:  # the updates still running read gradients and write chunks: let them end first
+                optimizer.on_backward_end()
+            except Exception:  # (the backward failed already: on_backward_failed below undoes what they did)
+                pass
         self._drop_secondaries()
         self._frozen_users.clear()
         self._frozen_kept.clear()
