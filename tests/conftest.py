@@ -36,3 +36,15 @@ def _no_counting_mode_left():
     while _get_current_dispatch_mode_stack():
         _pop_mode()
     assert not active, f"dispatch modes left active: {active}"
+
+
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher_environment(monkeypatch):
+    """No launcher's variables at a test's start: chunkmem.deepspeed.initialize sets LOCAL_RANK for a process that
+    had none, as DeepSpeed's does, and a later test whose library reads it (Accelerate) would take this process
+    for one of several ranks."""
+    for name in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
