@@ -62,13 +62,7 @@ def _reference() -> Branching:
 def _plain(reference, data, taken, frozen=()):
     model = copy.deepcopy(reference)
     optim = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=True)
-    for step, x in enumerate(data):
-        model.taken = taken[step]
-        for name, p in model.named_parameters():
-            p.requires_grad_(not (name.startswith("blocks.1.") and step in frozen))
-        lm_loss(model(x), x).backward()
-        optim.step()
-        optim.zero_grad()
+    _train_plain(model, optim, data, taken, frozen)
     return model, optim
 
 
