@@ -109,22 +109,24 @@ def _guarded_class(cls: type) -> type:
 
 # ---- classifying torch functions -----------------------------------------------------------------
 
-_METADATA_ATTRIBUTES = frozenset({
+METADATA_ATTRIBUTES = frozenset({
     "shape", "dtype", "device", "requires_grad", "is_leaf", "grad_fn", "ndim", "layout", "names", "is_cuda",
     "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "is_nested", "itemsize", "nbytes",
     "output_nr", "_version", "_backward_hooks", "_post_accumulate_grad_hooks", "__dict__", "_base", "is_xpu",
     "is_mps", "_cdata", "__class__"})
-_METADATA_METHODS = frozenset({
+"""Tensor attributes whose reading tells what a tensor is, not what it holds (the guards let them pass)."""
+METADATA_METHODS = frozenset({
     "size", "dim", "numel", "nelement", "element_size", "is_floating_point", "is_complex", "is_contiguous",
     "stride", "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "retain_grad",
     "get_device", "__hash__", "__len__", "_is_view", "is_signed", "_has_compatible_shallow_copy_type",
     "__setstate__", "_increment_version", "increment_version"})
-_INPLACE_DUNDERS = frozenset({
-    "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
-    "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"})
+"""Tensor methods of the same kind."""
+INPLACE_DUNDERS = frozenset({
+    "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__idiv__", "__ifloordiv__", "__imod__",
+    "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"})
 
 
-def _attribute(func: Any) -> tuple[str, str] | None:
+def attribute_of(func: Any) -> tuple[str, str] | None:
     """``(name, "get" | "set")`` when ``func`` is a tensor attribute's getter or setter."""
     kind = getattr(func, "__name__", "")
     if kind not in ("__get__", "__set__"):
@@ -140,25 +142,26 @@ def _kind_of(func: Any) -> Any:
     """What ``func`` is to the guard, classified once per function."""
     kind = _kinds.get(func)
     if kind is None:
-        attribute = _attribute(func)
+        attribute = attribute_of(func)
         kind = _kinds[func] = _METADATA if _is_metadata(func, attribute) else (attribute or ())
     return kind
 
 
 def _is_metadata(func: Any, attribute: tuple[str, str] | None) -> bool:
     if attribute is not None:
-        return attribute[0] in _METADATA_ATTRIBUTES and attribute[1] == "get"
-    return getattr(func, "__name__", "") in _METADATA_METHODS
+        return attribute[0] in METADATA_ATTRIBUTES and attribute[1] == "get"
+    return getattr(func, "__name__", "") in METADATA_METHODS
 
 
 def written_target(func: Any, args: tuple, kwargs: dict) -> Any:
-    """The tensor an in-place call modifies (its first argument, or ``out=``), or ``None``."""
+    """What an in-place call modifies (its first argument: a tensor, or a list of them for the ``_foreach_``
+    and ``_amp_`` kernels; or ``out=``), or ``None``."""
     out = kwargs.get("out")
     if out is not None:
         return out
     name = getattr(func, "__name__", "")
-    modifies = (getattr(func, "__module__", "") == "torch.nn.init" or name in _INPLACE_DUNDERS
-                or (name.endswith("_") and not name.startswith("_")))
+    modifies = (getattr(func, "__module__", "") == "torch.nn.init" or name in INPLACE_DUNDERS
+                or (name.endswith("_") and not name.endswith("__")))
     if not modifies:
         return None
     if args:
@@ -185,7 +188,7 @@ class ChunkParameter(nn.Parameter):
             return _attribute_access(params[0], attribute, func, args, kwargs)
         target = written_target(func, args, kwargs)
         if all(_passes(p, p is target) for p in params):
-            return _plain(func, args, kwargs)
+            return plain_call(func, args, kwargs)
         if isinstance(target, ChunkParameter):
             return _write_outside_compute(target, func, args, kwargs)
         return _read_outside_compute(params, func, args, kwargs)
@@ -202,7 +205,8 @@ class ChunkParameter(nn.Parameter):
             "model.state_dict() or use chunkmem.save_checkpoint")
 
 
-def _plain(func: Callable, args: tuple, kwargs: dict) -> Any:
+def plain_call(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``func(*args, **kwargs)`` with the guards' ``__torch_function__`` off (on the tensors as they are)."""
     with DisableTorchFunctionSubclass():
         return func(*args, **kwargs)
 
@@ -234,14 +238,14 @@ def _attribute_access(param: ChunkParameter, attribute: tuple[str, str], func: A
     if slot is not None and name == "grad" and slot.chunk.host is not None:
         return _gradient_stand_in(param, slot) if kind == "get" else _set_gradient(slot, args[1], func, args)
     if slot is None or name == "requires_grad" or _passes(param, written=kind == "set" or name == "data"):
-        return _plain(func, args, kwargs)  # requires_grad: metadata, settable as requires_grad_() is (freezing)
+        return plain_call(func, args, kwargs)  # requires_grad: metadata, settable as requires_grad_() is (freezing)
     if name == "data" and kind == "get":
         return _DataCopy.of(param, _current_values(slot))
     if kind == "set":
         raise ParameterAccessError(
             f"assigning .{name} of the chunk-managed parameter {slot.name!r}: its memory belongs to a chunk. "
             f"To change its values, {WRITE_HELP}; dtype and placement are chunkmem's (ShardedModelV2 arguments)")
-    return _plain(func, (_current_values(slot),) + tuple(args[1:]), kwargs)
+    return plain_call(func, (_current_values(slot),) + tuple(args[1:]), kwargs)
 
 
 def _gradient_stand_in(param: ChunkParameter, slot: ParamSlot) -> Any:
@@ -265,7 +269,7 @@ def _set_gradient(slot: ParamSlot, value: Any, func: Any, args: tuple) -> None:
     if grad is not None and part is not None:  # no 'no gradient' state per parameter: zero its part
         start = slot.offset + part[0] - slot.chunk.shard_offset
         grad[start:start + part[1] - part[0]].zero_()
-    _plain(func, args, {})
+    plain_call(func, args, {})
 
 
 def _current_values(slot: ParamSlot) -> torch.Tensor:
@@ -303,7 +307,7 @@ def _read_outside_compute(params: list[ChunkParameter], func: Any, args: tuple, 
                 needs_grad = True
         copies[id(param)] = value
     swapped = tree_map(lambda x: copies.get(id(x), x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
-    result = _plain(func, *swapped)
+    result = plain_call(func, *swapped)
     if needs_grad and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(result)):
         names = ", ".join(repr(_name(p)) for p in params if id(p) in copies)
         raise ParameterAccessError(
@@ -336,7 +340,7 @@ def _write_outside_compute(param: ChunkParameter, func: Any, args: tuple, kwargs
         if others:
             result = _read_outside_compute(others, func, *swapped)
         else:
-            result = _plain(func, *swapped)
+            result = plain_call(func, *swapped)
         if buf.shard.on_disk:  # ``current`` was read from the disk, or is the device copy: the file follows
             buf.shard.write(current)
         elif buf.device_valid and buf.shard.allocated:  # a host copy that is current too stays current
@@ -370,7 +374,7 @@ class _DataCopy(torch.Tensor):
                 with DisableTorchFunctionSubclass():
                     target.copy_(_current_values(slot_of(param)))
             return target if result is param else result
-        return _plain(func, args, kwargs)
+        return plain_call(func, args, kwargs)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
@@ -398,7 +402,7 @@ class ChunkGradient(torch.Tensor):
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if _kind_of(func) is _METADATA:
-            return _plain(func, args, kwargs)
+            return plain_call(func, args, kwargs)
         if getattr(func, "__name__", "") == "__repr__":
             return f"ChunkGradient({args[0].slot.name!r}, shape={tuple(args[0].shape)}, dtype={args[0].dtype})"
         stand_in = next(t for t in tree_leaves((args, kwargs)) if isinstance(t, ChunkGradient))

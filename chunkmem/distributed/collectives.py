@@ -19,6 +19,7 @@ process group's ``timeout``.
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections import deque
@@ -247,6 +248,22 @@ def all_reduce_over(group: Any, tensor: torch.Tensor, op: Any = None, what: str 
     if work is not tensor:
         tensor.copy_(work)
     return tensor
+
+
+def reduce_over_groups(groups: list[Any], tensor: torch.Tensor, maximum: bool, what: str) -> torch.Tensor:
+    """``tensor`` summed (``maximum``: its elementwise max) over each of ``groups`` in turn, returned; an
+    element that is NaN on any rank is NaN in the result (a sum carries it; a max may drop it, so it travels
+    as a count of its own)."""
+    if not maximum:
+        for group in groups:
+            all_reduce_over(group, tensor, what=what)
+        return tensor
+    nan = torch.isnan(tensor).double()
+    tensor = torch.where(torch.isnan(tensor), 0.0, tensor)  # (nan_to_num would make an infinity finite)
+    for group in groups:
+        all_reduce_over(group, nan, what=f"which of {what} are NaN")
+        all_reduce_over(group, tensor, dist.ReduceOp.MAX, what=what)
+    return torch.where(nan > 0, math.nan, tensor)
 
 
 class PendingCollective:

@@ -44,8 +44,8 @@ from torch._C import DisableTorchFunctionSubclass
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ..core.chunk import Chunk, ParamSlot
-from ..core.param_guard import ChunkGradient, ParameterAccessError, written_target
-from ..distributed.collectives import all_reduce_over
+from ..core.param_guard import ChunkGradient, ParameterAccessError, plain_call, written_target
+from ..distributed.collectives import reduce_over_groups
 from ..errors import UnsupportedOperationError
 from .norms import SUMMED_DTYPES, sum_of_squares
 
@@ -109,16 +109,14 @@ class GradientIdioms:
             return self._scale(args[0], args[1])
         if name in _CLAMPS:
             return self._clamp(name, args, kwargs)
-        if isinstance(written_target(func, args, kwargs), ChunkGradient) or (name.startswith("_foreach_")
-                                                                            and name.endswith("_")):
+        if any(isinstance(t, ChunkGradient) for t in tree_leaves(written_target(func, args, kwargs))):
             raise ParameterAccessError(
                 f"{name} on the gradient of the chunk-managed parameter {stand_ins[0].slot.name!r}: gradients "
                 "live in chunks; torch's clip_grad_norm_ / clip_grad_value_ (or .grad.mul_) work on them, "
                 "optim.zero_grad() (or param.grad = None) drops them")
         copies = {id(g): self.value(g.slot) for g in stand_ins}
         swapped = tree_map(lambda t: copies.get(id(t), t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
-        with DisableTorchFunctionSubclass():
-            return func(*swapped[0], **swapped[1])
+        return plain_call(func, *swapped)
 
     def value(self, slot: ParamSlot) -> torch.Tensor:
         """A copy of the parameter's unscaled gradient (times the recorded factor), shaped like it, in its
@@ -163,13 +161,8 @@ class GradientIdioms:
             if on_device:  # one copy to the host for all of them, not one wait per parameter
                 local[on_device] = torch.stack([sums[i] for i in on_device]).cpu()
             maximum = math.isinf(p)
-            nan = torch.isnan(local).double()  # (a max over the ranks may drop a NaN: it travels as a count)
-            local = torch.where(torch.isnan(local), 0.0, local)  # (nan_to_num would make inf finite)
-            for group in optimizer.mixed.groups:
-                all_reduce_over(group, nan, what="which gradient norms of clip_grad_norm_ are NaN")
-                all_reduce_over(group, local, torch.distributed.ReduceOp.MAX if maximum else None,
-                                what="the gradient norms of clip_grad_norm_")
-            totals = torch.where(nan > 0, math.nan, local if maximum else local.pow(1 / p))
+            local = reduce_over_groups(optimizer.mixed.groups, local, maximum, "the gradient norms of clip_grad_norm_")
+            totals = local if maximum else local.pow(1 / p)
             scale = optimizer.mixed.loss_scale
             self._norms[key] = {id(s): totals[i].item() / scale for i, s in enumerate(slots)}
         return self._norms[key]

@@ -70,7 +70,8 @@ import torch
 from torch._C import DisableTorchFunctionSubclass
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ..distributed.collectives import all_reduce_over
+from ..core.param_guard import METADATA_ATTRIBUTES, METADATA_METHODS, attribute_of, plain_call, written_target
+from ..distributed.collectives import reduce_over_groups
 from ..errors import UnsupportedOperationError
 
 if TYPE_CHECKING:
@@ -80,18 +81,10 @@ if TYPE_CHECKING:
 OWN_CLIPPING = ("the optimizer's own clipping: LowLevelZeroOptimizer(clip_grad_norm=max_norm) (in a DeepSpeed "
                 "config, \"gradient_clipping\": max_norm)")
 
-_METADATA_ATTRIBUTES = frozenset({
-    "shape", "dtype", "device", "requires_grad", "is_leaf", "grad_fn", "ndim", "layout", "names", "is_cuda",
-    "is_cpu", "is_meta", "is_sparse", "is_sparse_csr", "is_quantized", "is_mkldnn", "is_nested", "itemsize",
-    "nbytes", "output_nr", "_version", "_backward_hooks", "_post_accumulate_grad_hooks", "__dict__", "_base",
-    "is_xpu", "is_mps", "_cdata", "__class__", "grad", "_grad", "_grad_fn", "retains_grad"})
-_METADATA_METHODS = frozenset({
-    "size", "dim", "numel", "nelement", "element_size", "is_floating_point", "is_complex", "is_contiguous",
-    "stride", "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "retain_grad",
-    "get_device", "__hash__", "__len__", "_is_view", "is_signed", "is_inference", "storage_offset"})
-_INPLACE_DUNDERS = frozenset({
-    "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__idiv__", "__ifloordiv__", "__imod__",
-    "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"})
+# what a stand-in passes through as it is: the guards' metadata (chunkmem.core.param_guard), and the gradient's
+# own attributes a gradient is asked for
+_METADATA_ATTRIBUTES = METADATA_ATTRIBUTES | {"is_sparse_csr", "grad", "_grad", "_grad_fn", "retains_grad"}
+_METADATA_METHODS = METADATA_METHODS | {"is_inference", "storage_offset"}
 _NORMS = frozenset({"linalg_vector_norm", "_foreach_norm", "norm"})
 _MULTIPLIES = frozenset({"mul_", "__imul__", "_foreach_mul_"})
 _DIVIDES = frozenset({"div_", "__itruediv__", "__idiv__", "_foreach_div_"})
@@ -230,11 +223,11 @@ class GradientViews:
     def run(self, func: Any, args: tuple, kwargs: dict, stand_ins: list[ZeroGradient]) -> Any:
         """What ``func(*args, **kwargs)`` does when some argument is a stand-in (module docstring)."""
         name = getattr(func, "__name__", "")
-        attribute = _attribute(func)
+        attribute = attribute_of(func)
         if attribute is not None:
             return self._attribute_use(func, attribute, args, kwargs, stand_ins)
         if name in _METADATA_METHODS:
-            return _plain(func, args, kwargs)
+            return plain_call(func, args, kwargs)
         if name in ("detach", "detach_") and args and isinstance(args[0], ZeroGradient):
             return args[0]
         if name == "__repr__" and isinstance(args[0], ZeroGradient) and (
@@ -253,7 +246,7 @@ class GradientViews:
             return self._scale(name, args[0], args[1])
         if name in _CLAMPS and _scalar_arguments(name, args, kwargs):
             return self._clamp(name, args, kwargs)
-        targets = [t for t in tree_leaves(_written(func, name, args, kwargs)) if isinstance(t, ZeroGradient)]
+        targets = [t for t in tree_leaves(written_target(func, args, kwargs)) if isinstance(t, ZeroGradient)]
         if targets:
             return self._write(func, name, args, kwargs, targets, stand_ins)
         return self._read(func, args, kwargs, stand_ins)
@@ -282,11 +275,11 @@ class GradientViews:
         name, kind = attribute
         if kind == "get":
             if name in _METADATA_ATTRIBUTES:
-                return _plain(func, args, kwargs)
+                return plain_call(func, args, kwargs)
             if name == "data":
                 return args[0]
         elif name == "requires_grad":
-            return _plain(func, args, kwargs)
+            return plain_call(func, args, kwargs)
         elif name == "data":
             self._check_live(args[0], "setting .data")
             if tuple(args[1].shape) != tuple(args[0].shape):
@@ -476,19 +469,6 @@ class GradientViews:
         return None if foreach else args[0]
 
 
-def _plain(func: Any, args: tuple, kwargs: dict) -> Any:
-    with DisableTorchFunctionSubclass():
-        return func(*args, **kwargs)
-
-
-def _attribute(func: Any) -> tuple[str, str] | None:
-    """``(name, "get" | "set")`` when ``func`` is a tensor attribute's getter or setter."""
-    kind = getattr(func, "__name__", "")
-    if kind not in ("__get__", "__set__"):
-        return None
-    return getattr(getattr(func, "__self__", None), "__name__", ""), kind[2:5]
-
-
 def _is_scalar(value: Any) -> bool:
     if isinstance(value, ZeroGradient):
         return False
@@ -523,30 +503,9 @@ def _each(value: Any, count: int) -> list[Any]:
     return list(value) if isinstance(value, (list, tuple)) else [value] * count
 
 
-def _written(func: Any, name: str, args: tuple, kwargs: dict) -> Any:
-    """What an in-place call modifies (its first argument, or ``out=``), or ``None``."""
-    out = kwargs.get("out")
-    if out is not None:
-        return out
-    modifies = (getattr(func, "__module__", "") == "torch.nn.init" or name in _INPLACE_DUNDERS
-                or (name.endswith("_") and not name.endswith("__")))
-    if not modifies:
-        return None
-    if args:
-        return args[0]
-    return next((kwargs[k] for k in ("tensor", "input", "self") if k in kwargs), None)
-
-
 def _reduce_norms(groups: list[Any], local: torch.Tensor, order: float) -> torch.Tensor:
     """Per-parameter norms of this rank's pieces -> norms of the whole gradients, over the ranks."""
+    what = "the gradient norms of clip_grad_norm_"
     if math.isinf(order):
-        nan = torch.isnan(local).double()
-        local = torch.where(torch.isnan(local), 0.0, local)  # (nan_to_num would make inf finite)
-        for group in groups:
-            all_reduce_over(group, nan, what="which gradient norms of clip_grad_norm_ are NaN")
-            all_reduce_over(group, local, torch.distributed.ReduceOp.MAX, what="the gradient norms of clip_grad_norm_")
-        return torch.where(nan > 0, torch.full_like(local, float("nan")), local)
-    powers = local.pow(order)
-    for group in groups:
-        all_reduce_over(group, powers, what="the gradient norms of clip_grad_norm_")
-    return powers.pow(1.0 / order)
+        return reduce_over_groups(groups, local, True, what)
+    return reduce_over_groups(groups, local.pow(order), False, what).pow(1.0 / order)
