@@ -40,7 +40,7 @@ import enum
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Iterable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 import torch
 import torch.nn as nn
@@ -195,8 +195,14 @@ class FlatBuffer:
 
     def before_host_write(self) -> None:
         """The host is about to write the buffer in place: wait for a copy still reading it (a fetch)."""
-        if self.tier is Tier.HOST:
-            self.memory.copies.before_host_write(self.tensor, f"{self.family} write")
+        self.host_write_wait()()
+
+    def host_write_wait(self) -> Callable[[], None]:
+        """:meth:`before_host_write` whose wait the caller runs later, on any thread (see
+        :meth:`~chunkmem.core.copy_engine.CopyEngine.host_write_wait`)."""
+        if self.tier is not Tier.HOST:
+            return lambda: None
+        return self.memory.copies.host_write_wait(self.tensor, f"{self.family} write")
 
     def switch_disk_slot(self) -> None:
         """An atomic step wrote the new contents into the other slot and committed: it is current now."""

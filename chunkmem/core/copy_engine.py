@@ -107,6 +107,13 @@ class CopyEngine:
 
     def before_host_write(self, tensor: torch.Tensor, site: str) -> None:
         """``tensor`` (a host buffer) is about to be written by the host: wait for copies still reading it."""
+        self.host_write_wait(tensor, site)()
+
+    def host_write_wait(self, tensor: torch.Tensor, site: str) -> Callable[[], None]:
+        """:meth:`before_host_write` in two halves: the copies still reading ``tensor`` are taken now, the
+        returned function waits for them (on any thread: an update running off autograd's thread waits there,
+        and the engine's bookkeeping stays on the thread that issues copies)."""
+        return _nothing_to_wait_for
 
     def stats(self) -> dict[str, object]:
         """``{"engine", "host_waits" (site -> count), "staging_waits"}`` (cumulative over the process)."""
@@ -140,6 +147,10 @@ class DeferredCopies(CopyEngine):
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor, site: str) -> Transfer:
         return self._defer(dst, src, site, lambda: None)
+
+
+def _nothing_to_wait_for() -> None:
+    pass
 
 
 def _poison(t: torch.Tensor) -> None:
@@ -213,11 +224,16 @@ class CudaCopies(CopyEngine):
                 event.synchronize()
         return Transfer(event=event, device=src.device, complete=complete)
 
-    def before_host_write(self, tensor: torch.Tensor, site: str) -> None:
+    def host_write_wait(self, tensor: torch.Tensor, site: str) -> Callable[[], None]:
         event = self._reading.pop(tensor.data_ptr(), None)
-        if event is not None and not event.query():
-            self.count_wait(site)
-            event.synchronize()
+        if event is None:
+            return _nothing_to_wait_for
+
+        def wait() -> None:
+            if not event.query():
+                self.count_wait(site)
+                event.synchronize()
+        return wait
 
     def stats(self) -> dict[str, object]:
         return {"engine": self.name, "host_waits": dict(self.host_waits), "staging_waits": staging_pool().host_waits}

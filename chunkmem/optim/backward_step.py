@@ -42,6 +42,10 @@ GRADIENTS_AHEAD_OF_THE_DISK_STEP = 2
 beyond the one it is computing before the backward waits for it (see :meth:`BackwardStep.gradients_used_once`)."""
 
 
+def _no_wait() -> None:
+    pass
+
+
 def why_no_speculation(model_settings: ModelSettings) -> str | None:
     """Why the backward's updates could not be undone if ``step()`` decides otherwise (``None``: they can).
     They are made assuming no overflow and no clipping; an atomic step writes them to the disk's other
@@ -180,13 +184,22 @@ class BackwardStep:
         multiplier = 1.0 / opt.mixed.loss_scale
         off_thread = opt.updates_off_thread(chunk)
         with self.runtime.untraced():
-            params = None if chunk.has_master else self.runtime.update_target(chunk, self.runtime.compute_tier(chunk))
+            params, params_free = None, _no_wait
+            if not chunk.has_master:  # the parameters are the master: the undo copy holds them too
+                params, params_free = self.runtime.update_target_waiting_later(chunk, self.runtime.compute_tier(chunk))
+            if not off_thread:
+                params_free()
             if not self.undo.take(chunk, params, multiplier, self.key(chunk), opt.scalar_state(chunk),
                                   opt.whole_state(chunk), fill=not off_thread):
+                params_free()  # step() writes them, and will not know of the fetch still reading them
                 return
             if off_thread:
                 undo = self.undo.get(chunk)
-                opt.start_update_off_thread(chunk, multiplier, self.host_updates, lambda: self.undo.fill(undo))
+
+                def before_update() -> None:
+                    params_free()
+                    self.undo.fill(undo)
+                opt.start_update_off_thread(chunk, multiplier, self.host_updates, before_update)
             else:
                 opt._update_chunk(chunk, multiplier)
 

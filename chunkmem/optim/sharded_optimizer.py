@@ -669,16 +669,18 @@ class ShardedOptimizerV2(Optimizer):
     def start_update_off_thread(self, chunk: Chunk, multiplier: float, updates: HostUpdates,
                                 first: Callable[[], None]) -> None:
         """:meth:`_update_chunk` of a chunk :meth:`updates_off_thread` allows, as a job of ``updates``: the
-        bookkeeping now, the wait for the gradient's copy, ``first()`` (the undo copy) and the update on the
-        job's thread, the copy marked updated and the step counts advanced when ``updates`` is joined."""
+        bookkeeping now; on the job's thread the waits for the gradient's copy and for the fetch still reading
+        the parameters the update writes, ``first()`` (the undo copy) and the update; the copy marked updated
+        and the step counts advanced when ``updates`` is joined."""
         tier = self.runtime.compute_tier(chunk)
         grad, landed = self.runtime.grad_landing(chunk)
-        target = self.runtime.update_target(chunk, tier)
+        target, target_free = self.runtime.update_target_waiting_later(chunk, tier)
         ranges = self._ranges(chunk)
         stepped = [slot for slot, _, _ in self._stepped_slots(chunk)]
 
         def work() -> None:
             landed()
+            target_free()
             first()
             self._adam(chunk, target, grad, None, ranges, multiplier)
 

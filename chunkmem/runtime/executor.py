@@ -11,7 +11,7 @@ transitions (:mod:`chunkmem.core.chunk`), and every byte goes through the model'
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -321,27 +321,33 @@ class ChunkExecutor:
         """The first half of :meth:`updating`, for updates that complete later (the streamed disk step):
         the copy on ``tier`` an update writes. Without a separate master (fp32) the update also reads
         it, so it is made current first."""
+        target, wait = self.update_target_waiting_later(chunk, tier)
+        wait()
+        return target
+
+    def update_target_waiting_later(self, chunk: Chunk, tier: Tier) -> tuple[torch.Tensor, Callable[[], None]]:
+        """:meth:`update_target` and the wait for the copies still reading it (a fetch of the parameters to
+        the device), which the caller runs before it writes: an update running off autograd's thread waits
+        there, so that autograd's thread goes on launching the backward."""
         buf = chunk.param
         buf.wait()
         if buf.sharded:
             if buf.shard.tier is not tier:
                 buf.shard.move_to(tier)
-            buf.shard.before_host_write()
-            return buf.shard.tensor
+            return buf.shard.tensor, buf.shard.host_write_wait()
         if tier is Tier.DEVICE:
             if chunk.has_master:
                 buf.allocate_device()
             else:
                 buf.fetch_to_device()
-            return buf.device
+            return buf.device, lambda: None
         if not buf.shard.allocated:
             buf.shard.allocate(Tier.HOST)
         if not chunk.has_master and not buf.shard_valid:
             buf.write_back_shard()
         if buf.shard.on_disk:  # back to the disk when the chunk settles after the update
             buf.shard.move_to(Tier.HOST)
-        buf.shard.before_host_write()
-        return buf.shard.tensor
+        return buf.shard.tensor, buf.shard.host_write_wait()
 
     def mark_updated(self, chunk: Chunk, tier: Tier) -> None:
         """The second half of :meth:`updating`: the copy on ``tier`` (the shard when sharded; ``DISK``: the

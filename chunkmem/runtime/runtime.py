@@ -501,6 +501,12 @@ class ChunkRuntime:
         return self.executor.update_target(chunk, tier)
 
     @_untraced
+    def update_target_waiting_later(self, chunk: Chunk, tier: Tier) -> tuple[torch.Tensor, Callable[[], None]]:
+        """:meth:`update_target` and the wait for the copies still reading that copy, for the caller to run
+        before it writes (on the thread that runs the update)."""
+        return self.executor.update_target_waiting_later(chunk, tier)
+
+    @_untraced
     def mark_updated(self, chunk: Chunk, tier: Tier) -> None:
         """The second half of :meth:`updating` (see :meth:`update_target`)."""
         self.executor.mark_updated(chunk, tier)
