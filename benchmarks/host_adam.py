@@ -23,6 +23,11 @@ Configurations, each over ``--params`` parameters (default 50M):
   ``torch.compile`` (inductor) into one pass over the same arrays, for fp16, bf16 and fp32 gradients
   (``--no-compile`` leaves them out; compiling takes some 10-60 s).
 
+* ``(u) undo``  informational: ``step_in_backward``'s undo copy (the fp32 master and both moments, 12 bytes a
+  parameter) with the bf16 update, as a pass of its own (torch's ``copy_``: 24 bytes more, the state read
+  twice) and inside the update's pass (``undo=``: each block copied with streaming stores as the update
+  reads it, 12 bytes more); "% of bound" counts each row's own bytes.
+
 * ``threads``  informational, where the kernel runs on torch's OpenMP threads: the fp32 update right after
   a parallel torch operator (``torch.add`` over 4M elements) and right after a pause, on those threads
   against the same source built without OpenMP (threads started per update), each as a ratio to the
@@ -220,6 +225,18 @@ def main() -> int:
         step[0] += 1
         assert host_adam_ext.try_update(master, grad32, exp_avg, exp_avg_sq, step[0] % 1000 + 1, hyper, 1.0, None)
 
+    undo = tuple(torch.zeros(n) for _ in range(3))  # step_in_backward's undo copy of master and moments
+
+    def undo_then_update():  # the copy as a pass of its own (torch's copy_), then the update
+        for saved, state in zip(undo, (master, exp_avg, exp_avg_sq)):
+            saved.copy_(state)
+        ours(torch.bfloat16)()
+
+    def undo_in_update():
+        step[0] += 1
+        kernel.update(master, grad16[torch.bfloat16], exp_avg, exp_avg_sq, step[0] % 1000 + 1, hyper,
+                      1 / LOSS_SCALE, out16[torch.bfloat16], undo=undo)
+
     compiled = {}
     if not args.no_compile:
         # over chunkmem's own arrays: copies would sit on other pages, whose placement in the memory
@@ -263,6 +280,8 @@ def main() -> int:
         "(d) torch AdamW(fused=True) fp32": (fused.step, 28),
         "(i) same traffic, trivial arithmetic": (lambda: kernel.stream_mixed(sa, sb, sc, grad16[torch.float16],
                                                                             out16[torch.float16]), 28),
+        "(u) bf16 + undo copy, then the update": (undo_then_update, 52),
+        "(u) bf16 + undo copy in the update pass": (undo_in_update, 40),
         **compiled,
     }
     names = list(configs)

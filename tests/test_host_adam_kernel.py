@@ -642,3 +642,62 @@ def test_a_changed_included_file_builds_a_new_library(monkeypatch, tmp_path):
     (tmp_path / "part.h").write_text("int value() { return 2; }\n")
     second, second_path, built = native_build.load_library(source, flags, "t")
     assert second_path != first_path and second.get() == 2 and built is not None
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("pieced", [False, True])
+def test_undo_copy_in_the_update_pass(grad_dtype, pieced):
+    """``undo`` (step_in_backward's undo copy, filled as the update reads each block) receives every element
+    of master, exp_avg and exp_avg_sq as before the update, the padding between pieces too, and the update
+    itself is bitwise the one without it: fp32 with the fused tails, 16-bit with the 16-bit copy; 1 and 3
+    threads; undo buffers misaligned for streaming stores (a head and a tail copied one by one)."""
+    get_kernel()
+    h = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw_mode=True,
+                  bias_correction=True)
+    sizes, gap = [13, 70_001, 5, (1 << 17) + 11], 51
+    offsets = [i * gap + sum(sizes[:i]) for i in range(len(sizes))]
+    n = offsets[-1] + sizes[-1] + gap
+    spans = [(o, o + s) for o, s in zip(offsets, sizes)]
+    out_dtype = None if grad_dtype == torch.float32 else grad_dtype
+    threads = torch.get_num_threads()
+    try:
+        for nthreads in (1, 3):
+            torch.set_num_threads(nthreads)
+            plain, with_undo = make_state(n, grad_dtype, seed=nthreads), make_state(n, grad_dtype, seed=nthreads)
+            before = [t.clone() for t in with_undo]
+            undo = tuple(torch.full((n + 1,), float("nan"))[1:] for _ in range(3))
+            outs = [torch.zeros(n, dtype=out_dtype) if out_dtype else None for _ in range(2)]
+            grad = [(start, with_undo[1][start:end].clone()) for start, end in spans] if pieced else with_undo[1]
+            if pieced:
+                plain_grad = [(start, plain[1][start:end].clone()) for start, end in spans]
+            assert host_adam_ext.try_update(plain[0], plain_grad if pieced else plain[1], plain[2], plain[3], 3, h,
+                                            0.5, outs[0], param_spans=spans)
+            assert host_adam_ext.try_update(with_undo[0], grad, with_undo[2], with_undo[3], 3, h, 0.5, outs[1],
+                                            param_spans=spans, undo=undo)
+            for saved, old in zip(undo, (before[0], before[2], before[3])):
+                assert torch.equal(saved, old)
+            for got, want in zip((with_undo[0], with_undo[2], with_undo[3]), (plain[0], plain[2], plain[3])):
+                assert torch.equal(got, want)
+            assert not torch.equal(with_undo[2], before[2])
+            if out_dtype is not None:
+                assert torch.equal(outs[1], outs[0])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_undo_copy_where_the_kernel_does_not_apply():
+    """Through :func:`adam_update_`: where the kernel does not run (disabled), ``undo`` is copied before the
+    torch-op update; where it refuses a buffer (overlapping the undo copy) nothing is written."""
+    h = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw_mode=True,
+                  bias_correction=True)
+    master, grad, m, v = make_state(N, torch.bfloat16)
+    before = [t.clone() for t in (master, m, v)]
+    undo = tuple(torch.empty(N) for _ in range(3))
+    assert not host_adam_ext.try_update(master, grad, m, v, 1, h, 1.0, None, undo=(master,) + undo[1:])
+    assert torch.equal(master, before[0]) and torch.equal(m, before[1])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(host_adam_ext.DISABLE_ENV, "1")
+        adam_update_(master, grad, m, v, 1, h, undo=undo)
+    for saved, old in zip(undo, before):
+        assert torch.equal(saved, old)
+    assert not torch.equal(m, before[1])

@@ -20,14 +20,28 @@ from .adam_math import AdamHyper, adam_update_torch_
 def adam_update_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                  step: int, hyper: AdamHyper, grad_multiplier: float = 1.0,
                  param_out: torch.Tensor | None = None, fp32_within_ulp: bool = False,
-                 param_spans: list[tuple[int, int]] | None = None) -> None:
+                 param_spans: list[tuple[int, int]] | None = None,
+                 undo: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """One Adam step on flat buffers, in place (arguments as for :func:`adam_update_torch_`): the host
     kernel where it applies, else the torch-op formulation. ``fp32_within_ulp``, ``param_spans`` (where
     the parameters packed in the buffers begin and end): see
-    :func:`chunkmem.optim.host_adam_ext.try_update`."""
-    if not host_adam_ext.try_update(master, grad, exp_avg, exp_avg_sq, step, hyper, grad_multiplier, param_out,
-                                    fp32_within_ulp, param_spans):
-        adam_update_torch_(master, grad, exp_avg, exp_avg_sq, step, hyper, grad_multiplier, param_out)
+    :func:`chunkmem.optim.host_adam_ext.try_update`. ``undo``: three buffers like ``master`` that receive
+    ``master``, ``exp_avg`` and ``exp_avg_sq`` as they were before the update (by the kernel in its pass
+    over memory, else copied first)."""
+    try:
+        if host_adam_ext.try_update(master, grad, exp_avg, exp_avg_sq, step, hyper, grad_multiplier, param_out,
+                                    fp32_within_ulp, param_spans, undo):
+            return
+    except BaseException:
+        _save(undo, master, exp_avg, exp_avg_sq)  # the kernel refused before writing anything
+        raise
+    _save(undo, master, exp_avg, exp_avg_sq)
+    adam_update_torch_(master, grad, exp_avg, exp_avg_sq, step, hyper, grad_multiplier, param_out)
+
+
+def _save(undo: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, *state: torch.Tensor) -> None:
+    for saved, values in zip(undo or (), state):
+        saved.copy_(values)
 
 
 def adam_update_pieces_(master: torch.Tensor, grad: host_adam_ext.GradPieces, exp_avg: torch.Tensor,

@@ -194,12 +194,7 @@ class BackwardStep:
                 params_free()  # step() writes them, and will not know of the fetch still reading them
                 return
             if off_thread:
-                undo = self.undo.get(chunk)
-
-                def before_update() -> None:
-                    params_free()
-                    self.undo.fill(undo)
-                opt.start_update_off_thread(chunk, multiplier, self.host_updates, before_update)
+                opt.start_update_off_thread(chunk, multiplier, self.host_updates, params_free, self.undo.get(chunk))
             else:
                 opt._update_chunk(chunk, multiplier)
 

@@ -70,7 +70,7 @@ DISABLE_ENV = "CHUNKMEM_DISABLE_CPP_ADAM"
 FP32_ENV = "CHUNKMEM_CPP_ADAM_FP32"
 SOURCE = CSRC / "host_adam.cpp"
 CXXFLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-math-errno")
-ABI_VERSION = 6
+ABI_VERSION = 7
 # VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE: the mode in which torch's Tensor.sqrt calls vmsSqrt
 VML_SQRT_MODE = 0x2 | 0x140000 | 0x100
 SQRT_VARIANTS = ("ieee", "vml")
@@ -111,7 +111,7 @@ class HostAdamKernel:
         self.openmp = bool(lib.chunkmem_host_adam_openmp())
         f, i, i64, ptr = ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
         lib.chunkmem_host_adam.argtypes = ([ptr, ptr, i, ptr, ptr, ptr, i, i64] + [f] * 9
-                                           + [i, i, ptr, i64, i, i64, ptr, i64, ptr, ptr, i64, i])
+                                           + [i, i, ptr, i64, i, i64, ptr, i64, ptr, ptr, i64, i, ptr, ptr, ptr])
         lib.chunkmem_host_adam.restype = i
         lib.chunkmem_stream_4r3w.argtypes = [ptr, ptr, ptr, ptr, i64, f, i]
         lib.chunkmem_stream_4r3w.restype = None
@@ -130,7 +130,8 @@ class HostAdamKernel:
                exp_avg_sq: torch.Tensor, step: int, hyper, grad_multiplier: float = 1.0,
                param_out: torch.Tensor | None = None, *, fma: bool | None = None, sqrt: str | None = None,
                nt_min: int | None = None, nthreads: int | None = None, tail_runs: list[int] | None = None,
-               avx512: bool | None = None) -> None:
+               avx512: bool | None = None, undo: "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None" = None
+               ) -> None:
         """The update on already validated buffers (see :func:`try_update`); ``hyper`` an AdamHyper;
         ``grad`` one flat tensor or :data:`GradPieces` (elements no piece covers are not updated).
         ``fma``, ``sqrt``: a variant other than the chosen one; ``nt_min``: streaming stores of the
@@ -138,7 +139,9 @@ class HostAdamKernel:
         flat ``[start, end, ...]`` element pairs (sorted, disjoint) rounded as the per-element tail of
         ``torch.optim.AdamW(fused=True)`` (fp32 gradient, no 16-bit copy, FMA, IEEE square root only);
         ``avx512``: the AVX-512 body (``True``, only where ``avx512_available``) or the AVX2 one (``False``)
-        instead of the default (``self.avx512``)."""
+        instead of the default (``self.avx512``); ``undo``: three fp32 buffers like ``master`` that receive
+        ``master``, ``exp_avg`` and ``exp_avg_sq`` as they were before the update (every element), each block
+        copied as the update reads it."""
         pieces = grad if isinstance(grad, list) else None
         grad_ptr = None if pieces is not None else grad.data_ptr()
         if pieces is not None:
@@ -180,7 +183,7 @@ class HostAdamKernel:
                           (ctypes.c_int64 * len(tail_runs))(*tail_runs) if tail_runs else None,
                           len(tail_runs) // 2 if tail_runs else 0,
                           *((starts, bounds, len(pieces)) if pieces is not None else (None, None, 0)),
-                          int(avx512))
+                          int(avx512), *((t.data_ptr() for t in undo) if undo is not None else (None,) * 3))
         if rc != 0:
             raise RuntimeError(f"chunkmem host Adam kernel refused dtypes {grad.dtype} -> "
                                f"{None if param_out is None else param_out.dtype}")
@@ -402,8 +405,10 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def try_update(master: torch.Tensor, grad: "torch.Tensor | GradPieces", exp_avg: torch.Tensor,
                exp_avg_sq: torch.Tensor, step: int, hyper, grad_multiplier: float, param_out: torch.Tensor | None,
-               fp32_within_ulp: bool = False, param_spans: list[tuple[int, int]] | None = None) -> bool:
-    """Run the update with the kernel if it applies (see the module docstring); ``False``: not done.
+               fp32_within_ulp: bool = False, param_spans: list[tuple[int, int]] | None = None,
+               undo: "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None" = None) -> bool:
+    """Run the update with the kernel if it applies (see the module docstring); ``False``: not done (and
+    ``undo`` not written either).
     ``grad``: one flat tensor like the others, or :data:`GradPieces` (the elements no piece covers are
     left as they are). ``fp32_within_ulp``: use it for fp32 gradients too where it is only within an
     ulp of the reference (speed over bitwise equality; chunkmem's own optimizers do not ask for it, so
@@ -411,12 +416,13 @@ def try_update(master: torch.Tensor, grad: "torch.Tensor | GradPieces", exp_avg:
     ``[start, end)`` element spans of the parameters in these buffers (relative to their start, reaching
     beyond them where a parameter is cut); default: the buffers are one parameter. With fp32 gradients
     the update equals ``torch.optim.AdamW(fused=True)`` on those parameters where
-    :func:`fp32_reference` says so."""
+    :func:`fp32_reference` says so. ``undo``: three buffers like ``master`` that receive ``master``,
+    ``exp_avg`` and ``exp_avg_sq`` as they were before the update, in the same pass over memory."""
     if master.device.type != "cpu" or disabled():
         return False
     n = master.numel()
     states = (master, exp_avg, exp_avg_sq)
-    for t in states:
+    for t in states + (tuple(undo) if undo is not None else ()):
         if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or t.numel() != n:
             return False
     grads = _gradient_tensors(grad, n)
@@ -435,7 +441,7 @@ def try_update(master: torch.Tensor, grad: "torch.Tensor | GradPieces", exp_avg:
         return False
     if n == 0:
         return True
-    written = states if param_out is None else states + (param_out,)
+    written = (states if param_out is None else states + (param_out,)) + (tuple(undo) if undo is not None else ())
     for i, a in enumerate(written):  # the kernel streams each buffer once: no two may share memory,
         for b in written[i + 1:]:    # except the 16-bit copy written over the flat gradient it was read from
             if _overlaps(a, b):
@@ -446,9 +452,10 @@ def try_update(master: torch.Tensor, grad: "torch.Tensor | GradPieces", exp_avg:
                 return False
     if fused:
         k.update(master, grad, exp_avg, exp_avg_sq, step, hyper, grad_multiplier, fma=True, sqrt="ieee",
-                 tail_runs=tail_runs(param_spans if param_spans is not None else [(0, n)], n, k.fused_tail))
+                 tail_runs=tail_runs(param_spans if param_spans is not None else [(0, n)], n, k.fused_tail),
+                 undo=undo)
     else:
-        k.update(master, grad, exp_avg, exp_avg_sq, step, hyper, grad_multiplier, param_out)
+        k.update(master, grad, exp_avg, exp_avg_sq, step, hyper, grad_multiplier, param_out, undo=undo)
     torch.autograd.graph.increment_version(list(written))
     return True
 

@@ -30,6 +30,7 @@ from .any_optimizer import (LayoutWatch, ParamView, PieceStep, StateLayout, chec
 from .adam_kernels import adam_update_, adam_update_pieces_, param_spans
 from .adam_math import AdamHyper
 from .backward_step import BackwardStep, check_step_in_backward, check_undo_room, why_no_speculation
+from .speculation import UndoCopies, UndoCopy
 from .disk_step import ChunkUpdate, DiskStepError, StreamedStep, gaps, streamed_count
 from .loss_scaler import DynamicGradScaler
 from .closure import run_closure
@@ -667,11 +668,11 @@ class ShardedOptimizerV2(Optimizer):
                 and self.runtime.compute_tier(chunk) is Tier.HOST and self.runtime.grad_pieces(chunk) is None)
 
     def start_update_off_thread(self, chunk: Chunk, multiplier: float, updates: HostUpdates,
-                                first: Callable[[], None]) -> None:
+                                first: Callable[[], None], undo: UndoCopy) -> None:
         """:meth:`_update_chunk` of a chunk :meth:`updates_off_thread` allows, as a job of ``updates``: the
         bookkeeping now; on the job's thread the waits for the gradient's copy and for the fetch still reading
-        the parameters the update writes, ``first()`` (the undo copy) and the update; the copy marked updated
-        and the step counts advanced when ``updates`` is joined."""
+        the parameters the update writes, ``first()``, and the update, which fills ``undo`` as it reads the
+        state; the copy marked updated and the step counts advanced when ``updates`` is joined."""
         tier = self.runtime.compute_tier(chunk)
         grad, landed = self.runtime.grad_landing(chunk)
         target, target_free = self.runtime.update_target_waiting_later(chunk, tier)
@@ -682,7 +683,7 @@ class ShardedOptimizerV2(Optimizer):
             landed()
             target_free()
             first()
-            self._adam(chunk, target, grad, None, ranges, multiplier)
+            self._adam(chunk, target, grad, None, ranges, multiplier, undo)
 
         def then() -> None:
             self.runtime.mark_updated(chunk, tier)
@@ -692,26 +693,37 @@ class ShardedOptimizerV2(Optimizer):
 
     def _adam(self, chunk: Chunk, target: torch.Tensor, grad: torch.Tensor | None,
               pieces: list[tuple[int, torch.Tensor]] | None, ranges: list[tuple[int, int, AdamHyper, int]],
-              multiplier: float) -> None:
+              multiplier: float, undo: UndoCopy | None = None) -> None:
         """Adam over ``ranges`` of this rank's shard of ``chunk`` into ``target`` (the copy of the parameters
         the update writes), from the flat ``grad`` or from autograd's ``pieces``; tensors only, no runtime
-        state, except where pieces fall back to the flat gradient."""
+        state, except where pieces fall back to the flat gradient. ``undo``: an undo copy to fill with the
+        values before the update (by the kernel as it reads them, where it can)."""
         if grad is not None:
             grad = grad.to(target.device)
         master = chunk.optim[MASTER].tensor if chunk.has_master else target
         exp_avg, exp_avg_sq = chunk.optim[EXP_AVG].tensor, chunk.optim[EXP_AVG_SQ].tensor
         spans = param_spans(chunk.slots, chunk.shard_offset)
-        for a, b, hyper, step in ranges:
-            out = target[a:b] if chunk.has_master else None
-            relative_spans = [(s - a, e - a) for s, e in spans]
-            if pieces is not None:
-                inside = [(offset - a, t) for offset, t in pieces if a <= offset < b]
-                if adam_update_pieces_(master[a:b], inside, exp_avg[a:b], exp_avg_sq[a:b], step, hyper,
-                                       multiplier, out, relative_spans):
-                    continue
-                pieces, grad = None, self.runtime.grad_of(chunk).to(target.device)  # flat from here on
-            adam_update_(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], step, hyper,
-                         grad_multiplier=multiplier, param_out=out, param_spans=relative_spans)
+        saved = undo.adam_copies() if undo is not None and pieces is None else None
+        if undo is not None and saved is None:
+            UndoCopies.fill(undo)
+        reached = 0  # ranges whose update was started: their undo values are in (adam_update_ sees to that)
+        try:
+            for a, b, hyper, step in ranges:
+                reached += 1
+                out = target[a:b] if chunk.has_master else None
+                relative_spans = [(s - a, e - a) for s, e in spans]
+                if pieces is not None:
+                    inside = [(offset - a, t) for offset, t in pieces if a <= offset < b]
+                    if adam_update_pieces_(master[a:b], inside, exp_avg[a:b], exp_avg_sq[a:b], step, hyper,
+                                           multiplier, out, relative_spans):
+                        continue
+                    pieces, grad = None, self.runtime.grad_of(chunk).to(target.device)  # flat from here on
+                adam_update_(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], step, hyper,
+                             grad_multiplier=multiplier, param_out=out, param_spans=relative_spans,
+                             undo=None if saved is None else (saved[0][a:b], saved[1][a:b], saved[2][a:b]))
+        finally:
+            if saved is not None:  # the values no update read: between the ranges, and past a failed one
+                UndoCopies.fill(undo, outside=gaps(ranges[:reached], 0, chunk.shard_numel))
         if chunk.has_master:  # the copy written may be new memory: what no range wrote is the master's rounding
             for a, b in gaps(ranges, 0, chunk.shard_numel):
                 target[a:b].copy_(master[a:b])

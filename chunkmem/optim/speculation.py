@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..core.chunk import MASTER, Chunk
+from ..core.chunk import EXP_AVG, EXP_AVG_SQ, MASTER, Chunk
 from ..core.memory import TierMemory
 from ..core.tiers import Tier
 from ..errors import HostCapacityError
@@ -59,6 +59,15 @@ class UndoCopy:
     whole: dict[int, dict[str, Any]] = field(default_factory=dict)  # another optimizer's, by slot
     sources: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (copy, source) to fill
     filled: bool = False  # the values are in (an update started off autograd's thread fills it first)
+
+    def adam_copies(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The copies of Adam's master (the parameters for an fp32 chunk), ``exp_avg`` and ``exp_avg_sq``,
+        which the host Adam kernel fills in the pass of its update; ``None`` where the copy holds another
+        optimizer's state."""
+        master = self.families.get(MASTER, self.params)
+        if master is None or set(self.families) - {MASTER} != {EXP_AVG, EXP_AVG_SQ}:
+            return None
+        return master, self.families[EXP_AVG], self.families[EXP_AVG_SQ]
 
 
 class UndoCopies:
@@ -109,10 +118,14 @@ class UndoCopies:
         return True
 
     @staticmethod
-    def fill(undo: UndoCopy) -> None:
-        """Copy the values into ``undo`` (tensors only: callable from the update's thread)."""
+    def fill(undo: UndoCopy, outside: list[tuple[int, int]] | None = None) -> None:
+        """Copy the values into ``undo`` (tensors only: callable from the update's thread); ``outside``: only
+        these element ranges, the update having copied the rest (:meth:`UndoCopy.adam_copies`)."""
         for saved, tensor in undo.sources:
-            saved.copy_(tensor)
+            if outside is None:
+                saved.copy_(tensor)
+            for a, b in outside or ():
+                saved[a:b].copy_(tensor[a:b])
         undo.sources, undo.filled = [], True
 
     def restore_into(self, undo: UndoCopy, params: torch.Tensor) -> None:
