@@ -113,7 +113,11 @@ class ChunkExecutor:
             tier = Tier.HOST
         if tier is Tier.DEVICE:
             buf.fetch_to_device()
-            buf.free_shard()
+            if not (chunk.trainable and self.compute_tier(chunk) is Tier.HOST):
+                buf.free_shard()
+            # else the shard stays, current: the host update writes it every step (offloaded optimizer
+            # state), and giving it back would pin and unpin its memory and copy it back from the device
+            # at every step
         elif tier in (Tier.HOST, Tier.DISK):
             buf.wait()
             if not buf.shard_valid:
