@@ -43,6 +43,24 @@ def make_state(n, grad_dtype, seed=1, grad_scale=64.0):
     return master, grad, m, v
 
 
+def padded_pieces(sizes, gap):
+    """Parameters of ``sizes`` elements, each followed by ``gap`` elements of padding: (total elements,
+    their ``[start, end)`` spans)."""
+    offsets = [i * gap + sum(sizes[:i]) for i in range(len(sizes))]
+    return offsets[-1] + sizes[-1] + gap, [(o, o + s) for o, s in zip(offsets, sizes)]
+
+
+def each_thread_count(counts=(1, 3)):
+    """Run the loop body with torch's thread count set to each of ``counts`` in turn, then restore it."""
+    threads = torch.get_num_threads()
+    try:
+        for nthreads in counts:
+            torch.set_num_threads(nthreads)
+            yield nthreads
+    finally:
+        torch.set_num_threads(threads)
+
+
 
 
 def test_kernel_builds():
@@ -420,40 +438,32 @@ def test_gradient_in_pieces_equals_the_flat_gradient(grad_dtype):
     get_kernel()
     h = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw_mode=True,
                   bias_correction=True)
-    sizes, gap = [13, 64, 70_001, 5, (1 << 17) + 11], 51  # gaps of padding after each piece
-    offsets = [i * gap + sum(sizes[:i]) for i in range(len(sizes))]
-    n = offsets[-1] + sizes[-1] + gap
-    spans = [(o, o + s) for o, s in zip(offsets, sizes)]
+    n, spans = padded_pieces([13, 64, 70_001, 5, (1 << 17) + 11], 51)
     out_dtype = None if grad_dtype == torch.float32 else grad_dtype
-    threads = torch.get_num_threads()
-    try:
-        for nthreads in (1, 3):
-            torch.set_num_threads(nthreads)
-            flat, pieced = make_state(n, grad_dtype, seed=nthreads), make_state(n, grad_dtype, seed=nthreads)
-            for state in (flat, pieced):
-                for lo, hi in zip([0] + [end for _, end in spans], [start for start, _ in spans] + [n]):
-                    state[1][lo:hi] = 0  # the flat gradient's padding is zero
-            pieces = [(start, pieced[1][start:end].clone()) for start, end in spans]
-            outs = [torch.empty(n, dtype=grad_dtype) if out_dtype else None for _ in range(2)]
-            for out in outs:
-                if out is not None:
-                    out.fill_(7)
-            before = [t.clone() for t in pieced]
-            assert host_adam_ext.try_update(flat[0], flat[1], flat[2], flat[3], 3, h, 0.5, outs[0], param_spans=spans)
-            assert host_adam_ext.try_update(pieced[0], pieces, pieced[2], pieced[3], 3, h, 0.5, outs[1],
-                                            param_spans=spans)
-            covered = torch.zeros(n, dtype=torch.bool)
-            for start, end in spans:
-                covered[start:end] = True
-            for got, want, old in zip((pieced[0], pieced[2], pieced[3]), (flat[0], flat[2], flat[3]),
-                                      (before[0], before[2], before[3])):
-                assert torch.equal(got[covered], want[covered])
-                assert torch.equal(got[~covered], old[~covered])  # padding untouched
-            if out_dtype is not None:
-                assert torch.equal(outs[1][covered], outs[0][covered])
-                assert (outs[1][~covered] == 7).all()
-    finally:
-        torch.set_num_threads(threads)
+    for nthreads in each_thread_count():
+        flat, pieced = make_state(n, grad_dtype, seed=nthreads), make_state(n, grad_dtype, seed=nthreads)
+        for state in (flat, pieced):
+            for lo, hi in zip([0] + [end for _, end in spans], [start for start, _ in spans] + [n]):
+                state[1][lo:hi] = 0  # the flat gradient's padding is zero
+        pieces = [(start, pieced[1][start:end].clone()) for start, end in spans]
+        outs = [torch.empty(n, dtype=grad_dtype) if out_dtype else None for _ in range(2)]
+        for out in outs:
+            if out is not None:
+                out.fill_(7)
+        before = [t.clone() for t in pieced]
+        assert host_adam_ext.try_update(flat[0], flat[1], flat[2], flat[3], 3, h, 0.5, outs[0], param_spans=spans)
+        assert host_adam_ext.try_update(pieced[0], pieces, pieced[2], pieced[3], 3, h, 0.5, outs[1],
+                                        param_spans=spans)
+        covered = torch.zeros(n, dtype=torch.bool)
+        for start, end in spans:
+            covered[start:end] = True
+        for got, want, old in zip((pieced[0], pieced[2], pieced[3]), (flat[0], flat[2], flat[3]),
+                                  (before[0], before[2], before[3])):
+            assert torch.equal(got[covered], want[covered])
+            assert torch.equal(got[~covered], old[~covered])  # padding untouched
+        if out_dtype is not None:
+            assert torch.equal(outs[1][covered], outs[0][covered])
+            assert (outs[1][~covered] == 7).all()
 
 
 def test_gradient_pieces_the_kernel_cannot_read_change_nothing():
@@ -654,35 +664,27 @@ def test_undo_copy_in_the_update_pass(grad_dtype, pieced):
     get_kernel()
     h = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw_mode=True,
                   bias_correction=True)
-    sizes, gap = [13, 70_001, 5, (1 << 17) + 11], 51
-    offsets = [i * gap + sum(sizes[:i]) for i in range(len(sizes))]
-    n = offsets[-1] + sizes[-1] + gap
-    spans = [(o, o + s) for o, s in zip(offsets, sizes)]
+    n, spans = padded_pieces([13, 70_001, 5, (1 << 17) + 11], 51)
     out_dtype = None if grad_dtype == torch.float32 else grad_dtype
-    threads = torch.get_num_threads()
-    try:
-        for nthreads in (1, 3):
-            torch.set_num_threads(nthreads)
-            plain, with_undo = make_state(n, grad_dtype, seed=nthreads), make_state(n, grad_dtype, seed=nthreads)
-            before = [t.clone() for t in with_undo]
-            undo = tuple(torch.full((n + 1,), float("nan"))[1:] for _ in range(3))
-            outs = [torch.zeros(n, dtype=out_dtype) if out_dtype else None for _ in range(2)]
-            grad = [(start, with_undo[1][start:end].clone()) for start, end in spans] if pieced else with_undo[1]
-            if pieced:
-                plain_grad = [(start, plain[1][start:end].clone()) for start, end in spans]
-            assert host_adam_ext.try_update(plain[0], plain_grad if pieced else plain[1], plain[2], plain[3], 3, h,
-                                            0.5, outs[0], param_spans=spans)
-            assert host_adam_ext.try_update(with_undo[0], grad, with_undo[2], with_undo[3], 3, h, 0.5, outs[1],
-                                            param_spans=spans, undo=undo)
-            for saved, old in zip(undo, (before[0], before[2], before[3])):
-                assert torch.equal(saved, old)
-            for got, want in zip((with_undo[0], with_undo[2], with_undo[3]), (plain[0], plain[2], plain[3])):
-                assert torch.equal(got, want)
-            assert not torch.equal(with_undo[2], before[2])
-            if out_dtype is not None:
-                assert torch.equal(outs[1], outs[0])
-    finally:
-        torch.set_num_threads(threads)
+    for nthreads in each_thread_count():
+        plain, with_undo = make_state(n, grad_dtype, seed=nthreads), make_state(n, grad_dtype, seed=nthreads)
+        before = [t.clone() for t in with_undo]
+        undo = tuple(torch.full((n + 1,), float("nan"))[1:] for _ in range(3))
+        outs = [torch.zeros(n, dtype=out_dtype) if out_dtype else None for _ in range(2)]
+        grad = [(start, with_undo[1][start:end].clone()) for start, end in spans] if pieced else with_undo[1]
+        if pieced:
+            plain_grad = [(start, plain[1][start:end].clone()) for start, end in spans]
+        assert host_adam_ext.try_update(plain[0], plain_grad if pieced else plain[1], plain[2], plain[3], 3, h,
+                                        0.5, outs[0], param_spans=spans)
+        assert host_adam_ext.try_update(with_undo[0], grad, with_undo[2], with_undo[3], 3, h, 0.5, outs[1],
+                                        param_spans=spans, undo=undo)
+        for saved, old in zip(undo, (before[0], before[2], before[3])):
+            assert torch.equal(saved, old)
+        for got, want in zip((with_undo[0], with_undo[2], with_undo[3]), (plain[0], plain[2], plain[3])):
+            assert torch.equal(got, want)
+        assert not torch.equal(with_undo[2], before[2])
+        if out_dtype is not None:
+            assert torch.equal(outs[1], outs[0])
 
 
 def test_undo_copy_where_the_kernel_does_not_apply():
