@@ -72,7 +72,7 @@ SIZES = {
 CONFIGS = ("plain", "cm-cuda", "cm-cpu", "cm-auto", "cm-optim-offload", "fsdp2-offload", "torchao-offload")
 DTYPES = ("fp32", "bf16", "fp16")
 PER_DTYPE = ("cm-cuda", "cm-cpu", "cm-cpu:sib", "cm-auto", "cm-auto:sib", "cm-cuda:sib", "cm-optim-offload",
-             "fsdp2-offload", "torchao-offload")
+             "cm-optim-offload:sib", "fsdp2-offload", "torchao-offload")
 PLANS = {
     "full": ["plain:fp32", "plain:bf16"] + [f"{c.split(':')[0]}:{d}" + (":sib" if c.endswith(":sib") else "")
                                            for d in ("fp32", "bf16") for c in PER_DTYPE],
