@@ -88,7 +88,7 @@ def test_quantized_training_stays_near_the_exact_run():
     exact = torch.tensor([r[False] for r in ranks]).mean(0)
     quantized = torch.tensor([r[True] for r in ranks]).mean(0)
     assert quantized[-1] < exact[0] - 0.5  # it learns
-    assert (quantized - exact).abs().max() < 0.02 * exact.max()  # the documented distance (README)
+    assert (quantized - exact).abs().max() < 0.02 * exact.max()  # the documented distance (docs/guides/several-processes.md)
     assert not torch.equal(quantized, exact)
 
 

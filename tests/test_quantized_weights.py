@@ -97,7 +97,7 @@ def test_quantized_training_stays_near_the_exact_run(ranks):
     exact = torch.tensor([r[False]["losses"] for r in ranks]).mean(0)
     quantized = torch.tensor([r[True]["losses"] for r in ranks]).mean(0)
     assert quantized[-1] < exact[0] - 0.5
-    assert (quantized - exact).abs().max() < 0.02 * exact.max()  # the documented distance (README)
+    assert (quantized - exact).abs().max() < 0.02 * exact.max()  # the documented distance (docs/guides/several-processes.md)
 
 
 def test_nontrainable_and_reuse_fp16_shard(ranks):
