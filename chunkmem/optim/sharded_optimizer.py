@@ -144,7 +144,8 @@ class ShardedOptimizerV2(WrappingOptimizer):
                                       sharded_model.settings)  # step_in_backward: what the backward started
         self._disk = DiskCommit(self.runtime, parts.rule, self._backward, self.mixed, self._accounting,
                                 sharded_model.settings)
-        self._idioms = GradientIdioms(self)  # torch's idioms on the parameters' .grad stand-ins
+        # torch's idioms on the parameters' .grad stand-ins
+        self._idioms = GradientIdioms(self.runtime, self.mixed, self._backward)
         self._init_optimizer_hooks()
         parts.rule.prepare_chunks()
         self.runtime.attach_optimizer(self, settings.gpu_margin_mem_ratio, parts.kept_on_host)
