@@ -101,6 +101,9 @@ class ShardedOptimizerV2(WrappingOptimizer):
     Param groups may share a chunk: each chunk is updated per contiguous range of one group, with that
     group's hyper-parameters. A parameter whose ``requires_grad`` is ``False`` at the step is not updated
     (no weight decay, no moment update), as torch's optimizers skip a parameter without a gradient.
+
+    ``update_rule`` is the chunk update rule chosen when it is built (:mod:`chunkmem.optim.update_rule`: the
+    Adam kernel or the wrapped optimizer's own step); state dicts, checkpoints and resharding ask it.
     """
 
     def __init__(self, sharded_model: ShardedModelV2, optimizer: Any, gpu_margin_mem_ratio: float = 0.0,
