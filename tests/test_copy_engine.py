@@ -83,7 +83,8 @@ def _assert_same(a, b):
 
 def _compare(placement="cpu", dtype="fp32", steps=3, **case):
     """Train under the plain and the deferred engine; same bits. Returns the host waits of the deferred model's
-    last step (by site; ``auto`` plans at the end of its traced backwards, and moves gradients then) and the model."""
+    last step (by site; ``auto`` plans at the end of its traced backwards, and moves gradients then), the model and
+    its optimizer (the runtime holds the optimizer weakly: a caller that reads it must hold it)."""
     reference = _reference()
     train_args = {k: case.pop(k) for k in ("micro_batches", "overflow_at", "clip") if k in case}
     data = batches(steps)
@@ -96,18 +97,18 @@ def _compare(placement="cpu", dtype="fp32", steps=3, **case):
         last = _train(model, optim, data[-1:], **train_args)
         result = tuple(a + b for a, b in zip(result, last))
         waits = {k: v - before.get(k, 0) for k, v in engine.host_waits.items() if v != before.get(k, 0)}
-        runs.append((result, _state(model, optim), waits, model))
-    (plain_result, plain_state, _, _), (deferred_result, deferred_state, waits, model) = runs
+        runs.append((result, _state(model, optim), waits, model, optim))
+    (plain_result, plain_state, _, _, _), (deferred_result, deferred_state, waits, model, optim) = runs
     assert plain_result == deferred_result
     _assert_same(plain_state, deferred_state)
     assert model.runtime.memory.copies.name == "deferred"
-    return waits, model
+    return waits, model, optim
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("placement", ["cpu", "auto", "cuda"])
 def test_deferred_copies_train_bitwise_as_plain_copies(placement, dtype):
-    waits, model = _compare(placement, dtype)
+    waits, model, _ = _compare(placement, dtype)
     assert not [site for site in waits if site.endswith("in backward")], waits
     if placement == "cpu":  # every trainable chunk's gradient landed on the host, and was waited for once
         assert waits == {"grad landing": sum(c.trainable for c in model.chunks)}
@@ -124,10 +125,10 @@ def test_deferred_copies_with_step_in_backward(dtype):
     """The backward's host updates run off autograd's thread (chunkmem/optim/host_updates.py): the hook never
     waits for a gradient's copy (before 2026-11-27 each chunk's update waited in the hook: 'grad landing in
     backward'), and the result is bitwise the plain engine's, clipping redone included."""
-    waits, model = _compare("cpu", dtype, steps=4, step_in_backward=True, max_norm=0.05)
+    waits, model, optim = _compare("cpu", dtype, steps=4, step_in_backward=True, max_norm=0.05)
     assert not [site for site in waits if site.endswith("in backward")], waits
     assert waits.get("grad landing", 0) > 0  # the update thread waited for them instead
-    assert model.runtime._optimizer()._backward.host_updates.pending == 0
+    assert optim._backward.host_updates.pending == 0
     _compare("cuda", dtype, steps=3, step_in_backward=True)
 
 
@@ -275,12 +276,12 @@ def test_offloaded_optimizer_keeps_the_host_copy_its_update_writes(dtype):
     from the device first (on a GPU: 1.3 GB pinned, unpinned and copied down a step for a 336M GPT, 4.45x plain
     fp32 on the H200). Now a step moves only the gradients to the host, and trains bitwise as the plain engine,
     also with ``step_in_backward`` (the host updates off autograd's thread, clipping that triggers redone)."""
-    waits, model = _compare("static", dtype, offload_optim_frac=1.0)
+    waits, model, _ = _compare("static", dtype, offload_optim_frac=1.0)
     trainable = [c for c in model.chunks if c.trainable]
     assert trainable and all(c.param.shard.allocated and c.param.shard_valid for c in trainable)
     grad_bytes = sum(c.param.nbytes for c in trainable)  # the gradients have the parameters' dtype
     assert model.memory_stats()["totals"]["moved_to_host_bytes"] == grad_bytes
     assert waits == {"grad landing": len(trainable)}
-    waits, model = _compare("static", dtype, offload_optim_frac=1.0, step_in_backward=True, max_norm=0.05)
+    waits, model, optim = _compare("static", dtype, offload_optim_frac=1.0, step_in_backward=True, max_norm=0.05)
     assert not [site for site in waits if site.endswith("in backward")], waits
-    assert model.runtime._optimizer()._backward.host_updates.pending == 0
+    assert optim._backward.host_updates.pending == 0

@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from ..storage.atomic_file import remove_stale_temporaries, temporary_target, write_atomically, write_json_atomically
 from ..storage.checksums import HashingWriter, content_checksum, file_checksum
-from ..core.chunk import EXP_AVG, EXP_AVG_SQ, MASTER
+from ..core.chunk import MASTER
 from ..distributed.collectives import SINGLE_PROCESS, ShardGroup, all_reduce_over, distributed_ready
 from ..errors import ArgumentTypeError, InvalidArgumentError, check_type
 from ..core.param_guard import slot_of
@@ -414,12 +414,7 @@ def _rank_payload(model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None, g
         if optimizer is not None and chunk.trainable:
             entry["slot_steps"] = [chunk.step_of(s) for s in chunk.slots]
             entry["step"] = max(entry["slot_steps"], default=0)  # 0: the chunk has no optimizer state yet
-            if optimizer.state_layout is None:
-                entry.update(exp_avg=_saved(chunk.optim[EXP_AVG]), exp_avg_sq=_saved(chunk.optim[EXP_AVG_SQ]))
-            else:
-                entry.update(state={key: _saved(chunk.optim[key]) for key in chunk.state_families},
-                             slot_scalars={k: scalar_copy(v) for k, v in optimizer.scalar_state(chunk).items()},
-                             whole={k: scalar_copy(v) for k, v in optimizer.whole_state(chunk).items()})
+            entry.update(optimizer.update_rule.saved_state(chunk, _saved))
         chunks.append(entry)
     keys, buffers = [], {}
     for key, value in model.module.state_dict(keep_vars=True).items():
@@ -438,9 +433,8 @@ def _optimizer_small_state(optimizer: ShardedOptimizerV2) -> dict[str, Any]:
     name of the parameter behind each index, and the loss scaler."""
     groups, params = export_param_groups(optimizer)
     scaler = optimizer.grad_scaler.state_dict() if optimizer.grad_scaler is not None else None
-    layout = optimizer.state_layout
     return {"param_groups": groups, "param_names": [optimizer.model.parameter_name(p) for p in params],
-            "loss_scaler": scaler, "per_group": None if layout is None else [list(k) for k in layout.per_group]}
+            "loss_scaler": scaler, "per_group": optimizer.update_rule.per_group_keys()}
 
 
 def _plan_sharded(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None,
@@ -485,7 +479,7 @@ def _plan_own_shards(path: str, model: ShardedModelV2, optimizer: ShardedOptimiz
                     continue
                 for key, values in saved_state(entry).items():
                     chunk.optim[key].write(values)
-                if optimizer.state_layout is not None:
+                if optimizer.update_rule.keeps_slot_state:
                     scalars = saved_slot_scalars(entry, [optimizer.group_of(slot.param) for slot in chunk.slots])
                     optimizer.replace_kept_state(chunk, {k: scalar_copy(v) for k, v in scalars.items()},
                                                  {k: scalar_copy(v) for k, v in entry["whole"].items()})
@@ -535,7 +529,8 @@ def _plan_shared_state(path: str, name: str, model: ShardedModelV2, optimizer: S
         if small["param_names"] != [model.parameter_name(p) for p in params]:
             raise InvalidArgumentError("optimizer", "a ShardedOptimizerV2 whose param_groups hold other parameters "
                                                     "or another order", "the param groups the checkpoint was saved with")
-        optimizer_load = plan_hyper_load(optimizer, small["param_groups"], small["loss_scaler"])
+        optimizer_load = plan_hyper_load(optimizer, small["param_groups"], small["loss_scaler"],
+                                         adam=optimizer.update_rule.adam_hyper_parameters)
     buffers = model.module.state_dict(keep_vars=True)
 
     def load_buffers() -> None:
@@ -564,7 +559,7 @@ def _check_rank_values(name: str, model: ShardedModelV2, saved: dict[str, Any],
                 raise InvalidArgumentError(f"{where}['slot_steps']", counts,
                                            f"{len(chunk.slots)} integers >= 0, one per parameter of the chunk")
             state = saved_state(entry)
-            if tuple(state) != chunk.state_families or (optimizer.state_layout is None) == ("state" in entry):
+            if tuple(state) != chunk.state_families or optimizer.update_rule.keeps_slot_state != ("state" in entry):
                 raise InvalidArgumentError(f"{where}: the optimizer state", f"families {list(state)}",
                                            f"the optimizer's {list(chunk.state_families)} (save and load with one "
                                            f"optimizer class)")

@@ -168,7 +168,7 @@ def plan_resharded_load(path: str, model: Any, optimizer: Any, saved: SavedLayou
     saved.check_tensors(families)
     steps = _steps_by_name(path, saved) if optimizer is not None else {}
     scalars = {c.index: _scalars_of(c, saved, optimizer) for c in model.chunks if c.trainable} \
-        if optimizer is not None and optimizer.state_layout is not None else {}
+        if optimizer is not None and optimizer.update_rule.keeps_slot_state else {}
 
     def assemble(chunk: Chunk, family: str, dtype: torch.dtype) -> torch.Tensor:
         shard = torch.zeros(chunk.shard_numel, dtype=dtype)
@@ -198,7 +198,7 @@ def plan_resharded_load(path: str, model: Any, optimizer: Any, saved: SavedLayou
                 continue
             for family in chunk.state_families:
                 chunk.optim[family].write(assemble(chunk, family, torch.float32))
-            if optimizer.state_layout is not None:
+            if optimizer.update_rule.keeps_slot_state:
                 optimizer.replace_kept_state(chunk, scalars[chunk.index], {})
             chunk.steps = {slot.index_in_chunk: steps[slot.name] for slot in chunk.slots if steps.get(slot.name)}
     return apply
@@ -211,7 +211,7 @@ def _check_optimizer_state(path: str, model: Any, optimizer: Any, saved: SavedLa
     for n, entry in enumerate(saved.chunks):
         if not entry["trainable"]:
             continue
-        if (optimizer.state_layout is None) == ("state" in entry) or tuple(saved_state(entry)) != tuple(families):
+        if optimizer.update_rule.keeps_slot_state != ("state" in entry) or tuple(saved_state(entry)) != tuple(families):
             raise InvalidArgumentError(f"{path}: model.chunks[{n}]: the optimizer state",
                                        f"families {list(saved_state(entry))}",
                                        f"the optimizer's {list(families)} (save and load with one optimizer class)")

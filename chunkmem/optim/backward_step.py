@@ -15,27 +15,29 @@ must then update it.
 
 ``step()`` then keeps each update whose multiplier and assumptions (:meth:`BackwardStep.key`: the parameters
 stepped, every group's hyper-parameters) are the step's, and undoes the others before updating again, so the
-result is bitwise the step after the backward. The optimizer (:class:`~chunkmem.optim.sharded_optimizer.ShardedOptimizerV2`)
-owns the updates themselves and the disk step's commit; this module owns what the backward started.
+result is bitwise the step after the backward. The chunk update rule (:mod:`chunkmem.optim.update_rule`) makes
+the updates themselves and :mod:`chunkmem.optim.disk_commit` commits the disk step; this module owns what the
+backward started. It knows the optimizer only through the parts it is given (the runtime, the rule, the
+mixed-precision step and the settings), never the optimizer itself.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 
 from ..core.chunk import Chunk
 from ..core.tiers import Tier, host_memory_available
-from ..errors import GradientAccumulationError, InvalidArgumentError
+from ..errors import GradientAccumulationError, InvalidArgumentError, UnsupportedOperationError
+from ..model import ShardedModelV2
+from ..runtime.runtime import ChunkRuntime
 from ..settings import ModelSettings, OptimizerSettings
 from .disk_step import StreamedStep, streamed_families
 from .host_updates import HostUpdates
+from .mixed_precision import MixedPrecisionStep
 from .speculation import UndoCopies, UndoCopy
-
-if TYPE_CHECKING:
-    from ..model import ShardedModelV2
-    from .any_optimizer import StateLayout
-    from .sharded_optimizer import ShardedOptimizerV2
+from .update_rule import UpdateRule
 
 GRADIENTS_AHEAD_OF_THE_DISK_STEP = 2
 """With ``step_in_backward`` and ``atomic_step=False``: how many chunks' gradients may wait for the disk step
@@ -74,14 +76,14 @@ def check_step_in_backward(model_settings: ModelSettings, dtype: torch.dtype, se
             raise InvalidArgumentError("step_in_backward", True, f"False with {needs} and {reason}")
 
 
-def check_undo_room(model: "ShardedModelV2", state: "StateLayout | None", settings: OptimizerSettings) -> None:
-    """``step_in_backward`` with the optimizer state in memory: refuse before any change if the host
-    has no room for one undo copy of it (see :mod:`chunkmem.optim.speculation`) besides the state
-    itself: the host capacity when one is set, else the memory the system has available."""
+def check_undo_room(model: ShardedModelV2, families: tuple[str, ...], settings: OptimizerSettings) -> None:
+    """``step_in_backward`` with the optimizer state in memory (``families`` per element): refuse before any
+    change if the host has no room for one undo copy of it (see :mod:`chunkmem.optim.speculation`) besides the
+    state itself: the host capacity when one is set, else the memory the system has available."""
     if not settings.step_in_backward or model.settings.disk.optimizer_on_disk:
         return
     layout, ledger = model.layout, model.runtime.ledger
-    per_element = 2 if state is None else len(state.families)
+    per_element = len(families)
     # the masters (or fp32 parameters) and the per-element state, fp32: the state, and its undo copy
     state_bytes = undo = sum((per_element + 1) * layout.shard_numel(i, model.shards.world) * 4
                              for i in range(layout.num_chunks) if layout.trainable(i))
@@ -101,11 +103,25 @@ class BackwardStep:
     """What one optimizer's backwards started (see the module docstring). ``in_flight``: the streamed disk
     step this backward started, or ``None``; ``undo``: the undo copies of the chunks in memory it updated;
     ``kept``: how many of the backward's updates the last ``step()`` kept; ``accumulating``: inside
-    ``optim.accumulating()`` (backwards start nothing)."""
+    ``optim.accumulating()`` (backwards start nothing).
 
-    def __init__(self, optimizer: "ShardedOptimizerV2") -> None:
-        self.optimizer = optimizer
-        self.runtime = optimizer.runtime
+    Args:
+        runtime: the model's runtime.
+        rule: the optimizer's chunk update rule (it makes every update).
+        mixed: the optimizer's mixed-precision step (the loss scale the updates unscale by, the ranks' agreement).
+        settings: the optimizer's settings (``step_in_backward``, ``max_norm``).
+        model_settings: the wrapped model's settings (``atomic_step``; ``reuse_fp16_shard``: its gradients
+            share its parameters' memory, which an update overwrites).
+    """
+
+    def __init__(self, runtime: ChunkRuntime, rule: UpdateRule, mixed: MixedPrecisionStep,
+                 settings: OptimizerSettings, model_settings: ModelSettings) -> None:
+        self.runtime = runtime
+        self.rule = rule
+        self.mixed = mixed
+        self.settings = settings
+        self.model_settings = model_settings
+        self.reuse_fp16_shard = model_settings.reuse_fp16_shard
         self.in_flight: StreamedStep | None = None
         self.speculated: dict[int, tuple[Any, ...]] = {}  # chunk index -> what its update in flight assumed
         self.undo = UndoCopies(self.runtime.memory)
@@ -123,12 +139,65 @@ class BackwardStep:
         """How many chunks' updates the running (or last) backward started that ``step()`` has not decided."""
         return (0 if self.in_flight is None else len(self.in_flight.updates)) + len(self.undo)
 
+    def check_can_accumulate(self) -> None:
+        """Refuse a second backward after one that started this step's updates (outside ``accumulating()``)."""
+        if self.pending:
+            raise GradientAccumulationError(
+                "step_in_backward=True: the last backward already started this step's updates of the chunks, so "
+                "a second backward cannot add to their gradients; call optim.step() first, or run the backwards "
+                "before the last one inside optim.accumulating()")
+
+    @contextlib.contextmanager
+    def accumulating_backwards(self) -> Iterator[None]:
+        """The backwards run inside start no update (``optim.accumulating()``); not nested."""
+        if self.accumulating:
+            raise InvalidArgumentError("accumulating", "a nested accumulating()", "one accumulating() at a time")
+        self.accumulating = True
+        try:
+            yield
+        finally:
+            self.accumulating = False
+
+    def check_none_pending(self, action: str) -> None:
+        """Raise :class:`~chunkmem.UnsupportedOperationError` if updates a backward started wait for ``step()``
+        (``action``: what was attempted)."""
+        if self.pending:
+            raise UnsupportedOperationError(
+                f"{action} between a backward and optim.step() with step_in_backward=True: the backward's "
+                f"updates are not decided yet (optim.step() keeps or redoes them); call optim.step() first")
+
+    def check_can_rescale(self, what: str) -> None:
+        """Refuse ``what`` (a clipping decided after the backward) where the backward's updates could not be
+        redone with another multiplier."""
+        reason = why_no_speculation(self.model_settings) if self.settings.step_in_backward else None
+        if reason is not None:
+            raise UnsupportedOperationError(
+                f"{what} with step_in_backward=True and {reason}: the chunks on disk are updated during the "
+                f"backward, before the norm of all gradients exists, and clipping would have to redo them; build the "
+                f"ShardedOptimizerV2 without step_in_backward to clip")
+
+    def undo_all(self) -> None:
+        """``zero_grad()``: undo every update the backward started, or, where some were written in place on
+        disk (``atomic_step=False``), raise :class:`~chunkmem.UnsupportedOperationError` with nothing changed."""
+        try:
+            self.settle()
+        except Exception:  # an update that failed off autograd's thread: undone below with the others
+            pass
+        if self.in_flight is not None:
+            if not self.runtime.memory.disk.atomic_step:
+                raise UnsupportedOperationError(
+                    "zero_grad() after a backward with step_in_backward=True and atomic_step=False: the backward "
+                    "already updated chunks in place on disk and that cannot be undone; call optim.step() to "
+                    "complete the step")
+            self.abandon_in_flight()
+        self.undo_in_memory()
+
     def on_grads_final(self, chunk: Chunk) -> None:
         """As soon as ``chunk``'s gradients are final, update it as if nothing overflowed and nothing is
         clipped: hand a chunk whose optimizer state rests on disk to this backward's streamed step (started
-        with the first such chunk), update one whose state is in memory after taking its undo copy."""
-        opt = self.optimizer
-        if not opt.step_in_backward or not chunk.trainable or opt._broken_by or self.accumulating:
+        with the first such chunk), update one whose state is in memory after taking its undo copy. (The
+        optimizer starts nothing while a failed step leaves it broken.)"""
+        if not self.settings.step_in_backward or not chunk.trainable or self.accumulating:
             return
         if self.runtime.scheduler.placing_optimizer_state:
             # Where each chunk's state lives is decided when this traced iteration ends: an update here could
@@ -141,8 +210,8 @@ class BackwardStep:
         if step is None:
             disk = self.runtime.memory.disk
             families = max(streamed_families(c, c.param.shard.on_disk, disk.atomic_step)
-                           for c in opt._trainable_chunks() if self.runtime.optim_tier(c) is Tier.DISK)
-            step = self.in_flight = StreamedStep(disk, opt.mixed.any_rank, families)
+                           for c in self.runtime.trainable_chunks() if self.runtime.optim_tier(c) is Tier.DISK)
+            step = self.in_flight = StreamedStep(disk, self.mixed.any_rank, families)
             step.start()
         elif any(update.chunk is chunk for update in step.updates):
             raise GradientAccumulationError(
@@ -151,7 +220,7 @@ class BackwardStep:
                 f"after each backward")
         # As if nothing overflowed and nothing is clipped: step() checks both and redoes the step otherwise.
         self.speculated[chunk.index] = self.key(chunk)
-        step.add(opt._disk_update(chunk, 1.0 / opt.mixed.loss_scale))
+        step.add(self.rule.disk_update(chunk, 1.0 / self.mixed.loss_scale))
         if self.gradients_used_once():
             for update in step.wait_until_computed(GRADIENTS_AHEAD_OF_THE_DISK_STEP):
                 if update.grad is not None:
@@ -165,38 +234,37 @@ class BackwardStep:
         gradient once its update is computed and waits for the disk step when more than
         :data:`GRADIENTS_AHEAD_OF_THE_DISK_STEP` chunks' gradients are waiting for it, so the host holds a
         few chunks' gradients instead of all of them (2 bytes a 16-bit parameter)."""
-        opt = self.optimizer
-        return (not self.runtime.memory.disk.atomic_step and opt.mixed.scaler is None and opt.max_norm == 0
-                and not opt.model.reuse_fp16_shard)
+        return (not self.runtime.memory.disk.atomic_step and self.mixed.scaler is None and self.settings.max_norm == 0
+                and not self.reuse_fp16_shard)
 
     def _update_in_memory(self, chunk: Chunk) -> None:
         """Update ``chunk``, whose optimizer state is in memory, in this backward after taking its undo copy;
         without room on the host for the copy (or with the gradients in the parameters' memory) it is left
         for ``step()``."""
-        opt = self.optimizer
         if chunk in self.undo:
             raise GradientAccumulationError(
                 f"step_in_backward=True: {chunk.name} received gradients again before optim.step(), but it was "
                 f"already updated (a second backward, e.g. loss.backward() called twice); call optim.step() "
                 f"after each backward")
-        if opt.model.reuse_fp16_shard:
+        if self.reuse_fp16_shard:
             return
-        multiplier = 1.0 / opt.mixed.loss_scale
-        off_thread = opt.updates_off_thread(chunk)
+        multiplier = 1.0 / self.mixed.loss_scale
+        off_thread = self.rule.updates_off_thread(chunk)
         with self.runtime.untraced():
             params, params_free = None, _no_wait
             if not chunk.has_master:  # the parameters are the master: the undo copy holds them too
                 params, params_free = self.runtime.update_target_waiting_later(chunk, self.runtime.compute_tier(chunk))
             if not off_thread:
                 params_free()
-            if not self.undo.take(chunk, params, multiplier, self.key(chunk), opt.scalar_state(chunk),
-                                  opt.whole_state(chunk), fill=not off_thread):
+            if not self.undo.take(chunk, params, multiplier, self.key(chunk), self.rule.scalar_state(chunk),
+                                  self.rule.whole_state(chunk), fill=not off_thread):
                 params_free()  # step() writes them, and will not know of the fetch still reading them
                 return
             if off_thread:
-                opt.start_update_off_thread(chunk, multiplier, self.host_updates, params_free, self.undo.get(chunk))
+                self.rule.start_update_off_thread(chunk, multiplier, self.host_updates, params_free,
+                                                  self.undo.get(chunk))
             else:
-                opt._update_chunk(chunk, multiplier)
+                self.rule.update(chunk, multiplier)
 
     def settle(self) -> None:
         """Wait for the updates running off autograd's thread and complete them (the backward's end; raises
@@ -223,7 +291,7 @@ class BackwardStep:
         with self.runtime.updating(chunk, self.runtime.compute_tier(chunk)) as target:
             self.undo.restore_into(undo, target)
         chunk.steps = dict(undo.steps)
-        self.optimizer.replace_kept_state(chunk, undo.scalars, undo.whole)
+        self.rule.replace_kept_state(chunk, undo.scalars, undo.whole)
 
     def undo_in_memory(self) -> None:
         """Undo every update the backward made of chunks whose state is in memory (a copy never filled: its
@@ -237,11 +305,7 @@ class BackwardStep:
     def key(self, chunk: Chunk) -> tuple[Any, ...]:
         """What an update made in the backward assumed about ``chunk`` besides the multiplier: the parameters
         it steps (trainable, in which group, which part) and every group's hyper-parameters."""
-        opt = self.optimizer
-        stepped = tuple((slot.index_in_chunk, group, part) for slot, group, part in opt._stepped_slots(chunk))
-        groups = tuple(tuple((k, repr(v)) for k, v in sorted(g.items()) if k != "params")
-                       for g in opt.optim.param_groups)
-        return stepped, groups
+        return self.rule.assumptions(chunk)
 
     def holds(self, multiplier: float) -> bool:
         """Whether the disk updates the backward started are the step's: the same multiplier (no clipping,

@@ -37,7 +37,7 @@ after they were scaled (torch would scale only the earlier ones: scale after the
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch._C import DisableTorchFunctionSubclass
@@ -47,10 +47,10 @@ from ..core.chunk import Chunk, ParamSlot
 from ..core.param_guard import ChunkGradient, ParameterAccessError, plain_call, written_target
 from ..distributed.collectives import reduce_over_groups
 from ..errors import UnsupportedOperationError
+from ..runtime.runtime import ChunkRuntime
+from .backward_step import BackwardStep
+from .mixed_precision import MixedPrecisionStep
 from .norms import SUMMED_DTYPES, sum_of_squares
-
-if TYPE_CHECKING:
-    from .sharded_optimizer import ShardedOptimizerV2
 
 _NORMS = {"linalg_vector_norm", "_foreach_norm", "norm"}
 _SCALINGS = {"mul_", "_foreach_mul_"}
@@ -58,26 +58,36 @@ _CLAMPS = {"clamp_", "_foreach_clamp_min_", "_foreach_clamp_max_", "clamp_min_",
 
 
 class GradientIdioms:
-    """The stand-ins' side of one optimizer (see the module docstring)."""
+    """The stand-ins' side of one optimizer (see the module docstring).
 
-    def __init__(self, optimizer: "ShardedOptimizerV2") -> None:
-        self._optimizer = optimizer
+    Args:
+        runtime: the model's runtime (its gradients and backward and step counts).
+        mixed: the optimizer's mixed-precision step (the loss scale, the step's multiplier, the factors folded
+            into it, the groups a norm sums over).
+        backward: what the backward started under ``step_in_backward`` (which refuses a rescaling it could not
+            redo).
+    """
+
+    def __init__(self, runtime: ChunkRuntime, mixed: MixedPrecisionStep, backward: BackwardStep) -> None:
+        self._runtime = runtime
+        self._mixed = mixed
+        self._backward = backward
         self._norms: dict[tuple[int, int, float], dict[int, float]] = {}  # (backward, step, p) -> slot -> norm
 
     # ---- what the step and the accessors ask -------------------------------------------------------
 
     def factor_of(self, slot: ParamSlot) -> float:
         """The factor torch's in-place idioms multiplied ``slot``'s gradient by since the backward."""
-        return self._optimizer.mixed.factors.get(id(slot), 1.0)
+        return self._mixed.factors.get(id(slot), 1.0)
 
     def uniform_factor(self, chunks: list[Chunk]) -> float:
         """The one factor the coming step applies for the idioms: every parameter given a gradient has the
         same (see the module docstring for what is refused)."""
-        mixed = self._optimizer.mixed
+        mixed = self._mixed
         factors = mixed.factors
         if not factors:
             return 1.0
-        if mixed.factors_since != self._optimizer.runtime.backward_count:
+        if mixed.factors_since != self._runtime.backward_count:
             raise UnsupportedOperationError(
                 "optim.step() after a backward that added gradients to gradients already scaled in place "
                 "(clip_grad_norm_ or .grad.mul_ before that backward): torch would have scaled only the earlier "
@@ -128,10 +138,10 @@ class GradientIdioms:
                 "ranks (this rank holds a piece of it): read it whole with chunkmem.utils.safe_get_full_grad(param) "
                 "(every rank calls it), or this rank's piece with safe_get_local_grad(param); torch's "
                 "clip_grad_norm_ / clip_grad_value_ work as they are")
-        grad = self._optimizer.runtime.grad_of(chunk)
+        grad = self._runtime.grad_of(chunk)
         if grad is None or slot.index_in_chunk not in chunk.slots_with_grads:
             return torch.zeros(slot.shape, dtype=chunk.dtype)
-        multiplier = self._optimizer.grad_multiplier() * self.factor_of(slot)
+        multiplier = self._mixed.multiplier * self.factor_of(slot)
         return slot.view(grad).to(torch.float32, copy=True).mul_(multiplier).to(chunk.dtype)
 
     def _norm(self, name: str, args: tuple, kwargs: dict) -> Any:
@@ -150,20 +160,20 @@ class GradientIdioms:
 
     def _slot_norms(self, p: float) -> dict[int, float]:
         """Every trainable parameter's unscaled gradient norm of order ``p`` over the ranks (one all-reduce)."""
-        optimizer = self._optimizer
-        key = (optimizer.runtime.backward_count, optimizer.runtime.step_count, p)
+        runtime = self._runtime
+        key = (runtime.backward_count, runtime.step_count, p)
         if key not in self._norms:
             self._norms.clear()
-            slots = [s for c in optimizer.runtime.trainable_chunks() for s in c.slots]
-            sums = [_local_power_sum(optimizer, slot, p) for slot in slots]
+            slots = [s for c in runtime.trainable_chunks() for s in c.slots]
+            sums = [_local_power_sum(runtime, slot, p) for slot in slots]
             local = torch.tensor([v if isinstance(v, float) else 0.0 for v in sums], dtype=torch.float64)
             on_device = [i for i, v in enumerate(sums) if isinstance(v, torch.Tensor)]
             if on_device:  # one copy to the host for all of them, not one wait per parameter
                 local[on_device] = torch.stack([sums[i] for i in on_device]).cpu()
             maximum = math.isinf(p)
-            local = reduce_over_groups(optimizer.mixed.groups, local, maximum, "the gradient norms of clip_grad_norm_")
+            local = reduce_over_groups(self._mixed.groups, local, maximum, "the gradient norms of clip_grad_norm_")
             totals = local if maximum else local.pow(1 / p)
-            scale = optimizer.mixed.loss_scale
+            scale = self._mixed.loss_scale
             self._norms[key] = {id(s): totals[i].item() / scale for i, s in enumerate(slots)}
         return self._norms[key]
 
@@ -176,13 +186,13 @@ class GradientIdioms:
             raise ParameterAccessError(
                 "multiplying a chunk-managed gradient by a tensor of several elements: only a scalar factor (as "
                 "clip_grad_norm_ applies) can be folded into the step")
-        self._optimizer.check_can_rescale("scaling gradients in place (clip_grad_norm_, .grad.mul_)")
+        self._backward.check_can_rescale("scaling gradients in place (clip_grad_norm_, .grad.mul_)")
         value = float(factor.item() if isinstance(factor, torch.Tensor) else factor)
-        mixed = self._optimizer.mixed
+        mixed = self._mixed
         for g in grads:
             mixed.factors[id(g.slot)] = mixed.factors.get(id(g.slot), 1.0) * value
         if mixed.factors_since is None:
-            mixed.factors_since = self._optimizer.runtime.backward_count
+            mixed.factors_since = self._runtime.backward_count
         return None if isinstance(target, (list, tuple)) else target
 
     def _clamp(self, name: str, args: tuple, kwargs: dict) -> Any:
@@ -197,16 +207,15 @@ class GradientIdioms:
         if any(isinstance(b, torch.Tensor) and b.numel() != 1 for b in (low, high)):
             raise ParameterAccessError("clamping a chunk-managed gradient by tensors of bounds: only numbers (as "
                                        "clip_grad_value_ passes) are supported")
-        optimizer = self._optimizer
-        if optimizer.step_in_backward:
+        if self._backward.settings.step_in_backward:
             raise UnsupportedOperationError(
                 "clamping gradients in place (clip_grad_value_) with step_in_backward=True: the backward already "
                 "started the updates with the unclamped gradients; build the ShardedOptimizerV2 without "
                 "step_in_backward to clamp gradients")
         for g in grads:
             slot = g.slot
-            multiplier = optimizer.grad_multiplier() * self.factor_of(slot)
-            grad = optimizer.runtime.grad_of(slot.chunk)
+            multiplier = self._mixed.multiplier * self.factor_of(slot)
+            grad = self._runtime.grad_of(slot.chunk)
             part = _local_part(slot, grad) if grad is not None else None
             if part is None or part.numel() == 0 or multiplier == 0:
                 continue
@@ -240,7 +249,7 @@ def _local_part(slot: ParamSlot, shard: torch.Tensor) -> torch.Tensor | None:
     return shard[start:start + part[1] - part[0]]
 
 
-def _local_power_sum(optimizer: "ShardedOptimizerV2", slot: ParamSlot, p: float) -> float | torch.Tensor:
+def _local_power_sum(runtime: ChunkRuntime, slot: ParamSlot, p: float) -> float | torch.Tensor:
     """This rank's share of ``sum |g|**p`` (the max of ``|g|`` for p = inf) of the parameter's raw gradient,
     counted once over the ranks that hold the same copy (a replicated chunk on its first replica): a number,
     or a 0-d float64 tensor on the device where the gradient rests. A 2-norm of host gradients comes from
@@ -250,7 +259,7 @@ def _local_power_sum(optimizer: "ShardedOptimizerV2", slot: ParamSlot, p: float)
         return 0.0
     if chunk.replicas is not None and chunk.replicas.rank != 0:
         return 0.0
-    grad = optimizer.runtime.grad_of(chunk)
+    grad = runtime.grad_of(chunk)
     part = None if grad is None else _local_part(slot, grad)
     if part is None or part.numel() == 0:
         return 0.0

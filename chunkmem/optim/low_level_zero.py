@@ -699,7 +699,8 @@ class LowLevelZeroOptimizer:
         for key in ("state", "param_groups"):
             if key not in state_dict:
                 raise InvalidArgumentError("state_dict", f"a dict without {key!r}", allowed)
-        plan = plan_hyper_load(self, state_dict["param_groups"], state_dict.get("loss_scaler"))
+        plan = plan_hyper_load(self, state_dict["param_groups"], state_dict.get("loss_scaler"),
+                               adam=self._layout is None)
         state = state_dict["state"]
         check_type("state_dict['state']", state, Mapping, "a mapping from parameter index to its optimizer state")
         total = len(self._index_of)

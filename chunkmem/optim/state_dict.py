@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..core.chunk import ADAM_STATE, EXP_AVG, EXP_AVG_SQ, Chunk, ParamSlot
+from ..core.chunk import ADAM_STATE, Chunk, ParamSlot
 from ..errors import InvalidArgumentError, check_type
 from ..state_dicts import check_tensor_data
 from .adam import UNSUPPORTED_OPTIONS, hyper_of_group
@@ -86,83 +86,48 @@ def optimizer_state_dict(optim: Any, rank0_only: bool) -> dict[str, Any]:
     groups, params = export_param_groups(optim)
     index_of = {id(p): i for i, p in enumerate(params)}
     state: dict[int, dict[str, torch.Tensor]] = {}
-    layout = optim.state_layout
     for chunk in optim.runtime.chunks:
-        if not chunk.trainable or not chunk.stepped:
-            continue
-        if layout is not None:
-            state.update(_any_optimizer_entries(optim, chunk, index_of))
-            continue
-        exp_avg = chunk.gather(chunk.optim[EXP_AVG].read())  # collectives, in chunk order on every rank
-        exp_avg_sq = chunk.gather(chunk.optim[EXP_AVG_SQ].read())
-        for slot in chunk.slots:
-            if id(slot.param) in index_of and chunk.step_of(slot) > 0:  # torch keeps no state for one never stepped
-                state[index_of[id(slot.param)]] = adam_entry(chunk.step_of(slot), slot.view(exp_avg),
-                                                             slot.view(exp_avg_sq), slot.shape)
+        if chunk.trainable and chunk.stepped:
+            state.update(optim.update_rule.state_entries(chunk, index_of))
     if rank0_only and optim.model.data_parallel.rank != 0:
         return {}
     scaler = optim.grad_scaler.state_dict() if optim.grad_scaler is not None else None
     return {"state": dict(sorted(state.items())), "param_groups": groups, "loss_scaler": scaler}
 
 
-def _any_optimizer_entries(optim: Any, chunk: Chunk, index_of: dict[int, int]) -> dict[int, dict[str, Any]]:
-    """The torch-format state entries of ``chunk``'s parameters for an optimizer other than Adam: its
-    per-element state gathered (collectives, in chunk order on every rank) and its scalar state."""
-    layout = optim.state_layout
-    gathered = {key: chunk.gather(chunk.optim[key].read()) for key in layout.families}
-    scalars, whole = optim.scalar_state(chunk), optim.whole_state(chunk)
-    entries = {}
-    for slot in chunk.slots:
-        if id(slot.param) not in index_of:
-            continue
-        if layout.whole:
-            if slot.index_in_chunk in whole:
-                entries[index_of[id(slot.param)]] = scalar_copy(whole[slot.index_in_chunk])
-            continue
-        if slot.index_in_chunk not in scalars:  # never stepped: torch keeps no state for it
-            continue
-        group = optim.group_of(slot.param)
-        entries[index_of[id(slot.param)]] = any_entry(
-            scalars[slot.index_in_chunk], {key: gathered[key] for key in layout.per_group[group]}, slot.view,
-            slot.shape)
-    return entries
-
-
 class OptimizerLoad:
-    """A checked plan to load a full optimizer state dict into a :class:`~chunkmem.ShardedOptimizerV2`."""
+    """A checked plan to load a full optimizer state dict into a :class:`~chunkmem.ShardedOptimizerV2` (or
+    only its param groups and loss scaler into a ``LowLevelZeroOptimizer``). ``adam``: the groups hold Adam's
+    hyper-parameters (their flags are set in the wrapped optimizer's spelling)."""
 
     def __init__(self, optim: Any, groups: list[Mapping[str, Any]],
                  chunks: list[tuple[Chunk, dict[int, int], list[tuple[ParamSlot, Mapping[str, Any]]]]],
-                 scaler: Mapping[str, Any] | None) -> None:
+                 scaler: Mapping[str, Any] | None, adam: bool) -> None:
         self.optim = optim
         self.groups = groups
         self.chunks = chunks
         self.scaler = scaler
+        self.adam = adam
 
     def apply(self) -> None:
         """Write each chunk's step and this rank's part of the moments (or another optimizer's state),
         the hyper-parameters and the loss scaler state."""
-        layout = self.optim.state_layout
         with torch.no_grad():
-            for chunk, step, entries in self.chunks:
+            for chunk, step, entries in self.chunks:  # (only a ShardedOptimizerV2's plan has chunks)
+                rule = self.optim.update_rule
                 families = {key: torch.zeros(chunk.shard_numel, dtype=torch.float32) for key in chunk.state_families}
                 scalars: dict[int, dict[str, Any]] = {}
                 whole: dict[int, dict[str, Any]] = {}
                 for slot, entry in entries:
-                    keys = ADAM_STATE if layout is None else layout.per_group[self.optim.group_of(slot.param)]
-                    for key in keys:
+                    for key in rule.state_keys(slot):
                         chunk.write_own_part(slot, families[key], entry[key])
-                    if layout is not None and layout.whole:
-                        whole[slot.index_in_chunk] = scalar_copy(entry)
-                    elif layout is not None:  # its own (older state dicts hold the group's in each entry)
-                        scalars[slot.index_in_chunk] = scalar_copy(entry, keys)
+                    rule.keep_entry(slot, entry, scalars, whole)
                 for key, values in families.items():
                     chunk.optim[key].write(values)
-                if layout is not None:
-                    self.optim.replace_kept_state(chunk, scalars, whole)
+                rule.replace_kept_state(chunk, scalars, whole)
                 chunk.steps = {index: count for index, count in step.items() if count}
         for group, saved in zip(self.optim.optim.param_groups, self.groups):
-            if layout is None:
+            if self.adam:
                 import_group(group, saved)
             else:  # another optimizer: its own keys, as torch's load_state_dict sets them
                 group.update((k, v) for k, v in saved.items() if k != "params")
@@ -193,8 +158,9 @@ def plan_optimizer_load(optim: Any, state_dict: Any) -> OptimizerLoad:
     for key in ("state", "param_groups"):
         if key not in state_dict:
             raise InvalidArgumentError("state_dict", f"a dict without {key!r} (keys {list(state_dict)[:5]})", allowed)
-    plan = plan_hyper_load(optim, state_dict["param_groups"], state_dict.get("loss_scaler"))
-    layout = optim.state_layout
+    rule = optim.update_rule
+    plan = plan_hyper_load(optim, state_dict["param_groups"], state_dict.get("loss_scaler"),
+                           adam=rule.adam_hyper_parameters)
     param_of = {}
     for group, saved in zip(optim.optim.param_groups, plan.groups):
         param_of.update(zip(saved["params"], group["params"]))
@@ -216,11 +182,8 @@ def plan_optimizer_load(optim: Any, state_dict: Any) -> OptimizerLoad:
             name = optim.model.parameter_name(slot.param) or slot.name
             if entry is None:
                 step = 0
-            elif layout is None:
-                step = check_entry(index, name, entry, slot)
             else:
-                step = check_entry(index, name, entry, slot, layout.per_group[optim.group_of(slot.param)],
-                                   counts_steps=False, whole=layout.whole)
+                step = rule.check_entry(index, name, entry, slot)
             steps[slot.index_in_chunk] = step
             if entry is not None and step > 0:
                 entries.append((slot, entry))
@@ -228,13 +191,14 @@ def plan_optimizer_load(optim: Any, state_dict: Any) -> OptimizerLoad:
     return plan
 
 
-def plan_hyper_load(optim: Any, param_groups: Any, loss_scaler: Any) -> OptimizerLoad:
+def plan_hyper_load(optim: Any, param_groups: Any, loss_scaler: Any, *, adam: bool) -> OptimizerLoad:
     """A checked plan that loads only the param groups' hyper-parameters and the loss scaler state
-    (``None``: leave the scaler as it is); the caller may add chunk states to ``plan.chunks``."""
-    groups = _check_groups(optim.optim.param_groups, param_groups, adam=optim.state_layout is None)
+    (``None``: leave the scaler as it is); the caller may add chunk states to ``plan.chunks``. ``adam``: the
+    groups are Adam's (checked as such), not another optimizer's own."""
+    groups = _check_groups(optim.optim.param_groups, param_groups, adam=adam)
     if loss_scaler is not None:
         _check_loss_scaler(loss_scaler)
-    return OptimizerLoad(optim, groups, [], loss_scaler)
+    return OptimizerLoad(optim, groups, [], loss_scaler, adam)
 
 
 def _check_loss_scaler(state: Any) -> None:
