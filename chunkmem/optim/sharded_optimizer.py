@@ -93,7 +93,10 @@ class ShardedOptimizerV2(WrappingOptimizer):
             before :meth:`step` is refused, unless the earlier ones ran inside :meth:`accumulating`.
             ``zero_grad()`` before :meth:`step` undoes the updates (refused with ``atomic_step=False``: those
             cannot be undone). Between the backward and :meth:`step` the updated chunks' parameters hold the
-            new values: read them after the step.
+            new values: read them after the step. It pays off where the backward is longer than the host
+            updates it hides (with their undo copies, about 40 bytes of memory traffic a parameter in memory);
+            where it is shorter the backward ends waiting for them and the step is slower than without (the
+            16-bit rows on an H200, docs/performance.md).
         max_norm, norm_type: (chunkmem additions, keyword only) clip the unscaled gradients to total norm
             ``max_norm`` (``norm_type`` norm) inside every :meth:`step` (0: no clipping); what DeepSpeed's
             ``gradient_clipping`` maps to.
