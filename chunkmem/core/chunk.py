@@ -48,6 +48,7 @@ import torch.nn as nn
 from ..distributed.collectives import SINGLE_PROCESS, PendingCollective, ShardGroup, start_all_gather
 from ..distributed.quantization import dequantize, pack, packed_numel, quantize, unpack
 from ..distributed.traffic import count_collective
+from .copy_engine import nothing_to_wait_for
 from .disk_tier import DiskRegion
 from .layout import part_in_shard
 from .memory import TierMemory
@@ -201,7 +202,7 @@ class FlatBuffer:
         """:meth:`before_host_write` whose wait the caller runs later, on any thread (see
         :meth:`~chunkmem.core.copy_engine.CopyEngine.host_write_wait`)."""
         if self.tier is not Tier.HOST:
-            return lambda: None
+            return nothing_to_wait_for
         return self.memory.copies.host_write_wait(self.tensor, f"{self.family} write")
 
     def switch_disk_slot(self) -> None:

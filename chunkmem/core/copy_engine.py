@@ -113,7 +113,7 @@ class CopyEngine:
         """:meth:`before_host_write` in two halves: the copies still reading ``tensor`` are taken now, the
         returned function waits for them (on any thread: an update running off autograd's thread waits there,
         and the engine's bookkeeping stays on the thread that issues copies)."""
-        return _nothing_to_wait_for
+        return nothing_to_wait_for
 
     def stats(self) -> dict[str, object]:
         """``{"engine", "host_waits" (site -> count), "staging_waits"}`` (cumulative over the process)."""
@@ -149,8 +149,9 @@ class DeferredCopies(CopyEngine):
         return self._defer(dst, src, site, lambda: None)
 
 
-def _nothing_to_wait_for() -> None:
-    pass
+def nothing_to_wait_for() -> None:
+    """The wait of :meth:`CopyEngine.host_write_wait` where no copy reads the buffer (nor of any other host write
+    that needs none)."""
 
 
 def _poison(t: torch.Tensor) -> None:
@@ -227,7 +228,7 @@ class CudaCopies(CopyEngine):
     def host_write_wait(self, tensor: torch.Tensor, site: str) -> Callable[[], None]:
         event = self._reading.pop(tensor.data_ptr(), None)
         if event is None:
-            return _nothing_to_wait_for
+            return nothing_to_wait_for
 
         def wait() -> None:
             if not event.query():

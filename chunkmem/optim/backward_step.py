@@ -28,6 +28,7 @@ from typing import Any, Iterator
 import torch
 
 from ..core.chunk import Chunk
+from ..core.copy_engine import nothing_to_wait_for
 from ..core.tiers import Tier, host_memory_available
 from ..errors import GradientAccumulationError, InvalidArgumentError, UnsupportedOperationError
 from ..model import ShardedModelV2
@@ -42,10 +43,6 @@ from .update_rule import UpdateRule
 GRADIENTS_AHEAD_OF_THE_DISK_STEP = 2
 """With ``step_in_backward`` and ``atomic_step=False``: how many chunks' gradients may wait for the disk step
 beyond the one it is computing before the backward waits for it (see :meth:`BackwardStep.gradients_used_once`)."""
-
-
-def _no_wait() -> None:
-    pass
 
 
 def why_no_speculation(model_settings: ModelSettings) -> str | None:
@@ -121,7 +118,6 @@ class BackwardStep:
         self.mixed = mixed
         self.settings = settings
         self.model_settings = model_settings
-        self.reuse_fp16_shard = model_settings.reuse_fp16_shard
         self.in_flight: StreamedStep | None = None
         self.speculated: dict[int, tuple[Any, ...]] = {}  # chunk index -> what its update in flight assumed
         self.undo = UndoCopies(self.runtime.memory)
@@ -235,7 +231,7 @@ class BackwardStep:
         :data:`GRADIENTS_AHEAD_OF_THE_DISK_STEP` chunks' gradients are waiting for it, so the host holds a
         few chunks' gradients instead of all of them (2 bytes a 16-bit parameter)."""
         return (not self.runtime.memory.disk.atomic_step and self.mixed.scaler is None and self.settings.max_norm == 0
-                and not self.reuse_fp16_shard)
+                and not self.model_settings.reuse_fp16_shard)
 
     def _update_in_memory(self, chunk: Chunk) -> None:
         """Update ``chunk``, whose optimizer state is in memory, in this backward after taking its undo copy;
@@ -246,12 +242,12 @@ class BackwardStep:
                 f"step_in_backward=True: {chunk.name} received gradients again before optim.step(), but it was "
                 f"already updated (a second backward, e.g. loss.backward() called twice); call optim.step() "
                 f"after each backward")
-        if self.reuse_fp16_shard:
+        if self.model_settings.reuse_fp16_shard:
             return
         multiplier = 1.0 / self.mixed.loss_scale
         off_thread = self.rule.updates_off_thread(chunk)
         with self.runtime.untraced():
-            params, params_free = None, _no_wait
+            params, params_free = None, nothing_to_wait_for
             if not chunk.has_master:  # the parameters are the master: the undo copy holds them too
                 params, params_free = self.runtime.update_target_waiting_later(chunk, self.runtime.compute_tier(chunk))
             if not off_thread:

@@ -122,9 +122,7 @@ class UndoCopies:
         """Copy the values into ``undo`` (tensors only: callable from the update's thread); ``outside``: only
         these element ranges, the update having copied the rest (:meth:`UndoCopy.adam_copies`)."""
         for saved, tensor in undo.sources:
-            if outside is None:
-                saved.copy_(tensor)
-            for a, b in outside or ():
+            for a, b in outside if outside is not None else [(0, saved.numel())]:
                 saved[a:b].copy_(tensor[a:b])
         undo.sources, undo.filled = [], True
 

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 
 from ..core.chunk import MASTER, Chunk, gather_together
+from ..core.copy_engine import nothing_to_wait_for
 from ..errors import GradientAccumulationError
 from ..core.memory import TierMemory
 from ..core.states import ChunkStateError, CopyState
@@ -344,7 +345,7 @@ class ChunkExecutor:
                 buf.allocate_device()
             else:
                 buf.fetch_to_device()
-            return buf.device, lambda: None
+            return buf.device, nothing_to_wait_for
         if not buf.shard.allocated:
             buf.shard.allocate(Tier.HOST)
         if not chunk.has_master and not buf.shard_valid:
