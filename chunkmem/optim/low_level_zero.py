@@ -474,7 +474,7 @@ class LowLevelZeroOptimizer:
         self._finish_reduction()
         if not self.grads_pending:
             return False
-        multiplier = self.mixed.decide([self._own_grad(c) for c in self.chunks], self.clip_grad_norm)
+        multiplier = self.mixed.decide(lambda: [self._own_grad(c) for c in self.chunks], self.clip_grad_norm)
         if multiplier is None:
             self.zero_grad()
             return False

@@ -13,7 +13,7 @@ unscaled gradients; a non-finite norm (possible without a scaler) clips nothing.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -81,17 +81,18 @@ class MixedPrecisionStep:
         self.clip_coef = min(1.0, max_norm / (norm + 1e-6)) if math.isfinite(norm) else 1.0
         return norm
 
-    def decide(self, grads: Iterable[torch.Tensor | None], max_norm: float = 0.0,
+    def decide(self, grads: Callable[[], list[torch.Tensor | None]], max_norm: float = 0.0,
                norm_type: float = 2.0) -> float | None:
         """The multiplier of the coming update, or ``None`` when the step is skipped (an overflow with a
-        loss scaler: the scale backs off). ``max_norm`` > 0 clips, unless :meth:`clip` already ran for
-        this step (the explicit clipping is the one applied)."""
-        grads = list(grads)
+        loss scaler: the scale backs off). ``grads()`` gives the gradients, and is called only where the
+        norm is needed: reading a gradient waits for its copy to the host, and a step that needs no norm
+        waits for each one only as it updates it. ``max_norm`` > 0 clips, unless :meth:`clip` already ran
+        for this step (the explicit clipping is the one applied)."""
         if max_norm > 0 and self.norm is None:
-            self.clip(grads, max_norm, norm_type)
+            self.clip(grads(), max_norm, norm_type)
         self.last_norm = self.norm
         if self.scaler is not None:
-            norm = self.norm if self.norm is not None else self.total_norm(grads)
+            norm = self.norm if self.norm is not None else self.total_norm(grads())
             self.last_norm = norm
             if not math.isfinite(norm):
                 if self.verbose:

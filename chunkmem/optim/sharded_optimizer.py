@@ -354,7 +354,7 @@ class ShardedOptimizerV2(WrappingOptimizer):
         self.update_rule.check_unchanged()
         self._accounting.check_scaled()
         self._backward.kept = 0
-        multiplier = self.mixed.decide(self._grads(), self.max_norm, self.norm_type)
+        multiplier = self.mixed.decide(self._grads, self.max_norm, self.norm_type)
         if multiplier is None:
             self._backward.abandon_in_flight()  # made as if nothing overflowed
             self._backward.undo_in_memory()
@@ -369,7 +369,7 @@ class ShardedOptimizerV2(WrappingOptimizer):
         except BaseException:
             self._backward.undo_in_memory()  # the step did not happen: neither did the backward's updates
             raise
-        for chunk in self.runtime.trainable_chunks():
+        for chunk in self.runtime.trainable_chunks_as_gradients_landed():
             if self.runtime.optim_tier(chunk) is not Tier.DISK and not self._backward.keep(chunk, multiplier):
                 self.update_rule.update(chunk, multiplier)
         self.mixed.stepped()

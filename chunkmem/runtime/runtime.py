@@ -131,6 +131,7 @@ class ChunkRuntime:
         self.grads_pending = False
         self.reductions_in_flight = reductions_in_flight  # the bound (see ShardedModelV2's argument)
         self._reducing: deque[Chunk] = deque()  # chunks whose gradient reductions run, oldest first
+        self._final_order: dict[Chunk, None] = {}  # chunks whose gradients became final since they were dropped
         self.backward_count = 0  # backward passes finished (autograd's end of backward) so far
         self.forward_count = 0  # forwards of the wrapped model begun so far
         self.step_count = 0  # optimizer steps begun so far (skipped ones too)
@@ -179,6 +180,16 @@ class ChunkRuntime:
 
     def trainable_chunks(self) -> list[Chunk]:
         return [c for c in self.chunks if c.trainable]
+
+    def trainable_chunks_as_gradients_landed(self) -> list[Chunk]:
+        """The trainable chunks in the order their gradients became final in the backward (the last
+        layers first), then those whose gradients did not (no backward reached them, or ``no_sync``
+        deferred them), in packing order. A step that updates in this order starts on the gradients that
+        reached the host first, while the GPU still computes those of the first layers; updating in
+        packing order would first wait for the whole backward."""
+        trainable = self.trainable_chunks()
+        present = set(trainable)
+        return [c for c in self._final_order if c in present] + [c for c in trainable if c not in self._final_order]
 
     def rest_tier(self, chunk: Chunk) -> Tier | None:
         return self.executor.rest_tier(chunk)
@@ -526,6 +537,7 @@ class ChunkRuntime:
             for chunk in self.chunks:
                 chunk.slots_with_grads.clear()
         self.grads_pending = False
+        self._final_order.clear()
 
     def check_can_accumulate(self) -> None:
         self.gradients.check_can_accumulate()
@@ -681,6 +693,7 @@ class ChunkRuntime:
     def _grads_final(self, chunk: Chunk) -> None:
         """The chunk's gradients are reduced: they rest where its update runs; the optimizer hears of it."""
         self.scheduler.grads_finished(chunk.index)
+        self._final_order.setdefault(chunk)
         self.executor.settle(chunk)
         optimizer = self._optimizer()
         if optimizer is not None and not self._no_sync:
