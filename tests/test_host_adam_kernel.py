@@ -703,3 +703,18 @@ def test_undo_copy_where_the_kernel_does_not_apply():
     for saved, old in zip(undo, before):
         assert torch.equal(saved, old)
     assert not torch.equal(m, before[1])
+
+
+def test_the_update_thread_leaves_a_core_to_autograd_s_thread(monkeypatch):
+    """Updates that step_in_backward runs off autograd's thread (chunkmem/optim/host_updates.py) split over one
+    thread fewer than torch's count; the kernel calls of any other thread keep torch's count."""
+    from chunkmem.optim.host_updates import HostUpdates
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 6)
+    seen = []
+    updates = HostUpdates()
+    updates.submit(lambda: seen.append(host_adam_ext.default_threads()), lambda: None)
+    updates.close()
+    assert seen == [5] and host_adam_ext.default_threads() == 6
+    with pytest.raises(ValueError, match="count must be at least 1, not 0"):
+        host_adam_ext.set_thread_default(0)

@@ -60,6 +60,7 @@ import ctypes
 import math
 import platform
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -178,7 +179,7 @@ class HostAdamKernel:
                           1 - hyper.beta1, hyper.beta2, 1 - hyper.beta2, math.sqrt(bias_correction2), hyper.eps,
                           -step_size, flags, int(self.fma if fma is None else fma),
                           self.vml_sqrt if sqrt == "vml" else None, VML_SQRT_MODE,
-                          torch.get_num_threads() if nthreads is None else nthreads,
+                          default_threads() if nthreads is None else nthreads,
                           NT_MIN_ELEMENTS if nt_min is None else nt_min,
                           (ctypes.c_int64 * len(tail_runs))(*tail_runs) if tail_runs else None,
                           len(tail_runs) // 2 if tail_runs else 0,
@@ -198,7 +199,7 @@ class HostAdamKernel:
                              f"{x.device} (contiguous: {x.is_contiguous()})")
         out = ctypes.c_double()
         self.lib.chunkmem_sum_squares(x.data_ptr(), _DTYPE_CODES[x.dtype], x.numel(),
-                                      torch.get_num_threads() if nthreads is None else nthreads, ctypes.byref(out))
+                                      default_threads() if nthreads is None else nthreads, ctypes.byref(out))
         return out.value
 
     def stream_4r3w(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor,
@@ -208,7 +209,7 @@ class HostAdamKernel:
             if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" or t.numel() != a.numel():
                 raise ValueError("stream_4r3w takes four contiguous fp32 CPU tensors of one size")
         self.lib.chunkmem_stream_4r3w(a.data_ptr(), b.data_ptr(), c.data_ptr(), d.data_ptr(), a.numel(), 0.5,
-                                      torch.get_num_threads() if nthreads is None else nthreads)
+                                      default_threads() if nthreads is None else nthreads)
 
     def stream_mixed(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, g: torch.Tensor, out: torch.Tensor,
                      nthreads: int | None = None) -> None:
@@ -219,7 +220,23 @@ class HostAdamKernel:
             if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu" or t.numel() != a.numel():
                 raise ValueError("stream_mixed takes contiguous CPU tensors of one size: 3 fp32, 2 fp16")
         self.lib.chunkmem_stream_mixed(a.data_ptr(), b.data_ptr(), c.data_ptr(), g.data_ptr(), out.data_ptr(),
-                                       a.numel(), 0.5, torch.get_num_threads() if nthreads is None else nthreads)
+                                       a.numel(), 0.5, default_threads() if nthreads is None else nthreads)
+
+
+_THREADS = threading.local()
+
+
+def default_threads() -> int:
+    """The threads a kernel call without ``nthreads`` splits over: torch's count, unless this thread set
+    its own with :func:`set_thread_default`."""
+    return getattr(_THREADS, "count", None) or torch.get_num_threads()
+
+
+def set_thread_default(count: int) -> None:
+    """Kernel calls made on the calling thread without ``nthreads`` use ``count`` threads (>= 1)."""
+    if count < 1:
+        raise ValueError(f"count must be at least 1, not {count}")
+    _THREADS.count = count
 
 
 def kernel() -> HostAdamKernel | None:

@@ -16,6 +16,11 @@ thread; the runtime calls it when the backward ends, before it frees, plans or m
 outside the backward ever sees a chunk whose update is running. A job that raised is re-raised by ``join``
 (the first one), after every other job finished.
 
+The update thread splits each update over one thread fewer than torch's count: autograd's thread goes on
+launching the backward meanwhile, and an update whose threads take every core makes the launching wait for a
+core (and the update for its slowest thread). The host Adam is bound by memory bandwidth, which one core less
+barely changes (not measured on a GPU yet).
+
 Only where a copy completes after it is issued (the ``cuda`` engine, and the ``deferred`` test engine that
 checks every wait on the CPU) do the jobs go to the thread; with plain copies there is no copy to wait for
 and the update runs in the hook as before.
@@ -24,6 +29,10 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
+
+import torch
+
+from .host_adam_ext import set_thread_default
 
 
 class HostUpdates:
@@ -41,7 +50,9 @@ class HostUpdates:
     def submit(self, work: Callable[[], None], then: Callable[[], None]) -> None:
         """Run ``work`` on the update thread; ``then`` runs on the joining thread once it has finished."""
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chunkmem-host-updates")
+            threads = max(1, torch.get_num_threads() - 1)  # (module docstring) read on the submitting thread
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chunkmem-host-updates",
+                                            initializer=set_thread_default, initargs=(threads,))
         self._running.append((self._pool.submit(work), then))
 
     def join(self) -> None:
