@@ -262,13 +262,28 @@ def child(row: str, size: str, warmup: int, steps: int, limit: float, margin: fl
         optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY), **kw)
         out["optimizer"] = "ShardedOptimizerV2(HybridAdam)"
 
+        update_chunk = optim.update_rule.update
+
+        def timed_update(chunk, multiplier):  # the host timeline of a step (see host_timeline)
+            began = time.perf_counter()
+            update_chunk(chunk, multiplier)
+            host_marks["updates"].append((chunk.name, began, time.perf_counter()))
+
+        optim.update_rule.update = timed_update
+
         def train_step(x, y):
+            host_marks.clear()
+            host_marks["updates"] = []
             loss = lossf(model(x), y)
+            host_marks["forward returned"] = time.perf_counter()
             optim.backward(loss)
+            host_marks["backward returned"] = time.perf_counter()
             stepped = optim.step()
+            host_marks["step returned"] = time.perf_counter()
             optim.zero_grad(set_to_none=True)
             return loss, stepped
 
+    host_marks: dict = {}  # what train_step records of a chunkmem step on the host (perf_counter seconds)
     g = torch.Generator().manual_seed(1)
     data = [torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"] + 1), generator=g).cuda() for _ in range(4)]
     times, skipped = [], 0
@@ -281,6 +296,8 @@ def child(row: str, size: str, warmup: int, steps: int, limit: float, margin: fl
         if i >= warmup:
             times.append(time.perf_counter() - t0)
             skipped += not stepped
+            if model is not None:
+                out["host_timeline_ms"] = host_timeline(host_marks, optim, t0, t0 + times[-1])
         print(f"{row} step {i}: {time.perf_counter() - t0:.3f} s", file=sys.stderr, flush=True)
     if model is not None:  # one more step, synchronized between its phases: where a chunkmem step's time goes
         tokens = data[0]
@@ -326,6 +343,27 @@ def child(row: str, size: str, warmup: int, steps: int, limit: float, margin: fl
 
 
 HASH_ENV = "CHUNKMEM_BENCH_HASH"
+
+
+def host_timeline(marks: dict, optim, t0: float, synchronized: float) -> dict:
+    """Where the host was during one timed chunkmem step, in ms from its start: when the forward, backward
+    and step calls returned, when the GPU was done (the synchronize after the step), each chunk update the step
+    ran (``[name, start, end]``) and, with ``step_in_backward``, each update job of the backward's update thread
+    (``[name, handed over, started, ended]``) and the backward's wait for them. A host that ran ahead of the GPU
+    returns from the backward long before the synchronize; updates that start before the backward returned on
+    the GPU overlapped it."""
+    def ms(t):
+        return None if t is None else round((t - t0) * 1e3, 1)
+
+    timeline = {name: ms(marks[name]) for name in ("forward returned", "backward returned", "step returned")
+                if name in marks}
+    timeline["gpu done"] = ms(synchronized)
+    timeline["updates"] = [[name, ms(a), ms(b)] for name, a, b in marks.get("updates", [])]
+    jobs = optim._backward.host_updates  # (the update thread's record: chunkmem/optim/host_updates.py)
+    if jobs.timeline and jobs.timeline[0].submitted >= t0:
+        timeline["backward jobs"] = [[j.name, ms(j.submitted), ms(j.started), ms(j.finished)] for j in jobs.timeline]
+        timeline["backward joined"] = [ms(t) for t in jobs.joined] if jobs.joined else None
+    return timeline
 
 
 def exactness_check(args: argparse.Namespace) -> list[dict]:
@@ -489,6 +527,14 @@ def print_row(row: dict) -> None:
           f"{fmt(row['x_bound'], '.3f', 8)} {row['peak_gpu_gib']:13.2f} {fmt(row['to_device_mib'], '.1f', 11)} "
           f"{fmt(row['to_host_mib'], '.1f', 12)} {fmt(row['host_waits_per_step'], '.1f', 10)} {row['loss']:8.4f} "
           f"{row['skipped']:>8}" + (" " + str(row["phases_ms"]) if row.get("phases_ms") else ""), flush=True)
+    timeline = row.get("host_timeline_ms")
+    if timeline:
+        spans = [(u[1], u[2]) for u in timeline["updates"]] + [(j[2], j[3]) for j in timeline.get("backward jobs", [])]
+        spans = [(a, b) for a, b in spans if a is not None and b is not None]
+        print(f"{'':<22} host ms: forward returned {timeline.get('forward returned')}, backward returned "
+              f"{timeline.get('backward returned')}, step returned {timeline.get('step returned')}, GPU done "
+              f"{timeline['gpu done']}" + (f"; updates {min(a for a, _ in spans)}..{max(b for _, b in spans)} "
+                                           f"({len(spans)})" if spans else ""), flush=True)
 
 
 def git_commit() -> str:

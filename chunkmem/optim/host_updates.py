@@ -27,7 +27,9 @@ and the update runs in the hook as before.
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -35,29 +37,59 @@ import torch
 from .host_adam_ext import set_thread_default
 
 
+@dataclass
+class JobTimes:
+    """When one update job was handed over, began and ended on the update thread (``time.perf_counter()``
+    seconds; ``started`` and ``finished`` stay ``None`` until then). ``name``: what the job updates."""
+
+    name: str
+    submitted: float
+    started: float | None = None
+    finished: float | None = None
+
+
 class HostUpdates:
-    """One optimizer's updates running off autograd's thread (see the module docstring)."""
+    """One optimizer's updates running off autograd's thread (see the module docstring). ``timeline``: the
+    :class:`JobTimes` of the jobs submitted since the last :meth:`join` began, or of those it joined;
+    ``joined``: when the last join began and ended (``perf_counter`` seconds), for profiles of the overlap."""
 
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
         self._running: list[tuple[Future, Callable[[], None]]] = []
+        self.timeline: list[JobTimes] = []
+        self.joined: tuple[float, float] | None = None
+        self._joined_all = True  # the timeline is the last join's: the next submission starts a new one
 
     @property
     def pending(self) -> int:
         """Jobs submitted and not joined yet."""
         return len(self._running)
 
-    def submit(self, work: Callable[[], None], then: Callable[[], None]) -> None:
-        """Run ``work`` on the update thread; ``then`` runs on the joining thread once it has finished."""
+    def submit(self, work: Callable[[], None], then: Callable[[], None], name: str = "") -> None:
+        """Run ``work`` on the update thread; ``then`` runs on the joining thread once it has finished
+        (``name``: what it updates, for :attr:`timeline`)."""
+        if self._joined_all:
+            self.timeline, self._joined_all = [], False
+        times = JobTimes(name, time.perf_counter())
+        self.timeline.append(times)
+
+        def timed() -> None:
+            times.started = time.perf_counter()
+            try:
+                work()
+            finally:
+                times.finished = time.perf_counter()
+
         if self._pool is None:
             threads = max(1, torch.get_num_threads() - 1)  # (module docstring) read on the submitting thread
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chunkmem-host-updates",
                                             initializer=set_thread_default, initargs=(threads,))
-        self._running.append((self._pool.submit(work), then))
+        self._running.append((self._pool.submit(timed), then))
 
     def join(self) -> None:
         """Wait for every job; run the completions of those that finished, in order; raise the first error."""
         running, self._running = self._running, []
+        began, self._joined_all = time.perf_counter(), True
         error: BaseException | None = None
         for future, then in running:
             failed = future.exception()
@@ -65,6 +97,7 @@ class HostUpdates:
                 error = error or failed
                 continue
             then()
+        self.joined = (began, time.perf_counter())
         if error is not None:
             raise error
 

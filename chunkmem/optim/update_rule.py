@@ -237,7 +237,7 @@ class AdamRule(UpdateRule):
             self.runtime.mark_updated(chunk, tier)
             chunk.advance_steps(stepped)
 
-        updates.submit(work, then)
+        updates.submit(work, then, chunk.name)
 
     def _adam(self, chunk: Chunk, target: torch.Tensor, grad: torch.Tensor | None,
               pieces: list[tuple[int, torch.Tensor]] | None, ranges: list[tuple[int, int, AdamHyper, int]],
