@@ -9,7 +9,7 @@ Three GPTs of one width and growing depth (default d_model 256, depths 4, 16, 64
    the model's chunk bytes, so that the plan has to evict (Belady) and the device tier is a real
    constraint;
 2. the measured run: placement ``auto`` under that capacity; the first step is traced and ends with
-   the plan, whose creation (``scheduler.make_plan``, wrapped with a timer inside this script) is the
+   the plan, whose creation (``scheduler.schedule_moves``, wrapped with a timer inside this script) is the
    planning time; then warm-up steps, then timed steps (step time = their median). The plan is also
    re-made ``--replans`` times after training; the least of those times (other jobs only add time)
    is used for the fit, their median is shown too (the single first call is a few milliseconds and
@@ -19,7 +19,7 @@ Printed: parameters, chunks, periods, capacity, bytes moved per step, step time 
 then the least-squares slopes of log(step time) against log(parameters) and of log(planning time)
 against log(periods). Target: both slopes <= 1.15 (neither grows faster than linearly).
 
-Informational, not part of the verdict: the planner alone (``chunkmem.runtime.belady.plan_moves``) over
+Informational, not part of the verdict: the planner alone (``chunkmem.runtime.belady.belady_moves``) over
 synthetic GPT-like schedules of up to ~100k periods, with slots growing with the model (half the
 chunks) and with fixed slots, to see the planner's growth beyond the periods small models give.
 
@@ -54,8 +54,8 @@ SYNTH_FIXED_SLOTS = 8
 
 
 def synthetic_planning(sizes: list[int]) -> list[tuple[int, int, float, float]]:
-    """(chunks, periods, seconds with slots = chunks // 2, seconds with fixed slots) of plan_moves."""
-    from chunkmem.runtime.belady import plan_moves
+    """(chunks, periods, seconds with slots = chunks // 2, seconds with fixed slots) of belady_moves."""
+    from chunkmem.runtime.belady import belady_moves
 
     out = []
     for n in sizes:
@@ -68,7 +68,7 @@ def synthetic_planning(sizes: list[int]) -> list[tuple[int, int, float, float]]:
             runs = []
             for _ in range(3):
                 t0 = time.perf_counter()
-                plan_moves(needed, forced, [slots] * len(needed), names)
+                belady_moves(needed, forced, [slots] * len(needed), names)
                 runs.append(time.perf_counter() - t0)
             best.append(min(runs))
         out.append((n, len(needed), best[0], best[1]))
@@ -117,18 +117,18 @@ def measure(cfg: GPTConfig, batch: int, warmup: int, steps: int, replans: int) -
     cm.set_device_memory_capacity(capacity)
     model, optim = build(cfg, "auto")
     scheduler = model.runtime.scheduler
-    make_plan = scheduler.make_plan
+    schedule_moves = scheduler.schedule_moves
     plan_times: list[float] = []
     last_inputs: list = []
 
     def timed_make_plan(inputs):
         last_inputs[:] = [inputs]
         t0 = time.perf_counter()
-        margin = make_plan(inputs)
+        margin = schedule_moves(inputs)
         plan_times.append(time.perf_counter() - t0)
         return margin
 
-    scheduler.make_plan = timed_make_plan  # the instance attribute shadows the method the runtime calls
+    scheduler.schedule_moves = timed_make_plan  # the instance attribute shadows the method the runtime calls
     times, moved, modes = [], [], []
     for i in range(1 + warmup + steps):
         tokens = data[i % len(data)]
@@ -145,9 +145,9 @@ def measure(cfg: GPTConfig, batch: int, warmup: int, steps: int, replans: int) -
     replan_times = []
     for _ in range(replans):
         t0 = time.perf_counter()
-        make_plan(last_inputs[0])
+        schedule_moves(last_inputs[0])
         replan_times.append(time.perf_counter() - t0)
-    plan = model.runtime.state.plan
+    plan = model.runtime.state.moves
     out = dict(
         params=sum(p.numel() for p in model.parameters()), chunks=len(model.chunks), chunk_bytes=chunk_bytes,
         periods=len(scheduler.periods), traces=scheduler.traces, modes=modes,
@@ -227,7 +227,7 @@ def main() -> int:
 
     # Belady's planner alone, over synthetic schedules far longer than the models above give
     print()
-    print(f"planner alone (chunkmem.runtime.belady.plan_moves) on synthetic GPT-like schedules: each chunk used by "
+    print(f"planner alone (chunkmem.runtime.belady.belady_moves) on synthetic GPT-like schedules: each chunk used by "
           f"{SYNTH_PERIODS_PER_CHUNK} consecutive forward periods, then the backward in reverse; slots = half the "
           f"chunks (a capacity that grows with the model) or a fixed {SYNTH_FIXED_SLOTS}; least of 3 runs")
     synth = synthetic_planning(args.synthetic_chunks)
@@ -250,7 +250,7 @@ def main() -> int:
           f"add time; on their medians the slope is {plan_slope_median:.3f})")
     if synth_half > TARGET_SLOPE:
         print(f"NOTE  the planner alone grows faster than linearly on the synthetic schedules with slots proportional "
-              f"to the model (slope {synth_half:.3f}); plan_moves pushes every access on one heap and pops each entry "
+              f"to the model (slope {synth_half:.3f}); belady_moves pushes every access on one heap and pops each entry "
               f"at most once (O(A log A)), so the excess over the log factor is not in its operation count: look at "
               f"the longest schedule's time (cache misses on a heap of A entries, the machine's load)")
     print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")

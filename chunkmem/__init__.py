@@ -1,29 +1,27 @@
 """chunkmem: train PyTorch models whose parameters, gradients and optimizer states do not fit in GPU
 memory, by packing them into chunks that move between the device, host and disk tiers."""
-from . import utils
+from . import accessors, utils
 from .optim.adam import CPUAdam, HybridAdam
-from .distributed.agreement import LayoutMismatchError, StepMismatchError
 from .io.checkpoint import consolidate_checkpoint, load_checkpoint, save_checkpoint
-from .distributed.collectives import CollectiveError, CollectiveTimeoutError, collective_timeout, set_collective_timeout
-from .config import NoEffectWarning, initialize
+from .distributed.collectives import collective_timeout, set_collective_timeout
+from .config import initialize
 from .engine import TrainingEngine, initialize_engine
-from .storage.disk_io import DiskIOError
-from .optim.disk_step import DiskStepError
-from .errors import (ArgumentTypeError, CheckpointError, ChunkmemError, DeviceCapacityError, GradientAccumulationError,
-                     HostCapacityError, InvalidArgumentError, UnscaledBackwardError, UnsupportedOperationError)
+from .errors import (ArgumentTypeError, CheckpointError, ChunkmemError, ChunkStateError, CollectiveError,
+                     CollectiveTimeoutError, DeviceCapacityError, DiskIOError, DiskStepError, GradientAccumulationError,
+                     HostCapacityError, InvalidArgumentError, LayoutMismatchError, NoEffectWarning, ParameterAccessError,
+                     StepMismatchError, UnscaledBackwardError, UnsupportedOperationError)
 from .init_context import ZeroInitContext
 from .optim.loss_scaler import DynamicGradScaler
 from .optim.low_level_zero import LowLevelZeroOptimizer
 from .optim.zero_gradient_view import ZeroGradient
 from .model import ShardedModelV2
 from .optim.sharded_optimizer import ShardedOptimizerV2
-from .core.param_guard import ChunkGradient, ChunkParameter, ParameterAccessError
+from .core.param_guard import ChunkGradient, ChunkParameter
 from .runtime.parameter_access import GatheredParameters, register_external_parameter
 from .plan import Candidate, PlanChoice, PolicyPlan, choose, plan
 from .machine_profile import MachineProfile
 from .tiled_linear import TiledLinear
 from .distributed.shard_strategy import BaseShardStrategy, BucketTensorShardStrategy, TensorShardStrategy
-from .core.states import ChunkStateError
 from .core.copy_engine import set_copy_engine
 from .core.pinned import set_pinned_memory_budget
 from .core.tiers import (Tier, device_memory_capacity, host_memory_capacity, parse_size, set_device_memory_capacity,
@@ -32,7 +30,7 @@ from .core.tiers import (Tier, device_memory_capacity, host_memory_capacity, par
 __version__ = "0.1.0"
 
 __all__ = [
-    "ArgumentTypeError", "BaseShardStrategy", "BucketTensorShardStrategy", "CPUAdam", "Candidate", "CheckpointError",
+    "accessors", "ArgumentTypeError", "BaseShardStrategy", "BucketTensorShardStrategy", "CPUAdam", "Candidate", "CheckpointError",
     "ChunkGradient", "ChunkParameter", "ChunkStateError", "ChunkmemError", "CollectiveError",
     "CollectiveTimeoutError", "DeviceCapacityError", "DiskIOError", "DiskStepError", "DynamicGradScaler",
     "GatheredParameters", "GradientAccumulationError", "HostCapacityError", "HybridAdam", "InvalidArgumentError",

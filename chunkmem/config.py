@@ -30,7 +30,7 @@ from .core.param_guard import slot_of
 from .optim.adam import HybridAdam, check_supported_optimizer, params_mismatch
 from .optim.loss_scaler import DynamicGradScaler
 from .builder import compute_dtype
-from .errors import ArgumentTypeError, InvalidArgumentError, check_number
+from .errors import ArgumentTypeError, InvalidArgumentError, NoEffectWarning, check_number
 from .model import ShardedModelV2
 from .optim.low_level_zero import LowLevelZeroOptimizer
 from .optim.sharded_optimizer import ShardedOptimizerV2
@@ -38,10 +38,6 @@ from .settings import MODEL_KEYWORDS, OPTIMIZER_KEYWORDS, ModelSettings, Optimiz
 from .distributed.shard_strategy import BaseShardStrategy, BucketTensorShardStrategy, TensorShardStrategy
 
 __all__ = ["NoEffectWarning", "initialize", "KEY_TABLE"]
-
-
-class NoEffectWarning(UserWarning):
-    """A configuration key was accepted but changes nothing in chunkmem (the message names it)."""
 
 
 # What each DeepSpeed key becomes: "map" (honoured), "warn" (accepted; warns when it asks for

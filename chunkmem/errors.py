@@ -7,7 +7,11 @@ not allowed raises :class:`InvalidArgumentError` (a ``ValueError``). ``ArgumentT
 """
 from __future__ import annotations
 
+import enum
+import errno as errno_codes
 import math
+import os
+import warnings
 from typing import Any
 
 
@@ -66,6 +70,112 @@ class CheckpointError(ChunkmemError, RuntimeError):
     parameters' memory holds gradients), or another rank failed its part of a checkpoint."""
 
 
+class DiskStepError(ChunkmemError, RuntimeError):
+    """An optimizer step over disk-resident state failed. ``undone`` says whether the state is as it
+    was before the step (``atomic_step``); ``cause`` is the I/O error (``None`` on a rank that undid
+    its step because another rank failed)."""
+
+    def __init__(self, message: str, undone: bool, cause: DiskIOError | None) -> None:
+        super().__init__(message)
+        self.undone = undone
+        self.cause = cause
+
+
+class NoEffectWarning(UserWarning):
+    """A configuration key was accepted but changes nothing in chunkmem (the message names it)."""
+
+
+class DiskIOError(ChunkmemError, OSError):
+    """A read or write of the disk tier failed.
+
+    ``path``: the file; ``what``: what was being moved (e.g. ``"chunk3.exp_avg"``, or the file's name
+    for ``"create"``); ``operation``: ``"read"``, ``"write"`` or ``"create"``; ``errno``: the system
+    error number, or ``None`` for a short read; ``cause``: the errno's text or
+    ``"short read: got N of M bytes"``.
+    """
+
+    def __init__(self, path: str, what: str, operation: str, cause: str, errno: int | None = None) -> None:
+        super().__init__(f"disk tier {operation} of {what} failed on {path!r}: {cause}")
+        self.path = path
+        self.what = what
+        self.operation = operation
+        self.cause = cause
+        self.errno = errno
+        self.filename = path
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.path, self.what, self.operation, self.cause, self.errno)
+
+    @classmethod
+    def from_os_error(cls, path: str, what: str, operation: str, error: OSError) -> "DiskIOError":
+        """The :class:`DiskIOError` for ``error`` raised by a system call on ``path``."""
+        code = error.errno
+        text = os.strerror(code) if code is not None else str(error)
+        cause = f"{text} (errno {errno_codes.errorcode.get(code, code)})" if code is not None else text
+        return cls(path, what, operation, cause, code)
+
+
+class LayoutMismatchError(ChunkmemError, RuntimeError):
+    """The ranks of a data-parallel group hold different models or settings. Raised on every rank with
+    the same message, which names each setting and the first parameters that differ, rank by rank."""
+
+
+class StepMismatchError(LayoutMismatchError):
+    """The ranks of a data-parallel group reached different points of training (one skipped or repeated
+    ``step()``, a forward or a backward; one called ``clip_grad_norm`` and another did not) or hold
+    different per-step values (the loss scale, the clipping). Raised on every rank, at the first point
+    where they differ, before any collective of that point pairs mismatched data."""
+
+
+class CollectiveError(ChunkmemError, RuntimeError):
+    """A collective over the data-parallel group failed on this rank: ``collective`` (e.g.
+    ``"all_gather"``), ``what`` it moved, this process's ``rank`` in the group of ``world`` ranks."""
+
+    def __init__(self, message: str, collective: str, what: str, rank: int, world: int) -> None:
+        super().__init__(message)
+        self.collective = collective
+        self.what = what
+        self.rank = rank
+        self.world = world
+
+
+class CollectiveTimeoutError(CollectiveError):
+    """A collective did not complete within :func:`collective_timeout` seconds (``timeout``; this rank
+    ``waited`` seconds): some rank of the group never joined it. The process group is unusable
+    afterwards; end the processes."""
+
+    def __init__(self, message: str, collective: str, what: str, rank: int, world: int, timeout: float,
+                 waited: float) -> None:
+        super().__init__(message, collective, what, rank, world)
+        self.timeout = timeout
+        self.waited = waited
+
+
+class ChunkStateError(ChunkmemError, RuntimeError):
+    """Internal error: a chunk buffer was asked for a transition its current state does not allow."""
+
+    def __init__(self, what: str, action: str, state: enum.Enum, allowed: tuple[enum.Enum, ...], rank: int) -> None:
+        self.what = what
+        self.action = action
+        self.state = state
+        self.allowed = allowed
+        self.rank = rank
+        names = ", ".join(s.name for s in allowed)
+        super().__init__(f"internal error on rank {rank}: {what} is {state.name}; {action} needs one of {names}")
+
+
+class ParameterAccessError(UnsupportedOperationError):
+    """A use of a chunk-managed parameter (or a conversion of the model) that chunkmem cannot serve
+    correctly; the message names the parameter and the documented way."""
+
+
+class LedgerError(ChunkmemError, RuntimeError):
+    """Internal error: the ledger was asked to release bytes it never reserved."""
+
+
 def check_type(argument: str, value: Any, expected: type | tuple[type, ...], allowed: str) -> None:
     """Raise :class:`ArgumentTypeError` unless ``value`` is an instance of ``expected`` (a ``bool`` only
     where ``bool`` is expected itself)."""
@@ -114,3 +224,15 @@ def check_number(argument: str, value: Any, *, low: float | None = None, high: f
 
 def _as_tuple(expected: type | tuple[type, ...]) -> tuple[type, ...]:
     return expected if isinstance(expected, tuple) else (expected,)
+
+
+_RENAMED_WARNED: set[str] = set()
+
+
+def warn_renamed(old: str, new: str) -> None:
+    """A ``FutureWarning`` that ``old`` (a public name) is now ``new``, the first time ``old`` is used in
+    the process; the old name keeps working."""
+    if old in _RENAMED_WARNED:
+        return
+    _RENAMED_WARNED.add(old)
+    warnings.warn(f"{old} is renamed {new}; the old name will be removed", FutureWarning, stacklevel=3)

@@ -176,7 +176,7 @@ def test_capacity_too_small_for_one_period_falls_back_to_cpu_for_it():
     assert train(model, optim, data) == cpu_losses
     for name, value in cpu_model.state_dict().items():
         assert torch.equal(value, model.state_dict()[name]), name
-    plan = model.runtime.scheduler.plan
+    plan = model.runtime.scheduler.moves
     assert plan is not None and plan.periods[worst].fallback
 
 

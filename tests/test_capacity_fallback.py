@@ -172,7 +172,7 @@ def test_auto_trains_wherever_cpu_does_bitwise_equal(dtype, reuse, batch):
         assert train(model, optim, data) == cpu_losses, capacity
         for name, value in cpu_model.state_dict().items():
             assert torch.equal(value, model.state_dict()[name]), (capacity, name)
-        plan = model.runtime.scheduler.plan
+        plan = model.runtime.scheduler.moves
         assert plan is not None and len(plan.periods) == len(model.runtime.scheduler.periods)
         fallbacks += sum(p.fallback for p in plan.periods)
         doc = model.memory_stats()
@@ -208,7 +208,7 @@ def test_new_shapes_get_their_own_plan_and_a_failed_plan_is_never_followed(monke
         if i == 2:
             with pytest.raises(cm.DeviceCapacityError, match="simulated"):
                 optim.backward(loss)
-            assert scheduler.plan is None  # the plan of the small batches is gone with their schedule
+            assert scheduler.moves is None  # the plan of the small batches is gone with their schedule
             optim.zero_grad()
             losses.append(None)
             continue
@@ -218,7 +218,7 @@ def test_new_shapes_get_their_own_plan_and_a_failed_plan_is_never_followed(monke
         losses.append(loss.item())
         if i == 3:
             assert mode == "tracing"  # traced again after the failed plan, never run on a stale one
-        plan = scheduler.plan
+        plan = scheduler.moves
         assert plan is not None and len(plan.periods) == len(scheduler.periods)
     # the failed iteration did not step: compare with cpu over the same sequence less that batch
     cm.set_device_memory_capacity(10**8)

@@ -187,7 +187,7 @@ def test_iteration_mode_illegal_transition_raises():
 def test_auto_policy_is_a_frozen_value_that_reads_the_plan_state_it_is_given():
     policy = AutoPlacement()
     s = scheduler(policy)
-    assert not hasattr(policy, "plan") and s.state.plan is None
+    assert not hasattr(policy, "plan") and s.state.moves is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         policy.params_on_disk = True  # a policy never changes once chosen
     chunk = make_chunk()
@@ -195,7 +195,7 @@ def test_auto_policy_is_a_frozen_value_that_reads_the_plan_state_it_is_given():
     assert policy.param_rest_tier(chunk, state) is Tier.HOST  # no plan yet: evicted after use, as under cpu
     state.following = True
     assert policy.param_rest_tier(chunk, state) is None  # following a plan: the plan decides
-    state.adopt_plan(None, {0}, 1)
+    state.adopt_moves(None, {0}, 1)
     assert policy.param_rest_tier(chunk, state) is Tier.DEVICE and policy.compute_tier(chunk, state) is Tier.DEVICE
 
 

@@ -453,3 +453,29 @@ def test_another_optimizers_state_dict_is_refused_and_changes_nothing():
     with pytest.raises(cm.InvalidArgumentError, match="exp_avg.*another optimizer class"):
         optim.load_state_dict(adamw.state_dict())
     assert [dict(g) for g in optim.param_groups] == before
+
+
+def test_the_old_names_of_the_load_checks_warn_once_and_still_work():
+    """``plan_load_state_dict`` / ``plan_load_model_state_dict`` were renamed ``prepare_*`` ("plan" is the
+    will-it-fit sizing): the old names warn once per process and do what the new ones do."""
+    import warnings
+
+    from chunkmem import errors
+
+    torch.manual_seed(0)
+    module = torch.nn.Linear(4, 3)
+    optim = cm.LowLevelZeroOptimizer(torch.optim.Adam(module.parameters(), lr=0.1))
+    module(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    saved, weights = optim.state_dict(), {k: v.clone() for k, v in module.state_dict().items()}
+    errors._RENAMED_WARNED.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            optim.plan_load_state_dict(saved)()
+            optim.plan_load_model_state_dict(module, weights)()
+    renamed = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+    assert renamed == ["LowLevelZeroOptimizer.plan_load_state_dict is renamed prepare_load_state_dict; the old name "
+                       "will be removed", "LowLevelZeroOptimizer.plan_load_model_state_dict is renamed "
+                       "prepare_load_model_state_dict; the old name will be removed"]
+    assert all(torch.equal(module.state_dict()[k], v) for k, v in weights.items())

@@ -95,7 +95,7 @@ class ParamSlot:
 class ChunkHost(Protocol):
     """The runtime that owns a model's chunks, as the code that meets a chunk-managed parameter outside
     the runtime sees it: the parameter guard (:mod:`chunkmem.core.param_guard`), ``GatheredParameters``
-    and the ``chunkmem.utils`` accessors. A runtime attaches itself to its chunks
+    and the ``chunkmem.accessors`` functions. A runtime attaches itself to its chunks
     (:meth:`Chunk.attach_host`); a chunk without a host belongs to a model still being built."""
 
     @property

@@ -3,12 +3,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ..errors import ChunkmemError, DeviceCapacityError, HostCapacityError
+from ..errors import DeviceCapacityError, HostCapacityError, LedgerError
 from .tiers import Tier
-
-
-class LedgerError(ChunkmemError, RuntimeError):
-    """Internal error: the ledger was asked to release bytes it never reserved."""
 
 
 class TierLedger:

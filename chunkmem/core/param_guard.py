@@ -41,7 +41,7 @@ from torch._C import DisableTorchFunctionSubclass
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .chunk import MASTER, ParamSlot
-from ..errors import UnsupportedOperationError
+from ..errors import ParameterAccessError
 
 SLOT_ATTR = "_chunkmem_slot"
 
@@ -49,11 +49,6 @@ READ_HELP = ("read it inside `with chunkmem.GatheredParameters([param]):` (every
              "a copy with `model.full_parameter(param)` or `model.state_dict()`")
 WRITE_HELP = ("change it inside `with chunkmem.GatheredParameters([param], modifier_rank=0):` (every rank "
               "enters it), which writes the new values into the chunk and its fp32 master")
-
-
-class ParameterAccessError(UnsupportedOperationError):
-    """A use of a chunk-managed parameter (or a conversion of the model) that chunkmem cannot serve
-    correctly; the message names the parameter and the documented way."""
 
 
 # ---- adopting and releasing parameters -----------------------------------------------------------

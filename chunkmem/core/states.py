@@ -11,20 +11,7 @@ from __future__ import annotations
 
 import enum
 
-from ..errors import ChunkmemError
-
-
-class ChunkStateError(ChunkmemError, RuntimeError):
-    """Internal error: a chunk buffer was asked for a transition its current state does not allow."""
-
-    def __init__(self, what: str, action: str, state: enum.Enum, allowed: tuple[enum.Enum, ...], rank: int) -> None:
-        self.what = what
-        self.action = action
-        self.state = state
-        self.allowed = allowed
-        self.rank = rank
-        names = ", ".join(s.name for s in allowed)
-        super().__init__(f"internal error on rank {rank}: {what} is {state.name}; {action} needs one of {names}")
+from ..errors import ChunkStateError
 
 
 class CopyState(enum.Enum):

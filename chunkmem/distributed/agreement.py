@@ -26,16 +26,11 @@ from typing import Any, NoReturn, Sequence
 import torch
 import torch.distributed as dist
 
-from ..errors import ChunkmemError
+from ..errors import LayoutMismatchError, StepMismatchError
 from .collectives import ShardGroup
 
 DIGEST_BYTES = 32  # SHA-256
 _MAX_PARAM_DIFFERENCES = 3  # parameters named in one message
-
-
-class LayoutMismatchError(ChunkmemError, RuntimeError):
-    """The ranks of a data-parallel group hold different models or settings. Raised on every rank with
-    the same message, which names each setting and the first parameters that differ, rank by rank."""
 
 
 @dataclass
@@ -179,13 +174,6 @@ def _ranks_text(ranks: list[int]) -> str:
 
 
 # ---- where the ranks are during training ----------------------------------------------------------
-
-class StepMismatchError(LayoutMismatchError):
-    """The ranks of a data-parallel group reached different points of training (one skipped or repeated
-    ``step()``, a forward or a backward; one called ``clip_grad_norm`` and another did not) or hold
-    different per-step values (the loss scale, the clipping). Raised on every rank, at the first point
-    where they differ, before any collective of that point pairs mismatched data."""
-
 
 POINTS = ("forward", "backward", "clip", "step")
 """The points of training the ranks compare (:func:`agree_on_point`)."""

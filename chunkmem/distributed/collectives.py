@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..errors import ArgumentTypeError, ChunkmemError, InvalidArgumentError, check_number
+from ..errors import ArgumentTypeError, CollectiveError, CollectiveTimeoutError, InvalidArgumentError, check_number
 
 # torch >= 2.10 names them *_single; older releases only have the *_tensor names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -55,30 +55,6 @@ last few works here makes the worker's release never the last one: these are rel
 thread, at finalization at the latest. A few collectives' inputs stay alive that much longer."""
 
 _bounded_groups: dict[int, float] = {}  # id(group) -> the timeout (seconds) set on its gloo backend
-
-
-class CollectiveError(ChunkmemError, RuntimeError):
-    """A collective over the data-parallel group failed on this rank: ``collective`` (e.g.
-    ``"all_gather"``), ``what`` it moved, this process's ``rank`` in the group of ``world`` ranks."""
-
-    def __init__(self, message: str, collective: str, what: str, rank: int, world: int) -> None:
-        super().__init__(message)
-        self.collective = collective
-        self.what = what
-        self.rank = rank
-        self.world = world
-
-
-class CollectiveTimeoutError(CollectiveError):
-    """A collective did not complete within :func:`collective_timeout` seconds (``timeout``; this rank
-    ``waited`` seconds): some rank of the group never joined it. The process group is unusable
-    afterwards; end the processes."""
-
-    def __init__(self, message: str, collective: str, what: str, rank: int, world: int, timeout: float,
-                 waited: float) -> None:
-        super().__init__(message, collective, what, rank, world)
-        self.timeout = timeout
-        self.waited = waited
 
 
 def _check_timeout(argument: str, seconds: Any) -> float:

@@ -62,7 +62,7 @@ from ..model import ShardedModelV2
 from ..optim.sharded_optimizer import ShardedOptimizerV2
 from ..errors import ChunkmemError, CheckpointError
 from .resharding import SavedLayout, plan_resharded_load, saved_slot_scalars, saved_slot_steps, saved_state
-from ..optim.state_dict import (adam_entry, any_entry, export_param_groups, plan_hyper_load, plan_optimizer_load,
+from ..optim.state_dict import (adam_entry, any_entry, export_param_groups, prepare_hyper_load, prepare_optimizer_load,
                                 scalar_copy)
 from ..state_dicts import (bump_versions, check_tensor_data, first_few, plan_model_load, refuse_chunks_in_use,
                            refuse_grads_in_param_memory, warn_if_masters_lose_precision)
@@ -138,7 +138,7 @@ def load_checkpoint(path: str | os.PathLike, model: ShardedModelV2, optimizer: S
         path = _check_low_level_zero_args(_check_existing_path(path), model, optimizer, False)
         error, apply = None, None
         try:
-            apply = _plan_low_level_zero(path, model, optimizer, model_only)
+            apply = _prepare_low_level_zero(path, model, optimizer, model_only)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the ranks agree
             error = exc
         _agree(optimizer.shards, error, f"loading {path!r}")
@@ -151,7 +151,7 @@ def load_checkpoint(path: str | os.PathLike, model: ShardedModelV2, optimizer: S
     error: Exception | None = None
     apply: Callable[[], None] | None = None
     try:
-        apply = _plan_sharded(path, model, optimizer, elastic) if os.path.isdir(path) else _plan_full(path, model, optimizer)
+        apply = _prepare_sharded(path, model, optimizer, elastic) if os.path.isdir(path) else _prepare_full(path, model, optimizer)
     except Exception as exc:  # noqa: BLE001 - re-raised below, after the ranks agree
         error = exc
     _agree(model.data_parallel, error, f"loading {path!r}")
@@ -272,13 +272,13 @@ def _verify_content(path: str, payload: dict[str, Any]) -> None:
                               f"records {saved}; nothing was loaded")
 
 
-def _plan_full(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None) -> Callable[[], None]:
+def _prepare_full(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None) -> Callable[[], None]:
     payload = _read_full(path)
     if optimizer is not None and payload["optimizer"] is None:
         raise InvalidArgumentError("optimizer", "a ShardedOptimizerV2",
                                    f"None: the checkpoint {path!r} was saved without optimizer state")
     model_load = plan_model_load(model, payload["model"], strict=True)
-    optimizer_load = plan_optimizer_load(optimizer, payload["optimizer"]) if optimizer is not None else None
+    optimizer_load = prepare_optimizer_load(optimizer, payload["optimizer"]) if optimizer is not None else None
 
     def apply() -> None:
         model_load.apply()
@@ -320,13 +320,13 @@ def _save_low_level_zero(path: str, model: torch.nn.Module, optimizer: Any) -> N
                 optimizer.state_dict(rank0_only=True))
 
 
-def _plan_low_level_zero(path: str, model: torch.nn.Module, optimizer: Any, model_only: bool) -> Callable[[], None]:
+def _prepare_low_level_zero(path: str, model: torch.nn.Module, optimizer: Any, model_only: bool) -> Callable[[], None]:
     payload = _read_full(path)
     if payload["optimizer"] is None and not model_only:
         raise InvalidArgumentError("optimizer", "a LowLevelZeroOptimizer",
                                    f"None: the checkpoint {path!r} was saved without optimizer state")
-    load_model = optimizer.plan_load_model_state_dict(model, payload["model"])
-    load_optimizer = (lambda: None) if model_only else optimizer.plan_load_state_dict(payload["optimizer"])
+    load_model = optimizer.prepare_load_model_state_dict(model, payload["model"])
+    load_optimizer = (lambda: None) if model_only else optimizer.prepare_load_state_dict(payload["optimizer"])
 
     def apply() -> None:
         load_model()
@@ -437,14 +437,14 @@ def _optimizer_small_state(optimizer: ShardedOptimizerV2) -> dict[str, Any]:
             "loss_scaler": scaler, "per_group": optimizer.update_rule.per_group_keys()}
 
 
-def _plan_sharded(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None,
+def _prepare_sharded(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None,
                   elastic: bool) -> Callable[[], None]:
     group = _group_of(model)
     manifest = _read_manifest(path)
     if manifest["world"] == group.world:
         payload = _read_rank_file(path, manifest, group.rank)
         if _chunk_table(model) == _saved_chunk_table(payload["model"]):
-            return _plan_own_shards(path, model, optimizer, manifest, payload)
+            return _prepare_own_shards(path, model, optimizer, manifest, payload)
         if not elastic:
             raise InvalidArgumentError("path", path, "a sharded checkpoint of the model's chunk layout (elastic=False); "
                                                      "it was saved with another chunk size or dtype")
@@ -452,16 +452,16 @@ def _plan_sharded(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV
         raise InvalidArgumentError(
             "path", path, f"a sharded checkpoint saved by {group.world} ranks, as many as this run has (it was "
                           f"saved by {manifest['world']}; elastic=False refuses another world size)")
-    return _plan_other_layout(path, model, optimizer, manifest)
+    return _prepare_other_layout(path, model, optimizer, manifest)
 
 
-def _plan_own_shards(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None,
+def _prepare_own_shards(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None,
                      manifest: dict[str, Any], payload: dict[str, Any]) -> Callable[[], None]:
     """The load of a checkpoint saved with the model's layout and world size: this rank's file only."""
     group = _group_of(model)
     saved = payload["model"]
     name = os.path.join(path, _shard_name(manifest["token"], group.rank, group.world))
-    load_small_state, load_buffers = _plan_shared_state(path, name, model, optimizer, payload)
+    load_small_state, load_buffers = _prepare_shared_state(path, name, model, optimizer, payload)
     _check_rank_values(name, model, saved, optimizer)
 
     def apply() -> None:
@@ -489,7 +489,7 @@ def _plan_own_shards(path: str, model: ShardedModelV2, optimizer: ShardedOptimiz
     return apply
 
 
-def _plan_other_layout(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None,
+def _prepare_other_layout(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None,
                        manifest: dict[str, Any]) -> Callable[[], None]:
     """The load of a checkpoint saved by another world size or with another chunk layout
     (:mod:`chunkmem.io.resharding`). Every rank file is memory-mapped; each file's checksum is verified
@@ -499,7 +499,7 @@ def _plan_other_layout(path: str, model: ShardedModelV2, optimizer: ShardedOptim
     world = manifest["world"]
     parts = [_read_rank_file(path, manifest, r, verify=r % group.world == group.rank) for r in range(world)]
     files = [os.path.join(path, _shard_name(manifest["token"], r, world)) for r in range(world)]
-    load_small_state, load_buffers = _plan_shared_state(path, files[0], model, optimizer, parts[0])
+    load_small_state, load_buffers = _prepare_shared_state(path, files[0], model, optimizer, parts[0])
     load_shards = plan_resharded_load(path, model, optimizer, SavedLayout(parts, files), load_small_state)
 
     def apply() -> None:
@@ -508,7 +508,7 @@ def _plan_other_layout(path: str, model: ShardedModelV2, optimizer: ShardedOptim
     return apply
 
 
-def _plan_shared_state(path: str, name: str, model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None,
+def _prepare_shared_state(path: str, name: str, model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None,
                        payload: dict[str, Any]) -> tuple[Callable[[], None] | None, Callable[[], None]]:
     """Check what every rank file holds alike (``name``'s: the state_dict keys, the buffers, the
     optimizer's param groups and scaler) against the model and optimizer; returns the functions that
@@ -529,7 +529,7 @@ def _plan_shared_state(path: str, name: str, model: ShardedModelV2, optimizer: S
         if small["param_names"] != [model.parameter_name(p) for p in params]:
             raise InvalidArgumentError("optimizer", "a ShardedOptimizerV2 whose param_groups hold other parameters "
                                                     "or another order", "the param groups the checkpoint was saved with")
-        optimizer_load = plan_hyper_load(optimizer, small["param_groups"], small["loss_scaler"],
+        optimizer_load = prepare_hyper_load(optimizer, small["param_groups"], small["loss_scaler"],
                                          adam=optimizer.update_rule.adam_hyper_parameters)
     buffers = model.module.state_dict(keep_vars=True)
 

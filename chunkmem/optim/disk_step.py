@@ -42,18 +42,7 @@ from .adam_math import AdamHyper
 from ..core.chunk import MASTER, Chunk, FlatBuffer, ParamSlot
 from ..storage.disk_io import DiskIOError, IOHandle, aligned_nbytes
 from ..core.disk_tier import JOURNAL, DiskTier, typed_view
-from ..errors import ChunkmemError
-
-
-class DiskStepError(ChunkmemError, RuntimeError):
-    """An optimizer step over disk-resident state failed. ``undone`` says whether the state is as it
-    was before the step (``atomic_step``); ``cause`` is the I/O error (``None`` on a rank that undid
-    its step because another rank failed)."""
-
-    def __init__(self, message: str, undone: bool, cause: DiskIOError | None) -> None:
-        super().__init__(message)
-        self.undone = undone
-        self.cause = cause
+from ..errors import DiskStepError
 
 
 class PieceRule(Protocol):

@@ -26,7 +26,7 @@ from ..distributed.collectives import ShardGroup, start_all_gather
 from ..core.chunk import ADAM_STATE
 from ..core.layout import join_runs
 from ..errors import (ChunkmemError, InvalidArgumentError, UnscaledBackwardError, UnsupportedOperationError,
-                      check_choice, check_number, check_type)
+                      check_choice, check_number, check_type, warn_renamed)
 from .closure import run_closure
 from .loss_scaler import DynamicGradScaler
 from .mixed_precision import MixedPrecisionStep
@@ -684,22 +684,27 @@ class LowLevelZeroOptimizer:
         hyper-parameters and (fp16) the loss scaler. Everything is checked first
         (:class:`~chunkmem.InvalidArgumentError` naming the entry); nothing changes on an error. No
         collective."""
-        self.plan_load_state_dict(state_dict)()
+        self.prepare_load_state_dict(state_dict)()
 
     def state_loaded(self) -> None:
         """A state dict or checkpoint was loaded (nothing to forget here: every step is all or nothing)."""
 
     def plan_load_state_dict(self, state_dict: Mapping[str, Any]) -> Callable[[], None]:
+        """The old name of :meth:`prepare_load_state_dict` (warns once)."""
+        warn_renamed("LowLevelZeroOptimizer.plan_load_state_dict", "prepare_load_state_dict")
+        return self.prepare_load_state_dict(state_dict)
+
+    def prepare_load_state_dict(self, state_dict: Mapping[str, Any]) -> Callable[[], None]:
         """Check ``state_dict`` as :meth:`load_state_dict` does and return the function that loads it
         (nothing changes until it is called)."""
-        from .state_dict import check_entry, plan_hyper_load, scalar_copy
+        from .state_dict import check_entry, prepare_hyper_load, scalar_copy
 
         allowed = "an optimizer state dict with 'state' and 'param_groups'"
         check_type("state_dict", state_dict, Mapping, allowed)
         for key in ("state", "param_groups"):
             if key not in state_dict:
                 raise InvalidArgumentError("state_dict", f"a dict without {key!r}", allowed)
-        plan = plan_hyper_load(self, state_dict["param_groups"], state_dict.get("loss_scaler"),
+        plan = prepare_hyper_load(self, state_dict["param_groups"], state_dict.get("loss_scaler"),
                                adam=self._layout is None)
         state = state_dict["state"]
         check_type("state_dict['state']", state, Mapping, "a mapping from parameter index to its optimizer state")
@@ -791,9 +796,14 @@ class LowLevelZeroOptimizer:
         is checked before anything is written (a dense tensor with data of the key's shape; of a real
         floating-point dtype where the module's value is floating-point): a bad one raises
         :class:`~chunkmem.InvalidArgumentError` naming its key and nothing changes. No collective."""
-        self.plan_load_model_state_dict(module, state_dict)()
+        self.prepare_load_model_state_dict(module, state_dict)()
 
     def plan_load_model_state_dict(self, module: nn.Module, state_dict: Mapping[str, Any]) -> Callable[[], None]:
+        """The old name of :meth:`prepare_load_model_state_dict` (warns once)."""
+        warn_renamed("LowLevelZeroOptimizer.plan_load_model_state_dict", "prepare_load_model_state_dict")
+        return self.prepare_load_model_state_dict(module, state_dict)
+
+    def prepare_load_model_state_dict(self, module: nn.Module, state_dict: Mapping[str, Any]) -> Callable[[], None]:
         """Check as :meth:`load_model_state_dict` does and return the function that loads (nothing
         changes until it is called)."""
         self.check_module(module)

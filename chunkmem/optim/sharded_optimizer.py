@@ -34,7 +34,7 @@ from .gradient_idioms import GradientIdioms
 from .loss_scaler import DynamicGradScaler
 from .mixed_precision import MixedPrecisionStep
 from .sealed import seal_param_groups
-from .state_dict import optimizer_state_dict, plan_optimizer_load
+from .state_dict import optimizer_state_dict, prepare_optimizer_load
 from .torch_face import WrappingOptimizer
 from .update_rule import KeptState
 
@@ -486,7 +486,7 @@ class ShardedOptimizerV2(WrappingOptimizer):
         The fp32 masters come with the model: ``model.load_state_dict``. No collective.
         """
         self.check_no_step_in_flight("optim.load_state_dict()")
-        self._hooked_load(state_dict, lambda loaded: plan_optimizer_load(self, loaded).apply())
+        self._hooked_load(state_dict, lambda loaded: prepare_optimizer_load(self, loaded).apply())
 
 
 def _agree_on_gradients(runtime: ChunkRuntime) -> None:

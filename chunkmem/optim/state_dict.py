@@ -149,7 +149,7 @@ def import_group(group: dict[str, Any], saved: Mapping[str, Any]) -> None:
         group["bias_correction"] = hyper.bias_correction
 
 
-def plan_optimizer_load(optim: Any, state_dict: Any) -> OptimizerLoad:
+def prepare_optimizer_load(optim: Any, state_dict: Any) -> OptimizerLoad:
     """Check an optimizer state dict (chunkmem's or ``torch.optim.Adam``/``AdamW``'s) against
     ``optim`` without changing anything."""
     allowed = "an optimizer state dict with 'state' and 'param_groups' (ShardedOptimizerV2.state_dict() or " \
@@ -159,7 +159,7 @@ def plan_optimizer_load(optim: Any, state_dict: Any) -> OptimizerLoad:
         if key not in state_dict:
             raise InvalidArgumentError("state_dict", f"a dict without {key!r} (keys {list(state_dict)[:5]})", allowed)
     rule = optim.update_rule
-    plan = plan_hyper_load(optim, state_dict["param_groups"], state_dict.get("loss_scaler"),
+    plan = prepare_hyper_load(optim, state_dict["param_groups"], state_dict.get("loss_scaler"),
                            adam=rule.adam_hyper_parameters)
     param_of = {}
     for group, saved in zip(optim.optim.param_groups, plan.groups):
@@ -191,7 +191,7 @@ def plan_optimizer_load(optim: Any, state_dict: Any) -> OptimizerLoad:
     return plan
 
 
-def plan_hyper_load(optim: Any, param_groups: Any, loss_scaler: Any, *, adam: bool) -> OptimizerLoad:
+def prepare_hyper_load(optim: Any, param_groups: Any, loss_scaler: Any, *, adam: bool) -> OptimizerLoad:
     """A checked plan that loads only the param groups' hyper-parameters and the loss scaler state
     (``None``: leave the scaler as it is); the caller may add chunk states to ``plan.chunks``. ``adam``: the
     groups are Adam's (checked as such), not another optimizer's own."""

@@ -13,7 +13,7 @@ from typing import Sequence
 
 
 @dataclass
-class PeriodPlan:
+class PeriodMoves:
     """What to do before one period: chunks to evict from the device, then chunks to fetch.
     ``fallback``: the period needs more chunks than its slots, so it runs as under ``cpu`` placement:
     every chunk it does not need is evicted first, and its own are evicted after it."""
@@ -25,15 +25,15 @@ class PeriodPlan:
 
 
 @dataclass
-class MovePlan:
+class MoveSchedule:
     """The plan of one iteration; ``fetched_chunks`` is the number of chunk fetches it makes."""
 
-    periods: list[PeriodPlan]
+    periods: list[PeriodMoves]
     fetched_chunks: int
 
 
-def plan_moves(needed: Sequence[Sequence[int]], forced_out: Sequence[Sequence[int]], slots: Sequence[int],
-               names: Sequence[str]) -> MovePlan:
+def belady_moves(needed: Sequence[Sequence[int]], forced_out: Sequence[Sequence[int]], slots: Sequence[int],
+               names: Sequence[str]) -> MoveSchedule:
     """Belady's plan for a sequence of periods.
 
     ``needed[i]``: chunks that must be on the device during period ``i``. ``forced_out[i]``: chunks
@@ -60,12 +60,12 @@ def plan_moves(needed: Sequence[Sequence[int]], forced_out: Sequence[Sequence[in
     resident: set[int] = set()
     heap: list[tuple[int, int]] = []  # (-next use, chunk), stale entries skipped lazily
     stamp: dict[int, int] = {}
-    plans: list[PeriodPlan] = []
+    plans: list[PeriodMoves] = []
     fetched = 0
     carry_out: set[int] = set()
     for i, chunks in enumerate(needed):
         need = set(chunks)
-        plan = PeriodPlan(slots=slots[i], fallback=len(need) > slots[i])
+        plan = PeriodMoves(slots=slots[i], fallback=len(need) > slots[i])
         if carry_out:  # the chunks of a fallback period leave unless this one needs them
             plan.evict = sorted(carry_out - need)
             resident -= carry_out - need
@@ -95,4 +95,4 @@ def plan_moves(needed: Sequence[Sequence[int]], forced_out: Sequence[Sequence[in
         if plan.fallback:
             carry_out = set(resident)
         plans.append(plan)
-    return MovePlan(plans, fetched)
+    return MoveSchedule(plans, fetched)

@@ -56,7 +56,7 @@ def collect(runtime: Any, rank: int = 0, world_size: int = 1) -> dict[str, Any]:
     policy = runtime.policy
     chunks = runtime.chunks
     auto = policy.plans_from_trace
-    plan = runtime.state.plan
+    plan = runtime.state.moves
     stats = [_stats_dict(s) for s in scheduler.stats]
     periods = []
     for i, period in enumerate(scheduler.periods or []):

@@ -30,7 +30,7 @@ from typing import Sequence
 from ..core.chunk import Chunk
 from ..errors import InvalidArgumentError, check_choice, check_number
 from ..core.tiers import Tier
-from .belady import MovePlan, plan_moves
+from .belady import MoveSchedule, belady_moves
 from .tracer import Period
 
 POLICY_NAMES = ("cuda", "cpu", "auto", "static")
@@ -41,26 +41,26 @@ class PlacementState:
     """What the placement depends on beyond the policy. Owned by the model's runtime: the layout facts
     (``num_chunks``; ``trainable``, the indices of the trainable chunks in packing order) when the chunks
     are built, with ``param_host_chunks``; ``margin_ratio`` (``gpu_margin_mem_ratio``) and
-    ``optim_host_chunks`` when the optimizer is attached; ``plan``, ``margin_chunks`` (chunks whose optimizer
+    ``optim_host_chunks`` when the optimizer is attached; ``moves`` (the move schedule), ``margin_chunks`` (chunks whose optimizer
     state and parameters stay on the device; ``margin_bytes`` the margin) and ``following`` (the running
-    iteration follows the plan) by the scheduler, under ``auto``."""
+    iteration follows it) by the scheduler, under ``auto``."""
 
     num_chunks: int = 0
     trainable: tuple[int, ...] = ()
     margin_ratio: float = 0.0
     param_host_chunks: frozenset[int] = frozenset()
     optim_host_chunks: frozenset[int] = frozenset()
-    plan: MovePlan | None = None
+    moves: MoveSchedule | None = None
     margin_chunks: frozenset[int] = frozenset()
     margin_bytes: int = 0
     following: bool = False
 
-    def adopt_plan(self, plan: MovePlan, margin_chunks: set[int], margin_bytes: int) -> None:
-        self.plan, self.margin_chunks, self.margin_bytes = plan, frozenset(margin_chunks), margin_bytes
+    def adopt_moves(self, moves: MoveSchedule, margin_chunks: set[int], margin_bytes: int) -> None:
+        self.moves, self.margin_chunks, self.margin_bytes = moves, frozenset(margin_chunks), margin_bytes
 
-    def forget_plan(self) -> None:
-        """The schedule changed: no plan until the new one is made (the margin stays where it is)."""
-        self.plan = None
+    def forget_moves(self) -> None:
+        """The schedule changed: no move schedule until the new one is made (the margin stays where it is)."""
+        self.moves = None
 
 
 @dataclass(frozen=True)
@@ -211,16 +211,16 @@ def choose_margin_chunks(periods: Sequence[Period], state: PlacementState, capac
 
 
 def plan_belady(periods: Sequence[Period], capacity: int, chunk_param_bytes: int, staging: Sequence[int],
-                pinned_bytes: int, forced_out: Sequence[Sequence[int]], margin_chunks: set[int]) -> MovePlan:
+                pinned_bytes: int, forced_out: Sequence[Sequence[int]], margin_chunks: set[int]) -> MoveSchedule:
     """``auto``: Belady's plan for the chunks outside the margin, each period's slots being what the
     capacity leaves after the pinned (margin) bytes, the period's non-model peak and its gradient staging.
     A period whose chunks do not fit in its slots falls back to what ``cpu`` does (see
-    :func:`~chunkmem.runtime.belady.plan_moves`): that is never refused here; the ledger refuses only chunk
+    :func:`~chunkmem.runtime.belady.belady_moves`): that is never refused here; the ledger refuses only chunk
     bytes past the capacity, as under ``cpu``."""
     needed = [[c for c in p.needed if c not in margin_chunks] for p in periods]
     slots = [max(capacity - pinned_bytes - p.non_model_peak - s * chunk_param_bytes, 0) // chunk_param_bytes
              for p, s in zip(periods, staging)]
-    return plan_moves(needed, forced_out, slots, [f"{p.name} {p.phase}" for p in periods])
+    return belady_moves(needed, forced_out, slots, [f"{p.name} {p.phase}" for p in periods])
 
 
 def make_policy(name: str, offload_param_frac: float = 0.0, offload_optim_frac: float = 0.0,

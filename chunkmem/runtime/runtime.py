@@ -60,7 +60,7 @@ from .executor import ChunkExecutor
 from .gradients import gradient_store
 from .hooks import ModelHooks
 from .placement import PlacementPolicy, PlacementState
-from .schedule import PlanInputs, Scheduler
+from .schedule import MoveInputs, Scheduler
 
 
 class OptimizerListener(Protocol):
@@ -362,7 +362,7 @@ class ChunkRuntime:
         self.executor.flush_stale()
         self.backward_count += 1
         if self.scheduler.end_iteration():
-            self._plan()
+            self._schedule_moves()
         self.memory.ledger.context = ""
 
     @_untraced
@@ -740,7 +740,7 @@ class ChunkRuntime:
                 self.drop_gradients(set_to_none=True)
             self.grads_pending = False
 
-    def _plan(self) -> None:
+    def _schedule_moves(self) -> None:
         """A new schedule was traced: agree on its peaks over the ranks, plan it, and move the margin's
         optimizer state to the device."""
         chunks = self.chunks
@@ -758,10 +758,10 @@ class ChunkRuntime:
         largest_trainable = max(trainable, key=lambda c: c.numel, default=None)
         optimizer_state = largest_trainable is not None and any(
             buf.allocated for buf in largest_trainable.optim.values())
-        inputs = PlanInputs(self.memory.ledger.capacity, largest.param.nbytes,
+        inputs = MoveInputs(self.memory.ledger.capacity, largest.param.nbytes,
                             self._optimizer_group_bytes(largest_trainable) if optimizer_state else 0,
                             self.gradients.in_param_memory, self.reduction.shards.sharded, peaks)
-        for index in self.scheduler.make_plan(inputs):
+        for index in self.scheduler.schedule_moves(inputs):
             self.gradients.flatten(chunks[index])  # its gradient buffer moves with the state
             self.executor.move_optimizer_state(chunks[index], Tier.DEVICE)
             self.executor.settle(chunks[index])

@@ -11,7 +11,7 @@ executes. Each of its event methods returns what the model's runtime is to do (a
 at a period's start), and the :class:`~chunkmem.runtime.executor.ChunkExecutor` alone executes. What the
 trace and the margin decide under ``auto`` is written here, and only here, into the runtime's
 :class:`~chunkmem.runtime.placement.PlacementState`. Figures that must agree over the ranks (the traced
-peaks) are agreed by the runtime and handed in (:meth:`Scheduler.make_plan`).
+peaks) are agreed by the runtime and handed in (:meth:`Scheduler.schedule_moves`).
 
 The iteration's mode is an :class:`IterationMode`; its transitions:
 
@@ -96,7 +96,7 @@ class PeriodOrders:
 
 
 @dataclass
-class PlanInputs:
+class MoveInputs:
     """What the planner needs to know of the chunks (bytes): the device capacity, one chunk's parameter
     bytes, one optimizer chunk group's device bytes (0 before the optimizer exists), whether gradients
     live in the parameter memory (no staging buffers), whether the chunks are sharded (then every
@@ -157,9 +157,10 @@ class Scheduler:
         self._mode = mode
 
     @property
-    def plan(self) -> Any:
-        """The move plan in force (``auto``), or ``None``."""
-        return self.state.plan
+    def moves(self) -> Any:
+        """The move schedule in force (``auto``: Belady's, :class:`~chunkmem.runtime.belady.MoveSchedule`), or
+        ``None``."""
+        return self.state.moves
 
     @property
     def margin_bytes(self) -> int:
@@ -211,7 +212,7 @@ class Scheduler:
 
     def end_iteration(self) -> bool:
         """After backward: close the iteration. Returns ``True`` when a finished trace became the new
-        schedule: the manager then calls :meth:`make_plan`."""
+        schedule: the manager then calls :meth:`schedule_moves`."""
         self._close_stats()
         self.state.following = False
         if self._mode is IterationMode.TRACING:
@@ -223,7 +224,7 @@ class Scheduler:
             self.trace = None
             self.retrace = self._periods_changed
             self._periods_changed = False
-            self.state.forget_plan()
+            self.state.forget_moves()
             self._enter(IterationMode.IDLE, IterationMode.TRACING)
             return True
         if self._mode is IterationMode.FOLLOWING and self.index != len(self.periods):
@@ -256,16 +257,16 @@ class Scheduler:
         return orders
 
     def _fill_orders(self, orders: PeriodOrders, index: int) -> None:
-        plan = self.state.plan
-        if plan is not None:
-            step = plan.periods[index]
+        moves = self.state.moves
+        if moves is not None:
+            step = moves.periods[index]
             orders.evict, orders.fetch = list(step.evict), list(step.fetch)
         if index + 1 >= len(self.periods):
             return
         ahead = self.periods[index + 1]
         period = self.periods[index]
-        if plan is not None:
-            orders.prefetch = list(plan.periods[index + 1].fetch)
+        if moves is not None:
+            orders.prefetch = list(moves.periods[index + 1].fetch)
         else:
             orders.prefetch = list(self._lookahead[index]) or list(ahead.needed)
             orders.keep += [c for c in orders.prefetch if c not in orders.keep]
@@ -333,13 +334,14 @@ class Scheduler:
         self.state.following = False
         return self.policy.plans_from_trace
 
-    # ---- the plan ----------------------------------------------------------------------------------
+    # ---- the move schedule -------------------------------------------------------------------------
 
-    def make_plan(self, inputs: PlanInputs) -> list[int]:
-        """Plan the recorded schedule with the agreed peaks. Returns the chunks whose optimizer state the
-        executor moves to the device (``auto``'s margin). If planning fails, no plan is kept and the next
-        iteration is traced again (never run on the plan of another schedule)."""
-        self.state.forget_plan()
+    def schedule_moves(self, inputs: MoveInputs) -> list[int]:
+        """Decide the chunk moves of the recorded schedule (Belady's, under ``auto``) from the agreed peaks.
+        Returns the chunks whose optimizer state the executor moves to the device (``auto``'s margin). If
+        that fails, no move schedule is kept and the next iteration is traced again (never run on the moves
+        of another schedule)."""
+        self.state.forget_moves()
         self._param_bytes = inputs.param_bytes
         self._staging = self.staging_counts(inputs.grads_in_param_memory, set())
         if not self.periods:
@@ -360,7 +362,7 @@ class Scheduler:
         except BaseException:
             self.retrace = True
             raise
-        self.state.adopt_plan(plan, margin, margin_bytes)
+        self.state.adopt_moves(plan, margin, margin_bytes)
         return sorted(margin)
 
     def staging_counts(self, grads_in_param_memory: bool, excluded: set[int]) -> list[int]:

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ChunkmemError, InvalidArgumentError, check_number, check_type
+from ..errors import ChunkmemError, DiskIOError, InvalidArgumentError, check_number, check_type
 
 ALIGNMENT = 4096
 """Bytes: the offset, the length and the buffer address of every disk I/O are multiples of it."""
@@ -71,39 +71,6 @@ def aligned_nbytes(nbytes: int) -> int:
     """``nbytes`` (bytes, >= 0) rounded up to a multiple of :data:`ALIGNMENT`."""
     check_number("nbytes", nbytes, low=0, integer=True)
     return -(-nbytes // ALIGNMENT) * ALIGNMENT
-
-
-class DiskIOError(ChunkmemError, OSError):
-    """A read or write of the disk tier failed.
-
-    ``path``: the file; ``what``: what was being moved (e.g. ``"chunk3.exp_avg"``, or the file's name
-    for ``"create"``); ``operation``: ``"read"``, ``"write"`` or ``"create"``; ``errno``: the system
-    error number, or ``None`` for a short read; ``cause``: the errno's text or
-    ``"short read: got N of M bytes"``.
-    """
-
-    def __init__(self, path: str, what: str, operation: str, cause: str, errno: int | None = None) -> None:
-        super().__init__(f"disk tier {operation} of {what} failed on {path!r}: {cause}")
-        self.path = path
-        self.what = what
-        self.operation = operation
-        self.cause = cause
-        self.errno = errno
-        self.filename = path
-
-    def __str__(self) -> str:
-        return str(self.args[0])
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self.path, self.what, self.operation, self.cause, self.errno)
-
-    @classmethod
-    def from_os_error(cls, path: str, what: str, operation: str, error: OSError) -> "DiskIOError":
-        """The :class:`DiskIOError` for ``error`` raised by a system call on ``path``."""
-        code = error.errno
-        text = os.strerror(code) if code is not None else str(error)
-        cause = f"{text} (errno {errno_codes.errorcode.get(code, code)})" if code is not None else text
-        return cls(path, what, operation, cause, code)
 
 
 # ---------------------------------------------------------------------------------------------------
