@@ -133,6 +133,23 @@ _METADATA = ("metadata",)
 _kinds: dict[Any, Any] = {}  # func -> _METADATA, an attribute's (name, "get"|"set"), or () (a call)
 
 
+_modifies: dict[Any, bool] = {}  # func -> whether it writes its first argument in place (by its name, once)
+
+
+def _guarded_in(values: Any, found: list["ChunkParameter"]) -> list["ChunkParameter"]:
+    """The chunk-managed parameters among ``values`` (a call's arguments), looked for inside tuples, lists and
+    dicts as torch's own argument parsing does, appended to ``found``. (``tree_leaves`` finds the same: it
+    took a third of the guard's time on every call.)"""
+    for value in values:
+        if isinstance(value, ChunkParameter):
+            found.append(value)
+        elif isinstance(value, (tuple, list)):
+            _guarded_in(value, found)
+        elif isinstance(value, dict):
+            _guarded_in(value.values(), found)
+    return found
+
+
 def _kind_of(func: Any) -> Any:
     """What ``func`` is to the guard, classified once per function."""
     kind = _kinds.get(func)
@@ -154,9 +171,11 @@ def written_target(func: Any, args: tuple, kwargs: dict) -> Any:
     out = kwargs.get("out")
     if out is not None:
         return out
-    name = getattr(func, "__name__", "")
-    modifies = (getattr(func, "__module__", "") == "torch.nn.init" or name in INPLACE_DUNDERS
-                or (name.endswith("_") and not name.endswith("__")))
+    modifies = _modifies.get(func)
+    if modifies is None:
+        name = getattr(func, "__name__", "")
+        modifies = _modifies[func] = (getattr(func, "__module__", "") == "torch.nn.init" or name in INPLACE_DUNDERS
+                                      or (name.endswith("_") and not name.endswith("__")))
     if not modifies:
         return None
     if args:
@@ -178,7 +197,9 @@ class ChunkParameter(nn.Parameter):
             with DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         attribute = kind
-        params = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, ChunkParameter)]
+        params = _guarded_in(args, [])
+        if kwargs:
+            _guarded_in(kwargs.values(), params)
         if attribute:
             return _attribute_access(params[0], attribute, func, args, kwargs)
         target = written_target(func, args, kwargs)
