@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 import _gpt
 import chunkmem as cm
-from chunkmem.cost_model import trace_compute
+from chunkmem.plan.cost_model import trace_compute
 from chunkmem.gpt import GPT, GPTConfig, count_params
 
 

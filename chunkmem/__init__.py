@@ -19,7 +19,7 @@ from .optim.sharded_optimizer import ShardedOptimizerV2
 from .core.param_guard import ChunkGradient, ChunkParameter
 from .runtime.parameter_access import GatheredParameters, register_external_parameter
 from .plan import Candidate, PlanChoice, PolicyPlan, choose, plan
-from .machine_profile import MachineProfile
+from .plan.machine_profile import MachineProfile
 from .tiled_linear import TiledLinear
 from .distributed.shard_strategy import BaseShardStrategy, BucketTensorShardStrategy, TensorShardStrategy
 from .core.copy_engine import set_copy_engine

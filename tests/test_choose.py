@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 
 import chunkmem as cm
-from chunkmem.cost_model import trace_compute
-from chunkmem.machine_profile import MachineProfile
+from chunkmem.plan.cost_model import trace_compute
+from chunkmem.plan.machine_profile import MachineProfile
 from distributed import run_ranks
 
 CHUNK = 64 * 256 * 4
@@ -300,7 +300,7 @@ def test_command_line_prints_times_fits_and_the_recommendation(capsys, tmp_path)
 
 
 def test_step_time_adds_its_parts():
-    from chunkmem.cost_model import step_time
+    from chunkmem.plan.cost_model import step_time
 
     p = profile()  # copies 5 GB/s, fp32 Adam 1G elements/s, disk 1 GB/s read, 0.5 GB/s write
     t = step_time(p, 1.0, torch.float32, moved_bytes=5 * 10**9, adam_elements=3 * 10**9,
@@ -320,7 +320,7 @@ def test_step_time_adds_its_parts():
 
 
 def test_measuring_the_machine_gives_every_figure(tmp_path):
-    from chunkmem.machine_profile import _disk_step_bytes_per_s
+    from chunkmem.plan.machine_profile import _disk_step_bytes_per_s
 
     p = MachineProfile.measure(dtypes=(torch.float32, torch.bfloat16))
     assert set(p.matmul_flops) == set(p.adam_elements_per_s) == {"float32", "bfloat16"}

@@ -22,7 +22,7 @@ train in another thread meanwhile. :func:`plan` plans one process (no ZeRO-3 sha
 with offload fractions; the disk tier for the optimizer state and/or the parameters;
 ``reuse_fp16_shard``) on the same meta runs, for one rank or several (the meta run then shards over a
 stand-in process group), checks each against device, host and disk budgets, predicts its seconds per
-step with :mod:`chunkmem.cost_model` from a :class:`~chunkmem.machine_profile.MachineProfile` measured on
+step with :mod:`chunkmem.plan.cost_model` from a :class:`~chunkmem.plan.machine_profile.MachineProfile` measured on
 this machine, and recommends the fastest that fits (:class:`PlanChoice`); a :class:`Candidate` gives the
 :class:`~chunkmem.ShardedModelV2` settings it stands for, which ``chunkmem.initialize(..., plan=)`` takes.
 

@@ -4,8 +4,8 @@ Placements ``cuda``, ``cpu``, ``auto``, ``static`` with offload fractions; the d
 and/or the parameters; ``reuse_fp16_shard``; for one rank or several (the meta run then shards over a stand-in
 process group); with gradient accumulation (several forward/backward passes per step, their 16-bit gradient
 sums in fp32 unless ``grad_accum_dtype`` says otherwise). Each is checked against device, host and disk budgets,
-its seconds per step predicted with :mod:`chunkmem.cost_model` from a
-:class:`~chunkmem.machine_profile.MachineProfile` measured on this machine, and the fastest that fits
+its seconds per step predicted with :mod:`chunkmem.plan.cost_model` from a
+:class:`~chunkmem.plan.machine_profile.MachineProfile` measured on this machine, and the fastest that fits
 recommended (:class:`PlanChoice`); a :class:`Candidate` gives the :class:`~chunkmem.ShardedModelV2` settings
 it stands for, which ``chunkmem.initialize(..., plan=)`` takes.
 """
@@ -25,8 +25,8 @@ from ..errors import ArgumentTypeError, InvalidArgumentError, UnsupportedOperati
 from ..errors import check_choice, check_number
 from ..core.disk_tier import DEFAULT_BUFFER_COUNT, DEFAULT_BUFFER_SIZE, check_disk_arguments
 from ..storage.disk_io import aligned_nbytes
-from ..machine_profile import MachineProfile, dtype_name
-from ..cost_model import StepTime, step_time, trace_compute
+from .machine_profile import MachineProfile, dtype_name
+from .cost_model import StepTime, step_time, trace_compute
 from ..settings import check_chunk_size, check_dtype
 from ..core.chunk import ADAM_STATE
 from ..optim.disk_step import streamed_count
@@ -50,10 +50,10 @@ class Candidate(PolicyPlan):
     what the disk budget must allow. ``disk_read_per_step`` / ``disk_written_per_step``: bytes the disk
     tier reads and writes in one step (forward, backward and optimizer step). ``collective_bytes_per_step``:
     bytes this rank sends in the training collectives of one step (ring implementation). ``time``: the
-    predicted :class:`~chunkmem.cost_model.StepTime` in seconds (``None`` when the profile lacks a figure
+    predicted :class:`~chunkmem.plan.cost_model.StepTime` in seconds (``None`` when the profile lacks a figure
     it needs, e.g. no disk bandwidth). ``recommended``: the one :func:`choose` recommends.
     ``cost_inputs``: what the cost model was given besides the compute (bytes copied, Adam elements, disk
-    bytes, collective bytes: :func:`chunkmem.cost_model.step_time`'s arguments), all per step, i.e. over its
+    bytes, collective bytes: :func:`chunkmem.plan.cost_model.step_time`'s arguments), all per step, i.e. over its
     ``gradient_accumulation_steps`` forward/backward passes.
     """
 
@@ -71,7 +71,7 @@ class Candidate(PolicyPlan):
     def predict(self, profile: MachineProfile, compute_seconds: float) -> StepTime | None:
         """The step time again from another ``profile`` and the seconds of one forward and backward's
         operators (``PlanChoice.compute_seconds``, or :meth:`ComputeTrace.seconds
-        <chunkmem.cost_model.ComputeTrace.seconds>` under that profile; a step runs
+        <chunkmem.plan.cost_model.ComputeTrace.seconds>` under that profile; a step runs
         ``gradient_accumulation_steps`` of them): the same cost model, the same counted bytes and elements
         (``cost_inputs``)."""
         return step_time(profile, compute_seconds * self.gradient_accumulation_steps, self.settings["dtype"],
@@ -169,7 +169,7 @@ def choose(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: 
     off the device with the optimizer state, the parameters, or both on the disk tier. Each is run on the
     meta device as :func:`plan` does (exact bytes per tier and family, now with the disk tier, and per rank
     with ``ranks`` > 1: the meta run then shards the chunks over a stand-in process group of ``ranks``),
-    checked against the budgets, and timed by :mod:`chunkmem.cost_model` from ``profile``. A candidate fits
+    checked against the budgets, and timed by :mod:`chunkmem.plan.cost_model` from ``profile``. A candidate fits
     when its device peak (``device_peak_bytes`` and the non-model peak) is within ``device_memory``, its host
     peak (``host_peak_bytes``) within ``host_memory`` and its files within ``disk_memory``; with
     ``gradient_accumulation_steps`` > 1 both peaks include the gradient sums widened to fp32.
@@ -180,7 +180,7 @@ def choose(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: 
         host_memory: the host tier's capacity in bytes per rank (``None``: unbounded).
         disk_memory: bytes the disk tier's files may occupy per rank (``None``: no disk candidates).
         ranks: data-parallel processes (ZeRO-3 over all of them), >= 1.
-        profile: the machine's throughputs (:class:`~chunkmem.machine_profile.MachineProfile`); ``None``:
+        profile: the machine's throughputs (:class:`~chunkmem.plan.machine_profile.MachineProfile`); ``None``:
             measured here (a few seconds; the disk on ``nvme_path`` when given, gloo when ``ranks`` > 1).
         nvme_path: the disk tier's directory (for the measurement; :meth:`Candidate.config` takes it too).
         chunk_size: bytes per chunk (``None``: searched per candidate as ShardedModelV2 does).
@@ -206,7 +206,7 @@ def choose(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: 
     check_chunk_size(chunk_size, dtype)
     check_number("ranks", ranks, low=1, integer=True)
     if profile is not None and not isinstance(profile, MachineProfile):
-        raise ArgumentTypeError("profile", type(profile).__name__, "a chunkmem.machine_profile.MachineProfile or None")
+        raise ArgumentTypeError("profile", type(profile).__name__, "a chunkmem.plan.machine_profile.MachineProfile or None")
     pairs_allowed = "a sequence of (offload_param_frac, offload_optim_frac) pairs, each in [0, 1]"
     if isinstance(static_fractions, (str, bytes)) or not isinstance(static_fractions, (list, tuple)):
         raise InvalidArgumentError("static_fractions", static_fractions, pairs_allowed)

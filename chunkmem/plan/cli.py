@@ -8,7 +8,7 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
-from ..machine_profile import MachineProfile
+from .machine_profile import MachineProfile
 from ..gpt import GPT, GPTConfig
 from .candidates import choose
 from .meta_run import format_table, plan

@@ -8,7 +8,7 @@ sample batch, each ``gradient_accumulation_steps`` forward/backward passes and a
 (the tracer's :class:`~chunkmem.runtime.tracer.StorageCounter` gives the non-model peak: activations,
 temporaries, autograd's gradients), the later ones follow the schedule, and the ledger counts the bytes the last
 iteration moves (attention on meta tensors is counted as the fused kernel real devices run, see
-:func:`~chunkmem.cost_model.flash_attention_on_meta`). With several passes before a step the gradients of the
+:func:`~chunkmem.plan.cost_model.flash_attention_on_meta`). With several passes before a step the gradients of the
 later backwards add to the earlier ones as in a real run: 16-bit sums widened to fp32 (unless
 ``grad_accum_dtype`` is the model's dtype) are on the ledger, so the peaks include them. The optimizer's
 families (``master`` for 16-bit models, ``exp_avg``, ``exp_avg_sq``, all fp32) cannot run on meta tensors; their
@@ -37,7 +37,7 @@ from ..core.param_guard import slot_of
 from ..distributed.shard_strategy import TensorShardStrategy
 from ..core.tiers import parse_size
 from ..distributed.traffic import bytes_sent, traffic
-from ..cost_model import flash_attention_on_meta
+from .cost_model import flash_attention_on_meta
 
 
 META = torch.device("meta")

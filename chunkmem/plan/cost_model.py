@@ -5,7 +5,7 @@ Two parts:
 * **compute** (:func:`trace_compute`): one forward and backward of the model on the meta device, in
   the dtype chunkmem computes in, under a dispatch mode that records every operator with its shapes,
   strides and dtypes (its *signature*). Each distinct signature is timed on real tensors of those
-  shapes (:meth:`~chunkmem.machine_profile.MachineProfile.measure_operators`, kept in the profile), or,
+  shapes (:meth:`~chunkmem.plan.machine_profile.MachineProfile.measure_operators`, kept in the profile), or,
   where it was not, estimated from its FLOPs (``torch.utils.flop_counter``'s formulas; the CPU's fused
   attention kernel as ``4 b h s^2 d`` forward, twice that backward) at the profile's matrix-product
   rate, or from the bytes it reads and writes at the profile's elementwise bandwidth. Views cost nothing.

@@ -1,4 +1,4 @@
-"""What the machine at hand does per second: the inputs of the planner's cost model (:mod:`chunkmem.cost_model`).
+"""What the machine at hand does per second: the inputs of the planner's cost model (:mod:`chunkmem.plan.cost_model`).
 
 A :class:`MachineProfile` holds throughputs measured here (or given explicitly, so that a plan can be
 reproduced on another machine or in a test):
@@ -38,10 +38,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .errors import ArgumentTypeError, InvalidArgumentError, check_number
-from .optim.adam_kernels import adam_update_
-from .optim.adam_math import AdamHyper
-from .storage.disk_io import measure_bandwidth
+from ..errors import ArgumentTypeError, InvalidArgumentError, check_number
+from ..optim.adam_kernels import adam_update_
+from ..optim.adam_math import AdamHyper
+from ..storage.disk_io import measure_bandwidth
 
 __all__ = ["MachineProfile", "dtype_name"]
 
@@ -139,7 +139,7 @@ class MachineProfile:
     def measure_operators(self, signatures: dict[str, Callable[[], Any]], budget_s: float = 30.0,
                           again: bool = False) -> None:
         """Time each not yet measured operator of ``signatures`` (signature -> a function that runs it once
-        on real tensors, see :mod:`chunkmem.cost_model`) and keep its seconds in :attr:`op_seconds`. Each
+        on real tensors, see :mod:`chunkmem.plan.cost_model`) and keep its seconds in :attr:`op_seconds`. Each
         runs once to warm up and then until about 50 ms have passed (at least twice, at most 7 times); the
         fastest run is kept (on a shared machine the others are the ones another job slowed down). Stops
         measuring after ``budget_s`` seconds in all (the rest falls back on the FLOP and bandwidth figures). ``again``: time the operators already measured too and keep the
@@ -218,10 +218,10 @@ def _disk_step_bytes_per_s(nvme_path: str | os.PathLike, width: int = 2048, laye
     third steps."""
     import torch.nn as nn
 
-    from .distributed.shard_strategy import TensorShardStrategy
-    from .model import ShardedModelV2
-    from .optim.adam import HybridAdam
-    from .optim.sharded_optimizer import ShardedOptimizerV2
+    from ..distributed.shard_strategy import TensorShardStrategy
+    from ..model import ShardedModelV2
+    from ..optim.adam import HybridAdam
+    from ..optim.sharded_optimizer import ShardedOptimizerV2
 
     module = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)])
     model = ShardedModelV2(module, TensorShardStrategy(), tensor_placement_policy="cpu", dtype=torch.bfloat16,
