@@ -21,6 +21,7 @@ import inspect
 import json
 import os
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -425,29 +426,10 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
     for key in sorted(_LOOP_KEYS & set(config)):
         _no_effect(key, "the training loop decides it (chunkmem.deepspeed.initialize returns an engine that "
                         "honours it)")
-    zero = _section(config, "zero_optimization", "zero_optimization")
-    _check_keys(zero, _ZERO_KEYS, "zero_optimization")
-    stage = zero.get("stage", 0)
-    if not isinstance(stage, int) or isinstance(stage, bool):
-        raise ArgumentTypeError("zero_optimization.stage", stage, "1, 2 or 3")
-    if stage not in (1, 2, 3):
-        raise InvalidArgumentError("zero_optimization.stage", stage,
-                                   "1, 2 or 3 (stage 0, no ZeRO, is plain PyTorch: use torch's DDP)")
-    _check_zero_switches(zero)
+    zero, stage = _zero_section(config)
     dtype, scaler = _precision(config)
     grad_accum_dtype = _grad_accum_dtype(config, dtype)
-    offload_optimizer = _section(zero, "offload_optimizer", "zero_optimization.offload_optimizer")
-    offload_param = _section(zero, "offload_param", "zero_optimization.offload_param")
-    _check_keys(offload_optimizer, _OFFLOAD_OPTIMIZER_KEYS, "zero_optimization.offload_optimizer")
-    _check_keys(offload_param, _OFFLOAD_PARAM_KEYS, "zero_optimization.offload_param")
-    optim_device = _offload_device(offload_optimizer, "zero_optimization.offload_optimizer")
-    param_device = _offload_device(offload_param, "zero_optimization.offload_param")
-    _check_offload_switches(offload_optimizer, offload_param)
-    ratio = offload_optimizer.get("ratio", 1.0)
-    check_number("zero_optimization.offload_optimizer.ratio", ratio, low=0.0, high=1.0, allowed="a number in [0, 1]")
-    if ratio != 1.0 and optim_device != "cpu":
-        raise InvalidArgumentError("zero_optimization.offload_optimizer.ratio", ratio,
-                                   "1.0 unless zero_optimization.offload_optimizer.device is 'cpu'")
+    offload = _offload_sections(zero)
     clipping = config.get("gradient_clipping", DEEPSPEED_GRADIENT_CLIPPING)
     check_number("gradient_clipping", clipping, low=0, allowed="a number >= 0 (0: no clipping)")
     bucket = zero.get("reduce_bucket_size")
@@ -467,45 +449,7 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
         _check_optimizer(model, optimizer)
 
     if stage == 3:
-        kwargs = _stage3_model_kwargs(optim_device, param_device, ratio, offload_optimizer, offload_param)
-        if overlap:
-            kwargs["reductions_in_flight"] = OVERLAP_COMM_REDUCTIONS_IN_FLIGHT
-        mics = zero.get("mics_shard_size", -1)
-        if mics != -1:
-            kwargs["shard_group_size"] = mics
-        if "zero_quantized_gradients" in zero:
-            kwargs["quantized_gradients"] = zero["zero_quantized_gradients"]
-        for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights"):
-            _check_bool(zero.get(key, False), f"zero_optimization.{key}")
-        if _check_bool(zero.get("mics_hierarchical_params_gather", False),
-                       "zero_optimization.mics_hierarchical_params_gather"):
-            kwargs["gather_node_size"] = _ranks_per_node()
-        hpz = zero.get("zero_hpz_partition_size", 1)
-        if isinstance(hpz, bool) or not isinstance(hpz, int):
-            raise ArgumentTypeError("zero_optimization.zero_hpz_partition_size", hpz, "an integer >= 1")
-        if hpz != 1:
-            kwargs["secondary_partition_size"] = hpz
-        if zero.get("zero_quantized_weights", False):
-            kwargs["quantized_weights"] = True
-        elif zero.get("zero_quantized_nontrainable_weights", False):
-            kwargs["quantized_weights"] = "nontrainable"
-        prefetch = _prefetch_numel(zero)
-        if prefetch is not None:
-            kwargs["prefetch_numel"] = prefetch
-        kwargs.update(_persistence(zero, disk=optim_device == "nvme" or param_device == "nvme"))
-        if bucket is not None:
-            kwargs["reduce_scatter_bucket_size_mb"] = bucket * dtype.itemsize / 2**20
-        if grad_accum_dtype is not None:
-            kwargs["grad_accum_dtype"] = grad_accum_dtype
-        model_keys = {"dtype": "fp16.enabled/bf16.enabled",
-                      "grad_accum_dtype": "data_types.grad_accum_dtype",
-                      "reduce_scatter_bucket_size_mb": "zero_optimization.reduce_bucket_size",
-                      "shard_group_size": "zero_optimization.mics_shard_size",
-                      "quantized_gradients": "zero_optimization.zero_quantized_gradients",
-                      "quantized_weights": "zero_optimization.zero_quantized_weights",
-                      "secondary_partition_size": "zero_optimization.zero_hpz_partition_size",
-                      "gather_node_size": "zero_optimization.mics_hierarchical_params_gather",
-                      **_disk_keys(optim_device, param_device)}
+        kwargs, model_keys = _stage3_arguments(zero, offload, dtype, bucket, overlap, grad_accum_dtype)
         model_settings = _rename_errors(
             "zero_optimization.", lambda: ModelSettings.from_arguments(TensorShardStrategy(), dtype=dtype, **kwargs),
             model_keys)
@@ -514,6 +458,114 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
         return _stage3(model, optimizer, optimizer_section, model_settings, optimizer_settings, model_keys)
 
     # stages 1 and 2: the model stays a plain module
+    _refuse_stage3_keys(zero, offload)
+    if optimizer is None:
+        if not optimizer_section:
+            raise InvalidArgumentError("optimizer", None, "a torch optimizer or an 'optimizer' config section "
+                                                          "with stage 1 or 2")
+        optimizer = build_optimizer(optimizer_section, model.parameters())  # the cast below keeps the parameters
+    kwargs = dict(scaler, clip_grad_norm=float(clipping), partition_grad=stage == 2,
+                  cpu_offload=offload.optim_device == "cpu")
+    if bucket is not None:
+        kwargs["reduce_bucket_size"] = bucket
+    if overlap is not None:
+        kwargs["overlap_communication"] = overlap
+    if grad_accum_dtype is not None:
+        kwargs["grad_accum_dtype"] = grad_accum_dtype
+    return _stages_1_and_2(model, optimizer, dtype, kwargs)
+
+
+def _zero_section(config: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """``zero_optimization``, its keys and switches checked, and its stage (1, 2 or 3)."""
+    zero = _section(config, "zero_optimization", "zero_optimization")
+    _check_keys(zero, _ZERO_KEYS, "zero_optimization")
+    stage = zero.get("stage", 0)
+    if not isinstance(stage, int) or isinstance(stage, bool):
+        raise ArgumentTypeError("zero_optimization.stage", stage, "1, 2 or 3")
+    if stage not in (1, 2, 3):
+        raise InvalidArgumentError("zero_optimization.stage", stage,
+                                   "1, 2 or 3 (stage 0, no ZeRO, is plain PyTorch: use torch's DDP)")
+    _check_zero_switches(zero)
+    return zero, stage
+
+
+@dataclass(frozen=True)
+class _Offload:
+    """``zero_optimization.offload_optimizer`` and ``offload_param``, checked: the sections, their devices
+    (``"none"``, ``"cpu"`` or ``"nvme"``) and the optimizer's offload ``ratio``."""
+
+    optimizer: dict[str, Any]
+    param: dict[str, Any]
+    optim_device: str
+    param_device: str
+    ratio: float
+
+
+def _offload_sections(zero: dict[str, Any]) -> _Offload:
+    offload_optimizer = _section(zero, "offload_optimizer", "zero_optimization.offload_optimizer")
+    offload_param = _section(zero, "offload_param", "zero_optimization.offload_param")
+    _check_keys(offload_optimizer, _OFFLOAD_OPTIMIZER_KEYS, "zero_optimization.offload_optimizer")
+    _check_keys(offload_param, _OFFLOAD_PARAM_KEYS, "zero_optimization.offload_param")
+    optim_device = _offload_device(offload_optimizer, "zero_optimization.offload_optimizer")
+    param_device = _offload_device(offload_param, "zero_optimization.offload_param")
+    _check_offload_switches(offload_optimizer, offload_param)
+    ratio = offload_optimizer.get("ratio", 1.0)
+    check_number("zero_optimization.offload_optimizer.ratio", ratio, low=0.0, high=1.0, allowed="a number in [0, 1]")
+    if ratio != 1.0 and optim_device != "cpu":
+        raise InvalidArgumentError("zero_optimization.offload_optimizer.ratio", ratio,
+                                   "1.0 unless zero_optimization.offload_optimizer.device is 'cpu'")
+    return _Offload(offload_optimizer, offload_param, optim_device, param_device, ratio)
+
+
+def _stage3_arguments(zero: dict[str, Any], offload: _Offload, dtype: torch.dtype, bucket: int | None,
+                      overlap: bool | None, grad_accum_dtype: torch.dtype | None) -> tuple[dict[str, Any], dict[str, str]]:
+    """Stage 3's :class:`~chunkmem.ShardedModelV2` keyword arguments from the config, and the config key each
+    comes from (for the errors)."""
+    kwargs = _stage3_model_kwargs(offload.optim_device, offload.param_device, offload.ratio, offload.optimizer,
+                                  offload.param)
+    if overlap:
+        kwargs["reductions_in_flight"] = OVERLAP_COMM_REDUCTIONS_IN_FLIGHT
+    mics = zero.get("mics_shard_size", -1)
+    if mics != -1:
+        kwargs["shard_group_size"] = mics
+    if "zero_quantized_gradients" in zero:
+        kwargs["quantized_gradients"] = zero["zero_quantized_gradients"]
+    for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights"):
+        _check_bool(zero.get(key, False), f"zero_optimization.{key}")
+    if _check_bool(zero.get("mics_hierarchical_params_gather", False),
+                   "zero_optimization.mics_hierarchical_params_gather"):
+        kwargs["gather_node_size"] = _ranks_per_node()
+    hpz = zero.get("zero_hpz_partition_size", 1)
+    if isinstance(hpz, bool) or not isinstance(hpz, int):
+        raise ArgumentTypeError("zero_optimization.zero_hpz_partition_size", hpz, "an integer >= 1")
+    if hpz != 1:
+        kwargs["secondary_partition_size"] = hpz
+    if zero.get("zero_quantized_weights", False):
+        kwargs["quantized_weights"] = True
+    elif zero.get("zero_quantized_nontrainable_weights", False):
+        kwargs["quantized_weights"] = "nontrainable"
+    prefetch = _prefetch_numel(zero)
+    if prefetch is not None:
+        kwargs["prefetch_numel"] = prefetch
+    kwargs.update(_persistence(zero, disk="nvme" in (offload.optim_device, offload.param_device)))
+    if bucket is not None:
+        kwargs["reduce_scatter_bucket_size_mb"] = bucket * dtype.itemsize / 2**20
+    if grad_accum_dtype is not None:
+        kwargs["grad_accum_dtype"] = grad_accum_dtype
+    model_keys = {"dtype": "fp16.enabled/bf16.enabled",
+                  "grad_accum_dtype": "data_types.grad_accum_dtype",
+                  "reduce_scatter_bucket_size_mb": "zero_optimization.reduce_bucket_size",
+                  "shard_group_size": "zero_optimization.mics_shard_size",
+                  "quantized_gradients": "zero_optimization.zero_quantized_gradients",
+                  "quantized_weights": "zero_optimization.zero_quantized_weights",
+                  "secondary_partition_size": "zero_optimization.zero_hpz_partition_size",
+                  "gather_node_size": "zero_optimization.mics_hierarchical_params_gather",
+                  **_disk_keys(offload.optim_device, offload.param_device)}
+    return kwargs, model_keys
+
+
+def _refuse_stage3_keys(zero: dict[str, Any], offload: _Offload) -> None:
+    """Stages 1 and 2: refuse the settings only stage 3 has (warn for those that would change nothing)."""
     if zero.get("mics_shard_size", -1) != -1:
         raise InvalidArgumentError("zero_optimization.mics_shard_size", zero["mics_shard_size"],
                                    "-1 with stage 1 or 2 (shard groups shard stage 3's parameters)")
@@ -529,27 +581,14 @@ def _initialize_deepspeed(model: nn.Module, optimizer: Any, config: dict[str, An
                                        "false with stage 1 or 2 (quantized collectives are stage 3's)")
     for key in sorted((set(_PREFETCH_KEYS) | set(_PERSISTENCE_KEYS)) & set(zero)):
         _no_effect(f"zero_optimization.{key}", "stage 3 only (at stages 1 and 2 every parameter stays on the device)")
-    if param_device != "none":
-        raise InvalidArgumentError("zero_optimization.offload_param.device", param_device,
+    if offload.param_device != "none":
+        raise InvalidArgumentError("zero_optimization.offload_param.device", offload.param_device,
                                    "'none' with stage 1 or 2 (parameter offload needs stage 3)")
-    if optim_device == "nvme":
+    if offload.optim_device == "nvme":
         raise InvalidArgumentError("zero_optimization.offload_optimizer.device", "nvme",
                                    "'none' or 'cpu' with stage 1 or 2 (the disk tier needs stage 3)")
-    if ratio != 1.0:
-        raise InvalidArgumentError("zero_optimization.offload_optimizer.ratio", ratio, "1.0 with stage 1 or 2")
-    if optimizer is None:
-        if not optimizer_section:
-            raise InvalidArgumentError("optimizer", None, "a torch optimizer or an 'optimizer' config section "
-                                                          "with stage 1 or 2")
-        optimizer = build_optimizer(optimizer_section, model.parameters())  # the cast below keeps the parameters
-    kwargs = dict(scaler, clip_grad_norm=float(clipping), partition_grad=stage == 2, cpu_offload=optim_device == "cpu")
-    if bucket is not None:
-        kwargs["reduce_bucket_size"] = bucket
-    if overlap is not None:
-        kwargs["overlap_communication"] = overlap
-    if grad_accum_dtype is not None:
-        kwargs["grad_accum_dtype"] = grad_accum_dtype
-    return _stages_1_and_2(model, optimizer, dtype, kwargs)
+    if offload.ratio != 1.0:
+        raise InvalidArgumentError("zero_optimization.offload_optimizer.ratio", offload.ratio, "1.0 with stage 1 or 2")
 
 
 def _stage3(model: nn.Module, optimizer: Any, optimizer_section: dict[str, Any], model_settings: ModelSettings,
