@@ -202,6 +202,50 @@ def choose(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: 
     device_capacity = parse_size(device_memory, "device_memory")
     host_capacity = None if host_memory is None else parse_size(host_memory, "host_memory")
     disk_capacity = None if disk_memory is None else parse_size(disk_memory, "disk_memory")
+    _check_choose_arguments(dtype, chunk_size, ranks, profile, static_fractions, reuse_fp16_shard,
+                            gradient_accumulation_steps, grad_accum_dtype, buffer_count, buffer_size, atomic_step,
+                            nvme_path, policies, measure_operators)
+    args = _meta_inputs(model_or_builder, sample_batch, loss_fn)
+    template = _meta_model(model_or_builder)
+    if profile is None:
+        profile = MachineProfile.measure(dtypes=(dtype,), nvme_path=nvme_path if disk_capacity is not None else None,
+                                         ranks=ranks)
+        measure_operators = True if measure_operators is None else measure_operators
+    compute = trace_compute(template, args, loss_fn, dtype)
+    if measure_operators:
+        profile.measure_operators(compute.replays())
+    compute_seconds = compute.seconds(profile)
+
+    reuse_options = (reuse_fp16_shard,) if reuse_fp16_shard is not None else \
+        ((False,) if dtype == torch.float32 or gradient_accumulation_steps > 1 else (False, True))
+    bases = _placements(policies, static_fractions)
+    disk = _DiskSettings(buffer_count, buffer_size, atomic_step)
+    saved_capacity = tiers.device_memory_capacity_setting()
+    candidates: list[Candidate] = []
+    try:
+        with _stand_in_group(ranks):
+            for reuse in reuse_options:
+                for policy, fractions in bases:
+                    base = _plan_policy(policy, template, args, loss_fn, device_capacity, None, dtype, chunk_size,
+                                        reuse, gradient_accumulation_steps, grad_accum_dtype, **fractions)
+                    for optim_disk, param_disk in _disk_variants(policy, base, reuse, disk_capacity is not None):
+                        candidates.append(_candidate(base, policy, fractions, reuse, optim_disk, param_disk, disk,
+                                                     dtype, chunk_size, ranks, host_capacity, disk_capacity, profile,
+                                                     compute_seconds, grad_accum_dtype))
+    finally:
+        tiers.set_device_memory_capacity(saved_capacity)
+    timed = [c for c in candidates if c.fits and c.time is not None]
+    recommended = min(timed, key=lambda c: c.time.total) if timed else None
+    if recommended is not None:
+        recommended.recommended = True
+    return PlanChoice(candidates, recommended, profile, compute_seconds)
+
+
+def _check_choose_arguments(dtype: torch.dtype, chunk_size: int | None, ranks: int, profile: Any,
+                            static_fractions: Any, reuse_fp16_shard: Any, gradient_accumulation_steps: int,
+                            grad_accum_dtype: torch.dtype | None, buffer_count: int, buffer_size: int,
+                            atomic_step: bool, nvme_path: Any, policies: Any, measure_operators: Any) -> None:
+    """:func:`choose`'s checks of its arguments (the budgets are parsed by :func:`choose`), before anything runs."""
     check_dtype("dtype", dtype)
     check_chunk_size(chunk_size, dtype)
     check_number("ranks", ranks, low=1, integer=True)
@@ -232,43 +276,16 @@ def choose(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: 
     if dist.is_available() and dist.is_initialized() and (ranks > 1 or dist.get_world_size() > 1):
         raise UnsupportedOperationError("chunkmem.choose plans from one process (ranks= says how many it plans "
                                         "for); call it before init_process_group (or in a process without one)")
-    args = _meta_inputs(model_or_builder, sample_batch, loss_fn)
-    template = _meta_model(model_or_builder)
-    if profile is None:
-        profile = MachineProfile.measure(dtypes=(dtype,), nvme_path=nvme_path if disk_capacity is not None else None,
-                                         ranks=ranks)
-        measure_operators = True if measure_operators is None else measure_operators
-    compute = trace_compute(template, args, loss_fn, dtype)
-    if measure_operators:
-        profile.measure_operators(compute.replays())
-    compute_seconds = compute.seconds(profile)
 
-    reuse_options = (reuse_fp16_shard,) if reuse_fp16_shard is not None else \
-        ((False,) if dtype == torch.float32 or gradient_accumulation_steps > 1 else (False, True))
+
+def _placements(policies: Sequence[str], static_fractions: Sequence[tuple[float, float]]
+                ) -> list[tuple[str, dict[str, float]]]:
+    """The placements :func:`choose` plans, each with its ``static`` offload fractions (none for the others)."""
     bases: list[tuple[str, dict[str, float]]] = [(name, {}) for name in ("cuda", "cpu", "auto") if name in policies]
     if "static" in policies:
         bases += [("static", {"offload_param_frac": float(p), "offload_optim_frac": float(o)})
                   for p, o in static_fractions]
-    disk = _DiskSettings(buffer_count, buffer_size, atomic_step)
-    saved_capacity = tiers.device_memory_capacity_setting()
-    candidates: list[Candidate] = []
-    try:
-        with _stand_in_group(ranks):
-            for reuse in reuse_options:
-                for policy, fractions in bases:
-                    base = _plan_policy(policy, template, args, loss_fn, device_capacity, None, dtype, chunk_size,
-                                        reuse, gradient_accumulation_steps, grad_accum_dtype, **fractions)
-                    for optim_disk, param_disk in _disk_variants(policy, base, reuse, disk_capacity is not None):
-                        candidates.append(_candidate(base, policy, fractions, reuse, optim_disk, param_disk, disk,
-                                                     dtype, chunk_size, ranks, host_capacity, disk_capacity, profile,
-                                                     compute_seconds, grad_accum_dtype))
-    finally:
-        tiers.set_device_memory_capacity(saved_capacity)
-    timed = [c for c in candidates if c.fits and c.time is not None]
-    recommended = min(timed, key=lambda c: c.time.total) if timed else None
-    if recommended is not None:
-        recommended.recommended = True
-    return PlanChoice(candidates, recommended, profile, compute_seconds)
+    return bases
 
 
 @dataclass(frozen=True)
