@@ -303,6 +303,35 @@ def _shard_plan(items: list[tuple[str, int]], max_bytes: int) -> list[list[str]]
     return shards
 
 
+def _module_to_save(model: Any, module: nn.Module | None) -> nn.Module:
+    """:func:`save_pretrained`'s ``model`` and ``module`` checked: the transformers model it saves."""
+    transformers = _transformers()
+    if not (isinstance(model, nn.Module) and callable(getattr(model, "full_values", None))):
+        raise ArgumentTypeError("model", type(model).__name__, "a chunkmem.ShardedModelV2 wrapping a transformers model")
+    if module is None:
+        check_type("model.module", model.module, transformers.PreTrainedModel,
+                   "a transformers.PreTrainedModel (or pass module=, the one inside it to save)")
+        return model.module
+    check_type("module", module, transformers.PreTrainedModel, "None or a transformers.PreTrainedModel")
+    if not any(m is module for m in model.module.modules()):
+        raise InvalidArgumentError("module", type(module).__name__, "None or a submodule of model.module")
+    return module
+
+
+def _prepare_directory(module: nn.Module, directory: str) -> None:
+    """The writing process: the directory made, an earlier save's weights removed (they would be loaded
+    too), the config (fp32) and generation config written."""
+    os.makedirs(directory, exist_ok=True)
+    for name in os.listdir(directory):
+        if name == INDEX_NAME or (name.startswith("model") and name.endswith(".safetensors")):
+            os.remove(os.path.join(directory, name))
+    module.config.dtype = "float32"
+    module.config.architectures = [type(module).__name__]
+    module.config.save_pretrained(directory)
+    if module.can_generate() and getattr(module, "generation_config", None) is not None:
+        module.generation_config.save_pretrained(directory)
+
+
 def save_pretrained(model: Any, save_directory: str | os.PathLike, max_shard_size: int | str = "5GB",
                     is_main_process: bool | None = None, module: nn.Module | None = None) -> list[str]:
     """Write a :class:`~chunkmem.ShardedModelV2` wrapping a ``transformers.PreTrainedModel`` as
@@ -316,17 +345,7 @@ def save_pretrained(model: Any, save_directory: str | os.PathLike, max_shard_siz
     written (empty on other ranks)."""
     from safetensors.torch import save_file
 
-    transformers = _transformers()
-    if not (isinstance(model, nn.Module) and callable(getattr(model, "full_values", None))):
-        raise ArgumentTypeError("model", type(model).__name__, "a chunkmem.ShardedModelV2 wrapping a transformers model")
-    if module is None:
-        check_type("model.module", model.module, transformers.PreTrainedModel,
-                   "a transformers.PreTrainedModel (or pass module=, the one inside it to save)")
-        module = model.module
-    else:
-        check_type("module", module, transformers.PreTrainedModel, "None or a transformers.PreTrainedModel")
-        if not any(m is module for m in model.module.modules()):
-            raise InvalidArgumentError("module", type(module).__name__, "None or a submodule of model.module")
+    module = _module_to_save(model, module)
     check_type("save_directory", save_directory, (str, os.PathLike), "a directory path")
     max_bytes = parse_size(max_shard_size, "max_shard_size", minimum=1)
     if is_main_process is None:
@@ -349,15 +368,7 @@ def save_pretrained(model: Any, save_directory: str | os.PathLike, max_shard_siz
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     file_of = {key: names[i] for i, keys in enumerate(shards) for key in keys}
     if is_main_process:
-        os.makedirs(directory, exist_ok=True)
-        for name in os.listdir(directory):  # stale weights of an earlier save would be loaded too
-            if name == INDEX_NAME or (name.startswith("model") and name.endswith(".safetensors")):
-                os.remove(os.path.join(directory, name))
-        module.config.dtype = "float32"
-        module.config.architectures = [type(module).__name__]
-        module.config.save_pretrained(directory)
-        if module.can_generate() and getattr(module, "generation_config", None) is not None:
-            module.generation_config.save_pretrained(directory)
+        _prepare_directory(module, directory)
     pending: dict[str, dict[str, torch.Tensor]] = {name: {} for name in names}
     written: list[str] = []
 

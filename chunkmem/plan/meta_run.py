@@ -227,25 +227,8 @@ def _plan_policy(name: str, template: nn.Module, args: tuple, loss_fn: Any, devi
     on it need: the meta run's host peak (bytes, the optimizer state aside), each chunk's shard bytes and
     where its parameters and optimizer state rest, the collectives of the last iteration."""
     with meta_tiers(), flash_attention_on_meta():
-        module = copy.deepcopy(template)
-        tiers.set_device_memory_capacity(2**62)  # first the layout, to know the optimizer state's bytes
-        probe = ShardedModelV2(module, TensorShardStrategy(), tensor_placement_policy=name, dtype=dtype,
-                               chunk_size=chunk_size, reuse_fp16_shard=reuse_fp16_shard,
-                               grad_accum_dtype=grad_accum_dtype, **placement)
-        optim = _optimizer_bytes(probe.runtime.policy, probe)
-        chunk_bytes, num_chunks = probe.layout.chunk_bytes, len(probe.chunks)
-        policy = probe.runtime.policy
-        trainable = [c for c in probe.chunks if c.trainable]
-        extra: dict[str, Any] = {
-            "chunk_numel": probe.layout.chunk_numel, "world": probe.shards.world,
-            "param_shard_bytes": [c.shard_numel * c.param.dtype.itemsize for c in probe.chunks],
-            "param_on_device": [policy.params_on_device_at_rest(i, num_chunks) for i in range(num_chunks)],
-            "trainable_shard_numels": [c.shard_numel for c in trainable],
-            "trainable_index": [c.index for c in trainable],
-            "optim_on_device": [policy.optim_on_device(k, len(trainable)) for k in range(len(trainable))],
-            "has_master": dtype != torch.float32,
-        }
-        del probe, module, policy, trainable
+        optim, chunk_bytes, num_chunks, extra = _probe_layout(name, template, dtype, chunk_size, reuse_fp16_shard,
+                                                              grad_accum_dtype, placement)
         optim_device = sum(optim["device"].values())
         tiers.set_device_memory_capacity(max(device_capacity - optim_device, 1))
         result = PolicyPlan(name, True, "fits", {}, 0, chunk_bytes, num_chunks, 0, 0, extra=extra,
@@ -282,19 +265,7 @@ def _plan_policy(name: str, template: nn.Module, args: tuple, loss_fn: Any, devi
             result.device_peak_bytes = max(device_peak, ledger.peak_device_bytes) + optim_device
             extra["collective_bytes_sent"] = _bytes_sent() - sent_before
         except DeviceCapacityError as e:
-            if model is not None:  # stopped inside an iteration: leave the tracer's counting mode
-                planner = model.runtime.scheduler
-                if planner.running:
-                    planner.interrupt()
-                planner.close_finished_traces()
-            result.fits, result.reason = False, (f"device: {e} (the meta run had device_memory less the "
-                                                 f"{optim_device} bytes of optimizer state resting there)")
-            param_total = sum(extra["param_shard_bytes"])
-            resting = {"device": {"param": param_total}, "host": {}} if name == "cuda" else \
-                {"device": {}, "host": {"param": param_total}}
-            extra.setdefault("host_peak_meta", resting["host"].get("param", 0))
-            extra["fetches"] = [0] * num_chunks
-            extra["collective_bytes_sent"] = 0.0
+            resting = _did_not_fit(result, model, e, optim_device)
     result.tier_bytes = {tier: {**resting[tier], **optim[tier]} for tier in ("device", "host")}
     for tier in result.tier_bytes:
         result.tier_bytes[tier] = {f: n for f, n in sorted(result.tier_bytes[tier].items()) if n}
@@ -308,6 +279,52 @@ def _plan_policy(name: str, template: nn.Module, args: tuple, loss_fn: Any, devi
             f"host: a peak of {result.host_peak_bytes} bytes of chunks (the gradients before the step included) "
             f"exceeds host_memory={host_capacity}")
     return result
+
+
+def _probe_layout(name: str, template: nn.Module, dtype: torch.dtype, chunk_size: int | None, reuse_fp16_shard: bool,
+                  grad_accum_dtype: torch.dtype | None, placement: dict[str, Any]
+                  ) -> tuple[dict[str, dict[str, int]], int, int, dict[str, Any]]:
+    """The layout of the placement on the meta device, under an unbounded capacity: the optimizer state's
+    bytes per tier, the chunk bytes, the chunk count, and the candidates' ``extra`` facts of the layout."""
+    tiers.set_device_memory_capacity(2**62)
+    probe = ShardedModelV2(copy.deepcopy(template), TensorShardStrategy(), tensor_placement_policy=name, dtype=dtype,
+                           chunk_size=chunk_size, reuse_fp16_shard=reuse_fp16_shard,
+                           grad_accum_dtype=grad_accum_dtype, **placement)
+    optim = _optimizer_bytes(probe.runtime.policy, probe)
+    num_chunks = len(probe.chunks)
+    policy = probe.runtime.policy
+    trainable = [c for c in probe.chunks if c.trainable]
+    extra: dict[str, Any] = {
+        "chunk_numel": probe.layout.chunk_numel, "world": probe.shards.world,
+        "param_shard_bytes": [c.shard_numel * c.param.dtype.itemsize for c in probe.chunks],
+        "param_on_device": [policy.params_on_device_at_rest(i, num_chunks) for i in range(num_chunks)],
+        "trainable_shard_numels": [c.shard_numel for c in trainable],
+        "trainable_index": [c.index for c in trainable],
+        "optim_on_device": [policy.optim_on_device(k, len(trainable)) for k in range(len(trainable))],
+        "has_master": dtype != torch.float32,
+    }
+    return optim, probe.layout.chunk_bytes, num_chunks, extra
+
+
+def _did_not_fit(result: PolicyPlan, model: ShardedModelV2 | None, error: DeviceCapacityError,
+                 optim_device: int) -> dict[str, dict[str, int]]:
+    """The meta run stopped on ``error``: ``result`` says so, ``extra`` gets the figures the run did not reach;
+    returns where the parameters rest (the tier bytes without the optimizer state)."""
+    if model is not None:  # stopped inside an iteration: leave the tracer's counting mode
+        planner = model.runtime.scheduler
+        if planner.running:
+            planner.interrupt()
+        planner.close_finished_traces()
+    result.fits, result.reason = False, (f"device: {error} (the meta run had device_memory less the "
+                                         f"{optim_device} bytes of optimizer state resting there)")
+    extra = result.extra
+    param_total = sum(extra["param_shard_bytes"])
+    resting = {"device": {"param": param_total}, "host": {}} if result.policy == "cuda" else \
+        {"device": {}, "host": {"param": param_total}}
+    extra.setdefault("host_peak_meta", resting["host"].get("param", 0))
+    extra["fetches"] = [0] * result.num_chunks
+    extra["collective_bytes_sent"] = 0.0
+    return resting
 
 
 def _meta_step(model: ShardedModelV2) -> None:
