@@ -327,15 +327,10 @@ def _disk_variants(policy: str, base: PolicyPlan, reuse: bool, with_disk: bool) 
     return variants
 
 
-def _candidate(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse: bool, optim_disk: bool,
-               param_disk: bool, disk: _DiskSettings, dtype: torch.dtype, chunk_size: int | None, ranks: int,
-               host_capacity: int | None, disk_capacity: int | None, profile: MachineProfile,
-               compute_seconds: float, grad_accum_dtype: torch.dtype | None = None) -> Candidate:
-    """One candidate on the meta run ``base``; ``compute_seconds``: one forward and backward's operators (the
-    step runs ``base.gradient_accumulation_steps`` of them)."""
-    ex = base.extra
-    has_master = ex["has_master"]
-    families = (("master",) if has_master else ()) + ("exp_avg", "exp_avg_sq")
+def _settings_and_name(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse: bool, optim_disk: bool,
+                       param_disk: bool, disk: _DiskSettings, dtype: torch.dtype, chunk_size: int | None,
+                       grad_accum_dtype: torch.dtype | None) -> tuple[dict[str, Any], str]:
+    """A candidate's :class:`~chunkmem.ShardedModelV2` settings and its name."""
     settings: dict[str, Any] = {"tensor_placement_policy": policy, "dtype": dtype,
                                 "chunk_size": base.chunk_bytes if chunk_size is None else chunk_size,
                                 "reuse_fp16_shard": reuse, **fractions}
@@ -352,6 +347,92 @@ def _candidate(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse
         settings.update(buffer_count=disk.buffer_count, buffer_size=disk.buffer_size, atomic_step=disk.atomic_step)
     if reuse:
         name += "+reuse"
+    return settings, name
+
+
+def _optimizer_chunks_kept_on_host(policy: str, host_capacity: int | None, numels: list[int], families: int,
+                                   reuse: bool, dtype: torch.dtype, host_now: int, disk: _DiskSettings,
+                                   streamed: int) -> int:
+    """With the optimizer state on disk: how many chunks' state stays on the host all the same (under ``auto``
+    with a host capacity, the first ones that fit, as ShardedOptimizerV2 decides; else none). ``host_now``:
+    the host bytes of the parameters (and the disk's fetch buffer)."""
+    if policy != "auto" or host_capacity is None or not numels:
+        return 0
+    state_bytes = families * numels[0] * 4
+    grads = 0 if reuse else len(numels) * numels[0] * dtype.itemsize
+    free = host_capacity - host_now - grads - disk.buffer_count * streamed * disk.buffer_size
+    return min(max(free, 0) // state_bytes, len(numels))
+
+
+def _disk_file_bytes(base: PolicyPlan, disk: _DiskSettings, families: int, param_disk: bool, optim_disk: bool,
+                     param_kept: int, optim_on_disk: int) -> int:
+    """The bytes of the disk tier's files: regions (two slots with ``atomic_step``) for the chunks whose
+    parameters (all but ``param_kept``) or optimizer state (``optim_on_disk`` chunks) rest on disk only."""
+    ex = base.extra
+    world = ex["world"]
+    slots = 2 if disk.atomic_step else 1
+    shard = ex["chunk_numel"] // world
+    files = 0
+    if param_disk:
+        files += aligned_nbytes(base.chunk_bytes // world) * slots * (base.num_chunks - param_kept)
+    if optim_disk:
+        files += families * aligned_nbytes(shard * 4) * slots * optim_on_disk
+        if not ex["has_master"] and disk.atomic_step:
+            files += aligned_nbytes(shard * 4) * optim_on_disk
+    return files
+
+
+def _disk_traffic(base: PolicyPlan, param_disk: bool, optim_disk: bool, param_kept: frozenset[int],
+                  optim_on_disk: set[int], on_disk_numel: int, families: int) -> tuple[int, int, int, int, list[int]]:
+    """A step's disk traffic: bytes the step reads and writes, bytes the forward and backward read (the
+    parameters resting on disk), bytes still moved to the device from the host (those kept there), and the
+    parameter bytes of each chunk the step loads into host memory to update it outside the streamed step."""
+    ex = base.extra
+    shard_bytes = ex["param_shard_bytes"]
+    read = written = read_compute = 0
+    moved_to_device = base.moved_to_device_per_step
+    if param_disk:  # the forward's and backward's fetches of chunks resting on disk come from the files
+        fetched = [0 if ex["param_on_device"][i] else n * shard_bytes[i] for i, n in enumerate(ex["fetches"])]
+        read_compute = sum(b for i, b in enumerate(fetched) if i not in param_kept)
+        moved_to_device = sum(b for i, b in enumerate(fetched) if i in param_kept)
+    if optim_disk:
+        read += families * on_disk_numel * 4
+        written += families * on_disk_numel * 4
+    # parameter chunks on disk: the step writes each back; it reads it too, except where the streamed
+    # step (the chunk's optimizer state on disk) writes 16-bit parameters as its output; one updated
+    # outside the streamed step is read into host memory first
+    param_chunks = [(k, i) for k, i in enumerate(ex["trainable_index"])
+                    if param_disk and not ex["param_on_device"][i] and i not in param_kept]
+    written += sum(ex["param_shard_bytes"][i] for _, i in param_chunks)
+    read += sum(ex["param_shard_bytes"][i] for k, i in param_chunks if not (ex["has_master"] and k in optim_on_disk))
+    loaded = [ex["param_shard_bytes"][i] for k, i in param_chunks if k not in optim_on_disk]
+    return read, written, read_compute, moved_to_device, loaded
+
+
+def _verdict(base: PolicyPlan, host_peak: int, host_capacity: int | None, files: int, disk_capacity: int | None,
+             time: StepTime | None, uses_disk: bool) -> tuple[bool, str]:
+    """Whether a candidate fits, and why not (or why it has no predicted time)."""
+    fits, reason = base.fits, base.reason
+    if fits and host_capacity is not None and host_peak > host_capacity:
+        fits, reason = False, f"host: a peak of {host_peak} bytes of chunks exceeds host_memory={host_capacity}"
+    if fits and disk_capacity is not None and files > disk_capacity:
+        fits, reason = False, f"disk: the files need {files} bytes, more than disk_memory={disk_capacity}"
+    if fits and time is None:
+        reason = "the profile has no disk bandwidth" if uses_disk else "the profile has no collective bandwidth"
+    return fits, reason
+
+
+def _candidate(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse: bool, optim_disk: bool,
+               param_disk: bool, disk: _DiskSettings, dtype: torch.dtype, chunk_size: int | None, ranks: int,
+               host_capacity: int | None, disk_capacity: int | None, profile: MachineProfile,
+               compute_seconds: float, grad_accum_dtype: torch.dtype | None = None) -> Candidate:
+    """One candidate on the meta run ``base``; ``compute_seconds``: one forward and backward's operators (the
+    step runs ``base.gradient_accumulation_steps`` of them)."""
+    ex = base.extra
+    has_master = ex["has_master"]
+    families = (("master",) if has_master else ()) + ("exp_avg", "exp_avg_sq")
+    settings, name = _settings_and_name(base, policy, fractions, reuse, optim_disk, param_disk, disk, dtype,
+                                        chunk_size, grad_accum_dtype)
     tier_bytes = {"device": dict(base.tier_bytes["device"]), "host": dict(base.tier_bytes["host"]), "disk": {}}
     param_host = tier_bytes["host"].get("param", 0)
     shard_bytes = ex["param_shard_bytes"]
@@ -373,13 +454,9 @@ def _candidate(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse
     io = aligned_nbytes(disk.buffer_size)
     kept = len(off)
     if optim_disk:
-        kept = 0
-        if policy == "auto" and host_capacity is not None and numels:
-            state_bytes = len(families) * numels[0] * 4
-            grads = 0 if reuse else len(numels) * numels[0] * dtype.itemsize
-            host_now = param_host if not param_disk else kept_param_bytes + (io if params_to_disk else 0)
-            free = host_capacity - host_now - grads - disk.buffer_count * streamed * disk.buffer_size
-            kept = min(max(free, 0) // state_bytes, len(numels))
+        host_now = param_host if not param_disk else kept_param_bytes + (io if params_to_disk else 0)
+        kept = _optimizer_chunks_kept_on_host(policy, host_capacity, numels, len(families), reuse, dtype, host_now,
+                                              disk, streamed)
     for family in families:
         tier_bytes["host"].pop(family, None)
     on_disk_numel, optim_on_disk = 0, set()
@@ -406,33 +483,10 @@ def _candidate(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse
         del tier_bytes["disk"]
 
     # the disk tier's files and traffic
-    world = ex["world"]
-    slots = 2 if disk.atomic_step else 1
-    shard = ex["chunk_numel"] // world
-    files = 0
-    if param_disk:  # regions for the chunks whose parameters rest on disk only
-        files += aligned_nbytes(base.chunk_bytes // world) * slots * (base.num_chunks - len(param_kept))
-    if optim_disk:  # regions for the chunks whose state rests on disk only
-        files += len(families) * aligned_nbytes(shard * 4) * slots * len(optim_on_disk)
-        if not has_master and disk.atomic_step:
-            files += aligned_nbytes(shard * 4) * len(optim_on_disk)
-    read = written = read_compute = 0
-    moved_to_device, moved_to_host = base.moved_to_device_per_step, base.moved_to_host_per_step
-    if param_disk:  # the forward's and backward's fetches of chunks resting on disk come from the files
-        fetched = [0 if ex["param_on_device"][i] else n * shard_bytes[i] for i, n in enumerate(ex["fetches"])]
-        read_compute = sum(b for i, b in enumerate(fetched) if i not in param_kept)
-        moved_to_device = sum(b for i, b in enumerate(fetched) if i in param_kept)
-    if optim_disk:
-        read += len(families) * on_disk_numel * 4
-        written += len(families) * on_disk_numel * 4
-    # parameter chunks on disk: the step writes each back; it reads it too, except where the streamed
-    # step (the chunk's optimizer state on disk) writes 16-bit parameters as its output; one updated
-    # outside the streamed step is read into host memory first
-    param_chunks = [(k, i) for k, i in enumerate(ex["trainable_index"])
-                    if param_disk and not ex["param_on_device"][i] and i not in param_kept]
-    written += sum(ex["param_shard_bytes"][i] for _, i in param_chunks)
-    read += sum(ex["param_shard_bytes"][i] for k, i in param_chunks if not (has_master and k in optim_on_disk))
-    loaded = [ex["param_shard_bytes"][i] for k, i in param_chunks if k not in optim_on_disk]
+    files = _disk_file_bytes(base, disk, len(families), param_disk, optim_disk, len(param_kept), len(optim_on_disk))
+    moved_to_host = base.moved_to_host_per_step
+    read, written, read_compute, moved_to_device, loaded = _disk_traffic(
+        base, param_disk, optim_disk, param_kept, optim_on_disk, on_disk_numel, len(families))
     host_peak = ex["host_peak_meta"] - (param_host - kept_param_bytes if param_disk else 0) + sum(
         n for f, n in tier_bytes["host"].items() if f in families) + disk_io
     host_peak += max(loaded, default=0)
@@ -447,14 +501,8 @@ def _candidate(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse
                        disk_read_compute=read_compute, collective_bytes_sent=ex["collective_bytes_sent"])
     steps = base.gradient_accumulation_steps
     time = step_time(profile, compute_seconds * steps, dtype, **cost_inputs)
-    fits, reason = base.fits, base.reason
-    if fits and host_capacity is not None and host_peak > host_capacity:
-        fits, reason = False, f"host: a peak of {host_peak} bytes of chunks exceeds host_memory={host_capacity}"
-    if fits and disk_capacity is not None and files > disk_capacity:
-        fits, reason = False, f"disk: the files need {files} bytes, more than disk_memory={disk_capacity}"
-    if fits and time is None:
-        reason = "the profile has no disk bandwidth" if (read or written or read_compute) else \
-            "the profile has no collective bandwidth"
+    fits, reason = _verdict(base, host_peak, host_capacity, files, disk_capacity, time,
+                            uses_disk=bool(read or written or read_compute))
     return Candidate(policy, fits, reason, tier_bytes, base.non_model_peak, base.chunk_bytes, base.num_chunks,
                      moved_to_device, moved_to_host, base.device_peak_bytes, dict(ex), name=name, settings=settings,
                      ranks=ranks, host_peak_bytes=host_peak, disk_file_bytes=files,
