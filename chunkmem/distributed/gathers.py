@@ -58,10 +58,10 @@ class GatherSource(Protocol):
 
 @dataclass(frozen=True)
 class GatherStarted:
-    """A gather issued: ``complete`` waits for it and leaves the values in the device copy; ``approximate``
-    says whether they are dequantized values of a quantized gather (for compute only)."""
+    """A gather issued: ``complete`` waits for it and leaves the values in the device copy (what it returns is
+    ignored); ``approximate`` says whether they are dequantized values of a quantized gather (for compute only)."""
 
-    complete: Callable[[], None]
+    complete: Callable[[], object]
     approximate: bool = False
 
 
