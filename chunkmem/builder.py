@@ -25,6 +25,7 @@ from .core.param_guard import adopt, disown, remembered_externals, slot_of
 from .core.tiers import Tier, device_memory_capacity, device_of_tier, host_memory_capacity
 from .distributed.agreement import LayoutDescription, ParamRecord, agree, agree_on_settings_before_groups
 from .distributed.collectives import SINGLE_PROCESS, ShardGroup
+from .distributed.gathers import gather_for
 from .distributed.reduction import GradientReduction
 from .distributed.shard_groups import GroupLayout, gather_hierarchy, group_layout, secondary_group
 from .runtime.capacity import CapacityCheck
@@ -131,11 +132,9 @@ def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
                            accumulate_in_fp32=settings.grad_accum_dtype in (None, torch.float32))
     runtime.state.param_host_chunks = params_on_host
     for chunk in chunks:
-        chunk.param.quantized_gathers = bool(settings.quantized_weights) and (
-            settings.quantized_weights is True or not chunk.trainable)
         if chunk.param.sharded:
-            chunk.param.secondary_shards = secondary
-            chunk.param.gather_hierarchy = hierarchy
+            quantized = bool(settings.quantized_weights) and (settings.quantized_weights is True or not chunk.trainable)
+            chunk.param.gather = gather_for(chunk.shards, quantized, secondary, hierarchy)
     if memory.disk is not None:
         weakref.finalize(runtime, memory.disk.close)
     if settings.prefetch_numel is not None:

@@ -59,7 +59,7 @@ def _run(rank: int, world: int) -> dict:
     out["differs"] = not torch.equal(approximate, exact)
     # frozen chunks only, and 16-bit with gradients in the parameters' memory
     frozen, frozen_optim = _build("nontrainable", freeze=True)
-    out["nontrainable"] = [c.param.quantized_gathers for c in frozen.chunks], [c.trainable for c in frozen.chunks]
+    out["nontrainable"] = [c.param.gather.quantized for c in frozen.chunks], [c.trainable for c in frozen.chunks]
     out["frozen_losses"] = train(frozen, frozen_optim, data[:3])
     half, half_optim = _build(True, dtype=torch.bfloat16, reuse=True)
     out["reuse_losses"] = train(half, half_optim, data[:3])

@@ -38,16 +38,14 @@ from __future__ import annotations
 
 import enum
 import weakref
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol
 
 import torch
 import torch.nn as nn
 
-from ..distributed.collectives import SINGLE_PROCESS, PendingCollective, ShardGroup, start_all_gather
-from ..distributed.quantization import dequantize, pack, packed_numel, quantize, unpack
-from ..distributed.traffic import count_collective
+from ..distributed.collectives import SINGLE_PROCESS, ShardGroup
+from ..distributed.gathers import FlatGather, GatherStarted, ParamGather, gather_joined, gather_whole
 from .copy_engine import nothing_to_wait_for
 from .disk_tier import DiskRegion
 from .layout import part_in_shard
@@ -303,7 +301,9 @@ class ParamBuffer:
     say which holds the current contents; ``device_valid`` / ``shard_valid`` are their CURRENT-ness.
     ``contents`` (``holds_grads``) says whether the memory holds values or, with ``reuse_fp16_shard``,
     gradients. When sharded, parameters change only through the shard, so the shard is always current
-    and the full copy is either a gathered copy of it or stale.
+    and the full copy is either a gathered copy of it or stale. How it is gathered is ``gather``, a strategy
+    of :mod:`chunkmem.distributed.gathers` the builder chooses once; the buffer is its
+    :class:`~chunkmem.distributed.gathers.GatherSource` and keeps the copy states.
     """
 
     def __init__(self, numel: int, dtype: torch.dtype, memory: TierMemory, owner: str,
@@ -323,12 +323,10 @@ class ParamBuffer:
         self._transfer: Transfer | None = None
         self._contents = Contents.VALUES
         self.shard = FlatBuffer(PARAM, self.shard_numel, dtype, memory, owner, shards.rank, index)
-        self.quantized_gathers = False  # compute gathers as blockwise int8 (qwZ; set by the builder)
+        # how the device copy is gathered (the builder's choice, distributed.gathers.gather_for); None with one
+        # rank: the device copy is a copy of the shard
+        self.gather: ParamGather | None = FlatGather(shards) if shards.sharded else None
         self._approximate = False  # the device copy came from a quantized gather
-        self.secondary_shards: ShardGroup | None = None  # hpZ: the ranks of the secondary partition
-        self.secondary: torch.Tensor | None = None  # this rank's part of it, kept from the forward
-        self._secondary_approximate = False  # kept from a dequantized copy
-        self.gather_hierarchy: tuple[ShardGroup, ShardGroup] | None = None  # (across nodes, inside a node)
 
     # ---- state (read-only views of the two machines) --------------------------------------------------
 
@@ -410,37 +408,23 @@ class ParamBuffer:
         return self._approximate and self._device_life.holds_memory
 
     def start_fetch(self, exact: bool = True) -> Transfer:
-        """Issue the transfer that makes the device copy current (-> FETCHING): a copy of the shard, or a
-        gather of every rank's shard (a collective, started asynchronously: a prefetched gather runs
-        while the current period computes). :meth:`wait` before use. With ``quantized_gathers`` and
-        ``exact=False`` (a fetch for compute) the shards travel as blockwise int8 and the device copy
-        holds their dequantized values (:attr:`approximate`)."""
+        """Issue the transfer that makes the device copy current (-> FETCHING): a copy of the shard (read on
+        the disk tier's fetch thread when it rests there), or when sharded the chunk's gather (collectives
+        started asynchronously: a prefetched gather runs while the current period computes). :meth:`wait`
+        before use. ``exact=False`` (a fetch for compute) lets the gather give dequantized values of a
+        quantized gather (:attr:`approximate`) or gather from hpZ's secondary partition."""
         self._device_life.check("be fetched", CopyState.FREED, CopyState.STALE)
         self.shard.life.check("be fetched from", CopyState.CURRENT)
         self.allocate_device()
         self._device_life.fill_started()
-        from_secondary = self.secondary is not None and not exact
-        self._approximate = self.sharded and not exact and (
-            self.quantized_gathers or (from_secondary and self._secondary_approximate))
-        if from_secondary:
-            transfer = self._start_secondary_gather()
-        elif self._approximate:
-            transfer = self._start_quantized_gather()
-        elif self.sharded and self.gather_hierarchy is not None:
-            transfer = self._start_hierarchical_gather()
-        elif self.sharded and self.shard.on_disk:  # read on the fetch thread (overlapping compute when
-            # prefetched); the gather starts when the transfer is waited on, in the same order on every rank
-            count_collective("parameters", "all_gather", self.shards.world, self.nbytes)
-            shard = self.device[self.shard_offset:self.shard_offset + self.shard_numel]  # gathered in place
-            reading = self.memory.disk.start_read_all(self.shard.region, self.shard.disk_slot, shard)
-            transfer = Transfer(lambda: self._gathered_from_disk(reading, shard))
-        elif self.sharded:
-            count_collective("parameters", "all_gather", self.shards.world, self.nbytes)
-            gathering = start_all_gather(self.shards, self.device, self.shard.read(), what=f"{self.owner} parameters")
-            transfer = Transfer(lambda: self._gathered(gathering))
+        self._approximate = False
+        if self.gather is not None:
+            started = self.gather.start(self.device, self, exact)
+            self._approximate = started.approximate
+            transfer = Transfer(lambda: self._gathered(started))
         elif self.shard.on_disk:  # read on the disk tier's fetch thread: overlaps compute when prefetched
-            reading = self.memory.disk.start_read_all(self.shard.region, self.shard.disk_slot, self.device)
-            transfer = Transfer(lambda: self._fetched_from_disk(reading))
+            read = self.start_shard_read(self.device)
+            transfer = Transfer(lambda: self._read_and_fetched(read))
         else:
             transfer = self.memory.copies.to_device(self.device, self.shard.tensor, self._fetched)
         if self.shard.tier is Tier.HOST:
@@ -448,106 +432,64 @@ class ParamBuffer:
         self._transfer = transfer
         return transfer
 
-    # ---- the secondary partition (hpZ) ---------------------------------------------------------------
+    # ---- what a gather reads (:class:`~chunkmem.distributed.gathers.GatherSource`) -------------------
+
+    @property
+    def shard_on_disk(self) -> bool:
+        return self.shard.on_disk
+
+    def read_shard(self) -> torch.Tensor:
+        return self.shard.read()
+
+    def start_shard_read(self, out: torch.Tensor) -> Callable[[], None]:
+        """Start reading the shard from the disk tier into ``out``; the returned call waits for the read. A
+        failed read leaves the device copy freed and raises the :class:`~chunkmem.DiskIOError` naming the
+        file and the chunk."""
+        reading = self.memory.disk.start_read_all(self.shard.region, self.shard.disk_slot, out)
+
+        def wait_for_read() -> None:
+            try:
+                reading.result()
+            except BaseException:
+                self._fetched()
+                self._device_life.outdated()
+                self._drop_device()
+                raise
+        return wait_for_read
 
     SECONDARY = "param_secondary"
-    """The ledger family of the secondary partitions (device tier)."""
+    """The ledger family of hpZ's secondary partitions (device tier)."""
+
+    def reserve_secondary(self, nbytes: int) -> None:
+        self.memory.ledger.reserve(Tier.DEVICE, self.SECONDARY, nbytes, f"{self.owner}.secondary")
+
+    def release_secondary(self, nbytes: int) -> None:
+        self.memory.ledger.release(Tier.DEVICE, self.SECONDARY, nbytes)
+
+    # ---- the secondary partition (hpZ) ---------------------------------------------------------------
 
     def keep_secondary(self) -> None:
-        """Keep this rank's part of the current device copy as its part of the secondary partition, so
-        that the backward gathers the chunk inside the secondary group (ZeRO++'s hpZ)."""
-        if self.secondary is not None or self.secondary_shards is None or not self._device_life.current:
-            return
-        group = self.secondary_shards
-        n = self.numel // group.world
-        self.memory.ledger.reserve(Tier.DEVICE, self.SECONDARY, n * self.dtype.itemsize, f"{self.owner}.secondary")
-        self.secondary = self.device[group.rank * n:(group.rank + 1) * n].clone()
-        self._secondary_approximate = self._approximate
+        """A forward computed with the current device copy and a backward follows: keep what the chunk's
+        gather reads in the backward (hpZ's part of the secondary partition)."""
+        if self.gather is not None and self._device_life.current:
+            self.gather.keep_for_backward(self.device, self, self._approximate)
 
     def drop_secondary(self) -> None:
-        """Forget the secondary partition (the backward used it, or the values changed)."""
-        if self.secondary is None:
-            return
-        self.memory.ledger.release(Tier.DEVICE, self.SECONDARY, self.secondary.numel() * self.dtype.itemsize)
-        self.secondary = None
-
-    def _start_secondary_gather(self) -> Transfer:
-        """The device copy from the secondary partition: one all-gather inside the secondary group."""
-        group, secondary = self.secondary_shards, self.secondary
-        count_collective("parameters", "all_gather", group.world, self.nbytes)
-        gathering = start_all_gather(group, self.device, secondary, what=f"{self.owner} parameters (secondary)")
-
-        def gathered() -> None:
-            gathering.wait()
-            self.drop_secondary()
-            self._fetched()
-        return Transfer(gathered)
-
-    def _start_hierarchical_gather(self) -> Transfer:
-        """MiCS' hierarchical gather: every rank's shard from the ranks of its place on the other nodes
-        (started now), then those blocks inside the node (when waited for), reordered into rank order."""
-        across, inside = self.gather_hierarchy
-        n = self.shard_numel
-        column = torch.empty(across.world * n, dtype=self.dtype, device=self.device.device)
-        count_collective("parameters", "all_gather", across.world, column.numel() * self.dtype.itemsize)
-        first = start_all_gather(across, column, self.shard.read(), what=f"{self.owner} parameters (across nodes)")
-
-        def gathered() -> None:
-            first.wait()
-            by_place = torch.empty(inside.world * column.numel(), dtype=self.dtype, device=self.device.device)
-            count_collective("parameters", "all_gather", inside.world, self.nbytes)
-            inside.all_gather(by_place, column, what=f"{self.owner} parameters (inside the node)")
-            # by_place is [place][node][shard]; rank order is [node][place][shard]
-            self.device.view(across.world, inside.world, n).copy_(
-                by_place.view(inside.world, across.world, n).transpose(0, 1))
-            self._fetched()
-        return Transfer(gathered)
-
-    def _start_quantized_gather(self) -> Transfer:
-        """Every rank's shard as int8 blocks with their scales, in one all-gather, dequantized into the
-        device copy (this rank's own part too, so every rank computes with the same values)."""
-        world, n = self.shards.world, self.shard_numel
-        rows = pack(*quantize(self.shard.read().view(1, n)))
-        gathered = torch.empty(world, packed_numel(n), dtype=torch.uint8, device=self.device.device)
-        count_collective("parameters", "all_gather", world, gathered.numel())
-        gathering = start_all_gather(self.shards, gathered.view(-1), rows.view(-1), what=f"{self.owner} parameters")
-
-        def dequantized() -> None:
-            gathering.wait()
-            self.device.view(world, n).copy_(dequantize(*unpack(gathered, n)))
-            self._fetched()
-        return Transfer(dequantized)
+        """Forget what :meth:`keep_secondary` kept (the backward used it, or the values changed)."""
+        if self.gather is not None:
+            self.gather.drop_kept(self)
 
     def _fetched(self) -> None:
         self._transfer = None
         self._device_life.fill_finished()
 
-    def _gathered(self, gathering: PendingCollective) -> None:
-        gathering.wait()
+    def _gathered(self, started: GatherStarted) -> None:
+        started.complete()
         self._fetched()
 
-    def _fetched_from_disk(self, reading: "Future[None]") -> None:
-        """Complete a fetch from the disk tier; a failed read leaves the device copy freed (and raises
-        the :class:`~chunkmem.DiskIOError` naming the file and the chunk)."""
-        self._read_from_disk(reading)
+    def _read_and_fetched(self, read: Callable[[], None]) -> None:
+        read()
         self._fetched()
-
-    def _gathered_from_disk(self, reading: "Future[None]", shard: torch.Tensor) -> None:
-        """Complete a sharded fetch whose shard was read from the disk tier into ``shard`` (this rank's slot
-        of the device copy): gather the others' in place."""
-        self._read_from_disk(reading)
-        start_all_gather(self.shards, self.device, shard, what=f"{self.owner} parameters").wait()
-        self._fetched()
-
-    def _read_from_disk(self, reading: "Future[None]") -> None:
-        """Wait for a read from the disk tier; a failed one leaves the device copy freed and raises."""
-        try:
-            reading.result()
-        except BaseException:
-            self._fetched()
-            self._device_life.outdated()
-            self._drop_device()
-            raise
 
     def filled_together(self) -> None:
         """The device copy was written by a gather of several chunks at once (:func:`gather_together`)."""
@@ -715,14 +657,9 @@ def gather_together(buffers: list[ParamBuffer]) -> None:
     """Make the full device copies of several sharded chunks current with one all-gather (what
     :class:`~chunkmem.BucketTensorShardStrategy` does for the chunks of one module). Every rank sends its
     shards one after the other; a trimmed tail's shard is shorter than the others."""
-    first = buffers[0]
-    shards = first.shards
-    device = first.device.device
-    local = torch.cat([b.shard.tensor.to(device) for b in buffers])
-    gathered = torch.empty(shards.world * local.numel(), dtype=first.dtype, device=device)
-    count_collective("parameters", "all_gather", shards.world, gathered.numel() * gathered.element_size())
-    shards.all_gather(gathered, local, what="parameters of " + ", ".join(b.owner for b in buffers))
-    by_rank = gathered.view(shards.world, local.numel())
+    shards = buffers[0].shards
+    by_rank = gather_joined(shards, [b.shard.tensor for b in buffers], buffers[0].device.device,
+                            "parameters of " + ", ".join(b.owner for b in buffers))
     offset = 0
     for buf in buffers:
         buf.filled_together()
@@ -943,9 +880,7 @@ class Chunk:
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """A new full-length tensor from every rank's ``local`` shard (a collective when sharded: every
         rank calls it for the same chunks in the same order)."""
-        full = torch.empty(self.numel, dtype=local.dtype, device=local.device)
-        self.shards.all_gather(full, local, what=self.name)
-        return full
+        return gather_whole(self.shards, local, self.name)
 
     def __repr__(self) -> str:
         return (f"Chunk({self.index}, numel={self.numel}, used={self.used_numel}, dtype={self.dtype}, "

@@ -205,7 +205,7 @@ def _optimizer_state_kept_on_host(model: ShardedModelV2, families: tuple[str, ..
     chunks = runtime.trainable_chunks()
     first = chunks[0]
     state_bytes = (len(families) + first.has_master) * first.shard_numel * 4
-    grads = 0 if model.reuse_fp16_shard else len(chunks) * first.param.shard.nbytes
+    grads = len(chunks) * runtime.gradients.grad_bytes(first)
     streamed = streamed_count(len(families), first.has_master, runtime.policy.params_on_disk, disk.atomic_step)
     io_bytes = disk.buffer_count * streamed * disk.buffer_size
     free = ledger.host_capacity - ledger.tier_bytes(Tier.HOST) - grads - io_bytes

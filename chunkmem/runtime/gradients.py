@@ -104,6 +104,15 @@ class GradientStore:
         """Raise :class:`~chunkmem.GradientAccumulationError` if a second backward (or ``no_sync``) cannot
         add to the gradients this strategy holds."""
 
+    def check_can_defer(self) -> None:
+        """Raise :class:`~chunkmem.GradientAccumulationError` if this strategy cannot keep gradients unreduced
+        over several backwards (``no_sync()``)."""
+
+    def grad_bytes(self, chunk: Chunk) -> int:
+        """Bytes of this rank's finished gradient of ``chunk`` in a buffer of its own (0: none, they are in the
+        parameters' memory)."""
+        return chunk.param.shard.nbytes
+
     @staticmethod
     def _zero_unwritten(chunk: Chunk, flat: torch.Tensor) -> None:
         """Zero the slots of the parameters that received no gradient (frozen ones too: a parameter frozen
@@ -386,6 +395,14 @@ class GradientsInParamMemory(GradientStore):
             raise GradientAccumulationError(
                 "reuse_fp16_shard=True cannot accumulate gradients over two backward passes: call "
                 "optim.step() or optim.zero_grad() between them, or use reuse_fp16_shard=False")
+
+    def check_can_defer(self) -> None:
+        raise GradientAccumulationError(
+            "no_sync() accumulates gradients over several backward passes, which reuse_fp16_shard=True cannot "
+            "do (the gradients share the parameters' memory); build ShardedModelV2 with reuse_fp16_shard=False")
+
+    def grad_bytes(self, chunk: Chunk) -> int:
+        return 0
 
 
 def gradient_store(in_param_memory: bool, executor: ChunkExecutor, reduction: GradientReduction,

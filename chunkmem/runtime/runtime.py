@@ -330,8 +330,7 @@ class ChunkRuntime:
         if not chunk.grad_slots_received:
             self.scheduler.grads_started(chunk.index)
             chunk.grads_expected = len(chunk.trainable_slots())  # once a backward: every slot is read
-        if self.gradients.in_param_memory:
-            self._hold_for_backward([chunk])
+        self._hold_where_gradients_land(chunk)
         self.gradients.accumulate(chunk, slot, grad)
         chunk.grad_slots_received.add(slot.index_in_chunk)
         chunk.slots_with_grads.add(slot.index_in_chunk)
@@ -545,10 +544,7 @@ class ChunkRuntime:
     @contextlib.contextmanager
     def deferring_reduction(self) -> Any:
         """``model.no_sync()``: sharded gradients accumulate locally, unreduced, inside."""
-        if self.gradients.in_param_memory:
-            raise GradientAccumulationError(
-                "no_sync() accumulates gradients over several backward passes, which reuse_fp16_shard=True cannot "
-                "do (the gradients share the parameters' memory); build ShardedModelV2 with reuse_fp16_shard=False")
+        self.gradients.check_can_defer()
         if self._no_sync:
             raise InvalidArgumentError("no_sync", "a nested no_sync()", "one no_sync() at a time")
         self._no_sync = True
@@ -663,13 +659,17 @@ class ChunkRuntime:
         self._need(chunks)
         self.executor.hold_for_backward(chunks)
 
+    def _hold_where_gradients_land(self, chunk: Chunk) -> None:
+        """Gradients written into the parameters' memory need the chunk's device copy until they are finished."""
+        if self.gradients.in_param_memory:
+            self._hold_for_backward([chunk])
+
     def _finish_grads(self, chunk: Chunk) -> None:
         """The chunk's gradients of this backward are complete: reduce them over the ranks (sharded; left
         running when reductions may be in flight), let the parameters go back to their resting tier, and,
         once the reduction is done, let the gradients rest where the update runs and tell the optimizer."""
         deferred = self._no_sync and chunk.param.sharded
-        if self.gradients.in_param_memory:
-            self._hold_for_backward([chunk])
+        self._hold_where_gradients_land(chunk)
         running = self.gradients.finish(chunk, deferred, overlap=self.reductions_in_flight > 0)
         chunk.grad_slots_received.clear()
         chunk.grads_finished = True
@@ -772,8 +772,8 @@ class ChunkRuntime:
         fp32 = 4 * chunk.shard_numel
         families = len(chunk.state_families) + (1 if chunk.has_master else 0)
         shard_bytes = chunk.param.shard.nbytes
-        grad = 0 if self.gradients.in_param_memory else shard_bytes
-        return families * fp32 + chunk.param.nbytes + (shard_bytes if chunk.param.sharded else 0) + grad
+        return (families * fp32 + chunk.param.nbytes + (shard_bytes if chunk.param.sharded else 0)
+                + self.gradients.grad_bytes(chunk))
 
 
 def _shapes_of(tree: Any) -> tuple:
