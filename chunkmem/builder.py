@@ -51,10 +51,11 @@ class BuiltModel:
     param_names: dict[int, str]
 
 
-def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
-    """Wrap ``module`` as ``settings`` say (see the module docstring). Raises before the module changes."""
-    check_type("module", module, nn.Module, "a torch.nn.Module")
-    check_not_wrapped(module)
+def _process_groups(settings: ModelSettings
+                    ) -> tuple[GroupLayout, ShardGroup, ShardGroup | None, tuple[ShardGroup, ShardGroup] | None]:
+    """The groups the model trains over, made before anything is packed (a refused size leaves the module as
+    it was): the layout of shard groups and replicas, the group gradients are reduce-scattered over, hpZ's
+    secondary group (``None`` without) and the hierarchical gather's groups (``None`` without)."""
     data_parallel = ShardGroup.of(settings.process_group, "process_group")
     reduce_shards = data_parallel.of_same_ranks(settings.reduce_scatter_process_group, "reduce_scatter_process_group",
                                                 "process_group")
@@ -62,14 +63,21 @@ def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
         ("shard_group_size", settings.shard_group_size), ("secondary_partition_size", settings.secondary_partition_size),
         ("gather_node_size", settings.gather_node_size)])
     groups = group_layout(data_parallel, settings.shard_group_size)
-    shards = groups.shards
-    # (before anything is packed: a refused size leaves the module as it was)
-    secondary = secondary_group(shards, settings.secondary_partition_size)
-    hierarchy = gather_hierarchy(shards, settings.gather_node_size)
+    secondary = secondary_group(groups.shards, settings.secondary_partition_size)
+    hierarchy = gather_hierarchy(groups.shards, settings.gather_node_size)
     if groups.replicas is not None and settings.persistence_threshold:
         raise InvalidArgumentError("persistence_threshold", settings.persistence_threshold,
                                    f"0 with shard_group_size={settings.shard_group_size} (persistent parameters are "
                                    f"not combined with shard groups)")
+    return groups, reduce_shards, secondary, hierarchy
+
+
+def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
+    """Wrap ``module`` as ``settings`` say (see the module docstring). Raises before the module changes."""
+    check_type("module", module, nn.Module, "a torch.nn.Module")
+    check_not_wrapped(module)
+    groups, reduce_shards, secondary, hierarchy = _process_groups(settings)
+    shards = groups.shards
     policy = settings.policy()
     named = list(module.named_parameters())
     if not named:
