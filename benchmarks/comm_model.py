@@ -186,15 +186,29 @@ def _counted_step(rank: int, world: int, group_size: int | None, layout: str) ->
             "trainable": [c.trainable for c in model.chunks], "bucket_bytes": model.settings.reduction.bucket_bytes}
 
 
+CASES = ((2, "flat", None), (4, "flat", None), (4, "mics", 2), (2, "qgz", None), (2, "qwz", None), (4, "hpz", 2),
+         (4, "zero++", 2))  # (ranks, layout, shard group or secondary partition)
+
+
+def _counted_steps(rank: int, world: int, cases: list[tuple[int | None, str]]) -> list[dict]:
+    """:func:`_counted_step` of each ``(group_size, layout)`` in turn, in one group of ``world`` ranks (each
+    case's model built afresh, its counts reset before its counted step)."""
+    return [_counted_step(rank, world, group, layout) for group, layout in cases]
+
+
 def check() -> int:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
     from distributed import run_ranks  # the test suite's gloo launcher
 
+    results_of = {}  # one launch per world size, its cases in turn
+    for world in sorted({world for world, _, _ in CASES}):
+        cases = [(group, layout) for w, layout, group in CASES if w == world]
+        for case, results in zip(cases, zip(*run_ranks(_counted_steps, world, cases))):
+            results_of[(world, *case)] = list(results)
     failures = 0
     print(f"{'ranks':>5} {'layout':<7} {'collective':<28} {'model calls/bytes':>18} {'counted calls/bytes':>20}")
-    for world, layout, group in ((2, "flat", None), (4, "flat", None), (4, "mics", 2), (2, "qgz", None),
-                                 (2, "qwz", None), (4, "hpz", 2), (4, "zero++", 2)):
-        results = run_ranks(_counted_step, world, group, layout)
+    for world, layout, group in CASES:
+        results = results_of[world, group, layout]
         first = results[0]
         predicted = step_collectives(first["numels"], first["trainable"], world, layout, ranks_per_node=2,
                                      element_bytes=4, bucket_bytes=first["bucket_bytes"], group_size=group,

@@ -8,6 +8,16 @@ sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+def pytest_collection_finish(session):
+    """What collection imported (torch, transformers, lightning, the test modules: several hundred thousand
+    objects) is moved out of the collector's reach once: the full collection after every test
+    (``_no_counting_mode_left``) then walks only what the tests made, not every imported object again."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture(autouse=True)
 def _default_capacity(monkeypatch):
     """Every test starts with the default device capacity and no CHUNKMEM_DEVICE_MEMORY."""

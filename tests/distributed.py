@@ -1,4 +1,9 @@
-"""Run a function on several gloo processes on this machine and collect what each rank returns."""
+"""Run a function on several gloo processes on this machine and collect what each rank returns.
+
+The ranks are fresh processes forked from a ``forkserver`` that imported torch and chunkmem once (and nothing
+else: no test's state), instead of interpreters that each import torch again (a 2-rank test measured 0.6 s
+instead of 4.9 s on this 2-core machine under load). Each rank takes the caller's environment at the call
+(as a spawned one would), not the server's."""
 from __future__ import annotations
 
 import faulthandler
@@ -14,7 +19,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, world: int, workdir: str, fn: Callable[..., Any], args: tuple) -> None:
+# imported by the server before any rank is forked from it: modules a rank would import first anyway
+PRELOAD = ["torch", "torch.distributed", "chunkmem"]
+
+
+def _entry(rank: int, world: int, workdir: str, fn: Callable[..., Any], args: tuple,
+           environment: dict[str, str]) -> None:
+    os.environ.clear()  # the caller's environment at the call, not the server's at its start
+    os.environ.update(environment)
     log = open(os.path.join(workdir, f"rank{rank}.log"), "w")  # what a rank that dies leaves behind
     faulthandler.enable(log)
     torch.set_num_threads(1)
@@ -72,7 +84,10 @@ def run_ranks(fn: Callable[..., Any], world: int = 2, *args: Any) -> list[Any]:
 def _spawn_once(fn: Callable[..., Any], world: int, args: tuple) -> list[Any]:
     with tempfile.TemporaryDirectory() as workdir:
         try:
-            mp.spawn(_entry, args=(world, workdir, fn, args), nprocs=world, join=True)
+            context = mp.get_context("forkserver")
+            context.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (the first call)
+            mp.start_processes(_entry, args=(world, workdir, fn, args, dict(os.environ)), nprocs=world, join=True,
+                               start_method="forkserver")
         except Exception as exc:
             joined = all(os.path.exists(os.path.join(workdir, f"joined{r}")) for r in range(world))
             if not joined and isinstance(exc, mp.ProcessExitedException):

@@ -124,14 +124,14 @@ def llz_step_skipped(rank: int) -> None:
 
 
 def partner_gone(rank: int) -> None:
-    """Rank 1 never joins rank 0's forward: it sleeps 30 s (far past the 3 s bound), then leaves."""
+    """Rank 1 never joins rank 0's forward: it sleeps 20 s (far past the 3 s bound), then leaves."""
     cm.set_collective_timeout(3.0)
     model = _zero3(rank)
     if rank == 0:
         x = batches(1)[0]
         model(x)
     else:
-        time.sleep(30.0)
+        time.sleep(20.0)
 
 
 def clean_zero3(rank: int) -> None:

@@ -76,19 +76,34 @@ def _global_losses(results: list) -> torch.Tensor:
     return torch.tensor([r[3] for r in results], dtype=torch.float64).mean(0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_saved_at_two_ranks_loads_at_one_three_and_four(tmp_path, dtype):
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+
+
+def _save_each_dtype(rank: int, world: int, directory: str) -> None:
+    """fp32's and fp16's checkpoints in one group of ranks (two directories): one spawn for both."""
+    for name, dtype in DTYPES.items():
+        _save_at(rank, world, os.path.join(directory, name), dtype, None)
+
+
+def _load_each_dtype(rank: int, world: int, directory: str) -> dict:
+    return {name: _load_at(rank, world, os.path.join(directory, name), dtype, None) for name, dtype in DTYPES.items()}
+
+
+def test_saved_at_two_ranks_loads_at_one_three_and_four(tmp_path):
+    """fp32 and fp16, each saved and loaded on its own: the two share each world size's spawn."""
     directory = str(tmp_path / "ckpt")
-    _at(2, _save_at, directory, dtype, None)
-    saved = cm.consolidate_checkpoint(directory)
-    at_saving_size = _at(2, _load_at, directory, dtype, None)
+    _at(2, _save_each_dtype, directory)
+    saved = {name: cm.consolidate_checkpoint(os.path.join(directory, name)) for name in DTYPES}
+    at_saving_size = _at(2, _load_each_dtype, directory)
     for world in (1, 3, 4):
-        results = _at(world, _load_at, directory, dtype, None)
-        for state, optim_state, shard_numels, _ in results:
-            assert_same_state(state, saved["model"])
-            assert_same_optimizer_state(optim_state, saved["optimizer"])
-        tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-3, atol=1e-3)
-        torch.testing.assert_close(_global_losses(results), _global_losses(at_saving_size), **tolerance)
+        results = _at(world, _load_each_dtype, directory)
+        for name, dtype in DTYPES.items():
+            for state, optim_state, shard_numels, _ in (r[name] for r in results):
+                assert_same_state(state, saved[name]["model"])
+                assert_same_optimizer_state(optim_state, saved[name]["optimizer"])
+            tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-3, atol=1e-3)
+            torch.testing.assert_close(_global_losses([r[name] for r in results]),
+                                       _global_losses([r[name] for r in at_saving_size]), **tolerance)
 
 
 def test_saved_at_one_rank_loads_at_two_with_optimizer_state_on_disk(tmp_path):

@@ -68,7 +68,7 @@ def test_disagreement_is_an_error_on_every_rank_and_both_exit(scenario, error, t
 
 
 def test_a_rank_whose_partner_never_comes_times_out_and_exits_while_the_partner_lives(tmp_path):
-    """Rank 0's forward waits for rank 1, which sleeps 30 s: rank 0 raises CollectiveTimeoutError at the
+    """Rank 0's forward waits for rank 1, which sleeps 20 s: rank 0 raises CollectiveTimeoutError at the
     3 s bound and exits at once (gloo's own worker gives up at the same bound), long before rank 1."""
     ranks = run_scenario("partner_gone", tmp_path)
     first, second = ranks
