@@ -59,15 +59,16 @@ def _process_groups(settings: ModelSettings
     data_parallel = ShardGroup.of(settings.process_group, "process_group")
     reduce_shards = data_parallel.of_same_ranks(settings.reduce_scatter_process_group, "reduce_scatter_process_group",
                                                 "process_group")
+    sharding = settings.sharding
     agree_on_settings_before_groups(data_parallel, "the ShardedModelV2", [
-        ("shard_group_size", settings.shard_group_size), ("secondary_partition_size", settings.secondary_partition_size),
-        ("gather_node_size", settings.gather_node_size)])
-    groups = group_layout(data_parallel, settings.shard_group_size)
-    secondary = secondary_group(groups.shards, settings.secondary_partition_size)
-    hierarchy = gather_hierarchy(groups.shards, settings.gather_node_size)
+        ("shard_group_size", sharding.shard_group_size), ("secondary_partition_size", sharding.secondary_partition_size),
+        ("gather_node_size", sharding.gather_node_size)])
+    groups = group_layout(data_parallel, sharding.shard_group_size)
+    secondary = secondary_group(groups.shards, sharding.secondary_partition_size)
+    hierarchy = gather_hierarchy(groups.shards, sharding.gather_node_size)
     if groups.replicas is not None and settings.persistence_threshold:
         raise InvalidArgumentError("persistence_threshold", settings.persistence_threshold,
-                                   f"0 with shard_group_size={settings.shard_group_size} (persistent parameters are "
+                                   f"0 with shard_group_size={sharding.shard_group_size} (persistent parameters are "
                                    f"not combined with shard groups)")
     return groups, reduce_shards, secondary, hierarchy
 
@@ -141,7 +142,8 @@ def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
     runtime.state.param_host_chunks = params_on_host
     for chunk in chunks:
         if chunk.param.sharded:
-            quantized = bool(settings.quantized_weights) and (settings.quantized_weights is True or not chunk.trainable)
+            quantized = settings.sharding.quantized_weights is True or (
+                settings.sharding.quantized_weights == "nontrainable" and not chunk.trainable)
             chunk.param.gather = gather_for(chunk.shards, quantized, secondary, hierarchy)
     if memory.disk is not None:
         weakref.finalize(runtime, memory.disk.close)
@@ -249,9 +251,9 @@ def _agree_on_layout(settings: ModelSettings, layout: ChunkLayout, groups: Group
         ("reduce_scatter_bucket_size_mb", str(reduction.reduce_scatter_bucket_size_mb)),
         ("gradient_predivide_factor", str(reduction.gradient_predivide_factor)),
         ("quantized_gradients", str(reduction.quantized_gradients)),
-        ("quantized_weights", str(settings.quantized_weights)),
-        ("secondary_partition_size", str(settings.secondary_partition_size)),
-        ("gather_node_size", str(settings.gather_node_size)),
+        ("quantized_weights", str(settings.sharding.quantized_weights)),
+        ("secondary_partition_size", str(settings.sharding.secondary_partition_size)),
+        ("gather_node_size", str(settings.sharding.gather_node_size)),
         ("grad_accum_dtype", str(settings.grad_accum_dtype)),
         ("reductions_in_flight", str(reduction.reductions_in_flight)),
         ("offload_optimizer", repr(disk.offload_optimizer)),

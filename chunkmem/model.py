@@ -260,12 +260,12 @@ class ShardedModelV2(nn.Module):
     @property
     def secondary_partition_size(self) -> int:
         """The ranks hpZ's secondary partition is split over (1: none)."""
-        return self.settings.secondary_partition_size or 1
+        return self.settings.sharding.secondary_partition_size or 1
 
     @property
     def quantized_weights(self) -> bool | str:
         """Which compute gathers travel as blockwise int8 (``False``, ``True`` or ``"nontrainable"``)."""
-        return self.settings.quantized_weights
+        return self.settings.sharding.quantized_weights
 
     @property
     def quantized_gradients(self) -> bool:

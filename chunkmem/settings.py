@@ -146,6 +146,43 @@ class ReductionSettings:
 
 
 @dataclass(frozen=True)
+class ShardingSettings:
+    """How the chunks are sharded and gathered over several ranks and nodes (ZeRO-3's multi-node knobs):
+    ``shard_group_size`` ranks per shard group, each group a replica of the model's shards (MiCS; ``None``:
+    one group of every rank); ``quantized_weights``: gathers for compute move blockwise int8 (ZeRO++'s qwZ:
+    ``True``, or ``"nontrainable"`` for the frozen chunks only); ``secondary_partition_size`` ranks share a
+    secondary partition the backward gathers from (ZeRO++'s hpZ; ``None`` or 1: none); ``gather_node_size``
+    ranks per node for the two-stage gather (MiCS's hierarchical gather; ``None``: flat). Checked here alone;
+    :class:`ModelSettings` checks them against the shard strategy and the placement."""
+
+    shard_group_size: int | None = None
+    quantized_weights: bool | str = False
+    secondary_partition_size: int | None = None
+    gather_node_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.shard_group_size is not None:
+            check_number("shard_group_size", self.shard_group_size, low=1, integer=True,
+                         allowed="None or an integer dividing the data-parallel ranks")
+        if self.quantized_weights not in QUANTIZED_WEIGHTS or type(self.quantized_weights) not in (bool, str):
+            raise InvalidArgumentError("quantized_weights", self.quantized_weights,
+                                       "False, True or 'nontrainable' (only the frozen parameters' gathers)")
+        if self.secondary_partition_size not in (None, 1):
+            check_number("secondary_partition_size", self.secondary_partition_size, low=1, integer=True,
+                         allowed="None, 1 or a divisor of the ranks the chunks are sharded over")
+            if self.shard_group_size is not None:
+                raise InvalidArgumentError("secondary_partition_size", self.secondary_partition_size,
+                                           "None or 1 with shard_group_size (the gathers already stay inside a group)")
+        if self.gather_node_size is not None:
+            check_number("gather_node_size", self.gather_node_size, low=1, integer=True,
+                         allowed="None or a divisor of the ranks the chunks are sharded over")
+            if self.quantized_weights:
+                raise InvalidArgumentError("gather_node_size", self.gather_node_size,
+                                           "None with quantized_weights or BucketTensorShardStrategy (their gathers "
+                                           "are not hierarchical)")
+
+
+@dataclass(frozen=True)
 class ModelSettings:
     """Everything :class:`~chunkmem.ShardedModelV2` is configured with (see its docstring for each)."""
 
@@ -161,10 +198,7 @@ class ModelSettings:
     prefetch_numel: int | None = None
     persistence_threshold: int = 0
     model_persistence_threshold: int | None = None
-    shard_group_size: int | None = None
-    quantized_weights: bool | str = False
-    secondary_partition_size: int | None = None
-    gather_node_size: int | None = None
+    sharding: ShardingSettings = field(default_factory=ShardingSettings)
     grad_accum_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
@@ -176,34 +210,20 @@ class ModelSettings:
                          allowed="None or an integer >= 0 (parameter elements fetched ahead of use)")
         check_number("persistence_threshold", self.persistence_threshold, low=0, integer=True,
                      allowed="an integer >= 0 (elements: parameters with fewer stay whole on every rank)")
-        if self.shard_group_size is not None:
-            check_number("shard_group_size", self.shard_group_size, low=1, integer=True,
-                         allowed="None or an integer dividing the data-parallel ranks")
-        if self.quantized_weights not in QUANTIZED_WEIGHTS or type(self.quantized_weights) not in (bool, str):
-            raise InvalidArgumentError("quantized_weights", self.quantized_weights,
-                                       "False, True or 'nontrainable' (only the frozen parameters' gathers)")
-        if self.quantized_weights and self.shard_strategy.bucketed:
-            raise InvalidArgumentError("quantized_weights", self.quantized_weights,
+        sharding = self.sharding
+        if sharding.quantized_weights and self.shard_strategy.bucketed:
+            raise InvalidArgumentError("quantized_weights", sharding.quantized_weights,
                                        "False with BucketTensorShardStrategy (its gathers of several chunks at once "
                                        "are exact); use TensorShardStrategy")
-        if self.secondary_partition_size not in (None, 1):
-            check_number("secondary_partition_size", self.secondary_partition_size, low=1, integer=True,
-                         allowed="None, 1 or a divisor of the ranks the chunks are sharded over")
-            if self.shard_group_size is not None:
-                raise InvalidArgumentError("secondary_partition_size", self.secondary_partition_size,
-                                           "None or 1 with shard_group_size (the gathers already stay inside a group)")
-            if self.placement.tensor_placement_policy == "auto":
-                raise InvalidArgumentError("secondary_partition_size", self.secondary_partition_size,
-                                           f"None or 1 with tensor_placement_policy="
-                                           f"{self.placement.tensor_placement_policy!r} (its plan does not count "
-                                           f"the secondary partitions); use 'cpu', 'cuda' or 'static'")
-        if self.gather_node_size is not None:
-            check_number("gather_node_size", self.gather_node_size, low=1, integer=True,
-                         allowed="None or a divisor of the ranks the chunks are sharded over")
-            if self.quantized_weights or self.shard_strategy.bucketed:
-                raise InvalidArgumentError("gather_node_size", self.gather_node_size,
-                                           "None with quantized_weights or BucketTensorShardStrategy (their gathers "
-                                           "are not hierarchical)")
+        if sharding.secondary_partition_size not in (None, 1) and self.placement.tensor_placement_policy == "auto":
+            raise InvalidArgumentError("secondary_partition_size", sharding.secondary_partition_size,
+                                       f"None or 1 with tensor_placement_policy="
+                                       f"{self.placement.tensor_placement_policy!r} (its plan does not count "
+                                       f"the secondary partitions); use 'cpu', 'cuda' or 'static'")
+        if sharding.gather_node_size is not None and self.shard_strategy.bucketed:
+            raise InvalidArgumentError("gather_node_size", sharding.gather_node_size,
+                                       "None with quantized_weights or BucketTensorShardStrategy (their gathers "
+                                       "are not hierarchical)")
         if self.reduction.reductions_in_flight and self.reuse_fp16_shard:
             raise InvalidArgumentError("reductions_in_flight", self.reduction.reductions_in_flight,
                                        "0 with reuse_fp16_shard=True (the gradients are reduced out of the "
@@ -247,8 +267,9 @@ class ModelSettings:
                               reductions_in_flight, quantized_gradients),
             reuse_fp16_shard, dtype, chunk_size,
             DiskSettings(offload_optimizer, offload_param, nvme_path, buffer_count, buffer_size, atomic_step),
-            prefetch_numel, persistence_threshold, model_persistence_threshold, shard_group_size, quantized_weights,
-            secondary_partition_size, gather_node_size, grad_accum_dtype)
+            prefetch_numel, persistence_threshold, model_persistence_threshold,
+            ShardingSettings(shard_group_size, quantized_weights, secondary_partition_size, gather_node_size),
+            grad_accum_dtype)
 
     def policy(self) -> PlacementPolicy:
         """The placement policy these settings choose."""

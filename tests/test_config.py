@@ -517,7 +517,7 @@ def test_mics_hierarchical_params_gather_takes_the_node_size_from_local_world_si
     model = make_model()
     m, _ = cm.initialize(model, cm.HybridAdam(model.parameters()),
                          {"zero_optimization": dict(zero, mics_hierarchical_params_gather=False)})
-    assert m.settings.gather_node_size is None
+    assert m.settings.sharding.gather_node_size is None
 
 
 # ---- data_types.grad_accum_dtype ---------------------------------------------------------------------
