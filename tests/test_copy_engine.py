@@ -114,11 +114,14 @@ def test_deferred_copies_train_bitwise_as_plain_copies(placement, dtype):
         assert waits == {"grad landing": sum(c.trainable for c in model.chunks)}
 
 
-def test_the_step_waits_for_gradients_in_the_order_they_landed(monkeypatch):
+@pytest.mark.parametrize("max_norm", [0.0, 0.05])
+def test_the_step_waits_for_gradients_in_the_order_they_landed(monkeypatch, max_norm):
     """The step updates the chunks in the order the backward finished their gradients (the last layers first),
     so on a GPU the host Adam of the first chunks to land runs while the backward still computes the others.
     Before 2026-11-27 it went in packing order: its first wait, for the first layers' gradients, lasted until
-    the whole backward was over (the H200's 336M GPT: backward 135 ms, then 63 ms of host Adam after it)."""
+    the whole backward was over (the H200's 336M GPT: backward 135 ms, then 63 ms of host Adam after it).
+    With clipping (0.05 clips every step here) the norm reads them in that order too, each as it gets to
+    it, and adds their squares in packing order: the bits are the plain engine's."""
     finished, waited = [], []
     store_finish, store_landed = StagedGradients.finish, StagedGradients._landed
 
@@ -133,12 +136,13 @@ def test_the_step_waits_for_gradients_in_the_order_they_landed(monkeypatch):
 
     monkeypatch.setattr(StagedGradients, "finish", finish)
     monkeypatch.setattr(StagedGradients, "_landed", landed)
-    waits, model, _ = _compare("cpu", "fp32", steps=2)  # (bitwise as the plain engine, whose order was packing)
+    waits, model, optim = _compare("cpu", "fp32", steps=2, max_norm=max_norm)  # (bitwise as the plain engine)
     trainable = [c.index for c in model.chunks if c.trainable]
     last_backward = finished[-len(trainable):]
     assert sorted(last_backward) == trainable and last_backward != trainable  # autograd's order is not packing
     assert waited[-len(trainable):] == last_backward
     assert waits == {"grad landing": len(trainable)}
+    assert (optim.mixed.last_norm is not None) == (max_norm > 0)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])

@@ -13,7 +13,7 @@ unscaled gradients; a non-finite norm (possible without a scaler) clips nothing.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,14 @@ import torch.distributed as dist
 from ..distributed.collectives import all_reduce_over
 from .loss_scaler import DynamicGradScaler
 from .norms import SUMMED_DTYPES, sum_of_squares
+
+
+class KeyedGradient(NamedTuple):
+    """A gradient for :meth:`MixedPrecisionStep.total_norm` with the place of its term in the norm's sums
+    (``key``: a tuple; terms are added in the order of their keys)."""
+
+    key: tuple[int, ...]
+    tensor: torch.Tensor | None
 
 
 class MixedPrecisionStep:
@@ -49,20 +57,31 @@ class MixedPrecisionStep:
         torch's in-place idioms, :mod:`chunkmem.optim.gradient_idioms`) over the loss scale."""
         return self.clip_coef * self.scaled_by / self.loss_scale
 
-    def total_norm(self, grads: Iterable[torch.Tensor | None], norm_type: float = 2.0) -> float:
+    def total_norm(self, grads: Iterable[torch.Tensor | KeyedGradient | None], norm_type: float = 2.0) -> float:
         """The ``norm_type`` norm of all unscaled gradients (this rank's shards of them, reduced over the
         ranks): inf or NaN when some rank's gradients overflowed. One host synchronisation per device
         holding gradients and one all-reduce per group. The 2-norm of CPU tensors comes from
-        :func:`~chunkmem.optim.norms.sum_of_squares` (exact squares, a fixed order, the bandwidth bound)."""
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        host_squares = 0.0  # the 2-norm's sum of squares of CPU gradients, exact squares (chunkmem.optim.norms)
-        for grad in grads:
+        :func:`~chunkmem.optim.norms.sum_of_squares` (exact squares, a fixed order, the bandwidth bound).
+
+        The gradients are read in the order ``grads`` gives them (reading one may wait for its copy to the
+        host, so a caller gives first those that landed first); a :class:`KeyedGradient` says where its term
+        comes in the sums (plain tensors come in the order given), so the bits do not depend on the reading
+        order."""
+        host_terms: list[tuple[Any, float]] = []  # the 2-norm's sums of squares of CPU gradients, exact squares
+        device_terms: list[tuple[Any, torch.Tensor]] = []
+        for position, item in enumerate(grads):
+            key, grad = (item.key, item.tensor) if isinstance(item, KeyedGradient) else ((position,), item)
             if grad is None:
                 continue
             if norm_type == 2.0 and grad.device.type == "cpu" and grad.dtype in SUMMED_DTYPES:
-                host_squares += sum_of_squares(grad)
+                host_terms.append((key, sum_of_squares(grad)))
                 continue
-            norm = torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32)
+            device_terms.append((key, torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32)))
+        host_squares = 0.0
+        for _, squares in sorted(host_terms, key=lambda term: term[0]):
+            host_squares += squares
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for _, norm in sorted(device_terms, key=lambda term: term[0]):
             by_device.setdefault(norm.device, []).append(norm)
         if math.isinf(norm_type):
             local = max((torch.stack(ns).max().item() for ns in by_device.values()), default=0.0)
@@ -74,14 +93,14 @@ class MixedPrecisionStep:
             total = total ** (1 / norm_type)
         return total / self.loss_scale * abs(self.scaled_by)
 
-    def clip(self, grads: Iterable[torch.Tensor | None], max_norm: float, norm_type: float = 2.0) -> float:
+    def clip(self, grads: Iterable[torch.Tensor | KeyedGradient | None], max_norm: float, norm_type: float = 2.0) -> float:
         """Clip the coming step's gradients to total norm ``max_norm``; returns the unscaled total norm."""
         norm = self.total_norm(grads, norm_type)
         self.norm = norm
         self.clip_coef = min(1.0, max_norm / (norm + 1e-6)) if math.isfinite(norm) else 1.0
         return norm
 
-    def decide(self, grads: Callable[[], list[torch.Tensor | None]], max_norm: float = 0.0,
+    def decide(self, grads: Callable[[], Iterable[torch.Tensor | KeyedGradient | None]], max_norm: float = 0.0,
                norm_type: float = 2.0) -> float | None:
         """The multiplier of the coming update, or ``None`` when the step is skipped (an overflow with a
         loss scaler: the scale backs off). ``grads()`` gives the gradients, and is called only where the

@@ -11,7 +11,7 @@ streamed disk step and its commit, :mod:`chunkmem.optim.backward_step` holds wha
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -32,7 +32,7 @@ from .closure import run_closure
 from .disk_commit import DiskCommit
 from .gradient_idioms import GradientIdioms
 from .loss_scaler import DynamicGradScaler
-from .mixed_precision import MixedPrecisionStep
+from .mixed_precision import KeyedGradient, MixedPrecisionStep
 from .sealed import seal_param_groups
 from .state_dict import optimizer_state_dict, prepare_optimizer_load
 from .torch_face import WrappingOptimizer
@@ -302,11 +302,15 @@ class ShardedOptimizerV2(WrappingOptimizer):
         :class:`~chunkmem.runtime.runtime.OptimizerListener` side; :mod:`chunkmem.optim.gradient_idioms`)."""
         return self._idioms.run(func, args, kwargs)
 
-    def _grads(self) -> list[torch.Tensor]:
+    def _grads(self) -> Iterator[KeyedGradient]:
         """This rank's gradients for the global norm: its shards, and a replicated chunk's whole gradients
-        on the first rank only (every rank holds the same; the norm sums over the ranks)."""
-        return [t for c in self.runtime.trainable_chunks() if c.replicas is None or c.replicas.rank == 0
-                for t in self.runtime.grad_tensors(c)]
+        on the first rank only (every rank holds the same; the norm sums over the ranks). Yielded in the
+        order they landed, each read only when the norm gets to it: the norm of the first to land is taken
+        while the backward still computes the last; keyed by packing order, in which the norm adds them."""
+        for chunk in self.runtime.trainable_chunks_as_gradients_landed():
+            if chunk.replicas is None or chunk.replicas.rank == 0:
+                for i, tensor in enumerate(self.runtime.grad_tensors(chunk)):
+                    yield KeyedGradient((chunk.index, i), tensor)
 
     def grad_multiplier(self, slot: ParamSlot | None = None) -> float:
         """What the coming step multiplies the gradients by: the clipping over the loss scale, and for
