@@ -152,8 +152,9 @@ class ShardingSettings:
     one group of every rank); ``quantized_weights``: gathers for compute move blockwise int8 (ZeRO++'s qwZ:
     ``True``, or ``"nontrainable"`` for the frozen chunks only); ``secondary_partition_size`` ranks share a
     secondary partition the backward gathers from (ZeRO++'s hpZ; ``None`` or 1: none); ``gather_node_size``
-    ranks per node for the two-stage gather (MiCS's hierarchical gather; ``None``: flat). Checked here alone;
-    :class:`ModelSettings` checks them against the shard strategy and the placement."""
+    ranks per node for the two-stage gather (MiCS's hierarchical gather; ``None``: flat). Each is checked here,
+    and hpZ against shard groups; :class:`ModelSettings` checks the combinations that involve the shard strategy
+    or the placement (the hierarchical gather's with quantized or bucketed gathers in one check)."""
 
     shard_group_size: int | None = None
     quantized_weights: bool | str = False
@@ -176,10 +177,6 @@ class ShardingSettings:
         if self.gather_node_size is not None:
             check_number("gather_node_size", self.gather_node_size, low=1, integer=True,
                          allowed="None or a divisor of the ranks the chunks are sharded over")
-            if self.quantized_weights:
-                raise InvalidArgumentError("gather_node_size", self.gather_node_size,
-                                           "None with quantized_weights or BucketTensorShardStrategy (their gathers "
-                                           "are not hierarchical)")
 
 
 @dataclass(frozen=True)
@@ -220,7 +217,7 @@ class ModelSettings:
                                        f"None or 1 with tensor_placement_policy="
                                        f"{self.placement.tensor_placement_policy!r} (its plan does not count "
                                        f"the secondary partitions); use 'cpu', 'cuda' or 'static'")
-        if sharding.gather_node_size is not None and self.shard_strategy.bucketed:
+        if sharding.gather_node_size is not None and (sharding.quantized_weights or self.shard_strategy.bucketed):
             raise InvalidArgumentError("gather_node_size", sharding.gather_node_size,
                                        "None with quantized_weights or BucketTensorShardStrategy (their gathers "
                                        "are not hierarchical)")

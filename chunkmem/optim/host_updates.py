@@ -58,7 +58,6 @@ class HostUpdates:
         self._running: list[tuple[Future, Callable[[], None]]] = []
         self.timeline: list[JobTimes] = []
         self.joined: tuple[float, float] | None = None
-        self._joined_all = True  # the timeline is the last join's: the next submission starts a new one
 
     @property
     def pending(self) -> int:
@@ -68,8 +67,8 @@ class HostUpdates:
     def submit(self, work: Callable[[], None], then: Callable[[], None], name: str = "") -> None:
         """Run ``work`` on the update thread; ``then`` runs on the joining thread once it has finished
         (``name``: what it updates, for :attr:`timeline`)."""
-        if self._joined_all:
-            self.timeline, self._joined_all = [], False
+        if not self._running:  # the first job since the last join: a new timeline
+            self.timeline = []
         times = JobTimes(name, time.perf_counter())
         self.timeline.append(times)
 
@@ -89,7 +88,7 @@ class HostUpdates:
     def join(self) -> None:
         """Wait for every job; run the completions of those that finished, in order; raise the first error."""
         running, self._running = self._running, []
-        began, self._joined_all = time.perf_counter(), True
+        began = time.perf_counter()
         error: BaseException | None = None
         for future, then in running:
             failed = future.exception()

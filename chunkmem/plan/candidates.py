@@ -403,9 +403,9 @@ def _disk_traffic(base: PolicyPlan, param_disk: bool, optim_disk: bool, param_ke
     # outside the streamed step is read into host memory first
     param_chunks = [(k, i) for k, i in enumerate(ex["trainable_index"])
                     if param_disk and not ex["param_on_device"][i] and i not in param_kept]
-    written += sum(ex["param_shard_bytes"][i] for _, i in param_chunks)
-    read += sum(ex["param_shard_bytes"][i] for k, i in param_chunks if not (ex["has_master"] and k in optim_on_disk))
-    loaded = [ex["param_shard_bytes"][i] for k, i in param_chunks if k not in optim_on_disk]
+    written += sum(shard_bytes[i] for _, i in param_chunks)
+    read += sum(shard_bytes[i] for k, i in param_chunks if not (ex["has_master"] and k in optim_on_disk))
+    loaded = [shard_bytes[i] for k, i in param_chunks if k not in optim_on_disk]
     return read, written, read_compute, moved_to_device, loaded
 
 
