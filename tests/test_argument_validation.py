@@ -343,3 +343,17 @@ def test_group_sizes_that_do_not_fit_one_rank_are_refused_before_packing(argumen
     model = cm.ShardedModelV2(module, cm.TensorShardStrategy(), tensor_placement_policy="cpu",
                               dtype=torch.float32)  # wraps as new
     assert torch.equal(model.state_dict()["wte.weight"], before["wte.weight"])
+
+
+@pytest.mark.parametrize("strategy, extra", [(cm.TensorShardStrategy, {"quantized_weights": True}),
+                                             (cm.BucketTensorShardStrategy, {})])
+def test_the_hierarchical_gather_is_refused_with_gathers_that_are_not_hierarchical(strategy, extra):
+    """``gather_node_size`` with quantized gathers or the bucketed strategy: one clear error naming it, and the
+    module left as it was (checked where the knobs and the strategy meet: ModelSettings)."""
+    torch.manual_seed(0)
+    module = TinyGPT()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(cm.InvalidArgumentError, match="gather_node_size=1 is not allowed: expected None with "
+                                                      "quantized_weights or BucketTensorShardStrategy"):
+        cm.ShardedModelV2(module, strategy(), tensor_placement_policy="cpu", gather_node_size=1, **extra)
+    assert all(torch.equal(v, module.state_dict()[k]) for k, v in before.items())
