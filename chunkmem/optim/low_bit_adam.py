@@ -1,0 +1,302 @@
+"""Adam and AdamW with blockwise 8-bit moments: the update of torchao's ``AdamW8bit`` / ``Adam8bit``.
+
+The state of one parameter (or, sharded, of this rank's piece of it) is either **quantized**, where it holds at
+least 4096 elements in whole blocks of 256 (:func:`chunkmem.optim.blockwise.quantizes`): ``exp_avg`` and
+``exp_avg_sq`` as ``uint8`` codes, one per element, and one fp32 scale per block (:mod:`chunkmem.optim.blockwise`);
+or **plain**: fp32 moments, as the reference keeps them for small tensors.
+
+One step of a segment (a run of elements with one set of hyper-parameters and one step count), in the order and
+with the roundings of the reference's step run eagerly (``single_param_adam``)::
+
+    g = grad (fp32) [* multiplier]
+    p = p - (lr * weight_decay) * p                 AdamW        g = g + weight_decay * p     Adam
+    m = dequantize(m).lerp(g, 1 - beta1)            v = dequantize(v).lerp(g * g, 1 - beta2)
+    m, v quantized into the state (the update reads the unquantized m and v)
+    p = p - lr * (m / (1 - beta1**step)) / (sqrt(v) / sqrt(1 - beta2**step) + eps)
+
+``lr``, the bias corrections and ``lr * weight_decay`` are fp32 scalars computed with torch from an fp32 ``lr``
+and an fp32 ``step``, as the reference holds them. :func:`update_segments_` runs every segment of a chunk in one
+call: the one-pass C++ kernel (``csrc/low_bit_adam.cpp``) on contiguous host buffers, checked bit for bit against
+:func:`update_segment_torch_` when it loads, else (another device, ``CHUNKMEM_DISABLE_CPP_ADAM=1``, no compiler)
+the torch-op formulation segment by segment.
+
+torchao runs its step under ``torch.compile``: the compiled code fuses and reorders some fp32 operations, so its
+parameters differ from the eager formulation's by about one fp32 rounding per step, and a code flips only where a
+scaled moment lies within such a rounding of a half-way point (``tests/test_low_bit_state.py`` measures both).
+"""
+from __future__ import annotations
+
+import ctypes
+import platform
+import sys
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..core.native_build import CSRC, LoadedOnce, env_flag, load_library
+from . import host_adam_ext
+from .blockwise import BLOCK_SIZE, dequantize, dynamic_map, quantize_
+
+SOURCE = CSRC / "low_bit_adam.cpp"
+CXXFLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-math-errno")
+ABI_VERSION = 1
+_APPLY_MULT, _DECOUPLED, _L2, _QUANTIZED = 1, 2, 4, 8
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+@dataclass(frozen=True)
+class LowBitHyper:
+    """One param group's hyper-parameters (as torchao's ``AdamW8bit`` takes them; ``decoupled``: AdamW's weight
+    decay, else Adam's L2 term)."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled: bool
+
+
+@dataclass(frozen=True)
+class StepScalars:
+    """The fp32 scalars of one step (each a Python float holding an fp32 value)."""
+
+    lr: float
+    lr_wd: float
+    bias_correction1: float
+    bias_correction2_sqrt: float
+
+    @staticmethod
+    def of(hyper: LowBitHyper, step: int) -> "StepScalars":
+        """The scalars of step number ``step`` (1 for the first), computed as the reference does."""
+        lr = torch.tensor(hyper.lr, dtype=torch.float32)
+        count = torch.tensor(float(step), dtype=torch.float32)
+        bc1 = 1 - hyper.beta1 ** count
+        bc2 = 1 - hyper.beta2 ** count
+        return StepScalars(lr.item(), (lr * hyper.weight_decay).item(), bc1.item(), bc2.sqrt().item())
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of a chunk's elements updated alike: ``numel`` elements from ``start`` (in the chunk's flat buffers)
+    whose state is quantized (``state_base``: the index of its first block scale) or plain (``state_base``: the
+    index of its first fp32 moment)."""
+
+    start: int
+    numel: int
+    quantized: bool
+    state_base: int
+    hyper: LowBitHyper
+    step: int
+
+
+@dataclass
+class Moments:
+    """A chunk's moments (this rank's shard): ``codes_*`` ``uint8`` per element, ``scales_*`` fp32 per block of the
+    quantized segments, ``plain_*`` fp32 per element of the plain ones."""
+
+    codes_m: torch.Tensor
+    codes_v: torch.Tensor
+    scales_m: torch.Tensor
+    scales_v: torch.Tensor
+    plain_m: torch.Tensor
+    plain_v: torch.Tensor
+
+    def of(self, segment: Segment) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], ...]:
+        """``segment``'s ``exp_avg`` and ``exp_avg_sq``: ``(codes, scales)`` pairs, or fp32 tensors."""
+        a, n, base = segment.start, segment.numel, segment.state_base
+        if segment.quantized:
+            blocks = n // BLOCK_SIZE
+            return ((self.codes_m[a:a + n], self.scales_m[base:base + blocks]),
+                    (self.codes_v[a:a + n], self.scales_v[base:base + blocks]))
+        return self.plain_m[base:base + n], self.plain_v[base:base + n]
+
+
+def _maps(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return dynamic_map(True, device), dynamic_map(False, device)
+
+
+def _read(state: torch.Tensor | tuple[torch.Tensor, torch.Tensor], qmap: torch.Tensor) -> torch.Tensor:
+    return dequantize(state[0], state[1], qmap) if isinstance(state, tuple) else state.float()
+
+
+def _write(state: torch.Tensor | tuple[torch.Tensor, torch.Tensor], values: torch.Tensor, qmap: torch.Tensor) -> None:
+    if isinstance(state, tuple):
+        quantize_(values, state[0], state[1], qmap)
+    else:
+        state.copy_(values)
+
+
+def update_segment_torch_(master: torch.Tensor, grad: torch.Tensor, moments: Moments, segment: Segment,
+                          multiplier: float = 1.0, param_out: torch.Tensor | None = None) -> None:
+    """One step of ``segment`` in torch ops (module docstring), in place: ``master`` (fp32), ``grad`` (any float
+    dtype) and ``param_out`` (the 16-bit copy, or ``None``) are the chunk's flat buffers."""
+    hyper = segment.hyper
+    scalars = StepScalars.of(hyper, segment.step)
+    qmap_m, qmap_v = _maps(master.device)
+    a, b = segment.start, segment.start + segment.numel
+    lr = torch.tensor(scalars.lr, dtype=torch.float32)
+    p = master[a:b]
+    g = grad[a:b].float()
+    if multiplier != 1.0:
+        g = g * multiplier
+    if hyper.decoupled:
+        p = p - torch.tensor(scalars.lr_wd, dtype=torch.float32) * p
+    else:
+        g = g + hyper.weight_decay * p
+    state_m, state_v = moments.of(segment)
+    m = _read(state_m, qmap_m).lerp(g, 1 - hyper.beta1)
+    v = _read(state_v, qmap_v).lerp(g.square(), 1 - hyper.beta2)
+    _write(state_m, m, qmap_m)
+    _write(state_v, v, qmap_v)
+    denom = (v.sqrt() / torch.tensor(scalars.bias_correction2_sqrt, dtype=torch.float32)) + hyper.eps
+    p = p - lr * (m / torch.tensor(scalars.bias_correction1, dtype=torch.float32)) / denom
+    master[a:b].copy_(p)
+    if param_out is not None:
+        param_out[a:b].copy_(p)
+
+
+# ---- the C++ kernel --------------------------------------------------------------------------------------
+
+
+class _SegmentStruct(ctypes.Structure):
+    _fields_ = [("start", ctypes.c_int64), ("n", ctypes.c_int64), ("state_base", ctypes.c_int64),
+                ("flags", ctypes.c_int32), ("pad", ctypes.c_int32)] + [
+        (name, ctypes.c_float) for name in ("lr", "lr_wd", "wd", "w1", "w2", "bc1", "bc2s", "eps", "mult")]
+
+
+class _BuffersStruct(ctypes.Structure):
+    _fields_ = [("master", ctypes.c_void_p), ("grad", ctypes.c_void_p), ("grad_dtype", ctypes.c_int),
+                ("out", ctypes.c_void_p), ("out_dtype", ctypes.c_int),
+                ("m_codes", ctypes.c_void_p), ("v_codes", ctypes.c_void_p), ("m_scales", ctypes.c_void_p),
+                ("v_scales", ctypes.c_void_p), ("m_plain", ctypes.c_void_p), ("v_plain", ctypes.c_void_p),
+                ("qmap_signed", ctypes.c_void_p), ("qmap_unsigned", ctypes.c_void_p),
+                ("bucket_signed", ctypes.c_void_p), ("bucket_unsigned", ctypes.c_void_p),
+                ("vsqrt", ctypes.c_void_p), ("vsqrt_mode", ctypes.c_int64)]
+
+
+def _buckets(qmap: torch.Tensor, count: int) -> torch.Tensor:
+    """For each bucket of floats sharing their top 16 bits and at most 1 in magnitude (positive ones first, then
+    negative ones), the largest code whose map entry is at or below the bucket's lowest value (0 where none is)."""
+    tops = torch.arange(count, dtype=torch.int32)
+    positive = (tops << 16).view(torch.float32)
+    negative = ((tops << 16) | 0xFFFF | torch.tensor(-2**31, dtype=torch.int32)).view(torch.float32)
+    lowest = torch.cat([positive, negative])
+    return (torch.searchsorted(qmap, lowest, right=True) - 1).clamp_(0, 255).to(torch.uint8)
+
+
+class LowBitKernel:
+    """The loaded library, its dynamic maps and bucket tables; ``vsqrt``: the square root function torch's
+    ``Tensor.sqrt`` calls (MKL VML) where that is not the correctly rounded one, else ``None``; ``exact``: whether
+    it matched :func:`update_segment_torch_` bit for bit at load."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        lib.chunkmem_low_bit_adam.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+        lib.chunkmem_low_bit_adam.restype = ctypes.c_int
+        self.qmap_m, self.qmap_v = _maps(torch.device("cpu"))
+        count = lib.chunkmem_low_bit_buckets()
+        self.buckets_m, self.buckets_v = _buckets(self.qmap_m, count), _buckets(self.qmap_v, count)
+        self.vsqrt: int | None = None
+        self.exact = False
+
+    def update(self, master: torch.Tensor, grad: torch.Tensor, moments: Moments, segments: Sequence[Segment],
+               multiplier: float = 1.0, param_out: torch.Tensor | None = None, nthreads: int | None = None) -> None:
+        """Every segment's step in one pass (arguments as for :func:`update_segments_`)."""
+        table = (_SegmentStruct * len(segments))()
+        for row, s in zip(table, segments):
+            h, sc = s.hyper, StepScalars.of(s.hyper, s.step)
+            flags = ((_APPLY_MULT if multiplier != 1.0 else 0) | (_QUANTIZED if s.quantized else 0)
+                     | (_DECOUPLED if h.decoupled else (_L2 if h.weight_decay != 0 else 0)))
+            row.start, row.n, row.state_base, row.flags = s.start, s.numel, s.state_base, flags
+            row.lr, row.lr_wd, row.wd, row.w1, row.w2 = sc.lr, sc.lr_wd, h.weight_decay, 1 - h.beta1, 1 - h.beta2
+            row.bc1, row.bc2s, row.eps, row.mult = sc.bias_correction1, sc.bias_correction2_sqrt, h.eps, multiplier
+        buffers = _BuffersStruct(
+            master.data_ptr(), grad.data_ptr(), _DTYPE_CODES[grad.dtype],
+            None if param_out is None else param_out.data_ptr(), -1 if param_out is None else _DTYPE_CODES[param_out.dtype],
+            moments.codes_m.data_ptr(), moments.codes_v.data_ptr(), moments.scales_m.data_ptr(),
+            moments.scales_v.data_ptr(), moments.plain_m.data_ptr(), moments.plain_v.data_ptr(),
+            self.qmap_m.data_ptr(), self.qmap_v.data_ptr(), self.buckets_m.data_ptr(), self.buckets_v.data_ptr(),
+            self.vsqrt, host_adam_ext.VML_SQRT_MODE)
+        threads = torch.get_num_threads() if nthreads is None else nthreads
+        if self.lib.chunkmem_low_bit_adam(ctypes.byref(buffers), table, len(segments), threads) != 0:
+            raise ValueError("a quantized segment is not made of whole blocks of 256 elements")
+
+
+def _load() -> LowBitKernel:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise RuntimeError(f"the low-bit kernel is for x86-64, not {platform.machine()}")
+    if not sys.platform.startswith(("linux", "darwin")):
+        raise RuntimeError(f"the low-bit kernel is built for Linux and macOS only, not {sys.platform}")
+    lib, _, _ = load_library(SOURCE, CXXFLAGS, "low_bit_adam")
+    if lib.chunkmem_low_bit_adam_abi() != ABI_VERSION:
+        raise RuntimeError("the low-bit kernel library has another ABI version")
+    if not lib.chunkmem_low_bit_adam_cpu_ok():
+        raise RuntimeError("the CPU lacks AVX2, FMA or F16C")
+    kernel = LowBitKernel(lib)
+    vml = host_adam_ext._find_vml_sqrt()
+    for vsqrt in (None, vml) if vml is not None else (None,):
+        kernel.vsqrt = vsqrt
+        if _matches_torch(kernel):
+            kernel.exact = True
+            return kernel
+    raise RuntimeError("its results differ from the torch-op formulation on this machine")
+
+
+def _matches_torch(kernel: LowBitKernel) -> bool:
+    """Whether two steps of the kernel equal :func:`update_segment_torch_` bit for bit on random data covering
+    both kinds of segment, both weight decays, a multiplier and every 16-bit copy."""
+    gen = torch.Generator().manual_seed(0)
+    n = 8192 + 300
+    hyper = (LowBitHyper(1e-2, 0.9, 0.999, 1e-8, 0.1, True), LowBitHyper(3e-3, 0.8, 0.99, 1e-6, 0.01, False))
+    start = torch.randn(n, generator=gen)
+    for out_dtype in (None, torch.bfloat16, torch.float16):
+        results = []
+        for run_kernel in (True, False):
+            master = start.clone()
+            state = Moments(torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8),
+                            torch.zeros(32), torch.zeros(32), torch.zeros(300), torch.zeros(300))
+            out = None if out_dtype is None else torch.empty(n, dtype=out_dtype)
+            for step in (1, 2):
+                grad = torch.randn(n, generator=torch.Generator().manual_seed(step)).to(out_dtype or torch.float32)
+                segments = [Segment(0, 4096, True, 0, hyper[0], step), Segment(4096, 4096, True, 16, hyper[1], step),
+                            Segment(8192, 300, False, 0, hyper[step - 1], step)]
+                if run_kernel:
+                    kernel.update(master, grad, state, segments, 0.5, out, nthreads=2)
+                else:
+                    for segment in segments:
+                        update_segment_torch_(master, grad, state, segment, 0.5, out)
+            results.append((master, state, out))
+        (a, sa, oa), (b, sb, ob) = results
+        same = torch.equal(a.view(torch.int32), b.view(torch.int32)) and all(
+            torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(vars(sa).values(), vars(sb).values()))
+        if not same or (oa is not None and not torch.equal(oa.view(torch.int16), ob.view(torch.int16))):
+            return False
+    return True
+
+
+_KERNEL = LoadedOnce(_load, "chunkmem: the C++ low-bit Adam kernel is unavailable, using torch ops instead ({error})")
+
+
+def kernel() -> LowBitKernel | None:
+    """The loaded kernel, or ``None`` where it is unavailable or disabled (``CHUNKMEM_DISABLE_CPP_ADAM=1``)."""
+    if env_flag(host_adam_ext.DISABLE_ENV):
+        return None
+    return _KERNEL.get(stacklevel=3)
+
+
+def update_segments_(master: torch.Tensor, grad: torch.Tensor, moments: Moments, segments: Sequence[Segment],
+                     multiplier: float = 1.0, param_out: torch.Tensor | None = None) -> None:
+    """One step of every segment of a chunk, in place. ``master``: the fp32 master (or fp32 parameters);
+    ``grad``: the chunk's flat gradient (fp32, fp16 or bf16), multiplied by ``multiplier`` first (the loss
+    scale's inverse and clipping; 1 leaves it untouched); ``param_out``: the 16-bit parameter copy to write, or
+    ``None``; all flat, indexed like the chunk's shard."""
+    tensors = (master, grad, *vars(moments).values()) + (() if param_out is None else (param_out,))
+    host = all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+    k = kernel() if host and grad.dtype in _DTYPE_CODES else None
+    if k is not None:
+        k.update(master, grad, moments, segments, multiplier, param_out)
+        return
+    for segment in segments:
+        update_segment_torch_(master, grad, moments, segment, multiplier, param_out)
