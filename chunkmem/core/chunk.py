@@ -801,6 +801,21 @@ class Chunk:
                                               self.shards.rank, self.index)
         self.state_families = tuple(names)
 
+    def use_state_buffers(self, buffers: dict[str, tuple[int, torch.dtype]]) -> None:
+        """Keep ``buffers`` (name -> elements and dtype of this rank's buffer) as the chunk's optimizer state
+        instead of Adam's fp32 moments: the 8-bit optimizers' codes, block scales and the fp32 moments of their
+        small parameters (:mod:`chunkmem.optim.low_bit_rule`). Buffers are made unallocated; call before the
+        optimizer state is placed."""
+        for name, (numel, dtype) in buffers.items():
+            kept = self.optim.get(name)
+            if kept is None or kept.numel != numel or kept.dtype != dtype:
+                self.optim[name] = FlatBuffer(name, numel, dtype, self.memory, self.name, self.shards.rank, self.index)
+        self.state_families = tuple(buffers)
+        sizes = {self.optim[name].nbytes for name in buffers} - self._buffer_sizes
+        if sizes and self.memory.blocks is not None:
+            self.memory.blocks.use_sizes(sizes)
+        self._buffer_sizes |= sizes
+
     def flat_buffers(self) -> tuple[FlatBuffer, ...]:
         """Every family's buffer but the device copy of the parameters."""
         return (self.param.shard, self.grad, self.grad_staging, *self.optim.values())

@@ -35,7 +35,15 @@
 namespace {
 
 constexpr int kBlock = 256;
-constexpr uint32_t kBuckets = 0x3f81;  // top 16 bits of a float of magnitude <= 1: 0 .. 0x3f80
+constexpr int kTile = 1024;  // elements updated together, a multiple of kBlock
+// Quantizing is counting: the code of a scaled value y is the number of the map's 255 rounding thresholds (the
+// smallest floats that round up past each entry) at or below y. Floats are compared as order-preserving
+// unsigned keys (negative ones bit-inverted, positive ones with the sign bit set); the keys of |y| <= 1 fall in
+// the buckets kFirstBucket .. kFirstBucket + kBuckets - 1 of their top 16 bits, and each bucket holds at most
+// one threshold (the Python side checks it). A bucket's word: the count of thresholds below it << 17 | the
+// low 16 bits of its threshold's key (0x10000: none).
+constexpr int32_t kFirstBucket = 0x407f;
+constexpr int32_t kBuckets = 0xbf80 - kFirstBucket + 1;
 
 enum DType : int { kNone = -1, kF32 = 0, kF16 = 1, kBF16 = 2 };
 enum Flags : int { kApplyMult = 1, kDecoupled = 2, kL2 = 4, kQuantized = 8 };
@@ -66,106 +74,147 @@ struct Buffers {
   float* v_plain;
   const float* qmap_signed;
   const float* qmap_unsigned;
-  const uint8_t* bucket_signed;    // largest code at or below each bucket's lowest value
-  const uint8_t* bucket_unsigned;
+  const uint32_t* words_signed;    // kBuckets words each (see kFirstBucket)
+  const uint32_t* words_unsigned;
   VecSqrt vsqrt;
   int64_t vsqrt_mode;
 };
 
-CM_TARGET inline float load_grad(const void* g, int dtype, int64_t i) {
-  switch (dtype) {
-    case kF32: return static_cast<const float*>(g)[i];
-    case kF16: return _cvtsh_ss(static_cast<const uint16_t*>(g)[i]);
-    default: {
-      uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(g)[i]) << 16;
-      float f;
-      std::memcpy(&f, &bits, 4);
-      return f;
-    }
-  }
-}
-
-CM_TARGET inline void store_out(void* out, int dtype, int64_t i, float p) {
-  if (dtype == kF16) {
-    static_cast<uint16_t*>(out)[i] = _cvtss_sh(p, _MM_FROUND_TO_NEAREST_INT);
+CM_TARGET void load_grad(const void* grad, int dtype, int64_t at, int n, float* g) {
+  if (dtype == kF32) {
+    std::memcpy(g, static_cast<const float*>(grad) + at, sizeof(float) * n);
   } else if (dtype == kBF16) {
-    uint32_t bits;
-    std::memcpy(&bits, &p, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) {
-      static_cast<uint16_t*>(out)[i] = static_cast<uint16_t>((bits >> 16) | 0x40);  // quiet NaN
-    } else {
-      static_cast<uint16_t*>(out)[i] = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    const uint16_t* h = static_cast<const uint16_t*>(grad) + at;
+    for (int i = 0; i < n; ++i) {
+      uint32_t bits = static_cast<uint32_t>(h[i]) << 16;
+      std::memcpy(g + i, &bits, 4);
     }
+  } else {
+    const uint16_t* h = static_cast<const uint16_t*>(grad) + at;
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(g + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+    for (; i < n; ++i) g[i] = _cvtsh_ss(h[i]);
   }
 }
 
-CM_TARGET inline float lerp(float self, float end, float w) {
-  float d = end - self;
-  return std::fabs(w) < 0.5f ? std::fma(w, d, self) : std::fma(-d, 1.0f - w, end);
-}
-
-// The code of the scaled value y: the largest map entry at or below y (0 where none is, and for NaN), plus one
-// where y lies at least half-way to the next entry.
-CM_TARGET inline uint8_t encode(float y, const float* qmap, const uint8_t* buckets) {
-  uint32_t bits;
-  std::memcpy(&bits, &y, 4);
-  uint32_t top = bits >> 16, magnitude = top & 0x7fffu;
-  int c;
-  if (magnitude < kBuckets) {
-    c = buckets[(top & 0x8000u) ? kBuckets + magnitude : magnitude];
-    while (c < 255 && qmap[c + 1] <= y) ++c;
-  } else if (std::isnan(y)) {
-    return 0;
-  } else {  // |y| > 1 (a block scale is its largest magnitude, so never for a finite block)
-    c = y > 0.0f ? 255 : 0;
+// The 16-bit copy, rounded to nearest even (a NaN stays a quiet NaN).
+CM_TARGET void store_out(void* out, int dtype, int64_t at, int n, const float* p) {
+  uint16_t* h = static_cast<uint16_t*>(out) + at;
+  if (dtype == kBF16) {
+    for (int i = 0; i < n; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, p + i, 4);
+      uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+      h[i] = static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? (bits >> 16) | 0x40u : rounded);
+    }
+  } else if (dtype == kF16) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(p + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; ++i) h[i] = _cvtss_sh(p[i], _MM_FROUND_TO_NEAREST_INT);
   }
-  int up = std::min(c + 1, 255);
-  float low = qmap[c], high = qmap[up];
-  return static_cast<uint8_t>(y - low >= (high - low) * 0.5f ? up : c);
 }
 
-CM_TARGET void quantize_block(const float* values, int n, const float* qmap, const uint8_t* buckets, uint8_t* codes,
-                              float* scale) {
+// Eight codes (int32) of the scaled values y; lanes whose |y| > 1 or NaN (a block that is not finite) are
+// encoded one by one: NaN takes code 0, a value above 1 the last code, one below -1 the first.
+CM_TARGET inline __m256i encode8(__m256 y, const uint32_t* words) {
+  const __m256i bits = _mm256_castps_si256(y);
+  const __m256i flip = _mm256_or_si256(_mm256_srai_epi32(bits, 31), _mm256_set1_epi32(INT32_MIN));
+  const __m256i key = _mm256_xor_si256(bits, flip);
+  const __m256i bucket = _mm256_sub_epi32(_mm256_srli_epi32(key, 16), _mm256_set1_epi32(kFirstBucket));
+  const __m256i outside = _mm256_or_si256(_mm256_cmpgt_epi32(_mm256_setzero_si256(), bucket),
+                                          _mm256_cmpgt_epi32(bucket, _mm256_set1_epi32(kBuckets - 1)));
+  const __m256i word = _mm256_i32gather_epi32(reinterpret_cast<const int*>(words),
+                                              _mm256_andnot_si256(outside, bucket), 4);
+  const __m256i below = _mm256_srli_epi32(word, 17);
+  const __m256i threshold = _mm256_and_si256(word, _mm256_set1_epi32(0x1ffff));
+  const __m256i low = _mm256_and_si256(key, _mm256_set1_epi32(0xffff));
+  __m256i code = _mm256_sub_epi32(below, _mm256_cmpgt_epi32(low, _mm256_sub_epi32(threshold, _mm256_set1_epi32(1))));
+  if (_mm256_movemask_ps(_mm256_castsi256_ps(outside))) {
+    alignas(32) float lanes[8];
+    alignas(32) int32_t codes[8];
+    _mm256_store_ps(lanes, y);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(codes), code);
+    for (int i = 0; i < 8; ++i)
+      if (std::isnan(lanes[i]) || std::fabs(lanes[i]) > 1.0f) codes[i] = lanes[i] > 1.0f ? 255 : 0;
+    code = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes));
+  }
+  return code;
+}
+
+CM_TARGET void quantize_block(const float* values, const uint32_t* words, uint8_t* codes, float* scale) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 largest = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+  for (int i = 0; i < kBlock; i += 8) {
+    __m256 a = _mm256_and_ps(_mm256_loadu_ps(values + i), magnitude);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+    largest = _mm256_max_ps(largest, a);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, largest);
   float absmax = 0.0f;
-  bool nan = false;
-  for (int i = 0; i < n; ++i) {
-    float a = std::fabs(values[i]);
-    nan |= std::isnan(a);
-    absmax = a > absmax ? a : absmax;
-  }
-  float s = nan ? NAN : std::max(absmax, 1e-12f);
+  for (float a : lanes) absmax = std::max(absmax, a);
+  const float s = _mm256_movemask_ps(nan) ? NAN : std::max(absmax, 1e-12f);
   *scale = s;
-  for (int i = 0; i < n; ++i) codes[i] = encode(values[i] / s, qmap, buckets);
+  alignas(32) int32_t wide[kBlock];
+  const __m256 vs = _mm256_set1_ps(s);
+  for (int i = 0; i < kBlock; i += 8)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(wide + i), encode8(_mm256_div_ps(_mm256_loadu_ps(values + i), vs), words));
+  for (int i = 0; i < kBlock; ++i) codes[i] = static_cast<uint8_t>(wide[i]);
 }
 
-// One tile: up to 256 elements of one segment, from element `offset` of it.
+CM_TARGET void dequantize_block(const uint8_t* codes, float scale, const float* qmap, float* values) {
+  const __m256 vs = _mm256_set1_ps(scale);
+  for (int i = 0; i < kBlock; i += 8) {
+    __m256i index = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)));
+    _mm256_storeu_ps(values + i, _mm256_mul_ps(_mm256_i32gather_ps(qmap, index, 4), vs));
+  }
+}
+
+// One tile: up to kTile elements of one segment, from element `offset` of it (a multiple of kTile); the
+// square root of a whole tile is one call, as MKL's has a cost per call.
 CM_TARGET void update_tile(const Buffers& b, const Segment& s, int64_t offset, int n) {
-  alignas(64) float g[kBlock], p[kBlock], m[kBlock], v[kBlock], root[kBlock];
+  alignas(64) float g[kTile], p[kTile], m[kTile], v[kTile], root[kTile];
   const int64_t at = s.start + offset;
   const bool quantized = s.flags & kQuantized;
-  const int64_t block = s.state_base + offset / kBlock;
-  for (int i = 0; i < n; ++i) g[i] = load_grad(b.grad, b.grad_dtype, at + i);
+  load_grad(b.grad, b.grad_dtype, at, n, g);
   if (s.flags & kApplyMult)
     for (int i = 0; i < n; ++i) g[i] = g[i] * s.mult;
-  for (int i = 0; i < n; ++i) p[i] = b.master[at + i];
+  std::memcpy(p, b.master + at, sizeof(float) * n);
   if (s.flags & kDecoupled) {
     for (int i = 0; i < n; ++i) p[i] = p[i] - s.lr_wd * p[i];
   } else if (s.flags & kL2) {
     for (int i = 0; i < n; ++i) g[i] = g[i] + s.wd * p[i];
   }
+  const int64_t block = s.state_base + offset / kBlock;
   if (quantized) {
-    const float ms = b.m_scales[block], vs = b.v_scales[block];
-    for (int i = 0; i < n; ++i) m[i] = b.qmap_signed[b.m_codes[at + i]] * ms;
-    for (int i = 0; i < n; ++i) v[i] = b.qmap_unsigned[b.v_codes[at + i]] * vs;
+    for (int k = 0; k < n; k += kBlock) {
+      dequantize_block(b.m_codes + at + k, b.m_scales[block + k / kBlock], b.qmap_signed, m + k);
+      dequantize_block(b.v_codes + at + k, b.v_scales[block + k / kBlock], b.qmap_unsigned, v + k);
+    }
   } else {
     std::memcpy(m, b.m_plain + s.state_base + offset, sizeof(float) * n);
     std::memcpy(v, b.v_plain + s.state_base + offset, sizeof(float) * n);
   }
-  for (int i = 0; i < n; ++i) m[i] = lerp(m[i], g[i], s.w1);
-  for (int i = 0; i < n; ++i) v[i] = lerp(v[i], g[i] * g[i], s.w2);
+  if (std::fabs(s.w1) < 0.5f) {
+    for (int i = 0; i < n; ++i) m[i] = std::fma(s.w1, g[i] - m[i], m[i]);
+  } else {
+    const float rest = 1.0f - s.w1;
+    for (int i = 0; i < n; ++i) m[i] = std::fma(-(g[i] - m[i]), rest, g[i]);
+  }
+  for (int i = 0; i < n; ++i) g[i] = g[i] * g[i];
+  if (std::fabs(s.w2) < 0.5f) {
+    for (int i = 0; i < n; ++i) v[i] = std::fma(s.w2, g[i] - v[i], v[i]);
+  } else {
+    const float rest = 1.0f - s.w2;
+    for (int i = 0; i < n; ++i) v[i] = std::fma(-(g[i] - v[i]), rest, g[i]);
+  }
   if (quantized) {
-    quantize_block(m, n, b.qmap_signed, b.bucket_signed, b.m_codes + at, b.m_scales + block);
-    quantize_block(v, n, b.qmap_unsigned, b.bucket_unsigned, b.v_codes + at, b.v_scales + block);
+    for (int k = 0; k < n; k += kBlock) {
+      quantize_block(m + k, b.words_signed, b.m_codes + at + k, b.m_scales + block + k / kBlock);
+      quantize_block(v + k, b.words_unsigned, b.v_codes + at + k, b.v_scales + block + k / kBlock);
+    }
   } else {
     std::memcpy(b.m_plain + s.state_base + offset, m, sizeof(float) * n);
     std::memcpy(b.v_plain + s.state_base + offset, v, sizeof(float) * n);
@@ -175,13 +224,9 @@ CM_TARGET void update_tile(const Buffers& b, const Segment& s, int64_t offset, i
   } else {
     for (int i = 0; i < n; ++i) root[i] = std::sqrt(v[i]);
   }
-  for (int i = 0; i < n; ++i) {
-    float d = root[i] / s.bc2s + s.eps;
-    p[i] = p[i] - (s.lr * (m[i] / s.bc1)) / d;
-  }
-  for (int i = 0; i < n; ++i) b.master[at + i] = p[i];
-  if (b.out != nullptr && b.out_dtype != kNone)
-    for (int i = 0; i < n; ++i) store_out(b.out, b.out_dtype, at + i, p[i]);
+  for (int i = 0; i < n; ++i) p[i] = p[i] - (s.lr * (m[i] / s.bc1)) / (root[i] / s.bc2s + s.eps);
+  std::memcpy(b.master + at, p, sizeof(float) * n);
+  if (b.out != nullptr && b.out_dtype != kNone) store_out(b.out, b.out_dtype, at, n, p);
 }
 
 void run_tiles(const Buffers& b, const Segment* segments, const std::vector<int64_t>& first_tile, int64_t begin,
@@ -190,31 +235,32 @@ void run_tiles(const Buffers& b, const Segment* segments, const std::vector<int6
   for (int64_t t = begin; t < end; ++t) {
     while (t >= first_tile[k + 1]) ++k;
     const Segment& s = segments[k];
-    int64_t offset = (t - first_tile[k]) * kBlock;
-    update_tile(b, s, offset, static_cast<int>(std::min<int64_t>(kBlock, s.n - offset)));
+    int64_t offset = (t - first_tile[k]) * kTile;
+    update_tile(b, s, offset, static_cast<int>(std::min<int64_t>(kTile, s.n - offset)));
   }
 }
 
 }  // namespace
 
-CM_EXPORT int chunkmem_low_bit_adam_abi() { return 1; }
+CM_EXPORT int chunkmem_low_bit_adam_abi() { return 2; }
 
 CM_EXPORT int chunkmem_low_bit_adam_cpu_ok() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
-CM_EXPORT int chunkmem_low_bit_buckets() { return static_cast<int>(kBuckets); }
+CM_EXPORT int chunkmem_low_bit_first_bucket() { return kFirstBucket; }
+CM_EXPORT int chunkmem_low_bit_buckets() { return kBuckets; }
 
 // Updates every segment; returns 0, or -1 where a quantized segment is not made of whole blocks.
 CM_EXPORT int chunkmem_low_bit_adam(const Buffers* buffers, const Segment* segments, int64_t count, int nthreads) {
   std::vector<int64_t> first_tile(count + 1, 0);
   for (int64_t k = 0; k < count; ++k) {
     if ((segments[k].flags & kQuantized) && segments[k].n % kBlock) return -1;
-    first_tile[k + 1] = first_tile[k] + (segments[k].n + kBlock - 1) / kBlock;
+    first_tile[k + 1] = first_tile[k] + (segments[k].n + kTile - 1) / kTile;
   }
   const int64_t tiles = first_tile[count];
-  int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, tiles / 64)));
+  int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, tiles / 16)));
   if (threads == 1) {
     run_tiles(*buffers, segments, first_tile, 0, tiles);
     return 0;

@@ -3,8 +3,8 @@ Adagrad, AdamW with ``amsgrad``, ...), by :class:`~chunkmem.ShardedOptimizerV2` 
 :class:`~chunkmem.LowLevelZeroOptimizer`.
 
 **What the optimizer keeps.** :func:`probe_state` steps a throw-away copy of the optimizer (same class,
-same hyper-parameters per group) twice on a small tensor and sorts what it keeps per parameter: a tensor
-shaped like the parameter is **per-element** state (SGD's ``momentum_buffer``, Adagrad's ``sum``,
+same hyper-parameters per group) twice on a small tensor and a 64 x 128 one and sorts what it keeps per
+parameter: a plain tensor shaped like the parameter, for both, is **per-element** state (SGD's ``momentum_buffer``, Adagrad's ``sum``,
 RMSprop's ``square_avg``, AMSGrad's ``max_exp_avg_sq``); a 0-d tensor or a number is **scalar** state
 (``step``, NAdam's ``mu_product``). Each per-element key becomes an fp32 state family of every trainable
 chunk, named as the key: it lives on the chunk's optimizer tier, moves with it, and the ledger counts it.
@@ -14,7 +14,8 @@ in a step, keeps its ``step`` while the others advance), on the host (a few byte
 the param groups): :func:`step_parameters`.
 
 **Whole-parameter state.** An optimizer that keeps anything else (Adafactor's factored ``row_var`` /
-``col_var``, a quantized state with per-block scales) has no per-element families: all its state is kept
+``col_var``, a quantized state with per-block scales, such as torchao's 4-bit and fp8 Adams keep for larger
+tensors: a tensor subclass) has no per-element families: all its state is kept
 per parameter, as its step made it, on the tier where the chunk's update runs (moved there at each step),
 outside the chunks and not counted by the ledger (factors are rows + columns per matrix). Its step must
 see whole parameters, so it runs in one process only, with the optimizer state off the disk tier
@@ -46,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any, Hashable, Iterable, Sequence
 
 import torch
+import torch.nn as nn
 from torch.optim import Optimizer
 
 from ..distributed.agreement import hyper_parameter_digest
@@ -87,6 +89,11 @@ def _copy_of(optimizer: Optimizer, groups: list[dict[str, Any]]) -> Optimizer:
     return cls(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"})
 
 
+def _per_element(value: Any, probe: torch.Tensor) -> bool:
+    """Whether ``value`` is a plain tensor shaped like ``probe`` (not a tensor subclass such as a quantized state)."""
+    return type(value) in (torch.Tensor, nn.Parameter) and tuple(value.shape) == tuple(probe.shape)
+
+
 def probe_state(optimizer: Optimizer) -> StateLayout:
     """Sort the state ``optimizer`` keeps per parameter (module docstring); refuse with
     :class:`~chunkmem.InvalidArgumentError` naming ``optimizer`` one whose copy cannot be built or stepped."""
@@ -94,23 +101,27 @@ def probe_state(optimizer: Optimizer) -> StateLayout:
     per_group = []
     whole = False
     for index, group in enumerate(optimizer.param_groups):
-        probe = torch.zeros(2, 3, requires_grad=True)
+        small, large = torch.zeros(2, 3, requires_grad=True), torch.zeros(64, 128, requires_grad=True)
         try:
-            shadow = _copy_of(optimizer, [{**_hyper(group), "params": [probe]}])
+            shadow = _copy_of(optimizer, [{**_hyper(group), "params": [small, large]}])
             for value in (0.5, -0.25):
-                probe.grad = torch.full_like(probe, value)
+                for probe in (small, large):
+                    probe.grad = torch.full_like(probe, value)
                 shadow.step()
         except Exception as e:  # noqa: BLE001 - any failure means chunkmem cannot run this optimizer's step
             raise InvalidArgumentError("optimizer", type(optimizer).__name__,
                                        f"an optimizer chunkmem can step on stand-in parameters (building and stepping "
                                        f"a copy of param group {index} failed: {type(e).__name__}: {e})") from e
         keys = []
-        for key, value in shadow.state[probe].items():
-            if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(probe.shape):
+        for key, value in shadow.state[small].items():
+            if _per_element(value, small):
                 keys.append(key)
                 if key not in families:
                     families.append(key)
             elif isinstance(value, torch.Tensor) and value.numel() != 1:
+                whole = True
+        for key, value in shadow.state[large].items():  # quantized or factored for larger tensors only
+            if isinstance(value, torch.Tensor) and not _per_element(value, large) and (key in keys or value.numel() != 1):
                 whole = True
         per_group.append(tuple(keys))
     if whole:

@@ -31,6 +31,7 @@ from .any_optimizer import check_elementwise, probe_state
 from .backward_step import check_step_in_backward, check_undo_room
 from .disk_step import streamed_count
 from .loss_scaler import DynamicGradScaler
+from .low_bit_rule import LowBitAdamRule, check_low_bit_optimizer, low_bit_decoupled
 from .update_rule import AdamRule, AnyOptimizerRule, UpdateRule
 
 OWNER = "ShardedOptimizerV2"
@@ -92,8 +93,8 @@ def build_parts(model: ShardedModelV2, optimizer: Any, settings: OptimizerSettin
                                        "a ShardedModelV2 without an optimizer")
         scaler = DynamicGradScaler.from_settings(settings.scaler)
         group_of = _groups_of(model, optimizer)
-        rule = choose_update_rule(model, optimizer, group_of)
-        check_capacity(model, rule.families)
+        rule = choose_update_rule(model, optimizer, group_of, settings)
+        check_capacity(model, rule)
         check_undo_room(model, rule.families, settings)
     except ChunkmemError as refused:
         refuse_together(model.data_parallel, OWNER, refused)
@@ -106,9 +107,16 @@ def build_parts(model: ShardedModelV2, optimizer: Any, settings: OptimizerSettin
     return OptimizerParts(scaler, norm_ranks.group if norm_ranks.sharded else None, rule, kept_on_host)
 
 
-def choose_update_rule(model: ShardedModelV2, optimizer: Any, group_of: dict[int, int]) -> UpdateRule:
-    """The chunk update rule for ``optimizer``: the Adam kernel where it runs it, else the optimizer's own step
-    (refusing, before anything changes, what chunkmem cannot run: see :mod:`chunkmem.optim.any_optimizer`)."""
+def choose_update_rule(model: ShardedModelV2, optimizer: Any, group_of: dict[int, int],
+                       settings: OptimizerSettings) -> UpdateRule:
+    """The chunk update rule for ``optimizer``: the Adam kernel where it runs it, the 8-bit one for torchao's 8-bit
+    Adams, else the optimizer's own step (refusing, before anything changes, what chunkmem cannot run: see
+    :mod:`chunkmem.optim.any_optimizer` and :mod:`chunkmem.optim.low_bit_rule`)."""
+    decoupled = low_bit_decoupled(optimizer)
+    if decoupled is not None:
+        check_low_bit_optimizer(optimizer, several_ranks=model.data_parallel.world > 1,
+                                disk=model.runtime.memory.disk is not None, step_in_backward=settings.step_in_backward)
+        return LowBitAdamRule(optimizer, model.runtime, group_of, decoupled)
     if runs_adam_kernel(optimizer):
         return AdamRule(optimizer, model.runtime, group_of)
     layout = probe_state(optimizer)
@@ -156,14 +164,13 @@ def _agree_on_settings(model: ShardedModelV2, optimizer: Any, settings: Optimize
     agree(model.data_parallel, LayoutDescription(OWNER, description, params))
 
 
-def check_capacity(model: ShardedModelV2, families: tuple[str, ...]) -> None:
-    """Refuse before any change if the optimizer state (``families`` per element, fp32, and the masters of a
-    16-bit model) that the policy puts on the device cannot fit."""
-    layout, runtime = model.layout, model.runtime
-    fp32_families = len(families) + (1 if model.dtype != torch.float32 else 0)
-    trainable = [i for i in range(layout.num_chunks) if layout.trainable(i)]
-    need = sum(fp32_families * layout.shard_numel(i, model.shards.world) * 4
-               for k, i in enumerate(trainable) if runtime.policy.optim_on_device(k, len(trainable)))
+def check_capacity(model: ShardedModelV2, rule: UpdateRule) -> None:
+    """Refuse before any change if the optimizer state (``rule``'s families and the fp32 masters of a 16-bit
+    model) that the policy puts on the device cannot fit."""
+    runtime = model.runtime
+    trainable = runtime.trainable_chunks()
+    need = sum(rule.state_nbytes(chunk) + (4 * chunk.shard_numel if chunk.has_master else 0)
+               for k, chunk in enumerate(trainable) if runtime.policy.optim_on_device(k, len(trainable)))
     ledger = runtime.ledger
     free = ledger.capacity - ledger.tier_bytes(Tier.DEVICE)
     if need > free:

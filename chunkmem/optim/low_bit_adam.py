@@ -40,7 +40,7 @@ from .blockwise import BLOCK_SIZE, dequantize, dynamic_map, quantize_
 
 SOURCE = CSRC / "low_bit_adam.cpp"
 CXXFLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-math-errno")
-ABI_VERSION = 1
+ABI_VERSION = 2
 _APPLY_MULT, _DECOUPLED, _L2, _QUANTIZED = 1, 2, 4, 8
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -172,22 +172,49 @@ class _BuffersStruct(ctypes.Structure):
                 ("m_codes", ctypes.c_void_p), ("v_codes", ctypes.c_void_p), ("m_scales", ctypes.c_void_p),
                 ("v_scales", ctypes.c_void_p), ("m_plain", ctypes.c_void_p), ("v_plain", ctypes.c_void_p),
                 ("qmap_signed", ctypes.c_void_p), ("qmap_unsigned", ctypes.c_void_p),
-                ("bucket_signed", ctypes.c_void_p), ("bucket_unsigned", ctypes.c_void_p),
+                ("words_signed", ctypes.c_void_p), ("words_unsigned", ctypes.c_void_p),
                 ("vsqrt", ctypes.c_void_p), ("vsqrt_mode", ctypes.c_int64)]
 
 
-def _buckets(qmap: torch.Tensor, count: int) -> torch.Tensor:
-    """For each bucket of floats sharing their top 16 bits and at most 1 in magnitude (positive ones first, then
-    negative ones), the largest code whose map entry is at or below the bucket's lowest value (0 where none is)."""
-    tops = torch.arange(count, dtype=torch.int32)
-    positive = (tops << 16).view(torch.float32)
-    negative = ((tops << 16) | 0xFFFF | torch.tensor(-2**31, dtype=torch.int32)).view(torch.float32)
-    lowest = torch.cat([positive, negative])
-    return (torch.searchsorted(qmap, lowest, right=True) - 1).clamp_(0, 255).to(torch.uint8)
+def rounding_thresholds(qmap: torch.Tensor) -> torch.Tensor:
+    """For each entry ``c`` of the map but the last, the smallest fp32 value ``y`` that quantizes past it
+    (``y - q[c] >= (q[c + 1] - q[c]) * 0.5`` in fp32): the code of a scaled value is the number of these at or
+    below it (NaN aside)."""
+    low, high = qmap[:-1], qmap[1:]
+    half = (high - low) * 0.5
+    rounds_up = lambda y: y - low >= half  # noqa: E731 - monotone in y
+    found = low + half
+    down, up = torch.tensor(-float("inf")), torch.tensor(float("inf"))
+    for _ in range(8):  # a few ulps at most from the real half-way point
+        below = torch.nextafter(found, down)
+        found = torch.where(rounds_up(below), below, found)
+        found = torch.where(rounds_up(found), found, torch.nextafter(found, up))
+    if not bool(rounds_up(found).all()) or bool(rounds_up(torch.nextafter(found, down)).any()):
+        raise RuntimeError("the map's rounding thresholds were not found")
+    return found
+
+
+def _order_keys(values: torch.Tensor) -> torch.Tensor:
+    """Order-preserving unsigned keys of fp32 ``values``, as int64."""
+    bits = values.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return torch.where(bits >= 2**31, bits ^ 0xFFFFFFFF, bits | 2**31)
+
+
+def _bucket_words(qmap: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """The kernel's word per bucket of keys (``csrc/low_bit_adam.cpp``, ``kFirstBucket``): the number of
+    thresholds below the bucket << 17 | the low 16 bits of the one inside it (``0x10000``: none)."""
+    keys = _order_keys(rounding_thresholds(qmap))
+    buckets = torch.arange(first, first + count, dtype=torch.int64)
+    below = torch.searchsorted(keys, buckets << 16)
+    inside = torch.searchsorted(keys, (buckets + 1) << 16) - below
+    if int(inside.max()) > 1:
+        raise RuntimeError("a bucket of the quantization table holds two rounding thresholds")
+    low = torch.where(inside == 1, keys[below.clamp(max=keys.numel() - 1)] & 0xFFFF, torch.full_like(below, 0x10000))
+    return ((below << 17) | low).to(torch.int32)
 
 
 class LowBitKernel:
-    """The loaded library, its dynamic maps and bucket tables; ``vsqrt``: the square root function torch's
+    """The loaded library, its dynamic maps and their tables of rounding thresholds; ``vsqrt``: the square root function torch's
     ``Tensor.sqrt`` calls (MKL VML) where that is not the correctly rounded one, else ``None``; ``exact``: whether
     it matched :func:`update_segment_torch_` bit for bit at load."""
 
@@ -196,8 +223,8 @@ class LowBitKernel:
         lib.chunkmem_low_bit_adam.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
         lib.chunkmem_low_bit_adam.restype = ctypes.c_int
         self.qmap_m, self.qmap_v = _maps(torch.device("cpu"))
-        count = lib.chunkmem_low_bit_buckets()
-        self.buckets_m, self.buckets_v = _buckets(self.qmap_m, count), _buckets(self.qmap_v, count)
+        first, count = lib.chunkmem_low_bit_first_bucket(), lib.chunkmem_low_bit_buckets()
+        self.words_m, self.words_v = (_bucket_words(q, first, count) for q in (self.qmap_m, self.qmap_v))
         self.vsqrt: int | None = None
         self.exact = False
 
@@ -217,7 +244,7 @@ class LowBitKernel:
             None if param_out is None else param_out.data_ptr(), -1 if param_out is None else _DTYPE_CODES[param_out.dtype],
             moments.codes_m.data_ptr(), moments.codes_v.data_ptr(), moments.scales_m.data_ptr(),
             moments.scales_v.data_ptr(), moments.plain_m.data_ptr(), moments.plain_v.data_ptr(),
-            self.qmap_m.data_ptr(), self.qmap_v.data_ptr(), self.buckets_m.data_ptr(), self.buckets_v.data_ptr(),
+            self.qmap_m.data_ptr(), self.qmap_v.data_ptr(), self.words_m.data_ptr(), self.words_v.data_ptr(),
             self.vsqrt, host_adam_ext.VML_SQRT_MODE)
         threads = torch.get_num_threads() if nthreads is None else nthreads
         if self.lib.chunkmem_low_bit_adam(ctypes.byref(buffers), table, len(segments), threads) != 0:

@@ -115,12 +115,10 @@ class OptimizerLoad:
         with torch.no_grad():
             for chunk, step, entries in self.chunks:  # (only a ShardedOptimizerV2's plan has chunks)
                 rule = self.optim.update_rule
-                families = {key: torch.zeros(chunk.shard_numel, dtype=torch.float32) for key in chunk.state_families}
+                families = rule.loaded_families(chunk, entries)
                 scalars: dict[int, dict[str, Any]] = {}
                 whole: dict[int, dict[str, Any]] = {}
                 for slot, entry in entries:
-                    for key in rule.state_keys(slot):
-                        chunk.write_own_part(slot, families[key], entry[key])
                     rule.keep_entry(slot, entry, scalars, whole)
                 for key, values in families.items():
                     chunk.optim[key].write(values)

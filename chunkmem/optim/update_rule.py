@@ -74,6 +74,10 @@ class UpdateRule:
         """The per-element state families each trainable chunk holds (fp32, one element per parameter element)."""
         raise NotImplementedError
 
+    def state_nbytes(self, chunk: Chunk) -> int:
+        """Bytes of this rank's state families of the trainable ``chunk`` (not the master), as the rule lays them out."""
+        return 4 * chunk.shard_numel * len(self.families)
+
     # ---- which parameters a step updates ---------------------------------------------------------------
 
     def group_of(self, param: nn.Parameter) -> int | None:
@@ -173,6 +177,15 @@ class UpdateRule:
 
     def keep_entry(self, slot: ParamSlot, entry: dict[str, Any], scalars: KeptState, whole: KeptState) -> None:
         """Add what a loaded ``entry`` holds besides its per-element keys to ``scalars`` or ``whole``."""
+
+    def loaded_families(self, chunk: Chunk, entries: list[tuple[ParamSlot, Any]]) -> dict[str, torch.Tensor]:
+        """This rank's state families of ``chunk`` as checked state-dict ``entries`` (``(slot, entry)``) give them
+        (zero for the parameters without an entry): fp32, each key's part of every entry."""
+        families = {key: torch.zeros(chunk.shard_numel, dtype=torch.float32) for key in chunk.state_families}
+        for slot, entry in entries:
+            for key in self.state_keys(slot):
+                chunk.write_own_part(slot, families[key], entry[key])
+        return families
 
     def per_group_keys(self) -> list[list[str]] | None:
         """Each param group's per-element keys, as a checkpoint records them (``None`` under Adam)."""

@@ -47,7 +47,7 @@ import torch.nn as nn
 from torch._C import DisableTorchFunctionSubclass
 from torch.utils._pytree import tree_leaves
 
-from ..core.chunk import Chunk, ParamSlot
+from ..core.chunk import MASTER, Chunk, ParamSlot
 from ..errors import GradientAccumulationError, InvalidArgumentError, UnsupportedOperationError
 from ..core.memory import TierMemory
 from ..core.param_guard import ParameterAccessError, remembered_externals, slot_of
@@ -767,12 +767,12 @@ class ChunkRuntime:
             self.executor.settle(chunks[index])
 
     def _optimizer_group_bytes(self, chunk: Chunk) -> int:
-        """Device bytes of one chunk kept there with its optimizer state: this rank's shard of the fp32
-        families and of the gradient, the full parameter copy, and (sharded) the parameter shard."""
-        fp32 = 4 * chunk.shard_numel
-        families = len(chunk.state_families) + (1 if chunk.has_master else 0)
+        """Device bytes of one chunk kept there with its optimizer state: this rank's shard of the optimizer
+        families (the master and the state) and of the gradient, the full parameter copy, and (sharded) the
+        parameter shard."""
+        families = sum(chunk.optim[f].nbytes for f in chunk.state_families + ((MASTER,) if chunk.has_master else ()))
         shard_bytes = chunk.param.shard.nbytes
-        return (families * fp32 + chunk.param.nbytes + (shard_bytes if chunk.param.sharded else 0)
+        return (families + chunk.param.nbytes + (shard_bytes if chunk.param.sharded else 0)
                 + self.gradients.grad_bytes(chunk))
 
 

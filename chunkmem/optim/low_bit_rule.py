@@ -1,0 +1,249 @@
+"""The update rule of torchao's 8-bit Adams (``AdamW8bit``, ``Adam8bit``): their moments in chunk families.
+
+A :class:`~chunkmem.ShardedOptimizerV2` over one of them keeps, for each trainable chunk (this rank's shard):
+
+* ``exp_avg_codes`` and ``exp_avg_sq_codes``: one ``uint8`` code per element;
+* ``exp_avg_scales`` and ``exp_avg_sq_scales``: one fp32 scale per block of 256 elements of the parameters whose
+  state is quantized (at least 4096 elements, in whole blocks: :func:`chunkmem.optim.blockwise.quantizes`);
+* ``exp_avg_fp32`` and ``exp_avg_sq_fp32``: fp32 moments of the other parameters, as torchao keeps them.
+
+So a parameter's state costs 2 bytes and 8 bytes per 256 elements instead of 8 bytes per element. The families
+live on the chunk's optimizer tier, move with it and are counted like Adam's. The update is
+:mod:`chunkmem.optim.low_bit_adam` (the host kernel, or torch ops on the device), in the order and with the
+roundings of torchao's step run eagerly; its ``lr``, ``betas``, ``eps`` and ``weight_decay`` are read from the
+param groups at every step. The state dict is torchao's: per parameter a float ``step`` tensor and ``exp_avg`` /
+``exp_avg_sq`` as torchao's ``OptimState8bit`` (codes shaped like the parameter, the block scales and the map)
+or as fp32 tensors for the small ones, so a run moves between chunkmem and the plain optimizer both ways.
+
+Not yet: several ranks, the disk tier, ``step_in_backward``, ``amsgrad``, another ``block_size`` and
+``bf16_stochastic_round`` are refused when the optimizer is wrapped (:func:`check_low_bit_optimizer`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+from torch.optim import Optimizer
+
+from ..core.chunk import MASTER, Chunk, ParamSlot
+from ..core.tiers import Tier
+from ..errors import InvalidArgumentError, UnsupportedOperationError
+from ..runtime.runtime import ChunkRuntime
+from .blockwise import BLOCK_SIZE, dynamic_map, quantizes
+from .disk_step import gaps
+from .low_bit_adam import LowBitHyper, Moments, Segment, update_segments_
+from .state_dict import check_entry as check_plain_entry
+from .update_rule import KeptState, UpdateRule
+
+CODES_M, CODES_V = "exp_avg_codes", "exp_avg_sq_codes"
+SCALES_M, SCALES_V = "exp_avg_scales", "exp_avg_sq_scales"
+PLAIN_M, PLAIN_V = "exp_avg_fp32", "exp_avg_sq_fp32"
+LOW_BIT_FAMILIES = (CODES_M, CODES_V, SCALES_M, SCALES_V, PLAIN_M, PLAIN_V)
+"""The state families of a chunk under an 8-bit Adam (module docstring)."""
+
+_DECOUPLED = {"AdamW8bit": True, "Adam8bit": False}
+_STATE_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def low_bit_decoupled(optimizer: Any) -> bool | None:
+    """``True`` for torchao's ``AdamW8bit``, ``False`` for its ``Adam8bit``, ``None`` for any other optimizer
+    (recognised by class, without importing torchao)."""
+    cls = type(optimizer)
+    if cls.__module__.startswith("torchao.optim") and cls.__name__ in _DECOUPLED:
+        return _DECOUPLED[cls.__name__]
+    return None
+
+
+def check_low_bit_optimizer(optimizer: Any, *, several_ranks: bool, disk: bool, step_in_backward: bool) -> None:
+    """Refuse, naming what is asked and what is allowed, an 8-bit Adam with what chunkmem does not run yet."""
+    name = type(optimizer).__name__
+    if getattr(optimizer, "block_size", BLOCK_SIZE) != BLOCK_SIZE:
+        raise InvalidArgumentError(f"optimizer ({name}).block_size", optimizer.block_size, f"{BLOCK_SIZE}")
+    if getattr(optimizer, "bf16_stochastic_round", False):
+        raise UnsupportedOperationError(f"{name}(bf16_stochastic_round=True) in ShardedOptimizerV2: chunkmem keeps "
+                                        "fp32 masters; pass bf16_stochastic_round=False")
+    for index, group in enumerate(optimizer.param_groups):
+        if group.get("amsgrad"):
+            raise InvalidArgumentError(f"optimizer.param_groups[{index}]['amsgrad']", True, "False")
+    for asked, what in ((several_ranks, "on several ranks"), (disk, "with the disk tier"),
+                        (step_in_backward, "with step_in_backward=True")):
+        if asked:
+            raise UnsupportedOperationError(f"{name} in ShardedOptimizerV2 {what}: not supported yet (one process, "
+                                            "the state on the device or the host)")
+
+
+@dataclass(frozen=True)
+class StatePiece:
+    """Where one parameter's state lies in this rank's shard of its chunk: ``numel`` elements from ``start``,
+    quantized (``base``: its first block scale) or plain (``base``: its first fp32 moment)."""
+
+    slot: int
+    start: int
+    numel: int
+    quantized: bool
+    base: int
+
+
+def state_pieces(chunk: Chunk) -> tuple[list[StatePiece], int, int]:
+    """The pieces of every parameter of ``chunk`` held in this rank's shard, with the number of block scales and
+    of fp32 moments they need."""
+    pieces, blocks, plain = [], 0, 0
+    for slot in chunk.slots:
+        part = chunk.own_range(slot)
+        if part is None:
+            continue
+        numel = part[1] - part[0]
+        start = slot.offset + part[0] - chunk.shard_offset
+        if quantizes(numel):
+            pieces.append(StatePiece(slot.index_in_chunk, start, numel, True, blocks))
+            blocks += numel // BLOCK_SIZE
+        else:
+            pieces.append(StatePiece(slot.index_in_chunk, start, numel, False, plain))
+            plain += numel
+    return pieces, blocks, plain
+
+
+class LowBitAdamRule(UpdateRule):
+    """torchao's 8-bit Adam over the chunks (module docstring).
+
+    Args:
+        decoupled: AdamW's weight decay (``AdamW8bit``), else Adam's L2 term (``Adam8bit``).
+    """
+
+    def __init__(self, optimizer: Optimizer, runtime: ChunkRuntime, group_of: dict[int, int], decoupled: bool) -> None:
+        super().__init__(optimizer, runtime, group_of)
+        self.decoupled = decoupled
+        self._pieces: dict[int, dict[int, StatePiece]] = {}  # chunk index -> slot index -> its piece
+
+    @property
+    def families(self) -> tuple[str, ...]:
+        return LOW_BIT_FAMILIES
+
+    @staticmethod
+    def state_buffers(chunk: Chunk) -> dict[str, tuple[int, torch.dtype]]:
+        """The elements and dtype of each of ``chunk``'s state families (a buffer holds at least one element: a
+        chunk may have no quantized or no plain parameter)."""
+        _, blocks, plain = state_pieces(chunk)
+        codes, scales, fp32 = (chunk.shard_numel, torch.uint8), (max(blocks, 1), torch.float32), (max(plain, 1), torch.float32)
+        return {CODES_M: codes, CODES_V: codes, SCALES_M: scales, SCALES_V: scales, PLAIN_M: fp32, PLAIN_V: fp32}
+
+    def state_nbytes(self, chunk: Chunk) -> int:
+        return sum(numel * dtype.itemsize for numel, dtype in self.state_buffers(chunk).values())
+
+    def prepare_chunks(self) -> None:
+        self.optimizer.state.clear()
+        for chunk in self.runtime.trainable_chunks():
+            self._pieces[chunk.index] = {piece.slot: piece for piece in state_pieces(chunk)[0]}
+            chunk.use_state_buffers(self.state_buffers(chunk))
+
+    def _hyper(self, group: int) -> LowBitHyper:
+        g = self.optimizer.param_groups[group]
+        beta1, beta2 = g["betas"]
+        return LowBitHyper(float(g["lr"]), float(beta1), float(beta2), float(g["eps"]), float(g["weight_decay"]),
+                           self.decoupled)
+
+    def segments(self, chunk: Chunk) -> list[Segment]:
+        """The stepped parameters' pieces of ``chunk`` with their hyper-parameters and step numbers after this step."""
+        pieces = self._pieces[chunk.index]
+        hyper = [self._hyper(index) for index in range(len(self.optimizer.param_groups))]
+        return [Segment(p.start, p.numel, p.quantized, p.base, hyper[group], chunk.step_of(slot) + 1)
+                for slot, group, part in self.stepped_slots(chunk) if part is not None
+                for p in (pieces[slot.index_in_chunk],)]
+
+    @staticmethod
+    def moments(chunk: Chunk) -> Moments:
+        """``chunk``'s state families as the update reads them (allocated, in memory)."""
+        return Moments(*(chunk.optim[family].tensor for family in LOW_BIT_FAMILIES))
+
+    def update(self, chunk: Chunk, multiplier: float) -> None:
+        tier = self.runtime.compute_tier(chunk)
+        grad = self.runtime.grad_of(chunk)
+        segments = self.segments(chunk)
+        with self.runtime.updating(chunk, tier) as target:
+            master = chunk.optim[MASTER].tensor if chunk.has_master else target
+            update_segments_(master, grad.to(target.device), self.moments(chunk), segments, multiplier,
+                             target if chunk.has_master else None)
+            chunk.advance_steps(slot for slot, _, _ in self.stepped_slots(chunk))
+            if chunk.has_master:  # the copy written may be new memory: what no segment wrote is the master's rounding
+                for a, b in gaps([(s.start, s.start + s.numel) for s in segments], 0, chunk.shard_numel):
+                    target[a:b].copy_(master[a:b])
+
+    def _streamed(self, chunk: Chunk, multiplier: float) -> Any:
+        raise UnsupportedOperationError("an 8-bit Adam with the disk tier: not supported yet")
+
+    # ---- state dicts: torchao's format -------------------------------------------------------------------
+
+    def state_entries(self, chunk: Chunk, index_of: dict[int, int]) -> dict[int, dict[str, Any]]:
+        state = self.moments(chunk)
+        maps = dynamic_map(True), dynamic_map(False)
+        entries = {}
+        for slot in chunk.slots:
+            piece = self._pieces[chunk.index].get(slot.index_in_chunk)
+            if id(slot.param) in index_of and chunk.step_of(slot) > 0 and piece is not None:
+                segment = Segment(piece.start, piece.numel, piece.quantized, piece.base, None, 0)  # type: ignore[arg-type]
+                entry: dict[str, Any] = {"step": torch.tensor(float(chunk.step_of(slot)), dtype=torch.float32)}
+                for key, held, qmap, signed in zip(_STATE_KEYS, state.of(segment), maps, (True, False)):
+                    entry[key] = _torchao_state(held, qmap, signed, slot.shape)
+                entries[index_of[id(slot.param)]] = entry
+        return entries
+
+    def state_keys(self, slot: ParamSlot) -> tuple[str, ...]:
+        return _STATE_KEYS
+
+    def check_entry(self, index: Any, name: str, entry: Any, slot: ParamSlot) -> int:
+        if not isinstance(entry, Mapping) or any(key not in entry for key in ("step", *_STATE_KEYS)):
+            raise InvalidArgumentError(f"state_dict['state'][{index}] ({name})", type(entry).__name__,
+                                       "a dict with 'step', 'exp_avg' and 'exp_avg_sq' (torchao's 8-bit Adam state)")
+        quantized = quantizes(slot.numel)
+        plain = {}
+        for key in _STATE_KEYS:
+            value = entry[key]
+            codes = getattr(value, "codes", None)
+            if quantized != (codes is not None):
+                raise InvalidArgumentError(f"state_dict['state'][{index}][{key!r}] ({name})", type(value).__name__,
+                                           "an OptimState8bit" if quantized else "an fp32 tensor (a parameter under "
+                                           "4096 elements or not in whole blocks of 256 keeps fp32 state)")
+            if codes is not None:
+                if tuple(codes.shape) != tuple(slot.shape) or codes.dtype != torch.uint8 or \
+                        value.scale.numel() != slot.numel // BLOCK_SIZE:
+                    raise InvalidArgumentError(f"state_dict['state'][{index}][{key!r}] ({name})",
+                                               f"codes of shape {tuple(codes.shape)}, {value.scale.numel()} scales",
+                                               f"uint8 codes of shape {tuple(slot.shape)}, {slot.numel // BLOCK_SIZE} scales")
+                plain[key] = torch.zeros(slot.shape)  # the step count and its form are checked like Adam's
+            else:
+                plain[key] = value
+        return check_plain_entry(index, name, {"step": entry["step"], **plain}, slot)
+
+    def loaded_families(self, chunk: Chunk, entries: list[tuple[ParamSlot, Mapping[str, Any]]]) -> dict[str, torch.Tensor]:
+        families = {family: torch.zeros(chunk.optim[family].numel, dtype=chunk.optim[family].dtype)
+                    for family in LOW_BIT_FAMILIES}
+        state = Moments(*families.values())
+        for slot, entry in entries:
+            piece = self._pieces[chunk.index][slot.index_in_chunk]
+            segment = Segment(piece.start, piece.numel, piece.quantized, piece.base, None, 0)  # type: ignore[arg-type]
+            for key, held in zip(_STATE_KEYS, state.of(segment)):
+                value = entry[key]
+                if isinstance(held, tuple):
+                    held[0].copy_(value.codes.reshape(-1))
+                    held[1].copy_(value.scale.reshape(-1))
+                else:
+                    held.copy_(value.detach().reshape(-1))
+        return families
+
+    def saved_state(self, chunk: Chunk, save: Callable[[Any], Any]) -> dict[str, Any]:
+        return {family: save(chunk.optim[family]) for family in LOW_BIT_FAMILIES}
+
+    def keep_entry(self, slot: ParamSlot, entry: dict[str, Any], scalars: KeptState, whole: KeptState) -> None:
+        """Nothing: the step count is the chunk's, the moments are in the families."""
+
+
+def _torchao_state(held: torch.Tensor | tuple[torch.Tensor, torch.Tensor], qmap: torch.Tensor, signed: bool,
+                   shape: torch.Size) -> torch.Tensor:
+    """One moment as torchao keeps it: an ``OptimState8bit`` (copies on the CPU) or an fp32 tensor."""
+    if not isinstance(held, tuple):
+        return held.detach().to("cpu", torch.float32, copy=True).view(tuple(shape))
+    from torchao.optim.subclass_8bit import OptimState8bit  # the optimizer's own package: installed
+
+    codes, scales = (t.detach().to("cpu", copy=True) for t in held)
+    return OptimState8bit(codes.view(tuple(shape)), scales, qmap.clone(), signed, dtype=torch.float32)
