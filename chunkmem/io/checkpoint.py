@@ -559,13 +559,16 @@ def _check_rank_values(name: str, model: ShardedModelV2, saved: dict[str, Any],
                 raise InvalidArgumentError(f"{where}['slot_steps']", counts,
                                            f"{len(chunk.slots)} integers >= 0, one per parameter of the chunk")
             state = saved_state(entry)
-            if tuple(state) != chunk.state_families or optimizer.update_rule.keeps_slot_state != ("state" in entry):
+            if tuple(state) != chunk.state_families or optimizer.update_rule.keeps_slot_state != ("whole" in entry):
                 raise InvalidArgumentError(f"{where}: the optimizer state", f"families {list(state)}",
                                            f"the optimizer's {list(chunk.state_families)} (save and load with one "
                                            f"optimizer class)")
             for family, values in state.items():
-                check_tensor_data(f"{where}[{family!r}]", values, floating=True, numel=chunk.shard_numel)
-            for kind in (_scalars_field(entry), "whole") if "state" in entry else ():
+                buf = chunk.optim[family]
+                check_tensor_data(f"{where}[{family!r}]", values, floating=buf.dtype.is_floating_point, numel=buf.numel)
+                if not buf.dtype.is_floating_point and values.dtype != buf.dtype:
+                    raise InvalidArgumentError(f"{where}[{family!r}]", f"a tensor of dtype {values.dtype}", f"{buf.dtype}")
+            for kind in (_scalars_field(entry), "whole") if "whole" in entry else ():
                 for key, kept in entry[kind].items():
                     if not isinstance(kept, dict):
                         raise CheckpointError(f"{where}[{kind!r}][{key!r}] is a {type(kept).__name__}, expected a "
@@ -684,7 +687,7 @@ def _check_rank_fields(name: str, payload: dict[str, Any]) -> None:
             raise CheckpointError(f"{name}: field '{where[:-1]}' is a {type(entry).__name__}, expected a dict")
         for key, kinds in _CHUNK_FIELDS.items():
             _field(entry, key, kinds, name, _kind_names(kinds), where)
-        if "state" in entry:  # another optimizer than Adam
+        if "whole" in entry:  # an optimizer that keeps state per parameter (scalars, whole-parameter state)
             for key, kinds in _ANY_OPTIMIZER_FIELDS.items():
                 _field(entry, key, kinds, name, _kind_names(kinds), where)
             _field(entry, _scalars_field(entry), dict, name, "dict", where)

@@ -32,8 +32,8 @@ __all__ = ["SavedLayout", "plan_resharded_load"]
 
 
 def saved_state(entry: dict[str, Any]) -> dict[str, Any]:
-    """A rank file chunk entry's per-element optimizer state by family: Adam's moments, or another
-    optimizer's ``"state"``."""
+    """A rank file chunk entry's optimizer state by family: Adam's moments, or another optimizer's ``"state"``
+    (an 8-bit Adam's codes, scales and fp32 moments)."""
     return entry["state"] if "state" in entry else {"exp_avg": entry["exp_avg"], "exp_avg_sq": entry["exp_avg_sq"]}
 
 
@@ -211,7 +211,7 @@ def _check_optimizer_state(path: str, model: Any, optimizer: Any, saved: SavedLa
     for n, entry in enumerate(saved.chunks):
         if not entry["trainable"]:
             continue
-        if optimizer.update_rule.keeps_slot_state != ("state" in entry) or tuple(saved_state(entry)) != tuple(families):
+        if optimizer.update_rule.keeps_slot_state != ("whole" in entry) or tuple(saved_state(entry)) != tuple(families):
             raise InvalidArgumentError(f"{path}: model.chunks[{n}]: the optimizer state",
                                        f"families {list(saved_state(entry))}",
                                        f"the optimizer's {list(families)} (save and load with one optimizer class)")

@@ -232,7 +232,7 @@ class LowBitAdamRule(UpdateRule):
         return families
 
     def saved_state(self, chunk: Chunk, save: Callable[[Any], Any]) -> dict[str, Any]:
-        return {family: save(chunk.optim[family]) for family in LOW_BIT_FAMILIES}
+        return {"state": {family: save(chunk.optim[family]) for family in LOW_BIT_FAMILIES}}
 
     def keep_entry(self, slot: ParamSlot, entry: dict[str, Any], scalars: KeptState, whole: KeptState) -> None:
         """Nothing: the step count is the chunk's, the moments are in the families."""

@@ -58,7 +58,8 @@ def file_checksum(path: str) -> str:
 
 def content_checksum(obj: Any) -> str:
     """The checksum of ``obj``'s content: nested mappings, lists, tuples, strings, numbers, ``None``,
-    tensors, and other values by their type and ``repr`` (``torch.dtype``, ``torch.Size``...)."""
+    tensors (a wrapper tensor subclass by its inner tensors and attributes), and other values by their type and
+    ``repr`` (``torch.dtype``, ``torch.Size``...)."""
     digest = hashlib.sha256()
     _hash(obj, digest)
     return _format(digest)
@@ -70,7 +71,14 @@ def _hash(obj: Any, digest: Any) -> None:
         digest.update(f"{kind}{len(data)}:".encode())
         digest.update(data)
 
-    if isinstance(obj, torch.Tensor):
+    if isinstance(obj, torch.Tensor) and hasattr(type(obj), "__tensor_flatten__"):
+        # a wrapper subclass (torchao's OptimState8bit: codes, scales and map): its inner tensors and attributes
+        names, attributes = obj.__tensor_flatten__()
+        tag("S", f"{type(obj).__qualname__}{attributes!r}{tuple(obj.shape)}")
+        for name in names:
+            _hash(name, digest)
+            _hash(getattr(obj, name), digest)
+    elif isinstance(obj, torch.Tensor):
         tensor = obj.detach().cpu()
         if tensor.layout != torch.strided:
             tensor = tensor.to_dense()
