@@ -61,7 +61,8 @@ from ..core.param_guard import slot_of
 from ..model import ShardedModelV2
 from ..optim.sharded_optimizer import ShardedOptimizerV2
 from ..errors import ChunkmemError, CheckpointError
-from .resharding import SavedLayout, plan_resharded_load, saved_slot_scalars, saved_slot_steps, saved_state
+from .resharding import (SavedLayout, entry_fits_rule, plan_resharded_load, saved_slot_scalars, saved_slot_steps,
+                         saved_state)
 from ..optim.state_dict import (adam_entry, any_entry, export_param_groups, prepare_hyper_load, prepare_optimizer_load,
                                 scalar_copy)
 from ..state_dicts import (bump_versions, check_tensor_data, first_few, plan_model_load, refuse_chunks_in_use,
@@ -559,7 +560,7 @@ def _check_rank_values(name: str, model: ShardedModelV2, saved: dict[str, Any],
                 raise InvalidArgumentError(f"{where}['slot_steps']", counts,
                                            f"{len(chunk.slots)} integers >= 0, one per parameter of the chunk")
             state = saved_state(entry)
-            if tuple(state) != chunk.state_families or optimizer.update_rule.keeps_slot_state != ("whole" in entry):
+            if not entry_fits_rule(entry, optimizer.update_rule, chunk.state_families):
                 raise InvalidArgumentError(f"{where}: the optimizer state", f"families {list(state)}",
                                            f"the optimizer's {list(chunk.state_families)} (save and load with one "
                                            f"optimizer class)")

@@ -37,6 +37,13 @@ def saved_state(entry: dict[str, Any]) -> dict[str, Any]:
     return entry["state"] if "state" in entry else {"exp_avg": entry["exp_avg"], "exp_avg_sq": entry["exp_avg_sq"]}
 
 
+def entry_fits_rule(entry: dict[str, Any], rule: Any, families: tuple[str, ...]) -> bool:
+    """Whether a rank file chunk entry holds the state ``rule`` (an :class:`~chunkmem.optim.update_rule.UpdateRule`)
+    keeps: its ``families``, in the same fields."""
+    return (tuple(saved_state(entry)) == tuple(families) and rule.keeps_slot_state == ("whole" in entry)
+            and rule.state_field == ("state" in entry))
+
+
 def saved_slot_steps(entry: dict[str, Any]) -> list[int]:
     """The optimizer steps each parameter of a saved chunk took, in the order of its ``slots`` (checkpoints
     written before 2026-11-27 hold one ``step`` for the whole chunk)."""
@@ -211,7 +218,7 @@ def _check_optimizer_state(path: str, model: Any, optimizer: Any, saved: SavedLa
     for n, entry in enumerate(saved.chunks):
         if not entry["trainable"]:
             continue
-        if optimizer.update_rule.keeps_slot_state != ("whole" in entry) or tuple(saved_state(entry)) != tuple(families):
+        if not entry_fits_rule(entry, optimizer.update_rule, families):
             raise InvalidArgumentError(f"{path}: model.chunks[{n}]: the optimizer state",
                                        f"families {list(saved_state(entry))}",
                                        f"the optimizer's {list(families)} (save and load with one optimizer class)")

@@ -27,7 +27,6 @@ import torch
 from torch.optim import Optimizer
 
 from ..core.chunk import MASTER, Chunk, ParamSlot
-from ..core.tiers import Tier
 from ..errors import InvalidArgumentError, UnsupportedOperationError
 from ..runtime.runtime import ChunkRuntime
 from .blockwise import BLOCK_SIZE, dynamic_map, quantizes

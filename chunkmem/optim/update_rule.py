@@ -58,6 +58,9 @@ class UpdateRule:
     keeps_slot_state = False
     """Whether the rule keeps scalar (``step``, ...) or whole-parameter state per parameter beside the chunk
     families: what a checkpoint saves as ``slot_scalars`` and ``whole``."""
+    state_field = True
+    """Whether a sharded checkpoint's chunk entry holds the rule's families under ``"state"`` (else Adam's moments
+    as its own fields ``exp_avg`` and ``exp_avg_sq``)."""
     adam_hyper_parameters = False
     """Whether the param groups hold Adam's hyper-parameters (what a loaded state dict's groups are checked
     for and how their flags are spelled)."""
@@ -200,6 +203,7 @@ class AdamRule(UpdateRule):
     """chunkmem's Adam kernel over contiguous runs of each chunk (see the module docstring)."""
 
     adam_hyper_parameters = True
+    state_field = False
 
     @property
     def families(self) -> tuple[str, ...]:
