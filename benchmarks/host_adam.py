@@ -23,6 +23,11 @@ Configurations, each over ``--params`` parameters (default 50M):
   ``torch.compile`` (inductor) into one pass over the same arrays, for fp16, bf16 and fp32 gradients
   (``--no-compile`` leaves them out; compiling takes some 10-60 s).
 
+* ``(8) 8-bit``  issue 40: chunkmem's one-pass update with blockwise 8-bit moments (bf16 gradient in, fp32
+  master, codes and block scales, bf16 copy out: 16 bytes a parameter and 1/16 of scales), against torchao's
+  ``AdamW8bit`` step on one flat fp32 parameter (its ``single_param_adam``, compiled as its optimizer compiles
+  it; the same 16 bytes); target: 85% of the bound.
+
 * ``(u) undo``  informational: ``step_in_backward``'s undo copy (the fp32 master and both moments, 12 bytes a
   parameter) with the bf16 update, as a pass of its own (torch's ``copy_``: 24 bytes more, the state read
   twice) and inside the update's pass (``undo=``: each block copied with streaming stores as the update
@@ -50,7 +55,7 @@ Every round runs every configuration once, in an order shuffled from round to ro
 right after a run of the bound kernel, so that slow phases of a shared machine, and whatever one
 configuration leaves behind for the next, fall on all of them alike.
 Times are medians over rounds; "% of bound" is the median over all runs of (the bound's time just
-before) / (the configuration's time). Exit status 1 if (a) or (d) is below 95% of the bound, or if a
+before) / (the configuration's time). Exit status 1 if (a) or (d) is below 95% of the bound, (8) below 85%, or if a
 chunkmem row is slower than the torch.compile row of its dtype (``--no-fail``: always 0).
 
 Usage::
@@ -70,13 +75,16 @@ import torch
 
 import _gpt
 from chunkmem.core import native_build
-from chunkmem.optim import host_adam_ext
+from chunkmem.optim import host_adam_ext, low_bit_adam
 from chunkmem.optim.adam_math import AdamHyper, adam_update_torch_
 
 TARGET = 0.95
 A16, B16, D32 = "(a) chunkmem one-pass fp16 -> fp16", "(b) chunkmem one-pass bf16 -> bf16", "(d) chunkmem one-pass fp32"
 D32_PEER = "(p) torch.compile single pass fp32"
 LOSS_SCALE = 1024.0
+LOW_BIT = "(8) chunkmem 8-bit one-pass bf16 -> bf16"
+LOW_BIT_BYTES = 16 + 1 / 16  # gradient 2, master 8, codes 4, copy 2; two scales of 4 bytes per 256 elements, read and written
+LOW_BIT_TARGET = 0.85
 
 
 def parse_count(text: str) -> int:
@@ -162,6 +170,51 @@ def instruction_sets_comparison(kernel: host_adam_ext.HostAdamKernel, hyper: Ada
             speeds[avx512] = n * calls / min(timed(run) for _ in range(5)) / 1e9
         label = {torch.float32: "fp32", torch.float16: "fp16 -> fp16", torch.bfloat16: "bf16 -> bf16"}[dtype]
         print(f"  {label:<13} AVX2 {speeds[False]:.2f}, AVX-512 {speeds[True]:.2f} ({speeds[True] / speeds[False]:.2f}x)")
+
+
+def low_bit_rows(n: int, grad: torch.Tensor, out: torch.Tensor, with_torchao: bool) -> dict[str, tuple]:
+    """The 8-bit rows (issue 40): chunkmem's one-pass kernel (bf16 gradient in, fp32 master, 8-bit moments with
+    their block scales, bf16 copy out) and torchao's ``AdamW8bit`` step (``single_param_adam`` compiled as its
+    optimizer compiles it) over one flat fp32 parameter with fp32 gradient: 16 bytes a parameter each, and 1/16
+    of a byte of scales."""
+    kernel = low_bit_adam.kernel()
+    if kernel is None:
+        print(f"8-bit kernel unavailable: {low_bit_adam._KERNEL.error}")
+        return {}
+    gen = torch.Generator().manual_seed(1)
+    master = torch.randn(n, generator=gen)
+    moments = low_bit_adam.Moments(torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8),
+                                   torch.zeros(n // 256), torch.zeros(n // 256), torch.zeros(1), torch.zeros(1))
+    hyper = low_bit_adam.LowBitHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True)
+    step = [0]
+
+    def ours():
+        step[0] += 1
+        kernel.update(master, grad, moments, [low_bit_adam.Segment(0, n - n % 256, True, 0, hyper, step[0])], 1.0, out)
+
+    rows = {LOW_BIT: (ours, LOW_BIT_BYTES)}
+    if with_torchao:
+        try:
+            from torchao.optim.adam import single_param_adam
+            from torchao.optim.subclass_8bit import OptimState8bit
+        except ImportError as e:
+            print(f"torchao row left out: {e}")
+            return rows
+        param = torch.randn(n - n % 256, generator=gen)
+        grad32 = grad[:param.numel()].float()
+        m, v = (OptimState8bit.zeros((param.numel(),), signed) for signed in (True, False))
+        count, lr = torch.tensor(0.0), torch.tensor(1e-3)
+        compiled = torch.compile(single_param_adam, fullgraph=True, dynamic=False)
+
+        def theirs():
+            count.add_(1)
+            compiled(param, grad32, count, m, v, None, lr, 0.9, 0.999, 0.01, 1e-8, True, False)
+
+        t0 = time.perf_counter()
+        theirs()
+        print(f"torchao's AdamW8bit step compiled in {time.perf_counter() - t0:.0f} s")
+        rows["(8) torchao AdamW8bit (compiled) fp32"] = (theirs, LOW_BIT_BYTES)
+    return rows
 
 
 def main() -> int:
@@ -270,6 +323,8 @@ def main() -> int:
         adam_update_torch_(master, grad16[torch.float16], exp_avg, exp_avg_sq, step[0] % 1000 + 1, hyper,
                            1 / LOSS_SCALE, out16[torch.float16])
 
+    low_bit = low_bit_rows(n, grad16[torch.bfloat16], out16[torch.bfloat16], not args.no_compile)
+
     configs = {  # name: (function, bytes per parameter)
         "bound": (lambda: kernel.stream_4r3w(sa, sb, sc, sd), 28),
         "(a) chunkmem one-pass fp16 -> fp16": (ours(torch.float16), 28),
@@ -283,6 +338,7 @@ def main() -> int:
         "(u) bf16 + undo copy, then the update": (undo_then_update, 52),
         "(u) bf16 + undo copy in the update pass": (undo_in_update, 40),
         **compiled,
+        **low_bit,
     }
     names = list(configs)
     for name in names:  # warm-up
@@ -319,6 +375,9 @@ def main() -> int:
                fraction[A16] >= TARGET),
               (f"(d) fp32 at {100 * fraction[D32]:.1f}% of the bandwidth bound (target {100 * TARGET:.0f}%)",
                fraction[D32] >= TARGET)]
+    if LOW_BIT in fraction:
+        checks.append((f"(8) 8-bit at {100 * fraction[LOW_BIT]:.1f}% of the bandwidth bound (target "
+                       f"{100 * LOW_BIT_TARGET:.0f}%)", fraction[LOW_BIT] >= LOW_BIT_TARGET))
     # against the compiled peers: the two run back to back (what a slow phase of the machine does to one
     # run of a pair, it does to the other), in both orders: the second of a pair runs faster here (the
     # memory system is warm), which makes the ratios of one order differ from the other's by more than the
