@@ -17,6 +17,7 @@ Run it with:
     python examples/train_gpt.py                      # defaults: under a minute on 2 CPU cores
     python examples/train_gpt.py --dtype bf16 --reuse-fp16-shard
     python examples/train_gpt.py --placement cuda --device-memory 1GiB
+    python examples/train_gpt.py --optimizer adamw8bit    # torchao's 8-bit Adam moments in the chunks
     torchrun --nproc_per_node 2 examples/train_gpt.py  # ZeRO-3: every chunk sharded over 2 processes
     python examples/train_gpt.py --steps 30 --stop-after 10 --save ck.pt   # stop early ...
     python examples/train_gpt.py --steps 30 --resume ck.pt                 # ... and continue exactly
@@ -161,6 +162,8 @@ def parse_args():
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--optimizer", choices=["hybridadam", "adamw8bit"], default="hybridadam",
+                   help="HybridAdam (fp32 moments) or torchao's AdamW8bit (8-bit moments; pip install torchao)")
     p.add_argument("--device-memory", default=None,
                    help="device tier capacity, e.g. '1GiB' (default: free GPU memory, or free host memory)")
     p.add_argument("--reuse-fp16-shard", action="store_true",
@@ -243,8 +246,13 @@ def main():
 
     # 3. Wrap the optimizer: fp32 masters and Adam moments live in chunks too. Only fp16 uses the loss
     #    scale; bf16 and fp32 train unscaled.
-    optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=args.lr),
-                                  initial_scale=2**16, gpu_margin_mem_ratio=args.gpu_margin_mem_ratio)
+    #    (--optimizer adamw8bit: torchao's AdamW8bit, its moments 8-bit codes and block scales in the chunks.)
+    if args.optimizer == "adamw8bit":
+        from torchao.optim import AdamW8bit
+        inner = AdamW8bit(model.parameters(), lr=args.lr, weight_decay=0.0)
+    else:
+        inner = cm.HybridAdam(model.parameters(), lr=args.lr)
+    optim = cm.ShardedOptimizerV2(model, inner, initial_scale=2**16, gpu_margin_mem_ratio=args.gpu_margin_mem_ratio)
 
     # The LR schedule: torch's schedulers take a ShardedOptimizerV2 (every step reads the groups' lr).
     scheduler = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: lr_factor(step, args))

@@ -669,7 +669,6 @@ def _read_rank_file(path: str, manifest: dict[str, Any], rank: int, verify: bool
 _CHUNK_FIELDS = {"index": int, "numel": int, "shard_numel": int, "shard_offset": int, "dtype": str,
                  "trainable": bool, "slots": list, "param": torch.Tensor, "master": (torch.Tensor, type(None)),
                  "step": int, "exp_avg": (torch.Tensor, type(None)), "exp_avg_sq": (torch.Tensor, type(None))}
-_ANY_OPTIMIZER_FIELDS = {"state": dict, "whole": dict}  # and the scalar state's (_scalars_field)
 _SLOT_FIELDS = {"name": str, "offset": int, "numel": int, "shape": list}
 
 
@@ -688,9 +687,10 @@ def _check_rank_fields(name: str, payload: dict[str, Any]) -> None:
             raise CheckpointError(f"{name}: field '{where[:-1]}' is a {type(entry).__name__}, expected a dict")
         for key, kinds in _CHUNK_FIELDS.items():
             _field(entry, key, kinds, name, _kind_names(kinds), where)
-        if "whole" in entry:  # an optimizer that keeps state per parameter (scalars, whole-parameter state)
-            for key, kinds in _ANY_OPTIMIZER_FIELDS.items():
-                _field(entry, key, kinds, name, _kind_names(kinds), where)
+        if "state" in entry:  # an optimizer other than Adam: its families
+            _field(entry, "state", dict, name, "dict", where)
+        if "whole" in entry:  # one that keeps state per parameter (scalars, whole-parameter state)
+            _field(entry, "whole", dict, name, "dict", where)
             _field(entry, _scalars_field(entry), dict, name, "dict", where)
         for m, slot in enumerate(entry["slots"]):
             if not isinstance(slot, dict):

@@ -33,6 +33,7 @@ from ..errors import ArgumentTypeError, DeviceCapacityError, InvalidArgumentErro
 from ..errors import check_choice, check_number
 from ..settings import check_chunk_size, check_dtype, check_grad_accum_dtype
 from ..model import ShardedModelV2
+from ..optim.low_bit_rule import LowBitAdamRule
 from ..core.param_guard import slot_of
 from ..distributed.shard_strategy import TensorShardStrategy
 from ..core.tiers import parse_size
@@ -84,7 +85,7 @@ def plan(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: An
          host_memory: int | str | None = None, *, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
          dtype: torch.dtype = torch.float16, chunk_size: int | None = None, reuse_fp16_shard: bool = False,
          policies: Sequence[str] = ("cuda", "cpu", "auto"), gradient_accumulation_steps: int = 1,
-         grad_accum_dtype: torch.dtype | None = None) -> dict[str, PolicyPlan]:
+         grad_accum_dtype: torch.dtype | None = None, optimizer_state: str = "fp32") -> dict[str, PolicyPlan]:
     """Plan one process's training of a model without allocating its state; returns a plan per policy.
 
     Args:
@@ -113,6 +114,9 @@ def plan(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: An
         grad_accum_dtype: what 16-bit gradients of several backwards are summed in, as
             ``ShardedModelV2(grad_accum_dtype=)``: ``None`` or ``torch.float32`` (fp32, the default), or
             ``dtype`` (kept in 16 bits: no widening). Matters only with ``gradient_accumulation_steps`` > 1.
+        optimizer_state: ``"fp32"`` (Adam's fp32 moments: ``HybridAdam``, torch's Adam) or ``"8bit"`` (torchao's
+            ``AdamW8bit`` / ``Adam8bit``: 8-bit codes, block scales and the small parameters' fp32 moments, laid
+            out as :mod:`chunkmem.optim.low_bit_rule` lays them out).
     """
     device_capacity = parse_size(device_memory, "device_memory")
     host_capacity = None if host_memory is None else parse_size(host_memory, "host_memory")
@@ -121,6 +125,7 @@ def plan(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: An
     if not isinstance(reuse_fp16_shard, bool):
         raise ArgumentTypeError("reuse_fp16_shard", reuse_fp16_shard, "True or False")
     check_accumulation(gradient_accumulation_steps, grad_accum_dtype, dtype, reuse_fp16_shard)
+    check_choice("optimizer_state", optimizer_state, ("fp32", "8bit"))
     if isinstance(policies, str) or not policies:
         raise InvalidArgumentError("policies", policies, "a non-empty sequence of 'cuda', 'cpu', 'auto'")
     for name in policies:
@@ -135,7 +140,8 @@ def plan(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: An
     try:
         for name in policies:
             plans[name] = _plan_policy(name, template, args, loss_fn, device_capacity, host_capacity, dtype,
-                                       chunk_size, reuse_fp16_shard, gradient_accumulation_steps, grad_accum_dtype)
+                                       chunk_size, reuse_fp16_shard, gradient_accumulation_steps, grad_accum_dtype,
+                                       optimizer_state=optimizer_state)
     finally:
         tiers.set_device_memory_capacity(saved_capacity)
     return plans
@@ -192,16 +198,22 @@ def meta_tiers() -> Iterator[None]:
             setattr(module, attribute, value)
 
 
-def _optimizer_bytes(policy: Any, model: ShardedModelV2) -> dict[str, dict[str, int]]:
+def _optimizer_bytes(policy: Any, model: ShardedModelV2, optimizer_state: str = "fp32") -> dict[str, dict[str, int]]:
     """The optimizer families' bytes per tier (this rank's shards), by the policy's rule (as
-    ShardedOptimizerV2 places them)."""
+    ShardedOptimizerV2 places them); ``optimizer_state``: as :func:`plan`'s."""
     out: dict[str, dict[str, int]] = {"device": {}, "host": {}}
     trainable = [c for c in model.chunks if c.trainable]
-    families = (("master",) if model.dtype != torch.float32 else ()) + ("exp_avg", "exp_avg_sq")
     for position, chunk in enumerate(trainable):
         tier = "device" if policy.optim_on_device(position, len(trainable)) else "host"
-        for family in families:
-            out[tier][family] = out[tier].get(family, 0) + chunk.shard_numel * 4
+        if optimizer_state == "8bit":
+            families = {family: numel * dtype.itemsize
+                        for family, (numel, dtype) in LowBitAdamRule.state_buffers(chunk).items()}
+        else:
+            families = {"exp_avg": chunk.shard_numel * 4, "exp_avg_sq": chunk.shard_numel * 4}
+        if model.dtype != torch.float32:
+            families["master"] = chunk.shard_numel * 4
+        for family, nbytes in families.items():
+            out[tier][family] = out[tier].get(family, 0) + nbytes
     return out
 
 
@@ -220,7 +232,8 @@ def _meta_inputs(model_or_builder: Any, sample_batch: Any, loss_fn: Any) -> tupl
 def _plan_policy(name: str, template: nn.Module, args: tuple, loss_fn: Any, device_capacity: int,
                  host_capacity: int | None, dtype: torch.dtype, chunk_size: int | None,
                  reuse_fp16_shard: bool, gradient_accumulation_steps: int = 1,
-                 grad_accum_dtype: torch.dtype | None = None, **placement: Any) -> PolicyPlan:
+                 grad_accum_dtype: torch.dtype | None = None, optimizer_state: str = "fp32",
+                 **placement: Any) -> PolicyPlan:
     """The meta run of one placement (``placement``: ``offload_param_frac`` / ``offload_optim_frac``
     for ``static``), ``gradient_accumulation_steps`` forward/backward passes per step, the model built with
     ``grad_accum_dtype``. Besides the :class:`PolicyPlan` figures, ``extra`` keeps what the candidates built
@@ -228,7 +241,7 @@ def _plan_policy(name: str, template: nn.Module, args: tuple, loss_fn: Any, devi
     where its parameters and optimizer state rest, the collectives of the last iteration."""
     with meta_tiers(), flash_attention_on_meta():
         optim, chunk_bytes, num_chunks, extra = _probe_layout(name, template, dtype, chunk_size, reuse_fp16_shard,
-                                                              grad_accum_dtype, placement)
+                                                              grad_accum_dtype, placement, optimizer_state)
         optim_device = sum(optim["device"].values())
         tiers.set_device_memory_capacity(max(device_capacity - optim_device, 1))
         result = PolicyPlan(name, True, "fits", {}, 0, chunk_bytes, num_chunks, 0, 0, extra=extra,
@@ -282,7 +295,7 @@ def _plan_policy(name: str, template: nn.Module, args: tuple, loss_fn: Any, devi
 
 
 def _probe_layout(name: str, template: nn.Module, dtype: torch.dtype, chunk_size: int | None, reuse_fp16_shard: bool,
-                  grad_accum_dtype: torch.dtype | None, placement: dict[str, Any]
+                  grad_accum_dtype: torch.dtype | None, placement: dict[str, Any], optimizer_state: str = "fp32"
                   ) -> tuple[dict[str, dict[str, int]], int, int, dict[str, Any]]:
     """The layout of the placement on the meta device, under an unbounded capacity: the optimizer state's
     bytes per tier, the chunk bytes, the chunk count, and the candidates' ``extra`` facts of the layout."""
@@ -290,7 +303,7 @@ def _probe_layout(name: str, template: nn.Module, dtype: torch.dtype, chunk_size
     probe = ShardedModelV2(copy.deepcopy(template), TensorShardStrategy(), tensor_placement_policy=name, dtype=dtype,
                            chunk_size=chunk_size, reuse_fp16_shard=reuse_fp16_shard,
                            grad_accum_dtype=grad_accum_dtype, **placement)
-    optim = _optimizer_bytes(probe.runtime.policy, probe)
+    optim = _optimizer_bytes(probe.runtime.policy, probe, optimizer_state)
     num_chunks = len(probe.chunks)
     policy = probe.runtime.policy
     trainable = [c for c in probe.chunks if c.trainable]
