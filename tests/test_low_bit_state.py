@@ -274,14 +274,14 @@ def test_what_is_not_supported_yet_is_refused_with_nothing_changed(tmp_path):
     module = TinyGPT(d=64)
     cases = [
         (dict(block_size=128), {}, {}, "block_size"),
-        (dict(bf16_stochastic_round=True), {}, {}, "bf16_stochastic_round"),
+        (dict(bf16_stochastic_round=True), dict(dtype=torch.float16), {}, "bf16_stochastic_round"),
         (dict(amsgrad=True), {}, {}, "amsgrad"),
         ({}, {}, dict(step_in_backward=True), "step_in_backward"),
         ({}, dict(offload_optimizer="disk", nvme_path=str(tmp_path)), {}, "disk"),
     ]
     for options, model_kwargs, optim_kwargs, word in cases:
         model = cm.ShardedModelV2(copy.deepcopy(module), cm.TensorShardStrategy(), tensor_placement_policy="cpu",
-                                  dtype=torch.float32, **model_kwargs)
+                                  **{"dtype": torch.float32, **model_kwargs})
         optimizer = torchao_optim.AdamW8bit(model.module.parameters(), **options)
         with pytest.raises(cm.ChunkmemError, match=word):
             cm.ShardedOptimizerV2(model, optimizer, **optim_kwargs)
@@ -306,3 +306,47 @@ def test_the_planner_counts_the_8bit_families_as_a_real_run_holds_them(dtype):
             optim.step()
             optim.zero_grad()
         assert plans[placement].tier_bytes == model.tier_bytes(), placement
+
+
+def test_bf16_parameters_as_their_own_masters_round_stochastically_as_torchao_does():
+    """``bf16_stochastic_round=True`` on a bf16 model: no fp32 master; each step's result rounded to bf16 with random
+    numbers from the default generator, drawn per parameter in the model's order: bit for bit torchao's eager
+    step under the same seed."""
+    torch.manual_seed(0)
+    reference = TinyGPT(d=64).to(torch.bfloat16)
+    data = batches(3, seed=12)
+    make = lambda p: torchao_optim.AdamW8bit(p, lr=1e-2, bf16_stochastic_round=True)  # noqa: E731
+
+    def eager_sr_step(optimizer):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                state = optimizer.state[p]
+                if not state:
+                    state.update(step=torch.tensor(0.0), exp_avg=optimizer._new_buffer(p, True),
+                                 exp_avg_sq=optimizer._new_buffer(p, False))
+                state["step"] += 1
+                with torch.no_grad():
+                    single_param_adam(p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"], None,
+                                      group["lr"], *group["betas"], group["weight_decay"], group["eps"], True, True)
+
+    plain = copy.deepcopy(reference)
+    plain_optim = make(plain.parameters())
+    module = copy.deepcopy(reference)
+    model = cm.ShardedModelV2(module, cm.TensorShardStrategy(), tensor_placement_policy="cpu", dtype=torch.bfloat16,
+                              chunk_size=1 << 16)
+    optim = cm.ShardedOptimizerV2(model, make(model.parameters()))
+    for n, x in enumerate(data):
+        lm_loss(plain(x), x).backward()
+        torch.manual_seed(100 + n)
+        eager_sr_step(plain_optim)
+        plain_optim.zero_grad()
+        optim.backward(lm_loss(model(x), x))
+        torch.manual_seed(100 + n)
+        optim.step()
+        optim.zero_grad()
+    state = model.state_dict()
+    for key, p in plain.named_parameters():
+        assert torch.equal(state[key], p.detach().float()), key
+    _same_state(optim.state_dict(), plain_optim.state_dict())
+    host = model.tier_bytes()["host"]
+    assert "master" not in host and host["param"] == sum(2 * c.shard_numel for c in model.chunks)

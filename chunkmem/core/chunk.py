@@ -721,6 +721,9 @@ class Chunk:
         # persistent parameters (ShardedModelV2's persistence_threshold): the chunk is whole on every rank
         # of this group (its own ``shards`` are one process) and its gradients are all-reduced over it
         self.replicas: ShardGroup | None = None
+        # a 16-bit chunk whose optimizer keeps no fp32 master: its parameters are their own masters (torchao's
+        # 8-bit Adams with bf16_stochastic_round)
+        self.masters_in_params = False
 
     # ---- optimizer steps per parameter ---------------------------------------------------------------------
 
@@ -842,8 +845,9 @@ class Chunk:
 
     @property
     def has_master(self) -> bool:
-        """Whether the fp32 master is a separate family (16-bit params) or the params themselves (fp32)."""
-        return self.trainable and self.dtype != torch.float32
+        """Whether the fp32 master is a separate family (16-bit params) or the params themselves (fp32, or 16-bit
+        parameters that are their own masters: :attr:`masters_in_params`)."""
+        return self.trainable and self.dtype != torch.float32 and not self.masters_in_params
 
     @property
     def element_size(self) -> int:

@@ -15,6 +15,8 @@
 //   d = sqrt(v) / bc2s + eps
 //   p = p - (lr * (m / bc1)) / d
 //   out = half/bfloat16(p), round to nearest even
+//   (or, where bf16 parameters are their own masters: p = bf16(p) rounded stochastically, as torchao's
+//   bf16_stochastic_round, with random numbers drawn by the caller)
 //
 // Segments of a chunk whose state is too small to quantize keep fp32 moments and skip the (de)quantization.
 // The square root is the instruction set's, or the library function torch's Tensor.sqrt calls (MKL VML),
@@ -57,11 +59,14 @@ struct Segment {
   int64_t state_base;  // quantized: index of its first block scale; else of its first fp32 moment
   int32_t flags;
   int32_t pad;
+  int64_t random_base; // with bf16 masters: index of its first random number
   float lr, lr_wd, wd, w1, w2, bc1, bc2s, eps, mult;
 };
 
 struct Buffers {
-  float* master;
+  void* master;           // fp32, or bf16 parameters that are their own masters (rounded stochastically)
+  int master_dtype;
+  const int32_t* random;  // with bf16 masters: one number in [0, 2^16) per element, per segment in order
   const void* grad;
   int grad_dtype;
   void* out;
@@ -70,8 +75,9 @@ struct Buffers {
   uint8_t* v_codes;
   float* m_scales;
   float* v_scales;
-  float* m_plain;
-  float* v_plain;
+  void* m_plain;          // fp32, or bf16 beside bf16 masters (as the reference keeps a small bf16 tensor's state)
+  void* v_plain;
+  int plain_dtype;
   const float* qmap_signed;
   const float* qmap_unsigned;
   const uint32_t* words_signed;    // kBuckets words each (see kFirstBucket)
@@ -172,6 +178,25 @@ CM_TARGET void dequantize_block(const uint8_t* codes, float scale, const float* 
   }
 }
 
+CM_TARGET void store_plain(void* state, int dtype, int64_t at, int n, const float* values) {
+  if (dtype == kF32) {
+    std::memcpy(static_cast<float*>(state) + at, values, sizeof(float) * n);
+  } else {
+    store_out(state, dtype, at, n, values);
+  }
+}
+
+// bf16 by stochastic rounding: away from zero where the random number is below the 16 bits cut off (with the
+// probability of their share of a unit in the last place), else towards zero.
+CM_TARGET void store_stochastic(uint16_t* out, const int32_t* random, int n, const float* p) {
+  for (int i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, p + i, 4);
+    uint32_t kept = bits & 0xffff0000u;
+    out[i] = static_cast<uint16_t>(((static_cast<uint32_t>(random[i]) < (bits & 0xffffu)) ? kept + 0x10000u : kept) >> 16);
+  }
+}
+
 // One tile: up to kTile elements of one segment, from element `offset` of it (a multiple of kTile); the
 // square root of a whole tile is one call, as MKL's has a cost per call.
 CM_TARGET void update_tile(const Buffers& b, const Segment& s, int64_t offset, int n) {
@@ -181,7 +206,11 @@ CM_TARGET void update_tile(const Buffers& b, const Segment& s, int64_t offset, i
   load_grad(b.grad, b.grad_dtype, at, n, g);
   if (s.flags & kApplyMult)
     for (int i = 0; i < n; ++i) g[i] = g[i] * s.mult;
-  std::memcpy(p, b.master + at, sizeof(float) * n);
+  if (b.master_dtype == kBF16) {
+    load_grad(b.master, kBF16, at, n, p);
+  } else {
+    std::memcpy(p, static_cast<float*>(b.master) + at, sizeof(float) * n);
+  }
   if (s.flags & kDecoupled) {
     for (int i = 0; i < n; ++i) p[i] = p[i] - s.lr_wd * p[i];
   } else if (s.flags & kL2) {
@@ -194,8 +223,8 @@ CM_TARGET void update_tile(const Buffers& b, const Segment& s, int64_t offset, i
       dequantize_block(b.v_codes + at + k, b.v_scales[block + k / kBlock], b.qmap_unsigned, v + k);
     }
   } else {
-    std::memcpy(m, b.m_plain + s.state_base + offset, sizeof(float) * n);
-    std::memcpy(v, b.v_plain + s.state_base + offset, sizeof(float) * n);
+    load_grad(b.m_plain, b.plain_dtype, s.state_base + offset, n, m);
+    load_grad(b.v_plain, b.plain_dtype, s.state_base + offset, n, v);
   }
   if (std::fabs(s.w1) < 0.5f) {
     for (int i = 0; i < n; ++i) m[i] = std::fma(s.w1, g[i] - m[i], m[i]);
@@ -216,8 +245,8 @@ CM_TARGET void update_tile(const Buffers& b, const Segment& s, int64_t offset, i
       quantize_block(v + k, b.words_unsigned, b.v_codes + at + k, b.v_scales + block + k / kBlock);
     }
   } else {
-    std::memcpy(b.m_plain + s.state_base + offset, m, sizeof(float) * n);
-    std::memcpy(b.v_plain + s.state_base + offset, v, sizeof(float) * n);
+    store_plain(b.m_plain, b.plain_dtype, s.state_base + offset, n, m);
+    store_plain(b.v_plain, b.plain_dtype, s.state_base + offset, n, v);
   }
   if (b.vsqrt != nullptr) {
     b.vsqrt(n, v, root, b.vsqrt_mode);
@@ -225,7 +254,11 @@ CM_TARGET void update_tile(const Buffers& b, const Segment& s, int64_t offset, i
     for (int i = 0; i < n; ++i) root[i] = std::sqrt(v[i]);
   }
   for (int i = 0; i < n; ++i) p[i] = p[i] - (s.lr * (m[i] / s.bc1)) / (root[i] / s.bc2s + s.eps);
-  std::memcpy(b.master + at, p, sizeof(float) * n);
+  if (b.master_dtype == kBF16) {
+    store_stochastic(static_cast<uint16_t*>(b.master) + at, b.random + s.random_base + offset, n, p);
+  } else {
+    std::memcpy(static_cast<float*>(b.master) + at, p, sizeof(float) * n);
+  }
   if (b.out != nullptr && b.out_dtype != kNone) store_out(b.out, b.out_dtype, at, n, p);
 }
 
@@ -242,7 +275,7 @@ void run_tiles(const Buffers& b, const Segment* segments, const std::vector<int6
 
 }  // namespace
 
-CM_EXPORT int chunkmem_low_bit_adam_abi() { return 2; }
+CM_EXPORT int chunkmem_low_bit_adam_abi() { return 4; }
 
 CM_EXPORT int chunkmem_low_bit_adam_cpu_ok() {
   __builtin_cpu_init();

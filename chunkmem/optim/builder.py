@@ -31,7 +31,7 @@ from .any_optimizer import check_elementwise, probe_state
 from .backward_step import check_step_in_backward, check_undo_room
 from .disk_step import streamed_count
 from .loss_scaler import DynamicGradScaler
-from .low_bit_rule import LowBitAdamRule, check_low_bit_optimizer, low_bit_decoupled
+from .low_bit_rule import LowBitAdamRule, check_low_bit_optimizer, low_bit_decoupled, stochastic_rounding
 from .update_rule import AdamRule, AnyOptimizerRule, UpdateRule
 
 OWNER = "ShardedOptimizerV2"
@@ -114,9 +114,9 @@ def choose_update_rule(model: ShardedModelV2, optimizer: Any, group_of: dict[int
     :mod:`chunkmem.optim.any_optimizer` and :mod:`chunkmem.optim.low_bit_rule`)."""
     decoupled = low_bit_decoupled(optimizer)
     if decoupled is not None:
-        check_low_bit_optimizer(optimizer, several_ranks=model.data_parallel.world > 1,
+        check_low_bit_optimizer(optimizer, dtype=model.dtype, several_ranks=model.data_parallel.world > 1,
                                 disk=model.runtime.memory.disk is not None, step_in_backward=settings.step_in_backward)
-        return LowBitAdamRule(optimizer, model.runtime, group_of, decoupled)
+        return LowBitAdamRule(optimizer, model.runtime, group_of, decoupled, stochastic_rounding(optimizer, model.dtype))
     if runs_adam_kernel(optimizer):
         return AdamRule(optimizer, model.runtime, group_of)
     layout = probe_state(optimizer)
@@ -169,7 +169,7 @@ def check_capacity(model: ShardedModelV2, rule: UpdateRule) -> None:
     model) that the policy puts on the device cannot fit."""
     runtime = model.runtime
     trainable = runtime.trainable_chunks()
-    need = sum(rule.state_nbytes(chunk) + (4 * chunk.shard_numel if chunk.has_master else 0)
+    need = sum(rule.state_nbytes(chunk) + (4 * chunk.shard_numel if rule.keeps_master(chunk) else 0)
                for k, chunk in enumerate(trainable) if runtime.policy.optim_on_device(k, len(trainable)))
     ledger = runtime.ledger
     free = ledger.capacity - ledger.tier_bytes(Tier.DEVICE)

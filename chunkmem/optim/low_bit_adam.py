@@ -40,7 +40,7 @@ from .blockwise import BLOCK_SIZE, dequantize, dynamic_map, quantize_
 
 SOURCE = CSRC / "low_bit_adam.cpp"
 CXXFLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-math-errno")
-ABI_VERSION = 2
+ABI_VERSION = 4
 _APPLY_MULT, _DECOUPLED, _L2, _QUANTIZED = 1, 2, 4, 8
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -94,7 +94,8 @@ class Segment:
 @dataclass
 class Moments:
     """A chunk's moments (this rank's shard): ``codes_*`` ``uint8`` per element, ``scales_*`` fp32 per block of the
-    quantized segments, ``plain_*`` fp32 per element of the plain ones."""
+    quantized segments, ``plain_*`` per element of the plain ones: fp32, or bf16 beside bf16 parameters that are
+    their own masters (as the reference keeps the state of a small bf16 tensor in bf16)."""
 
     codes_m: torch.Tensor
     codes_v: torch.Tensor
@@ -129,15 +130,17 @@ def _write(state: torch.Tensor | tuple[torch.Tensor, torch.Tensor], values: torc
 
 
 def update_segment_torch_(master: torch.Tensor, grad: torch.Tensor, moments: Moments, segment: Segment,
-                          multiplier: float = 1.0, param_out: torch.Tensor | None = None) -> None:
-    """One step of ``segment`` in torch ops (module docstring), in place: ``master`` (fp32), ``grad`` (any float
-    dtype) and ``param_out`` (the 16-bit copy, or ``None``) are the chunk's flat buffers."""
+                          multiplier: float = 1.0, param_out: torch.Tensor | None = None,
+                          random: torch.Tensor | None = None) -> None:
+    """One step of ``segment`` in torch ops (module docstring), in place: ``master`` (fp32, or bf16 parameters that
+    are their own masters, written back by :func:`round_stochastically` with ``random``, the segment's numbers),
+    ``grad`` (any float dtype) and ``param_out`` (the 16-bit copy, or ``None``) are the chunk's flat buffers."""
     hyper = segment.hyper
     scalars = StepScalars.of(hyper, segment.step)
     qmap_m, qmap_v = _maps(master.device)
     a, b = segment.start, segment.start + segment.numel
     lr = torch.tensor(scalars.lr, dtype=torch.float32)
-    p = master[a:b]
+    p = master[a:b].float()
     g = grad[a:b].float()
     if multiplier != 1.0:
         g = g * multiplier
@@ -152,9 +155,24 @@ def update_segment_torch_(master: torch.Tensor, grad: torch.Tensor, moments: Mom
     _write(state_v, v, qmap_v)
     denom = (v.sqrt() / torch.tensor(scalars.bias_correction2_sqrt, dtype=torch.float32)) + hyper.eps
     p = p - lr * (m / torch.tensor(scalars.bias_correction1, dtype=torch.float32)) / denom
-    master[a:b].copy_(p)
+    master[a:b].copy_(p if master.dtype == torch.float32 else round_stochastically(p, random))
     if param_out is not None:
         param_out[a:b].copy_(p)
+
+
+def round_stochastically(values: torch.Tensor, random: torch.Tensor) -> torch.Tensor:
+    """fp32 ``values`` to bf16, away from zero where ``random`` (int32 in ``[0, 2**16)``, one per value) is below
+    the 16 bits cut off, else towards zero: torchao's ``bf16_stochastic_round`` with its random numbers given."""
+    bits = values.view(torch.int32)
+    kept = bits & -65536  # 0xFFFF0000
+    rounded = torch.where(random < (bits & 0xFFFF), kept + 0x10000, kept)
+    return rounded.view(torch.float32).bfloat16()
+
+
+def draw_random(numel: int, device: torch.device) -> torch.Tensor:
+    """The random numbers stochastic rounding takes for ``numel`` elements, drawn from the device's default
+    generator as torchao draws them for a parameter of that size."""
+    return torch.randint(0, 1 << 16, (numel,), device=device, dtype=torch.int32)
 
 
 # ---- the C++ kernel --------------------------------------------------------------------------------------
@@ -162,15 +180,17 @@ def update_segment_torch_(master: torch.Tensor, grad: torch.Tensor, moments: Mom
 
 class _SegmentStruct(ctypes.Structure):
     _fields_ = [("start", ctypes.c_int64), ("n", ctypes.c_int64), ("state_base", ctypes.c_int64),
-                ("flags", ctypes.c_int32), ("pad", ctypes.c_int32)] + [
+                ("flags", ctypes.c_int32), ("pad", ctypes.c_int32), ("random_base", ctypes.c_int64)] + [
         (name, ctypes.c_float) for name in ("lr", "lr_wd", "wd", "w1", "w2", "bc1", "bc2s", "eps", "mult")]
 
 
 class _BuffersStruct(ctypes.Structure):
-    _fields_ = [("master", ctypes.c_void_p), ("grad", ctypes.c_void_p), ("grad_dtype", ctypes.c_int),
+    _fields_ = [("master", ctypes.c_void_p), ("master_dtype", ctypes.c_int), ("random", ctypes.c_void_p),
+                ("grad", ctypes.c_void_p), ("grad_dtype", ctypes.c_int),
                 ("out", ctypes.c_void_p), ("out_dtype", ctypes.c_int),
                 ("m_codes", ctypes.c_void_p), ("v_codes", ctypes.c_void_p), ("m_scales", ctypes.c_void_p),
                 ("v_scales", ctypes.c_void_p), ("m_plain", ctypes.c_void_p), ("v_plain", ctypes.c_void_p),
+                ("plain_dtype", ctypes.c_int),
                 ("qmap_signed", ctypes.c_void_p), ("qmap_unsigned", ctypes.c_void_p),
                 ("words_signed", ctypes.c_void_p), ("words_unsigned", ctypes.c_void_p),
                 ("vsqrt", ctypes.c_void_p), ("vsqrt_mode", ctypes.c_int64)]
@@ -229,10 +249,13 @@ class LowBitKernel:
         self.exact = False
 
     def update(self, master: torch.Tensor, grad: torch.Tensor, moments: Moments, segments: Sequence[Segment],
-               multiplier: float = 1.0, param_out: torch.Tensor | None = None, nthreads: int | None = None) -> None:
+               multiplier: float = 1.0, param_out: torch.Tensor | None = None, nthreads: int | None = None,
+               random: torch.Tensor | None = None) -> None:
         """Every segment's step in one pass (arguments as for :func:`update_segments_`)."""
         table = (_SegmentStruct * len(segments))()
+        drawn = 0
         for row, s in zip(table, segments):
+            row.random_base, drawn = drawn, drawn + s.numel
             h, sc = s.hyper, StepScalars.of(s.hyper, s.step)
             flags = ((_APPLY_MULT if multiplier != 1.0 else 0) | (_QUANTIZED if s.quantized else 0)
                      | (_DECOUPLED if h.decoupled else (_L2 if h.weight_decay != 0 else 0)))
@@ -240,10 +263,12 @@ class LowBitKernel:
             row.lr, row.lr_wd, row.wd, row.w1, row.w2 = sc.lr, sc.lr_wd, h.weight_decay, 1 - h.beta1, 1 - h.beta2
             row.bc1, row.bc2s, row.eps, row.mult = sc.bias_correction1, sc.bias_correction2_sqrt, h.eps, multiplier
         buffers = _BuffersStruct(
-            master.data_ptr(), grad.data_ptr(), _DTYPE_CODES[grad.dtype],
+            master.data_ptr(), _DTYPE_CODES[master.dtype], None if random is None else random.data_ptr(),
+            grad.data_ptr(), _DTYPE_CODES[grad.dtype],
             None if param_out is None else param_out.data_ptr(), -1 if param_out is None else _DTYPE_CODES[param_out.dtype],
             moments.codes_m.data_ptr(), moments.codes_v.data_ptr(), moments.scales_m.data_ptr(),
             moments.scales_v.data_ptr(), moments.plain_m.data_ptr(), moments.plain_v.data_ptr(),
+            _DTYPE_CODES[moments.plain_m.dtype],
             self.qmap_m.data_ptr(), self.qmap_v.data_ptr(), self.words_m.data_ptr(), self.words_v.data_ptr(),
             self.vsqrt, host_adam_ext.VML_SQRT_MODE)
         threads = torch.get_num_threads() if nthreads is None else nthreads
@@ -273,30 +298,35 @@ def _load() -> LowBitKernel:
 
 def _matches_torch(kernel: LowBitKernel) -> bool:
     """Whether two steps of the kernel equal :func:`update_segment_torch_` bit for bit on random data covering
-    both kinds of segment, both weight decays, a multiplier and every 16-bit copy."""
+    both kinds of segment, both weight decays, a multiplier, every 16-bit copy and bf16 masters."""
     gen = torch.Generator().manual_seed(0)
     n = 8192 + 300
     hyper = (LowBitHyper(1e-2, 0.9, 0.999, 1e-8, 0.1, True), LowBitHyper(3e-3, 0.8, 0.99, 1e-6, 0.01, False))
     start = torch.randn(n, generator=gen)
-    for out_dtype in (None, torch.bfloat16, torch.float16):
+    random = torch.randint(0, 1 << 16, (n,), generator=gen, dtype=torch.int32)
+    for out_dtype, master_dtype in ((None, torch.float32), (torch.bfloat16, torch.float32),
+                                    (torch.float16, torch.float32), (None, torch.bfloat16)):
         results = []
         for run_kernel in (True, False):
-            master = start.clone()
+            master = start.to(master_dtype, copy=True)
             state = Moments(torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8),
-                            torch.zeros(32), torch.zeros(32), torch.zeros(300), torch.zeros(300))
+                            torch.zeros(32), torch.zeros(32), torch.zeros(300, dtype=master_dtype),
+                            torch.zeros(300, dtype=master_dtype))
             out = None if out_dtype is None else torch.empty(n, dtype=out_dtype)
+            drawn = None if master_dtype == torch.float32 else random
             for step in (1, 2):
-                grad = torch.randn(n, generator=torch.Generator().manual_seed(step)).to(out_dtype or torch.float32)
+                grad = torch.randn(n, generator=torch.Generator().manual_seed(step)).to(out_dtype or master_dtype)
                 segments = [Segment(0, 4096, True, 0, hyper[0], step), Segment(4096, 4096, True, 16, hyper[1], step),
                             Segment(8192, 300, False, 0, hyper[step - 1], step)]
                 if run_kernel:
-                    kernel.update(master, grad, state, segments, 0.5, out, nthreads=2)
+                    kernel.update(master, grad, state, segments, 0.5, out, nthreads=2, random=drawn)
                 else:
                     for segment in segments:
-                        update_segment_torch_(master, grad, state, segment, 0.5, out)
+                        part = None if drawn is None else drawn[segment.start:segment.start + segment.numel]
+                        update_segment_torch_(master, grad, state, segment, 0.5, out, part)
             results.append((master, state, out))
         (a, sa, oa), (b, sb, ob) = results
-        same = torch.equal(a.view(torch.int32), b.view(torch.int32)) and all(
+        same = torch.equal(a.view(torch.uint8), b.view(torch.uint8)) and all(
             torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(vars(sa).values(), vars(sb).values()))
         if not same or (oa is not None and not torch.equal(oa.view(torch.int16), ob.view(torch.int16))):
             return False
@@ -314,16 +344,21 @@ def kernel() -> LowBitKernel | None:
 
 
 def update_segments_(master: torch.Tensor, grad: torch.Tensor, moments: Moments, segments: Sequence[Segment],
-                     multiplier: float = 1.0, param_out: torch.Tensor | None = None) -> None:
-    """One step of every segment of a chunk, in place. ``master``: the fp32 master (or fp32 parameters);
-    ``grad``: the chunk's flat gradient (fp32, fp16 or bf16), multiplied by ``multiplier`` first (the loss
-    scale's inverse and clipping; 1 leaves it untouched); ``param_out``: the 16-bit parameter copy to write, or
-    ``None``; all flat, indexed like the chunk's shard."""
-    tensors = (master, grad, *vars(moments).values()) + (() if param_out is None else (param_out,))
+                     multiplier: float = 1.0, param_out: torch.Tensor | None = None,
+                     random: torch.Tensor | None = None) -> None:
+    """One step of every segment of a chunk, in place. ``master``: the fp32 master (or fp32 parameters), or bf16
+    parameters that are their own masters, rounded stochastically with ``random`` (:func:`draw_random` of every
+    segment's elements, in segment order); ``grad``: the chunk's flat gradient (fp32, fp16 or bf16), multiplied
+    by ``multiplier`` first (the loss scale's inverse and clipping; 1 leaves it untouched); ``param_out``: the
+    16-bit parameter copy to write, or ``None``; all flat, indexed like the chunk's shard."""
+    tensors = (master, grad, *vars(moments).values()) + tuple(t for t in (param_out, random) if t is not None)
     host = all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
     k = kernel() if host and grad.dtype in _DTYPE_CODES else None
     if k is not None:
-        k.update(master, grad, moments, segments, multiplier, param_out)
+        k.update(master, grad, moments, segments, multiplier, param_out, random=random)
         return
+    drawn = 0
     for segment in segments:
-        update_segment_torch_(master, grad, moments, segment, multiplier, param_out)
+        part = None if random is None else random[drawn:drawn + segment.numel]
+        update_segment_torch_(master, grad, moments, segment, multiplier, param_out, part)
+        drawn += segment.numel

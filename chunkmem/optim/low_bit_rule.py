@@ -15,8 +15,15 @@ param groups at every step. The state dict is torchao's: per parameter a float `
 ``exp_avg_sq`` as torchao's ``OptimState8bit`` (codes shaped like the parameter, the block scales and the map)
 or as fp32 tensors for the small ones, so a run moves between chunkmem and the plain optimizer both ways.
 
+**16-bit masters.** With ``bf16_stochastic_round=True`` on a bf16 model the parameters are their own masters,
+as in torchao: no fp32 master family (2 bytes a parameter instead of 6), each step's result rounded to bf16
+stochastically with random numbers drawn, per parameter in the model's order, from the default generator of the
+parameters' device as torchao draws them (so the chunks are updated in the model's order, not as their gradients
+land).
+
 Not yet: several ranks, the disk tier, ``step_in_backward``, ``amsgrad``, another ``block_size`` and
-``bf16_stochastic_round`` are refused when the optimizer is wrapped (:func:`check_low_bit_optimizer`).
+``bf16_stochastic_round`` over an fp16 model are refused when the optimizer is wrapped
+(:func:`check_low_bit_optimizer`).
 """
 from __future__ import annotations
 
@@ -31,7 +38,7 @@ from ..errors import InvalidArgumentError, UnsupportedOperationError
 from ..runtime.runtime import ChunkRuntime
 from .blockwise import BLOCK_SIZE, dynamic_map, quantizes
 from .disk_step import gaps
-from .low_bit_adam import LowBitHyper, Moments, Segment, update_segments_
+from .low_bit_adam import LowBitHyper, Moments, Segment, draw_random, update_segments_
 from .state_dict import check_entry as check_plain_entry
 from .update_rule import KeptState, UpdateRule
 
@@ -54,14 +61,22 @@ def low_bit_decoupled(optimizer: Any) -> bool | None:
     return None
 
 
-def check_low_bit_optimizer(optimizer: Any, *, several_ranks: bool, disk: bool, step_in_backward: bool) -> None:
+def stochastic_rounding(optimizer: Any, dtype: torch.dtype) -> bool:
+    """Whether the 8-bit Adam ``optimizer`` over a model of ``dtype`` keeps bf16 parameters as their own masters,
+    rounded stochastically (``bf16_stochastic_round=True`` on a bf16 model; on an fp32 one torchao ignores it)."""
+    return bool(getattr(optimizer, "bf16_stochastic_round", False)) and dtype == torch.bfloat16
+
+
+def check_low_bit_optimizer(optimizer: Any, *, dtype: torch.dtype, several_ranks: bool, disk: bool,
+                            step_in_backward: bool) -> None:
     """Refuse, naming what is asked and what is allowed, an 8-bit Adam with what chunkmem does not run yet."""
     name = type(optimizer).__name__
     if getattr(optimizer, "block_size", BLOCK_SIZE) != BLOCK_SIZE:
         raise InvalidArgumentError(f"optimizer ({name}).block_size", optimizer.block_size, f"{BLOCK_SIZE}")
-    if getattr(optimizer, "bf16_stochastic_round", False):
-        raise UnsupportedOperationError(f"{name}(bf16_stochastic_round=True) in ShardedOptimizerV2: chunkmem keeps "
-                                        "fp32 masters; pass bf16_stochastic_round=False")
+    if getattr(optimizer, "bf16_stochastic_round", False) and dtype == torch.float16:
+        raise UnsupportedOperationError(f"{name}(bf16_stochastic_round=True) over an fp16 model: stochastic rounding "
+                                        "keeps bf16 parameters as their own masters; use a bf16 model, or "
+                                        "bf16_stochastic_round=False (fp32 masters)")
     for index, group in enumerate(optimizer.param_groups):
         if group.get("amsgrad"):
             raise InvalidArgumentError(f"optimizer.param_groups[{index}]['amsgrad']", True, "False")
@@ -110,9 +125,11 @@ class LowBitAdamRule(UpdateRule):
         decoupled: AdamW's weight decay (``AdamW8bit``), else Adam's L2 term (``Adam8bit``).
     """
 
-    def __init__(self, optimizer: Optimizer, runtime: ChunkRuntime, group_of: dict[int, int], decoupled: bool) -> None:
+    def __init__(self, optimizer: Optimizer, runtime: ChunkRuntime, group_of: dict[int, int], decoupled: bool,
+                 stochastic_round: bool = False) -> None:
         super().__init__(optimizer, runtime, group_of)
         self.decoupled = decoupled
+        self.stochastic_round = stochastic_round
         self._pieces: dict[int, dict[int, StatePiece]] = {}  # chunk index -> slot index -> its piece
 
     @property
@@ -120,21 +137,32 @@ class LowBitAdamRule(UpdateRule):
         return LOW_BIT_FAMILIES
 
     @staticmethod
-    def state_buffers(chunk: Chunk) -> dict[str, tuple[int, torch.dtype]]:
+    def state_buffers(chunk: Chunk, stochastic_round: bool = False) -> dict[str, tuple[int, torch.dtype]]:
         """The elements and dtype of each of ``chunk``'s state families (a buffer holds at least one element: a
-        chunk may have no quantized or no plain parameter)."""
+        chunk may have no quantized or no plain parameter); the plain moments are bf16 beside bf16 parameters
+        that are their own masters, as torchao keeps a small bf16 tensor's state."""
         _, blocks, plain = state_pieces(chunk)
-        codes, scales, fp32 = (chunk.shard_numel, torch.uint8), (max(blocks, 1), torch.float32), (max(plain, 1), torch.float32)
-        return {CODES_M: codes, CODES_V: codes, SCALES_M: scales, SCALES_V: scales, PLAIN_M: fp32, PLAIN_V: fp32}
+        codes, scales = (chunk.shard_numel, torch.uint8), (max(blocks, 1), torch.float32)
+        small = (max(plain, 1), torch.bfloat16 if stochastic_round else torch.float32)
+        return {CODES_M: codes, CODES_V: codes, SCALES_M: scales, SCALES_V: scales, PLAIN_M: small, PLAIN_V: small}
+
+    def keeps_master(self, chunk: Chunk) -> bool:
+        return chunk.dtype != torch.float32 and not self.stochastic_round
 
     def state_nbytes(self, chunk: Chunk) -> int:
-        return sum(numel * dtype.itemsize for numel, dtype in self.state_buffers(chunk).values())
+        return sum(numel * dtype.itemsize for numel, dtype in self.state_buffers(chunk, self.stochastic_round).values())
 
     def prepare_chunks(self) -> None:
         self.optimizer.state.clear()
         for chunk in self.runtime.trainable_chunks():
             self._pieces[chunk.index] = {piece.slot: piece for piece in state_pieces(chunk)[0]}
-            chunk.use_state_buffers(self.state_buffers(chunk))
+            chunk.use_state_buffers(self.state_buffers(chunk, self.stochastic_round))
+            chunk.masters_in_params = self.stochastic_round
+
+    def update_order(self, chunks: list[Chunk]) -> list[Chunk]:
+        """With stochastic rounding, the model's order: each parameter draws its random numbers in the order
+        torchao's step draws them (its param groups listing the parameters in the model's order)."""
+        return sorted(chunks, key=lambda chunk: chunk.index) if self.stochastic_round else chunks
 
     def _hyper(self, group: int) -> LowBitHyper:
         g = self.optimizer.param_groups[group]
@@ -161,8 +189,11 @@ class LowBitAdamRule(UpdateRule):
         segments = self.segments(chunk)
         with self.runtime.updating(chunk, tier) as target:
             master = chunk.optim[MASTER].tensor if chunk.has_master else target
+            random = None
+            if self.stochastic_round:  # drawn per parameter, in order, as torchao draws them
+                random = torch.cat([draw_random(s.numel, target.device) for s in segments]) if segments else None
             update_segments_(master, grad.to(target.device), self.moments(chunk), segments, multiplier,
-                             target if chunk.has_master else None)
+                             target if chunk.has_master else None, random)
             chunk.advance_steps(slot for slot, _, _ in self.stepped_slots(chunk))
             if chunk.has_master:  # the copy written may be new memory: what no segment wrote is the master's rounding
                 for a, b in gaps([(s.start, s.start + s.numel) for s in segments], 0, chunk.shard_numel):
@@ -239,9 +270,10 @@ class LowBitAdamRule(UpdateRule):
 
 def _torchao_state(held: torch.Tensor | tuple[torch.Tensor, torch.Tensor], qmap: torch.Tensor, signed: bool,
                    shape: torch.Size) -> torch.Tensor:
-    """One moment as torchao keeps it: an ``OptimState8bit`` (copies on the CPU) or an fp32 tensor."""
+    """One moment as torchao keeps it: an ``OptimState8bit`` (copies on the CPU) or a plain tensor (fp32, or bf16
+    beside bf16 masters)."""
     if not isinstance(held, tuple):
-        return held.detach().to("cpu", torch.float32, copy=True).view(tuple(shape))
+        return held.detach().to("cpu", copy=True).view(tuple(shape))
     from torchao.optim.subclass_8bit import OptimState8bit  # the optimizer's own package: installed
 
     codes, scales = (t.detach().to("cpu", copy=True) for t in held)

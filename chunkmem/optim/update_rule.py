@@ -77,6 +77,10 @@ class UpdateRule:
         """The per-element state families each trainable chunk holds (fp32, one element per parameter element)."""
         raise NotImplementedError
 
+    def keeps_master(self, chunk: Chunk) -> bool:
+        """Whether the trainable ``chunk`` gets an fp32 master family (its parameters are 16-bit)."""
+        return chunk.dtype != torch.float32
+
     def state_nbytes(self, chunk: Chunk) -> int:
         """Bytes of this rank's state families of the trainable ``chunk`` (not the master), as the rule lays them out."""
         return 4 * chunk.shard_numel * len(self.families)
@@ -131,6 +135,10 @@ class UpdateRule:
     def check_unchanged(self) -> None:
         """Raise, with nothing changed, where the wrapped optimizer's hyper-parameters now ask for state the
         chunks have no family for (before each step)."""
+
+    def update_order(self, chunks: list[Chunk]) -> list[Chunk]:
+        """The order in which the step updates ``chunks`` (given in the order their gradients landed)."""
+        return chunks
 
     def update(self, chunk: Chunk, multiplier: float) -> None:
         """Update ``chunk``, whose optimizer state is in memory, with its gradients times ``multiplier``, where
