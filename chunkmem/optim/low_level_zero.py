@@ -325,7 +325,6 @@ class LowLevelZeroOptimizer:
         check_type("set_to_none", set_to_none, bool, "True or False")
         self._backward.zero_grad(set_to_none)
 
-
     # ---- inspection --------------------------------------------------------------------------------
 
     def model_state_bytes(self) -> dict[str, int]:
