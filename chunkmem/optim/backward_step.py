@@ -45,30 +45,33 @@ GRADIENTS_AHEAD_OF_THE_DISK_STEP = 2
 beyond the one it is computing before the backward waits for it (see :meth:`BackwardStep.gradients_used_once`)."""
 
 
-def why_no_speculation(model_settings: ModelSettings) -> str | None:
+def why_no_speculation(atomic_step: bool, gradients_overwritten: bool) -> str | None:
     """Why the backward's updates could not be undone if ``step()`` decides otherwise (``None``: they can).
     They are made assuming no overflow and no clipping; an atomic step writes them to the disk's other
-    slot, so undoing them is not committing, and the gradients must survive them to redo the step."""
-    if not model_settings.disk.atomic_step:
+    slot, so undoing them is not committing, and the gradients must survive them to redo the step
+    (``gradients_overwritten``: they share the memory an update writes, ``reuse_fp16_shard=True``)."""
+    if not atomic_step:
         return "atomic_step=False (the updates written in place on disk could not be undone)"
-    if model_settings.reuse_fp16_shard:
+    if gradients_overwritten:
         return "reuse_fp16_shard=True (the updates overwrite the gradients a redone step needs)"
     return None
 
 
 def check_step_in_backward(model_settings: ModelSettings, dtype: torch.dtype, settings: OptimizerSettings) -> None:
     """Refuse ``step_in_backward=True`` where an update made in the backward could not be undone when the step
-    decides otherwise (fp16's skipped steps, clipping) or would overwrite the gradients in memory."""
+    decides otherwise (fp16's skipped steps, clipping) or would overwrite the gradients in memory. (Before the
+    model is wrapped: its settings say where the gradients will be.)"""
     if not settings.step_in_backward:
         return
-    if model_settings.reuse_fp16_shard and not model_settings.disk.optimizer_on_disk:
+    gradients_overwritten = model_settings.reuse_fp16_shard
+    if gradients_overwritten and not model_settings.disk.optimizer_on_disk:
         raise InvalidArgumentError("step_in_backward", True, "False with reuse_fp16_shard=True and the optimizer "
                                    "state in memory (an update in the backward overwrites the gradients a redone "
                                    "step needs), or True with offload_optimizer='disk'")
     needs = "fp16 (its loss scaler may skip the step)" if dtype == torch.float16 else \
         f"max_norm={settings.max_norm} (clipping)" if settings.max_norm > 0 else None
     if needs is not None:
-        reason = why_no_speculation(model_settings)
+        reason = why_no_speculation(model_settings.disk.atomic_step, gradients_overwritten)
         if reason is not None:
             raise InvalidArgumentError("step_in_backward", True, f"False with {needs} and {reason}")
 
@@ -100,15 +103,16 @@ class BackwardStep:
     """What one optimizer's backwards started (see the module docstring). ``in_flight``: the streamed disk
     step this backward started, or ``None``; ``undo``: the undo copies of the chunks in memory it updated;
     ``kept``: how many of the backward's updates the last ``step()`` kept; ``accumulating``: inside
-    ``optim.accumulating()`` (backwards start nothing).
+    ``optim.accumulating()`` (backwards start nothing); ``no_speculation``: why its updates could not be undone
+    if ``step()`` decides otherwise (:func:`why_no_speculation`; ``None``: they can).
 
     Args:
         runtime: the model's runtime.
         rule: the optimizer's chunk update rule (it makes every update).
         mixed: the optimizer's mixed-precision step (the loss scale the updates unscale by, the ranks' agreement).
         settings: the optimizer's settings (``step_in_backward``, ``max_norm``).
-        model_settings: the wrapped model's settings (``atomic_step``; ``reuse_fp16_shard``: its gradients
-            share its parameters' memory, which an update overwrites).
+        model_settings: the wrapped model's settings (``atomic_step``). Whether an update overwrites the
+            gradients, the runtime's gradient store says (``overwritten_by_update``).
     """
 
     def __init__(self, runtime: ChunkRuntime, rule: UpdateRule, mixed: MixedPrecisionStep,
@@ -117,7 +121,8 @@ class BackwardStep:
         self.rule = rule
         self.mixed = mixed
         self.settings = settings
-        self.model_settings = model_settings
+        self.no_speculation = why_no_speculation(model_settings.disk.atomic_step,
+                                                 runtime.gradients.overwritten_by_update)
         self.in_flight: StreamedStep | None = None
         self.speculated: dict[int, tuple[Any, ...]] = {}  # chunk index -> what its update in flight assumed
         self.undo = UndoCopies(self.runtime.memory)
@@ -165,7 +170,7 @@ class BackwardStep:
     def check_can_rescale(self, what: str) -> None:
         """Refuse ``what`` (a clipping decided after the backward) where the backward's updates could not be
         redone with another multiplier."""
-        reason = why_no_speculation(self.model_settings) if self.settings.step_in_backward else None
+        reason = self.no_speculation if self.settings.step_in_backward else None
         if reason is not None:
             raise UnsupportedOperationError(
                 f"{what} with step_in_backward=True and {reason}: the chunks on disk are updated during the "
@@ -231,7 +236,7 @@ class BackwardStep:
         :data:`GRADIENTS_AHEAD_OF_THE_DISK_STEP` chunks' gradients are waiting for it, so the host holds a
         few chunks' gradients instead of all of them (2 bytes a 16-bit parameter)."""
         return (not self.runtime.memory.disk.atomic_step and self.mixed.scaler is None and self.settings.max_norm == 0
-                and not self.model_settings.reuse_fp16_shard)
+                and not self.runtime.gradients.overwritten_by_update)
 
     def _update_in_memory(self, chunk: Chunk) -> None:
         """Update ``chunk``, whose optimizer state is in memory, in this backward after taking its undo copy;
@@ -242,7 +247,7 @@ class BackwardStep:
                 f"step_in_backward=True: {chunk.name} received gradients again before optim.step(), but it was "
                 f"already updated (a second backward, e.g. loss.backward() called twice); call optim.step() "
                 f"after each backward")
-        if self.model_settings.reuse_fp16_shard:
+        if self.runtime.gradients.overwritten_by_update:
             return
         multiplier = 1.0 / self.mixed.loss_scale
         off_thread = self.rule.updates_off_thread(chunk)

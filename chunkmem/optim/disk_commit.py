@@ -16,9 +16,8 @@ from ..core.chunk import Chunk
 from ..core.tiers import Tier
 from ..errors import ChunkmemError, UnsupportedOperationError
 from ..runtime.runtime import ChunkRuntime
-from ..settings import ModelSettings
 from .backward_accounting import BackwardAccounting
-from .backward_step import BackwardStep, why_no_speculation
+from .backward_step import BackwardStep
 from .disk_step import ChunkUpdate, DiskStepError, StreamedStep
 from .mixed_precision import MixedPrecisionStep
 from .update_rule import UpdateRule
@@ -30,20 +29,18 @@ class DiskCommit:
     Args:
         runtime: the model's runtime.
         rule: the chunk update rule (what each chunk's update is, and its completion).
-        backward: what the backward started under ``step_in_backward``.
+        backward: what the backward started under ``step_in_backward`` (and whether it could be undone).
         mixed: the mixed-precision step (the ranks' agreement on a failure).
         accounting: the optimizer's backward accounting (gradients dropped with a failed step).
-        model_settings: the wrapped model's settings (``atomic_step``, ``reuse_fp16_shard``).
     """
 
     def __init__(self, runtime: ChunkRuntime, rule: UpdateRule, backward: BackwardStep, mixed: MixedPrecisionStep,
-                 accounting: BackwardAccounting, model_settings: ModelSettings) -> None:
+                 accounting: BackwardAccounting) -> None:
         self.runtime = runtime
         self.rule = rule
         self.backward = backward
         self.mixed = mixed
         self.accounting = accounting
-        self.model_settings = model_settings
         self.broken_by: ChunkmemError | None = None  # a failed step that could not be undone
 
     def run(self, chunks: list[Chunk], multiplier: float) -> None:
@@ -54,7 +51,7 @@ class DiskCommit:
             return  # (with a disk tier every rank runs the step below, even with no chunk on disk: it agrees)
         backward = self.backward
         if backward.in_flight is not None and not backward.holds(multiplier):
-            reason = why_no_speculation(self.model_settings)
+            reason = backward.no_speculation
             if reason is not None:  # (fp16 and clipping were refused: the hyper-parameters changed)
                 self._refuse_redo(reason)
             backward.abandon_in_flight()  # clipped, or the hyper-parameters changed: redone below
@@ -76,7 +73,7 @@ class DiskCommit:
         except DiskStepError as exc:
             if not exc.undone:
                 self.broken_by = exc
-            elif self.model_settings.reuse_fp16_shard:
+            elif self.runtime.gradients.overwritten_by_update:
                 self.accounting.discard_gradients()  # the update overwrote them in place
             else:
                 for update in updates:

@@ -148,8 +148,7 @@ class ShardedOptimizerV2(WrappingOptimizer):
         self._accounting = BackwardAccounting(self.runtime, self.mixed)
         self._backward = BackwardStep(self.runtime, parts.rule, self.mixed, settings,
                                       sharded_model.settings)  # step_in_backward: what the backward started
-        self._disk = DiskCommit(self.runtime, parts.rule, self._backward, self.mixed, self._accounting,
-                                sharded_model.settings)
+        self._disk = DiskCommit(self.runtime, parts.rule, self._backward, self.mixed, self._accounting)
         # torch's idioms on the parameters' .grad stand-ins
         self._idioms = GradientIdioms(self.runtime, self.mixed, self._backward)
         self._init_optimizer_hooks()

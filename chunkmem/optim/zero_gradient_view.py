@@ -75,7 +75,7 @@ from ..distributed.collectives import reduce_over_groups
 from ..errors import UnsupportedOperationError
 
 if TYPE_CHECKING:
-    from .low_level_zero import LowLevelZeroOptimizer
+    from .zero_gradient_store import GradientStores
     from .zero_partition import FlatSlot
 
 OWN_CLIPPING = ("the optimizer's own clipping: LowLevelZeroOptimizer(clip_grad_norm=max_norm) (in a DeepSpeed "
@@ -141,8 +141,8 @@ class GradientViews:
     """The stand-ins' side of one :class:`~chunkmem.LowLevelZeroOptimizer` (module docstring): which
     parameter has one, what each use of them does to the optimizer's stores."""
 
-    def __init__(self, optimizer: "LowLevelZeroOptimizer") -> None:
-        self._optimizer = optimizer
+    def __init__(self, stores: "GradientStores") -> None:
+        self._stores = stores
         self._current: dict[int, ZeroGradient] = {}  # slot.index -> its stand-in while its gradient lives
         self._version = 0  # bumped whenever a store may have changed (the norms' cache key)
         self._norms: tuple[tuple[int, float], dict[int, torch.Tensor]] | None = None
@@ -186,7 +186,7 @@ class GradientViews:
 
     def drop(self, slot: "FlatSlot") -> None:
         """Forget ``slot``'s gradient: zero its part of the store; the step does not update it."""
-        part = self._optimizer.grad_part(slot)
+        part = self._stores.grad_part(slot)
         if part is not None:
             part.zero_()
         slot.chunk.slots_with_grads.discard(slot.index)
@@ -231,9 +231,9 @@ class GradientViews:
         if name in ("detach", "detach_") and args and isinstance(args[0], ZeroGradient):
             return args[0]
         if name == "__repr__" and isinstance(args[0], ZeroGradient) and (
-                self._optimizer.grads_sharded or not self._live(args[0])):
+                self._stores.grads_sharded or not self._live(args[0])):
             why = ("dropped: read param.grad again" if not self._live(args[0]) else
-                   f"sharded over {self._optimizer.shards.world} ranks: chunkmem.utils.safe_get_full_grad(param) "
+                   f"sharded over {self._stores.shards.world} ranks: chunkmem.utils.safe_get_full_grad(param) "
                    "reads it")
             return f"ZeroGradient({self.describe(args[0].slot)}, dtype={args[0].dtype}, {why})"
         for stand_in in stand_ins:
@@ -254,20 +254,20 @@ class GradientViews:
     def value(self, stand_in: ZeroGradient) -> torch.Tensor:
         """A copy of the gradient ``stand_in`` stands for: unscaled, in the parameter's dtype, shaped like it
         (the reduced gradient plus what autograd added since, inside ``no_sync``)."""
-        optimizer, slot = self._optimizer, stand_in.slot
-        if optimizer.grads_sharded:
+        stores, slot = self._stores, stand_in.slot
+        if stores.grads_sharded:
             raise UnsupportedOperationError(
                 f"reading the gradient of {self.describe(slot)}: at ZeRO stage 2 (partition_grad=True) over "
-                f"{optimizer.shards.world} ranks each rank holds a piece of it. Read it whole with "
+                f"{stores.shards.world} ranks each rank holds a piece of it. Read it whole with "
                 "chunkmem.utils.safe_get_full_grad(param) (every rank calls it) or this rank's piece with "
                 "safe_get_local_grad(param); torch.nn.utils.clip_grad_norm_ and clip_grad_value_ work as they are")
-        part = optimizer.grad_part(slot)
+        part = stores.grad_part(slot)
         out = (torch.zeros(slot.numel, dtype=torch.float32, device=slot.param.device) if part is None
                else part.to(torch.float32, copy=True))
         if stand_in.pending is not None:
             out.add_(stand_in.pending.reshape(-1).to(out.device, torch.float32))
-        if optimizer.loss_scale != 1.0:
-            out.div_(optimizer.loss_scale)
+        if stores.loss_scale != 1.0:
+            out.div_(stores.loss_scale)
         return out.view(slot.shape).to(slot.param.dtype)
 
     def _attribute_use(self, func: Any, attribute: tuple[str, str], args: tuple, kwargs: dict,
@@ -325,10 +325,10 @@ class GradientViews:
 
     def _write(self, func: Any, name: str, args: tuple, kwargs: dict, targets: list[ZeroGradient],
                stand_ins: list[ZeroGradient]) -> Any:
-        if self._optimizer.grads_sharded:
+        if self._stores.grads_sharded:
             raise UnsupportedOperationError(
                 f"{name} on the gradient of {self.describe(targets[0].slot)}: at ZeRO stage 2 (partition_grad=True) "
-                f"over {self._optimizer.shards.world} ranks each rank holds a piece of it; in place, only "
+                f"over {self._stores.shards.world} ranks each rank holds a piece of it; in place, only "
                 "mul_/div_ by a number, clamp_ and zero_ (what clip_grad_norm_ and clip_grad_value_ do) work. "
                 f"Clip with torch.nn.utils.clip_grad_norm_ or {OWN_CLIPPING}")
         self._refuse_pending(stand_ins, name)
@@ -343,12 +343,12 @@ class GradientViews:
 
     def _store(self, stand_in: ZeroGradient, value: torch.Tensor) -> None:
         """Write an unscaled value of the whole gradient into the store."""
-        optimizer = self._optimizer
-        part = optimizer.grad_part(stand_in.slot)
+        stores = self._stores
+        part = stores.grad_part(stand_in.slot)
         if part is None:
             return
         value = value.detach().reshape(-1).to(part.device, torch.float32)
-        part.copy_(value * optimizer.loss_scale if optimizer.loss_scale != 1.0 else value)
+        part.copy_(value * stores.loss_scale if stores.loss_scale != 1.0 else value)
         self.changed()
 
     def _norm(self, name: str, args: tuple, kwargs: dict) -> Any:
@@ -383,20 +383,20 @@ class GradientViews:
         key = (self._version, order)
         if self._norms is not None and self._norms[0] == key:
             return self._norms[1]
-        optimizer = self._optimizer
-        slots = [s for c in optimizer.chunks for s in c.slots if s.index in c.slots_with_grads]
-        device = optimizer.chunks[0].param.device
+        stores = self._stores
+        slots = [s for c in stores.chunks for s in c.slots if s.index in c.slots_with_grads]
+        device = stores.chunks[0].param.device
         norms = []
         for slot in slots:
-            part = optimizer.grad_part(slot)
+            part = stores.grad_part(slot)
             if part is None or part.numel() == 0:
                 norms.append(torch.zeros((), dtype=torch.float32, device=device))
             else:
                 norms.append(torch.linalg.vector_norm(part, order, dtype=torch.float32))
         local = torch.stack(norms).double() if norms else torch.zeros(0, dtype=torch.float64, device=device)
-        if optimizer.grads_sharded:
-            local = _reduce_norms(optimizer.mixed.groups, local, order)
-        totals = (local / optimizer.loss_scale).float()
+        if stores.grads_sharded:
+            local = _reduce_norms(stores.mixed.groups, local, order)
+        totals = (local / stores.loss_scale).float()
         self._norms = (key, {s.index: totals[i] for i, s in enumerate(slots)})
         return self._norms[1]
 
@@ -411,7 +411,7 @@ class GradientViews:
                 continue
             if isinstance(f, torch.Tensor):
                 f = f.detach().reshape(())
-            part = self._optimizer.grad_part(t.slot)
+            part = self._stores.grad_part(t.slot)
             if part is not None and part.numel():
                 f_here = f.to(part.device) if isinstance(f, torch.Tensor) else f
                 part.div_(f_here) if divide else part.mul_(f_here)
@@ -427,7 +427,7 @@ class GradientViews:
                 with DisableTorchFunctionSubclass():
                     t.zero_()
                 continue
-            part = self._optimizer.grad_part(t.slot)
+            part = self._stores.grad_part(t.slot)
             if part is not None:
                 part.zero_()
             t.pending = None
@@ -446,8 +446,8 @@ class GradientViews:
             high = args[2] if len(args) > 2 else kwargs.get("max")
             bounds = [(low, high)]
         self._refuse_pending([t for t in tensors if isinstance(t, ZeroGradient)], name)
-        optimizer = self._optimizer
-        scale = optimizer.loss_scale
+        stores = self._stores
+        scale = stores.loss_scale
         for t, (low, high) in zip(tensors, bounds):
             low = None if low is None else float(low)
             high = None if high is None else float(high)
@@ -455,7 +455,7 @@ class GradientViews:
                 with DisableTorchFunctionSubclass():
                     t.clamp_(low, high)
                 continue
-            part = optimizer.grad_part(t.slot)
+            part = stores.grad_part(t.slot)
             if part is None or part.numel() == 0:
                 continue
             if scale == 1.0:

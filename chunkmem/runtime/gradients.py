@@ -42,6 +42,10 @@ class GradientStore:
     in_param_memory = False
     """Whether the gradients live in the parameters' memory (no gradient or staging buffers): the
     runtime then holds a chunk's parameters on the device before handing it a gradient or finishing it."""
+    overwritten_by_update = False
+    """Whether a chunk's update overwrites its gradients (they share the memory it writes): the optimizer then
+    cannot redo a step from them, starts no update of a chunk in memory in the backward, and has no gradient
+    left to free or keep after an update."""
 
     def __init__(self, executor: ChunkExecutor, reduction: GradientReduction) -> None:
         self.executor = executor
@@ -352,6 +356,7 @@ class GradientsInParamMemory(GradientStore):
     """``reuse_fp16_shard``: each chunk's gradients are written over its 16-bit parameter memory."""
 
     in_param_memory = True
+    overwritten_by_update = True
 
     def accumulate(self, chunk: Chunk, slot: ParamSlot, grad: torch.Tensor) -> None:
         if slot.index_in_chunk in chunk.grad_slots_received:

@@ -1,0 +1,197 @@
+"""Building a :class:`~chunkmem.LowLevelZeroOptimizer`: every check of its arguments, the ranks' agreement, then
+the flat chunks it trains, as :mod:`chunkmem.optim.builder` is for :class:`~chunkmem.ShardedOptimizerV2`.
+
+:func:`check_arguments` checks the constructor's arguments (the wrapped optimizer, the loss scaler's rules, the
+reduction settings, the parameters: each once, trainable ones of one device and dtype, none already managed),
+refusing together with the other ranks before anything changes. :func:`build_parts` runs it, agrees with the
+other ranks on the trainable parameters and the settings, seals the wrapped optimizer's param groups and packs
+the parameters into the flat chunks (:mod:`chunkmem.optim.zero_partition`), returning :class:`ZeroParts`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..core.chunk import ADAM_STATE
+from ..core.param_guard import slot_of
+from ..distributed.agreement import ARGUMENTS, LayoutDescription, ParamRecord, agree, refuse_together
+from ..distributed.collectives import ShardGroup
+from ..errors import ChunkmemError, InvalidArgumentError, check_choice, check_number, check_type
+from .adam import check_supported_optimizer, runs_adam_kernel
+from .any_optimizer import StateLayout, check_elementwise, probe_state
+from .loss_scaler import DynamicGradScaler
+from .sealed import seal_param_groups
+from .zero_partition import FlatChunk, FlatSlot, build_partition
+
+OWNER = "LowLevelZeroOptimizer"
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+"""The working dtypes a :class:`~chunkmem.LowLevelZeroOptimizer` trains (and communicates) in."""
+
+
+@dataclass
+class ZeroParts:
+    """What :func:`build_parts` checked and built for one optimizer.
+
+    Attributes:
+        scaler: the loss scaler the arguments describe (used only with fp16 working parameters).
+        shards: the data-parallel ranks.
+        dtype: the working parameters' dtype.
+        layout: what the wrapped optimizer keeps per parameter (``None``: Adam, run by chunkmem's kernel).
+        separate_master: whether the fp32 masters are separate from the working parameters (16 bits, or the
+            masters on the host).
+        chunks: the flat chunks of the trainable parameters.
+        params: every parameter of the wrapped optimizer's param groups, in index order (torch's numbering).
+        slot_of: ``id(parameter)`` -> its place in the chunks, for each trainable one.
+        not_packed: ``(index, parameter)`` of the parameters frozen when the optimizer was built (no place in
+            the chunks, no master: they cannot be trained later).
+    """
+
+    scaler: DynamicGradScaler
+    shards: ShardGroup
+    dtype: torch.dtype
+    layout: StateLayout | None
+    separate_master: bool
+    chunks: list[FlatChunk]
+    params: list[nn.Parameter]
+    slot_of: dict[int, FlatSlot]
+    not_packed: list[tuple[int, nn.Parameter]]
+
+
+def build_parts(optimizer: Any, initial_scale: float, min_scale: float, growth_factor: float, backoff_factor: float,
+                growth_interval: int, hysteresis: int, max_scale: float, clip_grad_norm: float, verbose: bool,
+                reduce_bucket_size: int, communication_dtype: torch.dtype | None, overlap_communication: bool,
+                partition_grad: bool, cpu_offload: bool, forced_dtype: torch.dtype | None, dp_process_group: Any,
+                grad_accum_dtype: torch.dtype | None) -> ZeroParts:
+    """Check the constructor's arguments (:func:`check_arguments`), agree with the other ranks, seal the wrapped
+    optimizer's param groups and pack its trainable parameters into flat chunks (the parameters become views
+    into them)."""
+    scaler, shards, groups, layout = check_arguments(
+        optimizer, initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale,
+        clip_grad_norm, verbose, reduce_bucket_size, communication_dtype, overlap_communication, partition_grad,
+        cpu_offload, forced_dtype, dp_process_group, grad_accum_dtype)
+    trainable = [p for group in groups for p in group]
+    for p in trainable:
+        p._low_level_zero = True  # type: ignore[attr-defined]
+    dtype = forced_dtype or trainable[0].dtype
+    agree_on_settings(shards, groups, dict(
+        optimizer=type(optimizer).__name__, dtype=dtype, communication_dtype=communication_dtype or dtype,
+        reduce_bucket_size=reduce_bucket_size,
+        overlap_communication=overlap_communication, partition_grad=partition_grad, cpu_offload=cpu_offload,
+        clip_grad_norm=clip_grad_norm,
+        loss_scaler=(initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
+                     max_scale) if dtype == torch.float16 else None))
+    device = trainable[0].device
+    master_device = torch.device("cpu") if cpu_offload else device
+    separate = dtype != torch.float32 or master_device != device
+    seal_param_groups(optimizer, OWNER)
+    chunks = build_partition(groups, dtype, shards.world, shards.rank, master_device, separate,
+                             ADAM_STATE if layout is None else layout.families)
+    if layout is not None:
+        optimizer.state.clear()  # what its constructor made (Adagrad's sums): the chunks keep the state
+    slots = {id(s.param): s for c in chunks for s in c.slots}
+    index_of: dict[int, int] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            index_of.setdefault(id(p), len(index_of))
+    for slot in slots.values():
+        slot.index = index_of[id(slot.param)]
+    params = [p for group in optimizer.param_groups for p in group["params"]]  # index order
+    not_packed = [(i, p) for i, p in enumerate(params) if id(p) not in slots]
+    return ZeroParts(scaler, shards, dtype, layout, separate, chunks, params, slots, not_packed)
+
+
+def check_arguments(optimizer: Any, initial_scale: float, min_scale: float, growth_factor: float,
+                    backoff_factor: float, growth_interval: int, hysteresis: int, max_scale: float,
+                    clip_grad_norm: float, verbose: bool, reduce_bucket_size: int,
+                    communication_dtype: torch.dtype | None, overlap_communication: bool, partition_grad: bool,
+                    cpu_offload: bool, forced_dtype: torch.dtype | None, dp_process_group: Any,
+                    grad_accum_dtype: torch.dtype | None = None, cast_to: torch.dtype | None = None
+                    ) -> tuple[DynamicGradScaler, ShardGroup, list[list[nn.Parameter]], StateLayout | None]:
+    """Every check of the constructor's arguments (nothing changed): the scaler, the data-parallel
+    group, the trainable parameters per param group and what the optimizer keeps (``None``: Adam).
+    ``cast_to``: check the floating-point parameters as they will be once their module is cast to this dtype."""
+    shards = ShardGroup.of(dp_process_group, "dp_process_group")
+    try:  # a rank refused here still meets the others' agreement (else they would wait for it)
+        check_supported_optimizer(optimizer)
+        scaler = DynamicGradScaler(initial_scale, min_scale, growth_factor, backoff_factor, growth_interval,
+                                   hysteresis, max_scale)
+        check_number("clip_grad_norm", clip_grad_norm, low=0.0, finite=True)
+        check_type("verbose", verbose, bool, "True or False")
+        check_number("reduce_bucket_size", reduce_bucket_size, low=1, integer=True,
+                     allowed="an integer >= 1 (gradient elements per reduction)")
+        for name, value in (("communication_dtype", communication_dtype), ("forced_dtype", forced_dtype)):
+            if value is not None:
+                check_choice(name, value, DTYPES)
+        for name, value in (("overlap_communication", overlap_communication), ("partition_grad", partition_grad),
+                            ("cpu_offload", cpu_offload)):
+            check_type(name, value, bool, "True or False")
+        groups = check_params(optimizer, forced_dtype, cast_to)
+        dtype = forced_dtype or cast_to or groups[0][0].dtype
+        if grad_accum_dtype not in (None, torch.float32, dtype):
+            raise InvalidArgumentError("grad_accum_dtype", grad_accum_dtype,
+                                       f"None or torch.float32 (16-bit gradients of several backwards summed in "
+                                       f"fp32), or the parameters' dtype {dtype} (summed in it)")
+        layout = None
+        if not runs_adam_kernel(optimizer):
+            layout = probe_state(optimizer)
+            if shards.sharded:
+                check_elementwise(optimizer, "with several data-parallel ranks",
+                                  "each rank owns pieces of parameters")
+    except ChunkmemError as refused:
+        refuse_together(shards, OWNER, refused)
+    return scaler, shards, groups, layout
+
+
+def check_params(optimizer: Any, forced_dtype: torch.dtype | None,
+                 cast_to: torch.dtype | None = None) -> list[list[nn.Parameter]]:
+    """The trainable parameters per param group, after checking them (nothing changed); ``cast_to``:
+    the dtype the floating-point ones will have when the optimizer is built."""
+    seen: set[int] = set()
+    groups: list[list[nn.Parameter]] = []
+    devices, dtypes = set(), set()
+    for group in optimizer.param_groups:
+        params = []
+        for p in group["params"]:
+            if id(p) in seen:
+                raise InvalidArgumentError("optimizer", f"a parameter of shape {tuple(p.shape)} listed twice",
+                                           "param_groups that hold each parameter once")
+            seen.add(id(p))
+            if slot_of(p) is not None or hasattr(p, "_low_level_zero"):
+                raise InvalidArgumentError("optimizer", f"a parameter of shape {tuple(p.shape)} already managed "
+                                           "by chunkmem", "parameters of a plain module, not wrapped yet")
+            if not p.requires_grad:
+                continue
+            dtype = cast_to if cast_to is not None and (p.is_floating_point() or p.is_complex()) else p.dtype
+            if dtype not in DTYPES:
+                raise InvalidArgumentError("optimizer", f"a parameter of dtype {dtype}",
+                                           "parameters of dtype torch.float16, torch.bfloat16 or torch.float32")
+            devices.add(p.device)
+            dtypes.add(dtype)
+            params.append(p)
+        groups.append(params)
+    if not any(groups):
+        raise InvalidArgumentError("optimizer", "an optimizer without trainable parameters",
+                                   "an optimizer over at least one parameter that requires grad")
+    if len(devices) > 1:
+        raise InvalidArgumentError("optimizer", f"parameters on {sorted(map(str, devices))}",
+                                   "parameters on one device")
+    if forced_dtype is None and len(dtypes) > 1:
+        raise InvalidArgumentError("forced_dtype", None, f"a dtype, as the parameters have several "
+                                                         f"({sorted(map(str, dtypes))})")
+    return groups
+
+
+def agree_on_settings(shards: ShardGroup, groups: list[list[nn.Parameter]], settings: dict[str, Any]) -> None:
+    """Sharded, every rank must reduce the same buckets in the same dtype and step with the same rules:
+    agree, before anything changes, on the trainable parameters (shape, group, in order) and ``settings``
+    (a rank with another bucket size or communication dtype would run mismatched collectives; another
+    loss scale or clipping would update its shard differently)."""
+    params = ParamRecord()
+    for g, group in enumerate(groups):
+        for i, p in enumerate(group):
+            params.add(f"param group {g}, parameter {i}", p.shape, True)
+    description = [(ARGUMENTS, "accepted")] + [(k, repr(v)) for k, v in settings.items()]
+    agree(shards, LayoutDescription(OWNER, description, params))

@@ -1,0 +1,107 @@
+"""The gradient stores of a :class:`~chunkmem.LowLevelZeroOptimizer`: where each flat chunk's reduced gradients
+are kept between the backward and the step.
+
+A chunk's store holds what the buckets reduced into it (:mod:`chunkmem.optim.zero_buckets`: the mean over the
+ranks, in the store's units, times the loss scale with fp16): the whole chunk (stage 1) or only this rank's
+shard (stage 2, ``partition_grad``). It is made at a backward's first gradient for the chunk, from the memory
+``zero_grad`` kept when there is some (as DDP keeps its buckets); a 16-bit store holding an earlier backward's
+sum is widened to fp32 before the next backward adds to it (gradient accumulation summed in fp32), unless
+``grad_accum_dtype`` is the parameters' dtype. The step, the ``.grad`` stand-ins
+(:mod:`chunkmem.optim.zero_gradient_view`) and the accessors read this rank's part of it
+(:meth:`GradientStores.own`, :meth:`GradientStores.grad_part`).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..distributed.collectives import ShardGroup
+from .mixed_precision import MixedPrecisionStep
+from .zero_partition import FlatChunk, FlatSlot
+
+
+class GradientStores:
+    """The gradient stores of one optimizer's chunks (see the module docstring).
+
+    Args:
+        chunks: the optimizer's flat chunks (each keeps its store in ``grad``, the kept memory in ``spare_grad``).
+        shards: the data-parallel ranks.
+        mixed: the optimizer's mixed-precision step (the loss scale the stores are multiplied by; the groups a
+            norm over sharded stores sums over).
+        dtype: the working parameters' dtype (a new store's).
+        partition_grad: stage 2: a store holds only this rank's shard of its chunk.
+        accumulate_in_fp32: widen a 16-bit store holding an earlier backward's sum to fp32.
+    """
+
+    def __init__(self, chunks: list[FlatChunk], shards: ShardGroup, mixed: MixedPrecisionStep, dtype: torch.dtype,
+                 partition_grad: bool, accumulate_in_fp32: bool) -> None:
+        self.chunks = chunks
+        self.shards = shards
+        self.mixed = mixed
+        self.dtype = dtype
+        self.partition_grad = partition_grad
+        self.accumulate_in_fp32 = accumulate_in_fp32
+        # backwards begun so far: a store last added to in an earlier one holds that backward's sum (the reductions
+        # of one backward may complete after it ends, with overlap_communication)
+        self.backwards_begun = 0
+
+    @property
+    def grads_sharded(self) -> bool:
+        """Whether each rank holds only its shard of the reduced gradients (stage 2 over several ranks)."""
+        return self.partition_grad and self.shards.sharded
+
+    @property
+    def loss_scale(self) -> float:
+        """The loss scale the stores' gradients are multiplied by (1.0 without a scaler)."""
+        return self.mixed.loss_scale
+
+    def begin_backward(self) -> None:
+        """A backward begins: the stores added to before it hold an earlier backward's sum."""
+        self.backwards_begun += 1
+
+    def store(self, chunk: FlatChunk) -> torch.Tensor:
+        """Where ``chunk``'s reduced gradients of this backward are added: a 16-bit store holding an earlier
+        backward's sum is widened to fp32 first (gradient accumulation summed in fp32, unless
+        ``grad_accum_dtype`` is the parameters' dtype)."""
+        if chunk.grad is None:
+            if chunk.spare_grad is not None:  # memory already touched: no page faults, no allocator call
+                chunk.grad, chunk.spare_grad = chunk.spare_grad.zero_(), None
+            else:
+                numel = chunk.shard_numel if self.partition_grad else chunk.numel
+                chunk.grad = torch.zeros(numel, dtype=self.dtype, device=chunk.param.device)
+        elif (self.accumulate_in_fp32 and chunk.grad_backward != self.backwards_begun
+              and chunk.grad.dtype != torch.float32):
+            chunk.grad = chunk.grad.float()
+        chunk.grad_backward = self.backwards_begun
+        return chunk.grad
+
+    def own(self, chunk: FlatChunk) -> torch.Tensor:
+        """This rank's shard of ``chunk``'s store (made zeroed when it has none)."""
+        store = self.store(chunk)
+        return store if self.partition_grad else chunk.own(store)
+
+    def grad_part(self, slot: FlatSlot) -> torch.Tensor | None:
+        """This rank's elements of ``slot``'s reduced gradient in its chunk's store, as a flat view (the whole
+        parameter unless :attr:`grads_sharded`; possibly empty), in the store's units (times the loss
+        scale with fp16); ``None`` while the chunk has no store."""
+        store = slot.chunk.grad
+        if store is None:
+            return None
+        if not self.partition_grad:
+            return store[slot.offset:slot.offset + slot.numel]
+        part = slot.owned()
+        if part is None:
+            return store[:0]
+        start = slot.offset + part[0] - slot.chunk.own_start
+        return store[start:start + part[1] - part[0]]
+
+    def release(self, set_to_none: bool) -> None:
+        """Drop (``set_to_none``: no parameter has a gradient any more; the store's memory is kept for the next
+        backward unless it was widened for accumulation, as the next backward's is 16-bit) or zero the stores."""
+        for chunk in self.chunks:
+            if set_to_none:  # zeroed gradients still count: torch steps a parameter whose .grad is zeros
+                chunk.slots_with_grads.clear()
+            if chunk.grad is not None:
+                if set_to_none:
+                    chunk.grad, chunk.spare_grad = None, chunk.grad if chunk.grad.dtype == self.dtype else None
+                else:
+                    chunk.grad.zero_()

@@ -1,0 +1,116 @@
+"""How a :class:`~chunkmem.LowLevelZeroOptimizer` updates this rank's shard of a flat chunk: the update rule,
+chosen once when the optimizer is built (:func:`choose_update`), as
+:mod:`chunkmem.optim.update_rule` is for :class:`~chunkmem.ShardedOptimizerV2`'s chunks.
+
+* :class:`AdamUpdate`: chunkmem's Adam kernel over the runs of the shard (``HybridAdam``, ``CPUAdam``, plain
+  ``torch.optim.Adam`` / ``AdamW``), its moments the chunk's ``exp_avg`` and ``exp_avg_sq``;
+* :class:`AnyOptimizerUpdate`: the wrapped optimizer's own step on stand-ins for the parameters
+  (:mod:`chunkmem.optim.any_optimizer`), its per-element state the chunk's families named as its keys.
+
+Either updates the parameters that require grad and were given a gradient since the last step
+(:func:`stepped`), advances their step counts, and copies the new masters into the working shard where they are
+separate; the rest of the shard (frozen or unused parameters, padding) is left alone.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..core.layout import join_runs
+from .adam import hyper_of_group
+from .adam_kernels import adam_update_, param_spans
+from .any_optimizer import ParamView, StateLayout, step_parameters
+from .zero_gradient_store import GradientStores
+from .zero_partition import FlatChunk, FlatSlot
+
+
+def stepped(chunk: FlatChunk) -> list[FlatSlot]:
+    """The parameters of ``chunk`` the step updates: trainable now and given a gradient since the last step
+    (torch skips a parameter whose ``.grad`` is None: its state and step count stay)."""
+    return [slot for slot in chunk.slots if slot.param.requires_grad and slot.index in chunk.slots_with_grads]
+
+
+def ranges(chunk: FlatChunk) -> list[tuple[int, int, int]]:
+    """``(start, end, step)``: the runs of this rank's shard of ``chunk`` (elements from the shard's start)
+    whose parameters the step updates (:func:`stepped`) and have taken the same number of steps, with the
+    step number after this update; the rest (frozen or unused parameters, padding) is not updated."""
+    pieces = []
+    for slot in stepped(chunk):
+        part = slot.owned()
+        if part is None:
+            continue
+        start = slot.offset + part[0] - chunk.own_start
+        pieces.append((start, start + part[1] - part[0], chunk.step_of(slot) + 1))
+    return join_runs(pieces)
+
+
+class ZeroUpdate:
+    """What both rules share. ``optimizer``: the wrapped torch optimizer (its param groups hold the
+    hyper-parameters, read at every step); ``stores``: the gradient stores the updates read; ``separate_master``:
+    the masters are not the working shard."""
+
+    def __init__(self, optimizer: Any, stores: GradientStores, separate_master: bool) -> None:
+        self.optimizer = optimizer
+        self.stores = stores
+        self.separate_master = separate_master
+
+    def update(self, chunk: FlatChunk, multiplier: float) -> None:
+        """Update this rank's shard of ``chunk`` from its gradient store times ``multiplier`` (what unscales and
+        clips it)."""
+        raise NotImplementedError
+
+
+class AdamUpdate(ZeroUpdate):
+    """chunkmem's Adam kernel over the runs of the shard (module docstring)."""
+
+    def update(self, chunk: FlatChunk, multiplier: float) -> None:
+        hyper = hyper_of_group(self.optimizer.param_groups[chunk.group])
+        grad = self.stores.own(chunk)
+        if grad.device != chunk.master.device:
+            grad = grad.to(chunk.master.device)
+        own = chunk.own(chunk.param)
+        same_device = own.device == chunk.master.device
+        spans = param_spans(chunk.slots, chunk.own_start)
+        exp_avg, exp_avg_sq = chunk.state["exp_avg"], chunk.state["exp_avg_sq"]
+        for a, b, step in ranges(chunk):
+            adam_update_(chunk.master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], step, hyper,
+                         grad_multiplier=multiplier,
+                         param_out=own[a:b] if self.separate_master and same_device else None,
+                         param_spans=[(s - a, e - a) for s, e in spans])
+            if self.separate_master and not same_device:
+                own[a:b].copy_(chunk.master[a:b], non_blocking=False)
+        chunk.advance_steps(stepped(chunk))
+
+
+class AnyOptimizerUpdate(ZeroUpdate):
+    """The wrapped optimizer's own step over this rank's shard on stand-ins (views of the masters, shaped where
+    the rank owns a parameter whole; a stepped parameter none of whose elements the rank owns advances its scalar
+    state on a one-element stand-in: :mod:`chunkmem.optim.any_optimizer`). The scalar state is per parameter
+    (``chunk.scalars`` by its index), as torch keeps it. ``layout``: what the optimizer keeps per parameter."""
+
+    def __init__(self, optimizer: Any, stores: GradientStores, separate_master: bool, layout: StateLayout) -> None:
+        super().__init__(optimizer, stores, separate_master)
+        self.layout = layout
+
+    def update(self, chunk: FlatChunk, multiplier: float) -> None:
+        slots = stepped(chunk)
+        views = [ParamView.elsewhere(chunk.group, slot.index) if part is None else
+                 ParamView.of_part(slot.offset, slot.numel, slot.shape, part, chunk.own_start, chunk.group, slot.index)
+                 for slot in slots for part in (slot.owned(),)]
+        grad = self.stores.own(chunk).to(device=chunk.master.device, dtype=torch.float32, copy=True).mul_(multiplier)
+        step_parameters(self.optimizer, self.layout, views, chunk.master, grad, chunk.state, chunk.scalars,
+                        whole_state=chunk.whole_state)
+        chunk.advance_steps(slots)
+        if self.separate_master:
+            own = chunk.own(chunk.param)
+            for a, b, _ in ranges(chunk):
+                own[a:b].copy_(chunk.master[a:b])
+
+
+def choose_update(optimizer: Any, layout: StateLayout | None, stores: GradientStores,
+                  separate_master: bool) -> ZeroUpdate:
+    """The rule for ``optimizer``: the Adam kernel where it runs it (``layout`` ``None``), else its own step."""
+    if layout is None:
+        return AdamUpdate(optimizer, stores, separate_master)
+    return AnyOptimizerUpdate(optimizer, stores, separate_master, layout)
