@@ -350,3 +350,12 @@ def test_bf16_parameters_as_their_own_masters_round_stochastically_as_torchao_do
     _same_state(optim.state_dict(), plain_optim.state_dict())
     host = model.tier_bytes()["host"]
     assert "master" not in host and host["param"] == sum(2 * c.shard_numel for c in model.chunks)
+
+
+def test_torchaos_4bit_state_is_kept_whole_not_stepped_as_fp32_families():
+    """torchao's 4-bit Adam quantizes the state of larger tensors only (a tensor subclass): before 2026-11-27 the
+    probe saw a small tensor's fp32 state, and every step after the first ran on fp32 families (silently
+    another optimizer). Now its state is whole-parameter state, kept as its own step makes it."""
+    from chunkmem.optim.any_optimizer import probe_state
+    layout = probe_state(torchao_optim.AdamW4bit([torch.nn.Parameter(torch.zeros(4))]))
+    assert layout.whole and layout.families == ()
