@@ -30,7 +30,7 @@ import ctypes
 import platform
 import sys
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -104,8 +104,9 @@ class Moments:
     plain_m: torch.Tensor
     plain_v: torch.Tensor
 
-    def of(self, segment: Segment) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], ...]:
-        """``segment``'s ``exp_avg`` and ``exp_avg_sq``: ``(codes, scales)`` pairs, or fp32 tensors."""
+    def of(self, segment: Any) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], ...]:
+        """The ``exp_avg`` and ``exp_avg_sq`` of ``segment`` (a :class:`Segment`, or anything with its ``start``,
+        ``numel``, ``quantized`` and ``state_base``): ``(codes, scales)`` pairs, or plain tensors."""
         a, n, base = segment.start, segment.numel, segment.state_base
         if segment.quantized:
             blocks = n // BLOCK_SIZE

@@ -90,13 +90,13 @@ def check_low_bit_optimizer(optimizer: Any, *, dtype: torch.dtype, several_ranks
 @dataclass(frozen=True)
 class StatePiece:
     """Where one parameter's state lies in this rank's shard of its chunk: ``numel`` elements from ``start``,
-    quantized (``base``: its first block scale) or plain (``base``: its first fp32 moment)."""
+    quantized (``state_base``: its first block scale) or plain (``state_base``: its first plain moment)."""
 
     slot: int
     start: int
     numel: int
     quantized: bool
-    base: int
+    state_base: int
 
 
 def state_pieces(chunk: Chunk) -> tuple[list[StatePiece], int, int]:
@@ -174,9 +174,13 @@ class LowBitAdamRule(UpdateRule):
         """The stepped parameters' pieces of ``chunk`` with their hyper-parameters and step numbers after this step."""
         pieces = self._pieces[chunk.index]
         hyper = [self._hyper(index) for index in range(len(self.optimizer.param_groups))]
-        return [Segment(p.start, p.numel, p.quantized, p.base, hyper[group], chunk.step_of(slot) + 1)
-                for slot, group, part in self.stepped_slots(chunk) if part is not None
-                for p in (pieces[slot.index_in_chunk],)]
+        segments = []
+        for slot, group, part in self.stepped_slots(chunk):
+            if part is not None:
+                piece = pieces[slot.index_in_chunk]
+                segments.append(Segment(piece.start, piece.numel, piece.quantized, piece.state_base, hyper[group],
+                                        chunk.step_of(slot) + 1))
+        return segments
 
     @staticmethod
     def moments(chunk: Chunk) -> Moments:
@@ -211,9 +215,8 @@ class LowBitAdamRule(UpdateRule):
         for slot in chunk.slots:
             piece = self._pieces[chunk.index].get(slot.index_in_chunk)
             if id(slot.param) in index_of and chunk.step_of(slot) > 0 and piece is not None:
-                segment = Segment(piece.start, piece.numel, piece.quantized, piece.base, None, 0)  # type: ignore[arg-type]
                 entry: dict[str, Any] = {"step": torch.tensor(float(chunk.step_of(slot)), dtype=torch.float32)}
-                for key, held, qmap, signed in zip(_STATE_KEYS, state.of(segment), maps, (True, False)):
+                for key, held, qmap, signed in zip(_STATE_KEYS, state.of(piece), maps, (True, False)):
                     entry[key] = _torchao_state(held, qmap, signed, slot.shape)
                 entries[index_of[id(slot.param)]] = entry
         return entries
@@ -251,8 +254,7 @@ class LowBitAdamRule(UpdateRule):
         state = Moments(*families.values())
         for slot, entry in entries:
             piece = self._pieces[chunk.index][slot.index_in_chunk]
-            segment = Segment(piece.start, piece.numel, piece.quantized, piece.base, None, 0)  # type: ignore[arg-type]
-            for key, held in zip(_STATE_KEYS, state.of(segment)):
+            for key, held in zip(_STATE_KEYS, state.of(piece)):
                 value = entry[key]
                 if isinstance(held, tuple):
                     held[0].copy_(value.codes.reshape(-1))
