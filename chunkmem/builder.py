@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from .core.chunk import PARAM, Chunk, ChunkKey
+from .core.chunk import PARAM, Chunk, ChunkKey, ParamSlot
 from .core.disk_tier import DiskTier
 from .storage.disk_io import aligned_nbytes
 from .errors import HostCapacityError, InvalidArgumentError, check_type
@@ -73,6 +73,21 @@ def _process_groups(settings: ModelSettings
     return groups, reduce_shards, secondary, hierarchy
 
 
+@dataclass
+class _Packing:
+    """How the module's parameters are packed: the named parameters, the ``ZeroInitContext`` slots among
+    them (all of them, some: a base built in the context and adapters added to it afterwards, or none), the
+    compute dtype, the layout, and what becomes of the context's chunks and memory."""
+
+    named: list[tuple[str, nn.Parameter]]
+    context_slots: list[ParamSlot]
+    dtype: torch.dtype
+    layout: ChunkLayout
+    context_memory: TierMemory | None
+    reuse_context: bool  # the context's chunks and memory are the model's, as they are
+    from_context_disk: bool  # the context built them onto its own disk tier: packed into the model's own
+
+
 def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
     """Wrap ``module`` as ``settings`` say (see the module docstring). Raises before the module changes."""
     check_type("module", module, nn.Module, "a torch.nn.Module")
@@ -80,6 +95,48 @@ def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
     groups, reduce_shards, secondary, hierarchy = _process_groups(settings)
     shards = groups.shards
     policy = settings.policy()
+    packing = _plan_packing(module, settings, groups)
+    layout, dtype, context_slots = packing.layout, packing.dtype, packing.context_slots
+    capacity = device_memory_capacity()
+    host_capacity = host_memory_capacity()
+    check_capacity = CapacityCheck(layout, policy, shards, settings.reuse_fp16_shard, capacity)
+    check_capacity(module_users(module))
+    _check_host_capacity(layout, policy, shards, host_capacity)
+
+    memory, params_on_host, params_to_disk = _tier_memory(settings, packing, policy, shards, capacity, host_capacity)
+    param_names = {id(p): name for name, p in packing.named}
+    chunks = _chunks_for(layout, _unique_chunks(context_slots), dtype, memory, shards, params_to_disk, param_names,
+                         reuse=packing.reuse_context)
+    if context_slots:  # chunks of parameters replaced after creation (the original weight of a tied head)
+        for chunk in context_slots[0].chunk.built_with:
+            if chunk not in chunks:
+                free_chunk(chunk)
+    if packing.from_context_disk:
+        packing.context_memory.disk.close()
+    _cast_buffers(module, dtype)
+    reduction = GradientReduction(reduce_shards if groups.replicas is None else shards, settings.reduction.bucket_bytes,
+                                  settings.reduction.fp32_reduce_scatter, settings.reduction.gradient_predivide_factor,
+                                  groups.replicas, settings.reduction.quantized_gradients)
+    runtime = ChunkRuntime(module, chunks, memory, policy, settings.reuse_fp16_shard, reduction,
+                           settings.shard_strategy.bucketed, check_capacity, groups.data_parallel,
+                           settings.reduction.reductions_in_flight,
+                           accumulate_in_fp32=settings.grad_accum_dtype in (None, torch.float32))
+    runtime.state.param_host_chunks = params_on_host
+    _choose_gathers(chunks, settings, secondary, hierarchy)
+    if memory.disk is not None:
+        weakref.finalize(runtime, memory.disk.close)
+    if settings.prefetch_numel is not None:
+        runtime.executor.prefetch_chunks = settings.prefetch_numel // layout.chunk_numel
+    runtime.executor.settle_all()
+    runtime.executor.bind_views_to_device()
+    for sub in module.modules():
+        setattr(sub, WRAPPED_ATTR, True)
+    return BuiltModel(runtime, dtype, groups, layout, param_names)
+
+
+def _plan_packing(module: nn.Module, settings: ModelSettings, groups: GroupLayout) -> _Packing:
+    """Check the parameters and lay them out once (the ranks agree on the layout); nothing changes yet."""
+    shards = groups.shards
     named = list(module.named_parameters())
     if not named:
         raise InvalidArgumentError("module", type(module).__name__, "a module with at least one parameter")
@@ -104,16 +161,18 @@ def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
                          _persistent(named, settings) if shards.sharded else None,
                          world=shards.world if shards.sharded else 1, trim_tails=not sized_by_context)
     _agree_on_layout(settings, layout, groups, dtype, context_slots or None, from_context)
-    capacity = device_memory_capacity()
-    host_capacity = host_memory_capacity()
-    check_capacity = CapacityCheck(layout, policy, shards, settings.reuse_fp16_shard, capacity)
-    check_capacity(module_users(module))
-    _check_host_capacity(layout, policy, shards, host_capacity)
+    return _Packing(named, context_slots, dtype, layout, context_memory, reuse_context, from_context_disk)
 
-    memory = context_memory if reuse_context else TierMemory.for_this_machine(capacity)
+
+def _tier_memory(settings: ModelSettings, packing: _Packing, policy: PlacementPolicy, shards: ShardGroup,
+                 capacity: int, host_capacity: int | None) -> tuple[TierMemory, frozenset[int], frozenset[int]]:
+    """The model's memory (the context's, reused, or this machine's), its capacities set and its disk tier
+    made; with the chunks whose parameters rest on the host, and those whose parameters rest on disk."""
+    layout = packing.layout
+    memory = packing.context_memory if packing.reuse_context else TierMemory.for_this_machine(capacity)
     memory.ledger.capacity, memory.ledger.host_capacity = capacity, host_capacity
     if staged_buffers(settings.placement.tensor_placement_policy, shards.sharded):
-        memory.device_block_nbytes = max(layout.numels) * element_size
+        memory.device_block_nbytes = max(layout.numels) * packing.dtype.itemsize
     disk = settings.disk
     params_on_host = _param_chunks_kept_on_host(layout, policy, shards, host_capacity, settings)
     params_to_disk = frozenset(i for i in range(layout.num_chunks) if policy.params_on_disk and i not in params_on_host)
@@ -122,38 +181,17 @@ def build_runtime(module: nn.Module, settings: ModelSettings) -> BuiltModel:
         if policy.params_on_disk:
             memory.disk.reserve_chunks(PARAM, [layout.chunk_bytes // shards.world if i in params_to_disk else 0
                                                for i in range(layout.num_chunks)])
-    param_names = {id(p): name for name, p in named}
-    chunks = _chunks_for(layout, _unique_chunks(context_slots), dtype, memory, shards, params_to_disk, param_names,
-                         reuse=reuse_context)
-    if context_slots:  # chunks of parameters replaced after creation (the original weight of a tied head)
-        for chunk in context_slots[0].chunk.built_with:
-            if chunk not in chunks:
-                free_chunk(chunk)
-    if from_context_disk:
-        context_memory.disk.close()
-    _cast_buffers(module, dtype)
-    reduction = GradientReduction(reduce_shards if groups.replicas is None else shards, settings.reduction.bucket_bytes,
-                                  settings.reduction.fp32_reduce_scatter, settings.reduction.gradient_predivide_factor,
-                                  groups.replicas, settings.reduction.quantized_gradients)
-    runtime = ChunkRuntime(module, chunks, memory, policy, settings.reuse_fp16_shard, reduction,
-                           settings.shard_strategy.bucketed, check_capacity, groups.data_parallel,
-                           settings.reduction.reductions_in_flight,
-                           accumulate_in_fp32=settings.grad_accum_dtype in (None, torch.float32))
-    runtime.state.param_host_chunks = params_on_host
+    return memory, params_on_host, params_to_disk
+
+
+def _choose_gathers(chunks: list[Chunk], settings: ModelSettings, secondary: ShardGroup | None,
+                    hierarchy: tuple[ShardGroup, ShardGroup] | None) -> None:
+    """Each sharded chunk's gather, chosen once (:func:`~chunkmem.distributed.gathers.gather_for`)."""
     for chunk in chunks:
         if chunk.param.sharded:
             quantized = settings.sharding.quantized_weights is True or (
                 settings.sharding.quantized_weights == "nontrainable" and not chunk.trainable)
             chunk.param.gather = gather_for(chunk.shards, quantized, secondary, hierarchy)
-    if memory.disk is not None:
-        weakref.finalize(runtime, memory.disk.close)
-    if settings.prefetch_numel is not None:
-        runtime.executor.prefetch_chunks = settings.prefetch_numel // layout.chunk_numel
-    runtime.executor.settle_all()
-    runtime.executor.bind_views_to_device()
-    for sub in module.modules():
-        setattr(sub, WRAPPED_ATTR, True)
-    return BuiltModel(runtime, dtype, groups, layout, param_names)
 
 
 # ---- wrapped once --------------------------------------------------------------------------------------

@@ -8,125 +8,33 @@ optimizer only at an accumulation boundary (every ``gradient_accumulation_steps`
 optimizer clips (the config's ``gradient_clipping``), updates and releases the gradients, the learning-rate
 schedule advances unless the step was skipped for an overflow, and ``global_steps`` counts one. Checkpoints
 are directories per tag under ``save_dir`` with a ``latest`` file naming the last one, as DeepSpeed writes
-them; what is inside is chunkmem's (see :meth:`TrainingEngine.save_checkpoint`).
+them (:mod:`chunkmem.engine_checkpoints`); what is inside is chunkmem's (see :meth:`TrainingEngine.save_checkpoint`).
 """
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import io
 import os
-import shutil
 import time
 import warnings
 from typing import Any, Iterator
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from .config import initialize as wrap, read_config
 from .core.param_guard import ParameterAccessError, slot_of
 from .core.tiers import Tier, device_of_tier
 from .distributed.collectives import ShardGroup
-from .errors import ArgumentTypeError, CheckpointError, InvalidArgumentError, UnsupportedOperationError, check_type
+# the checkpoint directory's names, importable from here as before they moved to engine_checkpoints
+from .engine_checkpoints import ENGINE_ENVELOPE, ENGINE_FORMAT, ENGINE_STATE, LATEST  # noqa: F401
+from .engine_checkpoints import barrier, check_dir, check_tag, open_tag, write_tag
+from .errors import ArgumentTypeError, InvalidArgumentError, UnsupportedOperationError, check_type
 from .io.checkpoint import load_checkpoint, save_checkpoint
 from .model import ShardedModelV2
-from .storage.atomic_file import fsync_directory, write_atomically
+from .storage.atomic_file import write_atomically
 from .loop_settings import LoopSettings
 
 __all__ = ["TrainingEngine", "initialize_engine"]
-
-ENGINE_STATE = "engine_state.pt"
-"""The file of a checkpoint tag directory with the engine's counters, the schedule and the client state."""
-ENGINE_FORMAT = "chunkmem.engine/1"
-ENGINE_ENVELOPE = "chunkmem.engine-checksummed/1"
-"""The file's envelope since 2026-11-27: the engine state's bytes and their SHA-256 (files of format
-:data:`ENGINE_FORMAT` alone, written before, still load)."""
-LATEST = "latest"
-"""The file under ``save_dir`` naming the last tag saved (DeepSpeed's name)."""
-
-
-def _barrier() -> None:
-    if ShardGroup.of(None).world > 1:
-        dist.barrier()
-
-
-def _agree_on(error: Exception | None, what: str) -> None:
-    """Raise on every rank if ``error`` happened on any (one small all-reduce when distributed)."""
-    group = ShardGroup.of(None)
-    if group.world > 1:
-        failed = torch.tensor([0 if error is None else group.rank + 1], dtype=torch.int64)
-        group.all_reduce_(failed, dist.ReduceOp.MAX, what=f"the outcome of {what}")
-        if error is None and int(failed.item()):
-            raise CheckpointError(f"{what} failed on rank {int(failed.item()) - 1} (see its error); the checkpoint "
-                                  f"was not changed")
-    if error is not None:
-        raise error
-
-
-def _read_latest(path: str) -> str:
-    """The tag a ``latest`` file names; :class:`CheckpointError` naming the file when it names none (a file
-    that is not text, empty, or a name with path separators), where before a bare ``UnicodeDecodeError`` or an
-    error about a ``tag`` argument the caller never passed came."""
-    with open(path, "rb") as f:
-        content = f.read(4097)
-    try:
-        tag = content.decode("utf-8").strip()
-    except UnicodeDecodeError:
-        tag = ""
-    if not tag or len(content) > 4096 or tag in (".", "..") or os.sep in tag or (os.altsep and os.altsep in tag) \
-            or any(not c.isprintable() for c in tag):
-        raise CheckpointError(f"{path!r} does not name a checkpoint tag (it holds {content[:40]!r}): pass tag= to "
-                              f"load one, or save again to rewrite it")
-    return tag
-
-
-def _serialized_engine_state(state: dict[str, Any]) -> bytes:
-    """``state``'s bytes as ``torch.save`` writes them; a ``client_state`` that does not pickle is an
-    :class:`InvalidArgumentError` naming it."""
-    buffer = io.BytesIO()
-    try:
-        torch.save(state, buffer)
-    except Exception as e:  # noqa: BLE001 - the user's client_state is any object
-        raise InvalidArgumentError("client_state", type(state["client_state"]).__name__,
-                                   f"a dict torch.save can write ({type(e).__name__}: {e}); nothing was saved") from e
-    return buffer.getvalue()
-
-
-def _write_engine_state(path: str, payload: bytes) -> None:
-    """Write the engine state's bytes with their SHA-256 (checked at load)."""
-    envelope = {"format": ENGINE_ENVELOPE, "sha256": hashlib.sha256(payload).hexdigest(), "payload": payload}
-    write_atomically(path, lambda f: torch.save(envelope, f))
-
-
-def _swap_in(pending: str, directory: str) -> None:
-    """Make the complete directory ``pending`` the tag ``directory``: the old one (if any) is renamed aside,
-    the new one into place, the old one removed. A kill between the two renames leaves no tag and the old one
-    aside, which :func:`_recover_tag` puts back."""
-    aside = None
-    if os.path.lexists(directory):
-        aside = f"{os.path.dirname(directory)}/.{os.path.basename(directory)}.replaced"
-        _remove_tree(aside)
-        os.rename(directory, aside)
-    os.rename(pending, directory)
-    fsync_directory(os.path.dirname(directory))
-    if aside is not None:
-        _remove_tree(aside)
-
-
-def _recover_tag(directory: str) -> None:
-    """A save killed between :func:`_swap_in`'s renames left the tag's previous contents aside: put them back."""
-    aside = f"{os.path.dirname(directory)}/.{os.path.basename(directory)}.replaced"
-    if not os.path.lexists(directory) and os.path.isdir(aside):
-        os.rename(aside, directory)
-
-
-def _remove_tree(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
-    elif os.path.lexists(path):
-        os.unlink(path)
 
 
 def _refuse_sharded_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
@@ -420,61 +328,24 @@ class TrainingEngine(nn.Module):
         raises :class:`~chunkmem.InvalidArgumentError` before any file is written); ``latest`` is written last.
         A save that fails or is killed leaves the tag as it was (a kill between the two renames of the swap
         leaves the old tag aside, and the next load of it puts it back). Returns ``True``."""
-        save_dir = self._check_dir(save_dir, "save_dir")
-        tag = f"global_step{self.global_steps}" if tag is None else tag
-        tag = self._check_tag(tag)
+        save_dir = check_dir(save_dir, "save_dir")
+        tag = check_tag(f"global_step{self.global_steps}" if tag is None else tag)
         client_state = {} if client_state is None else client_state
         check_type("client_state", client_state, dict, "a dict")
         check_type("save_latest", save_latest, bool, "True or False")
         if exclude_frozen_parameters is not False:
             raise InvalidArgumentError("exclude_frozen_parameters", exclude_frozen_parameters,
                                        "False (chunkmem checkpoints hold every parameter)")
-        directory = os.path.join(save_dir, tag)
         state = None
         if self.global_rank == 0:
             state = {"format": ENGINE_FORMAT, "global_steps": self.global_steps, "global_samples": self.global_samples,
                      "skipped_steps": self.skipped_steps, "micro_steps": self.micro_steps,
                      "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
                      "world_size": self.world_size, "client_state": client_state}
-        # The whole tag is written into a directory beside it and swapped in by two renames once every file is
-        # there (model, optimizer, engine state), and ``latest`` after: a save that fails or is killed leaves the
-        # tag as it was. Before 2026-11-27 the files were replaced one by one, and a failure between them left the
-        # new weights with the old counters, schedule and client state.
         self._saves += 1
-        pending = os.path.join(save_dir, f".{tag}.pending-{self._saves}-{self.global_steps}")
-        error = None
-        try:
-            if self.global_rank == 0:
-                payload = _serialized_engine_state(state)  # before any file: an unpicklable client_state raises
-                _remove_tree(pending)  # left by a process killed at this same save
-                os.makedirs(pending)
-        except OSError as exc:  # a file where the directory goes, a read-only or full file system
-            error = CheckpointError(f"save_checkpoint: cannot write the checkpoint directory {directory!r} "
-                                    f"({type(exc).__name__}: {exc}); nothing was saved")
-            error.__cause__ = exc
-        except Exception as exc:  # noqa: BLE001 - raised on every rank below
-            error = exc
-        _agree_on(error, f"preparing the checkpoint {directory!r}")
-        error = None
-        try:
-            save_checkpoint(self._model_checkpoint_path(pending), self._model, self.optimizer,
-                            sharded=self._sharded_files)
-            if self.global_rank == 0:
-                _write_engine_state(os.path.join(pending, ENGINE_STATE), payload)
-        except Exception as exc:  # noqa: BLE001 - raised on every rank below
-            error = exc
-        _barrier()
-        if error is None and self.global_rank == 0:
-            try:
-                _swap_in(pending, directory)
-                if save_latest:
-                    write_atomically(os.path.join(save_dir, LATEST), lambda f: f.write(tag.encode()))
-            except Exception as exc:  # noqa: BLE001 - raised on every rank below
-                error = exc
-        if error is not None and self.global_rank == 0:
-            _remove_tree(pending)
-        _agree_on(error, f"saving the checkpoint {directory!r}")
-        _barrier()
+        write_tag(save_dir, tag, f".{tag}.pending-{self._saves}-{self.global_steps}", state,
+                  lambda pending: save_checkpoint(self._model_checkpoint_path(pending), self._model, self.optimizer,
+                                                  sharded=self._sharded_files), save_latest)
         return True
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: Any = None, load_module_strict: bool = True,
@@ -486,7 +357,7 @@ class TrainingEngine(nn.Module):
         loads the model's values only (``load_module_only`` also leaves counters and schedule as they
         are); ``load_lr_scheduler_states=False`` leaves the schedule. Every rank calls it; nothing
         changes unless every file checks out."""
-        load_dir = self._check_dir(load_dir, "load_dir")
+        load_dir = check_dir(load_dir, "load_dir")
         for name, value in (("load_optimizer_states", load_optimizer_states),
                             ("load_lr_scheduler_states", load_lr_scheduler_states),
                             ("load_module_only", load_module_only)):
@@ -496,18 +367,10 @@ class TrainingEngine(nn.Module):
                                        "True (chunkmem loads every parameter and buffer, checked)")
         if custom_load_fn is not None:
             raise InvalidArgumentError("custom_load_fn", custom_load_fn, "None (not supported by chunkmem)")
-        if tag is None:
-            latest = os.path.join(load_dir, LATEST)
-            if not os.path.isfile(latest):
-                warnings.warn(f"load_checkpoint: no {latest!r}: nothing loaded (pass tag= to name a checkpoint)",
-                              stacklevel=2)
-                return None, None
-            tag = _read_latest(latest)
-        directory = os.path.join(load_dir, self._check_tag(tag))
-        if self.global_rank == 0:
-            _recover_tag(directory)
-        _barrier()
-        state = self._read_engine_state(directory)
+        opened = open_tag(load_dir, tag)
+        if opened is None:
+            return None, None
+        directory, state = opened
         with_optimizer = load_optimizer_states and not load_module_only and self.optimizer is not None
         if self._stage in (1, 2) and self.optimizer is not None:  # its masters are the module's values
             load_checkpoint(self._model_checkpoint_path(directory), self._model, self.optimizer,
@@ -527,7 +390,7 @@ class TrainingEngine(nn.Module):
         """Write the module's state dict in the training dtype (16-bit with fp16/bf16, else fp32), gathered
         whole, to ``save_dir/save_filename`` with ``torch.save`` (rank 0 writes; every rank calls it). The
         keys are the plain module's; it loads with ``module.load_state_dict``. Returns ``True``."""
-        save_dir = self._check_dir(save_dir, "save_dir")
+        save_dir = check_dir(save_dir, "save_dir")
         check_type("save_filename", save_filename, str, "a file name")
         if exclude_frozen_parameters is not False:
             raise InvalidArgumentError("exclude_frozen_parameters", exclude_frozen_parameters, "False")
@@ -538,7 +401,7 @@ class TrainingEngine(nn.Module):
         if self.global_rank == 0:
             os.makedirs(save_dir, exist_ok=True)
             write_atomically(os.path.join(save_dir, save_filename), lambda f: torch.save(state, f))
-        _barrier()
+        barrier()
         return True
 
     # ---- helpers -------------------------------------------------------------------------------------
@@ -577,43 +440,6 @@ class TrainingEngine(nn.Module):
 
     def _model_checkpoint_path(self, directory: str) -> str:
         return os.path.join(directory, "zero" if self._sharded_files else "model_optim.pt")
-
-    @staticmethod
-    def _check_dir(path: Any, name: str) -> str:
-        if not isinstance(path, (str, os.PathLike)):
-            raise ArgumentTypeError(name, path, "a directory path")
-        return os.fspath(path)
-
-    @staticmethod
-    def _check_tag(tag: Any) -> str:
-        if isinstance(tag, bool) or not isinstance(tag, (str, int)):
-            raise ArgumentTypeError("tag", tag, "a string or an integer naming the checkpoint")
-        tag = str(tag)
-        if not tag or tag in (".", "..") or os.sep in tag or (os.altsep and os.altsep in tag):
-            raise InvalidArgumentError("tag", tag, "a non-empty name without path separators")
-        return tag
-
-    def _read_engine_state(self, directory: str) -> dict[str, Any]:
-        path = os.path.join(directory, ENGINE_STATE)
-        try:
-            # the engine's own file, which holds the user's client_state (any picklable object)
-            state = torch.load(path, map_location="cpu", weights_only=False)
-            if isinstance(state, dict) and state.get("format") == ENGINE_ENVELOPE:
-                if hashlib.sha256(state["payload"]).hexdigest() != state["sha256"]:
-                    raise CheckpointError(f"{path!r} is corrupt: its SHA-256 does not match the one saved with it")
-                state = torch.load(io.BytesIO(state["payload"]), map_location="cpu", weights_only=False)
-        except FileNotFoundError as e:
-            raise CheckpointError(f"{directory!r} is not a checkpoint of this engine: {ENGINE_STATE} is missing") from e
-        except CheckpointError:
-            raise
-        except Exception as e:  # noqa: BLE001 - any unreadable file is the same error for the user
-            raise CheckpointError(f"{path!r} could not be read ({type(e).__name__}: {e})") from e
-        fields = {"global_steps": int, "global_samples": int, "skipped_steps": int, "micro_steps": int,
-                  "client_state": dict}
-        if not isinstance(state, dict) or state.get("format") != ENGINE_FORMAT or any(
-                not isinstance(state.get(k), t) for k, t in fields.items()):
-            raise CheckpointError(f"{path!r} is not an engine state of format {ENGINE_FORMAT!r}")
-        return state
 
 
 def initialize_engine(model: nn.Module, optimizer: Any = None, criterion: Any = None, config: Any = None,

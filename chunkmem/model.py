@@ -1,29 +1,24 @@
 """ShardedModelV2: wraps a module so that its parameters live in chunks placed by a policy."""
 from __future__ import annotations
 
-import inspect
-import logging
 import os
-from collections import OrderedDict
 from typing import Any, ContextManager
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._pytree import tree_map
 
 from .builder import build_runtime, free_chunk, mark_unwrapped
-from .core.chunk import MASTER, Chunk
+from .core.chunk import Chunk
 from .core.disk_tier import DEFAULT_BUFFER_COUNT, DEFAULT_BUFFER_SIZE
 from .errors import GradientAccumulationError, InvalidArgumentError, check_type
 from .core.param_guard import ParameterAccessError, slot_of
 from .core.tiers import Tier, device_of_tier
 from .distributed.shard_strategy import BaseShardStrategy
-from .storage.atomic_file import write_json_atomically
+from .module_face import cast_inputs, cast_outputs, show_forward_signature
 from .runtime import memstats
 from .settings import ModelSettings
-
-logger = logging.getLogger("chunkmem")
+from .state_dicts import full_state_dict, full_values, parameter_values, plan_model_load
 
 
 class ShardedModelV2(nn.Module):
@@ -189,28 +184,7 @@ class ShardedModelV2(nn.Module):
         self.layout = built.layout
         self.compute_device = device_of_tier(Tier.DEVICE)
         self._param_names = built.param_names
-        self._show_module_signature(module)
-
-    def _show_module_signature(self, module: nn.Module) -> None:
-        """Make ``inspect.signature(self.forward)`` the wrapped module's, on the instance and on its class
-        (``type(model).forward``, with ``self``): libraries choose what to pass by it (Hugging Face ``Trainer``
-        drops every dataset column the forward does not name, and finds the label names and whether the model
-        returns a loss on the class). The model's class becomes a subclass of its own, under the same name."""
-        try:
-            signature = inspect.signature(module.forward)
-        except (TypeError, ValueError):  # a forward inspect cannot read (a builtin): keep (*args, **kwargs)
-            return
-        base = type(self)
-
-        def forward(model: "ShardedModelV2", *args: Any, **kwargs: Any) -> Any:
-            return base.forward(model, *args, **kwargs)
-
-        forward.__doc__ = base.forward.__doc__
-        forward.__signature__ = signature.replace(  # type: ignore[attr-defined]
-            parameters=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-                        *signature.parameters.values()])
-        self.__class__ = type(base.__name__, (base,), {"forward": forward, "__module__": base.__module__,
-                                                       "__qualname__": base.__qualname__})
+        show_forward_signature(self, module)  # inspect.signature(self.forward) is the module's
 
     def __getattr__(self, name: str) -> Any:
         """Attributes this wrapper does not have come from the wrapped module (``config``,
@@ -306,24 +280,14 @@ class ShardedModelV2(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's forward (its signature: ``inspect.signature(model.forward)``), its chunks
         fetched as it runs; in 16-bit mode floating inputs cast to the model's dtype, outputs to fp32."""
-        args, kwargs = tree_map(self._cast_input, (args, kwargs))
+        args, kwargs = cast_inputs((args, kwargs), self.dtype, self.compute_device)
         self.runtime.begin_iteration((args, kwargs), torch.is_grad_enabled())
         try:
             output = self.module(*args, **kwargs)
         except BaseException as error:
             self.runtime.abandon_iteration(error)
             raise
-        if self.dtype != torch.float32:
-            output = tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
-                              output)
-        return output
-
-    def _cast_input(self, value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
-        if value.is_floating_point() and self.dtype != torch.float32:
-            return value.to(device=self.compute_device, dtype=self.dtype)
-        return value.to(self.compute_device)
+        return cast_outputs(output, self.dtype)
 
     # ---- what a plain module would do, refused or redirected ---------------------------------------
 
@@ -379,11 +343,7 @@ class ShardedModelV2(nn.Module):
         optimizer cannot be used afterwards. Sharded, the chunks are gathered: every rank calls it."""
         if self.runtime.in_forward:
             raise ParameterAccessError("model.unwrap() inside the model's forward")
-        values: dict[int, torch.Tensor] = {}
-        for chunk in self.chunks:
-            full = self.full_values(chunk)
-            for slot in chunk.slots:
-                values[id(slot.param)] = slot.view(full).clone()
+        values = parameter_values(self, self.chunks)
         chunks = self.chunks
         self.runtime.remove_hooks()
         for chunk in chunks:
@@ -441,25 +401,12 @@ class ShardedModelV2(nn.Module):
         (a str). Safe to call in an ``except`` handler after an out-of-memory error: it reads what was
         recorded so far."""
         check_type("filename", filename, (str, os.PathLike), "a str or os.PathLike path of the JSON file to write")
-        filename = os.fspath(filename)
-        doc = self.memory_stats()
-        if doc["world_size"] > 1:
-            root, ext = os.path.splitext(filename)
-            filename = f"{root}.rank{doc['rank']}{ext}"
-        write_json_atomically(doc, filename)
-        logger.info("%s\n  written to %s", memstats.summary(doc), filename)
-        return filename
+        return memstats.dump(self.memory_stats(), os.fspath(filename))
 
     def full_values(self, chunk: Chunk) -> torch.Tensor:
         """The chunk's whole current parameter values in fp32 on the CPU: from the fp32 masters where they
         exist. Gathers the shards when sharded (a collective: every rank calls it in the same order)."""
-        if chunk.optim[MASTER].allocated:
-            local = chunk.optim[MASTER].read()
-        elif chunk.param.holds_grads:
-            raise RuntimeError(f"{chunk.name}: the parameter memory holds gradients and there is no master")
-        else:
-            local = chunk.param.local()
-        return chunk.gather(local.detach()).to(device="cpu", dtype=torch.float32)
+        return full_values(chunk)
 
     def full_parameter(self, param: nn.Parameter) -> torch.Tensor:
         """A CPU fp32 copy of ``param``'s current value: from the fp32 master where one exists. When the
@@ -484,24 +431,7 @@ class ShardedModelV2(nn.Module):
         state_dict=...)``."""
         check_type("rank0_only", rank0_only, bool, "True or False")
         check_type("trainable_only", trainable_only, bool, "True or False")
-        keep = not rank0_only or self.data_parallel.rank == 0
-        values: dict[int, torch.Tensor] = {}
-        for chunk in self.chunks:
-            if trainable_only and not chunk.trainable:
-                continue  # laid out frozen: the same chunks on every rank, so the gathers still match
-            full = self.full_values(chunk)
-            if keep:
-                for slot in chunk.slots:
-                    values[id(slot.param)] = slot.view(full).clone()
-        out = OrderedDict() if destination is None else destination
-        if not keep:
-            return out
-        for key, value in self.module.state_dict(keep_vars=True).items():
-            if isinstance(value, nn.Parameter) and id(value) in values:
-                out[prefix + key] = values[id(value)]
-            elif not trainable_only:
-                out[prefix + key] = value.detach().to("cpu", copy=True)
-        return out
+        return full_state_dict(self, destination, prefix, rank0_only, trainable_only)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load a full state dict under the wrapped module's keys (what :meth:`state_dict` or the plain
@@ -518,8 +448,6 @@ class ShardedModelV2(nn.Module):
         so when that loses bits): build :class:`~chunkmem.ShardedOptimizerV2` first to keep fp32
         masters. No collective: every rank may load on its own. ``assign`` must be ``False``.
         """
-        from .state_dicts import plan_model_load
-
         if assign is not False:
             raise InvalidArgumentError("assign", assign, "False (values are always copied into the chunks)")
         return plan_model_load(self, state_dict, strict).apply()

@@ -1,5 +1,6 @@
-"""A model's full state dict into its chunks: what ``ShardedModelV2.load_state_dict`` does, and the checks
-checkpoints share.
+"""A model's full state dict out of its chunks and into them: what ``ShardedModelV2.state_dict``,
+``full_values`` and ``unwrap`` read, what ``ShardedModelV2.load_state_dict`` does, and the checks checkpoints
+share.
 
 A *full* state dict holds every parameter whole, under the wrapped module's own keys, whatever the
 number of ranks the chunks are sharded over. Each rank owns elements ``[chunk.shard_offset,
@@ -17,7 +18,8 @@ weights. The optimizers' state dicts are :mod:`chunkmem.optim.state_dict`'s.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -89,7 +91,52 @@ def warn_if_masters_lose_precision(chunk: Chunk, key: str, value: torch.Tensor) 
             stacklevel=4)
 
 
-# ---- the model -------------------------------------------------------------------------------------
+# ---- the model: reading ---------------------------------------------------------------------------
+
+
+def full_values(chunk: Chunk) -> torch.Tensor:
+    """The chunk's whole current parameter values in fp32 on the CPU: from the fp32 masters where they
+    exist. Gathers the shards when sharded (a collective: every rank calls it in the same order)."""
+    if chunk.optim[MASTER].allocated:
+        local = chunk.optim[MASTER].read()
+    elif chunk.param.holds_grads:
+        raise RuntimeError(f"{chunk.name}: the parameter memory holds gradients and there is no master")
+    else:
+        local = chunk.param.local()
+    return chunk.gather(local.detach()).to(device="cpu", dtype=torch.float32)
+
+
+def parameter_values(model: Any, chunks: Iterable[Chunk], keep: bool = True) -> dict[int, torch.Tensor]:
+    """``id(parameter)`` -> a copy of its whole current value in fp32 on the CPU, for every parameter of
+    ``chunks``, read a chunk at a time by ``model.full_values`` (collectives when sharded: every rank calls
+    it); ``keep=False``: the chunks are still read, for the collectives, but nothing is kept."""
+    values: dict[int, torch.Tensor] = {}
+    for chunk in chunks:
+        full = model.full_values(chunk)
+        if keep:
+            for slot in chunk.slots:
+                values[id(slot.param)] = slot.view(full).clone()
+    return values
+
+
+def full_state_dict(model: Any, destination: Any, prefix: str, rank0_only: bool, trainable_only: bool) -> Any:
+    """What ``ShardedModelV2.state_dict`` returns (see there): the wrapped module's keys, parameters from
+    :func:`parameter_values`, buffers copied to the CPU; empty on the ranks other than 0 with ``rank0_only``."""
+    keep = not rank0_only or model.data_parallel.rank == 0
+    # laid out frozen: the same chunks on every rank, so the gathers still match
+    values = parameter_values(model, [c for c in model.chunks if c.trainable or not trainable_only], keep)
+    out = OrderedDict() if destination is None else destination
+    if not keep:
+        return out
+    for key, value in model.module.state_dict(keep_vars=True).items():
+        if isinstance(value, nn.Parameter) and id(value) in values:
+            out[prefix + key] = values[id(value)]
+        elif not trainable_only:
+            out[prefix + key] = value.detach().to("cpu", copy=True)
+    return out
+
+
+# ---- the model: loading ---------------------------------------------------------------------------
 
 
 class ModelLoad:

@@ -207,38 +207,56 @@ def choose(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: 
                             nvme_path, policies, measure_operators)
     args = _meta_inputs(model_or_builder, sample_batch, loss_fn)
     template = _meta_model(model_or_builder)
-    if profile is None:
-        profile = MachineProfile.measure(dtypes=(dtype,), nvme_path=nvme_path if disk_capacity is not None else None,
-                                         ranks=ranks)
-        measure_operators = True if measure_operators is None else measure_operators
-    compute = trace_compute(template, args, loss_fn, dtype)
-    if measure_operators:
-        profile.measure_operators(compute.replays())
-    compute_seconds = compute.seconds(profile)
-
+    profile, compute_seconds = _profile_and_compute(template, args, loss_fn, dtype, profile, measure_operators,
+                                                    nvme_path if disk_capacity is not None else None, ranks)
     reuse_options = (reuse_fp16_shard,) if reuse_fp16_shard is not None else \
         ((False,) if dtype == torch.float32 or gradient_accumulation_steps > 1 else (False, True))
-    bases = _placements(policies, static_fractions)
-    disk = _DiskSettings(buffer_count, buffer_size, atomic_step)
-    saved_capacity = tiers.device_memory_capacity_setting()
-    candidates: list[Candidate] = []
-    try:
-        with _stand_in_group(ranks):
-            for reuse in reuse_options:
-                for policy, fractions in bases:
-                    base = _plan_policy(policy, template, args, loss_fn, device_capacity, None, dtype, chunk_size,
-                                        reuse, gradient_accumulation_steps, grad_accum_dtype, **fractions)
-                    for optim_disk, param_disk in _disk_variants(policy, base, reuse, disk_capacity is not None):
-                        candidates.append(_candidate(base, policy, fractions, reuse, optim_disk, param_disk, disk,
-                                                     dtype, chunk_size, ranks, host_capacity, disk_capacity, profile,
-                                                     compute_seconds, grad_accum_dtype))
-    finally:
-        tiers.set_device_memory_capacity(saved_capacity)
+    shared = _Shared(_DiskSettings(buffer_count, buffer_size, atomic_step), dtype, chunk_size, ranks, host_capacity,
+                     disk_capacity, profile, compute_seconds, grad_accum_dtype)
+    candidates = _plan_candidates(template, args, loss_fn, device_capacity, gradient_accumulation_steps,
+                                  reuse_options, _placements(policies, static_fractions), shared)
     timed = [c for c in candidates if c.fits and c.time is not None]
     recommended = min(timed, key=lambda c: c.time.total) if timed else None
     if recommended is not None:
         recommended.recommended = True
     return PlanChoice(candidates, recommended, profile, compute_seconds)
+
+
+def _profile_and_compute(template: nn.Module, args: Any, loss_fn: Any, dtype: torch.dtype,
+                         profile: MachineProfile | None, measure_operators: bool | None, nvme_path: Any,
+                         ranks: int) -> tuple[MachineProfile, float]:
+    """The machine's profile (``None``: measured here, the disk on ``nvme_path`` when given; then the traced
+    operators are timed too unless ``measure_operators`` is ``False``) and one forward and backward's compute
+    seconds on it."""
+    if profile is None:
+        profile = MachineProfile.measure(dtypes=(dtype,), nvme_path=nvme_path, ranks=ranks)
+        measure_operators = True if measure_operators is None else measure_operators
+    compute = trace_compute(template, args, loss_fn, dtype)
+    if measure_operators:
+        profile.measure_operators(compute.replays())
+    return profile, compute.seconds(profile)
+
+
+def _plan_candidates(template: nn.Module, args: Any, loss_fn: Any, device_capacity: int,
+                     gradient_accumulation_steps: int, reuse_options: Sequence[bool],
+                     bases: list[tuple[str, dict[str, float]]], shared: "_Shared") -> list[Candidate]:
+    """Every candidate: one meta run per ``reuse_fp16_shard`` option and placement (on a stand-in process group
+    with several ranks), then each of its disk variants. The device capacity setting is restored after."""
+    saved_capacity = tiers.device_memory_capacity_setting()
+    candidates: list[Candidate] = []
+    try:
+        with _stand_in_group(shared.ranks):
+            for reuse in reuse_options:
+                for policy, fractions in bases:
+                    base = _plan_policy(policy, template, args, loss_fn, device_capacity, None, shared.dtype,
+                                        shared.chunk_size, reuse, gradient_accumulation_steps,
+                                        shared.grad_accum_dtype, **fractions)
+                    for optim_disk, param_disk in _disk_variants(policy, base, reuse,
+                                                                 shared.disk_capacity is not None):
+                        candidates.append(_candidate(base, policy, fractions, reuse, optim_disk, param_disk, shared))
+    finally:
+        tiers.set_device_memory_capacity(saved_capacity)
+    return candidates
 
 
 def _check_choose_arguments(dtype: torch.dtype, chunk_size: int | None, ranks: int, profile: Any,
@@ -293,6 +311,23 @@ class _DiskSettings:
     buffer_count: int
     buffer_size: int
     atomic_step: bool
+
+
+@dataclass(frozen=True)
+class _Shared:
+    """What every candidate of one :func:`choose` shares: the disk tier's settings, the dtype, the chunk size
+    asked for, the ranks, the host and disk budgets, the profile, one forward and backward's compute seconds,
+    and ``grad_accum_dtype``."""
+
+    disk: _DiskSettings
+    dtype: torch.dtype
+    chunk_size: int | None
+    ranks: int
+    host_capacity: int | None
+    disk_capacity: int | None
+    profile: MachineProfile
+    compute_seconds: float
+    grad_accum_dtype: torch.dtype | None
 
 
 @contextmanager
@@ -422,17 +457,30 @@ def _verdict(base: PolicyPlan, host_peak: int, host_capacity: int | None, files:
     return fits, reason
 
 
-def _candidate(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse: bool, optim_disk: bool,
-               param_disk: bool, disk: _DiskSettings, dtype: torch.dtype, chunk_size: int | None, ranks: int,
-               host_capacity: int | None, disk_capacity: int | None, profile: MachineProfile,
-               compute_seconds: float, grad_accum_dtype: torch.dtype | None = None) -> Candidate:
-    """One candidate on the meta run ``base``; ``compute_seconds``: one forward and backward's operators (the
-    step runs ``base.gradient_accumulation_steps`` of them)."""
-    ex = base.extra
+@dataclass
+class _Placed:
+    """Where one candidate's chunk bytes rest (``tier_bytes``: tier -> family -> bytes), with what its disk
+    accounting reads: the host bytes of the parameters before any went to disk (``param_host``), the chunks
+    whose parameters stay on the host all the same (``param_kept``, ``kept_param_bytes``), the trainable chunks
+    whose optimizer state rests on disk (``optim_on_disk``, ``on_disk_numel`` elements) and the disk tier's I/O
+    buffers on the host (``disk_io``)."""
+
+    tier_bytes: dict[str, dict[str, int]]
+    param_host: int
+    param_kept: frozenset[int]
+    kept_param_bytes: int
+    optim_on_disk: set[int]
+    on_disk_numel: int
+    disk_io: int
+
+
+def _place_bytes(base: PolicyPlan, policy: str, reuse: bool, optim_disk: bool, param_disk: bool,
+                 families: tuple[str, ...], shared: _Shared) -> _Placed:
+    """Where the meta run ``base``'s bytes rest once the disk variant moves parameters and optimizer state to
+    disk (under ``auto`` with a host capacity the first chunks that fit stay on the host, as ShardedModelV2 and
+    ShardedOptimizerV2 decide)."""
+    ex, disk, dtype, host_capacity = base.extra, shared.disk, shared.dtype, shared.host_capacity
     has_master = ex["has_master"]
-    families = (("master",) if has_master else ()) + ("exp_avg", "exp_avg_sq")
-    settings, name = _settings_and_name(base, policy, fractions, reuse, optim_disk, param_disk, disk, dtype,
-                                        chunk_size, grad_accum_dtype)
     tier_bytes = {"device": dict(base.tier_bytes["device"]), "host": dict(base.tier_bytes["host"]), "disk": {}}
     param_host = tier_bytes["host"].get("param", 0)
     shard_bytes = ex["param_shard_bytes"]
@@ -481,30 +529,52 @@ def _candidate(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse
         tier_bytes[tier] = {f: n for f, n in sorted(tier_bytes[tier].items()) if n}
     if not (optim_disk or param_disk):
         del tier_bytes["disk"]
+    return _Placed(tier_bytes, param_host, param_kept, kept_param_bytes, optim_on_disk, on_disk_numel, disk_io)
 
-    # the disk tier's files and traffic
-    files = _disk_file_bytes(base, disk, len(families), param_disk, optim_disk, len(param_kept), len(optim_on_disk))
-    moved_to_host = base.moved_to_host_per_step
-    read, written, read_compute, moved_to_device, loaded = _disk_traffic(
-        base, param_disk, optim_disk, param_kept, optim_on_disk, on_disk_numel, len(families))
-    host_peak = ex["host_peak_meta"] - (param_host - kept_param_bytes if param_disk else 0) + sum(
-        n for f, n in tier_bytes["host"].items() if f in families) + disk_io
+
+def _host_peak(base: PolicyPlan, placed: _Placed, families: tuple[str, ...], param_disk: bool, optim_disk: bool,
+               loaded: list[int]) -> int:
+    """The most chunk bytes on the host at once: the meta run's, less the parameters gone to disk, plus the
+    optimizer state and I/O buffers on the host, the largest parameter chunk loaded from disk for its update
+    (``loaded``), and the host copies of parameters resting on the device that the host's Adam updates."""
+    ex = base.extra
+    host_peak = ex["host_peak_meta"] - (placed.param_host - placed.kept_param_bytes if param_disk else 0) + sum(
+        n for f, n in placed.tier_bytes["host"].items() if f in families) + placed.disk_io
     host_peak += max(loaded, default=0)
     # a chunk whose parameters rest on the device and whose Adam runs on the host ('static') is updated in
     # a host copy of its parameters: one at a time, or all of them in the streamed disk step
     copies = [ex["param_shard_bytes"][i] for k, i in enumerate(ex["trainable_index"])
-              if ex["param_on_device"][i] and not on_device[k]]
+              if ex["param_on_device"][i] and not ex["optim_on_device"][k]]
     host_peak += sum(copies) if optim_disk else max(copies, default=0)
+    return host_peak
 
-    cost_inputs = dict(moved_bytes=moved_to_device + moved_to_host, adam_elements=sum(numels),
-                       disk_adam_elements=on_disk_numel, disk_read_step=read, disk_written_step=written,
+
+def _candidate(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse: bool, optim_disk: bool,
+               param_disk: bool, shared: _Shared) -> Candidate:
+    """One candidate on the meta run ``base``; ``shared.compute_seconds``: one forward and backward's operators
+    (the step runs ``base.gradient_accumulation_steps`` of them)."""
+    ex = base.extra
+    families = (("master",) if ex["has_master"] else ()) + ("exp_avg", "exp_avg_sq")
+    settings, name = _settings_and_name(base, policy, fractions, reuse, optim_disk, param_disk, shared.disk,
+                                        shared.dtype, shared.chunk_size, shared.grad_accum_dtype)
+    placed = _place_bytes(base, policy, reuse, optim_disk, param_disk, families, shared)
+    # the disk tier's files and traffic
+    files = _disk_file_bytes(base, shared.disk, len(families), param_disk, optim_disk, len(placed.param_kept),
+                             len(placed.optim_on_disk))
+    moved_to_host = base.moved_to_host_per_step
+    read, written, read_compute, moved_to_device, loaded = _disk_traffic(
+        base, param_disk, optim_disk, placed.param_kept, placed.optim_on_disk, placed.on_disk_numel, len(families))
+    host_peak = _host_peak(base, placed, families, param_disk, optim_disk, loaded)
+    cost_inputs = dict(moved_bytes=moved_to_device + moved_to_host, adam_elements=sum(ex["trainable_shard_numels"]),
+                       disk_adam_elements=placed.on_disk_numel, disk_read_step=read, disk_written_step=written,
                        disk_read_compute=read_compute, collective_bytes_sent=ex["collective_bytes_sent"])
     steps = base.gradient_accumulation_steps
-    time = step_time(profile, compute_seconds * steps, dtype, **cost_inputs)
-    fits, reason = _verdict(base, host_peak, host_capacity, files, disk_capacity, time,
+    time = step_time(shared.profile, shared.compute_seconds * steps, shared.dtype, **cost_inputs)
+    fits, reason = _verdict(base, host_peak, shared.host_capacity, files, shared.disk_capacity, time,
                             uses_disk=bool(read or written or read_compute))
-    return Candidate(policy, fits, reason, tier_bytes, base.non_model_peak, base.chunk_bytes, base.num_chunks,
+    return Candidate(policy, fits, reason, placed.tier_bytes, base.non_model_peak, base.chunk_bytes, base.num_chunks,
                      moved_to_device, moved_to_host, base.device_peak_bytes, dict(ex), name=name, settings=settings,
-                     ranks=ranks, host_peak_bytes=host_peak, disk_file_bytes=files,
-                     disk_read_per_step=read + read_compute, disk_written_per_step=written, collective_bytes_per_step=ex["collective_bytes_sent"], time=time,
+                     ranks=shared.ranks, host_peak_bytes=host_peak, disk_file_bytes=files,
+                     disk_read_per_step=read + read_compute, disk_written_per_step=written,
+                     collective_bytes_per_step=ex["collective_bytes_sent"], time=time,
                      cost_inputs=cost_inputs, gradient_accumulation_steps=steps)

@@ -149,6 +149,11 @@ class ChunkExecutor:
         for chunk in self.chunks:
             self.settle(chunk)
 
+    def drop_secondaries(self) -> None:
+        """hpZ's secondary partitions live from a forward to its backward only."""
+        for chunk in self.chunks:
+            chunk.param.drop_secondary()
+
     def flush_stale(self, keep: Iterable[Chunk] = ()) -> None:
         """Free the device copies of stale chunks, except those in ``keep`` or in use again."""
         keep = set(keep)

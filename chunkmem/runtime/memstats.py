@@ -42,10 +42,15 @@ Schema ``chunkmem.memstats/1`` (every size in bytes, chunk ids are chunk indices
 """
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 from ..core.chunk import MASTER
 from ..core.tiers import Tier
+from ..storage.atomic_file import write_json_atomically
+
+logger = logging.getLogger("chunkmem")
 
 SCHEMA = "chunkmem.memstats/1"
 
@@ -132,6 +137,17 @@ def _stats_dict(stats: Any) -> dict[str, Any]:
     return {"name": stats.name, "phase": stats.phase, "device_model_bytes": stats.device_model_peak,
             "host_model_bytes": stats.host_model_bytes, "moved_to_device_bytes": stats.moved_to_device,
             "moved_to_host_bytes": stats.moved_to_host}
+
+
+def dump(doc: dict[str, Any], filename: str) -> str:
+    """Write ``doc`` as JSON to ``filename`` (with ``.rank{N}`` before the extension when it is one rank's of
+    several), log its :func:`summary`, and return the path written (``ShardedModelV2.dump_memory_stats``)."""
+    if doc["world_size"] > 1:
+        root, ext = os.path.splitext(filename)
+        filename = f"{root}.rank{doc['rank']}{ext}"
+    write_json_atomically(doc, filename)
+    logger.info("%s\n  written to %s", summary(doc), filename)
+    return filename
 
 
 def summary(doc: dict[str, Any]) -> str:

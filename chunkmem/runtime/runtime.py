@@ -24,64 +24,56 @@ edge                        called by                                what it doe
 The scheduler (:mod:`chunkmem.runtime.schedule`) decides and returns orders; the executor
 (:mod:`chunkmem.runtime.executor`) moves; the gradient strategy (:mod:`chunkmem.runtime.gradients`) takes
 gradients in; the runtime passes between them and runs the collectives no edge can do without: the
-agreement on the traced peaks that planning needs, and the ranks' agreement on the point of training
-(:meth:`agree`) that opens every sharded forward and step. One rule keeps chunkmem's own memory out of the traced non-model
-memory: every entry point runs with the tracer paused (:func:`_untraced`).
+agreement on the traced peaks that planning needs (:func:`~chunkmem.runtime.traced_moves.schedule_traced_moves`),
+and the ranks' agreement on the point of training (:meth:`agree`) that opens every sharded forward and step.
+One rule keeps chunkmem's own memory out of the traced non-model memory: every entry point runs with the
+tracer paused (:func:`_untraced`).
 
-The optimizer is told of each chunk whose gradients are final through a declared listener
-(:class:`OptimizerListener`, attached with :meth:`attach_optimizer`), and updates a chunk through
-:meth:`updating`. Code outside the step that meets a chunk-managed parameter (the parameter guard,
-``GatheredParameters``, the accessors) sees the runtime as the chunk's
+The runtime owns its collaborators and delegates to them: which chunks each module's call fetches
+(:mod:`chunkmem.runtime.module_chunks`), where a backward's gradients land and when they are final
+(:mod:`chunkmem.runtime.gradient_landing`), how long a backward holds the frozen chunks
+(:mod:`chunkmem.runtime.frozen_chunks`) and the moves planned after a trace
+(:mod:`chunkmem.runtime.traced_moves`). The optimizer is told of each chunk whose gradients are final
+through a declared listener (:class:`~chunkmem.runtime.optimizer_link.OptimizerListener`, attached with
+:meth:`attach_optimizer` and held by :class:`~chunkmem.runtime.optimizer_link.OptimizerLink`), and
+updates a chunk through :meth:`updating`. Code outside the step that meets a chunk-managed parameter (the
+parameter guard, ``GatheredParameters``, the accessors) sees the runtime as the chunk's
 :class:`~chunkmem.core.chunk.ChunkHost`.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
-import weakref
-from collections import Counter, deque
-from typing import Any, Callable, Iterable, Iterator, Protocol
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn as nn
 from torch._C import DisableTorchFunctionSubclass
 from torch.utils._pytree import tree_leaves
 
-from ..core.chunk import MASTER, Chunk, ParamSlot
-from ..errors import GradientAccumulationError, InvalidArgumentError, UnsupportedOperationError
+from ..core.chunk import Chunk, ParamSlot
 from ..core.memory import TierMemory
-from ..core.param_guard import ParameterAccessError, remembered_externals, slot_of
+from ..core.param_guard import slot_of
 from ..core.tiers import Tier, device_of_tier
 from ..distributed.agreement import agree_on_point
 from ..distributed.collectives import CollectiveError, ShardGroup
 from ..distributed.reduction import GradientReduction
+from .acquisition import ChunkAcquisition
 from .capacity import CapacityCheck
 from .executor import ChunkExecutor
+from .frozen_chunks import FrozenHolds, refuse_unfrozen, unfrozen_since_wrapping
+from .gradient_landing import GradientLanding
 from .gradients import gradient_store
 from .hooks import ModelHooks
+from .module_chunks import ModuleChunks
+from .open_chunks import OpenChunks
+from .optimizer_link import OptimizerLink, OptimizerListener
 from .placement import PlacementPolicy, PlacementState
-from .schedule import MoveInputs, Scheduler
+from .recovery import recover_interrupted, refuse_after_failed_collective
+from .schedule import Scheduler
+from .traced_moves import schedule_traced_moves
 
-
-class OptimizerListener(Protocol):
-    """What the runtime tells the optimizer attached to its model, and asks of it."""
-
-    def on_grads_final(self, chunk: Chunk) -> None:
-        """``chunk``'s gradients of this backward are reduced and rest where its update runs (outside
-        ``no_sync``)."""
-
-    def grad_multiplier(self, slot: ParamSlot | None = None) -> float:
-        """What the next step multiplies the gradients by (unscaling and clipping; for ``slot``, with the
-        factor torch's in-place idioms gave its gradient)."""
-
-    def run_gradient_idiom(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        """A torch function on ``.grad`` stand-ins of the model's parameters (:mod:`chunkmem.optim.gradient_idioms`)."""
-
-    def on_backward_failed(self) -> None:
-        """A backward raised part-way: drop every pending gradient and undo what the backward started."""
-
-    def on_backward_end(self) -> None:
-        """The backward is over: finish the updates it started off autograd's thread (raising what failed)."""
+__all__ = ["ChunkRuntime", "OptimizerListener"]
 
 
 def _untraced(method: Callable) -> Callable:
@@ -111,7 +103,8 @@ class ChunkRuntime:
     """The runtime of one model (see the module docstring). Built by the model's builder; read-only
     attributes for inspection: ``chunks``, ``memory`` (``ledger``), ``policy``, ``state`` (the
     :class:`~chunkmem.runtime.placement.PlacementState`), ``scheduler``, ``executor``, ``reduction``,
-    ``gradients`` (the strategy), ``backward_count``, ``grads_pending``.
+    ``gradients`` (the strategy), ``backward_count``, ``grads_pending``; its collaborators: ``watched``
+    (:class:`~chunkmem.runtime.module_chunks.ModuleChunks`), ``acquisition``, ``landing``, ``frozen``, ``hooks``.
     """
 
     def __init__(self, root: nn.Module, chunks: list[Chunk], memory: TierMemory, policy: PlacementPolicy,
@@ -119,7 +112,6 @@ class ChunkRuntime:
                  check_capacity: CapacityCheck, data_parallel: ShardGroup, reductions_in_flight: int = 0,
                  accumulate_in_fp32: bool = True) -> None:
         self.root = root
-        self._check_capacity = check_capacity
         self.policy = policy
         self.state = PlacementState()
         self.executor = ChunkExecutor(chunks, memory, policy, self.state, gather_together)
@@ -128,36 +120,23 @@ class ChunkRuntime:
         self.data_parallel = data_parallel  # every rank of the model (agreement and planning collectives)
         self.gradients = gradient_store(gradients_in_param_memory, self.executor, reduction, self.scheduler.adopt,
                                         accumulate_in_fp32)
-        self.grads_pending = False
-        self.reductions_in_flight = reductions_in_flight  # the bound (see ShardedModelV2's argument)
-        self._reducing: deque[Chunk] = deque()  # chunks whose gradient reductions run, oldest first
-        self._final_order: dict[Chunk, None] = {}  # chunks whose gradients became final since they were dropped
         self.backward_count = 0  # backward passes finished (autograd's end of backward) so far
         self.forward_count = 0  # forwards of the wrapped model begun so far
         self.step_count = 0  # optimizer steps begun so far (skipped ones too)
         self.group_failed: CollectiveError | None = None  # the collective error that ended an iteration
-        self._no_sync = False
-        self._listener: weakref.ref | None = None
         self._stack: list[_Running] = []
         self._end_of_backward_queued = False
         self._backward_began = False  # a backward of this iteration reached the model (cleared at its end)
-        self._open_for_reading: Counter[Chunk] = Counter()
-        self._open_for_writing: Counter[Chunk] = Counter()
-        # Frozen chunks held for backward: how many module calls whose backward runs use each, and those a
-        # call without a FrozenBackward tracker uses (kept to the end of the backward).
-        self._frozen_users: Counter[Chunk] = Counter()
-        self._frozen_kept: set[Chunk] = set()
-        self.module_names = {module: name or type(module).__name__ for name, module in root.named_modules()}
-        self.module_chunks: dict[nn.Module, list[Chunk]] = {}
-        self._foreign: dict[nn.Module, list[nn.Parameter]] = {}
+        self._open = OpenChunks()
+        self.frozen = FrozenHolds()
+        self._optimizer = OptimizerLink()
         self.hooks = ModelHooks(self)
-        for module in root.modules():
-            owns = any(slot_of(p) is not None for p in module.parameters(recurse=False))
-            external = remembered_externals(module)
-            if owns or external or module is root:
-                self._hook(module)
-            for param in external:
-                self._add_foreign(module, param)
+        self.watched = ModuleChunks(root, self.hooks, check_capacity, self.scheduler.module_chunks_changed)
+        self.module_names = self.watched.names
+        self.module_chunks = self.watched.chunks
+        self.acquisition = ChunkAcquisition(self.scheduler, self.executor, self.module_names)
+        self.landing = GradientLanding(self.gradients, self.executor, self.scheduler, self._optimizer,
+                                       self.acquisition.hold_for_backward, reductions_in_flight)
         self.hooks.watch_gradients(p for p in root.parameters() if p.requires_grad and slot_of(p) is not None)
         for chunk in chunks:
             chunk.attach_host(self)
@@ -187,9 +166,7 @@ class ChunkRuntime:
         deferred them), in packing order. A step that updates in this order starts on the gradients that
         reached the host first, while the GPU still computes those of the first layers; updating in
         packing order would first wait for the whole backward."""
-        trainable = self.trainable_chunks()
-        present = set(trainable)
-        return [c for c in self._final_order if c in present] + [c for c in trainable if c not in self._final_order]
+        return self.landing.in_landing_order(self.trainable_chunks())
 
     def rest_tier(self, chunk: Chunk) -> Tier | None:
         return self.executor.rest_tier(chunk)
@@ -208,7 +185,17 @@ class ChunkRuntime:
     @property
     def no_sync(self) -> bool:
         """Whether backward passes accumulate sharded gradients unreduced now (``model.no_sync()``)."""
-        return self._no_sync
+        return self.landing.no_sync
+
+    @property
+    def grads_pending(self) -> bool:
+        """Whether a backward left gradients that no step or ``zero_grad`` consumed yet."""
+        return self.landing.grads_pending
+
+    @property
+    def reductions_in_flight(self) -> int:
+        """The bound on the gradient reductions left running during a backward (see ShardedModelV2's argument)."""
+        return self.landing.reductions_in_flight
 
     def owns(self, chunk: Chunk) -> bool:
         return chunk in self.executor.chunks
@@ -218,29 +205,21 @@ class ChunkRuntime:
     @_untraced
     def begin_iteration(self, inputs: Any, training: bool) -> None:
         """The wrapped model's forward begins with ``inputs`` (its arguments, already cast)."""
-        if self.group_failed is not None:
-            failed = self.group_failed
-            raise CollectiveError(f"a forward after a failed collective ({failed}): the process group is unusable; "
-                                  f"end every rank and restart from a checkpoint", failed.collective, failed.what,
-                                  failed.rank, failed.world) from failed
-        if any(c.param.holds_grads for c in self.chunks):
-            raise GradientAccumulationError(
-                "forward called while gradients from the last backward are still in the parameters' memory "
-                "(reuse_fp16_shard=True): call optim.step() or optim.zero_grad() first; gradient "
-                "accumulation needs reuse_fp16_shard=False")
+        refuse_after_failed_collective(self.group_failed)
+        self.landing.refuse_forward_over_gradients()
         while self._stack:  # a forward interrupted where its post hooks could not run (KeyboardInterrupt)
             self.executor.release(self._stack.pop().chunks)
         self._end_of_backward_queued = False  # autograd drops the callback of a backward that raised
         if self.scheduler.running:  # the last iteration stopped on an error: release what it held
             self._recover_interrupted()
-        unfrozen = self._unfrozen_since_wrapping() if training and self.optimizer_attached else []
+        unfrozen = unfrozen_since_wrapping(self.chunks) if training and self.optimizer_attached else []
         self.agree("forward", "the model's forward", [("forwards so far", self.forward_count),
                                                       ("optimizer steps so far", self.step_count),
                                                       ("autograd on", training),
                                                       ("parameters unfrozen since wrapping", len(unfrozen))])
         self.refuse_unfrozen("the model's forward", unfrozen)
         self.forward_count += 1
-        self._drop_secondaries()
+        self.executor.drop_secondaries()
         if self.scheduler.begin_iteration(_shapes_of(inputs), training):
             self.executor.evict_unpinned()
 
@@ -250,8 +229,8 @@ class ChunkRuntime:
         self._stack.append(running)  # first: the post hook runs even if what follows raises
         chunks = list(self.module_chunks[module])
         if chunks:
-            self._begin_period(module, "forward", chunks)
-        self._acquire(chunks)
+            self.acquisition.begin_period(module, "forward", chunks)
+        self.acquisition.acquire(chunks)
         running.chunks = chunks
 
     @_untraced
@@ -262,10 +241,10 @@ class ChunkRuntime:
         chunk = slot_of(param).chunk
         if chunk in running.chunks:
             return
-        self._check_capacity_with(running.module, param, "found in a forward")
-        self._acquire([chunk])  # refuses a chunk whose memory holds gradients (reuse_fp16_shard)
+        self.watched.check_capacity_with(running.module, param, "found in a forward")
+        self.acquisition.acquire([chunk])  # refuses a chunk whose memory holds gradients (reuse_fp16_shard)
         running.chunks.append(chunk)
-        self._add_foreign(running.module, param)
+        self.watched.add_foreign(running.module, param)
 
     @_untraced
     def post_forward(self, module: nn.Module) -> bool:
@@ -294,14 +273,9 @@ class ChunkRuntime:
             return
         chunks = self.module_chunks[module]
         if chunks:
-            self._begin_period(module, "backward", chunks)
-        self._hold_for_backward(chunks)
-        for chunk in chunks:
-            if not chunk.trainable:
-                if tracked:
-                    self._frozen_users[chunk] += 1
-                else:
-                    self._frozen_kept.add(chunk)
+            self.acquisition.begin_period(module, "backward", chunks)
+        self.acquisition.hold_for_backward(chunks)
+        self.frozen.held(chunks, tracked)
 
     def uses_frozen_chunks(self, module: nn.Module) -> bool:
         """Whether ``module``'s forward uses a chunk without trainable parameters."""
@@ -311,12 +285,7 @@ class ChunkRuntime:
     def frozen_backward_done(self, module: nn.Module) -> None:
         """Every autograd node of one of ``module``'s forward calls ran: its frozen chunks may leave the
         device once no other call whose backward runs uses them (a frozen base bigger than the device)."""
-        for chunk in self.module_chunks[module]:
-            if chunk.trainable or self._frozen_users[chunk] == 0:
-                continue
-            self._frozen_users[chunk] -= 1
-            if self._frozen_users[chunk] == 0 and chunk not in self._frozen_kept and chunk.held_for_backward:
-                self.executor.release_backward_hold(chunk)
+        self.frozen.done(self.module_chunks[module], self.executor.release_backward_hold)
 
     @_untraced
     def gradient_ready(self, param: nn.Parameter) -> None:
@@ -325,17 +294,8 @@ class ChunkRuntime:
             grad = param.grad
             param.grad = None
         slot = slot_of(param)
-        chunk = slot.chunk
         self._backward_began = True
-        if not chunk.grad_slots_received:
-            self.scheduler.grads_started(chunk.index)
-            chunk.grads_expected = len(chunk.trainable_slots())  # once a backward: every slot is read
-        self._hold_where_gradients_land(chunk)
-        self.gradients.accumulate(chunk, slot, grad)
-        chunk.grad_slots_received.add(slot.index_in_chunk)
-        chunk.slots_with_grads.add(slot.index_in_chunk)
-        if len(chunk.grad_slots_received) == chunk.grads_expected:
-            self._finish_grads(chunk)
+        self.landing.receive(slot.chunk, slot, grad)
 
     @_untraced
     def post_backward(self) -> None:
@@ -346,22 +306,21 @@ class ChunkRuntime:
         self.executor.cancel_prefetch()
         for chunk in self.chunks:
             if chunk.trainable and not chunk.grads_finished:
-                self._finish_grads(chunk)
+                self.landing.finish(chunk)
             elif chunk.held_for_backward:
                 self.executor.release_backward_hold(chunk)
-        self._complete_reductions(0)
-        optimizer = self._optimizer()
+        self.landing.complete_reductions(0)
+        optimizer = self._optimizer.listener()
         if optimizer is not None:  # before anything is freed, moved or planned
             optimizer.on_backward_end()
-        self._drop_secondaries()
-        self._frozen_users.clear()
-        self._frozen_kept.clear()
+        self.executor.drop_secondaries()
+        self.frozen.clear()
         for chunk in self.chunks:
             chunk.grads_finished = False
         self.executor.flush_stale()
         self.backward_count += 1
         if self.scheduler.end_iteration():
-            self._schedule_moves()
+            schedule_traced_moves(self.scheduler, self.executor, self.gradients, self.reduction, self.data_parallel)
         self.memory.ledger.context = ""
 
     @_untraced
@@ -414,24 +373,12 @@ class ChunkRuntime:
         if release_gradients:
             self.drop_gradients(set_to_none=True)
 
-    def _unfrozen_since_wrapping(self) -> list[str]:
-        """Names of the parameters of chunks laid out frozen that require grad now."""
-        with DisableTorchFunctionSubclass():  # read past the parameter guard
-            return [slot.name for c in self.chunks if not c.trainable for slot in c.slots if slot.param.requires_grad]
-
     def refuse_unfrozen(self, where: str, unfrozen: list[str] | None = None) -> None:
         """Raise :class:`~chunkmem.UnsupportedOperationError` (``where`` names the call refused) if a parameter
         that was frozen when the model was wrapped requires grad now (``unfrozen``: their names, when already
         read): it sits in a chunk without gradient or optimizer state, so it cannot train, and leaving it alone
         silently is not what torch would do."""
-        unfrozen = self._unfrozen_since_wrapping() if unfrozen is None else unfrozen
-        if unfrozen:
-            raise UnsupportedOperationError(
-                f"{where}: parameter {unfrozen[0]!r}{f' and {len(unfrozen) - 1} more' if len(unfrozen) > 1 else ''} "
-                f"requires grad now but was frozen (requires_grad=False) when the model was wrapped, so its chunk has "
-                f"no gradient or optimizer state and it cannot be trained: wrap the model with it trainable and "
-                f"freeze it after wrapping instead (a parameter frozen after wrapping keeps its optimizer state and is "
-                f"stepped again once unfrozen), or freeze it again; nothing was changed")
+        refuse_unfrozen(where, unfrozen_since_wrapping(self.chunks) if unfrozen is None else unfrozen)
 
     # ---- the optimizer's side ----------------------------------------------------------------------
 
@@ -440,7 +387,7 @@ class ChunkRuntime:
         """Attach the model's optimizer (held weakly: the model may outlive it), with its
         ``gpu_margin_mem_ratio`` and the chunks whose optimizer state stays on the host under ``auto``
         with the disk tier; then place every trainable chunk's optimizer state."""
-        self._listener = weakref.ref(listener)
+        self._optimizer.attach(listener)
         self.state.margin_ratio = margin_ratio
         self.state.optim_host_chunks = frozenset(optim_host_chunks)
         for chunk in self.trainable_chunks():
@@ -451,27 +398,18 @@ class ChunkRuntime:
         self.executor.place_optimizer_state(chunk)
 
     def detach_optimizer(self) -> None:
-        self._listener = None
+        self._optimizer.detach()
 
     @property
     def optimizer_attached(self) -> bool:
-        return self._listener is not None
-
-    def _optimizer(self) -> OptimizerListener | None:
-        return None if self._listener is None else self._listener()
+        return self._optimizer.attached
 
     def grad_multiplier(self, slot: ParamSlot | None = None) -> float:
-        optimizer = self._optimizer()
-        return 1.0 if optimizer is None else optimizer.grad_multiplier(slot)
+        return self._optimizer.grad_multiplier(slot)
 
     def run_gradient_idiom(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """A torch function on ``.grad`` stand-ins of this model's parameters: the optimizer's to serve."""
-        optimizer = self._optimizer()
-        if optimizer is None:
-            raise ParameterAccessError(
-                f"{getattr(func, '__name__', func)} on the gradient of a chunk-managed parameter of a model without "
-                "a chunkmem optimizer: build ShardedOptimizerV2 (or chunkmem.initialize with an optimizer) first")
-        return optimizer.run_gradient_idiom(func, args, kwargs)
+        return self._optimizer.run_gradient_idiom(func, args, kwargs)
 
     def grad_of(self, chunk: Chunk) -> torch.Tensor | None:
         """This rank's shard of the chunk's finished gradient (where it rests), or ``None``."""
@@ -531,49 +469,28 @@ class ChunkRuntime:
         """Drop (``set_to_none``) or zero every finished gradient, and what ``no_sync`` accumulated. Zeroed
         gradients still count as gradients for the next step (torch steps a parameter whose ``.grad`` is a
         zero tensor); dropped ones do not."""
-        self.gradients.drop(set_to_none)
-        if set_to_none:
-            for chunk in self.chunks:
-                chunk.slots_with_grads.clear()
-        self.grads_pending = False
-        self._final_order.clear()
+        self.landing.drop(set_to_none)
 
     def check_can_accumulate(self) -> None:
         self.gradients.check_can_accumulate()
 
-    @contextlib.contextmanager
-    def deferring_reduction(self) -> Any:
+    def deferring_reduction(self) -> contextlib.AbstractContextManager[None]:
         """``model.no_sync()``: sharded gradients accumulate locally, unreduced, inside."""
-        self.gradients.check_can_defer()
-        if self._no_sync:
-            raise InvalidArgumentError("no_sync", "a nested no_sync()", "one no_sync() at a time")
-        self._no_sync = True
-        try:
-            yield
-        finally:
-            self._no_sync = False
+        return self.landing.deferring()
 
     # ---- the parameter guard's side (ChunkHost) ----------------------------------------------------
 
     def is_open(self, chunk: Chunk, for_writing: bool) -> bool:
-        return chunk in (self._open_for_writing if for_writing else self._open_for_reading)
+        return self._open.is_open(chunk, for_writing)
 
     @_untraced
     def open_chunks(self, chunks: list[Chunk], for_writing: bool) -> None:
-        self._acquire(chunks, exact=True)
-        for chunk in chunks:
-            self._open_for_reading[chunk] += 1
-            if for_writing:
-                self._open_for_writing[chunk] += 1
+        self.acquisition.acquire(chunks, exact=True)
+        self._open.open(chunks, for_writing)
 
     @_untraced
     def close_chunks(self, chunks: list[Chunk], for_writing: bool) -> None:
-        for chunk in chunks:
-            self._open_for_reading[chunk] -= 1
-            if for_writing:
-                self._open_for_writing[chunk] -= 1
-        self._open_for_reading = +self._open_for_reading  # (drops the chunks no block holds open)
-        self._open_for_writing = +self._open_for_writing
+        self._open.close(chunks, for_writing)
         self.executor.release(chunks)
         # A released chunk's device copy is only marked stale, to be freed at the next period boundary of
         # an iteration; outside one there is none, so free it now.
@@ -584,12 +501,7 @@ class ChunkRuntime:
         self.executor.write_params(chunk, local)
 
     def register_external(self, module: nn.Module, param: nn.Parameter) -> None:
-        if module not in self.module_names:
-            raise InvalidArgumentError("module", type(module).__name__,
-                                       "a submodule of the model that owns the parameter")
-        self._check_capacity_with(module, param, "declared with register_external_parameter")
-        self._hook(module)
-        self._add_foreign(module, param)
+        self.watched.register_external(module, param)
 
     # ---- the model's side --------------------------------------------------------------------------
 
@@ -601,179 +513,11 @@ class ChunkRuntime:
 
     # ---- inside ------------------------------------------------------------------------------------
 
-    def _hook(self, module: nn.Module) -> None:
-        if module not in self.module_chunks:
-            self.module_chunks[module] = []
-            for param in module.parameters(recurse=False):
-                slot = slot_of(param)
-                if slot is not None and slot.chunk not in self.module_chunks[module]:
-                    self.module_chunks[module].append(slot.chunk)
-            self.hooks.watch_module(module)
-
-    def _check_capacity_with(self, module: nn.Module, param: nn.Parameter, how: str) -> None:
-        """Before ``module`` fetches another module's ``param`` from now on: the device tier must still hold
-        the step (the chunk now stays there from ``module``'s backward on); raises DeviceCapacityError, with
-        nothing registered, when it does not."""
-        if any(p is param for p in self._foreign.get(module, ())):
-            return
-        foreign = dict(self._foreign)
-        foreign[module] = foreign.get(module, []) + [param]
-        named = list(self.module_names.items())
-        users = [(name, [p for p in sub.parameters(recurse=False) if slot_of(p) is not None] + foreign.get(sub, []))
-                 for sub, name in named[:1] + list(reversed(named[1:]))]
-        param_name = next((name for name, p in self.root.named_parameters() if p is param), "a parameter")
-        self._check_capacity(users, f" ({how}: module {self.module_names[module]!r} uses parameter {param_name!r})")
-
-    def _add_foreign(self, module: nn.Module, param: nn.Parameter) -> None:
-        """Fetch ``param``'s chunk with ``module`` from now on."""
-        params = self._foreign.setdefault(module, [])
-        if not any(p is param for p in params):
-            params.append(param)
-        chunk = slot_of(param).chunk
-        if chunk not in self.module_chunks[module]:
-            self.module_chunks[module].append(chunk)
-            self.scheduler.module_chunks_changed()
-
-    def _begin_period(self, module: nn.Module, phase: str, chunks: list[Chunk]) -> None:
-        required = [c.index for c in self.chunks if c.in_use]
-        name = self.module_names[module]
-        orders = self.scheduler.begin_period(name, phase, [c.index for c in chunks], required)
-        period = self.scheduler.index - 1
-        self.memory.ledger.context = f"period {period} ({name} {phase})"
-        self.executor.log_event("period", period, name, phase)
-        self.executor.execute(orders)
-
-    def _need(self, chunks: list[Chunk]) -> None:
-        for chunk in chunks:
-            self.executor.check_free_of_grads(chunk)
-        for chunk in chunks:
-            if self.scheduler.need(chunk.index):
-                self.executor.evict_unpinned()
-
-    def _acquire(self, chunks: list[Chunk], exact: bool = False) -> None:
-        self._need(chunks)
-        self.executor.acquire(chunks, exact)
-
-    def _hold_for_backward(self, chunks: list[Chunk]) -> None:
-        chunks = [c for c in chunks if not c.held_for_backward]
-        self._need(chunks)
-        self.executor.hold_for_backward(chunks)
-
-    def _hold_where_gradients_land(self, chunk: Chunk) -> None:
-        """Gradients written into the parameters' memory need the chunk's device copy until they are finished."""
-        if self.gradients.in_param_memory:
-            self._hold_for_backward([chunk])
-
-    def _finish_grads(self, chunk: Chunk) -> None:
-        """The chunk's gradients of this backward are complete: reduce them over the ranks (sharded; left
-        running when reductions may be in flight), let the parameters go back to their resting tier, and,
-        once the reduction is done, let the gradients rest where the update runs and tell the optimizer."""
-        deferred = self._no_sync and chunk.param.sharded
-        self._hold_where_gradients_land(chunk)
-        running = self.gradients.finish(chunk, deferred, overlap=self.reductions_in_flight > 0)
-        chunk.grad_slots_received.clear()
-        chunk.grads_finished = True
-        chunk.unhold()
-        self.grads_pending = self.grads_pending or not deferred
-        if running:
-            self._reducing.append(chunk)
-            self.executor.log_event("reduce", chunk.index, "started")
-            self._complete_reductions(self.reductions_in_flight)
-        else:
-            self._grads_final(chunk)
-
-    def _complete_reductions(self, keep: int) -> None:
-        """Wait for the oldest reductions in flight until at most ``keep`` remain."""
-        while len(self._reducing) > keep:
-            chunk = self._reducing.popleft()
-            self.gradients.complete(chunk)
-            self.executor.log_event("reduce", chunk.index, "done")
-            self._grads_final(chunk)
-
-    def _grads_final(self, chunk: Chunk) -> None:
-        """The chunk's gradients are reduced: they rest where its update runs; the optimizer hears of it."""
-        self.scheduler.grads_finished(chunk.index)
-        self._final_order.setdefault(chunk)
-        self.executor.settle(chunk)
-        optimizer = self._optimizer()
-        if optimizer is not None and not self._no_sync:
-            optimizer.on_grads_final(chunk)
-
-    def _drop_secondaries(self) -> None:
-        """hpZ's secondary partitions live from a forward to its backward only."""
-        for chunk in self.chunks:
-            chunk.param.drop_secondary()
-
     def _recover_interrupted(self) -> None:
         """The last iteration stopped on an error (e.g. :class:`~chunkmem.DeviceCapacityError` in its
-        backward): release what its backward held, drop its unfinished gradients, and put every chunk
-        where it rests, so the next iteration starts as after a finished one. Where the error came in the
-        backward, every pending gradient is dropped too, those of the chunks it had finished and those
-        accumulated by earlier backwards (they share the buffers its partial sums went into), and the
-        optimizer undoes the updates it started (:meth:`OptimizerListener.on_backward_failed`): the next
-        ``step()`` has nothing to apply, as if the failed iteration had not happened. (Before 2026-11-27 the
-        finished chunks' gradients stayed and joined the next step.)"""
+        backward): put it behind (:func:`~chunkmem.runtime.recovery.recover_interrupted`)."""
         failed_backward, self._backward_began = self._backward_began, False
-        self.executor.cancel_prefetch()
-        self._complete_reductions(0)  # a started collective cannot be called back; its result is kept
-        optimizer = self._optimizer()
-        if failed_backward and optimizer is not None:
-            try:  # the updates still running read gradients and write chunks: let them end first
-                optimizer.on_backward_end()
-            except Exception:  # (the backward failed already: on_backward_failed below undoes what they did)
-                pass
-        self._drop_secondaries()
-        self._frozen_users.clear()
-        self._frozen_kept.clear()
-        for chunk in self.chunks:
-            chunk.unhold()
-            self.gradients.abandon(chunk)
-            chunk.grad_slots_received.clear()
-            chunk.grads_finished = False
-        self.executor.settle_all()
-        self.executor.flush_stale()
-        if failed_backward:
-            optimizer = self._optimizer()
-            if optimizer is not None:
-                optimizer.on_backward_failed()
-            else:
-                self.drop_gradients(set_to_none=True)
-            self.grads_pending = False
-
-    def _schedule_moves(self) -> None:
-        """A new schedule was traced: agree on its peaks over the ranks, plan it, and move the margin's
-        optimizer state to the device."""
-        chunks = self.chunks
-        if not chunks:
-            return
-        peaks = [p.non_model_peak for p in self.scheduler.periods or []]
-        shards = self.data_parallel
-        if shards.sharded and peaks:  # every rank must fetch the same chunks in the same order
-            agreed = torch.tensor(peaks, dtype=torch.int64)
-            shards.all_reduce_(agreed, torch.distributed.ReduceOp.MAX, what="the traced non-model memory peaks")
-            peaks = [int(p) for p in agreed.tolist()]
-        # Every chunk gets a slot of the largest chunk's bytes (a trimmed last chunk is smaller).
-        largest = max(chunks, key=lambda c: c.numel)
-        trainable = [c for c in chunks if c.trainable]
-        largest_trainable = max(trainable, key=lambda c: c.numel, default=None)
-        optimizer_state = largest_trainable is not None and any(
-            buf.allocated for buf in largest_trainable.optim.values())
-        inputs = MoveInputs(self.memory.ledger.capacity, largest.param.nbytes,
-                            self._optimizer_group_bytes(largest_trainable) if optimizer_state else 0,
-                            self.gradients.in_param_memory, self.reduction.shards.sharded, peaks)
-        for index in self.scheduler.schedule_moves(inputs):
-            self.gradients.flatten(chunks[index])  # its gradient buffer moves with the state
-            self.executor.move_optimizer_state(chunks[index], Tier.DEVICE)
-            self.executor.settle(chunks[index])
-
-    def _optimizer_group_bytes(self, chunk: Chunk) -> int:
-        """Device bytes of one chunk kept there with its optimizer state: this rank's shard of the optimizer
-        families (the master and the state) and of the gradient, the full parameter copy, and (sharded) the
-        parameter shard."""
-        families = sum(chunk.optim[f].nbytes for f in chunk.state_families + ((MASTER,) if chunk.has_master else ()))
-        shard_bytes = chunk.param.shard.nbytes
-        return (families + chunk.param.nbytes + (shard_bytes if chunk.param.sharded else 0)
-                + self.gradients.grad_bytes(chunk))
+        recover_interrupted(self.executor, self.landing, self._optimizer, self.frozen, failed_backward)
 
 
 def _shapes_of(tree: Any) -> tuple:
