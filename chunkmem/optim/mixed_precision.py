@@ -13,7 +13,7 @@ unscaled gradients; a non-finite norm (possible without a scaler) clips nothing.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -147,3 +147,14 @@ class MixedPrecisionStep:
             all_reduce_over(group, pair, dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM,
                             what="the gradient norm and its non-finite flag")
         return float("nan") if pair[1].item() else pair[0].item()
+
+
+def landed_gradients(runtime: Any) -> Iterator[KeyedGradient]:
+    """This rank's gradients of ``runtime``'s chunks for the global norm: its shards, and a replicated chunk's whole
+    gradients on the first rank only (every rank holds the same; the norm sums over the ranks). Yielded in the
+    order they landed, each read only when the norm gets to it: the norm of the first to land is taken while the
+    backward still computes the last; keyed by packing order, in which the norm adds them."""
+    for chunk in runtime.trainable_chunks_as_gradients_landed():
+        if chunk.replicas is None or chunk.replicas.rank == 0:
+            for i, tensor in enumerate(runtime.grad_tensors(chunk)):
+                yield KeyedGradient((chunk.index, i), tensor)

@@ -11,7 +11,8 @@ streamed disk step and its commit, :mod:`chunkmem.optim.backward_step` holds wha
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from functools import partial
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -32,7 +33,7 @@ from .closure import run_closure
 from .disk_commit import DiskCommit
 from .gradient_idioms import GradientIdioms
 from .loss_scaler import DynamicGradScaler
-from .mixed_precision import KeyedGradient, MixedPrecisionStep
+from .mixed_precision import MixedPrecisionStep, landed_gradients
 from .sealed import seal_param_groups
 from .state_dict import optimizer_state_dict, prepare_optimizer_load
 from .torch_face import WrappingOptimizer
@@ -289,7 +290,7 @@ class ShardedOptimizerV2(WrappingOptimizer):
                            [("optimizer steps so far", self.runtime.step_count), ("max_norm", max_norm),
                             ("norm_type", norm_type)])
         self._accounting.check_scaled()
-        return self.mixed.clip(self._grads(), max_norm, float(norm_type))
+        return self.mixed.clip(landed_gradients(self.runtime), max_norm, float(norm_type))
 
     def check_can_rescale(self, what: str) -> None:
         """Refuse ``what`` (a clipping decided after the backward) where the backward's updates could not be
@@ -300,16 +301,6 @@ class ShardedOptimizerV2(WrappingOptimizer):
         """A torch function on the ``.grad`` stand-ins of this model's parameters (the runtime's
         :class:`~chunkmem.runtime.runtime.OptimizerListener` side; :mod:`chunkmem.optim.gradient_idioms`)."""
         return self._idioms.run(func, args, kwargs)
-
-    def _grads(self) -> Iterator[KeyedGradient]:
-        """This rank's gradients for the global norm: its shards, and a replicated chunk's whole gradients
-        on the first rank only (every rank holds the same; the norm sums over the ranks). Yielded in the
-        order they landed, each read only when the norm gets to it: the norm of the first to land is taken
-        while the backward still computes the last; keyed by packing order, in which the norm adds them."""
-        for chunk in self.runtime.trainable_chunks_as_gradients_landed():
-            if chunk.replicas is None or chunk.replicas.rank == 0:
-                for i, tensor in enumerate(self.runtime.grad_tensors(chunk)):
-                    yield KeyedGradient((chunk.index, i), tensor)
 
     def grad_multiplier(self, slot: ParamSlot | None = None) -> float:
         """What the coming step multiplies the gradients by: the clipping over the loss scale, and for
@@ -357,7 +348,7 @@ class ShardedOptimizerV2(WrappingOptimizer):
         self.update_rule.check_unchanged()
         self._accounting.check_scaled()
         self._backward.kept = 0
-        multiplier = self.mixed.decide(self._grads, self.max_norm, self.norm_type)
+        multiplier = self.mixed.decide(partial(landed_gradients, self.runtime), self.max_norm, self.norm_type)
         if multiplier is None:
             self._backward.abandon_in_flight()  # made as if nothing overflowed
             self._backward.undo_in_memory()
