@@ -359,3 +359,21 @@ def test_torchaos_4bit_state_is_kept_whole_not_stepped_as_fp32_families():
     from chunkmem.optim.any_optimizer import probe_state
     layout = probe_state(torchao_optim.AdamW4bit([torch.nn.Parameter(torch.zeros(4))]))
     assert layout.whole and layout.families == ()
+
+
+def _refused_on_two_ranks(rank: int, world: int) -> str:
+    model = cm.ShardedModelV2(TinyGPT(d=64), cm.TensorShardStrategy(), tensor_placement_policy="cpu",
+                              dtype=torch.float32)
+    optimizer = torchao_optim.AdamW8bit(model.parameters())
+    try:
+        cm.ShardedOptimizerV2(model, optimizer)
+    except cm.UnsupportedOperationError as refused:
+        assert not model.optimizer_attached and not optimizer.state
+        return str(refused)
+    return "accepted"
+
+
+def test_several_ranks_are_refused_on_every_rank_with_nothing_changed():
+    from distributed import run_ranks
+    for message in run_ranks(_refused_on_two_ranks, 2):
+        assert "on several ranks" in message and "not supported yet" in message
