@@ -87,7 +87,7 @@ def test_the_map_codes_and_scales_are_torchaos():
     x = torch.randn(256 * 64, generator=g) * torch.logspace(-9, 1, 256 * 64)[torch.randperm(256 * 64, generator=g)]
     qmap = blockwise.dynamic_map(True)
     x[:256] = 0  # an all-zero block (the scale's floor)
-    thresholds = low_bit_adam.rounding_thresholds(qmap)  # exact ties: the value just at and below each
+    thresholds = blockwise.rounding_thresholds(qmap)  # exact ties: the value just at and below each
     x[256:256 + 255] = thresholds
     x[512:512 + 255] = torch.nextafter(thresholds, torch.tensor(-2.0))
     x[1024] = float("nan")  # a block that is not finite

@@ -12,6 +12,10 @@ plus one where the value lies at least half-way to the next entry (computed as `
 0.5`` in fp32). A scaled value below the first entry takes code 0; NaN takes code 0. Dequantizing multiplies the
 code's entry by the block's scale in fp32. These are the reference's rules, so states quantized here and by
 torchao hold the same bytes (``tests/test_low_bit_state.py`` compares them where torchao is installed).
+
+Rounding to the nearest entry is also counting: the code of a scaled value is the number of the map's 255
+**rounding thresholds** (the smallest floats that round past each entry: :func:`rounding_thresholds`) at or below
+it. The host kernel counts them with one table lookup per value (:func:`bucket_words`).
 """
 from __future__ import annotations
 
@@ -78,3 +82,41 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, qmap: torch.Tensor,
                block_size: int = BLOCK_SIZE) -> torch.Tensor:
     """The fp32 values of ``codes`` and ``scales`` (a new flat tensor of ``codes.numel()`` elements)."""
     return (qmap[codes.long()].view(-1, block_size) * scales.view(-1, 1)).view(-1)
+
+
+def rounding_thresholds(qmap: torch.Tensor) -> torch.Tensor:
+    """For each entry ``c`` of the map but the last, the smallest fp32 value ``y`` that quantizes past it
+    (``y - q[c] >= (q[c + 1] - q[c]) * 0.5`` in fp32): the code of a scaled value is the number of these at or
+    below it (NaN aside)."""
+    low, high = qmap[:-1], qmap[1:]
+    half = (high - low) * 0.5
+    rounds_up = lambda y: y - low >= half  # noqa: E731 - monotone in y
+    found = low + half
+    down, up = torch.tensor(-float("inf")), torch.tensor(float("inf"))
+    for _ in range(8):  # a few ulps at most from the real half-way point
+        below = torch.nextafter(found, down)
+        found = torch.where(rounds_up(below), below, found)
+        found = torch.where(rounds_up(found), found, torch.nextafter(found, up))
+    if not bool(rounds_up(found).all()) or bool(rounds_up(torch.nextafter(found, down)).any()):
+        raise RuntimeError("the map's rounding thresholds were not found")
+    return found
+
+
+def _order_keys(values: torch.Tensor) -> torch.Tensor:
+    """Order-preserving unsigned keys of fp32 ``values``, as int64."""
+    bits = values.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return torch.where(bits >= 2**31, bits ^ 0xFFFFFFFF, bits | 2**31)
+
+
+def bucket_words(qmap: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """The host kernel's table for quantizing with ``qmap`` (``csrc/low_bit_adam.cpp``, ``kFirstBucket``): for each
+    of ``count`` buckets of order-preserving keys from ``first`` (the keys' top 16 bits), the number of rounding
+    thresholds below the bucket << 17 | the low 16 bits of the one inside it (``0x10000``: none)."""
+    keys = _order_keys(rounding_thresholds(qmap))
+    buckets = torch.arange(first, first + count, dtype=torch.int64)
+    below = torch.searchsorted(keys, buckets << 16)
+    inside = torch.searchsorted(keys, (buckets + 1) << 16) - below
+    if int(inside.max()) > 1:
+        raise RuntimeError("a bucket of the quantization table holds two rounding thresholds")
+    low = torch.where(inside == 1, keys[below.clamp(max=keys.numel() - 1)] & 0xFFFF, torch.full_like(below, 0x10000))
+    return ((below << 17) | low).to(torch.int32)

@@ -36,7 +36,7 @@ import torch
 
 from ..core.native_build import CSRC, LoadedOnce, env_flag, load_library
 from . import host_adam_ext
-from .blockwise import BLOCK_SIZE, dequantize, dynamic_map, quantize_
+from .blockwise import BLOCK_SIZE, bucket_words, dequantize, dynamic_map, quantize_
 
 SOURCE = CSRC / "low_bit_adam.cpp"
 CXXFLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-math-errno")
@@ -197,43 +197,6 @@ class _BuffersStruct(ctypes.Structure):
                 ("vsqrt", ctypes.c_void_p), ("vsqrt_mode", ctypes.c_int64)]
 
 
-def rounding_thresholds(qmap: torch.Tensor) -> torch.Tensor:
-    """For each entry ``c`` of the map but the last, the smallest fp32 value ``y`` that quantizes past it
-    (``y - q[c] >= (q[c + 1] - q[c]) * 0.5`` in fp32): the code of a scaled value is the number of these at or
-    below it (NaN aside)."""
-    low, high = qmap[:-1], qmap[1:]
-    half = (high - low) * 0.5
-    rounds_up = lambda y: y - low >= half  # noqa: E731 - monotone in y
-    found = low + half
-    down, up = torch.tensor(-float("inf")), torch.tensor(float("inf"))
-    for _ in range(8):  # a few ulps at most from the real half-way point
-        below = torch.nextafter(found, down)
-        found = torch.where(rounds_up(below), below, found)
-        found = torch.where(rounds_up(found), found, torch.nextafter(found, up))
-    if not bool(rounds_up(found).all()) or bool(rounds_up(torch.nextafter(found, down)).any()):
-        raise RuntimeError("the map's rounding thresholds were not found")
-    return found
-
-
-def _order_keys(values: torch.Tensor) -> torch.Tensor:
-    """Order-preserving unsigned keys of fp32 ``values``, as int64."""
-    bits = values.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    return torch.where(bits >= 2**31, bits ^ 0xFFFFFFFF, bits | 2**31)
-
-
-def _bucket_words(qmap: torch.Tensor, first: int, count: int) -> torch.Tensor:
-    """The kernel's word per bucket of keys (``csrc/low_bit_adam.cpp``, ``kFirstBucket``): the number of
-    thresholds below the bucket << 17 | the low 16 bits of the one inside it (``0x10000``: none)."""
-    keys = _order_keys(rounding_thresholds(qmap))
-    buckets = torch.arange(first, first + count, dtype=torch.int64)
-    below = torch.searchsorted(keys, buckets << 16)
-    inside = torch.searchsorted(keys, (buckets + 1) << 16) - below
-    if int(inside.max()) > 1:
-        raise RuntimeError("a bucket of the quantization table holds two rounding thresholds")
-    low = torch.where(inside == 1, keys[below.clamp(max=keys.numel() - 1)] & 0xFFFF, torch.full_like(below, 0x10000))
-    return ((below << 17) | low).to(torch.int32)
-
-
 class LowBitKernel:
     """The loaded library, its dynamic maps and their tables of rounding thresholds; ``vsqrt``: the square root function torch's
     ``Tensor.sqrt`` calls (MKL VML) where that is not the correctly rounded one, else ``None``; ``exact``: whether
@@ -245,7 +208,7 @@ class LowBitKernel:
         lib.chunkmem_low_bit_adam.restype = ctypes.c_int
         self.qmap_m, self.qmap_v = _maps(torch.device("cpu"))
         first, count = lib.chunkmem_low_bit_first_bucket(), lib.chunkmem_low_bit_buckets()
-        self.words_m, self.words_v = (_bucket_words(q, first, count) for q in (self.qmap_m, self.qmap_v))
+        self.words_m, self.words_v = (bucket_words(q, first, count) for q in (self.qmap_m, self.qmap_v))
         self.vsqrt: int | None = None
         self.exact = False
 
