@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.chunk import Chunk
+from ..core.chunk import MASTER, Chunk
 from ..core.tiers import Tier
 from ..distributed.collectives import ShardGroup
 from ..distributed.reduction import GradientReduction
