@@ -94,6 +94,7 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         return _initialize_colossal(model, optimizer, config["zero"])
     return _initialize_deepspeed(model, optimizer, config)
 
+
 # ---- the ColossalAI form ------------------------------------------------------------------------------
 
 def _initialize_colossal(model: nn.Module, optimizer: Any, zero: Any) -> tuple[nn.Module, Any]:
