@@ -4,23 +4,23 @@ from . import accessors, utils
 from .optim.adam import CPUAdam, HybridAdam
 from .io.checkpoint import consolidate_checkpoint, load_checkpoint, save_checkpoint
 from .distributed.collectives import collective_timeout, set_collective_timeout
-from .config import initialize
-from .engine import TrainingEngine, initialize_engine
+from .faces.config import initialize
+from .faces.engine import TrainingEngine, initialize_engine
 from .errors import (ArgumentTypeError, CheckpointError, ChunkmemError, ChunkStateError, CollectiveError,
                      CollectiveTimeoutError, DeviceCapacityError, DiskIOError, DiskStepError, GradientAccumulationError,
                      HostCapacityError, InvalidArgumentError, LayoutMismatchError, NoEffectWarning, ParameterAccessError,
                      StepMismatchError, UnscaledBackwardError, UnsupportedOperationError)
-from .init_context import ZeroInitContext
+from .faces.init_context import ZeroInitContext
 from .optim.loss_scaler import DynamicGradScaler
 from .optim.low_level_zero import LowLevelZeroOptimizer
 from .optim.zero_gradient_view import ZeroGradient
-from .model import ShardedModelV2
+from .model.sharded_model import ShardedModelV2
 from .optim.sharded_optimizer import ShardedOptimizerV2
 from .core.param_guard import ChunkGradient, ChunkParameter
 from .runtime.parameter_access import GatheredParameters, register_external_parameter
 from .plan import Candidate, PlanChoice, PolicyPlan, choose, plan
 from .plan.machine_profile import MachineProfile
-from .tiled_linear import TiledLinear
+from .faces.tiled_linear import TiledLinear
 from .distributed.shard_strategy import BaseShardStrategy, BucketTensorShardStrategy, TensorShardStrategy
 from .core.copy_engine import set_copy_engine
 from .core.pinned import set_pinned_memory_budget

@@ -4,7 +4,7 @@ Every way of configuring chunkmem arrives here and is checked once: the referenc
 (``ShardedModelV2(...)``, ``ShardedOptimizerV2(...)`` parse their arguments with
 :meth:`ModelSettings.from_arguments` / :meth:`OptimizerSettings.from_arguments`), the ColossalAI
 ``zero=dict(model_config=..., optimizer_config=...)`` form (its keys are those of :data:`MODEL_KEYWORDS`
-and :data:`OPTIMIZER_KEYWORDS`) and the DeepSpeed JSON (:mod:`chunkmem.config` builds the same
+and :data:`OPTIMIZER_KEYWORDS`) and the DeepSpeed JSON (:mod:`chunkmem.configs` builds the same
 objects). A value that is refused raises :class:`~chunkmem.ArgumentTypeError` or
 :class:`~chunkmem.InvalidArgumentError` naming the reference argument, before anything is built.
 """

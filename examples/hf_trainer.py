@@ -33,7 +33,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArgumen
 import chunkmem
 from chunkmem.integrations.transformers import ChunkmemTrainer
 
-CONFIG = {  # DeepSpeed's form; chunkmem.initialize reads it (see chunkmem/config.py for every key)
+CONFIG = {  # DeepSpeed's form; chunkmem.initialize reads it (see chunkmem/configs/deepspeed.py for every key)
     "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
     "gradient_clipping": 0.0,  # Trainer clips (max_grad_norm); chunkmem's own clipping stays off
 }

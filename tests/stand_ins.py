@@ -2,7 +2,7 @@
 
 
 class RecordingLowLevelZero:
-    """Stands in for LowLevelZeroOptimizer (in chunkmem.config): records the arguments the config maps to,
+    """Stands in for LowLevelZeroOptimizer (in chunkmem.faces.config): records the arguments the config maps to,
     and accepts every argument check."""
 
     def __init__(self, optimizer, **kwargs):

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 import chunkmem as cm
-from chunkmem import config as config_module
+from chunkmem.faces import config as config_module
 from chunkmem.storage import atomic_file, disk_io
 from chunkmem.storage.disk_io import ScratchSpace
 from models import TinyGPT, batches, build_sharded, lm_loss, train

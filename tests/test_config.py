@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 
 import chunkmem as cm
-from chunkmem import config as config_module
-from chunkmem.config import NoEffectWarning
+from chunkmem.faces import config as config_module
+from chunkmem.errors import NoEffectWarning
 from stand_ins import RecordingLowLevelZero
 
 # ---- the configs of the reference documents ----------------------------------------------------------
@@ -429,7 +429,7 @@ def test_elastic_checkpoint_is_the_engines_and_checked_here():
                       {"zero_optimization": {"stage": 3, "elastic_checkpoint": True}})
     with pytest.raises(cm.ArgumentTypeError, match=r"^zero_optimization\.elastic_checkpoint='no'"):
         cm.initialize(make_model(), config={"zero_optimization": {"stage": 3, "elastic_checkpoint": "no"}})
-    from chunkmem.loop_settings import LoopSettings
+    from chunkmem.configs.loop_settings import LoopSettings
     assert LoopSettings.from_config({"train_batch_size": 2}, 1).elastic_checkpoint is True
     rigid = {"train_batch_size": 2, "zero_optimization": {"elastic_checkpoint": False}}
     assert LoopSettings.from_config(rigid, 1).elastic_checkpoint is False

@@ -238,7 +238,7 @@ def test_a_save_that_dies_part_way_leaves_the_previous_tag_whole(tmp_path, monke
     """The tag is one unit: a save that fails while writing the model's files, or dies between the two renames
     that swap the new tag in, leaves the previous save of that tag loadable whole (weights, counters, client
     state), and the next load puts a tag left aside back."""
-    import chunkmem.engine as engine_module
+    import chunkmem.faces.engine as engine_module
 
     reference, engine, saved, saved_steps = _saved_then_trained_on(tmp_path, _config(3))
 

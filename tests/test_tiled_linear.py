@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import chunkmem as cm
-from chunkmem.tiled_linear import split_points
+from chunkmem.faces.tiled_linear import split_points
 
 
 @pytest.mark.parametrize("in_splits, out_splits, bias", [(1, 1, True), (3, 4, True), (5, 2, False), (2, 1, True)])

@@ -2,13 +2,13 @@
 ``import chunkmem.deepspeed as deepspeed``.
 
 :func:`initialize` takes DeepSpeed's arguments and config and returns ``(engine, optimizer,
-training_dataloader, lr_scheduler)``; the engine (:class:`~chunkmem.engine.TrainingEngine`) runs
+training_dataloader, lr_scheduler)``; the engine (:class:`~chunkmem.TrainingEngine`) runs
 DeepSpeed's loop (gradient accumulation, clipping, the config's schedule, checkpoints with a client state,
 ``save_16bit_model``) over :class:`~chunkmem.ShardedModelV2` / :class:`~chunkmem.ShardedOptimizerV2`
 (stage 3) or :class:`~chunkmem.LowLevelZeroOptimizer` (stages 1, 2); as DeepSpeed's, ``engine.module`` is
 the module passed in at every stage (``engine.sharded_model`` the wrapper at stage 3). The submodules
 ``zero``, ``utils``, ``comm`` and ``accelerator`` carry the DeepSpeed names scripts call. What a config key
-becomes is in ``chunkmem.config.KEY_TABLE``.
+becomes is in ``chunkmem.configs.deepspeed.KEY_TABLE``.
 """
 from __future__ import annotations
 
@@ -20,16 +20,18 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from ..config import build_optimizer, initialize as _wrap, read_config
+from ..configs.deepspeed import build_optimizer
+from ..configs.reading import read_config
+from ..faces.config import initialize as _wrap
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from . import accelerator, comm, utils, zero
 from .comm import init_distributed
-from ..engine import TrainingEngine
-from ..loop_settings import LOOP_KEYS, LoopSettings
+from ..faces.engine import TrainingEngine
+from ..configs.loop_settings import LOOP_KEYS, LoopSettings
 from .lr_schedules import schedule_from_config
 
 DeepSpeedEngine = TrainingEngine
-"""DeepSpeed's name of the engine :func:`initialize` returns (:class:`chunkmem.engine.TrainingEngine`)."""
+"""DeepSpeed's name of the engine :func:`initialize` returns (:class:`chunkmem.TrainingEngine`)."""
 
 __all__ = ["DeepSpeedEngine", "accelerator", "add_config_arguments", "comm", "init_distributed", "initialize", "utils",
            "zero"]
@@ -59,7 +61,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
             a group of one without a launcher) when it is not yet, as DeepSpeed does; ``False`` leaves it.
         config, config_params: the DeepSpeed config, a dict or a JSON file path (one of the two).
 
-    The batch keys are checked as DeepSpeed checks them (:mod:`chunkmem.loop_settings`);
+    The batch keys are checked as DeepSpeed checks them (:mod:`chunkmem.configs.loop_settings`);
     ``gradient_clipping`` absent clips at 1.0, DeepSpeed's default. Everything is checked before the model
     is wrapped.
     """

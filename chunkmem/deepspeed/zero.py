@@ -11,12 +11,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..config import NoEffectWarning, read_config
+from ..configs.reading import read_config
 from ..distributed.shard_strategy import TensorShardStrategy
-from ..errors import InvalidArgumentError, check_type
-from ..init_context import ZeroInitContext
+from ..errors import InvalidArgumentError, NoEffectWarning, check_type
+from ..faces.init_context import ZeroInitContext
 from ..runtime.parameter_access import GatheredParameters, register_external_parameter
-from ..tiled_linear import TiledLinear
+from ..faces.tiled_linear import TiledLinear
 from .comm import get_world_size
 
 __all__ = ["GatheredParameters", "Init", "TiledLinear", "register_external_parameter"]

@@ -10,8 +10,8 @@ ranks that disagree cannot crash it. If any digest differs, the ranks exchange t
 themselves and every rank raises the same :class:`LayoutMismatchError` naming what differs.
 
 ``ShardedModelV2`` agrees once its layout is known, before it builds or changes any chunk
-(:mod:`chunkmem.builder`). ``ZeroInitContext(shard_param=True)`` agrees before every gather its
-parameter writes need while the model is built and when it closes (:mod:`chunkmem.init_context`):
+(:mod:`chunkmem.model.builder`). ``ZeroInitContext(shard_param=True)`` agrees before every gather its
+parameter writes need while the model is built and when it closes (:mod:`chunkmem.faces.init_context`):
 every collective of the context is then preceded by an agreement, so ranks that build different models
 stop at the first agreement after they diverge instead of pairing mismatched gathers. The optimizers
 agree on their settings when they are built (:mod:`chunkmem.optim.mixed_precision`).

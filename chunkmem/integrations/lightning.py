@@ -49,9 +49,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from ..config import initialize, read_config
+from ..configs.reading import read_config
+from ..faces.config import initialize
 from ..errors import InvalidArgumentError, UnsupportedOperationError
-from ..model import ShardedModelV2
+from ..model.sharded_model import ShardedModelV2
 from ..optim.low_level_zero import LowLevelZeroOptimizer, optimizer_of
 from ..optim.sharded_optimizer import ShardedOptimizerV2
 

@@ -45,7 +45,7 @@ from transformers import Trainer
 from transformers.utils import can_return_loss, find_labels
 
 from ..errors import UnsupportedOperationError
-from ..model import ShardedModelV2
+from ..model.sharded_model import ShardedModelV2
 from ..optim.closure import run_closure
 from ..optim.low_level_zero import LowLevelZeroOptimizer
 from ..optim.sharded_optimizer import ShardedOptimizerV2

@@ -58,7 +58,7 @@ from ..core.chunk import MASTER
 from ..distributed.collectives import SINGLE_PROCESS, ShardGroup, all_reduce_over, distributed_ready
 from ..errors import ArgumentTypeError, InvalidArgumentError, check_type
 from ..core.param_guard import slot_of
-from ..model import ShardedModelV2
+from ..model.sharded_model import ShardedModelV2
 from ..optim.sharded_optimizer import ShardedOptimizerV2
 from ..errors import ChunkmemError, CheckpointError
 from .resharding import (SavedLayout, entry_fits_rule, plan_resharded_load, saved_slot_scalars, saved_slot_steps,

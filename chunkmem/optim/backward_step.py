@@ -31,7 +31,7 @@ from ..core.chunk import Chunk
 from ..core.copy_engine import nothing_to_wait_for
 from ..core.tiers import Tier, host_memory_available
 from ..errors import GradientAccumulationError, InvalidArgumentError, UnsupportedOperationError
-from ..model import ShardedModelV2
+from ..model.sharded_model import ShardedModelV2
 from ..runtime.runtime import ChunkRuntime
 from ..settings import ModelSettings, OptimizerSettings
 from .disk_step import StreamedStep, streamed_families

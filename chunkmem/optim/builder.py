@@ -1,5 +1,5 @@
 """Building a :class:`~chunkmem.ShardedOptimizerV2`: every check against the wrapped model, then the parts it runs
-with, as :mod:`chunkmem.builder` is for the model.
+with, as :mod:`chunkmem.model.builder` is for the model.
 
 :func:`build_parts` checks the arguments (process groups, ``step_in_backward``, the wrapped optimizer's
 param groups and state, room for its state on the device, on the host for the undo copies and on the disk),
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..builder import compute_dtype
+from ..model.builder import compute_dtype
 from ..core.chunk import MASTER
 from ..core.disk_tier import JOURNAL
 from ..core.param_guard import slot_of
@@ -24,7 +24,7 @@ from ..core.tiers import Tier
 from ..distributed.agreement import ARGUMENTS, LayoutDescription, ParamRecord, agree, refuse_together
 from ..distributed.collectives import ShardGroup
 from ..errors import ArgumentTypeError, ChunkmemError, DeviceCapacityError, InvalidArgumentError, check_type
-from ..model import ShardedModelV2
+from ..model.sharded_model import ShardedModelV2
 from ..settings import ModelSettings, OptimizerSettings
 from .adam import check_supported_optimizer, runs_adam_kernel
 from .any_optimizer import check_elementwise, probe_state

@@ -22,7 +22,7 @@ from ..core.chunk import MASTER, Chunk, ParamSlot
 from ..core.tiers import Tier
 from ..distributed.agreement import HYPER_PARAMETERS_FIELD, held_on_any_rank, hyper_parameter_digest
 from ..errors import UnsupportedOperationError, check_number, check_type
-from ..model import ShardedModelV2
+from ..model.sharded_model import ShardedModelV2
 from ..runtime.runtime import ChunkRuntime
 from ..settings import ModelSettings, OptimizerSettings
 from .any_optimizer import StateLayout

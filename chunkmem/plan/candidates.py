@@ -30,7 +30,7 @@ from .cost_model import StepTime, step_time, trace_compute
 from ..settings import check_chunk_size, check_dtype
 from ..core.chunk import ADAM_STATE
 from ..optim.disk_step import streamed_count
-from ..builder import param_chunks_kept_on_host
+from ..model.builder import param_chunks_kept_on_host
 from ..core.tiers import parse_size
 from .meta_run import PolicyPlan, _meta_inputs, _meta_model, _plan_policy, check_accumulation
 

@@ -219,7 +219,7 @@ def _disk_step_bytes_per_s(nvme_path: str | os.PathLike, width: int = 2048, laye
     import torch.nn as nn
 
     from ..distributed.shard_strategy import TensorShardStrategy
-    from ..model import ShardedModelV2
+    from ..model.sharded_model import ShardedModelV2
     from ..optim.adam import HybridAdam
     from ..optim.sharded_optimizer import ShardedOptimizerV2
 

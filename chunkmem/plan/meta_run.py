@@ -32,7 +32,7 @@ from ..core import block_pool, tiers
 from ..errors import ArgumentTypeError, DeviceCapacityError, InvalidArgumentError, UnsupportedOperationError
 from ..errors import check_choice, check_number
 from ..settings import check_chunk_size, check_dtype, check_grad_accum_dtype
-from ..model import ShardedModelV2
+from ..model.sharded_model import ShardedModelV2
 from ..optim.low_bit_rule import LowBitAdamRule
 from ..core.param_guard import slot_of
 from ..distributed.shard_strategy import TensorShardStrategy

@@ -7,19 +7,19 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .core.chunk import PARAM, Chunk, ChunkKey, ParamSlot
-from .core.disk_tier import DEFAULT_BUFFER_SIZE, DiskTier
-from .errors import ArgumentTypeError, InvalidArgumentError, check_type
-from .core.layout import ALIGN_ELEMENTS, aligned_numel
-from .core.memory import TierMemory
-from .core.param_guard import adopt, slot_of
-from .core.tiers import Tier, device_memory_capacity, device_of_tier, tier_of_device
-from .distributed.agreement import LayoutDescription, ParamRecord, agree
-from .distributed.collectives import SINGLE_PROCESS, ShardGroup
-from .distributed.shard_strategy import BaseShardStrategy
-from .io.pretrained import patched_from_pretrained
-from .runtime.sharded_init import ShardedParamWrites
-from .settings import check_chunk_size, check_dtype, check_param_dtypes
+from ..core.chunk import PARAM, Chunk, ChunkKey, ParamSlot
+from ..core.disk_tier import DEFAULT_BUFFER_SIZE, DiskTier
+from ..errors import ArgumentTypeError, InvalidArgumentError, check_type
+from ..core.layout import ALIGN_ELEMENTS, aligned_numel
+from ..core.memory import TierMemory
+from ..core.param_guard import adopt, slot_of
+from ..core.tiers import Tier, device_memory_capacity, device_of_tier, tier_of_device
+from ..distributed.agreement import LayoutDescription, ParamRecord, agree
+from ..distributed.collectives import SINGLE_PROCESS, ShardGroup
+from ..distributed.shard_strategy import BaseShardStrategy
+from ..io.pretrained import patched_from_pretrained
+from ..runtime.sharded_init import ShardedParamWrites
+from ..settings import check_chunk_size, check_dtype, check_param_dtypes
 
 DEFAULT_INIT_CHUNK_BYTES = 64 * 2**20
 INIT_DISK_BUFFERS = 2

@@ -8,7 +8,7 @@ optimizer only at an accumulation boundary (every ``gradient_accumulation_steps`
 optimizer clips (the config's ``gradient_clipping``), updates and releases the gradients, the learning-rate
 schedule advances unless the step was skipped for an overflow, and ``global_steps`` counts one. Checkpoints
 are directories per tag under ``save_dir`` with a ``latest`` file naming the last one, as DeepSpeed writes
-them (:mod:`chunkmem.engine_checkpoints`); what is inside is chunkmem's (see :meth:`TrainingEngine.save_checkpoint`).
+them (:mod:`chunkmem.faces.engine_checkpoints`); what is inside is chunkmem's (see :meth:`TrainingEngine.save_checkpoint`).
 """
 from __future__ import annotations
 
@@ -21,18 +21,19 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-from .config import initialize as wrap, read_config
-from .core.param_guard import ParameterAccessError, slot_of
-from .core.tiers import Tier, device_of_tier
-from .distributed.collectives import ShardGroup
+from ..configs.reading import read_config
+from .config import initialize as wrap
+from ..core.param_guard import ParameterAccessError, slot_of
+from ..core.tiers import Tier, device_of_tier
+from ..distributed.collectives import ShardGroup
 # the checkpoint directory's names, importable from here as before they moved to engine_checkpoints
 from .engine_checkpoints import ENGINE_ENVELOPE, ENGINE_FORMAT, ENGINE_STATE, LATEST  # noqa: F401
 from .engine_checkpoints import barrier, check_dir, check_tag, open_tag, write_tag
-from .errors import ArgumentTypeError, InvalidArgumentError, UnsupportedOperationError, check_type
-from .io.checkpoint import load_checkpoint, save_checkpoint
-from .model import ShardedModelV2
-from .storage.atomic_file import write_atomically
-from .loop_settings import LoopSettings
+from ..errors import ArgumentTypeError, InvalidArgumentError, UnsupportedOperationError, check_type
+from ..io.checkpoint import load_checkpoint, save_checkpoint
+from ..model.sharded_model import ShardedModelV2
+from ..storage.atomic_file import write_atomically
+from ..configs.loop_settings import LoopSettings
 
 __all__ = ["TrainingEngine", "initialize_engine"]
 

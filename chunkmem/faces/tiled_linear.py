@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .errors import ArgumentTypeError, InvalidArgumentError, check_number, check_type
-from .runtime.parameter_access import GatheredParameters
+from ..errors import ArgumentTypeError, InvalidArgumentError, check_number, check_type
+from ..runtime.parameter_access import GatheredParameters
 
 __all__ = ["TiledLinear"]
 

@@ -15,23 +15,23 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from .core.chunk import PARAM, Chunk, ChunkKey, ParamSlot
-from .core.disk_tier import DiskTier
-from .storage.disk_io import aligned_nbytes
-from .errors import HostCapacityError, InvalidArgumentError, check_type
-from .core.layout import ChunkLayout, aligned_numel, plan_layout, search_chunk_numel, staged_buffers
-from .core.memory import TierMemory
-from .core.param_guard import adopt, disown, remembered_externals, slot_of
-from .core.tiers import Tier, device_memory_capacity, device_of_tier, host_memory_capacity
-from .distributed.agreement import LayoutDescription, ParamRecord, agree, agree_on_settings_before_groups
-from .distributed.collectives import SINGLE_PROCESS, ShardGroup
-from .distributed.gathers import gather_for
-from .distributed.reduction import GradientReduction
-from .distributed.shard_groups import GroupLayout, gather_hierarchy, group_layout, secondary_group
-from .runtime.capacity import CapacityCheck
-from .runtime.placement import PlacementPolicy
-from .runtime.runtime import ChunkRuntime
-from .settings import ModelSettings, check_chunk_size, check_param_dtypes
+from ..core.chunk import PARAM, Chunk, ChunkKey, ParamSlot
+from ..core.disk_tier import DiskTier
+from ..storage.disk_io import aligned_nbytes
+from ..errors import HostCapacityError, InvalidArgumentError, check_type
+from ..core.layout import ChunkLayout, aligned_numel, plan_layout, search_chunk_numel, staged_buffers
+from ..core.memory import TierMemory
+from ..core.param_guard import adopt, disown, remembered_externals, slot_of
+from ..core.tiers import Tier, device_memory_capacity, device_of_tier, host_memory_capacity
+from ..distributed.agreement import LayoutDescription, ParamRecord, agree, agree_on_settings_before_groups
+from ..distributed.collectives import SINGLE_PROCESS, ShardGroup
+from ..distributed.gathers import gather_for
+from ..distributed.reduction import GradientReduction
+from ..distributed.shard_groups import GroupLayout, gather_hierarchy, group_layout, secondary_group
+from ..runtime.capacity import CapacityCheck
+from ..runtime.placement import PlacementPolicy
+from ..runtime.runtime import ChunkRuntime
+from ..settings import ModelSettings, check_chunk_size, check_param_dtypes
 
 WRAPPED_ATTR = "_chunkmem_wrapped"
 """Set to ``True`` on a wrapped module and on each of its submodules: a second wrapper over the same

@@ -1,4 +1,4 @@
-"""The training-loop keys of a DeepSpeed config, which the engine (:mod:`chunkmem.engine`) honours: the three batch sizes,
+"""The training-loop keys of a DeepSpeed config, which the engine (:mod:`chunkmem.faces.engine`) honours: the three batch sizes,
 ``steps_per_print``, ``wall_clock_breakdown`` and ``scheduler``.
 
 The batch sizes follow DeepSpeed's rule: ``train_batch_size = train_micro_batch_size_per_gpu *
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ArgumentTypeError, InvalidArgumentError, check_number
+from ..errors import ArgumentTypeError, InvalidArgumentError, check_number
 
 __all__ = ["LOOP_KEYS", "LoopSettings"]
 

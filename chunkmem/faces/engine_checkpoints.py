@@ -20,9 +20,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .distributed.collectives import ShardGroup
-from .errors import ArgumentTypeError, CheckpointError, InvalidArgumentError
-from .storage.atomic_file import fsync_directory, write_atomically
+from ..distributed.collectives import ShardGroup
+from ..errors import ArgumentTypeError, CheckpointError, InvalidArgumentError
+from ..storage.atomic_file import fsync_directory, write_atomically
 
 ENGINE_STATE = "engine_state.pt"
 """The file of a checkpoint tag directory with the engine's counters, the schedule and the client state."""

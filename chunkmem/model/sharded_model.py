@@ -9,16 +9,16 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .builder import build_runtime, free_chunk, mark_unwrapped
-from .core.chunk import Chunk
-from .core.disk_tier import DEFAULT_BUFFER_COUNT, DEFAULT_BUFFER_SIZE
-from .errors import GradientAccumulationError, InvalidArgumentError, check_type
-from .core.param_guard import ParameterAccessError, slot_of
-from .core.tiers import Tier, device_of_tier
-from .distributed.shard_strategy import BaseShardStrategy
+from ..core.chunk import Chunk
+from ..core.disk_tier import DEFAULT_BUFFER_COUNT, DEFAULT_BUFFER_SIZE
+from ..errors import GradientAccumulationError, InvalidArgumentError, check_type
+from ..core.param_guard import ParameterAccessError, slot_of
+from ..core.tiers import Tier, device_of_tier
+from ..distributed.shard_strategy import BaseShardStrategy
 from .module_face import cast_inputs, cast_outputs, show_forward_signature
-from .runtime import memstats
-from .settings import ModelSettings
-from .state_dicts import full_state_dict, full_values, parameter_values, plan_model_load
+from ..runtime import memstats
+from ..settings import ModelSettings
+from ..state_dicts import full_state_dict, full_values, parameter_values, plan_model_load
 
 
 class ShardedModelV2(nn.Module):
@@ -73,7 +73,7 @@ class ShardedModelV2(nn.Module):
             their use, in whole chunks (rounded down to a multiple of the chunk's elements; ``0``: no
             prefetch); ``None`` (default): as many chunks of the next period as the device capacity
             allows. DeepSpeed's ``stage3_prefetch_bucket_size`` and ``stage3_max_live_parameters`` map
-            onto it (:mod:`chunkmem.config`).
+            onto it (:mod:`chunkmem.configs.deepspeed`).
         persistence_threshold: (addition; DeepSpeed's ``stage3_param_persistence_threshold``) on several
             ranks, parameters of fewer elements are persistent: packed into chunks of their own that stay
             whole on every rank (never gathered; their gradients all-reduced instead of reduce-scattered;
