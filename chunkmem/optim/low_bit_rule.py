@@ -5,7 +5,8 @@ A :class:`~chunkmem.ShardedOptimizerV2` over one of them keeps, for each trainab
 * ``exp_avg_codes`` and ``exp_avg_sq_codes``: one ``uint8`` code per element;
 * ``exp_avg_scales`` and ``exp_avg_sq_scales``: one fp32 scale per block of 256 elements of the parameters whose
   state is quantized (at least 4096 elements, in whole blocks: :func:`chunkmem.optim.blockwise.quantizes`);
-* ``exp_avg_fp32`` and ``exp_avg_sq_fp32``: fp32 moments of the other parameters, as torchao keeps them.
+* ``exp_avg_fp32`` and ``exp_avg_sq_fp32``: the moments of the other parameters, fp32 as torchao keeps them
+  (bf16 beside bf16 masters, below).
 
 So a parameter's state costs 2 bytes and 8 bytes per 256 elements instead of 8 bytes per element. The families
 live on the chunk's optimizer tier, move with it and are counted like Adam's. The update is
