@@ -798,11 +798,7 @@ class Chunk:
         """Keep ``names`` as the chunk's per-element optimizer state (fp32, this rank's shard each) instead
         of Adam's moments: another optimizer's own (SGD's ``momentum_buffer``, ...). Buffers are made for
         new names, unallocated; call before the optimizer state is placed."""
-        for name in names:
-            if name not in self.optim:
-                self.optim[name] = FlatBuffer(name, self.shard_numel, torch.float32, self.memory, self.name,
-                                              self.shards.rank, self.index)
-        self.state_families = tuple(names)
+        self.use_state_buffers({name: (self.shard_numel, torch.float32) for name in names})
 
     def use_state_buffers(self, buffers: dict[str, tuple[int, torch.dtype]]) -> None:
         """Keep ``buffers`` (name -> elements and dtype of this rank's buffer) as the chunk's optimizer state

@@ -27,6 +27,7 @@ scaled moment lies within such a rounding of a half-way point (``tests/test_low_
 from __future__ import annotations
 
 import ctypes
+import functools
 import platform
 import sys
 from dataclasses import dataclass
@@ -68,6 +69,7 @@ class StepScalars:
     bias_correction2_sqrt: float
 
     @staticmethod
+    @functools.lru_cache(maxsize=1024)  # every segment of every chunk asks; few (group, step) pairs differ
     def of(hyper: LowBitHyper, step: int) -> "StepScalars":
         """The scalars of step number ``step`` (1 for the first), computed as the reference does."""
         lr = torch.tensor(hyper.lr, dtype=torch.float32)
@@ -115,7 +117,9 @@ class Moments:
         return self.plain_m[base:base + n], self.plain_v[base:base + n]
 
 
+@functools.lru_cache(maxsize=None)
 def _maps(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The signed and unsigned maps on ``device``, made once (read only)."""
     return dynamic_map(True, device), dynamic_map(False, device)
 
 
