@@ -211,3 +211,33 @@ def test_a_failed_atomic_disk_step_changes_nothing_and_the_next_one_equals_torch
         optim.step()
         optim.zero_grad()
     _assert_same((model, optim, torch.get_rng_state()), plain)
+
+
+class _Unavailable:
+    """Stands in for a native library that failed to load."""
+
+    @staticmethod
+    def get(stacklevel: int = 2):
+        return None
+
+
+@pytest.mark.parametrize("engine", ["native", "torch"])
+def test_each_parameter_gets_torchs_numbers_in_any_order(monkeypatch, engine):
+    """The draws of a step, asked for backwards and out of order, equal torch.randint's in the reference's order,
+    and the end state is the generator's after them: with the C++ twister and with torch's own generator."""
+    from chunkmem.optim import rounding_draws
+    if engine == "torch":
+        monkeypatch.setattr(rounding_draws, "_HOST_DRAWS", _Unavailable())
+    else:
+        assert rounding_draws._HOST_DRAWS.get() is not None, rounding_draws._HOST_DRAWS.error
+    sizes = [5, 700, 624, 1, 3000, 2, 1250]
+    torch.manual_seed(7)
+    expected = [torch.randint(0, 1 << 16, (n,), dtype=torch.int32) for n in sizes]
+    end = torch.get_rng_state()
+    torch.manual_seed(7)
+    sequence = rounding_draws.DrawSequence(torch.device("cpu"), list(enumerate(sizes)))
+    assert isinstance(sequence._draws, rounding_draws.HostDraws if engine == "native" else rounding_draws.TorchDraws)
+    for position in (6, 4, 5, 0, 3, 1, 2, 6):
+        assert torch.equal(sequence.draw(position), expected[position]), position
+    assert torch.equal(sequence.end_state(), end)
+    assert sequence.holds_for(list(enumerate(sizes))) and not sequence.holds_for(list(enumerate(sizes[:-1])))

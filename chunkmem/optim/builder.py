@@ -29,7 +29,7 @@ from ..settings import ModelSettings, OptimizerSettings
 from .adam import check_supported_optimizer, runs_adam_kernel
 from .any_optimizer import check_elementwise, probe_state
 from .backward_step import check_step_in_backward, check_undo_room
-from .disk_step import streamed_count, whole_piece_nbytes
+from .disk_step import streamed_count
 from .loss_scaler import DynamicGradScaler
 from .low_bit_rule import LowBitAdamRule, check_low_bit_optimizer, low_bit_decoupled, stochastic_rounding
 from .update_rule import AdamRule, AnyOptimizerRule, UpdateRule
@@ -228,8 +228,8 @@ def _optimizer_state_kept_on_host(model: ShardedModelV2, rule: UpdateRule) -> li
     grads = len(chunks) * runtime.gradients.grad_bytes(first)
     streamed = streamed_count(len(rule.families) - len(rule.in_memory_families), keeps_master,
                               runtime.policy.params_on_disk, disk.atomic_step)
-    io_bytes = disk.buffer_count * streamed * (whole_piece_nbytes(first) if rule.streams_whole_chunks
-                                               else disk.buffer_size)
+    piece_bytes = 4 * first.shard_numel if rule.streams_whole_chunks else disk.buffer_size  # (at most)
+    io_bytes = disk.buffer_count * streamed * max(piece_bytes, disk.buffer_size)
     free = ledger.host_capacity - ledger.tier_bytes(Tier.HOST) - grads - io_bytes
     count = min(max(free, 0) // state_bytes, len(chunks))
     return [c.index for c in chunks[:count]]

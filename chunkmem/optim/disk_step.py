@@ -127,10 +127,18 @@ def streamed_families(chunk: Chunk, params_on_disk: bool, atomic_step: bool) -> 
     return streamed_count(len(streamed_state(chunk)), chunk.has_master, params_on_disk, atomic_step)
 
 
-def whole_piece_nbytes(chunk: Chunk) -> int:
-    """Bytes of an I/O buffer that holds any family of ``chunk``'s shard whole (4 bytes an element: the
-    widest, fp32), for an update streamed as one piece (:attr:`ChunkUpdate.whole`)."""
-    return aligned_nbytes(4 * chunk.shard_numel)
+def whole_piece_nbytes(chunk: Chunk, params_on_disk: bool, atomic_step: bool) -> int:
+    """Bytes of an I/O buffer that holds the widest of the families ``chunk``'s streamed update reads or writes
+    (see :attr:`ChunkUpdate.writes`; an atomic step's journal of parameters in host memory is fp32) for its whole
+    shard: an update streamed as one piece (:attr:`ChunkUpdate.whole`)."""
+    widths = [chunk.optim[family].dtype.itemsize for family in streamed_state(chunk)]
+    if chunk.has_master:
+        widths.append(4)
+    if params_on_disk:
+        widths.append(chunk.dtype.itemsize)
+    elif atomic_step and not chunk.has_master:
+        widths.append(4)
+    return aligned_nbytes(max(widths) * chunk.shard_numel)
 
 
 def stream_shape(chunks: list[Chunk], whole: bool, disk: DiskTier) -> tuple[int, int]:
@@ -138,7 +146,8 @@ def stream_shape(chunks: list[Chunk], whole: bool, disk: DiskTier) -> tuple[int,
     piece holds (:func:`streamed_families`), and each buffer's bytes (the disk tier's ``buffer_size``, or with
     ``whole`` pieces at least one whole shard: :func:`whole_piece_nbytes`)."""
     families = max((streamed_families(c, c.param.shard.on_disk, disk.atomic_step) for c in chunks), default=0)
-    nbytes = max([disk.buffer_size] + [whole_piece_nbytes(c) for c in chunks if whole])
+    nbytes = max([disk.buffer_size] + [whole_piece_nbytes(c, c.param.shard.on_disk, disk.atomic_step)
+                                       for c in chunks if whole])
     return families, nbytes
 
 

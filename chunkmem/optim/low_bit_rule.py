@@ -18,13 +18,21 @@ or as fp32 tensors for the small ones, so a run moves between chunkmem and the p
 
 **16-bit masters.** With ``bf16_stochastic_round=True`` on a bf16 model the parameters are their own masters,
 as in torchao: no fp32 master family (2 bytes a parameter instead of 6), each step's result rounded to bf16
-stochastically with random numbers drawn, per parameter in the model's order, from the default generator of the
-parameters' device as torchao draws them (so the chunks are updated in the model's order, not as their gradients
-land).
+stochastically with each parameter's random numbers where torchao's step draws them from the default generator
+(:mod:`chunkmem.optim.rounding_draws`: whatever order the chunks are updated in, and the generator left where
+torchao leaves it). Without it a 16-bit model keeps fp32 masters, as under every optimizer chunkmem runs (torchao
+on a plain bf16 model rounds each step's result to the nearest bf16 and keeps no master).
 
-Not yet: several ranks, the disk tier, ``step_in_backward``, ``amsgrad``, another ``block_size`` and
-``bf16_stochastic_round`` over an fp16 model are refused when the optimizer is wrapped
-(:func:`check_low_bit_optimizer`).
+**The disk tier.** With ``offload_optimizer="disk"`` the codes rest on disk and the streamed step
+(:mod:`chunkmem.optim.disk_step`) hands each chunk's shard to the update as one piece, so that no block is cut
+(its I/O buffers hold a whole shard: at least 4 bytes an element of the largest chunk's shard, more than the disk
+tier's ``buffer_size`` when that is smaller). The block scales and the small parameters' moments, indexed by block
+and not by element, stay in host memory (``in_memory_families``: 8 bytes per 256 elements); an atomic step writes
+their new values into copies that replace them when it commits. ``step_in_backward`` works as for Adam: the undo
+copies hold each family in its own dtype.
+
+Not yet: several ranks, ``amsgrad``, another ``block_size`` and ``bf16_stochastic_round`` over an fp16 model are
+refused when the optimizer is wrapped (:func:`check_low_bit_optimizer`).
 """
 from __future__ import annotations
 

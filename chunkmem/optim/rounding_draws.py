@@ -14,6 +14,11 @@ draws before it (drawing and dropping them) or goes back to a state it kept, so 
 twice. When the step ends, the default generator is set to the state after the last parameter's draw, where the
 reference's step leaves it.
 
+On the CPU the numbers come from ``csrc/mt19937_draws.cpp``, which runs torch's CPU generator (a Mersenne twister)
+on the state torch exports, without torch's per-element loop, and skips numbers by regenerating the twister's
+words only (checked against ``torch.randint`` when it loads; else, and on CUDA, torch draws them: walking forward
+then draws and drops the numbers).
+
 A sequence holds for one step: made from the default generator's state and the order of the parameters stepped.
 If either is no longer what it was made from (the user drew random numbers after the backward, a parameter got no
 gradient after all), the updates made with it were not the step's: the optimizer's speculation key says so
@@ -21,13 +26,18 @@ gradient after all), the updates made with it were not the step's: the optimizer
 """
 from __future__ import annotations
 
+import ctypes
 import threading
 from typing import Hashable, Sequence
 
 import torch
 
+from ..core.native_build import CSRC, LoadedOnce, load_library
+
 ROUNDING_RANGE = 1 << 16
 """The draws are integers in ``[0, ROUNDING_RANGE)`` (the 16 bits an fp32 value loses as bf16)."""
+SOURCE = CSRC / "mt19937_draws.cpp"
+CXXFLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC")
 
 
 def default_generator(device: torch.device) -> torch.Generator:
@@ -35,6 +45,86 @@ def default_generator(device: torch.device) -> torch.Generator:
     if device.type == "cuda":
         return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
     return torch.default_generator
+
+
+class TorchDraws:
+    """Draws with torch's own generator on ``device``, from ``state``."""
+
+    def __init__(self, device: torch.device, state: torch.Tensor) -> None:
+        self.device = device
+        self._generator = torch.Generator(device)
+        self._generator.set_state(state)
+
+    def state(self) -> torch.Tensor:
+        return self._generator.get_state()
+
+    def set_state(self, state: torch.Tensor) -> None:
+        self._generator.set_state(state)
+
+    def draw(self, numel: int) -> torch.Tensor:
+        return torch.randint(0, ROUNDING_RANGE, (numel,), generator=self._generator, device=self.device,
+                             dtype=torch.int32)
+
+    def skip(self, numel: int) -> None:
+        self.draw(numel)
+
+
+class HostDraws:
+    """The CPU generator's draws computed from its exported ``state`` by ``csrc/mt19937_draws.cpp``."""
+
+    def __init__(self, lib: ctypes.CDLL, state: torch.Tensor) -> None:
+        self._lib = lib
+        self._state = state.clone()
+
+    def state(self) -> torch.Tensor:
+        return self._state.clone()
+
+    def set_state(self, state: torch.Tensor) -> None:
+        self._state = state.clone()
+
+    def draw(self, numel: int) -> torch.Tensor:
+        out = torch.empty(numel, dtype=torch.int32)
+        self._lib.chunkmem_mt19937_draw_low16(ctypes.c_void_p(self._state.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+                                              ctypes.c_int64(numel))
+        return out
+
+    def skip(self, numel: int) -> None:
+        self._lib.chunkmem_mt19937_skip(ctypes.c_void_p(self._state.data_ptr()), ctypes.c_int64(numel))
+
+
+def _load_host_draws() -> ctypes.CDLL:
+    lib, _, _ = load_library(SOURCE, CXXFLAGS, "mt19937_draws")
+    if lib.chunkmem_mt19937_abi() != 1:
+        raise RuntimeError("the library has another ABI version")
+    for name in ("chunkmem_mt19937_draw_low16", "chunkmem_mt19937_skip"):
+        getattr(lib, name).restype = None
+    if not _matches_torch(lib):
+        raise RuntimeError("its numbers differ from torch.randint's on this machine")
+    return lib
+
+
+def _matches_torch(lib: ctypes.CDLL) -> bool:
+    """Whether draws and skips of every length around the twister's 624 words, from a fresh seed and from the
+    middle of a run, give torch.randint's numbers and the generator's state after them."""
+    reference = torch.Generator().manual_seed(12345)
+    ours = HostDraws(lib, reference.get_state())
+    for numel, skipped in ((1, 0), (623, 1), (624, 0), (625, 623), (1000, 624), (1, 1249), (3000, 5), (7, 2000)):
+        torch.randint(0, ROUNDING_RANGE, (skipped,), generator=reference, dtype=torch.int32)
+        ours.skip(skipped)
+        drawn = torch.randint(0, ROUNDING_RANGE, (numel,), generator=reference, dtype=torch.int32)
+        if not torch.equal(ours.draw(numel), drawn) or not torch.equal(ours.state(), reference.get_state()):
+            return False
+    return True
+
+
+_HOST_DRAWS = LoadedOnce(_load_host_draws, "chunkmem: the C++ CPU generator for stochastic rounding is unavailable, "
+                                           "torch draws the numbers instead ({error})")
+
+
+def draws_from(device: torch.device, state: torch.Tensor) -> TorchDraws | HostDraws:
+    """Draws on ``device`` starting at the generator state ``state``: the native ones on the CPU where they load."""
+    lib = _HOST_DRAWS.get(stacklevel=3) if device.type == "cpu" else None
+    return TorchDraws(device, state) if lib is None else HostDraws(lib, state)
 
 
 class DrawSequence:
@@ -51,10 +141,9 @@ class DrawSequence:
         self.order = tuple(order)
         self.start = default_generator(device).get_state()
         self._index = {key: i for i, (key, _) in enumerate(self.order)}
-        self._generator = torch.Generator(device)
-        self._generator.set_state(self.start)
+        self._draws = draws_from(device, self.start)
         self._states: dict[int, torch.Tensor] = {0: self.start}  # position -> the state before its draw
-        self._position = 0  # the private generator stands before this parameter's draw
+        self._position = 0  # the draws stand before this parameter's numbers
         self._lock = threading.Lock()  # the disk step's thread and autograd's both draw
 
     def holds_for(self, order: Sequence[tuple[Hashable, int]]) -> bool:
@@ -69,35 +158,25 @@ class DrawSequence:
     def draw(self, key: Hashable) -> torch.Tensor:
         """The numbers of the parameter ``key`` (int32, one per element, flat), as the reference draws them."""
         with self._lock:
-            position = self._index[key]
-            self._move_to(position)
-            numbers = self._draw_next()
+            self._move_to(self._index[key])
+            self._states.setdefault(self._position, self._draws.state())
+            numbers = self._draws.draw(self.order[self._position][1])
+            self._position += 1
         return numbers
 
     def end_state(self) -> torch.Tensor:
         """The generator's state after every parameter's draw (where the reference's step leaves it)."""
         with self._lock:
             self._move_to(len(self.order))
-            return self._generator.get_state()
+            return self._draws.state()
 
     def _move_to(self, position: int) -> None:
-        if position == self._position:
-            return
-        if position < self._position or position in self._states:
-            kept = max(p for p in self._states if p <= position)
-            self._generator.set_state(self._states[kept])
-            self._position = kept
+        """Stand before the numbers of the parameter at ``position``: back to the state kept there, or forward,
+        skipping the numbers between (and keeping the state before each parameter passed)."""
+        if position < self._position:
+            self._draws.set_state(self._states[position])
+            self._position = position
         while self._position < position:
-            self._draw_next()
-
-    def _draw_next(self) -> torch.Tensor:
-        """Draw the numbers of the parameter at the current position and step past it, keeping the state before
-        each draw and after the last one."""
-        self._states.setdefault(self._position, self._generator.get_state())
-        numel = self.order[self._position][1]
-        numbers = torch.randint(0, ROUNDING_RANGE, (numel,), generator=self._generator, device=self.device,
-                                dtype=torch.int32)
-        self._position += 1
-        if self._position == len(self.order):
-            self._states.setdefault(self._position, self._generator.get_state())
-        return numbers
+            self._states.setdefault(self._position, self._draws.state())
+            self._draws.skip(self.order[self._position][1])
+            self._position += 1
