@@ -241,3 +241,11 @@ def test_each_parameter_gets_torchs_numbers_in_any_order(monkeypatch, engine):
         assert torch.equal(sequence.draw(position), expected[position]), position
     assert torch.equal(sequence.end_state(), end)
     assert sequence.holds_for(list(enumerate(sizes))) and not sequence.holds_for(list(enumerate(sizes[:-1])))
+
+
+def test_numbers_drawn_after_a_backward_whose_disk_updates_cannot_be_undone_are_refused(tmp_path):
+    reference, data = _reference(torch.bfloat16), batches(1, seed=26)
+    with pytest.raises(cm.UnsupportedOperationError, match="random generator"):
+        _chunked_run(reference, _make(True), data, torch.bfloat16, between=lambda: torch.rand(3),
+                     step_in_backward=True, offload_optimizer="disk", offload_param="disk", atomic_step=False,
+                     nvme_path=str(tmp_path))
