@@ -25,8 +25,8 @@ on a plain bf16 model rounds each step's result to the nearest bf16 and keeps no
 
 **The disk tier.** With ``offload_optimizer="disk"`` the codes rest on disk and the streamed step
 (:mod:`chunkmem.optim.disk_step`) hands each chunk's shard to the update as one piece, so that no block is cut
-(its I/O buffers hold a whole shard: at least 4 bytes an element of the largest chunk's shard, more than the disk
-tier's ``buffer_size`` when that is smaller). The block scales and the small parameters' moments, indexed by block
+(its I/O buffers hold a whole shard of the widest family streamed, more than the disk tier's ``buffer_size``
+when that is smaller: :func:`~chunkmem.optim.disk_step.whole_piece_nbytes`). The block scales and the small parameters' moments, indexed by block
 and not by element, stay in host memory (``in_memory_families``: 8 bytes per 256 elements); an atomic step writes
 their new values into copies that replace them when it commits. ``step_in_backward`` works as for Adam: the undo
 copies hold each family in its own dtype.
@@ -233,7 +233,7 @@ class LowBitAdamRule(UpdateRule):
             return assumed
         sequence = self._sequence(device_of_tier(self.runtime.compute_tier(chunk)))
         keys = [id(slot.param) for slot, _, _ in self.stepped_slots(chunk)]
-        return assumed + (sequence.start.tolist(), sequence.key(keys))
+        return assumed + (bytes(sequence.start.numpy()), sequence.key(keys))
 
     def _hyper(self, group: int) -> LowBitHyper:
         g = self.optimizer.param_groups[group]
