@@ -4,7 +4,8 @@ A :class:`~chunkmem.ShardedOptimizerV2` over one of them keeps, for each trainab
 
 * ``exp_avg_codes`` and ``exp_avg_sq_codes``: one ``uint8`` code per element;
 * ``exp_avg_scales`` and ``exp_avg_sq_scales``: one fp32 scale per block of 256 elements of the parameters whose
-  state is quantized (at least 4096 elements, in whole blocks: :func:`chunkmem.optim.blockwise.quantizes`);
+  state is quantized (at least 4096 elements, in whole blocks: :func:`chunkmem.optim.blockwise.quantizes`), for
+  every block the shard touches;
 * ``exp_avg_fp32`` and ``exp_avg_sq_fp32``: the moments of the other parameters, fp32 as torchao keeps them
   (bf16 beside bf16 masters, below).
 
@@ -22,16 +23,22 @@ stochastically with random numbers drawn, per parameter in the model's order, fr
 parameters' device as torchao draws them (so the chunks are updated in the model's order, not as their gradients
 land).
 
-Not yet: several ranks, the disk tier, ``step_in_backward``, ``amsgrad``, another ``block_size`` and
-``bf16_stochastic_round`` over an fp16 model are refused when the optimizer is wrapped
-(:func:`check_low_bit_optimizer`).
+**Several ranks.** Sharded (ZeRO-3), the state lies in each shard as :mod:`chunkmem.optim.low_bit_layout` says:
+quantized-or-not and the blocks are the whole parameter's, and a block cut by a shard boundary is stepped in two
+halves, its parts on each rank, then quantized with the scale the ranks agree on (an all-reduce of its largest
+magnitudes per chunk and step, in chunk order on every rank). With stochastic rounding every rank draws each
+parameter's random numbers whole and keeps its part's. The state dict is gathered (collectives in chunk order);
+a sharded checkpoint loads with the layout that saved it only (:attr:`LowBitAdamRule.why_not_resharded`).
+
+Not yet: the disk tier, ``step_in_backward``, ``amsgrad``, another ``block_size`` and ``bf16_stochastic_round``
+over an fp16 model are refused when the optimizer is wrapped (:func:`check_low_bit_optimizer`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
+import torch.distributed as dist
 from torch.optim import Optimizer
 
 from ..core.chunk import MASTER, Chunk, ParamSlot
@@ -39,7 +46,9 @@ from ..errors import InvalidArgumentError, UnsupportedOperationError
 from ..runtime.runtime import ChunkRuntime
 from .blockwise import BLOCK_SIZE, dynamic_map, quantizes
 from .disk_step import gaps
-from .low_bit_adam import LowBitHyper, Moments, Segment, draw_random, update_segments_
+from .low_bit_adam import (LowBitHyper, Moments, Segment, draw_random, step_cut_segment_, store_cut_segment_,
+                           update_segments_)
+from .low_bit_layout import ChunkStateLayout, StatePiece
 from .state_dict import check_entry as check_plain_entry
 from .update_rule import KeptState, UpdateRule
 
@@ -68,8 +77,7 @@ def stochastic_rounding(optimizer: Any, dtype: torch.dtype) -> bool:
     return bool(getattr(optimizer, "bf16_stochastic_round", False)) and dtype == torch.bfloat16
 
 
-def check_low_bit_optimizer(optimizer: Any, *, dtype: torch.dtype, several_ranks: bool, disk: bool,
-                            step_in_backward: bool) -> None:
+def check_low_bit_optimizer(optimizer: Any, *, dtype: torch.dtype, disk: bool, step_in_backward: bool) -> None:
     """Refuse, naming what is asked and what is allowed, an 8-bit Adam with what chunkmem does not run yet."""
     name = type(optimizer).__name__
     if getattr(optimizer, "block_size", BLOCK_SIZE) != BLOCK_SIZE:
@@ -81,42 +89,10 @@ def check_low_bit_optimizer(optimizer: Any, *, dtype: torch.dtype, several_ranks
     for index, group in enumerate(optimizer.param_groups):
         if group.get("amsgrad"):
             raise InvalidArgumentError(f"optimizer.param_groups[{index}]['amsgrad']", True, "False")
-    for asked, what in ((several_ranks, "on several ranks"), (disk, "with the disk tier"),
-                        (step_in_backward, "with step_in_backward=True")):
+    for asked, what in ((disk, "with the disk tier"), (step_in_backward, "with step_in_backward=True")):
         if asked:
-            raise UnsupportedOperationError(f"{name} in ShardedOptimizerV2 {what}: not supported yet (one process, "
-                                            "the state on the device or the host)")
-
-
-@dataclass(frozen=True)
-class StatePiece:
-    """Where one parameter's state lies in this rank's shard of its chunk: ``numel`` elements from ``start``,
-    quantized (``state_base``: its first block scale) or plain (``state_base``: its first plain moment)."""
-
-    slot: int
-    start: int
-    numel: int
-    quantized: bool
-    state_base: int
-
-
-def state_pieces(chunk: Chunk) -> tuple[list[StatePiece], int, int]:
-    """The pieces of every parameter of ``chunk`` held in this rank's shard, with the number of block scales and
-    of fp32 moments they need."""
-    pieces, blocks, plain = [], 0, 0
-    for slot in chunk.slots:
-        part = chunk.own_range(slot)
-        if part is None:
-            continue
-        numel = part[1] - part[0]
-        start = slot.offset + part[0] - chunk.shard_offset
-        if quantizes(numel):
-            pieces.append(StatePiece(slot.index_in_chunk, start, numel, True, blocks))
-            blocks += numel // BLOCK_SIZE
-        else:
-            pieces.append(StatePiece(slot.index_in_chunk, start, numel, False, plain))
-            plain += numel
-    return pieces, blocks, plain
+            raise UnsupportedOperationError(f"{name} in ShardedOptimizerV2 {what}: not supported yet (the state on "
+                                            "the device or the host, updated in step())")
 
 
 class LowBitAdamRule(UpdateRule):
@@ -129,9 +105,11 @@ class LowBitAdamRule(UpdateRule):
     def __init__(self, optimizer: Optimizer, runtime: ChunkRuntime, group_of: dict[int, int], decoupled: bool,
                  stochastic_round: bool = False) -> None:
         super().__init__(optimizer, runtime, group_of)
+        self.why_not_resharded = (f"{type(optimizer).__name__}'s 8-bit state (its block scales and fp32 moments "
+                                  "are laid out per shard, not by element)")
         self.decoupled = decoupled
         self.stochastic_round = stochastic_round
-        self._pieces: dict[int, dict[int, StatePiece]] = {}  # chunk index -> slot index -> its piece
+        self._layouts: dict[int, ChunkStateLayout] = {}  # by chunk index
 
     @property
     def families(self) -> tuple[str, ...]:
@@ -142,9 +120,9 @@ class LowBitAdamRule(UpdateRule):
         """The elements and dtype of each of ``chunk``'s state families (a buffer holds at least one element: a
         chunk may have no quantized or no plain parameter); the plain moments are bf16 beside bf16 parameters
         that are their own masters, as torchao keeps a small bf16 tensor's state."""
-        _, blocks, plain = state_pieces(chunk)
-        codes, scales = (chunk.shard_numel, torch.uint8), (max(blocks, 1), torch.float32)
-        small = (max(plain, 1), torch.bfloat16 if stochastic_round else torch.float32)
+        layout = ChunkStateLayout.of(chunk)
+        codes, scales = (chunk.shard_numel, torch.uint8), (max(layout.blocks, 1), torch.float32)
+        small = (max(layout.plain, 1), torch.bfloat16 if stochastic_round else torch.float32)
         return {CODES_M: codes, CODES_V: codes, SCALES_M: scales, SCALES_V: scales, PLAIN_M: small, PLAIN_V: small}
 
     def keeps_master(self, chunk: Chunk) -> bool:
@@ -156,14 +134,16 @@ class LowBitAdamRule(UpdateRule):
     def prepare_chunks(self) -> None:
         self.optimizer.state.clear()
         for chunk in self.runtime.trainable_chunks():
-            self._pieces[chunk.index] = {piece.slot: piece for piece in state_pieces(chunk)[0]}
+            self._layouts[chunk.index] = ChunkStateLayout.of(chunk)
             chunk.use_state_buffers(self.state_buffers(chunk, self.stochastic_round))
             chunk.masters_in_params = self.stochastic_round
 
     def update_order(self, chunks: list[Chunk]) -> list[Chunk]:
-        """With stochastic rounding, the model's order: each parameter draws its random numbers in the order
-        torchao's step draws them (its param groups listing the parameters in the model's order)."""
-        return sorted(chunks, key=lambda chunk: chunk.index) if self.stochastic_round else chunks
+        """The model's order with stochastic rounding (each parameter draws its random numbers in the order
+        torchao's step draws them: its param groups list the parameters in the model's order) and on several
+        ranks (the agreement on the cut blocks' scales is a collective: every rank issues them in one order)."""
+        sharded = any(chunk.shards.sharded for chunk in chunks)
+        return sorted(chunks, key=lambda chunk: chunk.index) if self.stochastic_round or sharded else chunks
 
     def _hyper(self, group: int) -> LowBitHyper:
         g = self.optimizer.param_groups[group]
@@ -171,16 +151,16 @@ class LowBitAdamRule(UpdateRule):
         return LowBitHyper(float(g["lr"]), float(beta1), float(beta2), float(g["eps"]), float(g["weight_decay"]),
                            self.decoupled)
 
-    def segments(self, chunk: Chunk) -> list[Segment]:
-        """The stepped parameters' pieces of ``chunk`` with their hyper-parameters and step numbers after this step."""
-        pieces = self._pieces[chunk.index]
+    def segments(self, chunk: Chunk) -> list[tuple[StatePiece, Segment]]:
+        """The stepped parameters' pieces of ``chunk`` as segments (whole blocks, cut blocks' parts, plain runs)
+        with their hyper-parameters and step numbers after this step, each with its piece."""
+        pieces = self._layouts[chunk.index].pieces
         hyper = [self._hyper(index) for index in range(len(self.optimizer.param_groups))]
         segments = []
         for slot, group, part in self.stepped_slots(chunk):
             if part is not None:
                 piece = pieces[slot.index_in_chunk]
-                segments.append(Segment(piece.start, piece.numel, piece.quantized, piece.state_base, hyper[group],
-                                        chunk.step_of(slot) + 1))
+                segments += [(piece, s) for s in piece.segments(hyper[group], chunk.step_of(slot) + 1)]
         return segments
 
     @staticmethod
@@ -192,17 +172,52 @@ class LowBitAdamRule(UpdateRule):
         tier = self.runtime.compute_tier(chunk)
         grad = self.runtime.grad_of(chunk)
         segments = self.segments(chunk)
+        whole = [s for _, s in segments if not s.cut]
         with self.runtime.updating(chunk, tier) as target:
             master = chunk.optim[MASTER].tensor if chunk.has_master else target
-            random = None
-            if self.stochastic_round:  # drawn per parameter, in order, as torchao draws them
-                random = torch.cat([draw_random(s.numel, target.device) for s in segments]) if segments else None
-            update_segments_(master, grad.to(target.device), self.moments(chunk), segments, multiplier,
-                             target if chunk.has_master else None, random)
+            out = target if chunk.has_master else None
+            grad = grad.to(target.device)
+            moments = self.moments(chunk)
+            random = self._random(chunk, target.device) if self.stochastic_round else None
+            cut = [(piece, s, step_cut_segment_(master, grad, moments, s, multiplier, out, _part(random, s)))
+                   for piece, s in segments if s.cut]
+            joined = None if random is None or not whole else torch.cat([_part(random, s) for s in whole])
+            update_segments_(master, grad, moments, whole, multiplier, out, joined)
+            self._store_cut(chunk, moments, cut)
             chunk.advance_steps(slot for slot, _, _ in self.stepped_slots(chunk))
             if chunk.has_master:  # the copy written may be new memory: what no segment wrote is the master's rounding
-                for a, b in gaps([(s.start, s.start + s.numel) for s in segments], 0, chunk.shard_numel):
+                for a, b in gaps([(s.start, s.start + s.numel) for _, s in segments], 0, chunk.shard_numel):
                     target[a:b].copy_(master[a:b])
+
+    def _random(self, chunk: Chunk, device: torch.device) -> torch.Tensor:
+        """The stochastic rounding's random numbers of this rank's shard of ``chunk`` (int32, indexed like the
+        shard): every rank draws each stepped parameter's numbers whole, in order, as torchao draws them on the
+        unsharded parameter (so every rank's generator advances alike), and keeps those of its part."""
+        shard = torch.zeros(chunk.shard_numel, dtype=torch.int32, device=device)
+        for slot, _, part in self.stepped_slots(chunk):
+            drawn = draw_random(slot.numel, device)
+            if part is not None:
+                start = slot.offset + part[0] - chunk.shard_offset
+                shard[start:start + part[1] - part[0]] = drawn[part[0]:part[1]]
+        return shard
+
+    def _store_cut(self, chunk: Chunk, moments: Moments,
+                   cut: list[tuple[StatePiece, Segment, tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """Quantize the cut blocks' parts stepped here with their whole blocks' scales: the largest magnitudes of
+        the new moments over every rank's part (an all-reduce of every cut block of ``chunk``, on every rank,
+        whether or not its parameter stepped here)."""
+        layout = self._layouts[chunk.index]
+        if not layout.cut_blocks:
+            return
+        largest = torch.zeros(2, len(layout.cut_blocks), dtype=torch.float32, device=moments.scales_m.device)
+        for piece, segment, new in cut:
+            index = layout.cut_index(piece, segment)
+            for row, values in enumerate(new):
+                largest[row, index] = values.abs().amax()
+        chunk.shards.all_reduce_(largest, dist.ReduceOp.MAX, what=f"the cut blocks' 8-bit scales of {chunk.name}")
+        for piece, segment, new in cut:
+            index = layout.cut_index(piece, segment)
+            store_cut_segment_(moments, segment, new, (largest[0, index], largest[1, index]))
 
     def _streamed(self, chunk: Chunk, multiplier: float) -> Any:
         raise UnsupportedOperationError("an 8-bit Adam with the disk tier: not supported yet")
@@ -210,17 +225,47 @@ class LowBitAdamRule(UpdateRule):
     # ---- state dicts: torchao's format -------------------------------------------------------------------
 
     def state_entries(self, chunk: Chunk, index_of: dict[int, int]) -> dict[int, dict[str, Any]]:
-        state = self.moments(chunk)
+        layout = self._layouts[chunk.index]
+        codes, scales, plain = self._gathered(chunk)
         maps = dynamic_map(True), dynamic_map(False)
         entries = {}
         for slot in chunk.slots:
-            piece = self._pieces[chunk.index].get(slot.index_in_chunk)
-            if id(slot.param) in index_of and chunk.step_of(slot) > 0 and piece is not None:
-                entry: dict[str, Any] = {"step": torch.tensor(float(chunk.step_of(slot)), dtype=torch.float32)}
-                for key, held, qmap, signed in zip(_STATE_KEYS, state.of(piece), maps, (True, False)):
-                    entry[key] = _torchao_state(held, qmap, signed, slot.shape)
-                entries[index_of[id(slot.param)]] = entry
+            if id(slot.param) not in index_of or chunk.step_of(slot) == 0:  # torch keeps no state for one never stepped
+                continue
+            entry: dict[str, Any] = {"step": torch.tensor(float(chunk.step_of(slot)), dtype=torch.float32)}
+            for row, key in enumerate(_STATE_KEYS):
+                if quantizes(slot.numel):
+                    first = layout.block_bases[slot.index_in_chunk]
+                    blocks = scales[row, first:first + slot.numel // BLOCK_SIZE]
+                    entry[key] = _quantized_state(slot.view(codes[row]), blocks, maps[row], signed=row == 0)
+                else:
+                    entry[key] = slot.view(plain[row]).to("cpu", copy=True)
+            entries[index_of[id(slot.param)]] = entry
         return entries
+
+    def _gathered(self, chunk: Chunk) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor] | None]:
+        """``chunk``'s whole state from every rank's shard, by collectives in chunk order on every rank: the codes
+        of each moment by element, the scales of both (rows) by block in the layout's chunk-wide numbering (a cut
+        block's scale is the same on the ranks that hold it: the maximum is it), the plain moments by element
+        (``None``: the chunk has no plain parameter)."""
+        layout = self._layouts[chunk.index]
+        state = Moments(*(chunk.optim[family].read() for family in LOW_BIT_FAMILIES))
+        codes = [chunk.gather(state.codes_m), chunk.gather(state.codes_v)]
+        scales = torch.zeros(2, layout.chunk_blocks, dtype=torch.float32, device=state.scales_m.device)
+        by_element = [torch.zeros(chunk.shard_numel, dtype=state.plain_m.dtype, device=state.plain_m.device)
+                      for _ in range(2)]
+        for piece in layout.pieces.values():
+            if piece.quantized:
+                first = layout.block_bases[piece.slot] + piece.first_block
+                for row, held in enumerate((state.scales_m, state.scales_v)):
+                    scales[row, first:first + piece.blocks] = held[piece.state_base:piece.state_base + piece.blocks]
+            else:
+                for local, held in zip(by_element, (state.plain_m, state.plain_v)):
+                    local[piece.start:piece.start + piece.numel] = held[piece.state_base:piece.state_base + piece.numel]
+        if layout.chunk_blocks:
+            chunk.shards.all_reduce_(scales, dist.ReduceOp.MAX, what=f"the 8-bit moments' scales of {chunk.name}")
+        plain = [chunk.gather(local) for local in by_element] if layout.plain_slots else None
+        return codes, scales, plain
 
     def state_keys(self, slot: ParamSlot) -> tuple[str, ...]:
         return _STATE_KEYS
@@ -254,14 +299,19 @@ class LowBitAdamRule(UpdateRule):
                     for family in LOW_BIT_FAMILIES}
         state = Moments(*families.values())
         for slot, entry in entries:
-            piece = self._pieces[chunk.index][slot.index_in_chunk]
-            for key, held in zip(_STATE_KEYS, state.of(piece)):
+            piece = self._layouts[chunk.index].pieces.get(slot.index_in_chunk)
+            if piece is None:
+                continue
+            elements = slice(piece.first, piece.first + piece.numel)
+            for key, codes, scales, plain in ((_STATE_KEYS[0], state.codes_m, state.scales_m, state.plain_m),
+                                              (_STATE_KEYS[1], state.codes_v, state.scales_v, state.plain_v)):
                 value = entry[key]
-                if isinstance(held, tuple):
-                    held[0].copy_(value.codes.reshape(-1))
-                    held[1].copy_(value.scale.reshape(-1))
+                if piece.quantized:
+                    codes[piece.start:piece.start + piece.numel] = value.codes.reshape(-1)[elements]
+                    scales[piece.state_base:piece.state_base + piece.blocks] = \
+                        value.scale.reshape(-1)[piece.first_block:piece.first_block + piece.blocks]
                 else:
-                    held.copy_(value.detach().reshape(-1))
+                    plain[piece.state_base:piece.state_base + piece.numel] = value.detach().reshape(-1)[elements]
         return families
 
     def saved_state(self, chunk: Chunk, save: Callable[[Any], Any]) -> dict[str, Any]:
@@ -271,13 +321,15 @@ class LowBitAdamRule(UpdateRule):
         """Nothing: the step count is the chunk's, the moments are in the families."""
 
 
-def _torchao_state(held: torch.Tensor | tuple[torch.Tensor, torch.Tensor], qmap: torch.Tensor, signed: bool,
-                   shape: torch.Size) -> torch.Tensor:
-    """One moment as torchao keeps it: an ``OptimState8bit`` (copies on the CPU) or a plain tensor (fp32, or bf16
-    beside bf16 masters)."""
-    if not isinstance(held, tuple):
-        return held.detach().to("cpu", copy=True).view(tuple(shape))
+def _quantized_state(codes: torch.Tensor, scales: torch.Tensor, qmap: torch.Tensor, signed: bool) -> torch.Tensor:
+    """One quantized moment as torchao keeps it: an ``OptimState8bit`` of CPU copies of ``codes`` (shaped like the
+    parameter) and its block ``scales``."""
     from torchao.optim.subclass_8bit import OptimState8bit  # the optimizer's own package: installed
 
-    codes, scales = (t.detach().to("cpu", copy=True) for t in held)
-    return OptimState8bit(codes.view(tuple(shape)), scales, qmap.clone(), signed, dtype=torch.float32)
+    codes, scales = (t.detach().to("cpu", copy=True) for t in (codes, scales))
+    return OptimState8bit(codes, scales, qmap.clone(), signed, dtype=torch.float32)
+
+
+def _part(random: torch.Tensor | None, segment: Segment) -> torch.Tensor | None:
+    """``segment``'s random numbers from a shard's (``None``: no stochastic rounding)."""
+    return None if random is None else random[segment.start:segment.start + segment.numel]

@@ -64,6 +64,9 @@ class UpdateRule:
     adam_hyper_parameters = False
     """Whether the param groups hold Adam's hyper-parameters (what a loaded state dict's groups are checked
     for and how their flags are spelled)."""
+    why_not_resharded: str | None = None
+    """Why a sharded checkpoint of the rule's state cannot load into another layout (``None``: it can, each
+    family cut anew by element)."""
 
     def __init__(self, optimizer: Optimizer, runtime: ChunkRuntime, group_of: dict[int, int]) -> None:
         self.optimizer = optimizer
