@@ -60,7 +60,8 @@ from ..errors import ArgumentTypeError, InvalidArgumentError, check_type
 from ..core.param_guard import slot_of
 from ..model.sharded_model import ShardedModelV2
 from ..optim.sharded_optimizer import ShardedOptimizerV2
-from ..errors import ChunkmemError, CheckpointError
+from ..errors import ChunkmemError, CheckpointError, UnsupportedOperationError
+from ..optim.low_bit_rule import LOW_BIT_FAMILIES
 from .resharding import (SavedLayout, entry_fits_rule, plan_resharded_load, saved_slot_scalars, saved_slot_steps,
                          saved_state)
 from ..optim.state_dict import (adam_entry, any_entry, export_param_groups, prepare_hyper_load, prepare_optimizer_load,
@@ -732,6 +733,12 @@ def _consolidate(path: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
     layouts = [[(e["numel"], e["dtype"], e["slots"]) for e in part["model"]["chunks"]] for part in parts]
     if any(layout != layouts[0] for layout in layouts):
         raise InvalidArgumentError("path", path, "rank files of one chunk layout (they differ)")
+    if parts[0]["optimizer"] is not None and any(tuple(e.get("state", ())) == LOW_BIT_FAMILIES
+                                                 for e in parts[0]["model"]["chunks"]):
+        raise UnsupportedOperationError(f"consolidating the sharded checkpoint {path} of an 8-bit Adam's state "
+                                        f"(its block scales are laid out per shard): load it with the world size "
+                                        f"that saved it and take optimizer.state_dict(), or save a full checkpoint "
+                                        f"(sharded=False)")
 
     def joined(pieces: list[Any], n: int) -> Any:
         """A chunk's whole family from the ranks' pieces: a replicated chunk's (persistent parameters,

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from ..core.chunk import Chunk, MASTER
-from ..errors import CheckpointError, InvalidArgumentError
+from ..errors import CheckpointError, InvalidArgumentError, UnsupportedOperationError
 from ..state_dicts import bump_versions, check_tensor_data, first_few, warn_if_masters_lose_precision
 
 PARAM = "param"
@@ -215,6 +215,12 @@ def _check_optimizer_state(path: str, model: Any, optimizer: Any, saved: SavedLa
     """The optimizer's per-element families, after checking that the saved state is of the same kind and
     can be split anew (no whole-parameter state)."""
     families = next((c.state_families for c in model.chunks if c.trainable), ())
+    refusal = optimizer.update_rule.why_not_resharded
+    if refusal is not None and any(entry["trainable"] for entry in saved.chunks):
+        raise UnsupportedOperationError(f"loading the sharded checkpoint {path} into another layout (world size, "
+                                        f"chunk size or trimming) with {refusal}: load it with the world size and "
+                                        f"chunk size that saved it, or save a full checkpoint (sharded=False), "
+                                        f"which loads into any layout")
     for n, entry in enumerate(saved.chunks):
         if not entry["trainable"]:
             continue

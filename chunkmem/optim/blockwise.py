@@ -27,8 +27,9 @@ BLOCK_SIZE = 256
 """Elements per quantization block (torchao's ``AdamW8bit`` default)."""
 
 MIN_QUANTIZED_NUMEL = 4096
-"""A parameter (or, sharded, this rank's piece of it) with fewer elements keeps fp32 state, as torchao's 8-bit
-optimizers keep it for tensors under 4096 elements or whose size is not a multiple of the block size."""
+"""A parameter with fewer elements keeps fp32 state, as torchao's 8-bit optimizers keep it for tensors under 4096
+elements or whose size is not a multiple of the block size (decided on the whole parameter, also where its
+elements are sharded over several ranks)."""
 
 _DECADES = 7  # 1e-7 .. 1
 _SCALE_FLOOR = 1e-12
@@ -62,26 +63,47 @@ def dynamic_map(signed: bool, device: torch.device | str | None = None) -> torch
     return torch.tensor(_map_values(signed), dtype=torch.float32, device=device)
 
 
+def block_scale(absmax: torch.Tensor) -> torch.Tensor:
+    """The scales of blocks whose largest magnitudes are ``absmax`` (fp32): at least ``1e-12``."""
+    return absmax.clamp_min(_SCALE_FLOOR)
+
+
 def quantize_(values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, qmap: torch.Tensor,
               block_size: int = BLOCK_SIZE) -> None:
     """Quantize the flat fp32 ``values`` (``n`` elements, ``n % block_size == 0``) into ``codes`` (``uint8``,
     ``n``) and ``scales`` (fp32, ``n // block_size``), in place (see the module docstring)."""
     blocks = values.view(-1, block_size)
-    scale = blocks.abs().amax(-1).clamp_min(_SCALE_FLOOR)
-    scaled = (blocks / scale.view(-1, 1)).view(-1)
+    scale = block_scale(blocks.abs().amax(-1))
+    _encode_(blocks / scale.view(-1, 1), codes, qmap)
+    scales.copy_(scale)
+
+
+def quantize_part_(values: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, qmap: torch.Tensor) -> None:
+    """Quantize the flat fp32 ``values``, a part of one block whose ``scale`` (one fp32 element, from
+    :func:`block_scale` of the whole block's largest magnitude) is given, into ``codes`` (``uint8``), in place:
+    the codes :func:`quantize_` gives these elements when it quantizes the whole block."""
+    _encode_(values / scale, codes, qmap)
+
+
+def _encode_(scaled: torch.Tensor, codes: torch.Tensor, qmap: torch.Tensor) -> None:
+    scaled = scaled.reshape(-1)
     low = (torch.searchsorted(qmap, scaled, right=True) - 1).clamp_(0, 255)
     low = torch.where(torch.isnan(scaled), torch.zeros_like(low), low)
     high = (low + 1).clamp_(max=255)
     low_value, high_value = qmap[low], qmap[high]
-    rounded = torch.where(scaled - low_value >= (high_value - low_value) * 0.5, high, low)
-    codes.copy_(rounded)
-    scales.copy_(scale)
+    codes.copy_(torch.where(scaled - low_value >= (high_value - low_value) * 0.5, high, low))
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, qmap: torch.Tensor,
                block_size: int = BLOCK_SIZE) -> torch.Tensor:
     """The fp32 values of ``codes`` and ``scales`` (a new flat tensor of ``codes.numel()`` elements)."""
     return (qmap[codes.long()].view(-1, block_size) * scales.view(-1, 1)).view(-1)
+
+
+def dequantize_part(codes: torch.Tensor, scale: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
+    """The fp32 values of ``codes``, a part of one block whose ``scale`` (one fp32 element) is given: what
+    :func:`dequantize` gives these elements (a new flat tensor)."""
+    return qmap[codes.long()] * scale
 
 
 def rounding_thresholds(qmap: torch.Tensor) -> torch.Tensor:

@@ -114,7 +114,8 @@ def choose_update_rule(model: ShardedModelV2, optimizer: Any, group_of: dict[int
     :mod:`chunkmem.optim.any_optimizer` and :mod:`chunkmem.optim.low_bit_rule`)."""
     decoupled = low_bit_decoupled(optimizer)
     if decoupled is not None:
-        check_low_bit_optimizer(optimizer, dtype=model.dtype, several_ranks=model.data_parallel.world > 1)
+        check_low_bit_optimizer(optimizer, dtype=model.dtype, several_ranks=model.data_parallel.world > 1,
+                                disk=model.runtime.memory.disk is not None, step_in_backward=settings.step_in_backward)
         return LowBitAdamRule(optimizer, model.runtime, group_of, decoupled, stochastic_rounding(optimizer, model.dtype))
     if runs_adam_kernel(optimizer):
         return AdamRule(optimizer, model.runtime, group_of)

@@ -1,9 +1,11 @@
 """Adam and AdamW with blockwise 8-bit moments: the update of torchao's ``AdamW8bit`` / ``Adam8bit``.
 
-The state of one parameter (or, sharded, of this rank's piece of it) is either **quantized**, where it holds at
-least 4096 elements in whole blocks of 256 (:func:`chunkmem.optim.blockwise.quantizes`): ``exp_avg`` and
-``exp_avg_sq`` as ``uint8`` codes, one per element, and one fp32 scale per block (:mod:`chunkmem.optim.blockwise`);
-or **plain**: fp32 moments, as the reference keeps them for small tensors.
+The state of one parameter is either **quantized**, where it holds at least 4096 elements in whole blocks of 256
+(:func:`chunkmem.optim.blockwise.quantizes`, decided on the whole parameter): ``exp_avg`` and ``exp_avg_sq`` as
+``uint8`` codes, one per element, and one fp32 scale per block of the parameter (:mod:`chunkmem.optim.blockwise`);
+or **plain**: fp32 moments, as the reference keeps them for small tensors. Sharded over ranks, a block may be cut
+by a shard boundary: each rank steps its part (:func:`step_cut_segment_`), and once the ranks agree on the
+block's largest magnitudes, quantizes it with the whole block's scale (:func:`store_cut_segment_`).
 
 One step of a segment (a run of elements with one set of hyper-parameters and one step count), in the order and
 with the roundings of the reference's step run eagerly (``single_param_adam``)::
@@ -37,7 +39,8 @@ import torch
 
 from ..core.native_build import CSRC, LoadedOnce, env_flag, load_library
 from . import host_adam_ext
-from .blockwise import BLOCK_SIZE, bucket_words, dequantize, dynamic_map, quantize_
+from .blockwise import (BLOCK_SIZE, block_scale, bucket_words, dequantize, dequantize_part, dynamic_map,
+                        quantize_, quantize_part_)
 
 SOURCE = CSRC / "low_bit_adam.cpp"
 CXXFLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-math-errno")
@@ -83,7 +86,9 @@ class StepScalars:
 class Segment:
     """A run of a chunk's elements updated alike: ``numel`` elements from ``start`` (in the chunk's flat buffers)
     whose state is quantized (``state_base``: the index of its first block scale) or plain (``state_base``: the
-    index of its first fp32 moment)."""
+    index of its first fp32 moment). A ``cut`` segment is the part of one quantized block that lies in this
+    rank's shard, the block cut by a shard boundary: its scale (at ``state_base``) is the whole block's, which
+    the ranks holding its parts agree on (:func:`step_cut_segment_`, :func:`store_cut_segment_`)."""
 
     start: int
     numel: int
@@ -91,6 +96,14 @@ class Segment:
     state_base: int
     hyper: LowBitHyper
     step: int
+    cut: bool = False
+
+    @property
+    def blocks(self) -> int:
+        """The block scales the segment's state holds (0 for plain state)."""
+        if not self.quantized:
+            return 0
+        return 1 if self.cut else self.numel // BLOCK_SIZE
 
 
 @dataclass
@@ -107,11 +120,11 @@ class Moments:
     plain_v: torch.Tensor
 
     def of(self, segment: Any) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], ...]:
-        """The ``exp_avg`` and ``exp_avg_sq`` of ``segment`` (a :class:`Segment`, or anything with its ``start``,
-        ``numel``, ``quantized`` and ``state_base``): ``(codes, scales)`` pairs, or plain tensors."""
+        """The ``exp_avg`` and ``exp_avg_sq`` of ``segment`` (a :class:`Segment`): ``(codes, scales)`` pairs, or
+        plain tensors."""
         a, n, base = segment.start, segment.numel, segment.state_base
         if segment.quantized:
-            blocks = n // BLOCK_SIZE
+            blocks = segment.blocks
             return ((self.codes_m[a:a + n], self.scales_m[base:base + blocks]),
                     (self.codes_v[a:a + n], self.scales_v[base:base + blocks]))
         return self.plain_m[base:base + n], self.plain_v[base:base + n]
@@ -123,8 +136,10 @@ def _maps(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return dynamic_map(True, device), dynamic_map(False, device)
 
 
-def _read(state: torch.Tensor | tuple[torch.Tensor, torch.Tensor], qmap: torch.Tensor) -> torch.Tensor:
-    return dequantize(state[0], state[1], qmap) if isinstance(state, tuple) else state.float()
+def _read(state: torch.Tensor | tuple[torch.Tensor, torch.Tensor], qmap: torch.Tensor, cut: bool) -> torch.Tensor:
+    if not isinstance(state, tuple):
+        return state.float()
+    return dequantize_part(state[0], state[1], qmap) if cut else dequantize(state[0], state[1], qmap)
 
 
 def _write(state: torch.Tensor | tuple[torch.Tensor, torch.Tensor], values: torch.Tensor, qmap: torch.Tensor) -> None:
@@ -137,9 +152,42 @@ def _write(state: torch.Tensor | tuple[torch.Tensor, torch.Tensor], values: torc
 def update_segment_torch_(master: torch.Tensor, grad: torch.Tensor, moments: Moments, segment: Segment,
                           multiplier: float = 1.0, param_out: torch.Tensor | None = None,
                           random: torch.Tensor | None = None) -> None:
-    """One step of ``segment`` in torch ops (module docstring), in place: ``master`` (fp32, or bf16 parameters that
-    are their own masters, written back by :func:`round_stochastically` with ``random``, the segment's numbers),
-    ``grad`` (any float dtype) and ``param_out`` (the 16-bit copy, or ``None``) are the chunk's flat buffers."""
+    """One step of ``segment`` (not ``cut``) in torch ops (module docstring), in place: ``master`` (fp32, or bf16
+    parameters that are their own masters, written back by :func:`round_stochastically` with ``random``, the
+    segment's numbers), ``grad`` (any float dtype) and ``param_out`` (the 16-bit copy, or ``None``) are the chunk's
+    flat buffers."""
+    qmap_m, qmap_v = _maps(master.device)
+    m, v = _step_values_(master, grad, moments, segment, multiplier, param_out, random)
+    state_m, state_v = moments.of(segment)
+    _write(state_m, m, qmap_m)
+    _write(state_v, v, qmap_v)
+
+
+def step_cut_segment_(master: torch.Tensor, grad: torch.Tensor, moments: Moments, segment: Segment,
+                      multiplier: float = 1.0, param_out: torch.Tensor | None = None,
+                      random: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first half of a ``cut`` segment's step (arguments as for :func:`update_segment_torch_`): its
+    parameters updated, its new ``exp_avg`` and ``exp_avg_sq`` returned unquantized (fp32). Their codes need the
+    block's new scale, the largest magnitude over every rank's part of it: :func:`store_cut_segment_` writes them
+    once the ranks agree on it. (The parameters read the unquantized moments, so they need no scale.)"""
+    return _step_values_(master, grad, moments, segment, multiplier, param_out, random)
+
+
+def store_cut_segment_(moments: Moments, segment: Segment, new: tuple[torch.Tensor, torch.Tensor],
+                       absmax: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """The second half of a ``cut`` segment's step: its ``new`` moments (from :func:`step_cut_segment_`)
+    quantized with the whole block's largest magnitudes ``absmax`` (of ``exp_avg``, of ``exp_avg_sq``: one fp32
+    element each, over every rank's part), which become the block's scales."""
+    for state, values, largest, qmap in zip(moments.of(segment), new, absmax, _maps(new[0].device)):
+        scale = block_scale(largest.reshape(1))
+        quantize_part_(values, state[0], scale, qmap)
+        state[1].copy_(scale)
+
+
+def _step_values_(master: torch.Tensor, grad: torch.Tensor, moments: Moments, segment: Segment,
+                  multiplier: float, param_out: torch.Tensor | None,
+                  random: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step of ``segment``'s parameters, written; its new moments returned, not yet stored."""
     hyper = segment.hyper
     scalars = StepScalars.of(hyper, segment.step)
     qmap_m, qmap_v = _maps(master.device)
@@ -154,15 +202,14 @@ def update_segment_torch_(master: torch.Tensor, grad: torch.Tensor, moments: Mom
     else:
         g = g + hyper.weight_decay * p
     state_m, state_v = moments.of(segment)
-    m = _read(state_m, qmap_m).lerp(g, 1 - hyper.beta1)
-    v = _read(state_v, qmap_v).lerp(g.square(), 1 - hyper.beta2)
-    _write(state_m, m, qmap_m)
-    _write(state_v, v, qmap_v)
+    m = _read(state_m, qmap_m, segment.cut).lerp(g, 1 - hyper.beta1)
+    v = _read(state_v, qmap_v, segment.cut).lerp(g.square(), 1 - hyper.beta2)
     denom = (v.sqrt() / torch.tensor(scalars.bias_correction2_sqrt, dtype=torch.float32)) + hyper.eps
     p = p - lr * (m / torch.tensor(scalars.bias_correction1, dtype=torch.float32)) / denom
     master[a:b].copy_(p if master.dtype == torch.float32 else round_stochastically(p, random))
     if param_out is not None:
         param_out[a:b].copy_(p)
+    return m, v
 
 
 def round_stochastically(values: torch.Tensor, random: torch.Tensor) -> torch.Tensor:
@@ -312,7 +359,9 @@ def update_segments_(master: torch.Tensor, grad: torch.Tensor, moments: Moments,
     parameters that are their own masters, rounded stochastically with ``random`` (int32 in ``[0, 2**16)``, one
     per element of every segment, in segment order: :mod:`chunkmem.optim.rounding_draws`); ``grad``: the chunk's flat gradient (fp32, fp16 or bf16), multiplied
     by ``multiplier`` first (the loss scale's inverse and clipping; 1 leaves it untouched); ``param_out``: the
-    16-bit parameter copy to write, or ``None``; all flat, indexed like the chunk's shard."""
+    16-bit parameter copy to write, or ``None``; all flat, indexed like the chunk's shard. No segment is ``cut``."""
+    if any(segment.cut for segment in segments):
+        raise ValueError("a cut segment is stepped in two halves (step_cut_segment_, store_cut_segment_)")
     tensors = (master, grad, *vars(moments).values()) + tuple(t for t in (param_out, random) if t is not None)
     host = all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
     k = kernel() if host and grad.dtype in _DTYPE_CODES else None

@@ -4,7 +4,8 @@ A :class:`~chunkmem.ShardedOptimizerV2` over one of them keeps, for each trainab
 
 * ``exp_avg_codes`` and ``exp_avg_sq_codes``: one ``uint8`` code per element;
 * ``exp_avg_scales`` and ``exp_avg_sq_scales``: one fp32 scale per block of 256 elements of the parameters whose
-  state is quantized (at least 4096 elements, in whole blocks: :func:`chunkmem.optim.blockwise.quantizes`);
+  state is quantized (at least 4096 elements, in whole blocks: :func:`chunkmem.optim.blockwise.quantizes`), for
+  every block the shard touches;
 * ``exp_avg_fp32`` and ``exp_avg_sq_fp32``: the moments of the other parameters, fp32 as torchao keeps them
   (bf16 beside bf16 masters, below).
 
@@ -26,20 +27,28 @@ on a plain bf16 model rounds each step's result to the nearest bf16 and keeps no
 **The disk tier.** With ``offload_optimizer="disk"`` the codes rest on disk and the streamed step
 (:mod:`chunkmem.optim.disk_step`) hands each chunk's shard to the update as one piece, so that no block is cut
 (its I/O buffers hold a whole shard of the widest family streamed, more than the disk tier's ``buffer_size``
-when that is smaller: :func:`~chunkmem.optim.disk_step.whole_piece_nbytes`). The block scales and the small parameters' moments, indexed by block
-and not by element, stay in host memory (``in_memory_families``: 8 bytes per 256 elements); an atomic step writes
-their new values into copies that replace them when it commits. ``step_in_backward`` works as for Adam: the undo
-copies hold each family in its own dtype.
+when that is smaller: :func:`~chunkmem.optim.disk_step.whole_piece_nbytes`). The block scales and the small
+parameters' moments, indexed by block and not by element, stay in host memory (``in_memory_families``: 8 bytes
+per 256 elements); an atomic step writes their new values into copies that replace them when it commits.
+``step_in_backward`` works as for Adam: the undo copies hold each family in its own dtype.
 
-Not yet: several ranks, ``amsgrad``, another ``block_size`` and ``bf16_stochastic_round`` over an fp16 model are
-refused when the optimizer is wrapped (:func:`check_low_bit_optimizer`).
+**Several ranks.** Sharded (ZeRO-3), the state lies in each shard as :mod:`chunkmem.optim.low_bit_layout` says:
+quantized-or-not and the blocks are the whole parameter's, and a block cut by a shard boundary is stepped in two
+halves, its parts on each rank, then quantized with the scale the ranks agree on (an all-reduce of its largest
+magnitudes per chunk and step, in chunk order on every rank). With stochastic rounding each rank takes its part's
+numbers of each parameter's draw. The state dict is gathered (collectives in chunk order); a sharded checkpoint
+loads with the layout that saved it only (:attr:`LowBitAdamRule.why_not_resharded`).
+
+Not yet: several ranks with the disk tier or ``step_in_backward`` (the cut blocks' agreement would be a collective
+off the step's thread or inside the backward), ``amsgrad``, another ``block_size`` and ``bf16_stochastic_round``
+over an fp16 model are refused when the optimizer is wrapped (:func:`check_low_bit_optimizer`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
+import torch.distributed as dist
 from torch.optim import Optimizer
 
 from ..core.chunk import MASTER, Chunk, ParamSlot
@@ -49,7 +58,8 @@ from ..errors import InvalidArgumentError, UnsupportedOperationError
 from ..runtime.runtime import ChunkRuntime
 from .blockwise import BLOCK_SIZE, dynamic_map, quantizes
 from .disk_step import ChunkUpdate, gaps
-from .low_bit_adam import LowBitHyper, Moments, Segment, update_segments_
+from .low_bit_adam import LowBitHyper, Moments, Segment, step_cut_segment_, store_cut_segment_, update_segments_
+from .low_bit_layout import ChunkStateLayout, StatePiece
 from .rounding_draws import DrawSequence, default_generator
 from .state_dict import check_entry as check_plain_entry
 from .update_rule import KeptState, UpdateRule
@@ -79,7 +89,8 @@ def stochastic_rounding(optimizer: Any, dtype: torch.dtype) -> bool:
     return bool(getattr(optimizer, "bf16_stochastic_round", False)) and dtype == torch.bfloat16
 
 
-def check_low_bit_optimizer(optimizer: Any, *, dtype: torch.dtype, several_ranks: bool) -> None:
+def check_low_bit_optimizer(optimizer: Any, *, dtype: torch.dtype, several_ranks: bool, disk: bool,
+                            step_in_backward: bool) -> None:
     """Refuse, naming what is asked and what is allowed, an 8-bit Adam with what chunkmem does not run yet."""
     name = type(optimizer).__name__
     if getattr(optimizer, "block_size", BLOCK_SIZE) != BLOCK_SIZE:
@@ -91,40 +102,11 @@ def check_low_bit_optimizer(optimizer: Any, *, dtype: torch.dtype, several_ranks
     for index, group in enumerate(optimizer.param_groups):
         if group.get("amsgrad"):
             raise InvalidArgumentError(f"optimizer.param_groups[{index}]['amsgrad']", True, "False")
-    if several_ranks:
-        raise UnsupportedOperationError(f"{name} in ShardedOptimizerV2 on several ranks: not supported yet (one "
-                                        "process)")
-
-
-@dataclass(frozen=True)
-class StatePiece:
-    """Where one parameter's state lies in this rank's shard of its chunk: ``numel`` elements from ``start``,
-    quantized (``state_base``: its first block scale) or plain (``state_base``: its first plain moment)."""
-
-    slot: int
-    start: int
-    numel: int
-    quantized: bool
-    state_base: int
-
-
-def state_pieces(chunk: Chunk) -> tuple[list[StatePiece], int, int]:
-    """The pieces of every parameter of ``chunk`` held in this rank's shard, with the number of block scales and
-    of fp32 moments they need."""
-    pieces, blocks, plain = [], 0, 0
-    for slot in chunk.slots:
-        part = chunk.own_range(slot)
-        if part is None:
-            continue
-        numel = part[1] - part[0]
-        start = slot.offset + part[0] - chunk.shard_offset
-        if quantizes(numel):
-            pieces.append(StatePiece(slot.index_in_chunk, start, numel, True, blocks))
-            blocks += numel // BLOCK_SIZE
-        else:
-            pieces.append(StatePiece(slot.index_in_chunk, start, numel, False, plain))
-            plain += numel
-    return pieces, blocks, plain
+    for asked, what in ((disk, "with the disk tier"), (step_in_backward, "with step_in_backward=True")):
+        if asked and several_ranks:
+            raise UnsupportedOperationError(f"{name} in ShardedOptimizerV2 on several ranks {what}: not supported "
+                                            "yet (on several ranks the state on the device or the host, updated in "
+                                            "step(); in one process both work)")
 
 
 class LowBitAdamRule(UpdateRule):
@@ -140,9 +122,11 @@ class LowBitAdamRule(UpdateRule):
     def __init__(self, optimizer: Optimizer, runtime: ChunkRuntime, group_of: dict[int, int], decoupled: bool,
                  stochastic_round: bool = False) -> None:
         super().__init__(optimizer, runtime, group_of)
+        self.why_not_resharded = (f"{type(optimizer).__name__}'s 8-bit state (its block scales and fp32 moments "
+                                  "are laid out per shard, not by element)")
         self.decoupled = decoupled
         self.stochastic_round = stochastic_round
-        self._pieces: dict[int, dict[int, StatePiece]] = {}  # chunk index -> slot index -> its piece
+        self._layouts: dict[int, ChunkStateLayout] = {}  # by chunk index
         self._draws: dict[torch.device, DrawSequence] = {}  # stochastic rounding: this step's, per device
         self._in_step = False  # inside step(): every chunk's gradients are final
 
@@ -155,9 +139,9 @@ class LowBitAdamRule(UpdateRule):
         """The elements and dtype of each of ``chunk``'s state families (a buffer holds at least one element: a
         chunk may have no quantized or no plain parameter); the plain moments are bf16 beside bf16 parameters
         that are their own masters, as torchao keeps a small bf16 tensor's state."""
-        _, blocks, plain = state_pieces(chunk)
-        codes, scales = (chunk.shard_numel, torch.uint8), (max(blocks, 1), torch.float32)
-        small = (max(plain, 1), torch.bfloat16 if stochastic_round else torch.float32)
+        layout = ChunkStateLayout.of(chunk)
+        codes, scales = (chunk.shard_numel, torch.uint8), (max(layout.blocks, 1), torch.float32)
+        small = (max(layout.plain, 1), torch.bfloat16 if stochastic_round else torch.float32)
         return {CODES_M: codes, CODES_V: codes, SCALES_M: scales, SCALES_V: scales, PLAIN_M: small, PLAIN_V: small}
 
     def keeps_master(self, chunk: Chunk) -> bool:
@@ -169,10 +153,15 @@ class LowBitAdamRule(UpdateRule):
     def prepare_chunks(self) -> None:
         self.optimizer.state.clear()
         for chunk in self.runtime.trainable_chunks():
-            self._pieces[chunk.index] = {piece.slot: piece for piece in state_pieces(chunk)[0]}
+            self._layouts[chunk.index] = ChunkStateLayout.of(chunk)
             chunk.use_state_buffers(self.state_buffers(chunk, self.stochastic_round))
             chunk.in_memory_families = self.in_memory_families
             chunk.masters_in_params = self.stochastic_round
+
+    def update_order(self, chunks: list[Chunk]) -> list[Chunk]:
+        """On several ranks the model's order: the agreement on the cut blocks' scales is a collective, which every
+        rank issues in one order."""
+        return sorted(chunks, key=lambda chunk: chunk.index) if any(c.shards.sharded for c in chunks) else chunks
 
     # ---- stochastic rounding's random numbers (chunkmem.optim.rounding_draws) -----------------------------
 
@@ -216,14 +205,21 @@ class LowBitAdamRule(UpdateRule):
         return sequence
 
     def _random(self, chunk: Chunk, device: torch.device) -> Callable[[], torch.Tensor | None]:
-        """What draws the rounding's random numbers of ``chunk``'s stepped parameters' parts here, in segment
-        order (``None`` without stochastic rounding, or with no part here). Which numbers is decided now, on the
-        caller's thread; the drawing may run on another (the disk step's)."""
+        """What draws the stochastic rounding's random numbers of this rank's shard of ``chunk`` (int32, indexed
+        like the shard; ``None`` without stochastic rounding): each stepped parameter's part of its draw. Which
+        numbers is decided now, on the caller's thread; the drawing may run on another (the disk step's)."""
         parts = [(slot, part) for slot, _, part in self.stepped_slots(chunk) if part is not None]
-        if not self.stochastic_round or not parts:
+        if not self.stochastic_round:
             return lambda: None
         sequence = self._sequence(device)
-        return lambda: torch.cat([sequence.draw(id(slot.param))[a:b] for slot, (a, b) in parts])
+
+        def draw() -> torch.Tensor:
+            shard = torch.zeros(chunk.shard_numel, dtype=torch.int32, device=device)
+            for slot, (a, b) in parts:
+                start = slot.offset + a - chunk.shard_offset
+                shard[start:start + b - a] = sequence.draw(id(slot.param))[a:b]
+            return shard
+        return draw
 
     def assumptions(self, chunk: Chunk) -> tuple[Any, ...]:
         """Adam's, and with stochastic rounding where the chunk's parameters' numbers lie in this step's draws:
@@ -241,16 +237,16 @@ class LowBitAdamRule(UpdateRule):
         return LowBitHyper(float(g["lr"]), float(beta1), float(beta2), float(g["eps"]), float(g["weight_decay"]),
                            self.decoupled)
 
-    def segments(self, chunk: Chunk) -> list[Segment]:
-        """The stepped parameters' pieces of ``chunk`` with their hyper-parameters and step numbers after this step."""
-        pieces = self._pieces[chunk.index]
+    def segments(self, chunk: Chunk) -> list[tuple[StatePiece, Segment]]:
+        """The stepped parameters' pieces of ``chunk`` as segments (whole blocks, cut blocks' parts, plain runs)
+        with their hyper-parameters and step numbers after this step, each with its piece."""
+        pieces = self._layouts[chunk.index].pieces
         hyper = [self._hyper(index) for index in range(len(self.optimizer.param_groups))]
         segments = []
         for slot, group, part in self.stepped_slots(chunk):
             if part is not None:
                 piece = pieces[slot.index_in_chunk]
-                segments.append(Segment(piece.start, piece.numel, piece.quantized, piece.state_base, hyper[group],
-                                        chunk.step_of(slot) + 1))
+                segments += [(piece, s) for s in piece.segments(hyper[group], chunk.step_of(slot) + 1)]
         return segments
 
     @staticmethod
@@ -262,21 +258,47 @@ class LowBitAdamRule(UpdateRule):
         tier = self.runtime.compute_tier(chunk)
         grad = self.runtime.grad_of(chunk)
         segments = self.segments(chunk)
+        whole = [s for _, s in segments if not s.cut]
         with self.runtime.updating(chunk, tier) as target:
             master = chunk.optim[MASTER].tensor if chunk.has_master else target
-            update_segments_(master, grad.to(target.device), self.moments(chunk), segments, multiplier,
-                             target if chunk.has_master else None, self._random(chunk, target.device)())
+            out = target if chunk.has_master else None
+            grad = grad.to(target.device)
+            moments = self.moments(chunk)
+            random = self._random(chunk, target.device)()
+            cut = [(piece, s, step_cut_segment_(master, grad, moments, s, multiplier, out, _part(random, s)))
+                   for piece, s in segments if s.cut]
+            update_segments_(master, grad, moments, whole, multiplier, out, _joined(random, whole))
+            self._store_cut(chunk, moments, cut)
             chunk.advance_steps(slot for slot, _, _ in self.stepped_slots(chunk))
             if chunk.has_master:  # the copy written may be new memory: what no segment wrote is the master's rounding
-                for a, b in gaps([(s.start, s.start + s.numel) for s in segments], 0, chunk.shard_numel):
+                for a, b in gaps([(s.start, s.start + s.numel) for _, s in segments], 0, chunk.shard_numel):
                     target[a:b].copy_(master[a:b])
+
+    def _store_cut(self, chunk: Chunk, moments: Moments,
+                   cut: list[tuple[StatePiece, Segment, tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """Quantize the cut blocks' parts stepped here with their whole blocks' scales: the largest magnitudes of
+        the new moments over every rank's part (an all-reduce of every cut block of ``chunk``, on every rank,
+        whether or not its parameter stepped here)."""
+        layout = self._layouts[chunk.index]
+        if not layout.cut_blocks:
+            return
+        largest = torch.zeros(2, len(layout.cut_blocks), dtype=torch.float32, device=moments.scales_m.device)
+        for piece, segment, new in cut:
+            index = layout.cut_index(piece, segment)
+            for row, values in enumerate(new):
+                largest[row, index] = values.abs().amax()
+        chunk.shards.all_reduce_(largest, dist.ReduceOp.MAX, what=f"the cut blocks' 8-bit scales of {chunk.name}")
+        for piece, segment, new in cut:
+            index = layout.cut_index(piece, segment)
+            store_cut_segment_(moments, segment, new, (largest[0, index], largest[1, index]))
 
     def _streamed(self, chunk: Chunk, multiplier: float) -> tuple[list, "StreamedLowBitUpdate"]:
         in_memory = {family: chunk.optim[family].tensor for family in self.in_memory_families}
         if self.runtime.memory.disk.atomic_step:  # the new values replace these when the step commits
             in_memory = {family: tensor.clone() for family, tensor in in_memory.items()}
-        return [], StreamedLowBitUpdate(self.segments(chunk), multiplier, in_memory,
-                                        self._random(chunk, device_of_tier(Tier.HOST)))
+        segments = [segment for _, segment in self.segments(chunk)]
+        assert not any(segment.cut for segment in segments), "several ranks with the disk tier are refused"
+        return [], StreamedLowBitUpdate(segments, multiplier, in_memory, self._random(chunk, device_of_tier(Tier.HOST)))
 
     def completed(self, update: ChunkUpdate) -> None:
         super().completed(update)
@@ -287,17 +309,47 @@ class LowBitAdamRule(UpdateRule):
     # ---- state dicts: torchao's format -------------------------------------------------------------------
 
     def state_entries(self, chunk: Chunk, index_of: dict[int, int]) -> dict[int, dict[str, Any]]:
-        state = Moments(*(chunk.optim[family].read() for family in LOW_BIT_FAMILIES))  # (also from disk)
+        layout = self._layouts[chunk.index]
+        codes, scales, plain = self._gathered(chunk)
         maps = dynamic_map(True), dynamic_map(False)
         entries = {}
         for slot in chunk.slots:
-            piece = self._pieces[chunk.index].get(slot.index_in_chunk)
-            if id(slot.param) in index_of and chunk.step_of(slot) > 0 and piece is not None:
-                entry: dict[str, Any] = {"step": torch.tensor(float(chunk.step_of(slot)), dtype=torch.float32)}
-                for key, held, qmap, signed in zip(_STATE_KEYS, state.of(piece), maps, (True, False)):
-                    entry[key] = _torchao_state(held, qmap, signed, slot.shape)
-                entries[index_of[id(slot.param)]] = entry
+            if id(slot.param) not in index_of or chunk.step_of(slot) == 0:  # torch keeps no state for one never stepped
+                continue
+            entry: dict[str, Any] = {"step": torch.tensor(float(chunk.step_of(slot)), dtype=torch.float32)}
+            for row, key in enumerate(_STATE_KEYS):
+                if quantizes(slot.numel):
+                    first = layout.block_bases[slot.index_in_chunk]
+                    blocks = scales[row, first:first + slot.numel // BLOCK_SIZE]
+                    entry[key] = _quantized_state(slot.view(codes[row]), blocks, maps[row], signed=row == 0)
+                else:
+                    entry[key] = slot.view(plain[row]).to("cpu", copy=True)
+            entries[index_of[id(slot.param)]] = entry
         return entries
+
+    def _gathered(self, chunk: Chunk) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor] | None]:
+        """``chunk``'s whole state from every rank's shard, by collectives in chunk order on every rank: the codes
+        of each moment by element, the scales of both (rows) by block in the layout's chunk-wide numbering (a cut
+        block's scale is the same on the ranks that hold it: the maximum is it), the plain moments by element
+        (``None``: the chunk has no plain parameter)."""
+        layout = self._layouts[chunk.index]
+        state = Moments(*(chunk.optim[family].read() for family in LOW_BIT_FAMILIES))
+        codes = [chunk.gather(state.codes_m), chunk.gather(state.codes_v)]
+        scales = torch.zeros(2, layout.chunk_blocks, dtype=torch.float32, device=state.scales_m.device)
+        by_element = [torch.zeros(chunk.shard_numel, dtype=state.plain_m.dtype, device=state.plain_m.device)
+                      for _ in range(2)]
+        for piece in layout.pieces.values():
+            if piece.quantized:
+                first = layout.block_bases[piece.slot] + piece.first_block
+                for row, held in enumerate((state.scales_m, state.scales_v)):
+                    scales[row, first:first + piece.blocks] = held[piece.state_base:piece.state_base + piece.blocks]
+            else:
+                for local, held in zip(by_element, (state.plain_m, state.plain_v)):
+                    local[piece.start:piece.start + piece.numel] = held[piece.state_base:piece.state_base + piece.numel]
+        if layout.chunk_blocks:
+            chunk.shards.all_reduce_(scales, dist.ReduceOp.MAX, what=f"the 8-bit moments' scales of {chunk.name}")
+        plain = [chunk.gather(local) for local in by_element] if layout.plain_slots else None
+        return codes, scales, plain
 
     def state_keys(self, slot: ParamSlot) -> tuple[str, ...]:
         return _STATE_KEYS
@@ -331,14 +383,19 @@ class LowBitAdamRule(UpdateRule):
                     for family in LOW_BIT_FAMILIES}
         state = Moments(*families.values())
         for slot, entry in entries:
-            piece = self._pieces[chunk.index][slot.index_in_chunk]
-            for key, held in zip(_STATE_KEYS, state.of(piece)):
+            piece = self._layouts[chunk.index].pieces.get(slot.index_in_chunk)
+            if piece is None:
+                continue
+            elements = slice(piece.first, piece.first + piece.numel)
+            for key, codes, scales, plain in ((_STATE_KEYS[0], state.codes_m, state.scales_m, state.plain_m),
+                                              (_STATE_KEYS[1], state.codes_v, state.scales_v, state.plain_v)):
                 value = entry[key]
-                if isinstance(held, tuple):
-                    held[0].copy_(value.codes.reshape(-1))
-                    held[1].copy_(value.scale.reshape(-1))
+                if piece.quantized:
+                    codes[piece.start:piece.start + piece.numel] = value.codes.reshape(-1)[elements]
+                    scales[piece.state_base:piece.state_base + piece.blocks] = \
+                        value.scale.reshape(-1)[piece.first_block:piece.first_block + piece.blocks]
                 else:
-                    held.copy_(value.detach().reshape(-1))
+                    plain[piece.state_base:piece.state_base + piece.numel] = value.detach().reshape(-1)[elements]
         return families
 
     def saved_state(self, chunk: Chunk, save: Callable[[Any], Any]) -> dict[str, Any]:
@@ -349,10 +406,11 @@ class LowBitAdamRule(UpdateRule):
 
 
 class StreamedLowBitUpdate:
-    """One chunk's 8-bit update inside the streamed disk step: the codes come from disk as one piece (the whole
-    shard), the block scales and the small parameters' moments from ``in_memory`` (the chunk's own buffers, or
-    copies an atomic step fills and :meth:`LowBitAdamRule.completed` puts in place once the step commits);
-    ``random()``: the stochastic rounding's numbers (on the disk step's thread: drawn from this step's sequence)."""
+    """One chunk's 8-bit update inside the streamed disk step (one process): the codes come from disk as one piece
+    (the whole shard), the block scales and the small parameters' moments from ``in_memory`` (the chunk's own
+    buffers, or copies an atomic step fills and :meth:`LowBitAdamRule.completed` puts in place once the step
+    commits); ``random()``: the stochastic rounding's numbers, indexed like the shard (drawn on the disk step's
+    thread from this step's sequence)."""
 
     def __init__(self, segments: list[Segment], multiplier: float, in_memory: dict[str, torch.Tensor],
                  random: Callable[[], torch.Tensor | None]) -> None:
@@ -366,16 +424,24 @@ class StreamedLowBitUpdate:
         assert start == 0 and end == master.numel(), "the 8-bit update streams each chunk as one piece"
         families = {**state, **self.in_memory}
         moments = Moments(*(families[family] for family in LOW_BIT_FAMILIES))
-        update_segments_(master, grad, moments, self.segments, self.multiplier, None, self.random())
+        update_segments_(master, grad, moments, self.segments, self.multiplier, None,
+                         _joined(self.random(), self.segments))
 
 
-def _torchao_state(held: torch.Tensor | tuple[torch.Tensor, torch.Tensor], qmap: torch.Tensor, signed: bool,
-                   shape: torch.Size) -> torch.Tensor:
-    """One moment as torchao keeps it: an ``OptimState8bit`` (copies on the CPU) or a plain tensor (fp32, or bf16
-    beside bf16 masters)."""
-    if not isinstance(held, tuple):
-        return held.detach().to("cpu", copy=True).view(tuple(shape))
+def _quantized_state(codes: torch.Tensor, scales: torch.Tensor, qmap: torch.Tensor, signed: bool) -> torch.Tensor:
+    """One quantized moment as torchao keeps it: an ``OptimState8bit`` of CPU copies of ``codes`` (shaped like the
+    parameter) and its block ``scales``."""
     from torchao.optim.subclass_8bit import OptimState8bit  # the optimizer's own package: installed
 
-    codes, scales = (t.detach().to("cpu", copy=True) for t in held)
-    return OptimState8bit(codes.view(tuple(shape)), scales, qmap.clone(), signed, dtype=torch.float32)
+    codes, scales = (t.detach().to("cpu", copy=True) for t in (codes, scales))
+    return OptimState8bit(codes, scales, qmap.clone(), signed, dtype=torch.float32)
+
+
+def _part(random: torch.Tensor | None, segment: Segment) -> torch.Tensor | None:
+    """``segment``'s random numbers from a shard's (``None``: no stochastic rounding)."""
+    return None if random is None else random[segment.start:segment.start + segment.numel]
+
+
+def _joined(random: torch.Tensor | None, segments: list[Segment]) -> torch.Tensor | None:
+    """The random numbers of ``segments`` in their order, from a shard's (as :func:`update_segments_` takes them)."""
+    return None if random is None or not segments else torch.cat([_part(random, s) for s in segments])

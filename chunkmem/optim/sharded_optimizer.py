@@ -365,7 +365,7 @@ class ShardedOptimizerV2(WrappingOptimizer):
             self.update_rule.end_step(stepped=False)
             self._backward.undo_in_memory()  # the step did not happen: neither did the backward's updates
             raise
-        for chunk in self.runtime.trainable_chunks_as_gradients_landed():
+        for chunk in self.update_rule.update_order(self.runtime.trainable_chunks_as_gradients_landed()):
             if self.runtime.optim_tier(chunk) is not Tier.DISK and not self._backward.keep(chunk, multiplier):
                 self.update_rule.update(chunk, multiplier)
         self.update_rule.end_step(stepped=True)

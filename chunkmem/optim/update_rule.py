@@ -69,6 +69,9 @@ class UpdateRule:
     streams_whole_chunks = False
     """Whether the streamed disk step must hand the rule each chunk's shard as one piece (its state is laid out
     in blocks that a piece boundary must not cut); else pieces of the disk tier's ``buffer_size``."""
+    why_not_resharded: str | None = None
+    """Why a sharded checkpoint of the rule's state cannot load into another layout (``None``: it can, each
+    family cut anew by element)."""
 
     def __init__(self, optimizer: Optimizer, runtime: ChunkRuntime, group_of: dict[int, int]) -> None:
         self.optimizer = optimizer
@@ -145,6 +148,10 @@ class UpdateRule:
     def check_unchanged(self) -> None:
         """Raise, with nothing changed, where the wrapped optimizer's hyper-parameters now ask for state the
         chunks have no family for (before each step)."""
+
+    def update_order(self, chunks: list[Chunk]) -> list[Chunk]:
+        """The order in which the step updates ``chunks`` (given in the order their gradients landed)."""
+        return chunks
 
     def begin_step(self) -> None:
         """``step()`` starts updating: every chunk's gradients are final."""
