@@ -1,4 +1,5 @@
-"""The update rule of torchao's 8-bit Adams (``AdamW8bit``, ``Adam8bit``): their moments in chunk families.
+"""The update rule of 8-bit Adams (torchao's ``AdamW8bit``, ``Adam8bit``, ``HybridAdam(state_dtype="8bit")``): their
+moments in chunk families.
 
 A :class:`~chunkmem.ShardedOptimizerV2` over one of them keeps, for each trainable chunk (this rank's shard):
 
@@ -14,7 +15,10 @@ live on the chunk's optimizer tier, move with it and are counted like Adam's. Th
 roundings of torchao's step run eagerly; its ``lr``, ``betas``, ``eps`` and ``weight_decay`` are read from the
 param groups at every step. The state dict is torchao's: per parameter a float ``step`` tensor and ``exp_avg`` /
 ``exp_avg_sq`` as torchao's ``OptimState8bit`` (codes shaped like the parameter, the block scales and the map)
-or as fp32 tensors for the small ones, so a run moves between chunkmem and the plain optimizer both ways.
+or as fp32 tensors for the small ones, so a run moves between chunkmem and the plain optimizer both ways. A
+:class:`~chunkmem.HybridAdam` with ``state_dtype="8bit"`` runs the same rule, its param groups' ``adamw_mode``
+choosing the weight decay, and its state dict holds plain tensors instead (:mod:`chunkmem.optim.low_bit_param`):
+no torchao needed.
 
 **16-bit masters.** With ``bf16_stochastic_round=True`` on a bf16 model the parameters are their own masters,
 as in torchao: no fp32 master family (2 bytes a parameter instead of 6), each step's result rounded to bf16
@@ -37,6 +41,8 @@ from torch.optim import Optimizer
 from ..core.chunk import MASTER, Chunk, ParamSlot
 from ..errors import InvalidArgumentError, UnsupportedOperationError
 from ..runtime.runtime import ChunkRuntime
+from . import low_bit_param
+from .adam import HybridAdam
 from .blockwise import BLOCK_SIZE, dynamic_map, quantizes
 from .disk_step import gaps
 from .low_bit_adam import LowBitHyper, Moments, Segment, draw_random, update_segments_
@@ -54,8 +60,11 @@ _STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 def low_bit_decoupled(optimizer: Any) -> bool | None:
-    """``True`` for torchao's ``AdamW8bit``, ``False`` for its ``Adam8bit``, ``None`` for any other optimizer
-    (recognised by class, without importing torchao)."""
+    """``True`` for torchao's ``AdamW8bit``, ``False`` for its ``Adam8bit`` (recognised by class, without importing
+    torchao), a :class:`~chunkmem.HybridAdam` with ``state_dtype="8bit"``'s default ``adamw_mode`` (each param
+    group may set its own), ``None`` for any other optimizer."""
+    if isinstance(optimizer, HybridAdam):
+        return bool(optimizer.defaults["adamw_mode"]) if optimizer.quantized_state else None
     cls = type(optimizer)
     if cls.__module__.startswith("torchao.optim") and cls.__name__ in _DECOUPLED:
         return _DECOUPLED[cls.__name__]
@@ -123,14 +132,19 @@ class LowBitAdamRule(UpdateRule):
     """torchao's 8-bit Adam over the chunks (module docstring).
 
     Args:
-        decoupled: AdamW's weight decay (``AdamW8bit``), else Adam's L2 term (``Adam8bit``).
+        decoupled: AdamW's weight decay (``AdamW8bit``), else Adam's L2 term (``Adam8bit``); a param group's
+            ``adamw_mode`` (HybridAdam) overrides it.
+        stochastic_round: bf16 parameters are their own masters (module docstring).
+        plain_state: the state dict holds :mod:`chunkmem.optim.low_bit_param`'s plain tensors
+            (``HybridAdam(state_dtype="8bit")``), not torchao's ``OptimState8bit``.
     """
 
     def __init__(self, optimizer: Optimizer, runtime: ChunkRuntime, group_of: dict[int, int], decoupled: bool,
-                 stochastic_round: bool = False) -> None:
+                 stochastic_round: bool = False, plain_state: bool = False) -> None:
         super().__init__(optimizer, runtime, group_of)
         self.decoupled = decoupled
         self.stochastic_round = stochastic_round
+        self.plain_state = plain_state
         self._pieces: dict[int, dict[int, StatePiece]] = {}  # chunk index -> slot index -> its piece
 
     @property
@@ -165,16 +179,10 @@ class LowBitAdamRule(UpdateRule):
         torchao's step draws them (its param groups listing the parameters in the model's order)."""
         return sorted(chunks, key=lambda chunk: chunk.index) if self.stochastic_round else chunks
 
-    def _hyper(self, group: int) -> LowBitHyper:
-        g = self.optimizer.param_groups[group]
-        beta1, beta2 = g["betas"]
-        return LowBitHyper(float(g["lr"]), float(beta1), float(beta2), float(g["eps"]), float(g["weight_decay"]),
-                           self.decoupled)
-
     def segments(self, chunk: Chunk) -> list[Segment]:
         """The stepped parameters' pieces of ``chunk`` with their hyper-parameters and step numbers after this step."""
         pieces = self._pieces[chunk.index]
-        hyper = [self._hyper(index) for index in range(len(self.optimizer.param_groups))]
+        hyper = [LowBitHyper.of_group(group, self.decoupled) for group in self.optimizer.param_groups]
         segments = []
         for slot, group, part in self.stepped_slots(chunk):
             if part is not None:
@@ -207,7 +215,7 @@ class LowBitAdamRule(UpdateRule):
     def _streamed(self, chunk: Chunk, multiplier: float) -> Any:
         raise UnsupportedOperationError("an 8-bit Adam with the disk tier: not supported yet")
 
-    # ---- state dicts: torchao's format -------------------------------------------------------------------
+    # ---- state dicts: torchao's format, or plain tensors (HybridAdam) ------------------------------------
 
     def state_entries(self, chunk: Chunk, index_of: dict[int, int]) -> dict[int, dict[str, Any]]:
         state = self.moments(chunk)
@@ -217,15 +225,23 @@ class LowBitAdamRule(UpdateRule):
             piece = self._pieces[chunk.index].get(slot.index_in_chunk)
             if id(slot.param) in index_of and chunk.step_of(slot) > 0 and piece is not None:
                 entry: dict[str, Any] = {"step": torch.tensor(float(chunk.step_of(slot)), dtype=torch.float32)}
+                if self.plain_state:
+                    entry.update(low_bit_param.exported(state.of(piece), slot.shape))
+                    entries[index_of[id(slot.param)]] = entry
+                    continue
                 for key, held, qmap, signed in zip(_STATE_KEYS, state.of(piece), maps, (True, False)):
                     entry[key] = _torchao_state(held, qmap, signed, slot.shape)
                 entries[index_of[id(slot.param)]] = entry
         return entries
 
     def state_keys(self, slot: ParamSlot) -> tuple[str, ...]:
+        if self.plain_state and quantizes(slot.numel):
+            return low_bit_param.CODES + low_bit_param.SCALES
         return _STATE_KEYS
 
     def check_entry(self, index: Any, name: str, entry: Any, slot: ParamSlot) -> int:
+        if self.plain_state:
+            return low_bit_param.check_entry(index, name, entry, slot.numel, tuple(slot.shape))
         if not isinstance(entry, Mapping) or any(key not in entry for key in ("step", *_STATE_KEYS)):
             raise InvalidArgumentError(f"state_dict['state'][{index}] ({name})", type(entry).__name__,
                                        "a dict with 'step', 'exp_avg' and 'exp_avg_sq' (torchao's 8-bit Adam state)")
@@ -255,13 +271,15 @@ class LowBitAdamRule(UpdateRule):
         state = Moments(*families.values())
         for slot, entry in entries:
             piece = self._pieces[chunk.index][slot.index_in_chunk]
-            for key, held in zip(_STATE_KEYS, state.of(piece)):
-                value = entry[key]
+            saved = low_bit_param.moments_of(entry) if self.plain_state else tuple(
+                (entry[key].codes.reshape(-1), entry[key].scale.reshape(-1)) if quantizes(slot.numel)
+                else entry[key].reshape(-1) for key in _STATE_KEYS)
+            for held, value in zip(state.of(piece), saved):
                 if isinstance(held, tuple):
-                    held[0].copy_(value.codes.reshape(-1))
-                    held[1].copy_(value.scale.reshape(-1))
+                    held[0].copy_(value[0])
+                    held[1].copy_(value[1])
                 else:
-                    held.copy_(value.detach().reshape(-1))
+                    held.copy_(value.detach())
         return families
 
     def saved_state(self, chunk: Chunk, save: Callable[[Any], Any]) -> dict[str, Any]:
