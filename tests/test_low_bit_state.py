@@ -277,6 +277,7 @@ def test_what_is_not_supported_yet_is_refused_with_nothing_changed(tmp_path):
         (dict(bf16_stochastic_round=True), dict(dtype=torch.float16), {}, "bf16_stochastic_round"),
         (dict(amsgrad=True), {}, {}, "amsgrad"),
         ({}, {}, dict(step_in_backward=True), "step_in_backward"),
+        (dict(bf16_stochastic_round=True), dict(dtype=torch.bfloat16, reuse_fp16_shard=True), {}, "reuse_fp16_shard"),
         ({}, dict(offload_optimizer="disk", nvme_path=str(tmp_path)), {}, "disk"),
     ]
     for options, model_kwargs, optim_kwargs, word in cases:
@@ -377,3 +378,29 @@ def test_several_ranks_are_refused_on_every_rank_with_nothing_changed():
     from distributed import run_ranks
     for message in run_ranks(_refused_on_two_ranks, 2):
         assert "on several ranks" in message and "not supported yet" in message
+
+
+def test_bf16_masters_hold_4_bytes_a_parameter_and_the_scales_at_rest():
+    """The bytes of ``benchmarks/bytes_per_param.py --state 8bit-bf16``, exactly: a bf16 model under
+    ``AdamW8bit(bf16_stochastic_round=True)``, placement ``cpu``, after ``step`` and ``zero_grad``: per chunk element
+    the bf16 parameter and two codes (4 bytes), per 256 elements of a quantized parameter two fp32 scales (8 bytes),
+    per element of a small parameter two bf16 moments (4 bytes); no master, no gradient."""
+    torch.manual_seed(0)
+    model = cm.ShardedModelV2(TinyGPT(d=64), cm.TensorShardStrategy(), tensor_placement_policy="cpu",
+                              dtype=torch.bfloat16, chunk_size=1 << 16)
+    optim = cm.ShardedOptimizerV2(model, torchao_optim.AdamW8bit(model.parameters(), bf16_stochastic_round=True))
+    for x in batches(2, seed=13):
+        optim.backward(lm_loss(model(x), x))
+        optim.step()
+        optim.zero_grad()
+    chunks = [c for c in model.chunks if c.trainable]
+    assert chunks == model.chunks
+    elements = sum(c.shard_numel for c in chunks)
+    blocks = [sum(s.numel // 256 for s in c.slots if blockwise.quantizes(s.numel)) for c in chunks]
+    small = [sum(s.numel for s in c.slots if not blockwise.quantizes(s.numel)) for c in chunks]
+    scales = sum(4 * max(n, 1) for n in blocks)  # (a buffer holds at least one element)
+    moments = sum(2 * max(n, 1) for n in small)
+    assert model.tier_bytes() == {"device": {}, "host": {
+        "param": 2 * elements, "exp_avg_codes": elements, "exp_avg_sq_codes": elements, "exp_avg_scales": scales,
+        "exp_avg_sq_scales": scales, "exp_avg_fp32": moments, "exp_avg_sq_fp32": moments}}
+    assert sum(model.tier_bytes()["host"].values()) == 4 * elements + 2 * scales + 2 * moments

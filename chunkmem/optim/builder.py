@@ -115,7 +115,8 @@ def choose_update_rule(model: ShardedModelV2, optimizer: Any, group_of: dict[int
     decoupled = low_bit_decoupled(optimizer)
     if decoupled is not None:
         check_low_bit_optimizer(optimizer, dtype=model.dtype, several_ranks=model.data_parallel.world > 1,
-                                disk=model.runtime.memory.disk is not None, step_in_backward=settings.step_in_backward)
+                                disk=model.runtime.memory.disk is not None, step_in_backward=settings.step_in_backward,
+                                reuse_fp16_shard=model.reuse_fp16_shard)
         return LowBitAdamRule(optimizer, model.runtime, group_of, decoupled, stochastic_rounding(optimizer, model.dtype),
                               plain_state=isinstance(optimizer, HybridAdam))
     if runs_adam_kernel(optimizer):

@@ -26,9 +26,9 @@ stochastically with random numbers drawn, per parameter in the model's order, fr
 parameters' device as torchao draws them (so the chunks are updated in the model's order, not as their gradients
 land).
 
-Not yet: several ranks, the disk tier, ``step_in_backward``, ``amsgrad``, another ``block_size`` and
-``bf16_stochastic_round`` over an fp16 model are refused when the optimizer is wrapped
-(:func:`check_low_bit_optimizer`).
+Not yet: several ranks, the disk tier, ``step_in_backward``, ``amsgrad``, another ``block_size``,
+``bf16_stochastic_round`` over an fp16 model or with ``reuse_fp16_shard=True`` are refused when the optimizer is
+wrapped (:func:`check_low_bit_optimizer`).
 """
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def stochastic_rounding(optimizer: Any, dtype: torch.dtype) -> bool:
 
 
 def check_low_bit_optimizer(optimizer: Any, *, dtype: torch.dtype, several_ranks: bool, disk: bool,
-                            step_in_backward: bool) -> None:
+                            step_in_backward: bool, reuse_fp16_shard: bool = False) -> None:
     """Refuse, naming what is asked and what is allowed, an 8-bit Adam with what chunkmem does not run yet."""
     name = type(optimizer).__name__
     if getattr(optimizer, "block_size", BLOCK_SIZE) != BLOCK_SIZE:
@@ -87,6 +87,10 @@ def check_low_bit_optimizer(optimizer: Any, *, dtype: torch.dtype, several_ranks
         raise UnsupportedOperationError(f"{name}(bf16_stochastic_round=True) over an fp16 model: stochastic rounding "
                                         "keeps bf16 parameters as their own masters; use a bf16 model, or "
                                         "bf16_stochastic_round=False (fp32 masters)")
+    if stochastic_rounding(optimizer, dtype) and reuse_fp16_shard:  # the gradients would overwrite the only copy
+        raise UnsupportedOperationError(f"{name}(bf16_stochastic_round=True) with reuse_fp16_shard=True: the bf16 "
+                                        "parameters are their own masters, so their memory cannot hold the gradients; "
+                                        "use reuse_fp16_shard=False")
     for index, group in enumerate(optimizer.param_groups):
         if group.get("amsgrad"):
             raise InvalidArgumentError(f"optimizer.param_groups[{index}]['amsgrad']", True, "False")
