@@ -11,7 +11,8 @@ import torch
 
 import chunkmem as cm
 from chunkmem.optim.low_bit_param import CODES, PLAIN, SCALES
-from models import TinyGPT, batches, lm_loss
+from models import TinyGPT, batches, lm_loss, train
+from torchao_reference import eager_step
 
 
 def _train_alone(reference, data, **options):
@@ -29,13 +30,6 @@ def _wrapped(reference, placement="cpu", **options):
     model = cm.ShardedModelV2(module, cm.TensorShardStrategy(), tensor_placement_policy=placement,
                               dtype=torch.float32, chunk_size=1 << 17)
     return model, cm.ShardedOptimizerV2(model, cm.HybridAdam(module.parameters(), state_dtype="8bit", **options))
-
-
-def _train(model, optim, data):
-    for x in data:
-        optim.backward(lm_loss(model(x), x))
-        optim.step()
-        optim.zero_grad()
 
 
 def _same_params(state, module):
@@ -58,22 +52,11 @@ def _same_state(ours, theirs):
 def _torchao_eager(reference, data, adamw, **options):
     """torchao's AdamW8bit / Adam8bit with its per-parameter update run eagerly (see test_low_bit_state.py)."""
     torchao_optim = pytest.importorskip("torchao.optim")
-    from torchao.optim.adam import single_param_adam
-
     module = copy.deepcopy(reference)
     optimizer = (torchao_optim.AdamW8bit if adamw else torchao_optim.Adam8bit)(module.parameters(), **options)
     for x in data:
         lm_loss(module(x), x).backward()
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                state = optimizer.state[p]
-                if not state:
-                    state.update(step=torch.tensor(0.0), exp_avg=optimizer._new_buffer(p, True),
-                                 exp_avg_sq=optimizer._new_buffer(p, False))
-                state["step"] += 1
-                with torch.no_grad():
-                    single_param_adam(p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"], None,
-                                      group["lr"], *group["betas"], group["weight_decay"], group["eps"], adamw, False)
+        eager_step(optimizer)
         optimizer.zero_grad()
     return module, optimizer
 
@@ -115,7 +98,7 @@ def test_wrapped_equals_torchaos_eager_step_bit_for_bit(adamw_mode, placement):
     data = batches(3, seed=22)
     theirs, their_optim = _torchao_eager(reference, data, adamw_mode, lr=1e-2, weight_decay=0.05)
     model, optim = _wrapped(reference, placement, lr=1e-2, weight_decay=0.05, adamw_mode=adamw_mode)
-    _train(model, optim, data)
+    train(model, optim, data)
     _same_params(model.state_dict(), theirs)
     _same_as_torchaos(optim.state_dict(), their_optim.state_dict())
 
@@ -129,7 +112,7 @@ def test_wrapped_equals_alone_and_keeps_the_same_state_dict():
     data = batches(3, seed=23)
     alone, alone_optim = _train_alone(reference, data, lr=1e-2, weight_decay=0.01)
     model, optim = _wrapped(reference, lr=1e-2, weight_decay=0.01)
-    _train(model, optim, data)
+    train(model, optim, data)
     _same_params(model.state_dict(), alone)
     ours = optim.state_dict()
     _same_state(ours, alone_optim.state_dict())
@@ -147,12 +130,12 @@ def test_the_state_dict_moves_both_ways_between_alone_and_wrapped():
     start, start_optim = _train_alone(reference, first, lr=1e-2)
     model, optim = _wrapped(start, lr=1e-2)
     optim.load_state_dict(start_optim.state_dict())
-    _train(model, optim, then)
+    train(model, optim, then)
     _same_params(model.state_dict(), whole)
     _same_state(optim.state_dict(), whole_optim.state_dict())
     # wrapped for two steps, then alone from its state dict (a round trip through torch.save)
     model, optim = _wrapped(reference, lr=1e-2)
-    _train(model, optim, first)
+    train(model, optim, first)
     moved = copy.deepcopy(reference)
     moved.load_state_dict(model.state_dict())
     moved_optim = cm.HybridAdam(moved.parameters(), lr=1e-2, state_dtype="8bit")
@@ -173,12 +156,12 @@ def test_a_checkpoint_resumes_bit_for_bit(tmp_path):
     reference = TinyGPT(d=64)
     first, then = batches(2, seed=26), batches(2, seed=27)
     model, optim = _wrapped(reference, lr=1e-2, adamw_mode=False, weight_decay=0.01)
-    _train(model, optim, first)
+    train(model, optim, first)
     cm.save_checkpoint(tmp_path / "ckpt", model, optim)
-    _train(model, optim, then)
+    train(model, optim, then)
     resumed, resumed_optim = _wrapped(TinyGPT(d=64), lr=1e-2, adamw_mode=False, weight_decay=0.01)
     cm.load_checkpoint(tmp_path / "ckpt", resumed, resumed_optim)
-    _train(resumed, resumed_optim, then)
+    train(resumed, resumed_optim, then)
     for key, value in model.state_dict().items():
         assert torch.equal(resumed.state_dict()[key], value), key
     _same_state(resumed_optim.state_dict(), optim.state_dict())

@@ -13,32 +13,13 @@ import chunkmem as cm
 from chunkmem.optim import blockwise, low_bit_adam
 from chunkmem.optim.low_bit_rule import LOW_BIT_FAMILIES
 from models import TinyGPT, batches, lm_loss
+from torchao_reference import eager_step as _eager_step
 
 torchao_optim = pytest.importorskip("torchao.optim")
 from torchao.optim import quant_utils  # noqa: E402
-from torchao.optim.adam import single_param_adam  # noqa: E402
 from torchao.optim.subclass_8bit import OptimState8bit  # noqa: E402
 
 CLASSES = {"adamw8bit": torchao_optim.AdamW8bit, "adam8bit": torchao_optim.Adam8bit}
-
-
-def _eager_step(optimizer) -> None:
-    """torchao's step with its per-parameter update run eagerly (its own function, not compiled): the reference
-    formulation chunkmem reproduces bit for bit."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = optimizer.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = optimizer._new_buffer(p, True)
-                state["exp_avg_sq"] = optimizer._new_buffer(p, False)
-            state["step"] += 1
-            with torch.no_grad():
-                single_param_adam(p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"], None,
-                                  group["lr"], *group["betas"], group["weight_decay"], group["eps"],
-                                  optimizer.is_adamw, False)
 
 
 def _plain(reference, make, data, step=_eager_step):
@@ -318,18 +299,6 @@ def test_bf16_parameters_as_their_own_masters_round_stochastically_as_torchao_do
     data = batches(3, seed=12)
     make = lambda p: torchao_optim.AdamW8bit(p, lr=1e-2, bf16_stochastic_round=True)  # noqa: E731
 
-    def eager_sr_step(optimizer):
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                state = optimizer.state[p]
-                if not state:
-                    state.update(step=torch.tensor(0.0), exp_avg=optimizer._new_buffer(p, True),
-                                 exp_avg_sq=optimizer._new_buffer(p, False))
-                state["step"] += 1
-                with torch.no_grad():
-                    single_param_adam(p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"], None,
-                                      group["lr"], *group["betas"], group["weight_decay"], group["eps"], True, True)
-
     plain = copy.deepcopy(reference)
     plain_optim = make(plain.parameters())
     module = copy.deepcopy(reference)
@@ -339,7 +308,7 @@ def test_bf16_parameters_as_their_own_masters_round_stochastically_as_torchao_do
     for n, x in enumerate(data):
         lm_loss(plain(x), x).backward()
         torch.manual_seed(100 + n)
-        eager_sr_step(plain_optim)
+        _eager_step(plain_optim, stochastic_round=True)
         plain_optim.zero_grad()
         optim.backward(lm_loss(model(x), x))
         torch.manual_seed(100 + n)
