@@ -2,14 +2,15 @@
 reads to update whole chunks."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.nn as nn
 from torch.optim import Optimizer
 
-from .adam_kernels import adam_update_
 from . import low_bit_param
+from .adam_kernels import adam_update_
 from .adam_math import AdamHyper, fused_device_adam_
 from .low_bit_adam import LowBitHyper
 from ..errors import ArgumentTypeError, InvalidArgumentError, check_choice, check_number, check_type
@@ -77,6 +78,7 @@ class HybridAdam(Optimizer):
         refused) and keeps its dtypes (torch would cast the codes and scales to the parameter's dtype)."""
         if not self.quantized_state:
             return super().load_state_dict(state_dict)
+        check_type("state_dict", state_dict, Mapping, "an optimizer state dict with 'state' and 'param_groups'")
         params = [p for group in self.param_groups for p in group["params"]]
         saved = [i for group in state_dict.get("param_groups", ()) for i in group.get("params", ())]
         if len(saved) != len(params):
@@ -105,10 +107,10 @@ class HybridAdam(Optimizer):
                 loss = closure()
         for group in self.param_groups:
             if self.quantized_state:
-                hyper_8bit = LowBitHyper.of_group(group, decoupled=True)
+                low_bit_hyper = LowBitHyper.of_group(group, group["adamw_mode"])
                 for p in group["params"]:
                     if p.grad is not None:
-                        low_bit_param.update_parameter_(p, p.grad, self.state[p] or self._new_state(p), hyper_8bit)
+                        low_bit_param.update_parameter_(p, p.grad, self.state[p] or self._new_state(p), low_bit_hyper)
                 continue
             hyper = hyper_of_group(group)
             device_batch: tuple[list, list, list, list, list] = ([], [], [], [], [])
@@ -179,8 +181,7 @@ step; LowLevelZeroOptimizer and a state dict loaded into a kernel-run Adam refus
 
 def runs_adam_kernel(optimizer: Any) -> bool:
     """Whether ``optimizer``'s update is chunkmem's Adam kernel: a :class:`HybridAdam` / ``CPUAdam`` with fp32
-    state, or
-    ``torch.optim.Adam`` / ``AdamW`` with plain options (no ``amsgrad``, ``maximize``, ``capturable``,
+    state, or ``torch.optim.Adam`` / ``AdamW`` with plain options (no ``amsgrad``, ``maximize``, ``capturable``,
     ``differentiable``, a float ``lr``)."""
     if isinstance(optimizer, HybridAdam):
         return not optimizer.quantized_state

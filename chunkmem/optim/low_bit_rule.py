@@ -231,10 +231,9 @@ class LowBitAdamRule(UpdateRule):
                 entry: dict[str, Any] = {"step": torch.tensor(float(chunk.step_of(slot)), dtype=torch.float32)}
                 if self.plain_state:
                     entry.update(low_bit_param.exported(state.of(piece), slot.shape))
-                    entries[index_of[id(slot.param)]] = entry
-                    continue
-                for key, held, qmap, signed in zip(_STATE_KEYS, state.of(piece), maps, (True, False)):
-                    entry[key] = _torchao_state(held, qmap, signed, slot.shape)
+                else:
+                    for key, held, qmap, signed in zip(_STATE_KEYS, state.of(piece), maps, (True, False)):
+                        entry[key] = _torchao_state(held, qmap, signed, slot.shape)
                 entries[index_of[id(slot.param)]] = entry
         return entries
 
