@@ -11,7 +11,7 @@ from torch.optim import Optimizer
 
 from . import low_bit_param
 from .adam_kernels import adam_update_
-from .adam_math import AdamHyper, fused_device_adam_
+from .adam_math import UNSUPPORTED_OPTIONS, fused_device_adam_, hyper_of_group
 from .low_bit_adam import LowBitHyper
 from ..errors import ArgumentTypeError, InvalidArgumentError, check_choice, check_number, check_type
 from ..state_dicts import first_few
@@ -163,20 +163,6 @@ def check_betas(betas: Any) -> None:
         raise ArgumentTypeError("betas", betas, allowed)
     if not all(0.0 <= b < 1.0 for b in betas):
         raise InvalidArgumentError("betas", betas, allowed)
-
-
-def hyper_of_group(group: dict[str, Any]) -> AdamHyper:
-    """The Adam hyper-parameters of one param group of a HybridAdam, torch Adam or torch AdamW."""
-    beta1, beta2 = group["betas"]
-    adamw_mode = group.get("adamw_mode", group.get("decoupled_weight_decay", False))
-    return AdamHyper(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                     weight_decay=float(group["weight_decay"]), adamw_mode=bool(adamw_mode),
-                     bias_correction=bool(group.get("bias_correction", True)))
-
-
-UNSUPPORTED_OPTIONS = ("amsgrad", "maximize", "capturable", "differentiable")
-"""torch Adam options chunkmem's Adam kernel does not run (ShardedOptimizerV2 runs such an Adam by its own
-step; LowLevelZeroOptimizer and a state dict loaded into a kernel-run Adam refuse them)."""
 
 
 def runs_adam_kernel(optimizer: Any) -> bool:

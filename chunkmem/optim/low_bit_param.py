@@ -23,6 +23,7 @@ from ..errors import InvalidArgumentError, check_type
 from ..state_dicts import check_tensor_data
 from .blockwise import BLOCK_SIZE, quantizes
 from .low_bit_adam import LowBitHyper, Moments, Segment, update_segments_
+from .state_dict import check_entry as check_step_entry
 
 CODES = ("exp_avg_codes", "exp_avg_sq_codes")
 SCALES = ("exp_avg_scales", "exp_avg_sq_scales")
@@ -97,8 +98,6 @@ def check_entry(index: Any, name: str, entry: Any, numel: int, shape: tuple[int,
     """The step count of a saved entry of a parameter of ``numel`` elements and ``shape``, after checking it holds
     the module docstring's keys, dtypes and sizes (raises :class:`~chunkmem.InvalidArgumentError` naming ``index``
     and ``name``)."""
-    from .state_dict import check_entry as check_step_entry  # (state_dict imports adam, which imports this)
-
     where = f"state_dict['state'][{index!r}] (parameter {name!r})"
     parameter = _Shape(numel, tuple(shape))
     if not quantizes(numel):

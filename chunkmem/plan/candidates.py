@@ -214,8 +214,7 @@ def choose(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: 
     disk_capacity = None if disk_memory is None else parse_size(disk_memory, "disk_memory")
     _check_choose_arguments(dtype, chunk_size, ranks, profile, static_fractions, reuse_fp16_shard,
                             gradient_accumulation_steps, grad_accum_dtype, buffer_count, buffer_size, atomic_step,
-                            nvme_path, policies, measure_operators)
-    _check_optimizer_states(optimizer_states, ranks)
+                            nvme_path, policies, measure_operators, optimizer_states)
     args = _meta_inputs(model_or_builder, sample_batch, loss_fn)
     template = _meta_model(model_or_builder)
     profile, compute_seconds = _profile_and_compute(template, args, loss_fn, dtype, profile, measure_operators,
@@ -224,9 +223,9 @@ def choose(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: 
         ((False,) if dtype == torch.float32 or gradient_accumulation_steps > 1 else (False, True))
     shared = _Shared(_DiskSettings(buffer_count, buffer_size, atomic_step), dtype, chunk_size, ranks, host_capacity,
                      disk_capacity, profile, compute_seconds, grad_accum_dtype)
+    bases = _placements(policies, static_fractions)
     candidates = _plan_candidates(template, args, loss_fn, device_capacity, gradient_accumulation_steps,
-                                  reuse_options, _placements(policies, static_fractions), tuple(optimizer_states),
-                                  shared)
+                                  reuse_options, bases, tuple(optimizer_states), shared)
     timed = [c for c in candidates if c.fits and c.time is not None]
     recommended = min(timed, key=lambda c: c.time.total) if timed else None
     if recommended is not None:
@@ -278,7 +277,8 @@ def _plan_candidates(template: nn.Module, args: Any, loss_fn: Any, device_capaci
 def _check_choose_arguments(dtype: torch.dtype, chunk_size: int | None, ranks: int, profile: Any,
                             static_fractions: Any, reuse_fp16_shard: Any, gradient_accumulation_steps: int,
                             grad_accum_dtype: torch.dtype | None, buffer_count: int, buffer_size: int,
-                            atomic_step: bool, nvme_path: Any, policies: Any, measure_operators: Any) -> None:
+                            atomic_step: bool, nvme_path: Any, policies: Any, measure_operators: Any,
+                            optimizer_states: Any = ("fp32",)) -> None:
     """:func:`choose`'s checks of its arguments (the budgets are parsed by :func:`choose`), before anything runs."""
     check_dtype("dtype", dtype)
     check_chunk_size(chunk_size, dtype)
@@ -307,6 +307,7 @@ def _check_choose_arguments(dtype: torch.dtype, chunk_size: int | None, ranks: i
         check_choice("policies", name, ("cuda", "cpu", "auto", "static"))
     if measure_operators is not None and not isinstance(measure_operators, bool):
         raise ArgumentTypeError("measure_operators", measure_operators, "None, True or False")
+    _check_optimizer_states(optimizer_states, ranks)
     if dist.is_available() and dist.is_initialized() and (ranks > 1 or dist.get_world_size() > 1):
         raise UnsupportedOperationError("chunkmem.choose plans from one process (ranks= says how many it plans "
                                         "for); call it before init_process_group (or in a process without one)")
