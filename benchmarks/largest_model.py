@@ -102,8 +102,9 @@ from _gpt import (GPT, GPTConfig, chunk_layout, count_params, gib, machine_heade
 
 MIN_PARAMS = 1_500_000_000
 MIN_PARAMS_4B = 4_000_000_000
+MIN_PARAMS_10B = 10_000_000_000
 MAX_STEP_SECONDS_4B = 180.0
-STATE_BYTES = 12  # fp32 master + exp_avg + exp_avg_sq per chunk element
+MAX_PEAK_BYTES_PER_PARAM_10B = 1.0
 SLACK_BYTES = 128 * 2**20
 DRY_RUN_LAYERS = 2
 DISK_BUFFER_SIZE = 16 * 2**20  # bytes per disk I/O buffer (the default)
@@ -117,29 +118,47 @@ def layers_for(min_params: int, d_model: int, vocab: int, seq: int, heads: int) 
     return layers
 
 
+def state_families(optimizer: str, rounding: bool) -> tuple[list[int], float]:
+    """The optimizer state of one chunk element: the bytes of each family the disk tier streams (the fp32 master
+    first, where there is one), and the bytes that stay in host memory beside the disk (the 8-bit Adam's block
+    scales: 8 bytes per 256 elements)."""
+    if optimizer == "hybridadam":
+        return [4, 4, 4], 0.0  # fp32 master, exp_avg, exp_avg_sq
+    return ([] if rounding else [4]) + [1, 1], 8 / 256  # (master,) exp_avg_codes, exp_avg_sq_codes; scales
+
+
 def estimate(cfg: GPTConfig, batch: int, placement: str, capacity: int, element_size: int,
              baseline_rss: int, disk: dict | None = None, host_capacity: int | None = None,
-             chunk_size: int | None = None, step_in_backward: bool = False) -> dict:
+             chunk_size: int | None = None, step_in_backward: bool = False, optimizer: str = "hybridadam",
+             rounding: bool = False) -> dict:
     """Peak host memory of the run, in bytes, by parts (see the module docstring), and the bytes of the
     disk tier's files (``disk``: ``offload_param``, ``atomic_step``, ``buffer_count``, ``buffer_size``).
     With the parameters on disk the 16-bit bytes on the host are their gradients: all of them after the
-    backward, or a few chunks' with ``step_in_backward`` in place (each freed once its update is computed)."""
+    backward, or a few chunks' with ``step_in_backward`` in place (each freed once its update is computed).
+    ``optimizer`` and ``rounding``: the state's families (:func:`state_families`); the 8-bit Adam's streamed
+    update takes each chunk whole, so its I/O buffers hold a chunk of the widest family streamed."""
     chunk_numel, n_chunks, padding = chunk_layout(cfg, element_size, chunk_size)
     chunk_param_bytes = chunk_numel * element_size
     elements = n_chunks * chunk_numel
-    params, state, io, disk_bytes = elements * element_size, elements * STATE_BYTES, 0, 0
+    streamed, beside = state_families(optimizer, rounding)
+    state_per_element = sum(streamed) + beside
+    params, state, io, disk_bytes = elements * element_size, int(elements * state_per_element), 0, 0
     if disk is not None:
         slots = 2 if disk["atomic_step"] else 1
-        families = 3 + disk["offload_param"]
-        io = (disk["buffer_count"] * families + 2) * disk["buffer_size"]  # + the in-line and fetch buffers
+        families = len(streamed) + disk["offload_param"]
+        buffer_size = disk["buffer_size"]
+        if optimizer != "hybridadam":  # whole chunks
+            widest = max(streamed + [element_size if disk["offload_param"] else 0])
+            buffer_size = max(buffer_size, aligned_nbytes(widest * chunk_numel))
+        io = disk["buffer_count"] * families * buffer_size + 2 * disk["buffer_size"]  # + the in-line and fetch buffers
         if disk["offload_param"] and step_in_backward and not disk["atomic_step"]:
             params = min(n_chunks, GRADIENTS_AHEAD_OF_THE_DISK_STEP + 2) * chunk_param_bytes
         host_state = 0
         if placement == "auto" and host_capacity is not None:  # what fits the host capacity stays there
             host_state = max(0, min(state, host_capacity - params - io))
-        state = host_state
-        on_disk = n_chunks - host_state // (chunk_numel * STATE_BYTES)  # the files hold only their regions
-        disk_bytes = on_disk * slots * 3 * aligned_nbytes(chunk_numel * 4)
+        on_disk = n_chunks - int(host_state // (chunk_numel * state_per_element))  # files: only their regions
+        state = host_state + int(on_disk * chunk_numel * beside)
+        disk_bytes = on_disk * slots * sum(aligned_nbytes(chunk_numel * width) for width in streamed)
         if disk["offload_param"]:  # 16-bit parameters in files; gradients in their own host buffers
             disk_bytes += n_chunks * slots * aligned_nbytes(chunk_param_bytes)
     chunks = params + state + io
@@ -268,6 +287,16 @@ def main() -> int:
     parser.add_argument("--target-4b", action="store_true",
                         help="the issue-11 target: >= 4B parameters (d_model 4096, 32 heads, bf16 unless given), "
                              "optimizer state on disk (--nvme-path), every step <= --max-step-seconds")
+    parser.add_argument("--target-10b", action="store_true",
+                        help="issue 40's target: >= 10B parameters as --target-4b, with torchao's AdamW8bit and bf16 "
+                             "masters rounded stochastically (--optimizer adamw8bit --stochastic-round), parameters "
+                             f"and state on disk, every step <= {MAX_STEP_SECONDS_4B:g} s and a peak RSS <= "
+                             f"{MAX_PEAK_BYTES_PER_PARAM_10B} B/param")
+    parser.add_argument("--optimizer", choices=("hybridadam", "adamw8bit"), default="hybridadam",
+                        help="HybridAdam (fp32 moments; default) or torchao's AdamW8bit (8-bit moments in the chunks)")
+    parser.add_argument("--stochastic-round", action="store_true",
+                        help="with --optimizer adamw8bit and bf16: bf16_stochastic_round=True (the parameters are "
+                             "their own masters: no fp32 master)")
     parser.add_argument("--max-step-seconds", type=float, default=None,
                         help=f"a step's time limit (default: none; {MAX_STEP_SECONDS_4B:g} with --target-4b)")
     parser.add_argument("--nvme-path", default=None,
@@ -292,6 +321,10 @@ def main() -> int:
     parser.add_argument("--compare-to", default=None,
                         help="a --results file of another run: exit 1 unless the losses and checksum are bitwise equal")
     args = parser.parse_args()
+    if args.target_10b:
+        args.target_4b, args.optimizer, args.stochastic_round = True, "adamw8bit", True
+    if args.stochastic_round and args.optimizer != "adamw8bit":
+        parser.error("--stochastic-round needs --optimizer adamw8bit")
     if args.target_4b and args.nvme_path is None:
         parser.error("--target-4b needs --nvme-path (the optimizer state of >= 4B parameters does not fit in memory)")
     if args.offload_param and args.nvme_path is None:
@@ -307,7 +340,7 @@ def main() -> int:
     if args.tiny:
         args.vocab, args.d_model, args.heads, args.seq, args.layers = 512, 64, 4, 16, 2
         args.dry_run_small, chunk_size, args.buffer_size = False, 131072, 65536
-    min_params = MIN_PARAMS_4B if args.target_4b else MIN_PARAMS
+    min_params = MIN_PARAMS_10B if args.target_10b else MIN_PARAMS_4B if args.target_4b else MIN_PARAMS
     max_step = args.max_step_seconds if args.max_step_seconds is not None else (
         MAX_STEP_SECONDS_4B if args.target_4b else None)
     disk = None if args.nvme_path is None else dict(
@@ -320,6 +353,11 @@ def main() -> int:
     available_at_start = psutil.virtual_memory().available
     dtype = DTYPES[args.dtype]
     element_size = dtype.itemsize
+    if args.stochastic_round and dtype != torch.bfloat16:
+        parser.error("--stochastic-round needs --dtype bf16")
+    state = dict(optimizer=args.optimizer, rounding=args.stochastic_round)
+    optimizer_name = ("torchao AdamW8bit" + (" (bf16_stochastic_round)" if args.stochastic_round else "")
+                      if args.optimizer == "adamw8bit" else "HybridAdam")
     capacity = cm.parse_size(args.device_memory, "--device-memory")
 
     full_layers = args.layers or layers_for(min_params, args.d_model, args.vocab, args.seq, args.heads)
@@ -336,7 +374,7 @@ def main() -> int:
               f"{args.d_model}, vocab {args.vocab} ({full_layers - 1} layers: "
               f"{count_params(GPTConfig(args.vocab, args.d_model, full_layers - 1, args.heads, args.seq)) / 1e9:.4f}B)")
     print(f"training: batch {args.batch} x {args.seq} tokens, {args.steps} step(s), placement '{args.placement}', "
-          f"device tier capacity {gib(capacity)}, reuse_fp16_shard={not args.offload_param}, HybridAdam (lr 1e-4)")
+          f"device tier capacity {gib(capacity)}, reuse_fp16_shard={not args.offload_param}, {optimizer_name} (lr 1e-4)")
     if disk is not None:
         print(f"disk tier: nvme_path {args.nvme_path}, offload_optimizer='disk'"
               + (", offload_param='disk'" if args.offload_param else "")
@@ -366,13 +404,13 @@ def main() -> int:
         print(f"host Adam kernel unavailable ({host_adam_ext.load_error()}): the torch-op path runs the update")
     baseline = rss_bytes()
     est = estimate(cfg, args.batch, args.placement, capacity, element_size, baseline, disk, host_capacity,
-                   chunk_size, args.step_in_backward)
+                   chunk_size, args.step_in_backward, **state)
     available = psutil.virtual_memory().available
     disk_free = None if disk is None else shutil.disk_usage(args.nvme_path).free
     print_estimate(est, cfg, n_params, available, "this run", disk_free)
     if args.dry_run_small:
         full_est = estimate(full_cfg, args.batch, args.placement, capacity, element_size, baseline, disk,
-                            host_capacity, step_in_backward=args.step_in_backward)
+                            host_capacity, step_in_backward=args.step_in_backward, **state)
         print_estimate(full_est, full_cfg, full_params, available, "the full configuration", disk_free)
     sys.stdout.flush()
     if disk is not None and est["disk"] > disk_free:
@@ -410,8 +448,13 @@ def main() -> int:
     model = cm.ShardedModelV2(net, cm.TensorShardStrategy(), tensor_placement_policy=args.placement,
                               reuse_fp16_shard=not args.offload_param, chunk_size=chunk_size, **disk_kwargs)
     ledger = model.runtime.ledger
-    optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-4), initial_scale=2**16,
-                                  step_in_backward=args.step_in_backward, max_norm=args.max_norm)
+    if args.optimizer == "adamw8bit":
+        from torchao.optim import AdamW8bit
+        inner = AdamW8bit(model.parameters(), lr=1e-4, bf16_stochastic_round=args.stochastic_round)
+    else:
+        inner = cm.HybridAdam(model.parameters(), lr=1e-4)
+    optim = cm.ShardedOptimizerV2(model, inner, initial_scale=2**16, step_in_backward=args.step_in_backward,
+                                  max_norm=args.max_norm)
     gc.collect()  # the ZeroInitContext chunks the wrap did not free (see bytes_per_param.py)
     build_s = time.perf_counter() - t0
     assert sum(p.numel() for p in model.parameters()) == n_params, "parameter count formula is off"
@@ -527,7 +570,9 @@ def main() -> int:
               + (f" --dtype {args.dtype}" if args.dtype != "fp16" else "")
               + (f" --vocab {args.vocab}" if args.vocab != 16384 else "")
               + (f" --d-model {args.d_model}" if args.d_model != d_default else "")
-              + (" --target-4b" if args.target_4b else "")
+              + (" --target-10b" if args.target_10b else " --target-4b" if args.target_4b else "")
+              + (f" --optimizer {args.optimizer}" if args.optimizer != "hybridadam" and not args.target_10b else "")
+              + (" --stochastic-round" if args.stochastic_round and not args.target_10b else "")
               + (f" --seq {args.seq}" if args.seq != 64 else "")
               + (f" --matmul {args.matmul}" if args.matmul != ("fp32" if args.target_4b else "native") else "")
               + (f" --nvme-path {args.nvme_path}" if args.nvme_path else "")
@@ -546,13 +591,17 @@ def main() -> int:
 
     slowest = max(st["total"] for st in steps)
     fast = max_step is None or slowest <= max_step
-    ok = n_params >= min_params and len(steps) == args.steps and all(st["loss"] == st["loss"] for st in steps) and fast
+    small = not args.target_10b or peak / n_params <= MAX_PEAK_BYTES_PER_PARAM_10B
+    ok = (n_params >= min_params and len(steps) == args.steps and all(st["loss"] == st["loss"] for st in steps)
+          and fast and small)
     print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")
     print(f"{'PASS' if ok else 'MISS'}  trained a {n_params / 1e9:.4f}B-parameter GPT for {len(steps)} step(s) "
           f"({sum(st['updated'] for st in steps)} updated) with a {gib(capacity)} device tier"
           + ("" if disk is None else f" and the optimizer state{' and parameters' if args.offload_param else ''} on disk")
           + f", slowest step {slowest:.1f} s (target >= {min_params / 1e9:.1f}B"
-          + ("" if max_step is None else f", a step <= {max_step:g} s") + ")")
+          + ("" if max_step is None else f", a step <= {max_step:g} s")
+          + (f"; peak RSS {peak / n_params:.3f} B/param, target <= {MAX_PEAK_BYTES_PER_PARAM_10B}"
+             if args.target_10b else "") + ")")
     if not same:
         return 1
     return 0 if ok or args.no_fail else 1

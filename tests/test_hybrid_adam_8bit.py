@@ -25,11 +25,12 @@ def _train_alone(reference, data, **options):
     return module, optimizer
 
 
-def _wrapped(reference, placement="cpu", **options):
+def _wrapped(reference, placement="cpu", model_options=None, step_in_backward=False, **options):
     module = copy.deepcopy(reference)
     model = cm.ShardedModelV2(module, cm.TensorShardStrategy(), tensor_placement_policy=placement,
-                              dtype=torch.float32, chunk_size=1 << 17)
-    return model, cm.ShardedOptimizerV2(model, cm.HybridAdam(module.parameters(), state_dtype="8bit", **options))
+                              dtype=torch.float32, chunk_size=1 << 17, **(model_options or {}))
+    return model, cm.ShardedOptimizerV2(model, cm.HybridAdam(module.parameters(), state_dtype="8bit", **options),
+                                        step_in_backward=step_in_backward)
 
 
 def _same_params(state, module):
@@ -119,6 +120,20 @@ def test_wrapped_equals_alone_and_keeps_the_same_state_dict():
     entry = next(e for e in ours["state"].values() if CODES[0] in e)
     assert entry[CODES[0]].dtype == torch.uint8 and entry[SCALES[0]].dtype == torch.float32
     assert entry[SCALES[0]].numel() * 256 == entry[CODES[0]].numel()
+
+
+@pytest.mark.parametrize("step_in_backward", [False, True])
+def test_on_the_disk_tier_and_in_the_backward_it_equals_alone(tmp_path, step_in_backward):
+    torch.manual_seed(0)
+    reference = TinyGPT(d=64)
+    data = batches(3, seed=28)
+    alone, alone_optim = _train_alone(reference, data, lr=1e-2, weight_decay=0.01)
+    model, optim = _wrapped(reference, model_options=dict(offload_optimizer="disk", nvme_path=str(tmp_path)),
+                            step_in_backward=step_in_backward, lr=1e-2, weight_decay=0.01)
+    train(model, optim, data)
+    assert "exp_avg_codes" in model.tier_bytes()["disk"]
+    _same_params(model.state_dict(), alone)
+    _same_state(optim.state_dict(), alone_optim.state_dict())
 
 
 def test_the_state_dict_moves_both_ways_between_alone_and_wrapped():

@@ -257,9 +257,7 @@ def test_what_is_not_supported_yet_is_refused_with_nothing_changed(tmp_path):
         (dict(block_size=128), {}, {}, "block_size"),
         (dict(bf16_stochastic_round=True), dict(dtype=torch.float16), {}, "bf16_stochastic_round"),
         (dict(amsgrad=True), {}, {}, "amsgrad"),
-        ({}, {}, dict(step_in_backward=True), "step_in_backward"),
         (dict(bf16_stochastic_round=True), dict(dtype=torch.bfloat16, reuse_fp16_shard=True), {}, "reuse_fp16_shard"),
-        ({}, dict(offload_optimizer="disk", nvme_path=str(tmp_path)), {}, "disk"),
     ]
     for options, model_kwargs, optim_kwargs, word in cases:
         model = cm.ShardedModelV2(copy.deepcopy(module), cm.TensorShardStrategy(), tensor_placement_policy="cpu",

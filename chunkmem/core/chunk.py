@@ -703,6 +703,9 @@ class Chunk:
             family: FlatBuffer(family, self.shard_numel, torch.float32, memory, self.name, shards.rank, index)
             for family in OPTIM_FAMILIES}
         self.state_families: tuple[str, ...] = ADAM_STATE  # per-element optimizer state (see use_state_families)
+        # state families that stay in host memory when the chunk's optimizer state rests on disk: small ones not
+        # indexed by element (the 8-bit Adams' block scales), which the streamed step does not read in pieces
+        self.in_memory_families: tuple[str, ...] = ()
         self._buffer_sizes = {self.param.nbytes, *(b.nbytes for b in self.flat_buffers())}  # bytes
         if memory.blocks is not None:
             memory.blocks.use_sizes(self._buffer_sizes)

@@ -169,15 +169,18 @@ class DiskTier:
 
     # ---- I/O buffers ---------------------------------------------------------------------------------
 
-    def buffers(self, families: int) -> AlignedBufferPool:
-        """The pool of aligned buffers for streaming ``families`` families at once (grown if needed; held
-        bytes on the host ledger)."""
+    def buffers(self, families: int, nbytes: int | None = None) -> AlignedBufferPool:
+        """The pool of aligned buffers for streaming ``families`` families at once, each of ``nbytes`` bytes
+        (default and at least ``buffer_size``: a step that streams whole chunks asks for more); grown if needed,
+        held bytes on the host ledger."""
         count = self.buffer_count * families
-        if self._pool is None or self._pool.count < count:
+        nbytes = aligned_nbytes(max(nbytes or 0, self.buffer_size))
+        if self._pool is None or self._pool.count < count or self._pool.buffer_nbytes < nbytes:
+            if self._pool is not None:
+                count, nbytes = max(count, self._pool.count), max(nbytes, self._pool.buffer_nbytes)
             self._release_pool()
-            self.ledger.reserve(Tier.HOST, DISK_IO_FAMILY, count * aligned_nbytes(self.buffer_size),
-                                "the disk tier's I/O buffers")
-            self._pool = AlignedBufferPool(count, self.buffer_size)
+            self.ledger.reserve(Tier.HOST, DISK_IO_FAMILY, count * nbytes, "the disk tier's I/O buffers")
+            self._pool = AlignedBufferPool(count, nbytes)
         return self._pool
 
     def _caller_buffers(self) -> AlignedBufferPool:
@@ -204,7 +207,7 @@ class DiskTier:
 
     def _release_pool(self) -> None:
         if self._pool is not None:
-            self.ledger.release(Tier.HOST, DISK_IO_FAMILY, self._pool.count * aligned_nbytes(self.buffer_size))
+            self.ledger.release(Tier.HOST, DISK_IO_FAMILY, self._pool.count * self._pool.buffer_nbytes)
             self._pool = None
 
     def start_read_all(self, region: DiskRegion, slot: int, out: torch.Tensor) -> "Future[None]":

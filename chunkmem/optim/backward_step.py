@@ -34,7 +34,7 @@ from ..errors import GradientAccumulationError, InvalidArgumentError, Unsupporte
 from ..model.sharded_model import ShardedModelV2
 from ..runtime.runtime import ChunkRuntime
 from ..settings import ModelSettings, OptimizerSettings
-from .disk_step import StreamedStep, streamed_families
+from .disk_step import StreamedStep, stream_shape
 from .host_updates import HostUpdates
 from .mixed_precision import MixedPrecisionStep
 from .speculation import UndoCopies, UndoCopy
@@ -76,17 +76,17 @@ def check_step_in_backward(model_settings: ModelSettings, dtype: torch.dtype, se
             raise InvalidArgumentError("step_in_backward", True, f"False with {needs} and {reason}")
 
 
-def check_undo_room(model: ShardedModelV2, families: tuple[str, ...], settings: OptimizerSettings) -> None:
-    """``step_in_backward`` with the optimizer state in memory (``families`` per element): refuse before any
-    change if the host has no room for one undo copy of it (see :mod:`chunkmem.optim.speculation`) besides the
-    state itself: the host capacity when one is set, else the memory the system has available."""
+def check_undo_room(model: ShardedModelV2, rule: UpdateRule, settings: OptimizerSettings) -> None:
+    """``step_in_backward`` with the optimizer state in memory (``rule``'s families): refuse before any change if
+    the host has no room for one undo copy of it (see :mod:`chunkmem.optim.speculation`) besides the state
+    itself: the host capacity when one is set, else the memory the system has available."""
     if not settings.step_in_backward or model.settings.disk.optimizer_on_disk:
         return
-    layout, ledger = model.layout, model.runtime.ledger
-    per_element = len(families)
-    # the masters (or fp32 parameters) and the per-element state, fp32: the state, and its undo copy
-    state_bytes = undo = sum((per_element + 1) * layout.shard_numel(i, model.shards.world) * 4
-                             for i in range(layout.num_chunks) if layout.trainable(i))
+    ledger = model.runtime.ledger
+    # the masters (or the parameters that are their own) and the rule's state: the state, and its undo copy
+    state_bytes = undo = sum(rule.state_nbytes(chunk) + chunk.shard_numel * (4 if rule.keeps_master(chunk) else
+                                                                            chunk.dtype.itemsize)
+                             for chunk in model.runtime.trainable_chunks())
     if ledger.host_capacity is not None:
         room, what = ledger.host_capacity - ledger.tier_bytes(Tier.HOST) - state_bytes, "the host capacity"
     else:
@@ -210,9 +210,9 @@ class BackwardStep:
         step = self.in_flight
         if step is None:
             disk = self.runtime.memory.disk
-            families = max(streamed_families(c, c.param.shard.on_disk, disk.atomic_step)
-                           for c in self.runtime.trainable_chunks() if self.runtime.optim_tier(c) is Tier.DISK)
-            step = self.in_flight = StreamedStep(disk, self.mixed.any_rank, families)
+            on_disk = [c for c in self.runtime.trainable_chunks() if self.runtime.optim_tier(c) is Tier.DISK]
+            shape = stream_shape(on_disk, self.rule.streams_whole_chunks, disk)
+            step = self.in_flight = StreamedStep(disk, self.mixed.any_rank, shape)
             step.start()
         elif any(update.chunk is chunk for update in step.updates):
             raise GradientAccumulationError(

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
 from ..model.builder import compute_dtype
-from ..core.chunk import MASTER
+from ..core.chunk import MASTER, Chunk
 from ..core.disk_tier import JOURNAL
 from ..core.param_guard import slot_of
 from ..core.tiers import Tier
@@ -95,12 +95,12 @@ def build_parts(model: ShardedModelV2, optimizer: Any, settings: OptimizerSettin
         group_of = _groups_of(model, optimizer)
         rule = choose_update_rule(model, optimizer, group_of, settings)
         check_capacity(model, rule)
-        check_undo_room(model, rule.families, settings)
+        check_undo_room(model, rule, settings)
     except ChunkmemError as refused:
         refuse_together(model.data_parallel, OWNER, refused)
     _agree_on_settings(model, optimizer, settings, group_of)
-    kept_on_host = _optimizer_state_kept_on_host(model, rule.families)
-    _reserve_disk(model, rule.families, kept_on_host)
+    kept_on_host = _optimizer_state_kept_on_host(model, rule)
+    _reserve_disk(model, rule, kept_on_host)
     # The norm sums over the ranks holding one copy of the gradients: the shard group (with shard
     # groups every replica group holds the same reduced shards).
     norm_ranks = dp_shards if model.replicas is None else model.shards
@@ -110,12 +110,12 @@ def build_parts(model: ShardedModelV2, optimizer: Any, settings: OptimizerSettin
 def choose_update_rule(model: ShardedModelV2, optimizer: Any, group_of: dict[int, int],
                        settings: OptimizerSettings) -> UpdateRule:
     """The chunk update rule for ``optimizer``: the Adam kernel where it runs it, the 8-bit one for torchao's 8-bit
-    Adams and ``HybridAdam(state_dtype="8bit")``, else the optimizer's own step (refusing, before anything changes, what chunkmem cannot run: see
+    Adams and ``HybridAdam(state_dtype="8bit")``, else the optimizer's own step (refusing, before anything changes,
+    what chunkmem cannot run: see
     :mod:`chunkmem.optim.any_optimizer` and :mod:`chunkmem.optim.low_bit_rule`)."""
     decoupled = low_bit_decoupled(optimizer)
     if decoupled is not None:
         check_low_bit_optimizer(optimizer, dtype=model.dtype, several_ranks=model.data_parallel.world > 1,
-                                disk=model.runtime.memory.disk is not None, step_in_backward=settings.step_in_backward,
                                 reuse_fp16_shard=model.reuse_fp16_shard)
         return LowBitAdamRule(optimizer, model.runtime, group_of, decoupled, stochastic_rounding(optimizer, model.dtype),
                               plain_state=isinstance(optimizer, HybridAdam))
@@ -181,26 +181,39 @@ def check_capacity(model: ShardedModelV2, rule: UpdateRule) -> None:
             f"tier's capacity of {ledger.capacity} bytes are free; use placement 'cpu' or raise the capacity")
 
 
-def _reserve_disk(model: ShardedModelV2, families: tuple[str, ...], kept_on_host: list[int]) -> None:
+def _reserve_disk(model: ShardedModelV2, rule: UpdateRule, kept_on_host: list[int]) -> None:
     """Preallocate the disk tier's files for the optimizer state: a region for each trainable chunk whose
     state rests on disk, none for frozen chunks, those ``kept_on_host`` and those whose state the policy
-    keeps on the device (a full disk is refused here, before anything changes)."""
+    keeps on the device (a full disk is refused here, before anything changes). A family with one fp32
+    element per element gets a full-size chunk's region; one the rule lays out otherwise (the 8-bit Adams'
+    codes) its own buffer's bytes, except those it keeps in memory (``rule.in_memory_families``)."""
     disk = model.runtime.memory.disk
     if disk is None or not model.settings.disk.optimizer_on_disk:
         return
     layout, policy = model.layout, model.runtime.policy
-    region = layout.chunk_numel // model.shards.world * 4  # fp32, a chunk of the full size
-    trainable = [i for i in range(layout.num_chunks) if layout.trainable(i)]
-    on_disk = {i for k, i in enumerate(trainable)
-               if i not in kept_on_host and not policy.optim_on_device(k, len(trainable))}
-    regions = [region if i in on_disk else 0 for i in range(layout.num_chunks)]
-    for family in families + ((MASTER,) if model.dtype != torch.float32 else ()):
-        disk.reserve_chunks(family, regions)
+    full = layout.chunk_numel // model.shards.world  # elements of a full-size chunk's shard
+    trainable = [c for c in model.chunks if c.trainable]
+    on_disk = {c.index for k, c in enumerate(trainable)
+               if c.index not in kept_on_host and not policy.optim_on_device(k, len(trainable))}
+    by_index = {c.index: c for c in trainable}
+
+    def regions(nbytes_of: Callable[[Chunk], int]) -> list[int]:
+        return [nbytes_of(by_index[i]) if i in on_disk else 0 for i in range(layout.num_chunks)]
+
+    def family_nbytes(chunk: Chunk, family: str) -> int:
+        numel, dtype = rule.family_buffers(chunk)[family]
+        return (full if numel == chunk.shard_numel and dtype == torch.float32 else numel) * dtype.itemsize
+
+    for family in rule.families:
+        if family not in rule.in_memory_families:
+            disk.reserve_chunks(family, regions(lambda chunk, family=family: family_nbytes(chunk, family)))
+    if any(rule.keeps_master(c) for c in trainable):
+        disk.reserve_chunks(MASTER, regions(lambda chunk: full * 4))
     if model.dtype == torch.float32 and disk.atomic_step:
-        disk.reserve_chunks(JOURNAL, regions, slots=1)
+        disk.reserve_chunks(JOURNAL, regions(lambda chunk: full * 4), slots=1)
 
 
-def _optimizer_state_kept_on_host(model: ShardedModelV2, families: tuple[str, ...]) -> list[int]:
+def _optimizer_state_kept_on_host(model: ShardedModelV2, rule: UpdateRule) -> list[int]:
     """Under ``auto`` with ``offload_optimizer="disk"`` and a host capacity: the chunks whose optimizer
     state stays on the host, the first trainable ones that fit in the host capacity after what the
     host already holds, the gradients the step will hold there and the disk tier's I/O buffers; the
@@ -213,10 +226,13 @@ def _optimizer_state_kept_on_host(model: ShardedModelV2, families: tuple[str, ..
         return []
     chunks = runtime.trainable_chunks()
     first = chunks[0]
-    state_bytes = (len(families) + first.has_master) * first.shard_numel * 4
+    keeps_master = rule.keeps_master(first)
+    state_bytes = rule.state_nbytes(first) + keeps_master * first.shard_numel * 4
     grads = len(chunks) * runtime.gradients.grad_bytes(first)
-    streamed = streamed_count(len(families), first.has_master, runtime.policy.params_on_disk, disk.atomic_step)
-    io_bytes = disk.buffer_count * streamed * disk.buffer_size
+    streamed = streamed_count(len(rule.families) - len(rule.in_memory_families), keeps_master,
+                              runtime.policy.params_on_disk, disk.atomic_step)
+    piece_bytes = 4 * first.shard_numel if rule.streams_whole_chunks else disk.buffer_size  # (at most)
+    io_bytes = disk.buffer_count * streamed * max(piece_bytes, disk.buffer_size)
     free = ledger.host_capacity - ledger.tier_bytes(Tier.HOST) - grads - io_bytes
     count = min(max(free, 0) // state_bytes, len(chunks))
     return [c.index for c in chunks[:count]]

@@ -93,10 +93,11 @@ class DiskCommit:
         """The backward's disk updates are not this step's (hyper-parameters or trainable parameters changed
         in between) and cannot be redone (``reason``): raise, leaving the state as before the backward where
         the updates can be undone, else the optimizer broken until a state is loaded (as a failed step)."""
-        message = ("optim.step() after a backward with step_in_backward=True: the hyper-parameters or the "
-                   "trainable parameters changed between the backward and the step, but the backward's updates "
-                   f"of the chunks on disk used the old ones and with {reason} they cannot be redone; change "
-                   "hyper-parameters after optim.step(), as LR schedulers do. ")
+        message = ("optim.step() after a backward with step_in_backward=True: the hyper-parameters, the "
+                   "trainable parameters or (stochastic rounding) the default random generator's state changed "
+                   "between the backward and the step, but the backward's updates of the chunks on disk used the "
+                   f"old ones and with {reason} they cannot be redone; change hyper-parameters after optim.step(), "
+                   "as LR schedulers do, and draw no random numbers between the backward and the step. ")
         if self.runtime.memory.disk.atomic_step:
             self.backward.abandon_in_flight()
             self.backward.undo_in_memory()

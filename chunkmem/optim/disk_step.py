@@ -73,6 +73,7 @@ class ChunkUpdate:
     spans: list[tuple[int, int]]  # the parameters' element spans in this rank's shard (see param_spans)
     multiplier: float
     rule: PieceRule | None = None
+    whole: bool = False  # one piece: the whole shard (``rule`` must not see a piece boundary; see whole_piece_nbytes)
     updated_to: int = 0  # elements [0, updated_to) were updated (pieces run in order)
 
     @property
@@ -82,14 +83,15 @@ class ChunkUpdate:
 
     @property
     def reads(self) -> list[FlatBuffer]:
-        """The disk buffers read for the update: the fp32 master (a separate one, or the fp32
-        parameters resting on disk) and the chunk's optimizer state families (Adam: exp_avg, exp_avg_sq)."""
+        """The disk buffers read for the update: the master (a separate fp32 one, or the parameters resting on
+        disk that are their own masters) and the chunk's optimizer state families that rest on disk (Adam:
+        exp_avg, exp_avg_sq; not those the chunk keeps in memory: ``Chunk.in_memory_families``)."""
         chunk = self.chunk
         if chunk.has_master:
             master = [chunk.optim[MASTER]]
         else:
             master = [chunk.param.shard] if self.param is None else []
-        return master + [chunk.optim[family] for family in chunk.state_families]
+        return master + [chunk.optim[family] for family in streamed_state(chunk)]
 
     @property
     def writes(self) -> list[FlatBuffer]:
@@ -112,11 +114,41 @@ def gaps(ranges: list[tuple[int, int, AdamHyper, int]], start: int, end: int) ->
     return [(a, b) for a, b in out if a < b]
 
 
+def streamed_state(chunk: Chunk) -> tuple[str, ...]:
+    """The state families of ``chunk`` that the streamed step reads from disk (every one but those kept in
+    memory)."""
+    return tuple(family for family in chunk.state_families if family not in chunk.in_memory_families)
+
+
 def streamed_families(chunk: Chunk, params_on_disk: bool, atomic_step: bool) -> int:
     """I/O buffers one piece of ``chunk``'s streamed update holds: one per family read or written (see
     :attr:`ChunkUpdate.writes`), plus the journal of fp32 parameters overwritten in host memory by an
     atomic step."""
-    return streamed_count(len(chunk.state_families), chunk.has_master, params_on_disk, atomic_step)
+    return streamed_count(len(streamed_state(chunk)), chunk.has_master, params_on_disk, atomic_step)
+
+
+def whole_piece_nbytes(chunk: Chunk, params_on_disk: bool, atomic_step: bool) -> int:
+    """Bytes of an I/O buffer that holds the widest of the families ``chunk``'s streamed update reads or writes
+    (see :attr:`ChunkUpdate.writes`; an atomic step's journal of parameters in host memory is fp32) for its whole
+    shard: an update streamed as one piece (:attr:`ChunkUpdate.whole`)."""
+    widths = [chunk.optim[family].dtype.itemsize for family in streamed_state(chunk)]
+    if chunk.has_master:
+        widths.append(4)
+    if params_on_disk:
+        widths.append(chunk.dtype.itemsize)
+    elif atomic_step and not chunk.has_master:
+        widths.append(4)
+    return aligned_nbytes(max(widths) * chunk.shard_numel)
+
+
+def stream_shape(chunks: list[Chunk], whole: bool, disk: DiskTier) -> tuple[int, int]:
+    """``(families, nbytes)`` of the I/O buffers a streamed step over ``chunks`` needs: the most buffers one
+    piece holds (:func:`streamed_families`), and each buffer's bytes (the disk tier's ``buffer_size``, or with
+    ``whole`` pieces at least one whole shard: :func:`whole_piece_nbytes`)."""
+    families = max((streamed_families(c, c.param.shard.on_disk, disk.atomic_step) for c in chunks), default=0)
+    nbytes = max([disk.buffer_size] + [whole_piece_nbytes(c, c.param.shard.on_disk, disk.atomic_step)
+                                       for c in chunks if whole])
+    return families, nbytes
 
 
 def streamed_count(state_families: int, has_master: bool, params_on_disk: bool, atomic_step: bool) -> int:
@@ -146,14 +178,14 @@ class _Piece:
 
 class StreamedStep:
     """Runs one step over chunks whose optimizer state rests on ``disk``; see the module docstring.
-    ``agree(failed)`` returns whether any data-parallel rank failed (a collective); ``families``: the
-    most I/O buffers one piece holds (:func:`streamed_families` of the chunks to come)."""
+    ``agree(failed)`` returns whether any data-parallel rank failed (a collective); ``shape``: the most
+    I/O buffers one piece holds and their bytes (:func:`stream_shape` of the chunks to come)."""
 
-    def __init__(self, disk: DiskTier, agree: Callable[[bool], bool], families: int) -> None:
+    def __init__(self, disk: DiskTier, agree: Callable[[bool], bool], shape: tuple[int, int]) -> None:
         self.disk = disk
         self.agree = agree
         self.updates: list[ChunkUpdate] = []  # every update handed over so far, in order
-        self._families = families
+        self._families, self._buffer_nbytes = shape
         self._incoming: queue.SimpleQueue[ChunkUpdate | None] = queue.SimpleQueue()
         self._closed = False  # no more updates will come (the queue ends with None)
         self._drained = False  # the stream has taken the closing None
@@ -167,8 +199,7 @@ class StreamedStep:
     @classmethod
     def over(cls, disk: DiskTier, updates: list[ChunkUpdate], agree: Callable[[bool], bool]) -> "StreamedStep":
         """A step over ``updates``, all known now."""
-        families = max((streamed_families(u.chunk, u.param is None, disk.atomic_step) for u in updates), default=0)
-        step = cls(disk, agree, families)
+        step = cls(disk, agree, stream_shape([u.chunk for u in updates], any(u.whole for u in updates), disk))
         for update in updates:
             step.add(update)
         return step
@@ -190,7 +221,7 @@ class StreamedStep:
 
     def start(self) -> None:
         """Start streaming on a thread of its own, chunk by chunk as :meth:`add` hands them over."""
-        self.disk.buffers(self._families)  # here: the host ledger is not changed from two threads
+        self.disk.buffers(self._families, self._buffer_nbytes)  # here: the host ledger is not changed from two threads
         self._thread = threading.Thread(target=self._stream_on_thread, name="chunkmem-disk-step", daemon=True)
         self._thread.start()
 
@@ -268,12 +299,14 @@ class StreamedStep:
             if update is None:
                 self._drained = True
                 return None
-            self._current = ((update, a, b) for a, b in self.disk.pieces(update.chunk.shard_numel, 4))
+            numel = update.chunk.shard_numel
+            pieces = [(0, numel)] if update.whole else self.disk.pieces(numel, 4)
+            self._current = ((update, a, b) for a, b in pieces)
 
     def _stream(self) -> None:
         """Read, update and write every piece; stop issuing at the first failed I/O, drain what is in
         flight, and leave the error in ``_error``."""
-        pool = self.disk.buffers(self._families)
+        pool = self.disk.buffers(self._families, self._buffer_nbytes)
         write_slot: dict[int, list[int]] = {}
         reading: deque[_Piece] = deque()
         writing: deque[tuple[list[torch.Tensor], list[IOHandle]]] = deque()
@@ -350,7 +383,7 @@ class StreamedStep:
 
     def _update(self, piece: _Piece) -> None:
         update, a, b = piece.update, piece.start, piece.end
-        views = [typed_view(raw, torch.float32, b - a) for raw in piece.buffers[:len(update.reads)]]
+        views = [typed_view(raw, buf.dtype, b - a) for buf, raw in zip(update.reads, piece.buffers)]
         param_out = None
         if update.chunk.has_master:
             master, state = views[0], views[1:]
@@ -363,7 +396,7 @@ class StreamedStep:
         else:
             master, state = update.param[a:b], views
         if update.rule is not None:
-            update.rule(master, update.grad, dict(zip(update.chunk.state_families, state)), a, b)
+            update.rule(master, update.grad, dict(zip(streamed_state(update.chunk), state)), a, b)
             if param_out is not None:
                 param_out.copy_(master)
             update.updated_to = b

@@ -187,12 +187,6 @@ def round_stochastically(values: torch.Tensor, random: torch.Tensor) -> torch.Te
     return rounded.view(torch.float32).bfloat16()
 
 
-def draw_random(numel: int, device: torch.device) -> torch.Tensor:
-    """The random numbers stochastic rounding takes for ``numel`` elements, drawn from the device's default
-    generator as torchao draws them for a parameter of that size."""
-    return torch.randint(0, 1 << 16, (numel,), device=device, dtype=torch.int32)
-
-
 # ---- the C++ kernel --------------------------------------------------------------------------------------
 
 
@@ -328,8 +322,8 @@ def update_segments_(master: torch.Tensor, grad: torch.Tensor, moments: Moments,
                      multiplier: float = 1.0, param_out: torch.Tensor | None = None,
                      random: torch.Tensor | None = None) -> None:
     """One step of every segment of a chunk, in place. ``master``: the fp32 master (or fp32 parameters), or bf16
-    parameters that are their own masters, rounded stochastically with ``random`` (:func:`draw_random` of every
-    segment's elements, in segment order); ``grad``: the chunk's flat gradient (fp32, fp16 or bf16), multiplied
+    parameters that are their own masters, rounded stochastically with ``random`` (int32 in ``[0, 2**16)``, one
+    per element of every segment, in segment order: :mod:`chunkmem.optim.rounding_draws`); ``grad``: the chunk's flat gradient (fp32, fp16 or bf16), multiplied
     by ``multiplier`` first (the loss scale's inverse and clipping; 1 leaves it untouched); ``param_out``: the
     16-bit parameter copy to write, or ``None``; all flat, indexed like the chunk's shard."""
     tensors = (master, grad, *vars(moments).values()) + tuple(t for t in (param_out, random) if t is not None)

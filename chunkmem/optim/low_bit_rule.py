@@ -22,13 +22,21 @@ no torchao needed.
 
 **16-bit masters.** With ``bf16_stochastic_round=True`` on a bf16 model the parameters are their own masters,
 as in torchao: no fp32 master family (2 bytes a parameter instead of 6), each step's result rounded to bf16
-stochastically with random numbers drawn, per parameter in the model's order, from the default generator of the
-parameters' device as torchao draws them (so the chunks are updated in the model's order, not as their gradients
-land).
+stochastically with each parameter's random numbers where torchao's step draws them from the default generator
+(:mod:`chunkmem.optim.rounding_draws`: whatever order the chunks are updated in, and the generator left where
+torchao leaves it). Without it a 16-bit model keeps fp32 masters, as under every optimizer chunkmem runs (torchao
+on a plain bf16 model rounds each step's result to the nearest bf16 and keeps no master).
 
-Not yet: several ranks, the disk tier, ``step_in_backward``, ``amsgrad``, another ``block_size``,
-``bf16_stochastic_round`` over an fp16 model or with ``reuse_fp16_shard=True`` are refused when the optimizer is
-wrapped (:func:`check_low_bit_optimizer`).
+**The disk tier.** With ``offload_optimizer="disk"`` the codes rest on disk and the streamed step
+(:mod:`chunkmem.optim.disk_step`) hands each chunk's shard to the update as one piece, so that no block is cut
+(its I/O buffers hold a whole shard of the widest family streamed, more than the disk tier's ``buffer_size``
+when that is smaller: :func:`~chunkmem.optim.disk_step.whole_piece_nbytes`). The block scales and the small parameters' moments, indexed by block
+and not by element, stay in host memory (``in_memory_families``: 8 bytes per 256 elements); an atomic step writes
+their new values into copies that replace them when it commits. ``step_in_backward`` works as for Adam: the undo
+copies hold each family in its own dtype.
+
+Not yet: several ranks, ``amsgrad``, another ``block_size``, and ``bf16_stochastic_round`` over an fp16 model or
+with ``reuse_fp16_shard=True`` are refused when the optimizer is wrapped (:func:`check_low_bit_optimizer`).
 """
 from __future__ import annotations
 
@@ -39,13 +47,16 @@ import torch
 from torch.optim import Optimizer
 
 from ..core.chunk import MASTER, Chunk, ParamSlot
+from ..core.param_guard import slot_of
+from ..core.tiers import Tier, device_of_tier
 from ..errors import InvalidArgumentError, UnsupportedOperationError
 from ..runtime.runtime import ChunkRuntime
 from . import low_bit_param
 from .adam import HybridAdam
 from .blockwise import BLOCK_SIZE, dynamic_map, quantizes
-from .disk_step import gaps
-from .low_bit_adam import LowBitHyper, Moments, Segment, draw_random, update_segments_
+from .disk_step import ChunkUpdate, gaps
+from .low_bit_adam import LowBitHyper, Moments, Segment, update_segments_
+from .rounding_draws import DrawSequence, default_generator
 from .state_dict import check_entry as check_plain_entry
 from .update_rule import KeptState, UpdateRule
 
@@ -77,8 +88,8 @@ def stochastic_rounding(optimizer: Any, dtype: torch.dtype) -> bool:
     return bool(getattr(optimizer, "bf16_stochastic_round", False)) and dtype == torch.bfloat16
 
 
-def check_low_bit_optimizer(optimizer: Any, *, dtype: torch.dtype, several_ranks: bool, disk: bool,
-                            step_in_backward: bool, reuse_fp16_shard: bool = False) -> None:
+def check_low_bit_optimizer(optimizer: Any, *, dtype: torch.dtype, several_ranks: bool,
+                            reuse_fp16_shard: bool = False) -> None:
     """Refuse, naming what is asked and what is allowed, an 8-bit Adam with what chunkmem does not run yet."""
     name = type(optimizer).__name__
     if getattr(optimizer, "block_size", BLOCK_SIZE) != BLOCK_SIZE:
@@ -94,11 +105,9 @@ def check_low_bit_optimizer(optimizer: Any, *, dtype: torch.dtype, several_ranks
     for index, group in enumerate(optimizer.param_groups):
         if group.get("amsgrad"):
             raise InvalidArgumentError(f"optimizer.param_groups[{index}]['amsgrad']", True, "False")
-    for asked, what in ((several_ranks, "on several ranks"), (disk, "with the disk tier"),
-                        (step_in_backward, "with step_in_backward=True")):
-        if asked:
-            raise UnsupportedOperationError(f"{name} in ShardedOptimizerV2 {what}: not supported yet (one process, "
-                                            "the state on the device or the host)")
+    if several_ranks:
+        raise UnsupportedOperationError(f"{name} in ShardedOptimizerV2 on several ranks: not supported yet (one "
+                                        "process)")
 
 
 @dataclass(frozen=True)
@@ -143,6 +152,9 @@ class LowBitAdamRule(UpdateRule):
             (``HybridAdam(state_dtype="8bit")``), not torchao's ``OptimState8bit``.
     """
 
+    in_memory_families = (SCALES_M, SCALES_V, PLAIN_M, PLAIN_V)
+    streams_whole_chunks = True  # a block must not be cut: its scale is the absmax of all of it
+
     def __init__(self, optimizer: Optimizer, runtime: ChunkRuntime, group_of: dict[int, int], decoupled: bool,
                  stochastic_round: bool = False, plain_state: bool = False) -> None:
         super().__init__(optimizer, runtime, group_of)
@@ -150,6 +162,8 @@ class LowBitAdamRule(UpdateRule):
         self.stochastic_round = stochastic_round
         self.plain_state = plain_state
         self._pieces: dict[int, dict[int, StatePiece]] = {}  # chunk index -> slot index -> its piece
+        self._draws: dict[torch.device, DrawSequence] = {}  # stochastic rounding: this step's, per device
+        self._in_step = False  # inside step(): every chunk's gradients are final
 
     @property
     def families(self) -> tuple[str, ...]:
@@ -168,20 +182,77 @@ class LowBitAdamRule(UpdateRule):
     def keeps_master(self, chunk: Chunk) -> bool:
         return chunk.dtype != torch.float32 and not self.stochastic_round
 
-    def state_nbytes(self, chunk: Chunk) -> int:
-        return sum(numel * dtype.itemsize for numel, dtype in self.state_buffers(chunk, self.stochastic_round).values())
+    def family_buffers(self, chunk: Chunk) -> dict[str, tuple[int, torch.dtype]]:
+        return self.state_buffers(chunk, self.stochastic_round)
 
     def prepare_chunks(self) -> None:
         self.optimizer.state.clear()
         for chunk in self.runtime.trainable_chunks():
             self._pieces[chunk.index] = {piece.slot: piece for piece in state_pieces(chunk)[0]}
             chunk.use_state_buffers(self.state_buffers(chunk, self.stochastic_round))
+            chunk.in_memory_families = self.in_memory_families
             chunk.masters_in_params = self.stochastic_round
 
-    def update_order(self, chunks: list[Chunk]) -> list[Chunk]:
-        """With stochastic rounding, the model's order: each parameter draws its random numbers in the order
-        torchao's step draws them (its param groups listing the parameters in the model's order)."""
-        return sorted(chunks, key=lambda chunk: chunk.index) if self.stochastic_round else chunks
+    # ---- stochastic rounding's random numbers (chunkmem.optim.rounding_draws) -----------------------------
+
+    def begin_step(self) -> None:
+        self._in_step = True
+
+    def end_step(self, stepped: bool) -> None:
+        """After a step, each device's default generator where torchao's step leaves it: past every parameter's
+        draw (a step that raised leaves it, and the draws made, as they were)."""
+        self._in_step = False
+        if stepped:
+            for device, sequence in self._draws.items():
+                default_generator(device).set_state(sequence.end_state())
+            self._draws.clear()
+
+    def _stepped_order(self) -> list[tuple[int, int]]:
+        """``(id(parameter), numel)`` of every parameter this step updates, in torchao's order (the param groups,
+        then each group's parameters): those with a gradient; in the backward, a parameter of a chunk whose
+        gradients are not final yet is taken to get one (the step redoes an update that assumed wrongly)."""
+        order = []
+        with torch._C.DisableTorchFunctionSubclass():  # requires_grad of a chunk-managed parameter
+            for group in self.optimizer.param_groups:
+                for param in group["params"]:
+                    slot = slot_of(param)
+                    if not param.requires_grad:
+                        continue
+                    chunk = slot.chunk
+                    if self._in_step or chunk.grads_finished:
+                        if slot.index_in_chunk not in chunk.slots_with_grads:
+                            continue
+                    order.append((id(param), slot.numel))
+        return order
+
+    def _sequence(self, device: torch.device) -> DrawSequence:
+        """This step's draws on ``device``: the one made earlier in this step (or its backward) while it holds,
+        else a new one from the default generator's state now."""
+        order = self._stepped_order()
+        sequence = self._draws.get(device)
+        if sequence is None or not sequence.holds_for(order):
+            sequence = self._draws[device] = DrawSequence(device, order)
+        return sequence
+
+    def _random(self, chunk: Chunk, device: torch.device) -> Callable[[], torch.Tensor | None]:
+        """What draws the rounding's random numbers of ``chunk``'s stepped parameters' parts here, in segment
+        order (``None`` without stochastic rounding, or with no part here). Which numbers is decided now, on the
+        caller's thread; the drawing may run on another (the disk step's)."""
+        parts = [(slot, part) for slot, _, part in self.stepped_slots(chunk) if part is not None]
+        if not self.stochastic_round or not parts:
+            return lambda: None
+        sequence = self._sequence(device)
+        return lambda: torch.cat([sequence.draw(id(slot.param))[a:b] for slot, (a, b) in parts])
+
+    def assumptions(self, chunk: Chunk) -> tuple[Any, ...]:
+        """Adam's, and with stochastic rounding where the chunk's parameters' numbers lie in this step's draws:
+        the default generator's state and their positions in the order of the parameters stepped."""
+        assumed = super().assumptions(chunk)
+        if not self.stochastic_round:
+            return assumed
+        sequence = self._sequence(device_of_tier(self.runtime.compute_tier(chunk)))
+        keys = [id(slot.param) for slot, _, _ in self.stepped_slots(chunk)]
+        return assumed + (bytes(sequence.start.numpy()), sequence.key(keys))
 
     def segments(self, chunk: Chunk) -> list[Segment]:
         """The stepped parameters' pieces of ``chunk`` with their hyper-parameters and step numbers after this step."""
@@ -206,23 +277,30 @@ class LowBitAdamRule(UpdateRule):
         segments = self.segments(chunk)
         with self.runtime.updating(chunk, tier) as target:
             master = chunk.optim[MASTER].tensor if chunk.has_master else target
-            random = None
-            if self.stochastic_round:  # drawn per parameter, in order, as torchao draws them
-                random = torch.cat([draw_random(s.numel, target.device) for s in segments]) if segments else None
             update_segments_(master, grad.to(target.device), self.moments(chunk), segments, multiplier,
-                             target if chunk.has_master else None, random)
+                             target if chunk.has_master else None, self._random(chunk, target.device)())
             chunk.advance_steps(slot for slot, _, _ in self.stepped_slots(chunk))
             if chunk.has_master:  # the copy written may be new memory: what no segment wrote is the master's rounding
                 for a, b in gaps([(s.start, s.start + s.numel) for s in segments], 0, chunk.shard_numel):
                     target[a:b].copy_(master[a:b])
 
-    def _streamed(self, chunk: Chunk, multiplier: float) -> Any:
-        raise UnsupportedOperationError("an 8-bit Adam with the disk tier: not supported yet")
+    def _streamed(self, chunk: Chunk, multiplier: float) -> tuple[list, "StreamedLowBitUpdate"]:
+        in_memory = {family: chunk.optim[family].tensor for family in self.in_memory_families}
+        if self.runtime.memory.disk.atomic_step:  # the new values replace these when the step commits
+            in_memory = {family: tensor.clone() for family, tensor in in_memory.items()}
+        return [], StreamedLowBitUpdate(self.segments(chunk), multiplier, in_memory,
+                                        self._random(chunk, device_of_tier(Tier.HOST)))
+
+    def completed(self, update: ChunkUpdate) -> None:
+        super().completed(update)
+        for family, values in update.rule.in_memory.items():
+            if values is not update.chunk.optim[family].tensor:  # an atomic step's new values
+                update.chunk.optim[family].tensor.copy_(values)
 
     # ---- state dicts: torchao's format, or plain tensors (HybridAdam) ------------------------------------
 
     def state_entries(self, chunk: Chunk, index_of: dict[int, int]) -> dict[int, dict[str, Any]]:
-        state = self.moments(chunk)
+        state = Moments(*(chunk.optim[family].read() for family in LOW_BIT_FAMILIES))  # (also from disk)
         maps = dynamic_map(True), dynamic_map(False)
         entries = {}
         for slot in chunk.slots:
@@ -290,6 +368,27 @@ class LowBitAdamRule(UpdateRule):
 
     def keep_entry(self, slot: ParamSlot, entry: dict[str, Any], scalars: KeptState, whole: KeptState) -> None:
         """Nothing: the step count is the chunk's, the moments are in the families."""
+
+
+class StreamedLowBitUpdate:
+    """One chunk's 8-bit update inside the streamed disk step: the codes come from disk as one piece (the whole
+    shard), the block scales and the small parameters' moments from ``in_memory`` (the chunk's own buffers, or
+    copies an atomic step fills and :meth:`LowBitAdamRule.completed` puts in place once the step commits);
+    ``random()``: the stochastic rounding's numbers (on the disk step's thread: drawn from this step's sequence)."""
+
+    def __init__(self, segments: list[Segment], multiplier: float, in_memory: dict[str, torch.Tensor],
+                 random: Callable[[], torch.Tensor | None]) -> None:
+        self.segments = segments
+        self.multiplier = multiplier
+        self.in_memory = in_memory
+        self.random = random
+
+    def __call__(self, master: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], start: int,
+                 end: int) -> None:
+        assert start == 0 and end == master.numel(), "the 8-bit update streams each chunk as one piece"
+        families = {**state, **self.in_memory}
+        moments = Moments(*(families[family] for family in LOW_BIT_FAMILIES))
+        update_segments_(master, grad, moments, self.segments, self.multiplier, None, self.random())
 
 
 def _torchao_state(held: torch.Tensor | tuple[torch.Tensor, torch.Tensor], qmap: torch.Tensor, signed: bool,

@@ -358,14 +358,17 @@ class ShardedOptimizerV2(WrappingOptimizer):
             raise self._disk.broken_by
         _agree_on_gradients(self.runtime)
         on_disk = [c for c in self.runtime.trainable_chunks() if self.runtime.optim_tier(c) is Tier.DISK]
+        self.update_rule.begin_step()
         try:
             self._disk.run(on_disk, multiplier)  # first: the only part that can fail half-way
         except BaseException:
+            self.update_rule.end_step(stepped=False)
             self._backward.undo_in_memory()  # the step did not happen: neither did the backward's updates
             raise
-        for chunk in self.update_rule.update_order(self.runtime.trainable_chunks_as_gradients_landed()):
+        for chunk in self.runtime.trainable_chunks_as_gradients_landed():
             if self.runtime.optim_tier(chunk) is not Tier.DISK and not self._backward.keep(chunk, multiplier):
                 self.update_rule.update(chunk, multiplier)
+        self.update_rule.end_step(stepped=True)
         self.mixed.stepped()
         self.runtime.end_step(release_gradients=True)
         self._accounting.forget()

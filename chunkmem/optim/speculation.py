@@ -4,7 +4,7 @@ With ``ShardedOptimizerV2(..., step_in_backward=True)`` the backward updates eac
 gradients are final, as if nothing overflowed and nothing is clipped (the multiplier ``1 / loss scale``).
 ``step()`` decides afterwards. A chunk whose state rests on disk is updated into the disk's other slot, so
 not committing is its undo (:mod:`chunkmem.optim.disk_step`). A chunk whose state is in memory is updated
-in place, so before its update the optimizer takes an :class:`UndoCopy` here: this rank's fp32 values of
+in place, so before its update the optimizer takes an :class:`UndoCopy` here: this rank's values of
 every optimizer family (the master included; for fp32 chunks the parameters, which are the master), the
 chunk's step counts and another optimizer's scalar and whole-parameter state. ``step()`` either keeps the
 update (same multiplier, nothing else changed) and releases the copy, or puts the copy back (the 16-bit
@@ -34,15 +34,15 @@ UNDO = "undo"  # the ledger family of the copies
 
 
 def undo_families(chunk: Chunk) -> tuple[str, ...]:
-    """The fp32 optimizer families an undo copy of ``chunk`` holds (the master first, when separate)."""
+    """The optimizer families an undo copy of ``chunk`` holds (the master first, when separate)."""
     return ((MASTER,) if chunk.has_master else ()) + tuple(chunk.state_families)
 
 
 def undo_nbytes(chunk: Chunk) -> int:
-    """Bytes of one undo copy of ``chunk``: every family of :func:`undo_families`, plus the parameters
-    themselves for an fp32 chunk (they are its master); this rank's shard, fp32 (4 bytes an element)."""
-    families = len(undo_families(chunk)) + (0 if chunk.has_master else 1)
-    return families * chunk.shard_numel * 4
+    """Bytes of one undo copy of ``chunk``: this rank's buffer of every family of :func:`undo_families`, plus the
+    parameters themselves where they are their own masters (fp32 chunks, or bf16 ones rounded stochastically)."""
+    params = 0 if chunk.has_master else chunk.shard_numel * chunk.dtype.itemsize
+    return sum(chunk.optim[name].nbytes for name in undo_families(chunk)) + params
 
 
 @dataclass
@@ -102,11 +102,11 @@ class UndoCopies:
         copies: list[torch.Tensor] = []
         try:
             for tensor in tensors:
-                copies.append(self.memory.take(Tier.HOST, UNDO, tensor.numel(), torch.float32,
+                copies.append(self.memory.take(Tier.HOST, UNDO, tensor.numel(), tensor.dtype,
                                                f"the undo copy of {chunk.name} (step_in_backward)"))
         except HostCapacityError:
             for taken in copies:
-                self.memory.give_back(Tier.HOST, UNDO, taken.numel() * 4, taken)
+                self.memory.give_back(Tier.HOST, UNDO, taken.nbytes, taken)
             return False
         saved = list(copies)
         saved_params = copies.pop() if params is not None else None
@@ -140,4 +140,4 @@ class UndoCopies:
         undo = self._copies.pop(chunk.index)
         saved = list(undo.families.values()) + ([undo.params] if undo.params is not None else [])
         for tensor in saved:
-            self.memory.give_back(Tier.HOST, UNDO, tensor.numel() * 4, tensor)
+            self.memory.give_back(Tier.HOST, UNDO, tensor.nbytes, tensor)

@@ -64,6 +64,11 @@ class UpdateRule:
     adam_hyper_parameters = False
     """Whether the param groups hold Adam's hyper-parameters (what a loaded state dict's groups are checked
     for and how their flags are spelled)."""
+    in_memory_families: tuple[str, ...] = ()
+    """State families kept in host memory when the chunk's state rests on disk (``Chunk.in_memory_families``)."""
+    streams_whole_chunks = False
+    """Whether the streamed disk step must hand the rule each chunk's shard as one piece (its state is laid out
+    in blocks that a piece boundary must not cut); else pieces of the disk tier's ``buffer_size``."""
 
     def __init__(self, optimizer: Optimizer, runtime: ChunkRuntime, group_of: dict[int, int]) -> None:
         self.optimizer = optimizer
@@ -81,9 +86,14 @@ class UpdateRule:
         """Whether the trainable ``chunk`` gets an fp32 master family (its parameters are 16-bit)."""
         return chunk.dtype != torch.float32
 
+    def family_buffers(self, chunk: Chunk) -> dict[str, tuple[int, torch.dtype]]:
+        """Each state family of the trainable ``chunk`` (not the master): the elements and dtype of this rank's
+        buffer (fp32, one element per element of the shard, unless the rule lays its state out otherwise)."""
+        return {family: (chunk.shard_numel, torch.float32) for family in self.families}
+
     def state_nbytes(self, chunk: Chunk) -> int:
         """Bytes of this rank's state families of the trainable ``chunk`` (not the master), as the rule lays them out."""
-        return 4 * chunk.shard_numel * len(self.families)
+        return sum(numel * dtype.itemsize for numel, dtype in self.family_buffers(chunk).values())
 
     # ---- which parameters a step updates ---------------------------------------------------------------
 
@@ -136,9 +146,11 @@ class UpdateRule:
         """Raise, with nothing changed, where the wrapped optimizer's hyper-parameters now ask for state the
         chunks have no family for (before each step)."""
 
-    def update_order(self, chunks: list[Chunk]) -> list[Chunk]:
-        """The order in which the step updates ``chunks`` (given in the order their gradients landed)."""
-        return chunks
+    def begin_step(self) -> None:
+        """``step()`` starts updating: every chunk's gradients are final."""
+
+    def end_step(self, stepped: bool) -> None:
+        """``step()`` ends: it updated every chunk (``stepped``), or raised with the state as before it."""
 
     def update(self, chunk: Chunk, multiplier: float) -> None:
         """Update ``chunk``, whose optimizer state is in memory, with its gradients times ``multiplier``, where
@@ -161,7 +173,7 @@ class UpdateRule:
         grad = self.runtime.grad_of(chunk)
         stepped = [slot for slot, _, _ in self.stepped_slots(chunk)]
         return ChunkUpdate(chunk, grad, param, stepped, ranges, param_spans(chunk.slots, chunk.shard_offset),
-                           multiplier, rule)
+                           multiplier, rule, whole=self.streams_whole_chunks)
 
     def _streamed(self, chunk: Chunk, multiplier: float) -> tuple[list[tuple[int, int, AdamHyper, int]], Any]:
         """The disk step's ``(ranges, rule)`` for ``chunk``: Adam's runs, or another optimizer's pieces."""

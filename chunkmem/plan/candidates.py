@@ -205,9 +205,9 @@ def choose(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: 
         optimizer_states: the Adam moments considered, among ``"fp32"`` (the default: ``HybridAdam``, torch's
             Adam) and ``"8bit"`` (``HybridAdam(state_dtype="8bit")``, torchao's ``AdamW8bit``: a different
             optimizer, so only when asked for). Every placement is planned with each; an 8-bit candidate's
-            optimizer bytes are :func:`plan`'s with ``optimizer_state="8bit"`` (its name ends in ``+8bit``), and
-            it has no disk variants and one rank only (``"8bit"`` with ``ranks`` > 1 is refused), as
-            ShardedOptimizerV2 runs 8-bit state. Its predicted time counts the update at the profile's Adam rate.
+            optimizer bytes are :func:`plan`'s with ``optimizer_state="8bit"`` (its name ends in ``+8bit``); it is
+            for one rank (``ranks`` > 1 refused, as ShardedOptimizerV2 refuses it), without disk variants (not
+            counted yet), its update predicted at the profile's Adam rate.
     """
     device_capacity = parse_size(device_memory, "device_memory")
     host_capacity = None if host_memory is None else parse_size(host_memory, "host_memory")

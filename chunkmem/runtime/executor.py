@@ -181,7 +181,8 @@ class ChunkExecutor:
             chunk.optim[MASTER].allocate(tier)
             chunk.optim[MASTER].write(chunk.param.local())
         for family in chunk.state_families:
-            chunk.optim[family].allocate(tier, zero=True)
+            kept_in_memory = tier is Tier.DISK and family in chunk.in_memory_families
+            chunk.optim[family].allocate(Tier.HOST if kept_in_memory else tier, zero=True)
 
     def move_optimizer_state(self, chunk: Chunk, tier: Tier) -> None:
         """Move the chunk's optimizer families (and a separate gradient buffer) to ``tier``."""
