@@ -306,7 +306,7 @@ def test_bf16_parameters_as_their_own_masters_round_stochastically_as_torchao_do
     for n, x in enumerate(data):
         lm_loss(plain(x), x).backward()
         torch.manual_seed(100 + n)
-        _eager_step(plain_optim, stochastic_round=True)
+        _eager_step(plain_optim)
         plain_optim.zero_grad()
         optim.backward(lm_loss(model(x), x))
         torch.manual_seed(100 + n)

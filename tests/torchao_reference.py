@@ -1,13 +1,14 @@
 """torchao's 8-bit Adam step with its per-parameter update run eagerly: the reference chunkmem's 8-bit update
-reproduces bit for bit (tests/test_low_bit_state.py, tests/test_hybrid_adam_8bit.py). Needs torchao."""
+reproduces bit for bit (tests/test_low_bit_state.py, test_low_bit_disk.py, test_hybrid_adam_8bit.py). Needs torchao."""
 from __future__ import annotations
 
 import torch
 
 
-def eager_step(optimizer, stochastic_round: bool = False) -> None:
+def eager_step(optimizer) -> None:
     """One step of torchao's ``AdamW8bit`` / ``Adam8bit`` ``optimizer``, its own ``single_param_adam`` run eagerly
-    (not compiled); ``stochastic_round``: round bf16 parameters stochastically, as ``bf16_stochastic_round=True``."""
+    (not compiled), random draws included (bf16 parameters rounded stochastically as its
+    ``bf16_stochastic_round`` says)."""
     from torchao.optim.adam import single_param_adam
 
     for group in optimizer.param_groups:
@@ -22,4 +23,4 @@ def eager_step(optimizer, stochastic_round: bool = False) -> None:
             with torch.no_grad():
                 single_param_adam(p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"], None,
                                   group["lr"], *group["betas"], group["weight_decay"], group["eps"],
-                                  optimizer.is_adamw, stochastic_round)
+                                  optimizer.is_adamw, optimizer.bf16_stochastic_round and p.dtype == torch.bfloat16)
