@@ -1,5 +1,6 @@
 """Host bytes at rest per parameter of a 16-bit model with reuse_fp16_shard (issue 5): target <= 14.3; with 8-bit
-Adam moments (issue 40, ``--state 8bit``): target <= 8.3.
+Adam moments (issue 40, ``--state 8bit``): target <= 8.3; with 8-bit moments and bf16 masters (``--state
+8bit-bf16``): target <= 6.3.
 
 With ``reuse_fp16_shard=True`` and placement ``cpu``, a parameter at rest costs 2 bytes of fp16
 parameter (the gradient lives in that memory between backward and step) plus 12 bytes of fp32
@@ -26,8 +27,13 @@ With ``--state 8bit`` the optimizer is torchao's ``AdamW8bit`` (``pip install to
 ``uint8`` code per element and one fp32 scale per 256 elements (fp32 for the parameters under 4096 elements),
 so a parameter at rest costs 2 + 4 + 2 bytes and about 0.03 of scales: 8.03 bytes and the small parameters'.
 
-Compute dtype is fp16: the target is about 16-bit storage. 16-bit matmuls are 10-50x slower than fp32
-on this kind of CPU, hence one batch of 1 x 32 tokens per step.
+With ``--state 8bit-bf16`` the model is bf16 and the optimizer ``AdamW8bit(bf16_stochastic_round=True)``: the bf16
+parameters are their own masters (no fp32 master), so a parameter at rest costs 2 + 2 bytes and about 0.03 of
+scales (the small parameters' moments are bf16). ``reuse_fp16_shard`` is off there (the parameters' memory cannot
+hold the gradients: it is the only copy), and the gradients are released by ``zero_grad``.
+
+Compute dtype is fp16 (bf16 with ``--state 8bit-bf16``): the target is about 16-bit storage. 16-bit matmuls are
+10-50x slower than fp32 on this kind of CPU, hence one batch of 1 x 32 tokens per step.
 
 Exit status 1 if the exact bytes per parameter exceed the target (``--no-fail``: always 0).
 
@@ -37,6 +43,7 @@ Usage::
     python benchmarks/bytes_per_param.py --vocab 16384 --layers 8
     python benchmarks/bytes_per_param.py --sweep         # also list the layout figure of every shape
     python benchmarks/bytes_per_param.py --state 8bit    # torchao's AdamW8bit: target <= 8.3
+    python benchmarks/bytes_per_param.py --state 8bit-bf16   # ... over bf16 masters: target <= 6.3
 """
 from __future__ import annotations
 
@@ -53,7 +60,9 @@ from chunkmem.optim import host_adam_ext
 
 from _gpt import (GPT, GPTConfig, chunk_layout, count_params, machine_header, mib, peak_rss_bytes, rss_bytes)
 
-TARGETS = {"fp32": 14.3, "8bit": 8.3}
+TARGETS = {"fp32": 14.3, "8bit": 8.3, "8bit-bf16": 6.3}
+PER_ELEMENT = {"fp32": 14, "8bit": 8, "8bit-bf16": 4}
+"""Bytes at rest per chunk element: the 16-bit parameter, the fp32 master (none with bf16 masters), the moments."""
 SWEEP_VOCABS = (8192, 16384, 32000, 32768, 50257)
 SWEEP_WIDTHS = ((512, 8), (640, 10), (768, 12), (1024, 16))
 
@@ -85,11 +94,14 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     parser.add_argument("--sweep", action="store_true", help="list the layout figure of every shape of the grid")
     parser.add_argument("--state", choices=sorted(TARGETS), default="fp32",
-                        help="fp32 Adam moments (HybridAdam, default) or 8-bit ones (torchao's AdamW8bit)")
+                        help="fp32 Adam moments (HybridAdam, default), 8-bit ones (torchao's AdamW8bit), or 8-bit "
+                             "ones over bf16 parameters that are their own masters (bf16_stochastic_round=True)")
     parser.add_argument("--no-fail", action="store_true", help="exit 0 even if the target is missed")
     args = parser.parse_args()
     target = TARGETS[args.state]
-    per_element = 14 if args.state == "fp32" else 8  # bytes at rest per chunk element: param + master + moments
+    per_element = PER_ELEMENT[args.state]
+    bf16_masters = args.state == "8bit-bf16"
+    dtype = torch.bfloat16 if bf16_masters else torch.float16
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
@@ -100,11 +112,13 @@ def main() -> int:
     print(machine_header())
     print(f"model: {cfg.describe()}: {n_params / 1e6:.2f}M parameters (tied lm head counted once); "
           f"batch {args.batch} x {args.seq} tokens, {args.steps} step(s)")
-    print("dtype: fp16 storage and compute (the target is about 16-bit storage; 16-bit matmuls are 10-50x slower "
-          "than fp32 on this CPU, hence the tiny batch); ZeroInitContext(fp16) -> ShardedModelV2(placement 'cpu', "
-          f"reuse_fp16_shard=True) -> ShardedOptimizerV2({'AdamW8bit' if args.state == '8bit' else 'HybridAdam'})")
+    optimizer_name = {"fp32": "HybridAdam", "8bit": "AdamW8bit", "8bit-bf16": "AdamW8bit(bf16_stochastic_round=True)"}
+    dtype_name = "bf16" if bf16_masters else "fp16"
+    print(f"dtype: {dtype_name} storage and compute (the target is about 16-bit storage; 16-bit matmuls are 10-50x "
+          f"slower than fp32 on this CPU, hence the tiny batch); ZeroInitContext({dtype_name}) -> ShardedModelV2("
+          f"placement 'cpu', reuse_fp16_shard={not bf16_masters}) -> ShardedOptimizerV2({optimizer_name[args.state]})")
     print(f"layout (predicted from element counts): {n_chunks} chunks of {chunk_numel} elements "
-          f"({mib(2 * chunk_numel)} fp16), {pad} padding elements")
+          f"({mib(2 * chunk_numel)} {dtype_name}), {pad} padding elements")
     print(f"estimate: {per_element * n_chunks * chunk_numel / 2**20:.0f} MiB of chunk memory ({per_element} B x chunk "
           f"elements)")
 
@@ -123,18 +137,19 @@ def main() -> int:
     peak_before = peak_rss_bytes()
     t0 = time.perf_counter()
     ctx = cm.ZeroInitContext(target_device=torch.device("cpu"), shard_strategy=cm.TensorShardStrategy(),
-                             shard_param=True, dtype=torch.float16)
+                             shard_param=True, dtype=dtype)
     with ctx:
         net = GPT(cfg)
-    model = cm.ShardedModelV2(net, cm.TensorShardStrategy(), tensor_placement_policy="cpu", reuse_fp16_shard=True)
+    model = cm.ShardedModelV2(net, cm.TensorShardStrategy(), tensor_placement_policy="cpu",
+                              reuse_fp16_shard=not bf16_masters)
     # The wrap re-packs the context's chunks into chunks of the searched size and frees the old ones;
     # note any context chunk it left allocated (they stay on the ledger), then drop the context.
     left = [(c.index, c.param.shard.nbytes, [s.name for s in c.slots]) for c in ctx.chunks
             if c.param.shard.allocated and c not in model.chunks]
     del ctx
-    if args.state == "8bit":
+    if args.state != "fp32":
         from torchao.optim import AdamW8bit
-        inner = AdamW8bit(model.parameters(), lr=1e-4)
+        inner = AdamW8bit(model.parameters(), lr=1e-4, bf16_stochastic_round=bf16_masters)
     else:
         inner = cm.HybridAdam(model.parameters(), lr=1e-4)
     optim = cm.ShardedOptimizerV2(model, inner, initial_scale=2**16)
@@ -178,7 +193,7 @@ def main() -> int:
     print()
     print(f"build (ZeroInitContext + wrap + optimizer): {build_s:.1f} s; RSS {mib(rss_before)} before building, "
           f"{mib(rss_built)} built, {mib(rss_after)} after training")
-    print(f"chunks: {len(chunks)} of {chunks[0].numel} elements ({mib(chunks[0].param.nbytes)} fp16): "
+    print(f"chunks: {len(chunks)} of {chunks[0].numel} elements ({mib(chunks[0].param.nbytes)} {dtype_name}): "
           f"{elements} elements, {used} hold parameters, padding {elements - used} "
           f"= {100 * (elements - used) / elements:.2f}% of the chunk elements")
     print(f"optim.get_memory_usage(): device {mib(optim_device)}, host {mib(optim_host)}")

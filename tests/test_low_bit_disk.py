@@ -14,29 +14,12 @@ import torch
 import chunkmem as cm
 from chunkmem.storage.disk_io import inject_faults
 from models import TinyGPT, batches, lm_loss
+from torchao_reference import eager_step as _eager_step
 
 torchao_optim = pytest.importorskip("torchao.optim")
-from torchao.optim.adam import single_param_adam  # noqa: E402
 from torchao.optim.subclass_8bit import OptimState8bit  # noqa: E402
 
 CHUNK_NUMEL = 1 << 15  # elements: several chunks
-
-
-def _eager_step(optimizer) -> None:
-    """torchao's step, its per-parameter update run eagerly (not compiled): the reference, random draws included."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = optimizer.state[p]
-            if not state:
-                state.update(step=torch.tensor(0.0), exp_avg=optimizer._new_buffer(p, True),
-                             exp_avg_sq=optimizer._new_buffer(p, False))
-            state["step"] += 1
-            with torch.no_grad():
-                single_param_adam(p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"], None,
-                                  group["lr"], *group["betas"], group["weight_decay"], group["eps"],
-                                  optimizer.is_adamw, optimizer.bf16_stochastic_round and p.dtype == torch.bfloat16)
 
 
 def _groups(module, grouped: bool):

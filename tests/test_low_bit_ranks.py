@@ -16,7 +16,8 @@ from distributed import run_ranks
 from models import TinyGPT, batches, lm_loss
 
 torchao_optim = pytest.importorskip("torchao.optim")
-from test_low_bit_state import _eager_step, _same_state  # noqa: E402
+from test_low_bit_state import _same_state  # noqa: E402
+from torchao_reference import eager_step as _eager_step  # noqa: E402
 
 # elements per chunk by world size: every shard boundary of the first chunk falls in the middle of a block of
 # blocks.0.fc1.weight (asserted by _cut_blocks), and the rank's part of it is not in whole blocks

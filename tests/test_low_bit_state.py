@@ -13,33 +13,13 @@ import chunkmem as cm
 from chunkmem.optim import blockwise, low_bit_adam
 from chunkmem.optim.low_bit_rule import LOW_BIT_FAMILIES
 from models import TinyGPT, batches, lm_loss
+from torchao_reference import eager_step as _eager_step
 
 torchao_optim = pytest.importorskip("torchao.optim")
 from torchao.optim import quant_utils  # noqa: E402
-from torchao.optim.adam import single_param_adam  # noqa: E402
 from torchao.optim.subclass_8bit import OptimState8bit  # noqa: E402
 
 CLASSES = {"adamw8bit": torchao_optim.AdamW8bit, "adam8bit": torchao_optim.Adam8bit}
-
-
-def _eager_step(optimizer) -> None:
-    """torchao's step with its per-parameter update run eagerly (its own function, not compiled): the reference
-    formulation chunkmem reproduces bit for bit (with ``bf16_stochastic_round`` on bf16 parameters as torchao
-    passes it)."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = optimizer.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = optimizer._new_buffer(p, True)
-                state["exp_avg_sq"] = optimizer._new_buffer(p, False)
-            state["step"] += 1
-            with torch.no_grad():
-                single_param_adam(p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"], None,
-                                  group["lr"], *group["betas"], group["weight_decay"], group["eps"],
-                                  optimizer.is_adamw, optimizer.bf16_stochastic_round and p.dtype == torch.bfloat16)
 
 
 def _plain(reference, make, data, step=_eager_step):
@@ -277,6 +257,7 @@ def test_what_is_not_supported_yet_is_refused_with_nothing_changed(tmp_path):
         (dict(block_size=128), {}, {}, "block_size"),
         (dict(bf16_stochastic_round=True), dict(dtype=torch.float16), {}, "bf16_stochastic_round"),
         (dict(amsgrad=True), {}, {}, "amsgrad"),
+        (dict(bf16_stochastic_round=True), dict(dtype=torch.bfloat16, reuse_fp16_shard=True), {}, "reuse_fp16_shard"),
     ]
     for options, model_kwargs, optim_kwargs, word in cases:
         model = cm.ShardedModelV2(copy.deepcopy(module), cm.TensorShardStrategy(), tensor_placement_policy="cpu",
@@ -346,3 +327,29 @@ def test_torchaos_4bit_state_is_kept_whole_not_stepped_as_fp32_families():
     from chunkmem.optim.any_optimizer import probe_state
     layout = probe_state(torchao_optim.AdamW4bit([torch.nn.Parameter(torch.zeros(4))]))
     assert layout.whole and layout.families == ()
+
+
+def test_bf16_masters_hold_4_bytes_a_parameter_and_the_scales_at_rest():
+    """The bytes of ``benchmarks/bytes_per_param.py --state 8bit-bf16``, exactly: a bf16 model under
+    ``AdamW8bit(bf16_stochastic_round=True)``, placement ``cpu``, after ``step`` and ``zero_grad``: per chunk element
+    the bf16 parameter and two codes (4 bytes), per 256 elements of a quantized parameter two fp32 scales (8 bytes),
+    per element of a small parameter two bf16 moments (4 bytes); no master, no gradient."""
+    torch.manual_seed(0)
+    model = cm.ShardedModelV2(TinyGPT(d=64), cm.TensorShardStrategy(), tensor_placement_policy="cpu",
+                              dtype=torch.bfloat16, chunk_size=1 << 16)
+    optim = cm.ShardedOptimizerV2(model, torchao_optim.AdamW8bit(model.parameters(), bf16_stochastic_round=True))
+    for x in batches(2, seed=13):
+        optim.backward(lm_loss(model(x), x))
+        optim.step()
+        optim.zero_grad()
+    chunks = [c for c in model.chunks if c.trainable]
+    assert chunks == model.chunks
+    elements = sum(c.shard_numel for c in chunks)
+    blocks = [sum(s.numel // 256 for s in c.slots if blockwise.quantizes(s.numel)) for c in chunks]
+    small = [sum(s.numel for s in c.slots if not blockwise.quantizes(s.numel)) for c in chunks]
+    scales = sum(4 * max(n, 1) for n in blocks)  # (a buffer holds at least one element)
+    moments = sum(2 * max(n, 1) for n in small)
+    assert model.tier_bytes() == {"device": {}, "host": {
+        "param": 2 * elements, "exp_avg_codes": elements, "exp_avg_sq_codes": elements, "exp_avg_scales": scales,
+        "exp_avg_sq_scales": scales, "exp_avg_fp32": moments, "exp_avg_sq_fp32": moments}}
+    assert sum(model.tier_bytes()["host"].values()) == 4 * elements + 2 * scales + 2 * moments

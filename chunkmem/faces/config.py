@@ -34,6 +34,7 @@ from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..model.builder import compute_dtype
 from ..model.sharded_model import ShardedModelV2
 from ..optim.adam import check_supported_optimizer, params_mismatch
+from ..optim.low_bit_rule import low_bit_decoupled
 from ..optim.low_level_zero import LowLevelZeroOptimizer
 from ..optim.sharded_optimizer import ShardedOptimizerV2
 from ..settings import ModelSettings, OptimizerSettings
@@ -57,7 +58,8 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
             ``fp16``, ``bf16``, ``optimizer``); see the module docstring and
             ``chunkmem.configs.deepspeed.KEY_TABLE``.
         plan: instead of ``config``, a candidate of :func:`chunkmem.choose` (``choose(...).recommended``):
-            the model is wrapped with the settings it was planned with (``candidate.config(nvme_path)``).
+            the model is wrapped with the settings it was planned with (``candidate.config(nvme_path)``); a
+            candidate planned with 8-bit optimizer state needs an 8-bit Adam as ``optimizer``.
         nvme_path: with ``plan``, the disk tier's directory when the candidate uses it.
 
     Stage 3 (and the ColossalAI form) returns a :class:`~chunkmem.ShardedModelV2` and a
@@ -81,6 +83,11 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         if not callable(getattr(plan, "config", None)) or not isinstance(getattr(plan, "settings", None), dict):
             raise ArgumentTypeError("plan", type(plan).__name__,
                                     "a candidate of chunkmem.choose() (a chunkmem.plan.Candidate)")
+        if getattr(plan, "optimizer_state", "fp32") == "8bit" and optimizer is not None and \
+                low_bit_decoupled(optimizer) is None:
+            raise InvalidArgumentError("optimizer", type(optimizer).__name__,
+                                       f"an 8-bit Adam (chunkmem.HybridAdam(..., state_dtype='8bit'), torchao's "
+                                       f"AdamW8bit or Adam8bit): candidate {plan.name} was planned with 8-bit state")
         config = plan.config(nvme_path)
     elif nvme_path is not None:
         raise InvalidArgumentError("nvme_path", nvme_path, "None unless plan is given (a config names its own)")

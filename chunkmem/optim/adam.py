@@ -2,15 +2,18 @@
 reads to update whole chunks."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.nn as nn
 from torch.optim import Optimizer
 
+from . import low_bit_param
 from .adam_kernels import adam_update_
-from .adam_math import AdamHyper, fused_device_adam_
-from ..errors import ArgumentTypeError, InvalidArgumentError, check_number, check_type
+from .adam_math import UNSUPPORTED_OPTIONS, fused_device_adam_, hyper_of_group
+from .low_bit_adam import LowBitHyper
+from ..errors import ArgumentTypeError, InvalidArgumentError, check_choice, check_number, check_type
 from ..state_dicts import first_few
 
 
@@ -31,6 +34,14 @@ class HybridAdam(Optimizer):
         eps: added to the denominator, a finite number >= 0.
         weight_decay: a finite number >= 0.
         adamw_mode: decoupled (AdamW) instead of L2 weight decay (a bool).
+        state_dtype: how the moments ``exp_avg`` and ``exp_avg_sq`` are kept: ``torch.float32`` (the default,
+            4 bytes each per element) or ``"8bit"``: torchao's blockwise 8-bit format (a ``uint8`` code per
+            element and an fp32 scale per block of 256 elements: about 1.02 bytes each per element; parameters
+            under 4096 elements or not in whole blocks keep fp32 moments). With ``"8bit"`` the update is torchao's
+            ``AdamW8bit`` (``adamw_mode=True``) or ``Adam8bit`` (``adamw_mode=False``), bit for bit as its step
+            runs eagerly, without torchao installed; ``bias_correction`` must be ``True`` (torchao always corrects
+            the bias). The state layout is :mod:`chunkmem.optim.low_bit_param`'s, in ``state`` and in
+            ``state_dict()`` alike, whether used alone or in :class:`~chunkmem.ShardedOptimizerV2`.
 
     A value of the wrong type raises :class:`~chunkmem.ArgumentTypeError` (a ``TypeError``), a value
     out of range :class:`~chunkmem.InvalidArgumentError`.
@@ -38,16 +49,54 @@ class HybridAdam(Optimizer):
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 adamw_mode: bool = True) -> None:
+                 adamw_mode: bool = True, state_dtype: torch.dtype | str = torch.float32) -> None:
         check_number("lr", lr, low=0.0, finite=True)
         check_number("eps", eps, low=0.0, finite=True)
         check_number("weight_decay", weight_decay, low=0.0, finite=True)
         check_betas(betas)
         check_type("bias_correction", bias_correction, bool, "True or False")
         check_type("adamw_mode", adamw_mode, bool, "True or False")
+        check_choice("state_dtype", state_dtype, STATE_DTYPES)
+        self.state_dtype = state_dtype
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, adamw_mode=adamw_mode)
         super().__init__(params, defaults)
+
+    @property
+    def quantized_state(self) -> bool:
+        """Whether the moments are kept in 8 bits (``state_dtype="8bit"``)."""
+        return isinstance(self.state_dtype, str)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's ``add_param_group``, refusing ``bias_correction=False`` with 8-bit state before adding."""
+        if self.quantized_state:
+            LowBitHyper.of_group({**self.defaults, **param_group}, decoupled=True)
+        super().add_param_group(param_group)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's ``load_state_dict``; with 8-bit state each entry is checked first (nothing changes if one is
+        refused) and keeps its dtypes (torch would cast the codes and scales to the parameter's dtype)."""
+        if not self.quantized_state:
+            return super().load_state_dict(state_dict)
+        check_type("state_dict", state_dict, Mapping, "an optimizer state dict with 'state' and 'param_groups'")
+        params = [p for group in self.param_groups for p in group["params"]]
+        saved = [i for group in state_dict.get("param_groups", ()) for i in group.get("params", ())]
+        if len(saved) != len(params):
+            raise InvalidArgumentError("state_dict['param_groups']", f"{len(saved)} parameters",
+                                       f"{len(params)} parameters, as the optimizer has")
+        param_of = dict(zip(saved, params))
+        state = state_dict.get("state", {})
+        for index, entry in state.items():
+            if index not in param_of:
+                raise InvalidArgumentError("state_dict['state']", f"a state for index {index!r}",
+                                           f"indices of the param_groups' 'params' ({len(params)} parameters)")
+            p = param_of[index]
+            low_bit_param.check_entry(index, f"shape {tuple(p.shape)}", entry, p.numel(), tuple(p.shape))
+        super().load_state_dict(state_dict)
+        for index, entry in state.items():
+            p = param_of[index]
+            self.state[p] = {key: value.detach().to(p.device, copy=True) for key, value in entry.items()}
+            self.state[p]["step"] = self.state[p]["step"].float()
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -57,6 +106,12 @@ class HybridAdam(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
+            if self.quantized_state:
+                low_bit_hyper = LowBitHyper.of_group(group, group["adamw_mode"])
+                for p in group["params"]:
+                    if p.grad is not None:
+                        low_bit_param.update_parameter_(p, p.grad, self.state[p] or self._new_state(p), low_bit_hyper)
+                continue
             hyper = hyper_of_group(group)
             device_batch: tuple[list, list, list, list, list] = ([], [], [], [], [])
             for p in group["params"]:
@@ -81,6 +136,14 @@ class HybridAdam(Optimizer):
                 fused_device_adam_(*device_batch, hyper=hyper)
         return loss
 
+    def _new_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        self.state[param] = low_bit_param.new_state(param)
+        return self.state[param]
+
+
+STATE_DTYPES = (torch.float32, "8bit")
+"""The values :class:`HybridAdam`'s ``state_dtype`` takes."""
+
 
 class CPUAdam(HybridAdam):
     """The same optimizer as :class:`HybridAdam`, under the name users of host-offloaded training know.
@@ -102,26 +165,12 @@ def check_betas(betas: Any) -> None:
         raise InvalidArgumentError("betas", betas, allowed)
 
 
-def hyper_of_group(group: dict[str, Any]) -> AdamHyper:
-    """The Adam hyper-parameters of one param group of a HybridAdam, torch Adam or torch AdamW."""
-    beta1, beta2 = group["betas"]
-    adamw_mode = group.get("adamw_mode", group.get("decoupled_weight_decay", False))
-    return AdamHyper(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                     weight_decay=float(group["weight_decay"]), adamw_mode=bool(adamw_mode),
-                     bias_correction=bool(group.get("bias_correction", True)))
-
-
-UNSUPPORTED_OPTIONS = ("amsgrad", "maximize", "capturable", "differentiable")
-"""torch Adam options chunkmem's Adam kernel does not run (ShardedOptimizerV2 runs such an Adam by its own
-step; LowLevelZeroOptimizer and a state dict loaded into a kernel-run Adam refuse them)."""
-
-
 def runs_adam_kernel(optimizer: Any) -> bool:
-    """Whether ``optimizer``'s update is chunkmem's Adam kernel: a :class:`HybridAdam` / ``CPUAdam``, or
-    ``torch.optim.Adam`` / ``AdamW`` with plain options (no ``amsgrad``, ``maximize``, ``capturable``,
+    """Whether ``optimizer``'s update is chunkmem's Adam kernel: a :class:`HybridAdam` / ``CPUAdam`` with fp32
+    state, or ``torch.optim.Adam`` / ``AdamW`` with plain options (no ``amsgrad``, ``maximize``, ``capturable``,
     ``differentiable``, a float ``lr``)."""
     if isinstance(optimizer, HybridAdam):
-        return True
+        return not optimizer.quantized_state
     if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
         return all(not group.get(option) for group in optimizer.param_groups for option in UNSUPPORTED_OPTIONS) and \
             all(not isinstance(group["lr"], torch.Tensor) for group in optimizer.param_groups)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -31,6 +32,20 @@ class AdamHyper:
         if not self.bias_correction:
             return 1.0, 1.0
         return 1 - self.beta1 ** step, 1 - self.beta2 ** step
+
+
+def hyper_of_group(group: dict[str, Any]) -> AdamHyper:
+    """The Adam hyper-parameters of one param group of a HybridAdam, torch Adam or torch AdamW."""
+    beta1, beta2 = group["betas"]
+    adamw_mode = group.get("adamw_mode", group.get("decoupled_weight_decay", False))
+    return AdamHyper(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                     weight_decay=float(group["weight_decay"]), adamw_mode=bool(adamw_mode),
+                     bias_correction=bool(group.get("bias_correction", True)))
+
+
+UNSUPPORTED_OPTIONS = ("amsgrad", "maximize", "capturable", "differentiable")
+"""torch Adam options chunkmem's Adam kernel does not run (ShardedOptimizerV2 runs such an Adam by its own
+step; LowLevelZeroOptimizer and a state dict loaded into a kernel-run Adam refuse them)."""
 
 
 def adam_update_torch_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,

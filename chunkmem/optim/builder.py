@@ -26,7 +26,7 @@ from ..distributed.collectives import ShardGroup
 from ..errors import ArgumentTypeError, ChunkmemError, DeviceCapacityError, InvalidArgumentError, check_type
 from ..model.sharded_model import ShardedModelV2
 from ..settings import ModelSettings, OptimizerSettings
-from .adam import check_supported_optimizer, runs_adam_kernel
+from .adam import HybridAdam, check_supported_optimizer, runs_adam_kernel
 from .any_optimizer import check_elementwise, probe_state
 from .backward_step import check_step_in_backward, check_undo_room
 from .disk_step import streamed_count
@@ -110,13 +110,16 @@ def build_parts(model: ShardedModelV2, optimizer: Any, settings: OptimizerSettin
 def choose_update_rule(model: ShardedModelV2, optimizer: Any, group_of: dict[int, int],
                        settings: OptimizerSettings) -> UpdateRule:
     """The chunk update rule for ``optimizer``: the Adam kernel where it runs it, the 8-bit one for torchao's 8-bit
-    Adams, else the optimizer's own step (refusing, before anything changes, what chunkmem cannot run: see
+    Adams and ``HybridAdam(state_dtype="8bit")``, else the optimizer's own step (refusing, before anything changes,
+    what chunkmem cannot run: see
     :mod:`chunkmem.optim.any_optimizer` and :mod:`chunkmem.optim.low_bit_rule`)."""
     decoupled = low_bit_decoupled(optimizer)
     if decoupled is not None:
         check_low_bit_optimizer(optimizer, dtype=model.dtype, several_ranks=model.data_parallel.world > 1,
-                                disk=model.runtime.memory.disk is not None, step_in_backward=settings.step_in_backward)
-        return LowBitAdamRule(optimizer, model.runtime, group_of, decoupled, stochastic_rounding(optimizer, model.dtype))
+                                disk=model.runtime.memory.disk is not None, step_in_backward=settings.step_in_backward,
+                                reuse_fp16_shard=model.reuse_fp16_shard)
+        return LowBitAdamRule(optimizer, model.runtime, group_of, decoupled, stochastic_rounding(optimizer, model.dtype),
+                              plain_state=isinstance(optimizer, HybridAdam))
     if runs_adam_kernel(optimizer):
         return AdamRule(optimizer, model.runtime, group_of)
     layout = probe_state(optimizer)

@@ -38,6 +38,7 @@ from typing import Any, Sequence
 import torch
 
 from ..core.native_build import CSRC, LoadedOnce, env_flag, load_library
+from ..errors import InvalidArgumentError
 from . import host_adam_ext
 from .blockwise import (BLOCK_SIZE, block_scale, bucket_words, dequantize, dequantize_part, dynamic_map,
                         quantize_, quantize_part_)
@@ -60,6 +61,18 @@ class LowBitHyper:
     eps: float
     weight_decay: float
     decoupled: bool
+
+    @staticmethod
+    def of_group(group: dict[str, Any], decoupled: bool) -> "LowBitHyper":
+        """The hyper-parameters of one param group of torchao's 8-bit Adams (``decoupled``: the optimizer's) or of
+        a :class:`~chunkmem.HybridAdam` with 8-bit state (its ``adamw_mode``; its ``bias_correction`` must be
+        ``True``: the update always corrects the moments' bias, as torchao's does)."""
+        if not group.get("bias_correction", True):
+            raise InvalidArgumentError("bias_correction", group["bias_correction"],
+                                       "True with state_dtype='8bit' (8-bit Adam always corrects the moments' bias)")
+        beta1, beta2 = group["betas"]
+        return LowBitHyper(float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
+                           float(group["weight_decay"]), bool(group.get("adamw_mode", decoupled)))
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The update rule of torchao's 8-bit Adams (``AdamW8bit``, ``Adam8bit``): their moments in chunk families.
+"""The update rule of 8-bit Adams (torchao's ``AdamW8bit``, ``Adam8bit``, ``HybridAdam(state_dtype="8bit")``): their
+moments in chunk families.
 
 A :class:`~chunkmem.ShardedOptimizerV2` over one of them keeps, for each trainable chunk (this rank's shard):
 
@@ -15,7 +16,10 @@ live on the chunk's optimizer tier, move with it and are counted like Adam's. Th
 roundings of torchao's step run eagerly; its ``lr``, ``betas``, ``eps`` and ``weight_decay`` are read from the
 param groups at every step. The state dict is torchao's: per parameter a float ``step`` tensor and ``exp_avg`` /
 ``exp_avg_sq`` as torchao's ``OptimState8bit`` (codes shaped like the parameter, the block scales and the map)
-or as fp32 tensors for the small ones, so a run moves between chunkmem and the plain optimizer both ways.
+or as fp32 tensors for the small ones, so a run moves between chunkmem and the plain optimizer both ways. A
+:class:`~chunkmem.HybridAdam` with ``state_dtype="8bit"`` runs the same rule, its param groups' ``adamw_mode``
+choosing the weight decay, and its state dict holds plain tensors instead (:mod:`chunkmem.optim.low_bit_param`):
+no torchao needed.
 
 **16-bit masters.** With ``bf16_stochastic_round=True`` on a bf16 model the parameters are their own masters,
 as in torchao: no fp32 master family (2 bytes a parameter instead of 6), each step's result rounded to bf16
@@ -40,8 +44,9 @@ numbers of each parameter's draw. The state dict is gathered (collectives in chu
 loads with the layout that saved it only (:attr:`LowBitAdamRule.why_not_resharded`).
 
 Not yet: several ranks with the disk tier or ``step_in_backward`` (the cut blocks' agreement would be a collective
-off the step's thread or inside the backward), ``amsgrad``, another ``block_size`` and ``bf16_stochastic_round``
-over an fp16 model are refused when the optimizer is wrapped (:func:`check_low_bit_optimizer`).
+off the step's thread or inside the backward), ``amsgrad``, another ``block_size``, and ``bf16_stochastic_round``
+over an fp16 model or with ``reuse_fp16_shard=True`` are refused when the optimizer is wrapped
+(:func:`check_low_bit_optimizer`).
 """
 from __future__ import annotations
 
@@ -56,6 +61,8 @@ from ..core.param_guard import slot_of
 from ..core.tiers import Tier, device_of_tier
 from ..errors import InvalidArgumentError, UnsupportedOperationError
 from ..runtime.runtime import ChunkRuntime
+from . import low_bit_param
+from .adam import HybridAdam
 from .blockwise import BLOCK_SIZE, dynamic_map, quantizes
 from .disk_step import ChunkUpdate, gaps
 from .low_bit_adam import LowBitHyper, Moments, Segment, step_cut_segment_, store_cut_segment_, update_segments_
@@ -75,8 +82,11 @@ _STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 def low_bit_decoupled(optimizer: Any) -> bool | None:
-    """``True`` for torchao's ``AdamW8bit``, ``False`` for its ``Adam8bit``, ``None`` for any other optimizer
-    (recognised by class, without importing torchao)."""
+    """``True`` for torchao's ``AdamW8bit``, ``False`` for its ``Adam8bit`` (recognised by class, without importing
+    torchao), a :class:`~chunkmem.HybridAdam` with ``state_dtype="8bit"``'s default ``adamw_mode`` (each param
+    group may set its own), ``None`` for any other optimizer."""
+    if isinstance(optimizer, HybridAdam):
+        return bool(optimizer.defaults["adamw_mode"]) if optimizer.quantized_state else None
     cls = type(optimizer)
     if cls.__module__.startswith("torchao.optim") and cls.__name__ in _DECOUPLED:
         return _DECOUPLED[cls.__name__]
@@ -90,7 +100,7 @@ def stochastic_rounding(optimizer: Any, dtype: torch.dtype) -> bool:
 
 
 def check_low_bit_optimizer(optimizer: Any, *, dtype: torch.dtype, several_ranks: bool, disk: bool,
-                            step_in_backward: bool) -> None:
+                            step_in_backward: bool, reuse_fp16_shard: bool = False) -> None:
     """Refuse, naming what is asked and what is allowed, an 8-bit Adam with what chunkmem does not run yet."""
     name = type(optimizer).__name__
     if getattr(optimizer, "block_size", BLOCK_SIZE) != BLOCK_SIZE:
@@ -99,6 +109,10 @@ def check_low_bit_optimizer(optimizer: Any, *, dtype: torch.dtype, several_ranks
         raise UnsupportedOperationError(f"{name}(bf16_stochastic_round=True) over an fp16 model: stochastic rounding "
                                         "keeps bf16 parameters as their own masters; use a bf16 model, or "
                                         "bf16_stochastic_round=False (fp32 masters)")
+    if stochastic_rounding(optimizer, dtype) and reuse_fp16_shard:  # the gradients would overwrite the only copy
+        raise UnsupportedOperationError(f"{name}(bf16_stochastic_round=True) with reuse_fp16_shard=True: the bf16 "
+                                        "parameters are their own masters, so their memory cannot hold the gradients; "
+                                        "use reuse_fp16_shard=False")
     for index, group in enumerate(optimizer.param_groups):
         if group.get("amsgrad"):
             raise InvalidArgumentError(f"optimizer.param_groups[{index}]['amsgrad']", True, "False")
@@ -113,19 +127,24 @@ class LowBitAdamRule(UpdateRule):
     """torchao's 8-bit Adam over the chunks (module docstring).
 
     Args:
-        decoupled: AdamW's weight decay (``AdamW8bit``), else Adam's L2 term (``Adam8bit``).
+        decoupled: AdamW's weight decay (``AdamW8bit``), else Adam's L2 term (``Adam8bit``); a param group's
+            ``adamw_mode`` (HybridAdam) overrides it.
+        stochastic_round: bf16 parameters are their own masters (module docstring).
+        plain_state: the state dict holds :mod:`chunkmem.optim.low_bit_param`'s plain tensors
+            (``HybridAdam(state_dtype="8bit")``), not torchao's ``OptimState8bit``.
     """
 
     in_memory_families = (SCALES_M, SCALES_V, PLAIN_M, PLAIN_V)
     streams_whole_chunks = True  # a block must not be cut: its scale is the absmax of all of it
 
     def __init__(self, optimizer: Optimizer, runtime: ChunkRuntime, group_of: dict[int, int], decoupled: bool,
-                 stochastic_round: bool = False) -> None:
+                 stochastic_round: bool = False, plain_state: bool = False) -> None:
         super().__init__(optimizer, runtime, group_of)
         self.why_not_resharded = (f"{type(optimizer).__name__}'s 8-bit state (its block scales and fp32 moments "
                                   "are laid out per shard, not by element)")
         self.decoupled = decoupled
         self.stochastic_round = stochastic_round
+        self.plain_state = plain_state
         self._layouts: dict[int, ChunkStateLayout] = {}  # by chunk index
         self._draws: dict[torch.device, DrawSequence] = {}  # stochastic rounding: this step's, per device
         self._in_step = False  # inside step(): every chunk's gradients are final
@@ -231,17 +250,11 @@ class LowBitAdamRule(UpdateRule):
         keys = [id(slot.param) for slot, _, _ in self.stepped_slots(chunk)]
         return assumed + (bytes(sequence.start.numpy()), sequence.key(keys))
 
-    def _hyper(self, group: int) -> LowBitHyper:
-        g = self.optimizer.param_groups[group]
-        beta1, beta2 = g["betas"]
-        return LowBitHyper(float(g["lr"]), float(beta1), float(beta2), float(g["eps"]), float(g["weight_decay"]),
-                           self.decoupled)
-
     def segments(self, chunk: Chunk) -> list[tuple[StatePiece, Segment]]:
         """The stepped parameters' pieces of ``chunk`` as segments (whole blocks, cut blocks' parts, plain runs)
         with their hyper-parameters and step numbers after this step, each with its piece."""
         pieces = self._layouts[chunk.index].pieces
-        hyper = [self._hyper(index) for index in range(len(self.optimizer.param_groups))]
+        hyper = [LowBitHyper.of_group(group, self.decoupled) for group in self.optimizer.param_groups]
         segments = []
         for slot, group, part in self.stepped_slots(chunk):
             if part is not None:
@@ -306,7 +319,7 @@ class LowBitAdamRule(UpdateRule):
             if values is not update.chunk.optim[family].tensor:  # an atomic step's new values
                 update.chunk.optim[family].tensor.copy_(values)
 
-    # ---- state dicts: torchao's format -------------------------------------------------------------------
+    # ---- state dicts: torchao's format, or plain tensors (HybridAdam) ------------------------------------
 
     def state_entries(self, chunk: Chunk, index_of: dict[int, int]) -> dict[int, dict[str, Any]]:
         layout = self._layouts[chunk.index]
@@ -317,13 +330,18 @@ class LowBitAdamRule(UpdateRule):
             if id(slot.param) not in index_of or chunk.step_of(slot) == 0:  # torch keeps no state for one never stepped
                 continue
             entry: dict[str, Any] = {"step": torch.tensor(float(chunk.step_of(slot)), dtype=torch.float32)}
-            for row, key in enumerate(_STATE_KEYS):
-                if quantizes(slot.numel):
-                    first = layout.block_bases[slot.index_in_chunk]
-                    blocks = scales[row, first:first + slot.numel // BLOCK_SIZE]
-                    entry[key] = _quantized_state(slot.view(codes[row]), blocks, maps[row], signed=row == 0)
-                else:
-                    entry[key] = slot.view(plain[row]).to("cpu", copy=True)
+            if quantizes(slot.numel):
+                first = layout.block_bases[slot.index_in_chunk]
+                held = tuple((codes[row][slot.offset:slot.offset + slot.numel],
+                              scales[row, first:first + slot.numel // BLOCK_SIZE]) for row in range(2))
+            else:
+                held = tuple(plain[row][slot.offset:slot.offset + slot.numel] for row in range(2))
+            if self.plain_state:
+                entry.update(low_bit_param.exported(held, slot.shape))
+            else:
+                for row, key in enumerate(_STATE_KEYS):
+                    entry[key] = (_quantized_state(held[row][0].view(slot.shape), held[row][1], maps[row], row == 0)
+                                  if quantizes(slot.numel) else held[row].to("cpu", copy=True).view(slot.shape))
             entries[index_of[id(slot.param)]] = entry
         return entries
 
@@ -352,9 +370,13 @@ class LowBitAdamRule(UpdateRule):
         return codes, scales, plain
 
     def state_keys(self, slot: ParamSlot) -> tuple[str, ...]:
+        if self.plain_state and quantizes(slot.numel):
+            return low_bit_param.CODES + low_bit_param.SCALES
         return _STATE_KEYS
 
     def check_entry(self, index: Any, name: str, entry: Any, slot: ParamSlot) -> int:
+        if self.plain_state:
+            return low_bit_param.check_entry(index, name, entry, slot.numel, tuple(slot.shape))
         if not isinstance(entry, Mapping) or any(key not in entry for key in ("step", *_STATE_KEYS)):
             raise InvalidArgumentError(f"state_dict['state'][{index}] ({name})", type(entry).__name__,
                                        "a dict with 'step', 'exp_avg' and 'exp_avg_sq' (torchao's 8-bit Adam state)")
@@ -387,15 +409,17 @@ class LowBitAdamRule(UpdateRule):
             if piece is None:
                 continue
             elements = slice(piece.first, piece.first + piece.numel)
-            for key, codes, scales, plain in ((_STATE_KEYS[0], state.codes_m, state.scales_m, state.plain_m),
-                                              (_STATE_KEYS[1], state.codes_v, state.scales_v, state.plain_v)):
-                value = entry[key]
+            saved = low_bit_param.moments_of(entry) if self.plain_state else tuple(
+                (entry[key].codes.reshape(-1), entry[key].scale.reshape(-1)) if piece.quantized
+                else entry[key].detach().reshape(-1) for key in _STATE_KEYS)
+            for value, codes, scales, plain in ((saved[0], state.codes_m, state.scales_m, state.plain_m),
+                                                (saved[1], state.codes_v, state.scales_v, state.plain_v)):
                 if piece.quantized:
-                    codes[piece.start:piece.start + piece.numel] = value.codes.reshape(-1)[elements]
+                    codes[piece.start:piece.start + piece.numel] = value[0][elements]
                     scales[piece.state_base:piece.state_base + piece.blocks] = \
-                        value.scale.reshape(-1)[piece.first_block:piece.first_block + piece.blocks]
+                        value[1][piece.first_block:piece.first_block + piece.blocks]
                 else:
-                    plain[piece.state_base:piece.state_base + piece.numel] = value.detach().reshape(-1)[elements]
+                    plain[piece.state_base:piece.state_base + piece.numel] = value[elements]
         return families
 
     def saved_state(self, chunk: Chunk, save: Callable[[Any], Any]) -> dict[str, Any]:

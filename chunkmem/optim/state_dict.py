@@ -30,7 +30,7 @@ import torch.nn as nn
 from ..core.chunk import ADAM_STATE, Chunk, ParamSlot
 from ..errors import InvalidArgumentError, check_type
 from ..state_dicts import check_tensor_data
-from .adam import UNSUPPORTED_OPTIONS, hyper_of_group
+from .adam_math import UNSUPPORTED_OPTIONS, hyper_of_group
 _HYPER = "a param group with lr, betas (two numbers), eps and weight_decay"
 
 

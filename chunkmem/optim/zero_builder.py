@@ -19,8 +19,8 @@ from ..core.chunk import ADAM_STATE
 from ..core.param_guard import slot_of
 from ..distributed.agreement import ARGUMENTS, LayoutDescription, ParamRecord, agree, refuse_together
 from ..distributed.collectives import ShardGroup
-from ..errors import ChunkmemError, InvalidArgumentError, check_choice, check_number, check_type
-from .adam import check_supported_optimizer, runs_adam_kernel
+from ..errors import ChunkmemError, InvalidArgumentError, UnsupportedOperationError, check_choice, check_number, check_type
+from .adam import HybridAdam, check_supported_optimizer, runs_adam_kernel
 from .any_optimizer import StateLayout, check_elementwise, probe_state
 from .loss_scaler import DynamicGradScaler
 from .sealed import seal_param_groups
@@ -116,6 +116,9 @@ def check_arguments(optimizer: Any, initial_scale: float, min_scale: float, grow
     shards = ShardGroup.of(dp_process_group, "dp_process_group")
     try:  # a rank refused here still meets the others' agreement (else they would wait for it)
         check_supported_optimizer(optimizer)
+        if isinstance(optimizer, HybridAdam) and optimizer.quantized_state:
+            raise UnsupportedOperationError("HybridAdam(state_dtype='8bit') in LowLevelZeroOptimizer: not supported "
+                                            "yet (use it alone or in ShardedOptimizerV2)")
         scaler = DynamicGradScaler(initial_scale, min_scale, growth_factor, backoff_factor, growth_interval,
                                    hysteresis, max_scale)
         check_number("clip_grad_norm", clip_grad_norm, low=0.0, finite=True)

@@ -29,10 +29,11 @@ from .machine_profile import MachineProfile, dtype_name
 from .cost_model import StepTime, step_time, trace_compute
 from ..settings import check_chunk_size, check_dtype
 from ..core.chunk import ADAM_STATE
+from ..optim.low_bit_rule import LOW_BIT_FAMILIES
 from ..optim.disk_step import streamed_count
 from ..model.builder import param_chunks_kept_on_host
 from ..core.tiers import parse_size
-from .meta_run import PolicyPlan, _meta_inputs, _meta_model, _plan_policy, check_accumulation
+from .meta_run import OPTIMIZER_STATES, PolicyPlan, _meta_inputs, _meta_model, _plan_policy, check_accumulation
 
 
 @dataclass
@@ -54,7 +55,9 @@ class Candidate(PolicyPlan):
     it needs, e.g. no disk bandwidth). ``recommended``: the one :func:`choose` recommends.
     ``cost_inputs``: what the cost model was given besides the compute (bytes copied, Adam elements, disk
     bytes, collective bytes: :func:`chunkmem.plan.cost_model.step_time`'s arguments), all per step, i.e. over its
-    ``gradient_accumulation_steps`` forward/backward passes.
+    ``gradient_accumulation_steps`` forward/backward passes. ``optimizer_state``: the Adam moments it was planned
+    with, ``"fp32"`` or ``"8bit"`` (train it with ``HybridAdam(..., state_dtype="8bit")`` or torchao's
+    ``AdamW8bit`` / ``Adam8bit``: ``chunkmem.initialize(..., plan=)`` refuses another optimizer).
     """
 
     name: str = ""
@@ -67,6 +70,7 @@ class Candidate(PolicyPlan):
     time: StepTime | None = None
     recommended: bool = False
     cost_inputs: dict[str, Any] = field(default_factory=dict)
+    optimizer_state: str = "fp32"
 
     def predict(self, profile: MachineProfile, compute_seconds: float) -> StepTime | None:
         """The step time again from another ``profile`` and the seconds of one forward and backward's
@@ -160,7 +164,7 @@ def choose(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: 
            buffer_size: int = DEFAULT_BUFFER_SIZE, atomic_step: bool = True,
            measure_operators: bool | None = None,
            policies: Sequence[str] = ("cuda", "cpu", "auto", "static"), gradient_accumulation_steps: int = 1,
-           grad_accum_dtype: torch.dtype | None = None) -> PlanChoice:
+           grad_accum_dtype: torch.dtype | None = None, optimizer_states: Sequence[str] = ("fp32",)) -> PlanChoice:
     """Plan every candidate configuration and recommend the fastest predicted one that fits the budgets.
 
     The candidates: placements ``cuda``, ``cpu``, ``auto`` and ``static`` (one per pair of
@@ -198,13 +202,19 @@ def choose(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: 
             accumulated (by default fp32) gradients, and the predicted step time that many passes' compute.
             With more than 1 the ``reuse_fp16_shard`` candidates are left out (``reuse_fp16_shard=True`` is
             refused): their gradients cannot accumulate.
+        optimizer_states: the Adam moments considered, among ``"fp32"`` (the default: ``HybridAdam``, torch's
+            Adam) and ``"8bit"`` (``HybridAdam(state_dtype="8bit")``, torchao's ``AdamW8bit``: a different
+            optimizer, so only when asked for). Every placement is planned with each; an 8-bit candidate's
+            optimizer bytes are :func:`plan`'s with ``optimizer_state="8bit"`` (its name ends in ``+8bit``); it is
+            for one rank (``ranks`` > 1 refused, as ShardedOptimizerV2 refuses it), without disk variants (not
+            counted yet), its update predicted at the profile's Adam rate.
     """
     device_capacity = parse_size(device_memory, "device_memory")
     host_capacity = None if host_memory is None else parse_size(host_memory, "host_memory")
     disk_capacity = None if disk_memory is None else parse_size(disk_memory, "disk_memory")
     _check_choose_arguments(dtype, chunk_size, ranks, profile, static_fractions, reuse_fp16_shard,
                             gradient_accumulation_steps, grad_accum_dtype, buffer_count, buffer_size, atomic_step,
-                            nvme_path, policies, measure_operators)
+                            nvme_path, policies, measure_operators, optimizer_states)
     args = _meta_inputs(model_or_builder, sample_batch, loss_fn)
     template = _meta_model(model_or_builder)
     profile, compute_seconds = _profile_and_compute(template, args, loss_fn, dtype, profile, measure_operators,
@@ -213,8 +223,9 @@ def choose(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: 
         ((False,) if dtype == torch.float32 or gradient_accumulation_steps > 1 else (False, True))
     shared = _Shared(_DiskSettings(buffer_count, buffer_size, atomic_step), dtype, chunk_size, ranks, host_capacity,
                      disk_capacity, profile, compute_seconds, grad_accum_dtype)
+    bases = _placements(policies, static_fractions)
     candidates = _plan_candidates(template, args, loss_fn, device_capacity, gradient_accumulation_steps,
-                                  reuse_options, _placements(policies, static_fractions), shared)
+                                  reuse_options, bases, tuple(optimizer_states), shared)
     timed = [c for c in candidates if c.fits and c.time is not None]
     recommended = min(timed, key=lambda c: c.time.total) if timed else None
     if recommended is not None:
@@ -239,21 +250,25 @@ def _profile_and_compute(template: nn.Module, args: Any, loss_fn: Any, dtype: to
 
 def _plan_candidates(template: nn.Module, args: Any, loss_fn: Any, device_capacity: int,
                      gradient_accumulation_steps: int, reuse_options: Sequence[bool],
-                     bases: list[tuple[str, dict[str, float]]], shared: "_Shared") -> list[Candidate]:
-    """Every candidate: one meta run per ``reuse_fp16_shard`` option and placement (on a stand-in process group
-    with several ranks), then each of its disk variants. The device capacity setting is restored after."""
+                     bases: list[tuple[str, dict[str, float]]], optimizer_states: tuple[str, ...],
+                     shared: "_Shared") -> list[Candidate]:
+    """Every candidate: one meta run per optimizer state, ``reuse_fp16_shard`` option and placement (on a stand-in
+    process group with several ranks), then each of its disk variants (none with 8-bit state). The device capacity
+    setting is restored after."""
     saved_capacity = tiers.device_memory_capacity_setting()
     candidates: list[Candidate] = []
     try:
         with _stand_in_group(shared.ranks):
-            for reuse in reuse_options:
-                for policy, fractions in bases:
-                    base = _plan_policy(policy, template, args, loss_fn, device_capacity, None, shared.dtype,
-                                        shared.chunk_size, reuse, gradient_accumulation_steps,
-                                        shared.grad_accum_dtype, **fractions)
-                    for optim_disk, param_disk in _disk_variants(policy, base, reuse,
-                                                                 shared.disk_capacity is not None):
-                        candidates.append(_candidate(base, policy, fractions, reuse, optim_disk, param_disk, shared))
+            for state in optimizer_states:
+                for reuse in reuse_options:
+                    for policy, fractions in bases:
+                        base = _plan_policy(policy, template, args, loss_fn, device_capacity, None, shared.dtype,
+                                            shared.chunk_size, reuse, gradient_accumulation_steps,
+                                            shared.grad_accum_dtype, optimizer_state=state, **fractions)
+                        with_disk = shared.disk_capacity is not None and state == "fp32"
+                        for optim_disk, param_disk in _disk_variants(policy, base, reuse, with_disk):
+                            candidates.append(_candidate(base, policy, fractions, reuse, optim_disk, param_disk,
+                                                         shared, state))
     finally:
         tiers.set_device_memory_capacity(saved_capacity)
     return candidates
@@ -262,7 +277,8 @@ def _plan_candidates(template: nn.Module, args: Any, loss_fn: Any, device_capaci
 def _check_choose_arguments(dtype: torch.dtype, chunk_size: int | None, ranks: int, profile: Any,
                             static_fractions: Any, reuse_fp16_shard: Any, gradient_accumulation_steps: int,
                             grad_accum_dtype: torch.dtype | None, buffer_count: int, buffer_size: int,
-                            atomic_step: bool, nvme_path: Any, policies: Any, measure_operators: Any) -> None:
+                            atomic_step: bool, nvme_path: Any, policies: Any, measure_operators: Any,
+                            optimizer_states: Any = ("fp32",)) -> None:
     """:func:`choose`'s checks of its arguments (the budgets are parsed by :func:`choose`), before anything runs."""
     check_dtype("dtype", dtype)
     check_chunk_size(chunk_size, dtype)
@@ -291,9 +307,23 @@ def _check_choose_arguments(dtype: torch.dtype, chunk_size: int | None, ranks: i
         check_choice("policies", name, ("cuda", "cpu", "auto", "static"))
     if measure_operators is not None and not isinstance(measure_operators, bool):
         raise ArgumentTypeError("measure_operators", measure_operators, "None, True or False")
+    _check_optimizer_states(optimizer_states, ranks)
     if dist.is_available() and dist.is_initialized() and (ranks > 1 or dist.get_world_size() > 1):
         raise UnsupportedOperationError("chunkmem.choose plans from one process (ranks= says how many it plans "
                                         "for); call it before init_process_group (or in a process without one)")
+
+
+def _check_optimizer_states(optimizer_states: Any, ranks: int) -> None:
+    """Refuse :func:`choose`'s ``optimizer_states`` unless a non-empty sequence of ``"fp32"`` and ``"8bit"``, the
+    latter with one rank only."""
+    allowed = "a non-empty sequence of 'fp32', '8bit' (e.g. ('fp32', '8bit'))"
+    if isinstance(optimizer_states, str) or not isinstance(optimizer_states, (list, tuple)) or not optimizer_states:
+        raise InvalidArgumentError("optimizer_states", optimizer_states, allowed)
+    for state in optimizer_states:
+        check_choice("optimizer_states", state, OPTIMIZER_STATES)
+    if "8bit" in optimizer_states and ranks > 1:
+        raise InvalidArgumentError("optimizer_states", optimizer_states,
+                                   f"('fp32',) with ranks={ranks}: 8-bit state trains on one rank for now")
 
 
 def _placements(policies: Sequence[str], static_fractions: Sequence[tuple[float, float]]
@@ -505,16 +535,17 @@ def _place_bytes(base: PolicyPlan, policy: str, reuse: bool, optim_disk: bool, p
         host_now = param_host if not param_disk else kept_param_bytes + (io if params_to_disk else 0)
         kept = _optimizer_chunks_kept_on_host(policy, host_capacity, numels, len(families), reuse, dtype, host_now,
                                               disk, streamed)
-    for family in families:
-        tier_bytes["host"].pop(family, None)
     on_disk_numel, optim_on_disk = 0, set()
-    for position, k in enumerate(off):
-        tier = "host" if position < kept else "disk"
-        on_disk_numel += numels[k] if tier == "disk" else 0
-        if tier == "disk":
-            optim_on_disk.add(k)
+    if optim_disk:  # (else the state off the device rests on the host, as the meta run counted it)
         for family in families:
-            tier_bytes[tier][family] = tier_bytes[tier].get(family, 0) + numels[k] * 4
+            tier_bytes["host"].pop(family, None)
+        for position, k in enumerate(off):
+            tier = "host" if position < kept else "disk"
+            on_disk_numel += numels[k] if tier == "disk" else 0
+            if tier == "disk":
+                optim_on_disk.add(k)
+            for family in families:
+                tier_bytes[tier][family] = tier_bytes[tier].get(family, 0) + numels[k] * 4
     disk_io = 0
     if on_disk_numel or params_to_disk:  # (the optimizer "on disk" with every chunk's state on the host: none)
         disk_io = io  # the in-line buffer (the initial values written to the files, whole-region reads)
@@ -550,13 +581,15 @@ def _host_peak(base: PolicyPlan, placed: _Placed, families: tuple[str, ...], par
 
 
 def _candidate(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse: bool, optim_disk: bool,
-               param_disk: bool, shared: _Shared) -> Candidate:
-    """One candidate on the meta run ``base``; ``shared.compute_seconds``: one forward and backward's operators
-    (the step runs ``base.gradient_accumulation_steps`` of them)."""
+               param_disk: bool, shared: _Shared, optimizer_state: str = "fp32") -> Candidate:
+    """One candidate on the meta run ``base`` (planned with ``optimizer_state``); ``shared.compute_seconds``: one
+    forward and backward's operators (the step runs ``base.gradient_accumulation_steps`` of them)."""
     ex = base.extra
-    families = (("master",) if ex["has_master"] else ()) + ("exp_avg", "exp_avg_sq")
+    moments = LOW_BIT_FAMILIES if optimizer_state == "8bit" else ADAM_STATE
+    families = (("master",) if ex["has_master"] else ()) + tuple(moments)
     settings, name = _settings_and_name(base, policy, fractions, reuse, optim_disk, param_disk, shared.disk,
                                         shared.dtype, shared.chunk_size, shared.grad_accum_dtype)
+    name += "+8bit" if optimizer_state == "8bit" else ""
     placed = _place_bytes(base, policy, reuse, optim_disk, param_disk, families, shared)
     # the disk tier's files and traffic
     files = _disk_file_bytes(base, shared.disk, len(families), param_disk, optim_disk, len(placed.param_kept),
@@ -577,4 +610,4 @@ def _candidate(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse
                      ranks=shared.ranks, host_peak_bytes=host_peak, disk_file_bytes=files,
                      disk_read_per_step=read + read_compute, disk_written_per_step=written,
                      collective_bytes_per_step=ex["collective_bytes_sent"], time=time,
-                     cost_inputs=cost_inputs, gradient_accumulation_steps=steps)
+                     cost_inputs=cost_inputs, gradient_accumulation_steps=steps, optimizer_state=optimizer_state)

@@ -43,6 +43,8 @@ from .cost_model import flash_attention_on_meta
 
 META = torch.device("meta")
 ITERATIONS = 3  # traced, planned, followed: the last one is measured (each: the passes of one step)
+OPTIMIZER_STATES = ("fp32", "8bit")
+"""The Adam moments the planner counts: fp32, or 8-bit (:mod:`chunkmem.optim.low_bit_rule`'s families)."""
 
 
 @dataclass
@@ -114,8 +116,8 @@ def plan(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: An
         grad_accum_dtype: what 16-bit gradients of several backwards are summed in, as
             ``ShardedModelV2(grad_accum_dtype=)``: ``None`` or ``torch.float32`` (fp32, the default), or
             ``dtype`` (kept in 16 bits: no widening). Matters only with ``gradient_accumulation_steps`` > 1.
-        optimizer_state: ``"fp32"`` (Adam's fp32 moments: ``HybridAdam``, torch's Adam) or ``"8bit"`` (torchao's
-            ``AdamW8bit`` / ``Adam8bit``: 8-bit codes, block scales and the small parameters' fp32 moments, laid
+        optimizer_state: ``"fp32"`` (Adam's fp32 moments: ``HybridAdam``, torch's Adam) or ``"8bit"``
+            (``HybridAdam(state_dtype="8bit")``, torchao's ``AdamW8bit`` / ``Adam8bit``: 8-bit codes, block scales and the small parameters' fp32 moments, laid
             out as :mod:`chunkmem.optim.low_bit_rule` lays them out).
     """
     device_capacity = parse_size(device_memory, "device_memory")
@@ -125,7 +127,7 @@ def plan(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: An
     if not isinstance(reuse_fp16_shard, bool):
         raise ArgumentTypeError("reuse_fp16_shard", reuse_fp16_shard, "True or False")
     check_accumulation(gradient_accumulation_steps, grad_accum_dtype, dtype, reuse_fp16_shard)
-    check_choice("optimizer_state", optimizer_state, ("fp32", "8bit"))
+    check_choice("optimizer_state", optimizer_state, OPTIMIZER_STATES)
     if isinstance(policies, str) or not policies:
         raise InvalidArgumentError("policies", policies, "a non-empty sequence of 'cuda', 'cpu', 'auto'")
     for name in policies:
