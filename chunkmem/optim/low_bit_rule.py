@@ -57,7 +57,6 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from ..core.chunk import MASTER, Chunk, ParamSlot
-from ..core.param_guard import slot_of
 from ..core.tiers import Tier, device_of_tier
 from ..errors import InvalidArgumentError, UnsupportedOperationError
 from ..runtime.runtime import ChunkRuntime
@@ -67,7 +66,7 @@ from .blockwise import BLOCK_SIZE, dynamic_map, quantizes
 from .disk_step import ChunkUpdate, gaps
 from .low_bit_adam import LowBitHyper, Moments, Segment, step_cut_segment_, store_cut_segment_, update_segments_
 from .low_bit_layout import ChunkStateLayout, StatePiece
-from .rounding_draws import DrawSequence, default_generator
+from .rounding_draws import StepDraws
 from .state_dict import check_entry as check_plain_entry
 from .update_rule import KeptState, UpdateRule
 
@@ -146,8 +145,7 @@ class LowBitAdamRule(UpdateRule):
         self.stochastic_round = stochastic_round
         self.plain_state = plain_state
         self._layouts: dict[int, ChunkStateLayout] = {}  # by chunk index
-        self._draws: dict[torch.device, DrawSequence] = {}  # stochastic rounding: this step's, per device
-        self._in_step = False  # inside step(): every chunk's gradients are final
+        self._draws = StepDraws(optimizer.param_groups)  # stochastic rounding's
 
     @property
     def families(self) -> tuple[str, ...]:
@@ -185,60 +183,17 @@ class LowBitAdamRule(UpdateRule):
     # ---- stochastic rounding's random numbers (chunkmem.optim.rounding_draws) -----------------------------
 
     def begin_step(self) -> None:
-        self._in_step = True
+        self._draws.begin_step()
 
     def end_step(self, stepped: bool) -> None:
-        """After a step, each device's default generator where torchao's step leaves it: past every parameter's
-        draw (a step that raised leaves it, and the draws made, as they were)."""
-        self._in_step = False
-        if stepped:
-            for device, sequence in self._draws.items():
-                default_generator(device).set_state(sequence.end_state())
-            self._draws.clear()
-
-    def _stepped_order(self) -> list[tuple[int, int]]:
-        """``(id(parameter), numel)`` of every parameter this step updates, in torchao's order (the param groups,
-        then each group's parameters): those with a gradient; in the backward, a parameter of a chunk whose
-        gradients are not final yet is taken to get one (the step redoes an update that assumed wrongly)."""
-        order = []
-        with torch._C.DisableTorchFunctionSubclass():  # requires_grad of a chunk-managed parameter
-            for group in self.optimizer.param_groups:
-                for param in group["params"]:
-                    slot = slot_of(param)
-                    if not param.requires_grad:
-                        continue
-                    chunk = slot.chunk
-                    if self._in_step or chunk.grads_finished:
-                        if slot.index_in_chunk not in chunk.slots_with_grads:
-                            continue
-                    order.append((id(param), slot.numel))
-        return order
-
-    def _sequence(self, device: torch.device) -> DrawSequence:
-        """This step's draws on ``device``: the one made earlier in this step (or its backward) while it holds,
-        else a new one from the default generator's state now."""
-        order = self._stepped_order()
-        sequence = self._draws.get(device)
-        if sequence is None or not sequence.holds_for(order):
-            sequence = self._draws[device] = DrawSequence(device, order)
-        return sequence
+        self._draws.end_step(stepped)
 
     def _random(self, chunk: Chunk, device: torch.device) -> Callable[[], torch.Tensor | None]:
-        """What draws the stochastic rounding's random numbers of this rank's shard of ``chunk`` (int32, indexed
-        like the shard; ``None`` without stochastic rounding): each stepped parameter's part of its draw. Which
-        numbers is decided now, on the caller's thread; the drawing may run on another (the disk step's)."""
-        parts = [(slot, part) for slot, _, part in self.stepped_slots(chunk) if part is not None]
+        """What draws the stochastic rounding's random numbers of this rank's shard of ``chunk`` (``None`` without
+        stochastic rounding): decided now, drawn later, maybe on the disk step's thread."""
         if not self.stochastic_round:
             return lambda: None
-        sequence = self._sequence(device)
-
-        def draw() -> torch.Tensor:
-            shard = torch.zeros(chunk.shard_numel, dtype=torch.int32, device=device)
-            for slot, (a, b) in parts:
-                start = slot.offset + a - chunk.shard_offset
-                shard[start:start + b - a] = sequence.draw(id(slot.param))[a:b]
-            return shard
-        return draw
+        return self._draws.shard_numbers(chunk, [(slot, part) for slot, _, part in self.stepped_slots(chunk)], device)
 
     def assumptions(self, chunk: Chunk) -> tuple[Any, ...]:
         """Adam's, and with stochastic rounding where the chunk's parameters' numbers lie in this step's draws:
@@ -246,9 +201,8 @@ class LowBitAdamRule(UpdateRule):
         assumed = super().assumptions(chunk)
         if not self.stochastic_round:
             return assumed
-        sequence = self._sequence(device_of_tier(self.runtime.compute_tier(chunk)))
-        keys = [id(slot.param) for slot, _, _ in self.stepped_slots(chunk)]
-        return assumed + (bytes(sequence.start.numpy()), sequence.key(keys))
+        params = [slot.param for slot, _, _ in self.stepped_slots(chunk)]
+        return assumed + self._draws.key(params, device_of_tier(self.runtime.compute_tier(chunk)))
 
     def segments(self, chunk: Chunk) -> list[tuple[StatePiece, Segment]]:
         """The stepped parameters' pieces of ``chunk`` as segments (whole blocks, cut blocks' parts, plain runs)

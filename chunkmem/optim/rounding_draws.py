@@ -19,7 +19,8 @@ on the state torch exports, without torch's per-element loop, and skips numbers 
 words only (checked against ``torch.randint`` when it loads; else, and on CUDA, torch draws them: walking forward
 then draws and drops the numbers).
 
-A sequence holds for one step: made from the default generator's state and the order of the parameters stepped.
+A sequence holds for one step (:class:`StepDraws` keeps an optimizer's, one per device, from step to step): made
+from the default generator's state and the order of the parameters stepped.
 If either is no longer what it was made from (the user drew random numbers after the backward, a parameter got no
 gradient after all), the updates made with it were not the step's: the optimizer's speculation key says so
 (:meth:`DrawSequence.key`) and the step redoes them.
@@ -28,11 +29,13 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
+from ..core.chunk import Chunk, ParamSlot
 from ..core.native_build import CSRC, LoadedOnce, load_library
+from ..core.param_guard import slot_of
 
 ROUNDING_RANGE = 1 << 16
 """The draws are integers in ``[0, ROUNDING_RANGE)`` (the 16 bits an fp32 value loses as bf16)."""
@@ -180,3 +183,74 @@ class DrawSequence:
             self._states.setdefault(self._position, self._draws.state())
             self._draws.skip(self.order[self._position][1])
             self._position += 1
+
+
+class StepDraws:
+    """The draws of one optimizer's steps: for each step, a :class:`DrawSequence` per device over the parameters
+    the step updates, in the order of ``param_groups`` (the wrapped optimizer's, read at every step)."""
+
+    def __init__(self, param_groups: list[dict[str, Any]]) -> None:
+        self._groups = param_groups
+        self._sequences: dict[torch.device, DrawSequence] = {}
+        self._in_step = False  # inside step(): every chunk's gradients are final
+
+    def begin_step(self) -> None:
+        """``step()`` starts updating: which parameters it steps is known now."""
+        self._in_step = True
+
+    def end_step(self, stepped: bool) -> None:
+        """After a step, each device's default generator where the reference's step leaves it: past every
+        parameter's draw (a step that raised leaves it, and the draws made, as they were)."""
+        self._in_step = False
+        if stepped:
+            for device, sequence in self._sequences.items():
+                default_generator(device).set_state(sequence.end_state())
+            self._sequences.clear()
+
+    def order(self) -> list[tuple[int, int]]:
+        """``(id(parameter), numel)`` of every parameter this step updates, in the reference's order (the param
+        groups, then each group's parameters): those with a gradient; in the backward, a parameter of a chunk whose
+        gradients are not final yet is taken to get one (the step redoes an update that assumed wrongly)."""
+        order = []
+        with torch._C.DisableTorchFunctionSubclass():  # requires_grad of a chunk-managed parameter
+            for group in self._groups:
+                for param in group["params"]:
+                    slot = slot_of(param)
+                    if not param.requires_grad:
+                        continue
+                    chunk = slot.chunk
+                    if (self._in_step or chunk.grads_finished) and slot.index_in_chunk not in chunk.slots_with_grads:
+                        continue
+                    order.append((id(param), slot.numel))
+        return order
+
+    def sequence(self, device: torch.device) -> DrawSequence:
+        """This step's draws on ``device``: the one made earlier in this step (or its backward) while it holds,
+        else a new one from the default generator's state now."""
+        order = self.order()
+        sequence = self._sequences.get(device)
+        if sequence is None or not sequence.holds_for(order):
+            sequence = self._sequences[device] = DrawSequence(device, order)
+        return sequence
+
+    def key(self, params: Sequence[torch.nn.Parameter], device: torch.device) -> tuple[bytes, tuple[int, ...]]:
+        """What the numbers of ``params`` depend on: the default generator's state the step starts from and their
+        positions in the order of the parameters stepped."""
+        sequence = self.sequence(device)
+        return bytes(sequence.start.numpy()), sequence.key([id(p) for p in params])
+
+    def shard_numbers(self, chunk: Chunk, stepped: Sequence[tuple[ParamSlot, tuple[int, int] | None]],
+                      device: torch.device) -> Callable[[], torch.Tensor]:
+        """What draws the numbers of this rank's shard of ``chunk`` (int32 on ``device``, indexed like the shard):
+        each stepped parameter's part (``(slot, part)``; ``part`` ``None``: none of it here) of its draw. Which
+        numbers is decided now, on the caller's thread; the drawing may run on another."""
+        sequence = self.sequence(device)
+        parts = [(slot, part) for slot, part in stepped if part is not None]
+
+        def draw() -> torch.Tensor:
+            shard = torch.zeros(chunk.shard_numel, dtype=torch.int32, device=device)
+            for slot, (a, b) in parts:
+                start = slot.offset + a - chunk.shard_offset
+                shard[start:start + b - a] = sequence.draw(id(slot.param))[a:b]
+            return shard
+        return draw
