@@ -275,9 +275,8 @@ class LowBitKernel:
                random: torch.Tensor | None = None) -> None:
         """Every segment's step in one pass (arguments as for :func:`update_segments_`)."""
         table = (_SegmentStruct * len(segments))()
-        drawn = 0
         for row, s in zip(table, segments):
-            row.random_base, drawn = drawn, drawn + s.numel
+            row.random_base = s.start  # the numbers are indexed like the master
             h, sc = s.hyper, StepScalars.of(s.hyper, s.step)
             flags = ((_APPLY_MULT if multiplier != 1.0 else 0) | (_QUANTIZED if s.quantized else 0)
                      | (_DECOUPLED if h.decoupled else (_L2 if h.weight_decay != 0 else 0)))
@@ -370,7 +369,7 @@ def update_segments_(master: torch.Tensor, grad: torch.Tensor, moments: Moments,
                      random: torch.Tensor | None = None) -> None:
     """One step of every segment of a chunk, in place. ``master``: the fp32 master (or fp32 parameters), or bf16
     parameters that are their own masters, rounded stochastically with ``random`` (int32 in ``[0, 2**16)``, one
-    per element of every segment, in segment order: :mod:`chunkmem.optim.rounding_draws`); ``grad``: the chunk's flat gradient (fp32, fp16 or bf16), multiplied
+    per element, indexed like ``master``: :mod:`chunkmem.optim.rounding_draws`); ``grad``: the chunk's flat gradient (fp32, fp16 or bf16), multiplied
     by ``multiplier`` first (the loss scale's inverse and clipping; 1 leaves it untouched); ``param_out``: the
     16-bit parameter copy to write, or ``None``; all flat, indexed like the chunk's shard. No segment is ``cut``."""
     if any(segment.cut for segment in segments):
@@ -381,8 +380,6 @@ def update_segments_(master: torch.Tensor, grad: torch.Tensor, moments: Moments,
     if k is not None:
         k.update(master, grad, moments, segments, multiplier, param_out, random=random)
         return
-    drawn = 0
     for segment in segments:
-        part = None if random is None else random[drawn:drawn + segment.numel]
+        part = None if random is None else random[segment.start:segment.start + segment.numel]
         update_segment_torch_(master, grad, moments, segment, multiplier, param_out, part)
-        drawn += segment.numel

@@ -234,7 +234,7 @@ class LowBitAdamRule(UpdateRule):
             random = self._random(chunk, target.device)()
             cut = [(piece, s, step_cut_segment_(master, grad, moments, s, multiplier, out, _part(random, s)))
                    for piece, s in segments if s.cut]
-            update_segments_(master, grad, moments, whole, multiplier, out, _joined(random, whole))
+            update_segments_(master, grad, moments, whole, multiplier, out, random)
             self._store_cut(chunk, moments, cut)
             chunk.advance_steps(slot for slot, _, _ in self.stepped_slots(chunk))
             if chunk.has_master:  # the copy written may be new memory: what no segment wrote is the master's rounding
@@ -402,8 +402,7 @@ class StreamedLowBitUpdate:
         assert start == 0 and end == master.numel(), "the 8-bit update streams each chunk as one piece"
         families = {**state, **self.in_memory}
         moments = Moments(*(families[family] for family in LOW_BIT_FAMILIES))
-        update_segments_(master, grad, moments, self.segments, self.multiplier, None,
-                         _joined(self.random(), self.segments))
+        update_segments_(master, grad, moments, self.segments, self.multiplier, None, self.random())
 
 
 def _quantized_state(codes: torch.Tensor, scales: torch.Tensor, qmap: torch.Tensor, signed: bool) -> torch.Tensor:
@@ -419,7 +418,3 @@ def _part(random: torch.Tensor | None, segment: Segment) -> torch.Tensor | None:
     """``segment``'s random numbers from a shard's (``None``: no stochastic rounding)."""
     return None if random is None else random[segment.start:segment.start + segment.numel]
 
-
-def _joined(random: torch.Tensor | None, segments: list[Segment]) -> torch.Tensor | None:
-    """The random numbers of ``segments`` in their order, from a shard's (as :func:`update_segments_` takes them)."""
-    return None if random is None or not segments else torch.cat([_part(random, s) for s in segments])

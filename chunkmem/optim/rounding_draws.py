@@ -64,9 +64,10 @@ class TorchDraws:
     def set_state(self, state: torch.Tensor) -> None:
         self._generator.set_state(state)
 
-    def draw(self, numel: int) -> torch.Tensor:
-        return torch.randint(0, ROUNDING_RANGE, (numel,), generator=self._generator, device=self.device,
-                             dtype=torch.int32)
+    def draw(self, numel: int, part: tuple[int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        numbers = torch.randint(0, ROUNDING_RANGE, (numel,), generator=self._generator, device=self.device,
+                                dtype=torch.int32)
+        return _placed(numbers, part, out)
 
     def skip(self, numel: int) -> None:
         self.draw(numel)
@@ -85,14 +86,25 @@ class HostDraws:
     def set_state(self, state: torch.Tensor) -> None:
         self._state = state.clone()
 
-    def draw(self, numel: int) -> torch.Tensor:
-        out = torch.empty(numel, dtype=torch.int32)
+    def draw(self, numel: int, part: tuple[int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        start, end = part if part is not None else (0, numel)
+        self.skip(start)
+        if out is None:
+            out = torch.empty(end - start, dtype=torch.int32)
         self._lib.chunkmem_mt19937_draw_low16(ctypes.c_void_p(self._state.data_ptr()), ctypes.c_void_p(out.data_ptr()),
-                                              ctypes.c_int64(numel))
+                                              ctypes.c_int64(end - start))
+        self.skip(numel - end)
         return out
 
     def skip(self, numel: int) -> None:
         self._lib.chunkmem_mt19937_skip(ctypes.c_void_p(self._state.data_ptr()), ctypes.c_int64(numel))
+
+
+def _placed(numbers: torch.Tensor, part: tuple[int, int] | None, out: torch.Tensor | None) -> torch.Tensor:
+    """``numbers``' elements ``part`` (all: ``None``), copied into ``out`` where given."""
+    if part is not None:
+        numbers = numbers[part[0]:part[1]]
+    return numbers if out is None else out.copy_(numbers)
 
 
 def _load_host_draws() -> ctypes.CDLL:
@@ -158,12 +170,13 @@ class DrawSequence:
         """What the draws of the parameters ``keys`` depend on besides the start: their positions in the order."""
         return tuple(self._index[key] for key in keys)
 
-    def draw(self, key: Hashable) -> torch.Tensor:
-        """The numbers of the parameter ``key`` (int32, one per element, flat), as the reference draws them."""
+    def draw(self, key: Hashable, part: tuple[int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The numbers of the parameter ``key`` (int32, one per element, flat), as the reference draws them; only
+        its elements ``part`` (``(start, end)``), into ``out`` where given."""
         with self._lock:
             self._move_to(self._index[key])
             self._states.setdefault(self._position, self._draws.state())
-            numbers = self._draws.draw(self.order[self._position][1])
+            numbers = self._draws.draw(self.order[self._position][1], part, out)
             self._position += 1
         return numbers
 
@@ -248,9 +261,9 @@ class StepDraws:
         parts = [(slot, part) for slot, part in stepped if part is not None]
 
         def draw() -> torch.Tensor:
-            shard = torch.zeros(chunk.shard_numel, dtype=torch.int32, device=device)
+            shard = torch.empty(chunk.shard_numel, dtype=torch.int32, device=device)  # (elements no part covers: unread)
             for slot, (a, b) in parts:
                 start = slot.offset + a - chunk.shard_offset
-                shard[start:start + b - a] = sequence.draw(id(slot.param))[a:b]
+                sequence.draw(id(slot.param), (a, b), shard[start:start + b - a])
             return shard
         return draw
