@@ -163,6 +163,9 @@ def test_the_disk_tier_equals_torchao(tmp_path, case, step_in_backward):
     tiers = model.tier_bytes()
     assert tiers["disk"]["exp_avg_codes"] == sum(c.shard_numel for c in model.chunks if c.trainable)
     assert "exp_avg_codes" not in tiers["host"] and tiers["host"]["exp_avg_scales"] > 0
+    # the optimizer's bytes: on disk the codes, the masters and the parameters that are their own masters (the
+    # parameters on disk were counted on the host before 2026-11-27)
+    assert chunked[1].get_memory_usage(with_disk=True)[2] == sum(tiers["disk"].values())
     if step_in_backward:
         assert chunked[1].kept_backward_updates > 0
     _assert_same(chunked, plain)

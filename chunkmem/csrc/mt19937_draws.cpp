@@ -47,23 +47,42 @@ struct Engine {
         return (mixed >> 1) ^ ((v & 1u) ? MATRIX_A : 0u);
     }
 
+    // Each loop reads only words it has not written yet (i + 1, i + M) or wrote at least N - M = 227 steps
+    // before (i + M - N), so the compiler may run it several words at a time.
     void regenerate() {
-        int i = 0;
-        for (; i < N - M; ++i) words[i] = words[i + M] ^ twist(words[i], words[i + 1]);
-        for (; i < N - 1; ++i) words[i] = words[i + M - N] ^ twist(words[i], words[i + 1]);
-        words[N - 1] = words[M - 1] ^ twist(words[N - 1], words[0]);
+        uint32_t* __restrict w = words;
+        for (int i = 0; i < N - M; ++i) w[i] = w[i + M] ^ twist(w[i], w[i + 1]);
+        for (int i = N - M; i < N - 1; ++i) w[i] = w[i + M - N] ^ twist(w[i], w[i + 1]);
+        w[N - 1] = w[M - 1] ^ twist(w[N - 1], w[0]);
         left = N;
         next = 0;
     }
 
-    inline uint32_t draw() {
-        if (--left == 0) regenerate();
-        uint32_t y = words[next++];
+    static inline uint32_t temper(uint32_t y) {
         y ^= (y >> 11);
         y ^= (y << 7) & 0x9d2c5680u;
         y ^= (y << 15) & 0xefc60000u;
         y ^= (y >> 18);
         return y;
+    }
+
+    // n calls' numbers modulo 2^16 into out: runs of the words ready, without a branch per number.
+    void draw_low16(int32_t* __restrict out, int64_t n) {
+        while (n > 0) {
+            if (left == 1) {  // this call regenerates, then takes word 0 (left stays N)
+                regenerate();
+                *out++ = static_cast<int32_t>(temper(words[next++]) & 0xffffu);
+                --n;
+                continue;
+            }
+            int64_t take = n < left - 1 ? n : left - 1;
+            const uint32_t* __restrict w = words + next;
+            for (int64_t i = 0; i < take; ++i) out[i] = static_cast<int32_t>(temper(w[i]) & 0xffffu);
+            out += take;
+            next += static_cast<uint64_t>(take);
+            left -= static_cast<int32_t>(take);
+            n -= take;
+        }
     }
 
     // What n calls change, without tempering the numbers nobody reads.
@@ -92,7 +111,7 @@ int chunkmem_mt19937_abi() { return 1; }
 // The next n numbers of torch.randint(0, 65536, dtype=torch.int32) into out; the state moves past them.
 void chunkmem_mt19937_draw_low16(uint8_t* state, int32_t* out, int64_t n) {
     Engine engine(state);
-    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<int32_t>(engine.draw() & 0xffffu);
+    engine.draw_low16(out, n);
     engine.store(state);
 }
 

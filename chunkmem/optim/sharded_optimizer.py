@@ -507,6 +507,6 @@ def _optimizer_bytes_by_tier(runtime: ChunkRuntime) -> dict[Tier, int]:
             buf = chunk.optim[family]
             if buf.allocated:
                 usage[buf.tier] += buf.nbytes
-        if not chunk.has_master:
-            usage[tier] += chunk.param.shard.nbytes
+        if not chunk.has_master:  # the parameters are the master: where they rest (disk), else where it updates
+            usage[Tier.DISK if chunk.param.shard.on_disk else tier] += chunk.param.shard.nbytes
     return usage
