@@ -6,7 +6,10 @@ optimizer's state families: :class:`ChunkUpdate`'s ``rule``) are read from the
 chunk's current disk slot into a group of aligned I/O buffers, updated there (the 16-bit parameters
 are written into host memory as the update's ``param_out``), and written back. ``buffer_count`` groups
 circulate: while piece k is updated, pieces k+1... are being read and k−1... written (DeepSpeed's
-``pipeline_read`` / ``pipeline_write``, always on).
+``pipeline_read`` / ``pipeline_write``, always on). A rule whose state is laid out in blocks (the 8-bit Adams:
+:attr:`ChunkUpdate.whole`) gets each chunk's shard as one piece, in buffers of at least one shard of the widest
+family streamed (:func:`whole_piece_nbytes`); the families it keeps in memory (``Chunk.in_memory_families``) are
+not streamed.
 
 All or nothing (``atomic_step``, the default). New state goes to the chunk's *other* slot; the step
 commits, switching every buffer's slot, only when every piece of every chunk was written and every
