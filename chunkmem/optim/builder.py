@@ -232,8 +232,9 @@ def _optimizer_state_kept_on_host(model: ShardedModelV2, rule: UpdateRule) -> li
     grads = len(chunks) * runtime.gradients.grad_bytes(first)
     streamed = streamed_count(len(rule.families) - len(rule.in_memory_families), keeps_master,
                               runtime.policy.params_on_disk, disk.atomic_step)
-    piece_bytes = 4 * first.shard_numel if rule.streams_whole_chunks else disk.buffer_size  # (at most)
-    io_bytes = disk.buffer_count * streamed * max(piece_bytes, disk.buffer_size)
+    # a rule streaming whole chunks takes buffers of one shard (4 bytes an element at most) where larger
+    buffer_bytes = max(4 * first.shard_numel, disk.buffer_size) if rule.streams_whole_chunks else disk.buffer_size
+    io_bytes = disk.buffer_count * streamed * buffer_bytes
     free = ledger.host_capacity - ledger.tier_bytes(Tier.HOST) - grads - io_bytes
     count = min(max(free, 0) // state_bytes, len(chunks))
     return [c.index for c in chunks[:count]]

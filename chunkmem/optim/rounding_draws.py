@@ -9,9 +9,9 @@ in another order: the disk chunks first, in the order their gradients land, or d
 parameter the numbers the reference's step would have drawn for it: it copies the default generator's state when
 the step's first update draws, and keeps a private generator that it moves along the reference's order, keeping the
 state before each parameter's draw as it passes it. Updates in the reference's order draw once (the private
-generator is always where the next parameter's numbers begin); an update out of order walks forward through the
-draws before it (drawing and dropping them) or goes back to a state it kept, so a backward's updates cost the draws
-twice. When the step ends, the default generator is set to the state after the last parameter's draw, where the
+generator is always where the next parameter's numbers begin); an update out of order walks forward past the
+draws before it or goes back to a state it kept, so a backward's updates cost one more pass over the draws, which
+only skips them where skipping is cheap (below). When the step ends, the default generator is set to the state after the last parameter's draw, where the
 reference's step leaves it.
 
 On the CPU the numbers come from ``csrc/mt19937_draws.cpp``, which runs torch's CPU generator (a Mersenne twister)
