@@ -229,6 +229,8 @@ class ChunkExecutor:
         ahead = [self.chunks[i] for i in orders.prefetch if not self.chunks[i].param.device_allocated]
         if not ahead or any(c.param.holds_grads for c in ahead):
             return
+        if orders.guessed and any(c.param.sharded for c in ahead):
+            return  # a guess's reserve is this rank's trace so far: the ranks could decide unlike
         chunk_bytes = ahead[0].param.nbytes
         missing = sum(1 for i in orders.needed if not self.chunks[i].param.device_allocated)
         ledger = self.memory.ledger
@@ -242,7 +244,7 @@ class ChunkExecutor:
             self.gathers += chunk.param.sharded
             self.prefetched += 1
             self.log_event("fetch", chunk.index, "prefetch")
-            if to_host:  # freed at the next period boundary unless that period needs it
+            if to_host or orders.guessed:  # freed at the next period boundary unless that period needs it
                 self.stale[chunk] = None
 
     # ---- forward and backward use ------------------------------------------------------------------

@@ -115,7 +115,7 @@ class ChunkRuntime:
         self.policy = policy
         self.state = PlacementState()
         self.executor = ChunkExecutor(chunks, memory, policy, self.state, gather_together)
-        self.scheduler = Scheduler(memory.ledger, policy, self.state, device_of_tier(Tier.DEVICE))
+        self.scheduler = Scheduler(memory.ledger, policy, self.state, device_of_tier(Tier.DEVICE), len(chunks))
         self.reduction = reduction
         self.data_parallel = data_parallel  # every rank of the model (agreement and planning collectives)
         self.gradients = gradient_store(gradients_in_param_memory, self.executor, reduction, self.scheduler.adopt,

@@ -93,6 +93,7 @@ class PeriodOrders:
     prefetch: list[int] = field(default_factory=list)
     reserve: int = 0
     needed: list[int] = field(default_factory=list)
+    guessed: bool = False  # ``prefetch`` is a traced iteration's guess (:meth:`Scheduler.guess_prefetch`)
 
 
 @dataclass
@@ -117,8 +118,9 @@ class Scheduler:
     whose plan, margin and ``following`` fields only the scheduler writes."""
 
     def __init__(self, ledger: TierLedger, policy: PlacementPolicy, state: PlacementState,
-                 device: torch.device) -> None:
+                 device: torch.device, chunk_count: int = 0) -> None:
         self.ledger = ledger
+        self.chunk_count = chunk_count  # the model's chunks (a traced iteration guesses among them)
         self.device = device
         self.policy = policy
         self.state = state
@@ -247,6 +249,7 @@ class Scheduler:
         orders = PeriodOrders(keep=list(chunks))
         if self._mode is IterationMode.TRACING:
             self.trace.begin_period(name, phase, list(required) + list(chunks))
+            self.guess_prefetch(orders, phase, chunks)
         elif self._mode is IterationMode.FOLLOWING:
             if self.index >= len(self.periods) or self.periods[self.index].key() != (name, phase):
                 orders.evict_unpinned = self.diverge()
@@ -273,6 +276,27 @@ class Scheduler:
         orders.needed = list(period.needed)
         staging = self._staging[index] if index < len(self._staging) else 0
         orders.reserve = period.non_model_peak + staging * self._param_bytes
+
+    def guess_prefetch(self, orders: PeriodOrders, phase: str, chunks: Sequence[int]) -> None:
+        """A traced iteration has no schedule to prefetch from: guess that the chunks are used in the order
+        they were packed (the modules' order: ascending in the forward, descending in the backward) and order
+        the next chunk not used yet in this phase fetched ahead (``guessed``), keeping room for the largest
+        non-model peak traced so far. A wrong guess costs one fetch, freed at the next period boundary
+        unless that period needs it."""
+        if not chunks:
+            return
+        traced = self.trace.periods
+        used = {c for period in traced if period.phase == phase for c in period.needed}
+        step = 1 if phase == "forward" else -1
+        guess = max(chunks) + 1 if step == 1 else min(chunks) - 1
+        while 0 <= guess < self.chunk_count and guess in used:
+            guess += step
+        if not 0 <= guess < self.chunk_count:
+            return
+        orders.prefetch, orders.guessed = [guess], True
+        orders.keep.append(guess)
+        orders.needed = list(chunks)
+        orders.reserve = max(period.non_model_peak for period in traced)
 
     def _next_new_chunks(self, index: int) -> list[int]:
         """The chunks of the first period after ``index`` (within :data:`PREFETCH_LOOKAHEAD` periods of the same
