@@ -60,10 +60,10 @@ from ..errors import ArgumentTypeError, InvalidArgumentError, check_type
 from ..core.param_guard import slot_of
 from ..model.sharded_model import ShardedModelV2
 from ..optim.sharded_optimizer import ShardedOptimizerV2
-from ..errors import ChunkmemError, CheckpointError, UnsupportedOperationError
-from ..optim.low_bit_rule import LOW_BIT_FAMILIES
-from .resharding import (SavedLayout, entry_fits_rule, plan_resharded_load, saved_slot_scalars, saved_slot_steps,
-                         saved_state)
+from ..errors import ChunkmemError, CheckpointError
+from .low_bit_resharding import consolidated_state, holds_low_bit_state
+from .resharding import plan_resharded_load
+from .saved_shards import SavedLayout, entry_fits_rule, saved_slot_scalars, saved_slot_steps, saved_state
 from ..optim.state_dict import (adam_entry, any_entry, export_param_groups, prepare_hyper_load, prepare_optimizer_load,
                                 scalar_copy)
 from ..state_dicts import (bump_versions, check_tensor_data, first_few, plan_model_load, refuse_chunks_in_use,
@@ -164,7 +164,9 @@ def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """The full state dicts of a checkpoint: ``{"model": state dict, "optimizer": optimizer state dict
     or None}``, equal to what ``model.state_dict()`` and ``optimizer.state_dict()`` gave when it was
     saved. A sharded directory is assembled from all rank files (offline: no process group needed);
-    a full file is just read.
+    a full file is just read. An 8-bit Adam's state comes out in its ``state_dict()``'s form, as a full
+    checkpoint of it holds it (torchao's ``OptimState8bit``, which needs torchao, or ``HybridAdam``'s plain
+    tensors: :mod:`chunkmem.io.low_bit_resharding`).
     """
     path = _check_existing_path(path)
     if not os.path.isdir(path):
@@ -172,7 +174,9 @@ def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         return {"model": payload["model"], "optimizer": payload["optimizer"]}
     manifest = _read_manifest(path)
     parts = [_read_rank_file(path, manifest, rank) for rank in range(manifest["world"])]
-    return _consolidate(path, parts)
+    files = [os.path.join(path, _shard_name(manifest["token"], rank, manifest["world"]))
+             for rank in range(manifest["world"])]
+    return _consolidate(path, parts, files)
 
 
 # ---- arguments -----------------------------------------------------------------------------------
@@ -436,7 +440,8 @@ def _optimizer_small_state(optimizer: ShardedOptimizerV2) -> dict[str, Any]:
     groups, params = export_param_groups(optimizer)
     scaler = optimizer.grad_scaler.state_dict() if optimizer.grad_scaler is not None else None
     return {"param_groups": groups, "param_names": [optimizer.model.parameter_name(p) for p in params],
-            "loss_scaler": scaler, "per_group": optimizer.update_rule.per_group_keys()}
+            "loss_scaler": scaler, "per_group": optimizer.update_rule.per_group_keys(),
+            "state_dict_form": optimizer.update_rule.state_dict_form}
 
 
 def _prepare_sharded(path: str, model: ShardedModelV2, optimizer: ShardedOptimizerV2 | None,
@@ -728,17 +733,12 @@ def _kind_names(kinds: type | tuple[type, ...]) -> str:
     return " or ".join("None" if k is type(None) else k.__name__ for k in kinds)
 
 
-def _consolidate(path: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """The full model and optimizer state dicts from every rank's file, as the full format holds them."""
+def _consolidate(path: str, parts: list[dict[str, Any]], files: list[str]) -> dict[str, Any]:
+    """The full model and optimizer state dicts from every rank's file (``files``: their names), as the full
+    format holds them."""
     layouts = [[(e["numel"], e["dtype"], e["slots"]) for e in part["model"]["chunks"]] for part in parts]
     if any(layout != layouts[0] for layout in layouts):
         raise InvalidArgumentError("path", path, "rank files of one chunk layout (they differ)")
-    if parts[0]["optimizer"] is not None and any(tuple(e.get("state", ())) == LOW_BIT_FAMILIES
-                                                 for e in parts[0]["model"]["chunks"]):
-        raise UnsupportedOperationError(f"consolidating the sharded checkpoint {path} of an 8-bit Adam's state "
-                                        f"(its block scales are laid out per shard): load it with the world size "
-                                        f"that saved it and take optimizer.state_dict(), or save a full checkpoint "
-                                        f"(sharded=False)")
 
     def joined(pieces: list[Any], n: int) -> Any:
         """A chunk's whole family from the ranks' pieces: a replicated chunk's (persistent parameters,
@@ -746,14 +746,31 @@ def _consolidate(path: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
         entry = parts[0]["model"]["chunks"][n]
         return pieces[0] if entry["shard_numel"] == entry["numel"] else torch.cat(pieces)
 
-    def full(family: str, n: int) -> torch.Tensor | None:
-        pieces = [part["model"]["chunks"][n][family] for part in parts]
-        return None if any(p is None for p in pieces) else joined(pieces, n)
-
     located: dict[str, tuple[int, dict[str, Any]]] = {}
     for n, entry in enumerate(parts[0]["model"]["chunks"]):
         for slot in entry["slots"]:
             located[slot["name"]] = (n, slot)
+    model_state = _consolidated_model(parts, located, joined)
+    small = parts[0]["optimizer"]
+    if small is None:
+        return {"model": model_state, "optimizer": None}
+    saved = SavedLayout(parts, files)
+    if holds_low_bit_state(saved):  # per piece of each shard: read back whole per parameter
+        state = consolidated_state(path, saved, small)
+    else:
+        state = _consolidated_state(parts, small, located, joined)
+    optimizer_state = {"state": state, "param_groups": small["param_groups"], "loss_scaler": small["loss_scaler"]}
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def _consolidated_model(parts: list[dict[str, Any]], located: dict[str, tuple[int, dict[str, Any]]],
+                        joined: Callable[[list[Any], int], Any]) -> OrderedDict[str, torch.Tensor]:
+    """The full model state dict from every rank's file: the fp32 masters (or the parameters widened to fp32)
+    of each parameter, the buffers (``located``: each parameter's saved chunk and slot, by name)."""
+    def full(family: str, n: int) -> torch.Tensor | None:
+        pieces = [part["model"]["chunks"][n][family] for part in parts]
+        return None if any(p is None for p in pieces) else joined(pieces, n)
+
     values: dict[int, torch.Tensor] = {}
     model_state: OrderedDict[str, torch.Tensor] = OrderedDict()
     for key, name in parts[0]["model"]["keys"]:
@@ -765,11 +782,15 @@ def _consolidate(path: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
             master = full("master", n)
             values[n] = master if master is not None else full("param", n).to(torch.float32)
         model_state[key] = _slot_view(values[n], slot).clone()
+    return model_state
 
-    small = parts[0]["optimizer"]
-    if small is None:
-        return {"model": model_state, "optimizer": None}
-    state: dict[int, dict[str, torch.Tensor]] = {}
+
+def _consolidated_state(parts: list[dict[str, Any]], small: dict[str, Any],
+                        located: dict[str, tuple[int, dict[str, Any]]],
+                        joined: Callable[[list[Any], int], Any]) -> dict[int, dict[str, Any]]:
+    """The ``"state"`` of the full optimizer state dict of per-element families (Adam's moments, another
+    optimizer's state) from every rank's file (``small``: rank 0's optimizer part)."""
+    state: dict[int, dict[str, Any]] = {}
     families: dict[int, dict[str, torch.Tensor]] = {}
     group_of = {i: g for g, group in enumerate(small["param_groups"]) for i in group["params"]}
     group_of_name = {name: group_of[i] for i, name in enumerate(small["param_names"])}
@@ -797,8 +818,7 @@ def _consolidate(path: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
                 keys = small["per_group"][group_of[index]]
                 state[index] = any_entry(scalars[position], {k: gathered[k] for k in keys},
                                          lambda flat, s=slot: _slot_view(flat, s), slot["shape"])
-    optimizer_state = {"state": state, "param_groups": small["param_groups"], "loss_scaler": small["loss_scaler"]}
-    return {"model": model_state, "optimizer": optimizer_state}
+    return state
 
 
 def _slot_view(flat: torch.Tensor, slot: dict[str, Any]) -> torch.Tensor:

@@ -8,7 +8,9 @@ shard bounds of its chunk. A load into another layout builds this rank's shard o
 loading model, family by family, parameter by parameter, from the saved shards that hold the elements;
 elements of a shard that belong to no parameter (padding) are zero. The rank files are memory-mapped
 (``torch.load(mmap=True)``), so a rank reads only the byte ranges it copies, and holds one chunk's shard
-of one family at a time.
+of one family at a time (:class:`~chunkmem.io.saved_shards.SavedLayout`). An 8-bit Adam's state is not laid out
+by element (its block scales and small parameters' moments are per piece of a shard): it is read back parameter
+by parameter whole and cut again for the loading shard (:mod:`chunkmem.io.low_bit_resharding`).
 
 :func:`plan_resharded_load` checks everything first (every parameter found with its shape, trainable
 alike, every tensor of its shard's size, the optimizer's state of one kind and step) and returns the
@@ -22,120 +24,13 @@ from typing import Any, Callable
 import torch
 
 from ..core.chunk import Chunk, MASTER
-from ..errors import CheckpointError, InvalidArgumentError, UnsupportedOperationError
-from ..state_dicts import bump_versions, check_tensor_data, first_few, warn_if_masters_lose_precision
+from ..errors import CheckpointError, InvalidArgumentError
+from ..optim.low_bit_rule import LowBitAdamRule
+from ..state_dicts import bump_versions, first_few, warn_if_masters_lose_precision
+from .low_bit_resharding import SavedLowBitState
+from .saved_shards import PARAM, SavedLayout, entry_fits_rule, saved_slot_scalars, saved_slot_steps, saved_state
 
-PARAM = "param"
-"""The family name of a saved chunk's parameter values (chunk dtype) in a rank file."""
-
-__all__ = ["SavedLayout", "plan_resharded_load"]
-
-
-def saved_state(entry: dict[str, Any]) -> dict[str, Any]:
-    """A rank file chunk entry's optimizer state by family: Adam's moments, or another optimizer's ``"state"``
-    (an 8-bit Adam's codes, scales and fp32 moments)."""
-    return entry["state"] if "state" in entry else {"exp_avg": entry["exp_avg"], "exp_avg_sq": entry["exp_avg_sq"]}
-
-
-def entry_fits_rule(entry: dict[str, Any], rule: Any, families: tuple[str, ...]) -> bool:
-    """Whether a rank file chunk entry holds the state ``rule`` (an :class:`~chunkmem.optim.update_rule.UpdateRule`)
-    keeps: its ``families``, in the same fields."""
-    return (tuple(saved_state(entry)) == tuple(families) and rule.keeps_slot_state == ("whole" in entry)
-            and rule.state_field == ("state" in entry))
-
-
-def saved_slot_steps(entry: dict[str, Any]) -> list[int]:
-    """The optimizer steps each parameter of a saved chunk took, in the order of its ``slots`` (checkpoints
-    written before 2026-11-27 hold one ``step`` for the whole chunk)."""
-    steps = entry.get("slot_steps")
-    return list(steps) if steps is not None else [entry["step"]] * len(entry["slots"])
-
-
-def saved_slot_scalars(entry: dict[str, Any], groups: list[int | None]) -> dict[int, dict[str, Any]]:
-    """Another optimizer's scalar state of each parameter of a saved chunk that has stepped, by its position
-    in the chunk's ``slots`` (the file's own dicts, not copied). Checkpoints written before 2026-11-27 hold
-    one ``"scalars"`` per param group instead: each parameter of the group that has stepped takes it
-    (``groups``: each slot's param group, ``None`` for one in none)."""
-    if "slot_scalars" in entry:
-        return dict(entry["slot_scalars"])
-    return {position: entry["scalars"][group]
-            for position, (group, count) in enumerate(zip(groups, saved_slot_steps(entry)))
-            if count and group in entry["scalars"]}
-
-
-class SavedLayout:
-    """The chunks of a sharded checkpoint as its rank files hold them: ``parts`` are the rank files'
-    payloads in rank order (``files`` their names, for errors). Reads any element range of any saved
-    parameter from the shards that hold it (:meth:`read`)."""
-
-    def __init__(self, parts: list[dict[str, Any]], files: list[str]) -> None:
-        self.parts, self.files = parts, files
-        self.chunks = parts[0]["model"]["chunks"]
-        self.where: dict[str, tuple[int, dict[str, Any]]] = {}
-        for n, entry in enumerate(self.chunks):
-            for slot in entry["slots"]:
-                self.where[slot["name"]] = (n, slot)
-        tables = [[(e["numel"], e["dtype"], e["trainable"], e["slots"]) for e in part["model"]["chunks"]]
-                  for part in parts]
-        for rank, table in enumerate(tables):
-            if table != tables[0]:
-                raise CheckpointError(f"{files[rank]}: its chunks' parameter tables differ from {files[0]}'s: the "
-                                      f"rank files are not of one save")
-        for rank, part in enumerate(parts):
-            for n, entry in enumerate(part["model"]["chunks"]):
-                end = entry["shard_offset"] + entry["shard_numel"]
-                if entry["shard_offset"] < 0 or end > entry["numel"]:
-                    raise CheckpointError(f"{files[rank]}: model.chunks[{n}] has the shard [{entry['shard_offset']}, "
-                                          f"{end}) of a chunk of {entry['numel']} elements")
-
-    def _holders(self, n: int) -> list[tuple[int, int, int]]:
-        """``(rank, start, end)``: which rank file holds which elements of saved chunk ``n`` (a chunk whole
-        on every rank, of persistent parameters, is read from rank 0's)."""
-        first = self.parts[0]["model"]["chunks"][n]
-        if first["shard_numel"] == first["numel"]:
-            return [(0, 0, first["numel"])]
-        holders = []
-        for rank, part in enumerate(self.parts):
-            entry = part["model"]["chunks"][n]
-            holders.append((rank, entry["shard_offset"], entry["shard_offset"] + entry["shard_numel"]))
-        return holders
-
-    def family(self, rank: int, n: int, family: str) -> torch.Tensor | None:
-        """Rank ``rank``'s saved shard of chunk ``n``'s ``family`` (``None``: not saved, e.g. no masters)."""
-        entry = self.parts[rank]["model"]["chunks"][n]
-        if family in (PARAM, MASTER):
-            return entry[family]
-        return saved_state(entry).get(family)
-
-    def read(self, family: str, name: str, start: int, end: int, out: torch.Tensor) -> None:
-        """Copy elements ``[start, end)`` of the saved parameter ``name``'s ``family`` into ``out``
-        (``end - start`` elements). Masters a chunk was saved without are its parameter values."""
-        n, slot = self.where[name]
-        low, high = slot["offset"] + start, slot["offset"] + end
-        covered = 0
-        for rank, shard_start, shard_end in self._holders(n):
-            a, b = max(low, shard_start), min(high, shard_end)
-            if a >= b:
-                continue
-            source = self.family(rank, n, family)
-            if source is None and family == MASTER:
-                source = self.family(rank, n, PARAM)
-            out[a - low:b - low].copy_(source[a - shard_start:b - shard_start])
-            covered += b - a
-        if covered != end - start:
-            raise CheckpointError(f"the saved shards of chunk {n} do not cover elements [{low}, {high}) of "
-                                  f"{name!r}: the rank files are not of one save")
-
-    def check_tensors(self, families: tuple[str, ...]) -> None:
-        """Raise naming the file and field unless every saved shard of ``families`` (and the parameters)
-        is a floating tensor of its shard's size."""
-        for rank, part in enumerate(self.parts):
-            for n, entry in enumerate(part["model"]["chunks"]):
-                for family in (PARAM, MASTER, *(families if entry["trainable"] else ())):
-                    value = self.family(rank, n, family)
-                    if value is not None:
-                        check_tensor_data(f"{self.files[rank]}: model.chunks[{n}][{family!r}]", value,
-                                          floating=True, numel=entry["shard_numel"])
+__all__ = ["plan_resharded_load"]
 
 
 def plan_resharded_load(path: str, model: Any, optimizer: Any, saved: SavedLayout,
@@ -169,33 +64,24 @@ def plan_resharded_load(path: str, model: Any, optimizer: Any, saved: SavedLayou
                 raise InvalidArgumentError(f"{path}: {slot.name!r}", f"trainable={saved.chunks[n]['trainable']}",
                                            f"trainable={chunk.trainable}, as in the model (freeze the same "
                                            f"parameters before building the model and loading)")
-    families: tuple[str, ...] = ()
+    write_state = None
     if optimizer is not None:
-        families = _check_optimizer_state(path, model, optimizer, saved)
-    saved.check_tensors(families)
+        write_state = _state_writer(path, model, optimizer, saved)  # the saved tensors checked
+    else:
+        saved.check_tensors(())
     steps = _steps_by_name(path, saved) if optimizer is not None else {}
     scalars = {c.index: _scalars_of(c, saved, optimizer) for c in model.chunks if c.trainable} \
         if optimizer is not None and optimizer.update_rule.keeps_slot_state else {}
-
-    def assemble(chunk: Chunk, family: str, dtype: torch.dtype) -> torch.Tensor:
-        shard = torch.zeros(chunk.shard_numel, dtype=dtype)
-        for slot in chunk.slots:
-            part = chunk.own_range(slot)
-            if part is not None:
-                start = slot.offset + part[0] - chunk.shard_offset
-                saved.read(family, slot.name, part[0], part[1], shard[start:start + part[1] - part[0]])
-        return shard
-
     saved_masters = any(e[MASTER] is not None for e in saved.chunks)
 
     def apply() -> None:
         for chunk in model.chunks:
-            model.runtime.write_params(chunk, assemble(chunk, PARAM, chunk.dtype))
+            model.runtime.write_params(chunk, _assemble(saved, chunk, PARAM, chunk.dtype))
             bump_versions(slot.param for slot in chunk.slots)
             if chunk.has_master and chunk.optim[MASTER].allocated:
-                chunk.optim[MASTER].write(assemble(chunk, MASTER, torch.float32))
+                chunk.optim[MASTER].write(_assemble(saved, chunk, MASTER, torch.float32))
             elif saved_masters:
-                warn_if_masters_lose_precision(chunk, chunk.name, assemble(chunk, MASTER, torch.float32))
+                warn_if_masters_lose_precision(chunk, chunk.name, _assemble(saved, chunk, MASTER, torch.float32))
         if optimizer is None:
             return
         if load_small_state is not None:
@@ -203,24 +89,53 @@ def plan_resharded_load(path: str, model: Any, optimizer: Any, saved: SavedLayou
         for chunk in model.chunks:
             if not chunk.trainable:
                 continue
-            for family in chunk.state_families:
-                chunk.optim[family].write(assemble(chunk, family, torch.float32))
+            write_state(chunk)
             if optimizer.update_rule.keeps_slot_state:
                 optimizer.replace_kept_state(chunk, scalars[chunk.index], {})
             chunk.steps = {slot.index_in_chunk: steps[slot.name] for slot in chunk.slots if steps.get(slot.name)}
     return apply
 
 
+def _assemble(saved: SavedLayout, chunk: Chunk, family: str, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's shard of ``chunk``'s per-element ``family`` (``dtype``) from the saved shards: each parameter's
+    elements in it read where they were saved, padding zero."""
+    shard = torch.zeros(chunk.shard_numel, dtype=dtype)
+    for slot in chunk.slots:
+        part = chunk.own_range(slot)
+        if part is not None:
+            start = slot.offset + part[0] - chunk.shard_offset
+            saved.read(family, slot.name, part[0], part[1], shard[start:start + part[1] - part[0]])
+    return shard
+
+
+def _state_writer(path: str, model: Any, optimizer: Any, saved: SavedLayout) -> Callable[[Chunk], None]:
+    """What writes this rank's optimizer state families of a trainable chunk of ``model``, after checking the saved
+    state and every saved tensor (raises before anything is written): each per-element family cut anew by
+    element, or an 8-bit Adam's families cut anew from each parameter's whole state
+    (:mod:`chunkmem.io.low_bit_resharding`)."""
+    families = _check_optimizer_state(path, model, optimizer, saved)
+    if isinstance(optimizer.update_rule, LowBitAdamRule):
+        saved.check_tensors(())  # the parameters and masters; the 8-bit families:
+        reader = SavedLowBitState(saved)
+        reader.check()
+
+        def write_low_bit(chunk: Chunk) -> None:
+            moments = ((slot, reader.moments(slot.name)) for slot in chunk.slots if chunk.own_range(slot) is not None)
+            for family, values in optimizer.update_rule.families_of_moments(chunk, moments).items():
+                chunk.optim[family].write(values)
+        return write_low_bit
+    saved.check_tensors(families)
+
+    def write(chunk: Chunk) -> None:
+        for family in chunk.state_families:
+            chunk.optim[family].write(_assemble(saved, chunk, family, torch.float32))
+    return write
+
+
 def _check_optimizer_state(path: str, model: Any, optimizer: Any, saved: SavedLayout) -> tuple[str, ...]:
     """The optimizer's per-element families, after checking that the saved state is of the same kind and
     can be split anew (no whole-parameter state)."""
     families = next((c.state_families for c in model.chunks if c.trainable), ())
-    refusal = optimizer.update_rule.why_not_resharded
-    if refusal is not None and any(entry["trainable"] for entry in saved.chunks):
-        raise UnsupportedOperationError(f"loading the sharded checkpoint {path} into another layout (world size, "
-                                        f"chunk size or trimming) with {refusal}: load it with the world size and "
-                                        f"chunk size that saved it, or save a full checkpoint (sharded=False), "
-                                        f"which loads into any layout")
     for n, entry in enumerate(saved.chunks):
         if not entry["trainable"]:
             continue

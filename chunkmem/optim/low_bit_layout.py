@@ -17,8 +17,10 @@ chunk's quantized parameters, in which the state dict gathers the scales.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from ..core.chunk import Chunk
+from ..core.layout import part_in_shard
 from .blockwise import BLOCK_SIZE, quantizes
 from .low_bit_adam import LowBitHyper, Segment
 
@@ -95,35 +97,57 @@ class ChunkStateLayout:
     chunk_blocks: int
     plain_slots: bool
 
+    @property
+    def scale_numel(self) -> int:
+        """Elements of each scales family's buffer: :attr:`blocks`, at least one (a shard may have no quantized
+        parameter)."""
+        return max(self.blocks, 1)
+
+    @property
+    def plain_numel(self) -> int:
+        """Elements of each plain family's buffer: :attr:`plain`, at least one."""
+        return max(self.plain, 1)
+
     @staticmethod
     def of(chunk: Chunk) -> "ChunkStateLayout":
         """The layout of ``chunk``'s state in this rank's shard."""
+        return ChunkStateLayout.of_shard([(slot.offset, slot.numel) for slot in chunk.slots], chunk.shard_offset,
+                                         chunk.shard_numel, chunk.shards.world)
+
+    @staticmethod
+    def of_shard(slots: Sequence[tuple[int, int]], shard_offset: int, shard_numel: int,
+                 world: int) -> "ChunkStateLayout":
+        """The layout of the shard ``[shard_offset, shard_offset + shard_numel)`` of a chunk sharded over ``world``
+        ranks into shards of ``shard_numel`` elements, whose parameters are ``slots``: ``(offset, numel)`` in
+        elements, in the chunk's order (their positions are the pieces' keys). A chunk whole on every rank (of
+        persistent parameters) has one shard of all its elements, and no block is cut. A sharded checkpoint's
+        layout is derived by it from the chunk table its files hold (:mod:`chunkmem.io.low_bit_resharding`)."""
         pieces, blocks, plain = {}, 0, 0
-        for slot in chunk.slots:
-            part = chunk.own_range(slot)
+        for index, (offset, numel) in enumerate(slots):
+            part = part_in_shard(offset, numel, shard_offset, shard_numel)
             if part is None:
                 continue
-            quantized = quantizes(slot.numel)
-            piece = StatePiece(slot.index_in_chunk, slot.offset + part[0] - chunk.shard_offset, part[1] - part[0],
-                               quantized, blocks if quantized else plain, part[0])
-            pieces[slot.index_in_chunk] = piece
+            quantized = quantizes(numel)
+            piece = StatePiece(index, offset + part[0] - shard_offset, part[1] - part[0], quantized,
+                               blocks if quantized else plain, part[0])
+            pieces[index] = piece
             blocks += piece.blocks
             plain += 0 if quantized else piece.numel
         cuts: list[tuple[int, int]] = []
-        for rank in range(1, chunk.shards.world):
-            boundary = rank * chunk.shard_numel
-            for slot in chunk.slots:
-                inside = boundary - slot.offset
-                if quantizes(slot.numel) and 0 < inside < slot.numel and inside % BLOCK_SIZE:
-                    if (slot.index_in_chunk, inside // BLOCK_SIZE) not in cuts:  # a block under several boundaries
-                        cuts.append((slot.index_in_chunk, inside // BLOCK_SIZE))
+        for rank in range(1, world):
+            boundary = rank * shard_numel
+            for index, (offset, numel) in enumerate(slots):
+                inside = boundary - offset
+                if quantizes(numel) and 0 < inside < numel and inside % BLOCK_SIZE:
+                    if (index, inside // BLOCK_SIZE) not in cuts:  # a block under several boundaries
+                        cuts.append((index, inside // BLOCK_SIZE))
         bases, total = {}, 0
-        for slot in chunk.slots:
-            if quantizes(slot.numel):
-                bases[slot.index_in_chunk] = total
-                total += slot.numel // BLOCK_SIZE
+        for index, (_, numel) in enumerate(slots):
+            if quantizes(numel):
+                bases[index] = total
+                total += numel // BLOCK_SIZE
         return ChunkStateLayout(pieces, blocks, plain, tuple(cuts), bases, total,
-                                any(not quantizes(slot.numel) for slot in chunk.slots))
+                                any(not quantizes(numel) for _, numel in slots))
 
     def cut_index(self, piece: StatePiece, segment: Segment) -> int:
         """The position in :attr:`cut_blocks` of the block whose part the ``cut`` ``segment`` of ``piece`` is."""

@@ -40,8 +40,11 @@ per 256 elements); an atomic step writes their new values into copies that repla
 quantized-or-not and the blocks are the whole parameter's, and a block cut by a shard boundary is stepped in two
 halves, its parts on each rank, then quantized with the scale the ranks agree on (an all-reduce of its largest
 magnitudes per chunk and step, in chunk order on every rank). With stochastic rounding each rank takes its part's
-numbers of each parameter's draw. The state dict is gathered (collectives in chunk order); a sharded checkpoint
-loads with the layout that saved it only (:attr:`LowBitAdamRule.why_not_resharded`).
+numbers of each parameter's draw. The state dict is gathered (collectives in chunk order). A sharded checkpoint
+holds each rank's shard as it lies; into another layout it is loaded, and consolidated, through each parameter's
+whole state (:mod:`chunkmem.io.low_bit_resharding`: its codes, each block's scale once, its plain moments), cut
+again for the loading shard by :meth:`LowBitAdamRule.families_of_moments` or written as the full state dict
+writes it by :func:`state_entry`.
 
 Not yet: several ranks with the disk tier or ``step_in_backward`` (the cut blocks' agreement would be a collective
 off the step's thread or inside the backward), ``amsgrad``, another ``block_size``, and ``bf16_stochastic_round``
@@ -50,7 +53,7 @@ over an fp16 model or with ``reuse_fp16_shard=True`` are refused when the optimi
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -75,6 +78,12 @@ SCALES_M, SCALES_V = "exp_avg_scales", "exp_avg_sq_scales"
 PLAIN_M, PLAIN_V = "exp_avg_fp32", "exp_avg_sq_fp32"
 LOW_BIT_FAMILIES = (CODES_M, CODES_V, SCALES_M, SCALES_V, PLAIN_M, PLAIN_V)
 """The state families of a chunk under an 8-bit Adam (module docstring)."""
+
+_Moment = tuple[torch.Tensor, torch.Tensor] | torch.Tensor
+WholeMoments = tuple[_Moment, _Moment]
+"""A parameter's whole ``(exp_avg, exp_avg_sq)``: each a ``(codes, scales)`` pair of flat tensors (``uint8``, one
+code per element; fp32, one scale per block of 256) where its state is quantized, else a flat tensor of its plain
+moments (fp32, or bf16 beside bf16 parameters that are their own masters)."""
 
 _DECOUPLED = {"AdamW8bit": True, "Adam8bit": False}
 _STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -139,8 +148,7 @@ class LowBitAdamRule(UpdateRule):
     def __init__(self, optimizer: Optimizer, runtime: ChunkRuntime, group_of: dict[int, int], decoupled: bool,
                  stochastic_round: bool = False, plain_state: bool = False) -> None:
         super().__init__(optimizer, runtime, group_of)
-        self.why_not_resharded = (f"{type(optimizer).__name__}'s 8-bit state (its block scales and fp32 moments "
-                                  "are laid out per shard, not by element)")
+        self.state_dict_form = "plain-8bit" if plain_state else "torchao-8bit"
         self.decoupled = decoupled
         self.stochastic_round = stochastic_round
         self.plain_state = plain_state
@@ -157,8 +165,8 @@ class LowBitAdamRule(UpdateRule):
         chunk may have no quantized or no plain parameter); the plain moments are bf16 beside bf16 parameters
         that are their own masters, as torchao keeps a small bf16 tensor's state."""
         layout = ChunkStateLayout.of(chunk)
-        codes, scales = (chunk.shard_numel, torch.uint8), (max(layout.blocks, 1), torch.float32)
-        small = (max(layout.plain, 1), torch.bfloat16 if stochastic_round else torch.float32)
+        codes, scales = (chunk.shard_numel, torch.uint8), (layout.scale_numel, torch.float32)
+        small = (layout.plain_numel, torch.bfloat16 if stochastic_round else torch.float32)
         return {CODES_M: codes, CODES_V: codes, SCALES_M: scales, SCALES_V: scales, PLAIN_M: small, PLAIN_V: small}
 
     def keeps_master(self, chunk: Chunk) -> bool:
@@ -278,25 +286,17 @@ class LowBitAdamRule(UpdateRule):
     def state_entries(self, chunk: Chunk, index_of: dict[int, int]) -> dict[int, dict[str, Any]]:
         layout = self._layouts[chunk.index]
         codes, scales, plain = self._gathered(chunk)
-        maps = dynamic_map(True), dynamic_map(False)
         entries = {}
         for slot in chunk.slots:
             if id(slot.param) not in index_of or chunk.step_of(slot) == 0:  # torch keeps no state for one never stepped
                 continue
-            entry: dict[str, Any] = {"step": torch.tensor(float(chunk.step_of(slot)), dtype=torch.float32)}
             if quantizes(slot.numel):
                 first = layout.block_bases[slot.index_in_chunk]
                 held = tuple((codes[row][slot.offset:slot.offset + slot.numel],
                               scales[row, first:first + slot.numel // BLOCK_SIZE]) for row in range(2))
             else:
                 held = tuple(plain[row][slot.offset:slot.offset + slot.numel] for row in range(2))
-            if self.plain_state:
-                entry.update(low_bit_param.exported(held, slot.shape))
-            else:
-                for row, key in enumerate(_STATE_KEYS):
-                    entry[key] = (_quantized_state(held[row][0].view(slot.shape), held[row][1], maps[row], row == 0)
-                                  if quantizes(slot.numel) else held[row].to("cpu", copy=True).view(slot.shape))
-            entries[index_of[id(slot.param)]] = entry
+            entries[index_of[id(slot.param)]] = state_entry(chunk.step_of(slot), held, slot.shape, self.plain_state)
         return entries
 
     def _gathered(self, chunk: Chunk) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor] | None]:
@@ -355,17 +355,28 @@ class LowBitAdamRule(UpdateRule):
         return check_plain_entry(index, name, {"step": entry["step"], **plain}, slot)
 
     def loaded_families(self, chunk: Chunk, entries: list[tuple[ParamSlot, Mapping[str, Any]]]) -> dict[str, torch.Tensor]:
+        moments = []
+        for slot, entry in entries:
+            moments.append((slot, low_bit_param.moments_of(entry) if self.plain_state else tuple(
+                (entry[key].codes.reshape(-1), entry[key].scale.reshape(-1)) if quantizes(slot.numel)
+                else entry[key].detach().reshape(-1) for key in _STATE_KEYS)))
+        return self.families_of_moments(chunk, moments)
+
+    def families_of_moments(self, chunk: Chunk,
+                            moments: Iterable[tuple[ParamSlot, WholeMoments]]) -> dict[str, torch.Tensor]:
+        """This rank's state families of ``chunk`` (each buffer's elements and dtype) cut from the whole state of
+        its parameters: ``moments`` yields ``(slot, (exp_avg, exp_avg_sq))``, as :data:`WholeMoments` says, one
+        parameter at a time (the parameters without one: zero). What a loaded state dict and a sharded checkpoint
+        loaded into another layout write (a plain moment in another dtype is cast to the buffer's, as torch's
+        ``Optimizer.load_state_dict`` casts state to the parameter's dtype)."""
         families = {family: torch.zeros(chunk.optim[family].numel, dtype=chunk.optim[family].dtype)
                     for family in LOW_BIT_FAMILIES}
         state = Moments(*families.values())
-        for slot, entry in entries:
+        for slot, saved in moments:
             piece = self._layouts[chunk.index].pieces.get(slot.index_in_chunk)
             if piece is None:
                 continue
             elements = slice(piece.first, piece.first + piece.numel)
-            saved = low_bit_param.moments_of(entry) if self.plain_state else tuple(
-                (entry[key].codes.reshape(-1), entry[key].scale.reshape(-1)) if piece.quantized
-                else entry[key].detach().reshape(-1) for key in _STATE_KEYS)
             for value, codes, scales, plain in ((saved[0], state.codes_m, state.scales_m, state.plain_m),
                                                 (saved[1], state.codes_v, state.scales_v, state.plain_v)):
                 if piece.quantized:
@@ -403,6 +414,22 @@ class StreamedLowBitUpdate:
         families = {**state, **self.in_memory}
         moments = Moments(*(families[family] for family in LOW_BIT_FAMILIES))
         update_segments_(master, grad, moments, self.segments, self.multiplier, None, self.random())
+
+
+def state_entry(step: int, held: WholeMoments, shape: Sequence[int], plain_state: bool) -> dict[str, Any]:
+    """One parameter's state-dict entry, as ``optim.state_dict()`` writes it, from its ``step`` count and its whole
+    moments ``held`` (``(exp_avg, exp_avg_sq)``, :data:`WholeMoments`): torchao's (a float ``step`` tensor,
+    ``OptimState8bit`` or plain tensors shaped like the parameter), or :mod:`chunkmem.optim.low_bit_param`'s plain
+    tensors (``plain_state``). Copies on the CPU."""
+    entry: dict[str, Any] = {"step": torch.tensor(float(step), dtype=torch.float32)}
+    if plain_state:
+        entry.update(low_bit_param.exported(held, torch.Size(shape)))
+        return entry
+    for row, key in enumerate(_STATE_KEYS):
+        value = held[row]
+        entry[key] = (_quantized_state(value[0].view(tuple(shape)), value[1], dynamic_map(row == 0), row == 0)
+                      if isinstance(value, tuple) else value.to("cpu", copy=True).view(tuple(shape)))
+    return entry
 
 
 def _quantized_state(codes: torch.Tensor, scales: torch.Tensor, qmap: torch.Tensor, signed: bool) -> torch.Tensor:

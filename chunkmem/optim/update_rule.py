@@ -69,9 +69,11 @@ class UpdateRule:
     streams_whole_chunks = False
     """Whether the streamed disk step must hand the rule each chunk's shard as one piece (its state is laid out
     in blocks that a piece boundary must not cut); else pieces of the disk tier's ``buffer_size``."""
-    why_not_resharded: str | None = None
-    """Why a sharded checkpoint of the rule's state cannot load into another layout (``None``: it can, each
-    family cut anew by element)."""
+    state_dict_form: str | None = None
+    """How the full state dict writes the per-parameter state, where its keys are not the chunk families cut by
+    parameter: ``"torchao-8bit"`` (torchao's ``OptimState8bit``) or ``"plain-8bit"``
+    (:mod:`chunkmem.optim.low_bit_param`) for an 8-bit Adam; ``None`` otherwise. A sharded checkpoint records it,
+    so that :func:`~chunkmem.consolidate_checkpoint` writes the full state dict's form."""
 
     def __init__(self, optimizer: Optimizer, runtime: ChunkRuntime, group_of: dict[int, int]) -> None:
         self.optimizer = optimizer
