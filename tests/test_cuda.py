@@ -219,3 +219,53 @@ def test_step_in_backward_with_state_in_memory_on_cuda_is_bitwise_the_plain_step
     assert plain_steps == ahead_steps == [True, False, True, True]
     for name, value in plain.state_dict().items():
         assert torch.equal(value, ahead.state_dict()[name]), name
+
+
+@pytest.mark.parametrize("step_in_backward", [False, True])
+@pytest.mark.parametrize("dtype,rounding", [(torch.float32, False), (torch.bfloat16, True)])
+def test_8bit_state_on_the_gpu_is_bitwise_torchaos_eager_step(dtype, rounding, step_in_backward):
+    """torchao's ``AdamW8bit`` under ``cuda`` placement: codes, scales and parameters on the GPU, updated by the
+    torch-op formulation (the C++ kernel is the host's); with ``bf16_stochastic_round`` the numbers come from the
+    GPU's generator where torchao's step draws them. Bitwise torchao's eager step on the plain model on the GPU,
+    the generator left where it leaves it."""
+    torchao_optim = pytest.importorskip("torchao.optim")
+    from models import TinyGPT, batches, lm_loss
+    from torchao_reference import eager_step
+
+    torch.manual_seed(0)
+    reference = TinyGPT(d=64).to("cuda", dtype)
+    data = [x.cuda() for x in batches(3, seed=31)]
+
+    def make(params):
+        return torchao_optim.AdamW8bit(params, lr=1e-2, weight_decay=0.05, bf16_stochastic_round=rounding)
+
+    plain = copy.deepcopy(reference)
+    plain_optim = make(plain.parameters())
+    torch.manual_seed(1234)
+    for x in data:
+        lm_loss(plain(x), x).backward()
+        eager_step(plain_optim)
+        plain_optim.zero_grad()
+    plain_rng = torch.cuda.get_rng_state()
+    module = copy.deepcopy(reference)
+    model = cm.ShardedModelV2(module, cm.TensorShardStrategy(), tensor_placement_policy="cuda", dtype=dtype,
+                              chunk_size=(1 << 15) * dtype.itemsize)
+    optim = cm.ShardedOptimizerV2(model, make(module.parameters()), step_in_backward=step_in_backward)
+    torch.manual_seed(1234)
+    for x in data:
+        optim.backward(lm_loss(model(x), x))
+        optim.step()
+        optim.zero_grad()
+    state = model.state_dict()
+    for key, p in plain.named_parameters():
+        assert torch.equal(state[key].to(p.device, p.dtype), p.detach()), key
+    ours, theirs = optim.state_dict()["state"], plain_optim.state_dict()["state"]
+    assert sorted(ours) == sorted(theirs)
+    for index, entry in theirs.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            a, b = ours[index][key], entry[key]
+            if hasattr(b, "codes"):
+                assert torch.equal(a.codes.cpu(), b.codes.cpu()) and torch.equal(a.scale.cpu(), b.scale.cpu()), (index, key)
+            else:
+                assert torch.equal(a.cpu(), b.cpu()), (index, key)
+    assert torch.equal(torch.cuda.get_rng_state(), plain_rng), "the GPU's generator is not where torchao leaves it"
