@@ -149,22 +149,20 @@ CM_TARGET inline __m256i encode8(__m256 y, const uint32_t* words) {
   return code;
 }
 
-CM_TARGET void quantize_block(const float* values, const uint32_t* words, uint8_t* codes, float* scale) {
-  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  __m256 largest = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
-  for (int i = 0; i < kBlock; i += 8) {
-    __m256 a = _mm256_and_ps(_mm256_loadu_ps(values + i), magnitude);
-    nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
-    largest = _mm256_max_ps(largest, a);
-  }
+// The block's scale from its values' largest magnitude (lanes of `largest`) and whether one is NaN (lanes of
+// `nan`): NaN for a block that is not finite, else at least 1e-12.
+CM_TARGET inline float block_scale(__m256 largest, __m256 nan) {
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, largest);
   float absmax = 0.0f;
   for (float a : lanes) absmax = std::max(absmax, a);
-  const float s = _mm256_movemask_ps(nan) ? NAN : std::max(absmax, 1e-12f);
-  *scale = s;
+  return _mm256_movemask_ps(nan) ? NAN : std::max(absmax, 1e-12f);
+}
+
+// A block's codes: each value divided by the block's scale, then counted against the map's thresholds.
+CM_TARGET void encode_block(const float* values, float scale, const uint32_t* words, uint8_t* codes) {
   alignas(32) int32_t wide[kBlock];
-  const __m256 vs = _mm256_set1_ps(s);
+  const __m256 vs = _mm256_set1_ps(scale);
   for (int i = 0; i < kBlock; i += 8)
     _mm256_store_si256(reinterpret_cast<__m256i*>(wide + i), encode8(_mm256_div_ps(_mm256_loadu_ps(values + i), vs), words));
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' interleaving of lanes
@@ -183,11 +181,6 @@ CM_TARGET inline __m256 lookup8(const float* table, const uint8_t* codes) {
   std::memcpy(&w, codes, 8);
   return _mm256_setr_ps(table[w & 255], table[(w >> 8) & 255], table[(w >> 16) & 255], table[(w >> 24) & 255],
                         table[(w >> 32) & 255], table[(w >> 40) & 255], table[(w >> 48) & 255], table[w >> 56]);
-}
-
-CM_TARGET void dequantize_block(const uint8_t* codes, float scale, const float* qmap, float* values) {
-  const __m256 vs = _mm256_set1_ps(scale);
-  for (int i = 0; i < kBlock; i += 8) _mm256_storeu_ps(values + i, _mm256_mul_ps(lookup8(qmap, codes + i), vs));
 }
 
 CM_TARGET void store_plain(void* state, int dtype, int64_t at, int n, const float* values) {
@@ -209,35 +202,67 @@ CM_TARGET void store_stochastic(uint16_t* out, const int32_t* random, int n, con
   }
 }
 
-// One tile: up to kTile elements of one segment, from element `offset` of it (a multiple of kTile); the
-// square root of a whole tile is one call, as MKL's has a cost per call.
-CM_TARGET void update_tile(const Buffers& b, const Segment& s, int64_t offset, int n) {
-  alignas(64) float g[kTile], p[kTile], m[kTile], v[kTile], root[kTile];
-  const int64_t at = s.start + offset;
-  const bool quantized = s.flags & kQuantized;
-  load_grad(b.grad, b.grad_dtype, at, n, g);
+// torch's lerp(a, b, w) as its vectorized kernel computes it: |w| < 0.5 ? fma(w, b - a, a) : fma(-(b - a), 1 - w, b).
+CM_TARGET inline __m256 lerp8(__m256 a, __m256 b, __m256 w, __m256 rest, bool small) {
+  const __m256 d = _mm256_sub_ps(b, a);
+  return small ? _mm256_fmadd_ps(w, d, a) : _mm256_fnmadd_ps(d, rest, b);
+}
+
+// The first half of a step on elements whose moments are quantized, eight at a time and block by block: the
+// gradient (times the multiplier), the weight decay, the moments dequantized and moved towards the gradient and
+// its square, and each block's new scales (written over the old ones once read). In: g (gradient), p
+// (master); out: p, m, v.
+CM_TARGET void quantized_moments(const Buffers& b, const Segment& s, int64_t at, int64_t block, int n, const float* g,
+                                 float* p, float* m, float* v) {
+  const bool apply_mult = s.flags & kApplyMult, decoupled = s.flags & kDecoupled, l2 = s.flags & kL2;
+  const bool small1 = std::fabs(s.w1) < 0.5f, small2 = std::fabs(s.w2) < 0.5f;
+  const __m256 mult = _mm256_set1_ps(s.mult), lr_wd = _mm256_set1_ps(s.lr_wd), wd = _mm256_set1_ps(s.wd);
+  const __m256 w1 = _mm256_set1_ps(s.w1), rest1 = _mm256_set1_ps(1.0f - s.w1);
+  const __m256 w2 = _mm256_set1_ps(s.w2), rest2 = _mm256_set1_ps(1.0f - s.w2);
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int k = 0; k < n; k += kBlock) {
+    const __m256 scale_m = _mm256_set1_ps(b.m_scales[block + k / kBlock]);
+    const __m256 scale_v = _mm256_set1_ps(b.v_scales[block + k / kBlock]);
+    __m256 largest_m = _mm256_setzero_ps(), nan_m = _mm256_setzero_ps();
+    __m256 largest_v = _mm256_setzero_ps(), nan_v = _mm256_setzero_ps();
+    for (int i = k; i < k + kBlock; i += 8) {
+      __m256 gi = _mm256_load_ps(g + i), pi = _mm256_load_ps(p + i);
+      if (apply_mult) gi = _mm256_mul_ps(gi, mult);
+      if (decoupled) {
+        pi = _mm256_sub_ps(pi, _mm256_mul_ps(lr_wd, pi));
+      } else if (l2) {
+        gi = _mm256_add_ps(gi, _mm256_mul_ps(wd, pi));
+      }
+      const __m256 mi = _mm256_mul_ps(lookup8(b.qmap_signed, b.m_codes + at + i), scale_m);
+      const __m256 vi = _mm256_mul_ps(lookup8(b.qmap_unsigned, b.v_codes + at + i), scale_v);
+      const __m256 new_m = lerp8(mi, gi, w1, rest1, small1);
+      const __m256 new_v = lerp8(vi, _mm256_mul_ps(gi, gi), w2, rest2, small2);
+      _mm256_store_ps(p + i, pi);
+      _mm256_store_ps(m + i, new_m);
+      _mm256_store_ps(v + i, new_v);
+      const __m256 abs_m = _mm256_and_ps(new_m, magnitude), abs_v = _mm256_and_ps(new_v, magnitude);
+      nan_m = _mm256_or_ps(nan_m, _mm256_cmp_ps(abs_m, abs_m, _CMP_UNORD_Q));
+      nan_v = _mm256_or_ps(nan_v, _mm256_cmp_ps(abs_v, abs_v, _CMP_UNORD_Q));
+      largest_m = _mm256_max_ps(largest_m, abs_m);
+      largest_v = _mm256_max_ps(largest_v, abs_v);
+    }
+    b.m_scales[block + k / kBlock] = block_scale(largest_m, nan_m);
+    b.v_scales[block + k / kBlock] = block_scale(largest_v, nan_v);
+  }
+}
+
+// The same for moments kept plain (fp32, or bf16 beside bf16 masters), element by element.
+CM_TARGET void plain_moments(const Buffers& b, const Segment& s, int64_t offset, int n, float* g, float* p, float* m,
+                             float* v) {
   if (s.flags & kApplyMult)
     for (int i = 0; i < n; ++i) g[i] = g[i] * s.mult;
-  if (b.master_dtype == kBF16) {
-    load_grad(b.master, kBF16, at, n, p);
-  } else {
-    std::memcpy(p, static_cast<float*>(b.master) + at, sizeof(float) * n);
-  }
   if (s.flags & kDecoupled) {
     for (int i = 0; i < n; ++i) p[i] = p[i] - s.lr_wd * p[i];
   } else if (s.flags & kL2) {
     for (int i = 0; i < n; ++i) g[i] = g[i] + s.wd * p[i];
   }
-  const int64_t block = s.state_base + offset / kBlock;
-  if (quantized) {
-    for (int k = 0; k < n; k += kBlock) {
-      dequantize_block(b.m_codes + at + k, b.m_scales[block + k / kBlock], b.qmap_signed, m + k);
-      dequantize_block(b.v_codes + at + k, b.v_scales[block + k / kBlock], b.qmap_unsigned, v + k);
-    }
-  } else {
-    load_grad(b.m_plain, b.plain_dtype, s.state_base + offset, n, m);
-    load_grad(b.v_plain, b.plain_dtype, s.state_base + offset, n, v);
-  }
+  load_grad(b.m_plain, b.plain_dtype, s.state_base + offset, n, m);
+  load_grad(b.v_plain, b.plain_dtype, s.state_base + offset, n, v);
   if (std::fabs(s.w1) < 0.5f) {
     for (int i = 0; i < n; ++i) m[i] = std::fma(s.w1, g[i] - m[i], m[i]);
   } else {
@@ -251,10 +276,30 @@ CM_TARGET void update_tile(const Buffers& b, const Segment& s, int64_t offset, i
     const float rest = 1.0f - s.w2;
     for (int i = 0; i < n; ++i) v[i] = std::fma(-(g[i] - v[i]), rest, g[i]);
   }
+}
+
+// One tile: up to kTile elements of one segment, from element `offset` of it (a multiple of kTile); the
+// square root of a whole tile is one call, as MKL's has a cost per call.
+CM_TARGET void update_tile(const Buffers& b, const Segment& s, int64_t offset, int n) {
+  alignas(64) float g[kTile], p[kTile], m[kTile], v[kTile], root[kTile];
+  const int64_t at = s.start + offset;
+  const bool quantized = s.flags & kQuantized;
+  load_grad(b.grad, b.grad_dtype, at, n, g);
+  if (b.master_dtype == kBF16) {
+    load_grad(b.master, kBF16, at, n, p);
+  } else {
+    std::memcpy(p, static_cast<float*>(b.master) + at, sizeof(float) * n);
+  }
+  const int64_t block = s.state_base + offset / kBlock;
+  if (quantized) {
+    quantized_moments(b, s, at, block, n, g, p, m, v);
+  } else {
+    plain_moments(b, s, offset, n, g, p, m, v);
+  }
   if (quantized) {
     for (int k = 0; k < n; k += kBlock) {
-      quantize_block(m + k, b.words_signed, b.m_codes + at + k, b.m_scales + block + k / kBlock);
-      quantize_block(v + k, b.words_unsigned, b.v_codes + at + k, b.v_scales + block + k / kBlock);
+      encode_block(m + k, b.m_scales[block + k / kBlock], b.words_signed, b.m_codes + at + k);
+      encode_block(v + k, b.v_scales[block + k / kBlock], b.words_unsigned, b.v_codes + at + k);
     }
   } else {
     store_plain(b.m_plain, b.plain_dtype, s.state_base + offset, n, m);
