@@ -148,6 +148,18 @@ def test_two_ranks_8bit_bytes_of_each_rank_equal_real_ranks():
             assert real["host_peak"] <= c.host_peak_bytes <= real["host_peak"] + CHUNK, (rank, name)
 
 
+def test_8bit_candidates_fit_where_fp32_ones_do_not():
+    """On a device of 700,000 bytes the fp32 state of 'cuda' does not fit and the 8-bit one does; asked for only."""
+    batch = torch.randn(4, 64)
+    only_fp32 = cm.choose(build, batch, 700_000, dtype=torch.float32, profile=profile(), chunk_size=CHUNK,
+                          policies=("cuda",))
+    assert [c.name for c in only_fp32.candidates] == ["cuda"] and not only_fp32.candidates[0].fits
+    choice = cm.choose(build, batch, 700_000, dtype=torch.float32, profile=profile(), chunk_size=CHUNK,
+                       policies=("cuda",), optimizer_states=("fp32", "8bit"))
+    assert [(c.name, c.fits) for c in choice.candidates] == [("cuda", False), ("cuda+8bit", True)]
+    assert choice.recommended.name == "cuda+8bit"
+
+
 def test_the_8bit_update_is_timed_at_its_own_rates():
     """The update's seconds: parameters / the profile's rate of that state (fp32 Adam's, the 8-bit update's per
     dtype, the stochastic rounding one's); the disk step's I/O from the 8-bit families' bytes. A slow 8-bit update
