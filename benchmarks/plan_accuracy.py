@@ -149,6 +149,9 @@ def main() -> int:
     print(f"profile measured in {time.perf_counter() - begin:.1f} s: matmul GFLOP/s "
           + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in profile.matmul_flops.items())
           + f"; Adam Mparams/s " + ", ".join(f"{k} {v / 1e6:.0f}" for k, v in profile.adam_elements_per_s.items())
+          + "; 8-bit Adam Mparams/s " + ", ".join(f"{k} {v / 1e6:.0f}"
+                                                  for k, v in profile.low_bit_adam_elements_per_s.items())
+          + f", bf16 rounded {profile.rounded_adam_elements_per_s / 1e6:.0f}"
           + f"; copy {profile.copy_bytes_per_s / 1e9:.1f} GB/s; disk read {profile.disk_read_bytes_per_s / 1e9:.2f}"
           f" GB/s, write {profile.disk_write_bytes_per_s / 1e9:.2f} GB/s, streamed step "
           f"{profile.disk_step_bytes_per_s / 1e9:.2f} GB/s", flush=True)

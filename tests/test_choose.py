@@ -1,7 +1,8 @@
 """chunkmem.choose against real runs: every candidate's bytes per tier (disk included), files, disk traffic
 and host peak equal what a real run's ledger counts, at 1 and 2 ranks; the recommended candidate of a
 sweep of budgets trains under those budgets; the recommendation is the fastest predicted candidate that
-fits; the command line; initialize(plan=...). Times come from a fixed MachineProfile: no timing here."""
+fits; the command line; initialize(plan=...). Times come from a fixed MachineProfile: no timing here. 8-bit
+optimizer state: tests/test_choose_low_bit.py."""
 from __future__ import annotations
 
 import importlib
@@ -20,7 +21,9 @@ CHUNK = 64 * 256 * 4
 IO = 32768  # the disk tier's buffer_size in these tests (bytes)
 PROFILE = dict(matmul_flops={"float32": 5e10, "bfloat16": 2e11, "float16": 2e9}, elementwise_bytes_per_s=5e9,
                adam_elements_per_s={"float32": 1e9, "bfloat16": 1.5e9, "float16": 1.5e9}, copy_bytes_per_s=5e9,
-               disk_read_bytes_per_s=1e9, disk_write_bytes_per_s=5e8, collective_bytes_per_s=1e9)
+               disk_read_bytes_per_s=1e9, disk_write_bytes_per_s=5e8, collective_bytes_per_s=1e9,
+               low_bit_adam_elements_per_s={"float32": 2.5e8, "bfloat16": 2.5e8, "float16": 2.5e8},
+               rounded_adam_elements_per_s=2e8)
 
 
 def profile(**changes) -> MachineProfile:
@@ -323,9 +326,11 @@ def test_measuring_the_machine_gives_every_figure(tmp_path):
     from chunkmem.plan.machine_profile import _disk_step_bytes_per_s
 
     p = MachineProfile.measure(dtypes=(torch.float32, torch.bfloat16))
-    assert set(p.matmul_flops) == set(p.adam_elements_per_s) == {"float32", "bfloat16"}
+    assert set(p.matmul_flops) == set(p.adam_elements_per_s) == set(p.low_bit_adam_elements_per_s) == {"float32",
+                                                                                                      "bfloat16"}
     assert all(v > 0 for v in [*p.matmul_flops.values(), *p.adam_elements_per_s.values(), p.copy_bytes_per_s,
-                               p.elementwise_bytes_per_s])
+                               p.elementwise_bytes_per_s, *p.low_bit_adam_elements_per_s.values(),
+                               p.rounded_adam_elements_per_s])
     assert p.disk_read_bytes_per_s is None and p.collective_bytes_per_s is None and p.threads == torch.get_num_threads()
     # the streamed disk step's rate, on a small model: its files are made and removed under the directory
     assert _disk_step_bytes_per_s(str(tmp_path), width=256, layers=2) > 0
@@ -454,61 +459,3 @@ def test_bad_accumulation_arguments_are_named_in_choose(capsys, tmp_path):
         plan_module.main(common + ["--grad-accum-dtype", "fp16"])
     with pytest.raises(cm.InvalidArgumentError, match="gradient_accumulation_steps"):
         plan_module.main(common + ["--gradient-accumulation-steps", "0"])
-
-
-def _real_8bit_run(candidate: cm.Candidate, batch: torch.Tensor, steps: int = 3) -> dict:
-    """``real_run`` with HybridAdam(state_dtype="8bit"), the optimizer an 8-bit candidate is planned for."""
-    module = build()
-    model, optim = cm.initialize(module, cm.HybridAdam(module.parameters(), lr=1e-3, state_dtype="8bit"),
-                                 plan=candidate)
-    ledger = model.runtime.ledger
-    for _ in range(steps):
-        before = (ledger.moved_to_device, ledger.moved_to_host)
-        optim.backward(model(batch).float().mean())
-        optim.step()
-        optim.zero_grad()
-    return {"tier_bytes": model.tier_bytes(), "host_peak": ledger.peak_host_bytes,
-            "moved": (ledger.moved_to_device - before[0], ledger.moved_to_host - before[1])}
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_8bit_candidates_fit_where_fp32_ones_do_not_and_equal_a_real_run(dtype):
-    """On the device, the fp32 state does not fit in 700,000 bytes (bf16: 836,360 at the peak; fp32: more) and the
-    8-bit one does: asked for, the 8-bit candidates are offered (only then), the fastest recommended, and each
-    holds the bytes a real run's ledger counts with HybridAdam(state_dtype="8bit")."""
-    batch = torch.randn(4, 64)
-    device = 700_000
-    only_fp32 = cm.choose(build, batch, device, dtype=dtype, profile=profile(), chunk_size=CHUNK, disk_memory=2**30)
-    assert all(c.optimizer_state == "fp32" and "8bit" not in c.name for c in only_fp32.candidates)
-    assert not {c.name: c for c in only_fp32.candidates}["cuda"].fits
-    choice = cm.choose(build, batch, device, dtype=dtype, profile=profile(), chunk_size=CHUNK, disk_memory=2**30,
-                       optimizer_states=("fp32", "8bit"))
-    by_name = {c.name: c for c in choice.candidates}
-    assert not by_name["cuda"].fits and by_name["cuda+8bit"].fits
-    assert choice.recommended.optimizer_state == "8bit" and choice.recommended.policy == "cuda"
-    low_bit = [c for c in choice.candidates if c.optimizer_state == "8bit"]
-    assert low_bit and all(c.name.endswith("+8bit") and not c.uses_disk for c in low_bit)
-    assert {c.name for c in choice.candidates} - {c.name for c in low_bit} == {c.name for c in only_fp32.candidates}
-    cm.set_device_memory_capacity(device)
-    for c in low_bit:
-        real = _real_8bit_run(c, batch)
-        assert real["tier_bytes"] == c.tier_bytes, c.name
-        assert real["moved"] == (c.moved_to_device_per_step, c.moved_to_host_per_step), c.name
-        if c.policy != "static":
-            assert real["host_peak"] == c.host_peak_bytes, c.name
-        moments = lambda c: sum(n for tier in c.tier_bytes.values() for f, n in tier.items()  # noqa: E731
-                                if f.startswith("exp_avg"))
-        assert moments(c) < moments(by_name[c.name[:-len("+8bit")]]) / 3, c.name
-    module = build()  # the candidate is planned for 8-bit state: another optimizer is refused
-    with pytest.raises(cm.InvalidArgumentError, match="optimizer.*8-bit"):
-        cm.initialize(module, cm.HybridAdam(module.parameters()), plan=choice.recommended)
-
-
-def test_bad_optimizer_states_are_named():
-    batch = torch.randn(4, 64)
-    for value, error in [("8bit", cm.InvalidArgumentError), ((), cm.InvalidArgumentError),
-                         (("fp32", "int8"), cm.InvalidArgumentError), ((8,), cm.ArgumentTypeError)]:
-        with pytest.raises(error, match="optimizer_states"):
-            cm.choose(build, batch, 2**20, profile=profile(), optimizer_states=value)
-    with pytest.raises(cm.InvalidArgumentError, match="optimizer_states.*ranks=2"):
-        cm.choose(build, batch, 2**20, profile=profile(), optimizer_states=("fp32", "8bit"), ranks=2)

@@ -142,6 +142,9 @@ DISK_CASES = {
     "fp32 in place": (torch.float32, False, dict(atomic_step=False)),
     "bf16 masters on disk": (torch.bfloat16, False, dict(atomic_step=True)),
     "bf16 rounded, parameters on disk": (torch.bfloat16, True, dict(atomic_step=True, offload_param="disk")),
+    # the parameters in host memory are their own masters: an atomic step journals them (before 2026-11-27 the
+    # journal's file was not made for them and the step failed)
+    "bf16 rounded, parameters in memory": (torch.bfloat16, True, dict(atomic_step=True)),
     "bf16 rounded in place, parameters on disk": (torch.bfloat16, True, dict(atomic_step=False, offload_param="disk")),
 }
 
@@ -171,13 +174,14 @@ def test_the_disk_tier_equals_torchao(tmp_path, case, step_in_backward):
     _assert_same(chunked, plain)
 
 
-def test_a_failed_atomic_disk_step_changes_nothing_and_the_next_one_equals_torchao(tmp_path):
+@pytest.mark.parametrize("params", ["disk", "memory"])  # in memory: restored from the journal
+def test_a_failed_atomic_disk_step_changes_nothing_and_the_next_one_equals_torchao(tmp_path, params):
     reference, data = _reference(torch.bfloat16), batches(3, seed=25)
     plain = _plain_run(reference, _make(True), data)
     module = copy.deepcopy(reference)
     model = cm.ShardedModelV2(module, cm.TensorShardStrategy(), tensor_placement_policy="cpu", dtype=torch.bfloat16,
-                              chunk_size=CHUNK_NUMEL * 2, offload_optimizer="disk", offload_param="disk",
-                              nvme_path=str(tmp_path))
+                              chunk_size=CHUNK_NUMEL * 2, offload_optimizer="disk", nvme_path=str(tmp_path),
+                              **(dict(offload_param="disk") if params == "disk" else {}))
     optim = cm.ShardedOptimizerV2(model, _make(True)(model.module.parameters()))
     torch.manual_seed(1234)
     for n, x in enumerate(data):

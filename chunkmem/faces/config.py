@@ -34,7 +34,7 @@ from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..model.builder import compute_dtype
 from ..model.sharded_model import ShardedModelV2
 from ..optim.adam import check_supported_optimizer, params_mismatch
-from ..optim.low_bit_rule import low_bit_decoupled
+from ..optim.low_bit_rule import low_bit_decoupled, stochastic_rounding
 from ..optim.low_level_zero import LowLevelZeroOptimizer
 from ..optim.sharded_optimizer import ShardedOptimizerV2
 from ..settings import ModelSettings, OptimizerSettings
@@ -59,7 +59,8 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
             ``chunkmem.configs.deepspeed.KEY_TABLE``.
         plan: instead of ``config``, a candidate of :func:`chunkmem.choose` (``choose(...).recommended``):
             the model is wrapped with the settings it was planned with (``candidate.config(nvme_path)``); a
-            candidate planned with 8-bit optimizer state needs an 8-bit Adam as ``optimizer``.
+            candidate planned with 8-bit optimizer state needs an 8-bit Adam as ``optimizer`` (with
+            ``bf16_stochastic_round=True`` exactly when it was planned with ``"8bit-bf16"``).
         nvme_path: with ``plan``, the disk tier's directory when the candidate uses it.
 
     Stage 3 (and the ColossalAI form) returns a :class:`~chunkmem.ShardedModelV2` and a
@@ -83,11 +84,8 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         if not callable(getattr(plan, "config", None)) or not isinstance(getattr(plan, "settings", None), dict):
             raise ArgumentTypeError("plan", type(plan).__name__,
                                     "a candidate of chunkmem.choose() (a chunkmem.plan.Candidate)")
-        if getattr(plan, "optimizer_state", "fp32") == "8bit" and optimizer is not None and \
-                low_bit_decoupled(optimizer) is None:
-            raise InvalidArgumentError("optimizer", type(optimizer).__name__,
-                                       f"an 8-bit Adam (chunkmem.HybridAdam(..., state_dtype='8bit'), torchao's "
-                                       f"AdamW8bit or Adam8bit): candidate {plan.name} was planned with 8-bit state")
+        if optimizer is not None:
+            _check_planned_optimizer(plan, optimizer)
         config = plan.config(nvme_path)
     elif nvme_path is not None:
         raise InvalidArgumentError("nvme_path", nvme_path, "None unless plan is given (a config names its own)")
@@ -100,6 +98,28 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                                        "'zero' or the DeepSpeed sections " + listing(DEEPSPEED_KEYS))
         return _initialize_colossal(model, optimizer, config["zero"])
     return _initialize_deepspeed(model, optimizer, config)
+
+
+def _check_planned_optimizer(plan: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer that does not keep the optimizer state ``plan`` (a :class:`~chunkmem.plan.Candidate`)
+    was planned with: an 8-bit candidate needs an 8-bit Adam; one planned with bf16 parameters as their own masters
+    (``"8bit-bf16"``) needs ``bf16_stochastic_round=True``, and one planned with fp32 masters (``"8bit"`` over a bf16
+    model) needs it off."""
+    state = getattr(plan, "optimizer_state", "fp32")
+    if state == "fp32":
+        return
+    name = type(optimizer).__name__
+    if low_bit_decoupled(optimizer) is None:
+        allowed = ("torchao's AdamW8bit or Adam8bit with bf16_stochastic_round=True" if state == "8bit-bf16" else
+                   "an 8-bit Adam (chunkmem.HybridAdam(..., state_dtype='8bit'), torchao's AdamW8bit or Adam8bit)")
+        raise InvalidArgumentError("optimizer", name, f"{allowed}: candidate {plan.name} was planned with 8-bit state")
+    rounding = stochastic_rounding(optimizer, plan.settings.get("dtype", torch.float32))
+    if rounding != (state == "8bit-bf16"):
+        raise InvalidArgumentError(
+            f"optimizer ({name}).bf16_stochastic_round", bool(getattr(optimizer, "bf16_stochastic_round", False)),
+            f"{state == '8bit-bf16'}: candidate {plan.name} was planned with "
+            + ("bf16 parameters as their own masters" if state == "8bit-bf16" else
+               "fp32 masters (plan the bf16 parameters as their own masters with optimizer_states=(..., '8bit-bf16'))"))
 
 
 # ---- the ColossalAI form ------------------------------------------------------------------------------

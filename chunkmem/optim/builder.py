@@ -210,7 +210,9 @@ def _reserve_disk(model: ShardedModelV2, rule: UpdateRule, kept_on_host: list[in
             disk.reserve_chunks(family, regions(lambda chunk, family=family: family_nbytes(chunk, family)))
     if any(rule.keeps_master(c) for c in trainable):
         disk.reserve_chunks(MASTER, regions(lambda chunk: full * 4))
-    if model.dtype == torch.float32 and disk.atomic_step:
+    # the old values of parameters that are their own masters (fp32, or bf16 rounded stochastically), which an
+    # atomic step overwrites in host memory
+    if disk.atomic_step and (model.dtype == torch.float32 or not all(rule.keeps_master(c) for c in trainable)):
         disk.reserve_chunks(JOURNAL, regions(lambda chunk: full * 4), slots=1)
 
 

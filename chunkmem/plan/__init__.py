@@ -11,7 +11,8 @@ autograd's gradients), the later ones follow the schedule, and the ledger counts
 moves (attention on meta tensors is counted as the fused kernel real devices run, see
 :func:`flash_attention_on_meta`). With several passes the gradient sums of the later backwards (16-bit ones
 widened to fp32 unless ``grad_accum_dtype`` is the model's dtype) are on the ledger, so the device and host
-peaks include them. The optimizer's families (``master`` for 16-bit models, ``exp_avg``, ``exp_avg_sq``, all fp32)
+peaks include them. The optimizer's families (``master`` for 16-bit models, ``exp_avg``, ``exp_avg_sq``, all fp32;
+or an 8-bit Adam's codes, block scales and small parameters' moments, with or without fp32 masters: ``optimizer_state``)
 cannot run on meta tensors; their bytes come from the policy's own ``optim_on_device`` rule, and the
 device capacity the meta run gets is what is left after the optimizer state resting there.
 
@@ -26,13 +27,15 @@ step with :mod:`chunkmem.plan.cost_model` from a :class:`~chunkmem.plan.machine_
 this machine, and recommends the fastest that fits (:class:`PlanChoice`); a :class:`Candidate` gives the
 :class:`~chunkmem.ShardedModelV2` settings it stands for, which ``chunkmem.initialize(..., plan=)`` takes.
 
-The meta run is :mod:`chunkmem.plan.meta_run`, the candidates :mod:`chunkmem.plan.candidates`, the command
+The meta run is :mod:`chunkmem.plan.meta_run`, the candidates :mod:`chunkmem.plan.candidates` (their disk tier
+:mod:`chunkmem.plan.disk_accounting`), the command
 line :mod:`chunkmem.plan.cli`: ``python -m chunkmem.plan --preset gpt2-small --batch-size 8 --seq-len 1024 --device-memory 24GiB``
 prints the per-placement table (the presets are :mod:`chunkmem.gpt`'s GPT, the model the benchmarks
 train); ``--candidates`` (with ``--host-memory``, ``--disk-memory``, ``--nvme-path``, ``--ranks``,
 ``--profile``) the candidates with their predicted seconds per step and the recommendation marked;
 ``--gradient-accumulation-steps`` and ``--grad-accum-dtype`` plan either for training with gradient
-accumulation; ``--builder module:function`` plans any model.
+accumulation; ``--optimizer-states`` plans 8-bit optimizer state (``fp32``, ``8bit``, ``8bit-bf16``: see
+:func:`plan`'s ``optimizer_state``); ``--builder module:function`` plans any model.
 """
 from .candidates import Candidate, PlanChoice, choose, format_candidates
 from .meta_run import PolicyPlan, format_table, plan

@@ -24,22 +24,21 @@ from ..core import tiers
 from ..errors import ArgumentTypeError, InvalidArgumentError, UnsupportedOperationError
 from ..errors import check_choice, check_number
 from ..core.disk_tier import DEFAULT_BUFFER_COUNT, DEFAULT_BUFFER_SIZE, check_disk_arguments
-from ..storage.disk_io import aligned_nbytes
 from .machine_profile import MachineProfile, dtype_name
-from .cost_model import StepTime, step_time, trace_compute
+from .cost_model import StepTime, missing_figure, step_time, trace_compute
+from .disk_accounting import DiskSettings, disk_file_bytes, disk_traffic, host_peak, place_bytes
 from ..settings import check_chunk_size, check_dtype
-from ..core.chunk import ADAM_STATE
-from ..optim.low_bit_rule import LOW_BIT_FAMILIES
-from ..optim.disk_step import streamed_count
-from ..model.builder import param_chunks_kept_on_host
 from ..core.tiers import parse_size
-from .meta_run import OPTIMIZER_STATES, PolicyPlan, _meta_inputs, _meta_model, _plan_policy, check_accumulation
+from .meta_run import (OPTIMIZER_STATES, PolicyPlan, _meta_inputs, _meta_model, _plan_policy, check_accumulation,
+                       check_optimizer_state)
 
 
 @dataclass
 class Candidate(PolicyPlan):
     """One configuration the planner considered: a :class:`PolicyPlan` (bytes per tier, now with
-    ``"disk"``; with ``ranks`` > 1 every figure is one rank's, and all ranks hold the same) and more.
+    ``"disk"``; with ``ranks`` > 1 every figure is one rank's: ``tier_bytes`` rank 0's, ``tier_bytes_per_rank``
+    each rank's, which differ only by the 8-bit state's block scales and small parameters' moments, the peaks the
+    largest rank's) and more.
 
     ``name``: a short label (``"static(0.5,0.5)+optim@disk"``). ``settings``: the keyword arguments of
     :class:`~chunkmem.ShardedModelV2` it stands for (``nvme_path`` left out: see :meth:`model_config`;
@@ -55,9 +54,11 @@ class Candidate(PolicyPlan):
     it needs, e.g. no disk bandwidth). ``recommended``: the one :func:`choose` recommends.
     ``cost_inputs``: what the cost model was given besides the compute (bytes copied, Adam elements, disk
     bytes, collective bytes: :func:`chunkmem.plan.cost_model.step_time`'s arguments), all per step, i.e. over its
-    ``gradient_accumulation_steps`` forward/backward passes. ``optimizer_state``: the Adam moments it was planned
-    with, ``"fp32"`` or ``"8bit"`` (train it with ``HybridAdam(..., state_dtype="8bit")`` or torchao's
-    ``AdamW8bit`` / ``Adam8bit``: ``chunkmem.initialize(..., plan=)`` refuses another optimizer).
+    ``gradient_accumulation_steps`` forward/backward passes. ``optimizer_state``: the optimizer state it was
+    planned with (:func:`~chunkmem.plan.plan`'s ``optimizer_state``): ``"fp32"``, ``"8bit"`` (train it with
+    ``HybridAdam(..., state_dtype="8bit")`` or torchao's ``AdamW8bit`` / ``Adam8bit``) or ``"8bit-bf16"`` (torchao's
+    ``AdamW8bit`` / ``Adam8bit`` with ``bf16_stochastic_round=True``); ``chunkmem.initialize(..., plan=)`` refuses
+    an optimizer that does not keep that state.
     """
 
     name: str = ""
@@ -202,12 +203,12 @@ def choose(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: 
             accumulated (by default fp32) gradients, and the predicted step time that many passes' compute.
             With more than 1 the ``reuse_fp16_shard`` candidates are left out (``reuse_fp16_shard=True`` is
             refused): their gradients cannot accumulate.
-        optimizer_states: the Adam moments considered, among ``"fp32"`` (the default: ``HybridAdam``, torch's
-            Adam) and ``"8bit"`` (``HybridAdam(state_dtype="8bit")``, torchao's ``AdamW8bit``: a different
-            optimizer, so only when asked for). Every placement is planned with each; an 8-bit candidate's
-            optimizer bytes are :func:`plan`'s with ``optimizer_state="8bit"`` (its name ends in ``+8bit``); it is
-            for one rank (``ranks`` > 1 refused, as ShardedOptimizerV2 refuses it), without disk variants (not
-            counted yet), its update predicted at the profile's Adam rate.
+        optimizer_states: among :func:`plan`'s ``optimizer_state`` values: ``"fp32"`` (the default), ``"8bit"``,
+            ``"8bit-bf16"`` (``dtype=torch.bfloat16`` only; no ``reuse_fp16_shard`` candidate). The 8-bit ones are
+            another optimizer, so they are planned only when asked for: every placement and disk variant with
+            each (names ending in ``+8bit`` / ``+8bit-bf16``), but no disk variant on several ranks (refused there
+            by ShardedOptimizerV2); their update timed at the profile's 8-bit rates, the disk step's I/O from the
+            bytes of their families on disk.
     """
     device_capacity = parse_size(device_memory, "device_memory")
     host_capacity = None if host_memory is None else parse_size(host_memory, "host_memory")
@@ -221,7 +222,7 @@ def choose(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: 
                                                     nvme_path if disk_capacity is not None else None, ranks)
     reuse_options = (reuse_fp16_shard,) if reuse_fp16_shard is not None else \
         ((False,) if dtype == torch.float32 or gradient_accumulation_steps > 1 else (False, True))
-    shared = _Shared(_DiskSettings(buffer_count, buffer_size, atomic_step), dtype, chunk_size, ranks, host_capacity,
+    shared = _Shared(DiskSettings(buffer_count, buffer_size, atomic_step), dtype, chunk_size, ranks, host_capacity,
                      disk_capacity, profile, compute_seconds, grad_accum_dtype)
     bases = _placements(policies, static_fractions)
     candidates = _plan_candidates(template, args, loss_fn, device_capacity, gradient_accumulation_steps,
@@ -253,19 +254,20 @@ def _plan_candidates(template: nn.Module, args: Any, loss_fn: Any, device_capaci
                      bases: list[tuple[str, dict[str, float]]], optimizer_states: tuple[str, ...],
                      shared: "_Shared") -> list[Candidate]:
     """Every candidate: one meta run per optimizer state, ``reuse_fp16_shard`` option and placement (on a stand-in
-    process group with several ranks), then each of its disk variants (none with 8-bit state). The device capacity
-    setting is restored after."""
+    process group with several ranks), then each of its disk variants (none with 8-bit state on several ranks; no
+    ``reuse_fp16_shard`` with ``"8bit-bf16"``: both refused by ShardedOptimizerV2). The device capacity setting is
+    restored after."""
     saved_capacity = tiers.device_memory_capacity_setting()
     candidates: list[Candidate] = []
     try:
         with _stand_in_group(shared.ranks):
             for state in optimizer_states:
-                for reuse in reuse_options:
+                for reuse in [r for r in reuse_options if not (r and state == "8bit-bf16")]:
                     for policy, fractions in bases:
                         base = _plan_policy(policy, template, args, loss_fn, device_capacity, None, shared.dtype,
                                             shared.chunk_size, reuse, gradient_accumulation_steps,
                                             shared.grad_accum_dtype, optimizer_state=state, **fractions)
-                        with_disk = shared.disk_capacity is not None and state == "fp32"
+                        with_disk = shared.disk_capacity is not None and (state == "fp32" or shared.ranks == 1)
                         for optim_disk, param_disk in _disk_variants(policy, base, reuse, with_disk):
                             candidates.append(_candidate(base, policy, fractions, reuse, optim_disk, param_disk,
                                                          shared, state))
@@ -307,23 +309,20 @@ def _check_choose_arguments(dtype: torch.dtype, chunk_size: int | None, ranks: i
         check_choice("policies", name, ("cuda", "cpu", "auto", "static"))
     if measure_operators is not None and not isinstance(measure_operators, bool):
         raise ArgumentTypeError("measure_operators", measure_operators, "None, True or False")
-    _check_optimizer_states(optimizer_states, ranks)
+    _check_optimizer_states(optimizer_states, dtype, reuse_fp16_shard)
     if dist.is_available() and dist.is_initialized() and (ranks > 1 or dist.get_world_size() > 1):
         raise UnsupportedOperationError("chunkmem.choose plans from one process (ranks= says how many it plans "
                                         "for); call it before init_process_group (or in a process without one)")
 
 
-def _check_optimizer_states(optimizer_states: Any, ranks: int) -> None:
-    """Refuse :func:`choose`'s ``optimizer_states`` unless a non-empty sequence of ``"fp32"`` and ``"8bit"``, the
-    latter with one rank only."""
-    allowed = "a non-empty sequence of 'fp32', '8bit' (e.g. ('fp32', '8bit'))"
+def _check_optimizer_states(optimizer_states: Any, dtype: torch.dtype, reuse_fp16_shard: bool | None) -> None:
+    """Refuse :func:`choose`'s ``optimizer_states`` unless a non-empty sequence of :data:`OPTIMIZER_STATES`
+    (``"8bit-bf16"`` with a bf16 ``dtype`` and ``reuse_fp16_shard`` ``None`` or ``False`` only)."""
+    allowed = "a non-empty sequence of " + ", ".join(repr(s) for s in OPTIMIZER_STATES) + " (e.g. ('fp32', '8bit'))"
     if isinstance(optimizer_states, str) or not isinstance(optimizer_states, (list, tuple)) or not optimizer_states:
         raise InvalidArgumentError("optimizer_states", optimizer_states, allowed)
     for state in optimizer_states:
-        check_choice("optimizer_states", state, OPTIMIZER_STATES)
-    if "8bit" in optimizer_states and ranks > 1:
-        raise InvalidArgumentError("optimizer_states", optimizer_states,
-                                   f"('fp32',) with ranks={ranks}: 8-bit state trains on one rank for now")
+        check_optimizer_state("optimizer_states", state, dtype, reuse_fp16_shard)
 
 
 def _placements(policies: Sequence[str], static_fractions: Sequence[tuple[float, float]]
@@ -337,19 +336,12 @@ def _placements(policies: Sequence[str], static_fractions: Sequence[tuple[float,
 
 
 @dataclass(frozen=True)
-class _DiskSettings:
-    buffer_count: int
-    buffer_size: int
-    atomic_step: bool
-
-
-@dataclass(frozen=True)
 class _Shared:
     """What every candidate of one :func:`choose` shares: the disk tier's settings, the dtype, the chunk size
     asked for, the ranks, the host and disk budgets, the profile, one forward and backward's compute seconds,
     and ``grad_accum_dtype``."""
 
-    disk: _DiskSettings
+    disk: DiskSettings
     dtype: torch.dtype
     chunk_size: int | None
     ranks: int
@@ -393,7 +385,7 @@ def _disk_variants(policy: str, base: PolicyPlan, reuse: bool, with_disk: bool) 
 
 
 def _settings_and_name(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse: bool, optim_disk: bool,
-                       param_disk: bool, disk: _DiskSettings, dtype: torch.dtype, chunk_size: int | None,
+                       param_disk: bool, disk: DiskSettings, dtype: torch.dtype, chunk_size: int | None,
                        grad_accum_dtype: torch.dtype | None) -> tuple[dict[str, Any], str]:
     """A candidate's :class:`~chunkmem.ShardedModelV2` settings and its name."""
     settings: dict[str, Any] = {"tensor_placement_policy": policy, "dtype": dtype,
@@ -415,169 +407,18 @@ def _settings_and_name(base: PolicyPlan, policy: str, fractions: dict[str, float
     return settings, name
 
 
-def _optimizer_chunks_kept_on_host(policy: str, host_capacity: int | None, numels: list[int], families: int,
-                                   reuse: bool, dtype: torch.dtype, host_now: int, disk: _DiskSettings,
-                                   streamed: int) -> int:
-    """With the optimizer state on disk: how many chunks' state stays on the host all the same (under ``auto``
-    with a host capacity, the first ones that fit, as ShardedOptimizerV2 decides; else none). ``host_now``:
-    the host bytes of the parameters (and the disk's fetch buffer)."""
-    if policy != "auto" or host_capacity is None or not numels:
-        return 0
-    state_bytes = families * numels[0] * 4
-    grads = 0 if reuse else len(numels) * numels[0] * dtype.itemsize
-    free = host_capacity - host_now - grads - disk.buffer_count * streamed * disk.buffer_size
-    return min(max(free, 0) // state_bytes, len(numels))
-
-
-def _disk_file_bytes(base: PolicyPlan, disk: _DiskSettings, families: int, param_disk: bool, optim_disk: bool,
-                     param_kept: int, optim_on_disk: int) -> int:
-    """The bytes of the disk tier's files: regions (two slots with ``atomic_step``) for the chunks whose
-    parameters (all but ``param_kept``) or optimizer state (``optim_on_disk`` chunks) rest on disk only."""
-    ex = base.extra
-    world = ex["world"]
-    slots = 2 if disk.atomic_step else 1
-    shard = ex["chunk_numel"] // world
-    files = 0
-    if param_disk:
-        files += aligned_nbytes(base.chunk_bytes // world) * slots * (base.num_chunks - param_kept)
-    if optim_disk:
-        files += families * aligned_nbytes(shard * 4) * slots * optim_on_disk
-        if not ex["has_master"] and disk.atomic_step:
-            files += aligned_nbytes(shard * 4) * optim_on_disk
-    return files
-
-
-def _disk_traffic(base: PolicyPlan, param_disk: bool, optim_disk: bool, param_kept: frozenset[int],
-                  optim_on_disk: set[int], on_disk_numel: int, families: int) -> tuple[int, int, int, int, list[int]]:
-    """A step's disk traffic: bytes the step reads and writes, bytes the forward and backward read (the
-    parameters resting on disk), bytes still moved to the device from the host (those kept there), and the
-    parameter bytes of each chunk the step loads into host memory to update it outside the streamed step."""
-    ex = base.extra
-    shard_bytes = ex["param_shard_bytes"]
-    read = written = read_compute = 0
-    moved_to_device = base.moved_to_device_per_step
-    if param_disk:  # the forward's and backward's fetches of chunks resting on disk come from the files
-        fetched = [0 if ex["param_on_device"][i] else n * shard_bytes[i] for i, n in enumerate(ex["fetches"])]
-        read_compute = sum(b for i, b in enumerate(fetched) if i not in param_kept)
-        moved_to_device = sum(b for i, b in enumerate(fetched) if i in param_kept)
-    if optim_disk:
-        read += families * on_disk_numel * 4
-        written += families * on_disk_numel * 4
-    # parameter chunks on disk: the step writes each back; it reads it too, except where the streamed
-    # step (the chunk's optimizer state on disk) writes 16-bit parameters as its output; one updated
-    # outside the streamed step is read into host memory first
-    param_chunks = [(k, i) for k, i in enumerate(ex["trainable_index"])
-                    if param_disk and not ex["param_on_device"][i] and i not in param_kept]
-    written += sum(shard_bytes[i] for _, i in param_chunks)
-    read += sum(shard_bytes[i] for k, i in param_chunks if not (ex["has_master"] and k in optim_on_disk))
-    loaded = [shard_bytes[i] for k, i in param_chunks if k not in optim_on_disk]
-    return read, written, read_compute, moved_to_device, loaded
-
-
 def _verdict(base: PolicyPlan, host_peak: int, host_capacity: int | None, files: int, disk_capacity: int | None,
-             time: StepTime | None, uses_disk: bool) -> tuple[bool, str]:
-    """Whether a candidate fits, and why not (or why it has no predicted time)."""
+             missing: str | None) -> tuple[bool, str]:
+    """Whether a candidate fits, and why not (or why it has no predicted time: ``missing``, the profile's figure
+    it lacks)."""
     fits, reason = base.fits, base.reason
     if fits and host_capacity is not None and host_peak > host_capacity:
         fits, reason = False, f"host: a peak of {host_peak} bytes of chunks exceeds host_memory={host_capacity}"
     if fits and disk_capacity is not None and files > disk_capacity:
         fits, reason = False, f"disk: the files need {files} bytes, more than disk_memory={disk_capacity}"
-    if fits and time is None:
-        reason = "the profile has no disk bandwidth" if uses_disk else "the profile has no collective bandwidth"
+    if fits and missing is not None:
+        reason = f"the profile has no {missing}"
     return fits, reason
-
-
-@dataclass
-class _Placed:
-    """Where one candidate's chunk bytes rest (``tier_bytes``: tier -> family -> bytes), with what its disk
-    accounting reads: the host bytes of the parameters before any went to disk (``param_host``), the chunks
-    whose parameters stay on the host all the same (``param_kept``, ``kept_param_bytes``), the trainable chunks
-    whose optimizer state rests on disk (``optim_on_disk``, ``on_disk_numel`` elements) and the disk tier's I/O
-    buffers on the host (``disk_io``)."""
-
-    tier_bytes: dict[str, dict[str, int]]
-    param_host: int
-    param_kept: frozenset[int]
-    kept_param_bytes: int
-    optim_on_disk: set[int]
-    on_disk_numel: int
-    disk_io: int
-
-
-def _place_bytes(base: PolicyPlan, policy: str, reuse: bool, optim_disk: bool, param_disk: bool,
-                 families: tuple[str, ...], shared: _Shared) -> _Placed:
-    """Where the meta run ``base``'s bytes rest once the disk variant moves parameters and optimizer state to
-    disk (under ``auto`` with a host capacity the first chunks that fit stay on the host, as ShardedModelV2 and
-    ShardedOptimizerV2 decide)."""
-    ex, disk, dtype, host_capacity = base.extra, shared.disk, shared.dtype, shared.host_capacity
-    has_master = ex["has_master"]
-    tier_bytes = {"device": dict(base.tier_bytes["device"]), "host": dict(base.tier_bytes["host"]), "disk": {}}
-    param_host = tier_bytes["host"].get("param", 0)
-    shard_bytes = ex["param_shard_bytes"]
-    param_kept: frozenset[int] = frozenset()  # auto with a host capacity: parameters resting on the host
-    if param_disk and policy == "auto" and host_capacity is not None:
-        trainable_flags = [i in set(ex["trainable_index"]) for i in range(base.num_chunks)]
-        param_kept = param_chunks_kept_on_host(shard_bytes, trainable_flags, dtype.itemsize, host_capacity,
-                                               disk.buffer_count, disk.buffer_size)
-    kept_param_bytes = sum(shard_bytes[i] for i in param_kept)
-    params_to_disk = param_disk and len(param_kept) < base.num_chunks
-    if param_disk:
-        tier_bytes["host"]["param"] = kept_param_bytes
-        tier_bytes["disk"]["param"] = param_host - kept_param_bytes
-    # the optimizer state off the device: on the host, or on disk (under auto with a host capacity the
-    # first chunks that fit stay on the host, as ShardedOptimizerV2 decides)
-    numels, on_device = ex["trainable_shard_numels"], ex["optim_on_device"]
-    off = [k for k, on in enumerate(on_device) if not on]
-    streamed = streamed_count(len(ADAM_STATE), has_master, param_disk, disk.atomic_step)
-    io = aligned_nbytes(disk.buffer_size)
-    kept = len(off)
-    if optim_disk:
-        host_now = param_host if not param_disk else kept_param_bytes + (io if params_to_disk else 0)
-        kept = _optimizer_chunks_kept_on_host(policy, host_capacity, numels, len(families), reuse, dtype, host_now,
-                                              disk, streamed)
-    on_disk_numel, optim_on_disk = 0, set()
-    if optim_disk:  # (else the state off the device rests on the host, as the meta run counted it)
-        for family in families:
-            tier_bytes["host"].pop(family, None)
-        for position, k in enumerate(off):
-            tier = "host" if position < kept else "disk"
-            on_disk_numel += numels[k] if tier == "disk" else 0
-            if tier == "disk":
-                optim_on_disk.add(k)
-            for family in families:
-                tier_bytes[tier][family] = tier_bytes[tier].get(family, 0) + numels[k] * 4
-    disk_io = 0
-    if on_disk_numel or params_to_disk:  # (the optimizer "on disk" with every chunk's state on the host: none)
-        disk_io = io  # the in-line buffer (the initial values written to the files, whole-region reads)
-        # the streamed step's pool: buffers for the parameters too if a chunk it streams has them on disk
-        params_streamed = any(ex["trainable_index"][k] not in param_kept for k in optim_on_disk) and param_disk
-        pool = disk.buffer_count * io * streamed_count(len(ADAM_STATE), has_master, params_streamed,
-                                                        disk.atomic_step)
-        disk_io += pool if on_disk_numel else 0
-        disk_io += io if params_to_disk else 0  # the fetch thread's buffer
-        tier_bytes["host"]["disk_io"] = disk_io
-    for tier in tier_bytes:
-        tier_bytes[tier] = {f: n for f, n in sorted(tier_bytes[tier].items()) if n}
-    if not (optim_disk or param_disk):
-        del tier_bytes["disk"]
-    return _Placed(tier_bytes, param_host, param_kept, kept_param_bytes, optim_on_disk, on_disk_numel, disk_io)
-
-
-def _host_peak(base: PolicyPlan, placed: _Placed, families: tuple[str, ...], param_disk: bool, optim_disk: bool,
-               loaded: list[int]) -> int:
-    """The most chunk bytes on the host at once: the meta run's, less the parameters gone to disk, plus the
-    optimizer state and I/O buffers on the host, the largest parameter chunk loaded from disk for its update
-    (``loaded``), and the host copies of parameters resting on the device that the host's Adam updates."""
-    ex = base.extra
-    host_peak = ex["host_peak_meta"] - (placed.param_host - placed.kept_param_bytes if param_disk else 0) + sum(
-        n for f, n in placed.tier_bytes["host"].items() if f in families) + placed.disk_io
-    host_peak += max(loaded, default=0)
-    # a chunk whose parameters rest on the device and whose Adam runs on the host ('static') is updated in
-    # a host copy of its parameters: one at a time, or all of them in the streamed disk step
-    copies = [ex["param_shard_bytes"][i] for k, i in enumerate(ex["trainable_index"])
-              if ex["param_on_device"][i] and not ex["optim_on_device"][k]]
-    host_peak += sum(copies) if optim_disk else max(copies, default=0)
-    return host_peak
 
 
 def _candidate(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse: bool, optim_disk: bool,
@@ -585,29 +426,28 @@ def _candidate(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse
     """One candidate on the meta run ``base`` (planned with ``optimizer_state``); ``shared.compute_seconds``: one
     forward and backward's operators (the step runs ``base.gradient_accumulation_steps`` of them)."""
     ex = base.extra
-    moments = LOW_BIT_FAMILIES if optimizer_state == "8bit" else ADAM_STATE
-    families = (("master",) if ex["has_master"] else ()) + tuple(moments)
     settings, name = _settings_and_name(base, policy, fractions, reuse, optim_disk, param_disk, shared.disk,
                                         shared.dtype, shared.chunk_size, shared.grad_accum_dtype)
-    name += "+8bit" if optimizer_state == "8bit" else ""
-    placed = _place_bytes(base, policy, reuse, optim_disk, param_disk, families, shared)
-    # the disk tier's files and traffic
-    files = _disk_file_bytes(base, shared.disk, len(families), param_disk, optim_disk, len(placed.param_kept),
-                             len(placed.optim_on_disk))
+    name += "" if optimizer_state == "fp32" else "+" + optimizer_state
+    placed = place_bytes(base, policy, reuse, optim_disk, param_disk, shared.disk, shared.dtype, shared.host_capacity)
+    files = disk_file_bytes(base, shared.disk, param_disk, len(placed.param_kept), placed.optim_on_disk)
     moved_to_host = base.moved_to_host_per_step
-    read, written, read_compute, moved_to_device, loaded = _disk_traffic(
-        base, param_disk, optim_disk, placed.param_kept, placed.optim_on_disk, placed.on_disk_numel, len(families))
-    host_peak = _host_peak(base, placed, families, param_disk, optim_disk, loaded)
+    read, written, read_compute, moved_to_device, loaded = disk_traffic(base, param_disk, placed)
+    peak = host_peak(base, placed, param_disk, optim_disk, loaded)
     cost_inputs = dict(moved_bytes=moved_to_device + moved_to_host, adam_elements=sum(ex["trainable_shard_numels"]),
                        disk_adam_elements=placed.on_disk_numel, disk_read_step=read, disk_written_step=written,
-                       disk_read_compute=read_compute, collective_bytes_sent=ex["collective_bytes_sent"])
+                       disk_read_compute=read_compute, collective_bytes_sent=ex["collective_bytes_sent"],
+                       optimizer_state=optimizer_state)
     steps = base.gradient_accumulation_steps
     time = step_time(shared.profile, shared.compute_seconds * steps, shared.dtype, **cost_inputs)
-    fits, reason = _verdict(base, host_peak, shared.host_capacity, files, shared.disk_capacity, time,
-                            uses_disk=bool(read or written or read_compute))
+    missing = missing_figure(shared.profile, shared.dtype, **cost_inputs) if time is None else None
+    fits, reason = _verdict(base, peak, shared.host_capacity, files, shared.disk_capacity, missing)
+    per_rank = base.tier_bytes_per_rank if not (optim_disk or param_disk) else \
+        [{tier: dict(families) for tier, families in placed.tier_bytes.items()} for _ in range(shared.ranks)]
     return Candidate(policy, fits, reason, placed.tier_bytes, base.non_model_peak, base.chunk_bytes, base.num_chunks,
                      moved_to_device, moved_to_host, base.device_peak_bytes, dict(ex), name=name, settings=settings,
-                     ranks=shared.ranks, host_peak_bytes=host_peak, disk_file_bytes=files,
+                     ranks=shared.ranks, host_peak_bytes=peak, disk_file_bytes=files,
                      disk_read_per_step=read + read_compute, disk_written_per_step=written,
                      collective_bytes_per_step=ex["collective_bytes_sent"], time=time,
-                     cost_inputs=cost_inputs, gradient_accumulation_steps=steps, optimizer_state=optimizer_state)
+                     cost_inputs=cost_inputs, gradient_accumulation_steps=steps, optimizer_state=optimizer_state,
+                     tier_bytes_per_rank=per_rank)

@@ -40,6 +40,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--grad-accum-dtype", choices=["fp32", "fp16", "bf16"], default=None,
                    help="what 16-bit gradients of several backwards are summed in: fp32 (the default) or the "
                         "model's --dtype (kept in 16 bits, 2 bytes a parameter fewer while accumulating)")
+    p.add_argument("--optimizer-states", default="fp32",
+                   help="the optimizer state planned: fp32 (Adam's moments, the default), 8bit (8-bit moments: "
+                        "HybridAdam(state_dtype='8bit'), torchao's AdamW8bit) or 8bit-bf16 (8-bit moments over bf16 "
+                        "parameters that are their own masters: AdamW8bit(bf16_stochastic_round=True)); with "
+                        "--candidates, several comma-separated (e.g. fp32,8bit)")
     p.add_argument("--candidates", action="store_true",
                    help="plan every candidate (placements, static fractions, the disk tier, reuse_fp16_shard) with "
                         "a predicted time per step, and mark the fastest that fits")
@@ -70,9 +75,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             return GPT(GPTConfig(vocab_size, d_model, layers, heads, args.seq_len))
         vocab = args.vocab or vocab_size
     batch = torch.randint(0, vocab, (args.batch_size, args.seq_len))
+    states = tuple(args.optimizer_states.split(","))
     if not args.candidates:
+        state = states[0] if len(states) == 1 else args.optimizer_states  # (several: refused by plan, named)
         print(format_table(plan(builder, batch, args.device_memory, args.host_memory, dtype=dtype,
-                                chunk_size=args.chunk_size, **accumulation)))
+                                chunk_size=args.chunk_size, optimizer_state=state, **accumulation)))
         return
     profile = None
     if args.profile:
@@ -81,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     fractions = tuple(tuple(float(x) for x in pair.split(":")) for pair in args.static_fractions.split(",") if pair)
     choice = choose(builder, batch, args.device_memory, args.host_memory, args.disk_memory, ranks=args.ranks,
                     dtype=dtype, profile=profile, nvme_path=args.nvme_path, chunk_size=args.chunk_size,
-                    static_fractions=fractions, **accumulation)
+                    static_fractions=fractions, optimizer_states=states, **accumulation)
     if args.save_profile:
         with open(args.save_profile, "w") as f:
             json.dump(choice.profile.to_dict(), f)

@@ -11,7 +11,8 @@ Two parts:
   rate, or from the bytes it reads and writes at the profile's elementwise bandwidth. Views cost nothing.
 * **the rest of the step** (:func:`step_time`): the bytes a placement moves between tiers (the planner's
   meta run counts them exactly) at the copy bandwidth, every trainable parameter's Adam update at the
-  host kernel's rate, the disk tier's step traffic (bytes read and written) at the rate of the library's
+  host kernel's rate (the 8-bit update's own rate for 8-bit state), the disk tier's step traffic (bytes read
+  and written) at the rate of the library's
   streamed disk step measured as a whole (``MachineProfile.disk_step_bytes_per_s``; without it, reads and
   writes at the disk's separate bandwidths, their times added), overlapping the updates; the parameters read for the
   forward and backward at the disk's read bandwidth, added: the fetch thread reads ahead, but measured
@@ -37,7 +38,8 @@ from torch.utils.flop_counter import flop_registry
 
 from .machine_profile import MachineProfile
 
-__all__ = ["OperatorCount", "ComputeTrace", "StepTime", "flash_attention_on_meta", "trace_compute", "step_time"]
+__all__ = ["OperatorCount", "ComputeTrace", "StepTime", "flash_attention_on_meta", "trace_compute", "step_time",
+           "missing_figure"]
 
 aten = torch.ops.aten
 _FREE = {aten.detach.default, aten.lift_fresh.default, aten.alias.default, aten._unsafe_view.default}
@@ -215,22 +217,42 @@ class StepTime:
         return self.compute + self.copies + self.adam + self.disk + self.collectives
 
 
+def missing_figure(profile: MachineProfile, dtype: torch.dtype, *, disk_read_step: int = 0,
+                   disk_written_step: int = 0, disk_read_compute: int = 0, collective_bytes_sent: float = 0.0,
+                   optimizer_state: str = "fp32", **_: Any) -> str | None:
+    """What :func:`step_time` (same arguments, after the compute seconds) needs and ``profile`` lacks, in words
+    (``None``: nothing): the disk's bandwidths for disk traffic, the collective rate for collectives, the 8-bit
+    update's rate for 8-bit state."""
+    if (disk_read_step or disk_written_step or disk_read_compute) and not profile.has_disk:
+        return "disk bandwidth"
+    if collective_bytes_sent and profile.collective_bytes_per_s is None:
+        return "collective bandwidth"
+    if profile.update_rate(dtype, optimizer_state) is None:
+        return (f"rate of the {optimizer_state} host update "
+                + ("(rounded_adam_elements_per_s)" if optimizer_state == "8bit-bf16"
+                   else f"(low_bit_adam_elements_per_s[{str(dtype)[6:]!r}])"))
+    return None
+
+
 def step_time(profile: MachineProfile, compute_s: float, dtype: torch.dtype, *, moved_bytes: int,
               adam_elements: int, disk_adam_elements: int = 0, disk_read_step: int = 0, disk_written_step: int = 0,
-              disk_read_compute: int = 0, collective_bytes_sent: float = 0.0) -> StepTime | None:
-    """The predicted :class:`StepTime` (``None`` when a needed figure is missing from the profile: the
-    disk's bandwidths for disk traffic, the collective rate for collectives).
+              disk_read_compute: int = 0, collective_bytes_sent: float = 0.0,
+              optimizer_state: str = "fp32") -> StepTime | None:
+    """The predicted :class:`StepTime` (``None`` when a needed figure is missing from the profile:
+    :func:`missing_figure` says which).
 
     ``compute_s``: the traced iteration's seconds (:meth:`ComputeTrace.seconds`); ``moved_bytes``: bytes
     copied between the device and host tiers per step; ``adam_elements``: parameters this rank updates,
     of which ``disk_adam_elements`` in the disk tier's streamed step, which reads ``disk_read_step`` and
     writes ``disk_written_step`` bytes; ``disk_read_compute``: parameter bytes read from disk for the
-    forward and backward; ``collective_bytes_sent``: bytes this rank sends in collectives per step."""
-    if (disk_read_step or disk_written_step or disk_read_compute) and not profile.has_disk:
+    forward and backward; ``collective_bytes_sent``: bytes this rank sends in collectives per step;
+    ``optimizer_state``: the update's (``"fp32"``, ``"8bit"``, ``"8bit-bf16"``: see
+    :meth:`MachineProfile.update_rate <chunkmem.plan.machine_profile.MachineProfile.update_rate>`)."""
+    if missing_figure(profile, dtype, disk_read_step=disk_read_step, disk_written_step=disk_written_step,
+                      disk_read_compute=disk_read_compute, collective_bytes_sent=collective_bytes_sent,
+                      optimizer_state=optimizer_state) is not None:
         return None
-    if collective_bytes_sent and profile.collective_bytes_per_s is None:
-        return None
-    adam_rate = profile.adam_rate(dtype)
+    adam_rate = profile.update_rate(dtype, optimizer_state)
     disk = 0.0
     if profile.has_disk:
         if profile.disk_step_bytes_per_s is not None:  # the library's streamed step, measured as a whole

@@ -11,6 +11,13 @@ reproduced on another machine or in a test):
   a matrix product's speed depends on its shapes and layout (on an AVX-512 CPU fp16 products are 10-300x
   slower than bf16 ones, and transposed operands change that again);
 * ``adam_elements_per_s``: parameters/s of one update by the library's host Adam kernel, per model dtype;
+* ``low_bit_adam_elements_per_s``: parameters/s of one update by the 8-bit Adam's host update
+  (:func:`chunkmem.optim.low_bit_adam.update_segments_`: its C++ kernel where it loads), per model dtype (fp32
+  masters of a 16-bit model); on an AVX2 CPU about 3-4x slower than the fp32 one, which reads and writes fewer
+  bytes but dequantizes and quantizes both moments; empty when not measured;
+* ``rounded_adam_elements_per_s``: the same over bf16 parameters that are their own masters, rounded
+  stochastically, the random numbers drawn included (``AdamW8bit(bf16_stochastic_round=True)``), ``None`` when
+  not measured;
 * ``copy_bytes_per_s``: bytes/s of a copy between two tier buffers (a chunk move);
 * ``disk_read_bytes_per_s`` / ``disk_write_bytes_per_s``: the disk tier's I/O engine on ``nvme_path``
   (:func:`chunkmem.storage.disk_io.measure_bandwidth`, direct I/O), ``None`` when not measured;
@@ -67,6 +74,8 @@ class MachineProfile:
     disk_step_bytes_per_s: float | None = None
     op_seconds: dict[str, float] = field(default_factory=dict)
     threads: int = field(default_factory=torch.get_num_threads)
+    low_bit_adam_elements_per_s: dict[str, float] = field(default_factory=dict)
+    rounded_adam_elements_per_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("matmul_flops", "adam_elements_per_s"):
@@ -79,8 +88,16 @@ class MachineProfile:
                 check_number(f"{name}[{key!r}]", value, low=0.0, low_open=True)
         for name in ("elementwise_bytes_per_s", "copy_bytes_per_s"):
             check_number(name, getattr(self, name), low=0.0, low_open=True)
+        if not isinstance(self.low_bit_adam_elements_per_s, dict):
+            raise ArgumentTypeError("low_bit_adam_elements_per_s", self.low_bit_adam_elements_per_s,
+                                    "a dict {dtype name: parameters per second} (empty: not measured)")
+        for key, value in self.low_bit_adam_elements_per_s.items():
+            if key not in DTYPES:
+                raise InvalidArgumentError(f"low_bit_adam_elements_per_s[{key!r}]", key,
+                                           "'float32', 'bfloat16' or 'float16'")
+            check_number(f"low_bit_adam_elements_per_s[{key!r}]", value, low=0.0, low_open=True)
         for name in ("disk_read_bytes_per_s", "disk_write_bytes_per_s", "collective_bytes_per_s",
-                     "disk_step_bytes_per_s"):
+                     "disk_step_bytes_per_s", "rounded_adam_elements_per_s"):
             value = getattr(self, name)
             if value is not None:
                 check_number(name, value, low=0.0, low_open=True)
@@ -94,6 +111,18 @@ class MachineProfile:
     def adam_rate(self, dtype: torch.dtype) -> float:
         """Parameters/s of the host Adam update of a model in ``dtype``."""
         return self.adam_elements_per_s.get(dtype_name(dtype), min(self.adam_elements_per_s.values()))
+
+    def update_rate(self, dtype: torch.dtype, optimizer_state: str = "fp32") -> float | None:
+        """Parameters/s of the host update of a model in ``dtype`` keeping ``optimizer_state`` (the planner's
+        :data:`~chunkmem.plan.meta_run.OPTIMIZER_STATES`): :meth:`adam_rate` for ``"fp32"``; the 8-bit update's
+        (the slowest dtype measured when this one was not) for ``"8bit"``; the bf16 update rounding stochastically
+        for ``"8bit-bf16"``. ``None``: the profile lacks that figure."""
+        if optimizer_state == "fp32":
+            return self.adam_rate(dtype)
+        if optimizer_state == "8bit-bf16":
+            return self.rounded_adam_elements_per_s
+        rates = self.low_bit_adam_elements_per_s
+        return rates.get(dtype_name(dtype), min(rates.values())) if rates else None
 
     @property
     def has_disk(self) -> bool:
@@ -114,8 +143,9 @@ class MachineProfile:
     @classmethod
     def measure(cls, *, dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16),
                 nvme_path: str | os.PathLike | None = None, ranks: int = 1) -> "MachineProfile":
-        """Measure this machine (a few seconds): a matrix product and the host Adam kernel per dtype of
-        ``dtypes``, an elementwise operator and a copy; the disk tier's read and write bandwidth on
+        """Measure this machine (a few seconds): a matrix product, the host Adam kernel and the 8-bit Adam's host
+        update per dtype of ``dtypes`` (and the 8-bit update of bf16 parameters rounded stochastically when
+        ``torch.bfloat16`` is one), an elementwise operator and a copy; the disk tier's read and write bandwidth on
         ``nvme_path`` (a directory; ``None``: not measured); with ``ranks`` > 1 a gloo all-reduce between
         2 processes (a few seconds more)."""
         if isinstance(dtypes, torch.dtype) or not dtypes:
@@ -132,6 +162,9 @@ class MachineProfile:
         return cls(matmul_flops={dtype_name(d): _matmul_flops(d) for d in dtypes},
                    elementwise_bytes_per_s=_elementwise_bytes_per_s(),
                    adam_elements_per_s={dtype_name(d): _adam_elements_per_s(d) for d in dtypes},
+                   low_bit_adam_elements_per_s={dtype_name(d): _low_bit_adam_elements_per_s(d) for d in dtypes},
+                   rounded_adam_elements_per_s=(_low_bit_adam_elements_per_s(torch.bfloat16, rounded=True)
+                                                if torch.bfloat16 in dtypes else None),
                    copy_bytes_per_s=_copy_bytes_per_s(),
                    disk_read_bytes_per_s=read, disk_write_bytes_per_s=write, disk_step_bytes_per_s=disk_step,
                    collective_bytes_per_s=_collective_bytes_per_s() if ranks > 1 else None)
@@ -208,6 +241,33 @@ def _adam_elements_per_s(dtype: torch.dtype) -> float:
     def run() -> None:
         step[0] += 1
         adam_update_(master, grad, exp_avg, exp_avg_sq, step[0], hyper, 1.0, out)
+    return n / _time_call(run)
+
+
+def _low_bit_adam_elements_per_s(dtype: torch.dtype, rounded: bool = False) -> float:
+    """Parameters/s of one host update of the 8-bit Adam (:func:`chunkmem.optim.low_bit_adam.update_segments_`, as
+    its rule runs it over a chunk) of a model in ``dtype``: uint8 codes and their block scales, a ``dtype``
+    gradient, an fp32 master and, for 16-bit models, the ``dtype`` parameter copy written; ``rounded``: bf16
+    parameters that are their own masters, rounded stochastically, their random numbers drawn as the step draws
+    them (:mod:`chunkmem.optim.rounding_draws`)."""
+    from ..optim.blockwise import BLOCK_SIZE
+    from ..optim.low_bit_adam import LowBitHyper, Moments, Segment, update_segments_
+    from ..optim.rounding_draws import draws_from
+
+    n = 2**22
+    master = torch.randn(n).to(torch.bfloat16 if rounded else torch.float32)
+    grad = torch.randn(n).to(dtype)
+    moments = Moments(torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8),
+                      torch.zeros(n // BLOCK_SIZE), torch.zeros(n // BLOCK_SIZE),
+                      torch.zeros(1, dtype=master.dtype), torch.zeros(1, dtype=master.dtype))
+    out = None if dtype == torch.float32 or rounded else torch.empty(n, dtype=dtype)
+    hyper = LowBitHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True)
+    step = [0]
+
+    def run() -> None:
+        step[0] += 1
+        random = draws_from(torch.device("cpu"), torch.get_rng_state()).draw(n) if rounded else None
+        update_segments_(master, grad, moments, [Segment(0, n, True, 0, hyper, step[0])], 1.0, out, random)
     return n / _time_call(run)
 
 

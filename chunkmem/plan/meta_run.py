@@ -11,9 +11,10 @@ iteration moves (attention on meta tensors is counted as the fused kernel real d
 :func:`~chunkmem.plan.cost_model.flash_attention_on_meta`). With several passes before a step the gradients of the
 later backwards add to the earlier ones as in a real run: 16-bit sums widened to fp32 (unless
 ``grad_accum_dtype`` is the model's dtype) are on the ledger, so the peaks include them. The optimizer's
-families (``master`` for 16-bit models, ``exp_avg``, ``exp_avg_sq``, all fp32) cannot run on meta tensors; their
-bytes come from the policy's own ``optim_on_device`` rule, and the device capacity the meta run gets is what is
-left after the optimizer state resting there.
+families (``master`` for 16-bit models, ``exp_avg``, ``exp_avg_sq``, all fp32; or an 8-bit Adam's, laid out by
+:meth:`~chunkmem.optim.low_bit_rule.LowBitAdamRule.state_buffers` for each rank's shard: :data:`OPTIMIZER_STATES`)
+cannot run on meta tensors; their bytes come from the policy's own ``optim_on_device`` rule, and the device
+capacity the meta run gets is what is left after the optimizer state resting there.
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ from ..errors import check_choice, check_number
 from ..settings import check_chunk_size, check_dtype, check_grad_accum_dtype
 from ..model.sharded_model import ShardedModelV2
 from ..optim.low_bit_rule import LowBitAdamRule
+from ..core.chunk import ADAM_STATE, MASTER
+from ..core.layout import part_in_shard
 from ..core.param_guard import slot_of
 from ..distributed.shard_strategy import TensorShardStrategy
 from ..core.tiers import parse_size
@@ -43,8 +46,11 @@ from .cost_model import flash_attention_on_meta
 
 META = torch.device("meta")
 ITERATIONS = 3  # traced, planned, followed: the last one is measured (each: the passes of one step)
-OPTIMIZER_STATES = ("fp32", "8bit")
-"""The Adam moments the planner counts: fp32, or 8-bit (:mod:`chunkmem.optim.low_bit_rule`'s families)."""
+OPTIMIZER_STATES = ("fp32", "8bit", "8bit-bf16")
+"""The optimizer states the planner counts: Adam's fp32 moments; 8-bit ones (:mod:`chunkmem.optim.low_bit_rule`'s
+families) beside fp32 masters (of a 16-bit model); 8-bit ones over bf16 parameters that are their own masters
+(torchao's ``AdamW8bit(bf16_stochastic_round=True)`` on a bf16 model: no master family, the small parameters'
+moments in bf16)."""
 
 
 @dataclass
@@ -62,6 +68,11 @@ class PolicyPlan:
     copy of the chunk being widened beside its fp32 one). ``moved_*_per_step``: bytes copied between the
     tiers by one training step that follows the schedule (its ``gradient_accumulation_steps``
     forward/backward passes), as the ledger counts them.
+
+    Sharded over several ranks (:func:`~chunkmem.plan.choose`'s ``ranks``) ``tier_bytes`` is rank 0's and
+    ``tier_bytes_per_rank`` every rank's (rank ``r`` at index ``r``; one entry with one rank). They differ only
+    with 8-bit optimizer state, whose block scales and small parameters' moments depend on where the shard
+    boundaries fall (a few bytes per boundary); the peaks are the largest rank's.
     """
 
     policy: str
@@ -77,6 +88,7 @@ class PolicyPlan:
     extra: dict[str, Any] = field(default_factory=dict)
     host_peak_bytes: int = 0
     gradient_accumulation_steps: int = 1
+    tier_bytes_per_rank: list[dict[str, dict[str, int]]] = field(default_factory=list)
 
     def total(self, tier: str) -> int:
         """Bytes on ``tier`` ("device" or "host") over all families."""
@@ -116,9 +128,13 @@ def plan(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: An
         grad_accum_dtype: what 16-bit gradients of several backwards are summed in, as
             ``ShardedModelV2(grad_accum_dtype=)``: ``None`` or ``torch.float32`` (fp32, the default), or
             ``dtype`` (kept in 16 bits: no widening). Matters only with ``gradient_accumulation_steps`` > 1.
-        optimizer_state: ``"fp32"`` (Adam's fp32 moments: ``HybridAdam``, torch's Adam) or ``"8bit"``
-            (``HybridAdam(state_dtype="8bit")``, torchao's ``AdamW8bit`` / ``Adam8bit``: 8-bit codes, block scales and the small parameters' fp32 moments, laid
-            out as :mod:`chunkmem.optim.low_bit_rule` lays them out).
+        optimizer_state: ``"fp32"`` (Adam's fp32 moments: ``HybridAdam``, torch's Adam), ``"8bit"``
+            (``HybridAdam(state_dtype="8bit")``, torchao's ``AdamW8bit`` / ``Adam8bit``: 8-bit codes, block scales
+            and the small parameters' fp32 moments, laid out as :mod:`chunkmem.optim.low_bit_rule` lays them out;
+            fp32 masters for a 16-bit model) or ``"8bit-bf16"`` (torchao's ``AdamW8bit`` / ``Adam8bit`` with
+            ``bf16_stochastic_round=True``: the same codes and scales, the small parameters' moments in bf16, and
+            no fp32 master, the bf16 parameters being their own: 4 bytes a parameter fewer; needs
+            ``dtype=torch.bfloat16`` and ``reuse_fp16_shard=False``).
     """
     device_capacity = parse_size(device_memory, "device_memory")
     host_capacity = None if host_memory is None else parse_size(host_memory, "host_memory")
@@ -127,7 +143,7 @@ def plan(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: An
     if not isinstance(reuse_fp16_shard, bool):
         raise ArgumentTypeError("reuse_fp16_shard", reuse_fp16_shard, "True or False")
     check_accumulation(gradient_accumulation_steps, grad_accum_dtype, dtype, reuse_fp16_shard)
-    check_choice("optimizer_state", optimizer_state, OPTIMIZER_STATES)
+    check_optimizer_state("optimizer_state", optimizer_state, dtype, reuse_fp16_shard)
     if isinstance(policies, str) or not policies:
         raise InvalidArgumentError("policies", policies, "a non-empty sequence of 'cuda', 'cpu', 'auto'")
     for name in policies:
@@ -161,6 +177,48 @@ def check_accumulation(gradient_accumulation_steps: Any, grad_accum_dtype: Any, 
         raise InvalidArgumentError("gradient_accumulation_steps", gradient_accumulation_steps,
                                    "1 with reuse_fp16_shard=True (the gradients live in the parameters' memory "
                                    "and cannot add up over backwards); or reuse_fp16_shard=False")
+
+
+def check_optimizer_state(name: str, optimizer_state: Any, dtype: torch.dtype, reuse_fp16_shard: bool | None) -> None:
+    """Check an optimizer state of :data:`OPTIMIZER_STATES` (argument ``name``); ``"8bit-bf16"`` (bf16 parameters as
+    their own masters) only with a bf16 ``dtype`` and without ``reuse_fp16_shard``, as ShardedOptimizerV2 takes it."""
+    check_choice(name, optimizer_state, OPTIMIZER_STATES)
+    if optimizer_state != "8bit-bf16":
+        return
+    if dtype != torch.bfloat16:
+        raise InvalidArgumentError(name, optimizer_state, f"'fp32' or '8bit' with dtype={dtype}; '8bit-bf16' (bf16 "
+                                   "parameters as their own masters) needs dtype=torch.bfloat16")
+    if reuse_fp16_shard:
+        raise InvalidArgumentError(name, optimizer_state, "'fp32' or '8bit' with reuse_fp16_shard=True; '8bit-bf16' "
+                                   "needs reuse_fp16_shard=False (the bf16 parameters are the only copy: their memory "
+                                   "cannot hold the gradients)")
+
+
+def optimizer_families(chunk: Any, optimizer_state: str) -> dict[str, tuple[int, torch.dtype]]:
+    """The elements and dtype of each optimizer family of this rank's shard of the trainable ``chunk`` under
+    ``optimizer_state`` (:data:`OPTIMIZER_STATES`), as ShardedOptimizerV2 allocates them: the fp32 ``master`` of a
+    16-bit chunk (none with ``"8bit-bf16"``), then the state families."""
+    families: dict[str, tuple[int, torch.dtype]] = {}
+    if chunk.dtype != torch.float32 and optimizer_state != "8bit-bf16":
+        families[MASTER] = (chunk.shard_numel, torch.float32)
+    if optimizer_state == "fp32":
+        families.update({family: (chunk.shard_numel, torch.float32) for family in ADAM_STATE})
+    else:
+        families.update(LowBitAdamRule.state_buffers(chunk, stochastic_round=optimizer_state == "8bit-bf16"))
+    return families
+
+
+class _RankView:
+    """``chunk`` as rank ``rank`` of its shard group holds it, for :func:`optimizer_families` (which reads the
+    shard's extent and its parameters' parts): the meta run holds rank 0's shard only."""
+
+    def __init__(self, chunk: Any, rank: int) -> None:
+        self.dtype, self.slots, self.shards = chunk.dtype, chunk.slots, chunk.shards
+        self.shard_numel = chunk.shard_numel
+        self.shard_offset = rank * chunk.shard_numel
+
+    def own_range(self, slot: Any) -> tuple[int, int] | None:
+        return part_in_shard(slot.offset, slot.numel, self.shard_offset, self.shard_numel)
 
 
 def _meta_model(model_or_builder: Any) -> nn.Module:
@@ -200,23 +258,21 @@ def meta_tiers() -> Iterator[None]:
             setattr(module, attribute, value)
 
 
-def _optimizer_bytes(policy: Any, model: ShardedModelV2, optimizer_state: str = "fp32") -> dict[str, dict[str, int]]:
-    """The optimizer families' bytes per tier (this rank's shards), by the policy's rule (as
-    ShardedOptimizerV2 places them); ``optimizer_state``: as :func:`plan`'s."""
-    out: dict[str, dict[str, int]] = {"device": {}, "host": {}}
+def _optimizer_bytes(policy: Any, model: ShardedModelV2, optimizer_state: str = "fp32"
+                     ) -> list[dict[str, dict[str, int]]]:
+    """The optimizer families' bytes per tier, by the policy's rule (as ShardedOptimizerV2 places them), for each
+    rank of the model's shard group (rank ``r`` at index ``r``); ``optimizer_state``: as :func:`plan`'s."""
     trainable = [c for c in model.chunks if c.trainable]
-    for position, chunk in enumerate(trainable):
-        tier = "device" if policy.optim_on_device(position, len(trainable)) else "host"
-        if optimizer_state == "8bit":
-            families = {family: numel * dtype.itemsize
-                        for family, (numel, dtype) in LowBitAdamRule.state_buffers(chunk).items()}
-        else:
-            families = {"exp_avg": chunk.shard_numel * 4, "exp_avg_sq": chunk.shard_numel * 4}
-        if model.dtype != torch.float32:
-            families["master"] = chunk.shard_numel * 4
-        for family, nbytes in families.items():
-            out[tier][family] = out[tier].get(family, 0) + nbytes
-    return out
+    per_rank = []
+    for rank in range(model.shards.world):
+        out: dict[str, dict[str, int]] = {"device": {}, "host": {}}
+        for position, chunk in enumerate(trainable):
+            tier = "device" if policy.optim_on_device(position, len(trainable)) else "host"
+            view = chunk if rank == model.shards.rank else _RankView(chunk, rank)
+            for family, (numel, dtype) in optimizer_families(view, optimizer_state).items():
+                out[tier][family] = out[tier].get(family, 0) + numel * dtype.itemsize
+        per_rank.append(out)
+    return per_rank
 
 
 def _meta_inputs(model_or_builder: Any, sample_batch: Any, loss_fn: Any) -> tuple:
@@ -242,9 +298,10 @@ def _plan_policy(name: str, template: nn.Module, args: tuple, loss_fn: Any, devi
     on it need: the meta run's host peak (bytes, the optimizer state aside), each chunk's shard bytes and
     where its parameters and optimizer state rest, the collectives of the last iteration."""
     with meta_tiers(), flash_attention_on_meta():
-        optim, chunk_bytes, num_chunks, extra = _probe_layout(name, template, dtype, chunk_size, reuse_fp16_shard,
-                                                              grad_accum_dtype, placement, optimizer_state)
-        optim_device = sum(optim["device"].values())
+        optim_ranks, chunk_bytes, num_chunks, extra = _probe_layout(name, template, dtype, chunk_size,
+                                                                    reuse_fp16_shard, grad_accum_dtype, placement,
+                                                                    optimizer_state)
+        optim_device = max(sum(o["device"].values()) for o in optim_ranks)  # (the tightest rank's)
         tiers.set_device_memory_capacity(max(device_capacity - optim_device, 1))
         result = PolicyPlan(name, True, "fits", {}, 0, chunk_bytes, num_chunks, 0, 0, extra=extra,
                             gradient_accumulation_steps=gradient_accumulation_steps)
@@ -281,14 +338,14 @@ def _plan_policy(name: str, template: nn.Module, args: tuple, loss_fn: Any, devi
             extra["collective_bytes_sent"] = _bytes_sent() - sent_before
         except DeviceCapacityError as e:
             resting = _did_not_fit(result, model, e, optim_device)
-    result.tier_bytes = {tier: {**resting[tier], **optim[tier]} for tier in ("device", "host")}
-    for tier in result.tier_bytes:
-        result.tier_bytes[tier] = {f: n for f, n in sorted(result.tier_bytes[tier].items()) if n}
+    result.tier_bytes_per_rank = [{tier: {f: n for f, n in sorted({**resting[tier], **o[tier]}.items()) if n}
+                                   for tier in ("device", "host")} for o in optim_ranks]
+    result.tier_bytes = result.tier_bytes_per_rank[0]
     if result.fits and result.device_peak_bytes + result.non_model_peak > device_capacity:
         result.fits, result.reason = False, (
             f"device: {result.device_peak_bytes} bytes of chunks at the peak and the non-model peak of "
             f"{result.non_model_peak} bytes exceed device_memory={device_capacity}")
-    result.host_peak_bytes = extra["host_peak_meta"] + sum(optim["host"].values())
+    result.host_peak_bytes = extra["host_peak_meta"] + max(sum(o["host"].values()) for o in optim_ranks)
     if result.fits and host_capacity is not None and result.host_peak_bytes > host_capacity:
         result.fits, result.reason = False, (
             f"host: a peak of {result.host_peak_bytes} bytes of chunks (the gradients before the step included) "
@@ -298,9 +355,12 @@ def _plan_policy(name: str, template: nn.Module, args: tuple, loss_fn: Any, devi
 
 def _probe_layout(name: str, template: nn.Module, dtype: torch.dtype, chunk_size: int | None, reuse_fp16_shard: bool,
                   grad_accum_dtype: torch.dtype | None, placement: dict[str, Any], optimizer_state: str = "fp32"
-                  ) -> tuple[dict[str, dict[str, int]], int, int, dict[str, Any]]:
+                  ) -> tuple[list[dict[str, dict[str, int]]], int, int, dict[str, Any]]:
     """The layout of the placement on the meta device, under an unbounded capacity: the optimizer state's
-    bytes per tier, the chunk bytes, the chunk count, and the candidates' ``extra`` facts of the layout."""
+    bytes per tier of each rank, the chunk bytes, the chunk count, and the candidates' ``extra`` facts of the
+    layout (``optim_families``: each trainable chunk's optimizer families, ``{family: (elements, bytes per
+    element)}`` of rank 0's shard, the master included; ``in_memory_families``: those that stay in host memory when
+    the chunk's state rests on disk; ``whole_chunks``: whether the disk step streams each chunk whole)."""
     tiers.set_device_memory_capacity(2**62)
     probe = ShardedModelV2(copy.deepcopy(template), TensorShardStrategy(), tensor_placement_policy=name, dtype=dtype,
                            chunk_size=chunk_size, reuse_fp16_shard=reuse_fp16_shard,
@@ -316,7 +376,12 @@ def _probe_layout(name: str, template: nn.Module, dtype: torch.dtype, chunk_size
         "trainable_shard_numels": [c.shard_numel for c in trainable],
         "trainable_index": [c.index for c in trainable],
         "optim_on_device": [policy.optim_on_device(k, len(trainable)) for k in range(len(trainable))],
-        "has_master": dtype != torch.float32,
+        "has_master": dtype != torch.float32 and optimizer_state != "8bit-bf16",
+        "optim_families": [{family: (numel, family_dtype.itemsize)
+                            for family, (numel, family_dtype) in optimizer_families(c, optimizer_state).items()}
+                           for c in trainable],
+        "in_memory_families": () if optimizer_state == "fp32" else LowBitAdamRule.in_memory_families,
+        "whole_chunks": optimizer_state != "fp32" and LowBitAdamRule.streams_whole_chunks,
     }
     return optim, probe.layout.chunk_bytes, num_chunks, extra
 
