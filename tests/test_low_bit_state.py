@@ -81,6 +81,24 @@ def test_the_map_codes_and_scales_are_torchaos():
                        quant_utils.dequant_with_qmap(codes, qmap, ref_scales).nan_to_num())
 
 
+def test_the_host_kernel_runs_on_torchs_openmp_threads():
+    """Like the fp32 kernel, the 8-bit one splits an update over the threads of the OpenMP runtime torch loaded
+    (no second runtime, whose idle threads would spin on the cores after each of its updates)."""
+    from chunkmem.optim import host_adam_ext
+    kernel = low_bit_adam.kernel()
+    if kernel is None:
+        pytest.skip(f"no host kernel here: {low_bit_adam._KERNEL.error}")
+    before = host_adam_ext._openmp_runtimes()
+    assert bool(kernel.lib.chunkmem_low_bit_adam_openmp()) == bool(before)
+    n = 1 << 16
+    moments = low_bit_adam.Moments(torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8),
+                                   torch.zeros(n // 256), torch.zeros(n // 256), torch.zeros(1), torch.zeros(1))
+    hyper = low_bit_adam.LowBitHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, True)
+    kernel.update(torch.randn(n), torch.randn(n), moments, [low_bit_adam.Segment(0, n, True, 0, hyper, 1)],
+                  nthreads=2)
+    assert host_adam_ext._openmp_runtimes() == before and bool(moments.codes_m.any())
+
+
 @pytest.mark.parametrize("out_dtype", [None, torch.bfloat16, torch.float16])
 def test_the_host_kernel_equals_the_torch_formulation(out_dtype):
     kernel = low_bit_adam.kernel()

@@ -44,6 +44,8 @@
 #include <thread>
 #include <vector>
 
+#include "parallel_range.h"
+
 #define CM_TARGET __attribute__((target("avx2,fma,f16c")))
 #define CM_EXPORT extern "C" __attribute__((visibility("default")))
 #define CM_INLINE inline __attribute__((always_inline))
@@ -309,54 +311,12 @@ struct V {
 }  // namespace avx512
 #pragma GCC pop_options
 
-#ifdef _OPENMP
-// In a child forked from a process that has run OpenMP regions the runtime still counts the parent's
-// threads, which the fork did not copy: a parallel region there can wait for them forever. A forked
-// child runs its updates on threads of its own.
-std::atomic<bool> forked_child{false};
-const int at_fork_registered = pthread_atfork(nullptr, nullptr, [] { forked_child = true; });
-#endif
-
-// Runs body(begin, end) over [0, n) on up to nthreads threads (the calling thread one of them), at
-// least min_per_thread elements each: on torch's OpenMP runtime where the library is built with it (see
-// host_adam_ext._build), else on threads started for the call. The threads
-// take blocks of kBlock elements in turn from a shared counter rather than fixed shares, so that on a
-// shared machine a thread whose core is busy with another process does less of the work instead of
-// holding everyone up.
+// Ranges of parallel_range (parallel_range.h) are kBlock elements: a block of each buffer stays in the cache.
 constexpr int64_t kBlock = 1 << 16;
 
 template <typename Body>
 void parallel_range(int64_t n, int nthreads, int64_t min_per_thread, Body body) {
-  int64_t t = nthreads < 1 ? 1 : nthreads;
-  if (min_per_thread < 1) min_per_thread = 1;
-  if (n / min_per_thread < t) t = n / min_per_thread;
-  if (t <= 1 || n <= kBlock) {
-    body(int64_t(0), n);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-  auto work = [&] {
-    for (int64_t b; (b = next.fetch_add(kBlock, std::memory_order_relaxed)) < n;)
-      body(b, b + kBlock < n ? b + kBlock : n);
-  };
-#ifdef _OPENMP
-  if (!forked_child.load(std::memory_order_relaxed)) {
-    // the OpenMP runtime torch runs its operators on (the library is loaded once per process): its
-    // threads are started already, and none of them spins on a core this update needs, as the threads
-    // of a pool other than torch's would for a while after each torch operator
-#pragma omp parallel num_threads(int(t))
-    work();
-    return;
-  }
-#endif
-  std::vector<std::thread> workers;
-  workers.reserve(size_t(t - 1));
-  try {
-    for (int64_t i = 1; i < t; ++i) workers.emplace_back(work);
-  } catch (...) {  // could not start a thread: the ones running (and this one) do the work
-  }
-  work();
-  for (auto& th : workers) th.join();
+  parallel_range(n, nthreads, min_per_thread, kBlock, body);
 }
 
 }  // namespace

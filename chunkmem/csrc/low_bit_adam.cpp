@@ -28,8 +28,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <thread>
 #include <vector>
+
+#include "parallel_range.h"
 
 #define CM_TARGET __attribute__((target("avx2,fma,f16c")))
 #define CM_EXPORT extern "C" __attribute__((visibility("default")))
@@ -332,7 +333,7 @@ void run_tiles(const Buffers& b, const Segment* segments, const std::vector<int6
 
 }  // namespace
 
-CM_EXPORT int chunkmem_low_bit_adam_abi() { return 4; }
+CM_EXPORT int chunkmem_low_bit_adam_abi() { return 6; }
 
 CM_EXPORT int chunkmem_low_bit_adam_cpu_ok() {
   __builtin_cpu_init();
@@ -342,24 +343,25 @@ CM_EXPORT int chunkmem_low_bit_adam_cpu_ok() {
 CM_EXPORT int chunkmem_low_bit_first_bucket() { return kFirstBucket; }
 CM_EXPORT int chunkmem_low_bit_buckets() { return kBuckets; }
 
-// Updates every segment; returns 0, or -1 where a quantized segment is not made of whole blocks.
+// Updates every segment; returns 0, or -1 where a quantized segment is not made of whole blocks. The threads take
+// 16 tiles at a time (parallel_range.h), at least 16 tiles each.
 CM_EXPORT int chunkmem_low_bit_adam(const Buffers* buffers, const Segment* segments, int64_t count, int nthreads) {
   std::vector<int64_t> first_tile(count + 1, 0);
   for (int64_t k = 0; k < count; ++k) {
     if ((segments[k].flags & kQuantized) && segments[k].n % kBlock) return -1;
     first_tile[k + 1] = first_tile[k] + (segments[k].n + kTile - 1) / kTile;
   }
-  const int64_t tiles = first_tile[count];
-  int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, tiles / 16)));
-  if (threads == 1) {
-    run_tiles(*buffers, segments, first_tile, 0, tiles);
-    return 0;
-  }
-  std::vector<std::thread> pool;
-  for (int w = 1; w < threads; ++w)
-    pool.emplace_back(run_tiles, std::cref(*buffers), segments, std::cref(first_tile), tiles * w / threads,
-                      tiles * (w + 1) / threads);
-  run_tiles(*buffers, segments, first_tile, 0, tiles / threads);
-  for (auto& t : pool) t.join();
+  parallel_range(first_tile[count], nthreads, 16, 16, [&](int64_t begin, int64_t end) {
+    run_tiles(*buffers, segments, first_tile, begin, end);
+  });
   return 0;
+}
+
+// Whether the library runs its threads on the OpenMP runtime (built with -fopenmp).
+CM_EXPORT int chunkmem_low_bit_adam_openmp() {
+#ifdef _OPENMP
+  return 1;
+#else
+  return 0;
+#endif
 }

@@ -280,19 +280,24 @@ def _openmp_runtimes() -> set[str]:
 
 
 def _build() -> tuple[ctypes.CDLL, Path, float | None]:
-    """The library (see :func:`native_build.load_library`): built with ``-fopenmp`` where torch has an
-    OpenMP runtime loaded, that builds, and loading it brings no second runtime; else without."""
+    return build_on_torchs_openmp(SOURCE, "host_adam")
+
+
+def build_on_torchs_openmp(source: Path, stem: str) -> tuple[ctypes.CDLL, Path, float | None]:
+    """A host kernel's library (see :func:`native_build.load_library`, with :data:`CXXFLAGS`): built with
+    ``-fopenmp`` where torch has an OpenMP runtime loaded, that builds, and loading it brings no second runtime
+    (its threads then are torch's: ``csrc/parallel_range.h``); else without."""
     runtimes = _openmp_runtimes()
     if runtimes:
         try:
-            built = load_library(SOURCE, CXXFLAGS + ("-fopenmp",), "host_adam")
+            built = load_library(source, CXXFLAGS + ("-fopenmp",), stem)
         except RuntimeError:  # a compiler without OpenMP
             built = None
         if built is not None and _openmp_runtimes() == runtimes:
             return built
         # else the library resolved OpenMP to a runtime of its own (left loaded: a runtime starts no
         # thread before its first parallel region, and none will run in it)
-    return load_library(SOURCE, CXXFLAGS, "host_adam")
+    return load_library(source, CXXFLAGS, stem)
 
 
 def _find_vml_sqrt() -> int | None:

@@ -37,15 +37,14 @@ from typing import Any, Sequence
 
 import torch
 
-from ..core.native_build import CSRC, LoadedOnce, env_flag, load_library
+from ..core.native_build import CSRC, LoadedOnce, env_flag
 from ..errors import InvalidArgumentError
 from . import host_adam_ext
 from .blockwise import (BLOCK_SIZE, block_scale, bucket_words, dequantize, dequantize_part, dynamic_map,
                         quantize_, quantize_part_)
 
 SOURCE = CSRC / "low_bit_adam.cpp"
-CXXFLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-math-errno")
-ABI_VERSION = 4
+ABI_VERSION = 6
 _APPLY_MULT, _DECOUPLED, _L2, _QUANTIZED = 1, 2, 4, 8
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -302,7 +301,7 @@ def _load() -> LowBitKernel:
         raise RuntimeError(f"the low-bit kernel is for x86-64, not {platform.machine()}")
     if not sys.platform.startswith(("linux", "darwin")):
         raise RuntimeError(f"the low-bit kernel is built for Linux and macOS only, not {sys.platform}")
-    lib, _, _ = load_library(SOURCE, CXXFLAGS, "low_bit_adam")
+    lib, _, _ = host_adam_ext.build_on_torchs_openmp(SOURCE, "low_bit_adam")
     if lib.chunkmem_low_bit_adam_abi() != ABI_VERSION:
         raise RuntimeError("the low-bit kernel library has another ABI version")
     if not lib.chunkmem_low_bit_adam_cpu_ok():
