@@ -344,3 +344,30 @@ def test_the_state_dict_moves_both_ways_between_zero_1_2_and_zero_3():
         assert torch.equal(state[name], p.detach()) and torch.equal(dict(back.named_parameters())[name], p), name
     assert _state_differences(sharded_optim.state_dict(), optim.state_dict(), False) == []
     assert _state_differences(back_optim.state_dict(), optim.state_dict(), False) == []
+
+
+def test_param_groups_out_of_model_order_and_parameters_without_a_step_draw_as_torchao():
+    """Two param groups (the second block first, other hyper-parameters), a parameter no backward reaches and one
+    frozen after building: torchao's step skips both (no state, no draw) and draws in the groups' order."""
+    torch.manual_seed(0)
+    reference = TinyGPT(d=64, unused_param=True).bfloat16()
+    data = batches(3, seed=12)
+
+    def groups(module):
+        late = list(module.blocks[1].parameters())
+        return [{"params": late, "lr": 3e-3, "weight_decay": 0.1},
+                {"params": [p for p in module.parameters() if all(p is not q for q in late)]}]
+    working = copy.deepcopy(reference)
+    theirs = torchao_optim.AdamW8bit(groups(working), lr=LR, bf16_stochastic_round=True)
+    module = copy.deepcopy(reference)
+    optim = cm.LowLevelZeroOptimizer(torchao_optim.AdamW8bit(groups(module), lr=LR, bf16_stochastic_round=True))
+    for model in (working, module):
+        model.side.requires_grad_(False)
+    _reference_steps(working, working, theirs, data, 1)
+    their_generator = torch.default_generator.get_state()
+    _train(module, optim, data)
+    for (name, a), b in zip(working.named_parameters(), module.parameters()):
+        assert torch.equal(a, b), name
+    assert torch.equal(torch.default_generator.get_state(), their_generator)
+    assert _state_differences(optim.state_dict(), theirs.state_dict(), False) == []
+    assert len(theirs.state_dict()["state"]) == len(list(module.parameters())) - 3  # unused (2), frozen: no state
