@@ -371,3 +371,71 @@ def test_param_groups_out_of_model_order_and_parameters_without_a_step_draw_as_t
     assert torch.equal(torch.default_generator.get_state(), their_generator)
     assert _state_differences(optim.state_dict(), theirs.state_dict(), False) == []
     assert len(theirs.state_dict()["state"]) == len(list(module.parameters())) - 3  # unused (2), frozen: no state
+
+
+POISONED = 16050  # an element of blocks.0.fc2.weight on rank 1's side of a block the shard boundary cuts
+
+
+def _poisoned(module, rank):
+    """Rank 1's gradient of blocks.0.fc2.weight gets a NaN at POISONED (the ranks' mean is NaN there)."""
+    def hook(grad):
+        if rank != 1:
+            return grad
+        grad = grad.clone()
+        grad.view(-1)[POISONED] = float("nan")
+        return grad
+    module.blocks[0].fc2.weight.register_hook(hook)
+    return module
+
+
+def _poisoned_block_is_cut(chunks, param, world):
+    """Whether POISONED lies on rank 1's side of a block of ``param`` that the boundary of ``chunks`` cuts."""
+    for chunk in chunks:
+        for slot in chunk.slots:
+            if slot.param is param:
+                inside = chunk.numel // world - slot.offset
+                return inside % 256 != 0 and inside <= POISONED < (inside // 256 + 1) * 256
+    return False
+
+
+def _nan_worker(rank, world):
+    """One step with a NaN in a cut block, in ZeRO-1/2 and in ZeRO-3 (one chunk: the same boundary)."""
+    reference = _model("adamw8bit")
+    data = _data(rank, world, steps=1)
+    working = _poisoned(copy.deepcopy(reference), rank)
+    theirs = CASES["adamw8bit"][1](working.parameters())
+    _reference_steps(working, working, theirs, data, world)
+    low_level = _poisoned(copy.deepcopy(reference), rank)
+    optim = cm.LowLevelZeroOptimizer(CASES["adamw8bit"][0](low_level.parameters()))
+    _train(low_level, optim, data)
+    module = _poisoned(copy.deepcopy(reference), rank)
+    sharded = cm.ShardedModelV2(module, cm.TensorShardStrategy(), tensor_placement_policy="cpu", dtype=torch.float32,
+                                chunk_size=75776 * 4)
+    sharded_optim = cm.ShardedOptimizerV2(sharded, CASES["adamw8bit"][0](module.parameters()))
+    _train(sharded, sharded_optim, data)
+    found = {"cut": [_poisoned_block_is_cut(optim.chunks, low_level.blocks[0].fc2.weight, world),
+                     _poisoned_block_is_cut(sharded.chunks, module.blocks[0].fc2.weight, world)],
+             "nan": int(working.blocks[0].fc2.weight.isnan().sum())}
+    their_state = {i: {k: (v.codes, v.scale.nan_to_num(7.0)) if isinstance(v, OptimState8bit) else v.nan_to_num(7.0)
+                       for k, v in entry.items()} for i, entry in theirs.state_dict()["state"].items()}
+    for name, params, state in (("zero-1/2", low_level.parameters(), optim.state_dict()),
+                                ("zero-3", sharded.state_dict().values(), sharded_optim.state_dict())):
+        found[name] = [n for (n, a), b in zip(working.named_parameters(), params)
+                       if not torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))]
+        for index, entry in state["state"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                value, theirs_value = entry[key], their_state[index][key]
+                same = (torch.equal(value.codes, theirs_value[0]) and torch.equal(value.scale.nan_to_num(7.0),
+                                                                                  theirs_value[1])
+                        if isinstance(value, OptimState8bit) else torch.equal(value.nan_to_num(7.0), theirs_value))
+                if not same:
+                    found[name].append((index, key))
+    return found
+
+
+def test_a_nan_in_a_cut_block_is_torchaos_in_zero_1_2_and_zero_3():
+    """torchao's block scale of a block holding a NaN is NaN; gloo's MAX drops a NaN that another rank meets with a
+    number, so the agreement on a cut block's scale (and the state dict's gathering of the scales) carries it."""
+    for rank in run_ranks(_nan_worker, 2):
+        assert rank["cut"] == [True, True] and rank["nan"] == 1, rank
+        assert rank["zero-1/2"] == [] and rank["zero-3"] == [], rank

@@ -56,11 +56,11 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 from torch.optim import Optimizer
 
 from ..core.chunk import MASTER, Chunk, ParamSlot
 from ..core.tiers import Tier, device_of_tier
+from ..distributed.collectives import ShardGroup, reduce_over_groups
 from ..errors import InvalidArgumentError, UnsupportedOperationError
 from ..runtime.runtime import ChunkRuntime
 from . import low_bit_param
@@ -250,7 +250,7 @@ class LowBitAdamRule(UpdateRule):
                    cut: list[tuple[StatePiece, Segment, tuple[torch.Tensor, torch.Tensor]]]) -> None:
         """Quantize the cut blocks' parts stepped here with their whole blocks' scales: the largest magnitudes of
         the new moments over every rank's part (an all-reduce of every cut block of ``chunk``, on every rank,
-        whether or not its parameter stepped here)."""
+        whether or not its parameter stepped here; :func:`largest_over`)."""
         layout = self._layouts[chunk.index]
         if not layout.cut_blocks:
             return
@@ -259,7 +259,7 @@ class LowBitAdamRule(UpdateRule):
             index = layout.cut_index(piece, segment)
             for row, values in enumerate(new):
                 largest[row, index] = values.abs().amax()
-        chunk.shards.all_reduce_(largest, dist.ReduceOp.MAX, what=f"the cut blocks' 8-bit scales of {chunk.name}")
+        largest = largest_over(chunk.shards, largest, f"the cut blocks' 8-bit scales of {chunk.name}")
         for piece, segment, new in cut:
             index = layout.cut_index(piece, segment)
             store_cut_segment_(moments, segment, new, (largest[0, index], largest[1, index]))
@@ -284,7 +284,7 @@ class LowBitAdamRule(UpdateRule):
         layout = self._layouts[chunk.index]
         state = Moments(*(chunk.optim[family].read() for family in LOW_BIT_FAMILIES))
         codes, scales, plain = gathered_state(layout, state, chunk.shard_numel, chunk.gather, lambda scales: (
-            chunk.shards.all_reduce_(scales, dist.ReduceOp.MAX, what=f"the 8-bit moments' scales of {chunk.name}")))
+            scales.copy_(largest_over(chunk.shards, scales, f"the 8-bit moments' scales of {chunk.name}"))))
         entries = {}
         for slot in chunk.slots:
             if id(slot.param) not in index_of or chunk.step_of(slot) == 0:  # torch keeps no state for one never stepped
@@ -358,6 +358,13 @@ def state_entry(step: int, held: WholeMoments, shape: Sequence[int], plain_state
         entry[key] = (_quantized_state(value[0].view(tuple(shape)), value[1], dynamic_map(row == 0), row == 0)
                       if isinstance(value, tuple) else value.to("cpu", copy=True).view(tuple(shape)))
     return entry
+
+
+def largest_over(shards: ShardGroup, values: torch.Tensor, what: str) -> torch.Tensor:
+    """``values``' elementwise maximum over the ``shards`` ranks, returned (``what``: for the error): a NaN on any
+    rank stays a NaN, as torchao's ``amax`` of a whole block keeps it (gloo's MAX drops a NaN that another rank
+    meets with a number; :func:`~chunkmem.distributed.collectives.reduce_over_groups` carries it as a count)."""
+    return reduce_over_groups([shards.group] if shards.sharded else [], values, True, what)
 
 
 def family_buffers(layout: ChunkStateLayout, shard_numel: int,

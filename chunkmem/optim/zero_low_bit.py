@@ -32,13 +32,13 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..distributed.collectives import ShardGroup, reduce_over_groups
+from ..distributed.collectives import ShardGroup
 from ..distributed.gathers import gather_whole
 from ..errors import InvalidArgumentError
 from .low_bit_adam import LowBitHyper, Moments, Segment, step_cut_segment_, store_cut_segment_, update_segments_
 from .low_bit_layout import ChunkStateLayout, StatePiece
 from .low_bit_rule import (LOW_BIT_FAMILIES, check_low_bit_entry, cut_families, entry_moments, family_buffers,
-                           gathered_state, state_entry, whole_moments)
+                           gathered_state, largest_over, state_entry, whole_moments)
 from .rounding_draws import DrawSequence, default_generator
 from .zero_gradient_store import GradientStores
 from .zero_partition import FlatChunk, FlatSlot
@@ -160,8 +160,7 @@ class LowBitUpdate(ZeroUpdate):
             index = layout.cut_index(piece, segment)
             for row, values in enumerate(new):
                 largest[row, index] = values.abs().amax()
-        largest = reduce_over_groups([self.shards.group], largest, True,
-                                     f"the cut blocks' 8-bit scales of chunk {chunk.index}")
+        largest = largest_over(self.shards, largest, f"the cut blocks' 8-bit scales of chunk {chunk.index}")
         for piece, segment, new in cut:
             index = layout.cut_index(piece, segment)
             store_cut_segment_(moments, segment, new, (largest[0, index], largest[1, index]))
@@ -176,8 +175,8 @@ class LowBitUpdate(ZeroUpdate):
         codes, scales, plain = gathered_state(
             layout, state, chunk.shard_numel,
             lambda local: gather_whole(self.shards, local, f"chunk {chunk.index}'s 8-bit state"),
-            lambda scales: scales.copy_(reduce_over_groups([self.shards.group], scales, True,
-                                                           f"the 8-bit moments' scales of chunk {chunk.index}")))
+            lambda scales: scales.copy_(largest_over(self.shards, scales, f"the 8-bit moments' scales of chunk "
+                                                                          f"{chunk.index}")))
         entries = {}
         for position, slot in enumerate(chunk.slots):
             if chunk.step_of(slot) == 0:  # torch keeps no state for a parameter never stepped
