@@ -254,7 +254,24 @@ def test_a_bad_state_dict_is_refused_with_nothing_changed():
         optim.load_state_dict(torch_saved)
 
 
-def test_low_level_zero_refuses_8bit_state():
-    module = torch.nn.Linear(64, 64)
-    with pytest.raises(cm.UnsupportedOperationError, match="state_dtype='8bit'"):
-        cm.LowLevelZeroOptimizer(cm.HybridAdam(module.parameters(), state_dtype="8bit"))
+def test_in_low_level_zero_it_equals_alone_and_keeps_the_same_state_dict():
+    """ZeRO-1/2 in one process (no torchao needed; against torchao on several ranks: test_low_bit_zero12.py); its
+    state dict loads into the optimizer alone, and the two go on alike."""
+    torch.manual_seed(0)
+    reference = TinyGPT(d=64)
+    first, then = batches(2, seed=29), batches(1, seed=30)
+    alone, alone_optim = _train_alone(reference, first + then, lr=1e-2, weight_decay=0.01)
+    module = copy.deepcopy(reference)
+    optim = cm.LowLevelZeroOptimizer(cm.HybridAdam(module.parameters(), lr=1e-2, weight_decay=0.01,
+                                                   state_dtype="8bit"), partition_grad=True)
+    train(module, optim, first)
+    moved = copy.deepcopy(module)
+    moved_optim = cm.HybridAdam(moved.parameters(), lr=1e-2, weight_decay=0.01, state_dtype="8bit")
+    moved_optim.load_state_dict(optim.state_dict())
+    train(module, optim, then)
+    _same_params(dict(module.named_parameters()), alone)
+    _same_state(optim.state_dict(), alone_optim.state_dict())
+    for x in then:
+        lm_loss(moved(x), x).backward()
+        moved_optim.step()
+    _same_params(dict(moved.named_parameters()), alone)

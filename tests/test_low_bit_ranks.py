@@ -1,8 +1,9 @@
 """torchao's 8-bit Adams in ShardedOptimizerV2 on several ranks (chunkmem.optim.low_bit_layout, low_bit_rule):
 chunks whose shard boundaries cut quantized parameters in the middle of a block train bit for bit as torchao's
 step run eagerly on the unsharded model, the state dict gathered is torchao's, a sharded checkpoint resumes bit for
-bit, and what is not supported (ZeRO-1/2, the disk tier or step_in_backward on several ranks) is refused. Sharded
-checkpoints loaded into another layout and consolidated: test_low_bit_resharding.py."""
+bit, and what is not supported (the disk tier or step_in_backward on several ranks) is refused. Sharded
+checkpoints loaded into another layout and consolidated: test_low_bit_resharding.py; ZeRO-1/2
+(LowLevelZeroOptimizer): test_low_bit_zero12.py."""
 from __future__ import annotations
 
 import copy
@@ -136,24 +137,6 @@ def test_checkpoints_saved_on_two_ranks_resume_bit_for_bit(tmp_path):
         torch.set_num_threads(threads)
     for key, value in model.state_dict().items():
         assert torch.equal(value, ranks[0]["model"][key]), key
-
-
-def _low_level_zero_worker(rank, world):
-    model = TinyGPT(d=64)
-    optimizer = torchao_optim.AdamW8bit(model.parameters())
-    try:
-        cm.LowLevelZeroOptimizer(optimizer)
-    except cm.InvalidArgumentError as refused:
-        return {"message": str(refused), "state": len(optimizer.state)}
-    return {"message": "accepted"}
-
-
-def test_low_level_zero_refuses_an_8bit_adam_on_several_ranks():
-    """ZeRO-1/2 steps the optimizer on pieces of parameters: torchao's 8-bit Adam reads whole blocks, so it is
-    refused at construction, naming it and what is allowed (in one process it runs its own step, whole)."""
-    for rank in run_ranks(_low_level_zero_worker, 2):
-        assert "AdamW8bit" in rank["message"] and "treats every element on its own" in rank["message"]
-        assert rank["state"] == 0
 
 
 def _disk_or_backward_worker(rank, world, directory):

@@ -56,11 +56,11 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 from torch.optim import Optimizer
 
 from ..core.chunk import MASTER, Chunk, ParamSlot
 from ..core.tiers import Tier, device_of_tier
+from ..distributed.collectives import ShardGroup, reduce_over_groups
 from ..errors import InvalidArgumentError, UnsupportedOperationError
 from ..runtime.runtime import ChunkRuntime
 from . import low_bit_param
@@ -164,10 +164,7 @@ class LowBitAdamRule(UpdateRule):
         """The elements and dtype of each of ``chunk``'s state families (a buffer holds at least one element: a
         chunk may have no quantized or no plain parameter); the plain moments are bf16 beside bf16 parameters
         that are their own masters, as torchao keeps a small bf16 tensor's state."""
-        layout = ChunkStateLayout.of(chunk)
-        codes, scales = (chunk.shard_numel, torch.uint8), (layout.scale_numel, torch.float32)
-        small = (layout.plain_numel, torch.bfloat16 if stochastic_round else torch.float32)
-        return {CODES_M: codes, CODES_V: codes, SCALES_M: scales, SCALES_V: scales, PLAIN_M: small, PLAIN_V: small}
+        return family_buffers(ChunkStateLayout.of(chunk), chunk.shard_numel, stochastic_round)
 
     def keeps_master(self, chunk: Chunk) -> bool:
         return chunk.dtype != torch.float32 and not self.stochastic_round
@@ -253,7 +250,7 @@ class LowBitAdamRule(UpdateRule):
                    cut: list[tuple[StatePiece, Segment, tuple[torch.Tensor, torch.Tensor]]]) -> None:
         """Quantize the cut blocks' parts stepped here with their whole blocks' scales: the largest magnitudes of
         the new moments over every rank's part (an all-reduce of every cut block of ``chunk``, on every rank,
-        whether or not its parameter stepped here)."""
+        whether or not its parameter stepped here; :func:`largest_over`)."""
         layout = self._layouts[chunk.index]
         if not layout.cut_blocks:
             return
@@ -262,7 +259,7 @@ class LowBitAdamRule(UpdateRule):
             index = layout.cut_index(piece, segment)
             for row, values in enumerate(new):
                 largest[row, index] = values.abs().amax()
-        chunk.shards.all_reduce_(largest, dist.ReduceOp.MAX, what=f"the cut blocks' 8-bit scales of {chunk.name}")
+        largest = largest_over(chunk.shards, largest, f"the cut blocks' 8-bit scales of {chunk.name}")
         for piece, segment, new in cut:
             index = layout.cut_index(piece, segment)
             store_cut_segment_(moments, segment, new, (largest[0, index], largest[1, index]))
@@ -285,43 +282,16 @@ class LowBitAdamRule(UpdateRule):
 
     def state_entries(self, chunk: Chunk, index_of: dict[int, int]) -> dict[int, dict[str, Any]]:
         layout = self._layouts[chunk.index]
-        codes, scales, plain = self._gathered(chunk)
+        state = Moments(*(chunk.optim[family].read() for family in LOW_BIT_FAMILIES))
+        codes, scales, plain = gathered_state(layout, state, chunk.shard_numel, chunk.gather, lambda scales: (
+            scales.copy_(largest_over(chunk.shards, scales, f"the 8-bit moments' scales of {chunk.name}"))))
         entries = {}
         for slot in chunk.slots:
             if id(slot.param) not in index_of or chunk.step_of(slot) == 0:  # torch keeps no state for one never stepped
                 continue
-            if quantizes(slot.numel):
-                first = layout.block_bases[slot.index_in_chunk]
-                held = tuple((codes[row][slot.offset:slot.offset + slot.numel],
-                              scales[row, first:first + slot.numel // BLOCK_SIZE]) for row in range(2))
-            else:
-                held = tuple(plain[row][slot.offset:slot.offset + slot.numel] for row in range(2))
+            held = whole_moments(layout, slot.index_in_chunk, slot.offset, slot.numel, codes, scales, plain)
             entries[index_of[id(slot.param)]] = state_entry(chunk.step_of(slot), held, slot.shape, self.plain_state)
         return entries
-
-    def _gathered(self, chunk: Chunk) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor] | None]:
-        """``chunk``'s whole state from every rank's shard, by collectives in chunk order on every rank: the codes
-        of each moment by element, the scales of both (rows) by block in the layout's chunk-wide numbering (a cut
-        block's scale is the same on the ranks that hold it: the maximum is it), the plain moments by element
-        (``None``: the chunk has no plain parameter)."""
-        layout = self._layouts[chunk.index]
-        state = Moments(*(chunk.optim[family].read() for family in LOW_BIT_FAMILIES))
-        codes = [chunk.gather(state.codes_m), chunk.gather(state.codes_v)]
-        scales = torch.zeros(2, layout.chunk_blocks, dtype=torch.float32, device=state.scales_m.device)
-        by_element = [torch.zeros(chunk.shard_numel, dtype=state.plain_m.dtype, device=state.plain_m.device)
-                      for _ in range(2)]
-        for piece in layout.pieces.values():
-            if piece.quantized:
-                first = layout.block_bases[piece.slot] + piece.first_block
-                for row, held in enumerate((state.scales_m, state.scales_v)):
-                    scales[row, first:first + piece.blocks] = held[piece.state_base:piece.state_base + piece.blocks]
-            else:
-                for local, held in zip(by_element, (state.plain_m, state.plain_v)):
-                    local[piece.start:piece.start + piece.numel] = held[piece.state_base:piece.state_base + piece.numel]
-        if layout.chunk_blocks:
-            chunk.shards.all_reduce_(scales, dist.ReduceOp.MAX, what=f"the 8-bit moments' scales of {chunk.name}")
-        plain = [chunk.gather(local) for local in by_element] if layout.plain_slots else None
-        return codes, scales, plain
 
     def state_keys(self, slot: ParamSlot) -> tuple[str, ...]:
         if self.plain_state and quantizes(slot.numel):
@@ -329,63 +299,21 @@ class LowBitAdamRule(UpdateRule):
         return _STATE_KEYS
 
     def check_entry(self, index: Any, name: str, entry: Any, slot: ParamSlot) -> int:
-        if self.plain_state:
-            return low_bit_param.check_entry(index, name, entry, slot.numel, tuple(slot.shape))
-        if not isinstance(entry, Mapping) or any(key not in entry for key in ("step", *_STATE_KEYS)):
-            raise InvalidArgumentError(f"state_dict['state'][{index}] ({name})", type(entry).__name__,
-                                       "a dict with 'step', 'exp_avg' and 'exp_avg_sq' (torchao's 8-bit Adam state)")
-        quantized = quantizes(slot.numel)
-        plain = {}
-        for key in _STATE_KEYS:
-            value = entry[key]
-            codes = getattr(value, "codes", None)
-            if quantized != (codes is not None):
-                raise InvalidArgumentError(f"state_dict['state'][{index}][{key!r}] ({name})", type(value).__name__,
-                                           "an OptimState8bit" if quantized else "an fp32 tensor (a parameter under "
-                                           "4096 elements or not in whole blocks of 256 keeps fp32 state)")
-            if codes is not None:
-                if tuple(codes.shape) != tuple(slot.shape) or codes.dtype != torch.uint8 or \
-                        value.scale.numel() != slot.numel // BLOCK_SIZE:
-                    raise InvalidArgumentError(f"state_dict['state'][{index}][{key!r}] ({name})",
-                                               f"codes of shape {tuple(codes.shape)}, {value.scale.numel()} scales",
-                                               f"uint8 codes of shape {tuple(slot.shape)}, {slot.numel // BLOCK_SIZE} scales")
-                plain[key] = torch.zeros(slot.shape)  # the step count and its form are checked like Adam's
-            else:
-                plain[key] = value
-        return check_plain_entry(index, name, {"step": entry["step"], **plain}, slot)
+        return check_low_bit_entry(index, name, entry, slot, self.plain_state)
 
     def loaded_families(self, chunk: Chunk, entries: list[tuple[ParamSlot, Mapping[str, Any]]]) -> dict[str, torch.Tensor]:
-        moments = []
-        for slot, entry in entries:
-            moments.append((slot, low_bit_param.moments_of(entry) if self.plain_state else tuple(
-                (entry[key].codes.reshape(-1), entry[key].scale.reshape(-1)) if quantizes(slot.numel)
-                else entry[key].detach().reshape(-1) for key in _STATE_KEYS)))
-        return self.families_of_moments(chunk, moments)
+        return self.families_of_moments(chunk, ((slot, entry_moments(entry, slot.numel, self.plain_state))
+                                                for slot, entry in entries))
 
     def families_of_moments(self, chunk: Chunk,
                             moments: Iterable[tuple[ParamSlot, WholeMoments]]) -> dict[str, torch.Tensor]:
         """This rank's state families of ``chunk`` (each buffer's elements and dtype) cut from the whole state of
         its parameters: ``moments`` yields ``(slot, (exp_avg, exp_avg_sq))``, as :data:`WholeMoments` says, one
         parameter at a time (the parameters without one: zero). What a loaded state dict and a sharded checkpoint
-        loaded into another layout write (a plain moment in another dtype is cast to the buffer's, as torch's
-        ``Optimizer.load_state_dict`` casts state to the parameter's dtype)."""
-        families = {family: torch.zeros(chunk.optim[family].numel, dtype=chunk.optim[family].dtype)
-                    for family in LOW_BIT_FAMILIES}
-        state = Moments(*families.values())
-        for slot, saved in moments:
-            piece = self._layouts[chunk.index].pieces.get(slot.index_in_chunk)
-            if piece is None:
-                continue
-            elements = slice(piece.first, piece.first + piece.numel)
-            for value, codes, scales, plain in ((saved[0], state.codes_m, state.scales_m, state.plain_m),
-                                                (saved[1], state.codes_v, state.scales_v, state.plain_v)):
-                if piece.quantized:
-                    codes[piece.start:piece.start + piece.numel] = value[0][elements]
-                    scales[piece.state_base:piece.state_base + piece.blocks] = \
-                        value[1][piece.first_block:piece.first_block + piece.blocks]
-                else:
-                    plain[piece.state_base:piece.state_base + piece.numel] = value[elements]
-        return families
+        loaded into another layout write (:func:`cut_families`)."""
+        buffers = {family: (chunk.optim[family].numel, chunk.optim[family].dtype) for family in LOW_BIT_FAMILIES}
+        return cut_families(self._layouts[chunk.index], buffers,
+                            ((slot.index_in_chunk, saved) for slot, saved in moments))
 
     def saved_state(self, chunk: Chunk, save: Callable[[Any], Any]) -> dict[str, Any]:
         return {"state": {family: save(chunk.optim[family]) for family in LOW_BIT_FAMILIES}}
@@ -430,6 +358,125 @@ def state_entry(step: int, held: WholeMoments, shape: Sequence[int], plain_state
         entry[key] = (_quantized_state(value[0].view(tuple(shape)), value[1], dynamic_map(row == 0), row == 0)
                       if isinstance(value, tuple) else value.to("cpu", copy=True).view(tuple(shape)))
     return entry
+
+
+def largest_over(shards: ShardGroup, values: torch.Tensor, what: str) -> torch.Tensor:
+    """``values``' elementwise maximum over the ``shards`` ranks, returned (``what``: for the error): a NaN on any
+    rank stays a NaN, as torchao's ``amax`` of a whole block keeps it (gloo's MAX drops a NaN that another rank
+    meets with a number; :func:`~chunkmem.distributed.collectives.reduce_over_groups` carries it as a count)."""
+    return reduce_over_groups([shards.group] if shards.sharded else [], values, True, what)
+
+
+def family_buffers(layout: ChunkStateLayout, shard_numel: int,
+                   stochastic_round: bool = False) -> dict[str, tuple[int, torch.dtype]]:
+    """The elements and dtype of each state family of a shard of ``shard_numel`` elements laid out as ``layout``
+    (a buffer holds at least one element: a shard may have no quantized or no plain parameter); the plain moments
+    are bf16 beside bf16 parameters that are their own masters (``stochastic_round``), as torchao keeps a small
+    bf16 tensor's state."""
+    codes, scales = (shard_numel, torch.uint8), (layout.scale_numel, torch.float32)
+    small = (layout.plain_numel, torch.bfloat16 if stochastic_round else torch.float32)
+    return {CODES_M: codes, CODES_V: codes, SCALES_M: scales, SCALES_V: scales, PLAIN_M: small, PLAIN_V: small}
+
+
+def gathered_state(layout: ChunkStateLayout, state: Moments, shard_numel: int,
+                   gather: Callable[[torch.Tensor], torch.Tensor], reduce_max: Callable[[torch.Tensor], Any]
+                   ) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor] | None]:
+    """A chunk's whole state from every rank's shard ``state`` (laid out as ``layout``), by collectives in this
+    order on every rank: ``gather`` (a shard-sized tensor -> the whole chunk's, rank by rank) of the codes of each
+    moment, ``reduce_max`` (in place, elementwise over the ranks) of the scales of both moments (rows) by block in
+    the layout's chunk-wide numbering (each rank fills the blocks it touches, the others 0; a cut block's scale is
+    the same on the ranks that hold it: the maximum is it), then ``gather`` of the plain moments by element.
+    Returns the codes, the scales and the plain moments (``None``: the chunk has no plain parameter)."""
+    codes = [gather(state.codes_m), gather(state.codes_v)]
+    scales = torch.zeros(2, layout.chunk_blocks, dtype=torch.float32, device=state.scales_m.device)
+    by_element = [torch.zeros(shard_numel, dtype=state.plain_m.dtype, device=state.plain_m.device) for _ in range(2)]
+    for piece in layout.pieces.values():
+        if piece.quantized:
+            first = layout.block_bases[piece.slot] + piece.first_block
+            for row, held in enumerate((state.scales_m, state.scales_v)):
+                scales[row, first:first + piece.blocks] = held[piece.state_base:piece.state_base + piece.blocks]
+        else:
+            for local, held in zip(by_element, (state.plain_m, state.plain_v)):
+                local[piece.start:piece.start + piece.numel] = held[piece.state_base:piece.state_base + piece.numel]
+    if layout.chunk_blocks:
+        reduce_max(scales)
+    plain = [gather(local) for local in by_element] if layout.plain_slots else None
+    return codes, scales, plain
+
+
+def whole_moments(layout: ChunkStateLayout, position: int, offset: int, numel: int, codes: list[torch.Tensor],
+                  scales: torch.Tensor, plain: list[torch.Tensor] | None) -> WholeMoments:
+    """The whole state of the parameter at ``position`` in a chunk (``numel`` elements from ``offset``), cut from
+    the chunk's gathered state (:func:`gathered_state`'s ``codes``, ``scales`` and ``plain``)."""
+    if quantizes(numel):
+        first = layout.block_bases[position]
+        return tuple((codes[row][offset:offset + numel], scales[row, first:first + numel // BLOCK_SIZE])
+                     for row in range(2))
+    return tuple(plain[row][offset:offset + numel] for row in range(2))
+
+
+def cut_families(layout: ChunkStateLayout, buffers: Mapping[str, tuple[int, torch.dtype]],
+                 moments: Iterable[tuple[int, WholeMoments]]) -> dict[str, torch.Tensor]:
+    """A shard's state families (``buffers``: each family's elements and dtype, :func:`family_buffers`) cut from
+    the whole state of its chunk's parameters: ``moments`` yields ``(position in the chunk, (exp_avg,
+    exp_avg_sq))``, as :data:`WholeMoments` says (the parameters without one: zero). A plain moment in another
+    dtype is cast to the buffer's, as torch's ``Optimizer.load_state_dict`` casts state to the parameter's dtype."""
+    families = {family: torch.zeros(numel, dtype=dtype) for family, (numel, dtype) in buffers.items()}
+    state = Moments(*(families[family] for family in LOW_BIT_FAMILIES))
+    for position, saved in moments:
+        piece = layout.pieces.get(position)
+        if piece is None:
+            continue
+        elements = slice(piece.first, piece.first + piece.numel)
+        for value, codes, scales, plain in ((saved[0], state.codes_m, state.scales_m, state.plain_m),
+                                            (saved[1], state.codes_v, state.scales_v, state.plain_v)):
+            if piece.quantized:
+                codes[piece.start:piece.start + piece.numel] = value[0][elements]
+                scales[piece.state_base:piece.state_base + piece.blocks] = \
+                    value[1][piece.first_block:piece.first_block + piece.blocks]
+            else:
+                plain[piece.state_base:piece.state_base + piece.numel] = value[elements]
+    return families
+
+
+def entry_moments(entry: Mapping[str, Any], numel: int, plain_state: bool) -> WholeMoments:
+    """The whole moments of a checked state-dict entry (:func:`check_low_bit_entry`) of a parameter of ``numel``
+    elements: torchao's, or :mod:`chunkmem.optim.low_bit_param`'s plain tensors (``plain_state``)."""
+    if plain_state:
+        return low_bit_param.moments_of(entry)
+    return tuple((entry[key].codes.reshape(-1), entry[key].scale.reshape(-1)) if quantizes(numel)
+                 else entry[key].detach().reshape(-1) for key in _STATE_KEYS)
+
+
+def check_low_bit_entry(index: Any, name: str, entry: Any, slot: Any, plain_state: bool) -> int:
+    """The step count of a saved state-dict entry of the parameter ``slot`` describes (its ``numel`` and ``shape``),
+    after checking it is an 8-bit Adam's: torchao's (``OptimState8bit`` where the state is quantized, else fp32
+    tensors), or :mod:`chunkmem.optim.low_bit_param`'s plain tensors (``plain_state``). Raises
+    :class:`~chunkmem.InvalidArgumentError` naming ``index`` and ``name``."""
+    if plain_state:
+        return low_bit_param.check_entry(index, name, entry, slot.numel, tuple(slot.shape))
+    if not isinstance(entry, Mapping) or any(key not in entry for key in ("step", *_STATE_KEYS)):
+        raise InvalidArgumentError(f"state_dict['state'][{index}] ({name})", type(entry).__name__,
+                                   "a dict with 'step', 'exp_avg' and 'exp_avg_sq' (torchao's 8-bit Adam state)")
+    quantized = quantizes(slot.numel)
+    plain = {}
+    for key in _STATE_KEYS:
+        value = entry[key]
+        codes = getattr(value, "codes", None)
+        if quantized != (codes is not None):
+            raise InvalidArgumentError(f"state_dict['state'][{index}][{key!r}] ({name})", type(value).__name__,
+                                       "an OptimState8bit" if quantized else "an fp32 tensor (a parameter under "
+                                       "4096 elements or not in whole blocks of 256 keeps fp32 state)")
+        if codes is not None:
+            if tuple(codes.shape) != tuple(slot.shape) or codes.dtype != torch.uint8 or \
+                    value.scale.numel() != slot.numel // BLOCK_SIZE:
+                raise InvalidArgumentError(f"state_dict['state'][{index}][{key!r}] ({name})",
+                                           f"codes of shape {tuple(codes.shape)}, {value.scale.numel()} scales",
+                                           f"uint8 codes of shape {tuple(slot.shape)}, {slot.numel // BLOCK_SIZE} scales")
+            plain[key] = torch.zeros(slot.shape)  # the step count and its form are checked like Adam's
+        else:
+            plain[key] = value
+    return check_plain_entry(index, name, {"step": entry["step"], **plain}, slot)
 
 
 def _quantized_state(codes: torch.Tensor, scales: torch.Tensor, qmap: torch.Tensor, signed: bool) -> torch.Tensor:

@@ -27,14 +27,14 @@ from ..distributed.agreement import HYPER_PARAMETERS_FIELD, agree_on_point, held
 from ..distributed.collectives import start_all_gather
 from ..errors import InvalidArgumentError, UnscaledBackwardError, UnsupportedOperationError, check_type, warn_renamed
 from . import zero_builder, zero_state_dict
-from .any_optimizer import LayoutWatch, StateLayout
+from .any_optimizer import StateLayout
 from .closure import run_closure
 from .loss_scaler import DynamicGradScaler
 from .mixed_precision import MixedPrecisionStep
 from .zero_backward import ZeroBackward
 from .zero_gradient_store import GradientStores
 from .zero_partition import FlatChunk, FlatSlot
-from .zero_update import choose_update
+from .zero_update import ZeroUpdate
 
 
 _OPTIMIZER_OF: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # id(param) -> (param, its optimizer), both weak
@@ -89,8 +89,10 @@ class LowLevelZeroOptimizer:
             over the parameters (its own step runs on views of this rank's fp32 masters, its per-element
             state one fp32 shard per chunk and key, as in :class:`~chunkmem.ShardedOptimizerV2`: see
             :mod:`chunkmem.optim.any_optimizer`; with several ranks only elementwise ones, as the rank
-            holds pieces of parameters); its param groups give the hyper-parameters, read at every
-            step. Its own ``step`` must not be called.
+            holds pieces of parameters), or an 8-bit Adam (torchao's ``AdamW8bit`` / ``Adam8bit``,
+            ``HybridAdam(state_dtype="8bit")``: its codes and block scales in this rank's shard, on any number of
+            ranks, bit for bit torchao's step run eagerly: :mod:`chunkmem.optim.zero_low_bit`); its param groups
+            give the hyper-parameters, read at every step. Its own ``step`` must not be called.
         initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale:
             the :class:`~chunkmem.DynamicGradScaler` rules (defaults: 2**16, 1, 2, 0.5, 2000, 2, 2**24).
         clip_grad_norm: clip the unscaled gradients to this global 2-norm before the update (0: no
@@ -147,8 +149,7 @@ class LowLevelZeroOptimizer:
         self.dp_process_group = dp_process_group
         self.shards = shards
         self.separate_master = parts.separate_master
-        self._layout = parts.layout  # None: the Adam kernel; else any_optimizer's stand-in step
-        self._layout_watch = None if parts.layout is None else LayoutWatch(optimizer, parts.layout, zero_builder.OWNER)
+        self._layout = parts.layout  # None: the Adam kernel or an 8-bit Adam; else any_optimizer's stand-in step
         self.chunks = parts.chunks
         self._slot_of = parts.slot_of
         self.params = parts.params  # every parameter of the param groups, in index order (torch's numbering)
@@ -158,7 +159,7 @@ class LowLevelZeroOptimizer:
         self._backward = ZeroBackward(self._stores, self._slot_of, self.communication_dtype, reduce_bucket_size,
                                       overlap_communication)
         self.buckets = self._backward.buckets
-        self._rule = choose_update(optimizer, parts.layout, self._stores, parts.separate_master)
+        self._rule = zero_builder.choose_update(optimizer, parts, self._stores)
         # the hooks call this optimizer (not its parts): a parameter keeps its optimizer alive, as optimizer_of says
         self._hooks = [slot.param.register_post_accumulate_grad_hook(self._on_grad)
                        for slot in self._slot_of.values()]
@@ -196,8 +197,14 @@ class LowLevelZeroOptimizer:
     @property
     def state_layout(self) -> StateLayout | None:
         """What the wrapped optimizer keeps per parameter, when it is not run by the Adam kernel (``None``:
-        Adam's moments; see :mod:`chunkmem.optim.any_optimizer`)."""
+        Adam's moments, or an 8-bit Adam's families; see :mod:`chunkmem.optim.any_optimizer`)."""
         return self._layout
+
+    @property
+    def update_rule(self) -> ZeroUpdate:
+        """How each chunk is updated, chosen once (:mod:`chunkmem.optim.zero_update`; an 8-bit Adam's:
+        :mod:`chunkmem.optim.zero_low_bit`)."""
+        return self._rule
 
     @property
     def global_grad_norm(self) -> float | None:
@@ -271,8 +278,7 @@ class LowLevelZeroOptimizer:
                         ("loss scale", self.loss_scale), ("unscaled backward", self._backward.unscaled),
                         (HYPER_PARAMETERS_FIELD, hyper_parameter_digest(self.optim.param_groups))])
         self._backward.steps += 1
-        if self._layout_watch is not None:
-            self._layout_watch.check()
+        self._rule.check_unchanged()
         if self._backward.unscaled:
             raise UnscaledBackwardError(
                 "a backward pass of the fp16 parameters did not go through the loss scaler (loss.backward()?): "
@@ -287,6 +293,7 @@ class LowLevelZeroOptimizer:
             self.zero_grad()
             return False
         self._agree_on_gradients()
+        self._rule.begin_step()
         gathers = []
         for chunk in self.chunks:
             self._rule.update(chunk, multiplier)
@@ -295,6 +302,7 @@ class LowLevelZeroOptimizer:
                                                 what=f"chunk{chunk.index} updated parameters"))
         for gathering in gathers:
             gathering.wait()
+        self._rule.end_step()
         self.mixed.stepped()
         self.zero_grad()  # the step releases the gradients it consumed, as the reference does
         return True
@@ -357,12 +365,17 @@ class LowLevelZeroOptimizer:
         """This rank's shard (``shard_numel`` elements) of ``slot``'s chunk for ``family`` (``"fp32"``: the
         masters; ``"grad"``: the reduced gradient; an optimizer state family) and the factor that
         unscales and clips it (1 but for the gradient); ``None`` where there is no value (no gradient
-        since the last step; no moments before the first step)."""
+        since the last step; no moments before the first step). An 8-bit Adam's state is not per element:
+        :class:`~chunkmem.UnsupportedOperationError` (read it from :meth:`state_dict`)."""
         chunk = slot.chunk
         if family == "fp32":
             return chunk.master, 1.0
         if family == "grad":
             return None if chunk.grad is None else (self._stores.own(chunk), self.mixed.multiplier)
+        if self._rule.state_dict_form is not None:
+            raise UnsupportedOperationError(f"reading the 8-bit optimizer state {family!r} of a parameter element by "
+                                            "element (its moments are codes with a scale per block of 256): read "
+                                            "optim.state_dict() instead")
         if chunk.step_of(slot) == 0:
             return None
         return chunk.state[family], 1.0

@@ -6,6 +6,8 @@ reduction settings, the parameters: each once, trainable ones of one device and 
 refusing together with the other ranks before anything changes. :func:`build_parts` runs it, agrees with the
 other ranks on the trainable parameters and the settings, seals the wrapped optimizer's param groups and packs
 the parameters into the flat chunks (:mod:`chunkmem.optim.zero_partition`), returning :class:`ZeroParts`.
+:func:`choose_update` then picks the update rule once (:mod:`chunkmem.optim.zero_update`,
+:mod:`chunkmem.optim.zero_low_bit`).
 """
 from __future__ import annotations
 
@@ -19,12 +21,16 @@ from ..core.chunk import ADAM_STATE
 from ..core.param_guard import slot_of
 from ..distributed.agreement import ARGUMENTS, LayoutDescription, ParamRecord, agree, refuse_together
 from ..distributed.collectives import ShardGroup
-from ..errors import ChunkmemError, InvalidArgumentError, UnsupportedOperationError, check_choice, check_number, check_type
+from ..errors import ChunkmemError, InvalidArgumentError, check_choice, check_number, check_type
 from .adam import HybridAdam, check_supported_optimizer, runs_adam_kernel
 from .any_optimizer import StateLayout, check_elementwise, probe_state
 from .loss_scaler import DynamicGradScaler
+from .low_bit_rule import check_low_bit_optimizer, low_bit_decoupled, stochastic_rounding
 from .sealed import seal_param_groups
+from .zero_gradient_store import GradientStores
+from .zero_low_bit import LowBitUpdate
 from .zero_partition import FlatChunk, FlatSlot, build_partition
+from .zero_update import AdamUpdate, AnyOptimizerUpdate, ZeroUpdate
 
 OWNER = "LowLevelZeroOptimizer"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -39,9 +45,14 @@ class ZeroParts:
         scaler: the loss scaler the arguments describe (used only with fp16 working parameters).
         shards: the data-parallel ranks.
         dtype: the working parameters' dtype.
-        layout: what the wrapped optimizer keeps per parameter (``None``: Adam, run by chunkmem's kernel).
-        separate_master: whether the fp32 masters are separate from the working parameters (16 bits, or the
-            masters on the host).
+        layout: what the wrapped optimizer keeps per parameter (``None``: Adam, run by chunkmem's kernel, or an
+            8-bit Adam).
+        low_bit: for an 8-bit Adam (:func:`~chunkmem.optim.low_bit_rule.low_bit_decoupled`), whether its weight
+            decay is decoupled (AdamW's); ``None`` for any other optimizer.
+        stochastic_round: the bf16 parameters are their own masters, rounded stochastically (an 8-bit Adam with
+            ``bf16_stochastic_round=True`` over a bf16 model).
+        separate_master: whether the masters are separate from the working parameters (fp32 masters of 16-bit
+            parameters, or the masters on the host).
         chunks: the flat chunks of the trainable parameters.
         params: every parameter of the wrapped optimizer's param groups, in index order (torch's numbering).
         slot_of: ``id(parameter)`` -> its place in the chunks, for each trainable one.
@@ -53,6 +64,8 @@ class ZeroParts:
     shards: ShardGroup
     dtype: torch.dtype
     layout: StateLayout | None
+    low_bit: bool | None
+    stochastic_round: bool
     separate_master: bool
     chunks: list[FlatChunk]
     params: list[nn.Parameter]
@@ -76,8 +89,11 @@ def build_parts(optimizer: Any, initial_scale: float, min_scale: float, growth_f
     for p in trainable:
         p._low_level_zero = True  # type: ignore[attr-defined]
     dtype = forced_dtype or trainable[0].dtype
+    low_bit = low_bit_decoupled(optimizer)
+    stochastic = low_bit is not None and stochastic_rounding(optimizer, dtype)
     agree_on_settings(shards, groups, dict(
         optimizer=type(optimizer).__name__, dtype=dtype, communication_dtype=communication_dtype or dtype,
+        low_bit_state=(low_bit, stochastic),
         reduce_bucket_size=reduce_bucket_size,
         overlap_communication=overlap_communication, partition_grad=partition_grad, cpu_offload=cpu_offload,
         clip_grad_norm=clip_grad_norm,
@@ -85,11 +101,12 @@ def build_parts(optimizer: Any, initial_scale: float, min_scale: float, growth_f
                      max_scale) if dtype == torch.float16 else None))
     device = trainable[0].device
     master_device = torch.device("cpu") if cpu_offload else device
-    separate = dtype != torch.float32 or master_device != device
+    separate = (dtype != torch.float32 and not stochastic) or master_device != device
     seal_param_groups(optimizer, OWNER)
-    chunks = build_partition(groups, dtype, shards.world, shards.rank, master_device, separate,
-                             ADAM_STATE if layout is None else layout.families)
-    if layout is not None:
+    families = () if low_bit is not None else ADAM_STATE if layout is None else layout.families  # 8-bit: the rule's
+    chunks = build_partition(groups, dtype, shards.world, shards.rank, master_device, separate, families,
+                             dtype if stochastic else torch.float32)
+    if layout is not None or low_bit is not None:
         optimizer.state.clear()  # what its constructor made (Adagrad's sums): the chunks keep the state
     slots = {id(s.param): s for c in chunks for s in c.slots}
     index_of: dict[int, int] = {}
@@ -100,7 +117,20 @@ def build_parts(optimizer: Any, initial_scale: float, min_scale: float, growth_f
         slot.index = index_of[id(slot.param)]
     params = [p for group in optimizer.param_groups for p in group["params"]]  # index order
     not_packed = [(i, p) for i, p in enumerate(params) if id(p) not in slots]
-    return ZeroParts(scaler, shards, dtype, layout, separate, chunks, params, slots, not_packed)
+    return ZeroParts(scaler, shards, dtype, layout, low_bit, stochastic, separate, chunks, params, slots, not_packed)
+
+
+def choose_update(optimizer: Any, parts: ZeroParts, stores: GradientStores) -> ZeroUpdate:
+    """The update rule for ``optimizer`` over ``parts``' chunks, chosen once: the 8-bit one for torchao's 8-bit
+    Adams and ``HybridAdam(state_dtype="8bit")`` (it gives the chunks their state families), the Adam kernel where
+    it runs the optimizer, else the optimizer's own step."""
+    if parts.low_bit is not None:
+        return LowBitUpdate(optimizer, stores, parts.chunks, parts.shards, separate_master=parts.separate_master,
+                            decoupled=parts.low_bit, stochastic_round=parts.stochastic_round,
+                            plain_state=isinstance(optimizer, HybridAdam))
+    if parts.layout is None:
+        return AdamUpdate(optimizer, stores, parts.separate_master)
+    return AnyOptimizerUpdate(optimizer, stores, parts.separate_master, parts.layout, OWNER)
 
 
 def check_arguments(optimizer: Any, initial_scale: float, min_scale: float, growth_factor: float,
@@ -116,9 +146,6 @@ def check_arguments(optimizer: Any, initial_scale: float, min_scale: float, grow
     shards = ShardGroup.of(dp_process_group, "dp_process_group")
     try:  # a rank refused here still meets the others' agreement (else they would wait for it)
         check_supported_optimizer(optimizer)
-        if isinstance(optimizer, HybridAdam) and optimizer.quantized_state:
-            raise UnsupportedOperationError("HybridAdam(state_dtype='8bit') in LowLevelZeroOptimizer: not supported "
-                                            "yet (use it alone or in ShardedOptimizerV2)")
         scaler = DynamicGradScaler(initial_scale, min_scale, growth_factor, backoff_factor, growth_interval,
                                    hysteresis, max_scale)
         check_number("clip_grad_norm", clip_grad_norm, low=0.0, finite=True)
@@ -138,7 +165,10 @@ def check_arguments(optimizer: Any, initial_scale: float, min_scale: float, grow
                                        f"None or torch.float32 (16-bit gradients of several backwards summed in "
                                        f"fp32), or the parameters' dtype {dtype} (summed in it)")
         layout = None
-        if not runs_adam_kernel(optimizer):
+        if low_bit_decoupled(optimizer) is not None:  # an 8-bit Adam: its own rule, on any number of ranks
+            check_low_bit_optimizer(optimizer, dtype=dtype, several_ranks=shards.sharded, disk=False,
+                                    step_in_backward=False)
+        elif not runs_adam_kernel(optimizer):
             layout = probe_state(optimizer)
             if shards.sharded:
                 check_elementwise(optimizer, "with several data-parallel ranks",

@@ -113,12 +113,14 @@ class FlatChunk:
 
 def build_partition(groups: list[list[nn.Parameter]], dtype: torch.dtype, world: int, rank: int,
                     master_device: torch.device, separate_master: bool,
-                    families: tuple[str, ...] = ADAM_STATE) -> list[FlatChunk]:
+                    families: tuple[str, ...] = ADAM_STATE, master_dtype: torch.dtype = torch.float32
+                    ) -> list[FlatChunk]:
     """Pack the parameters of ``groups`` (chunks never mix groups) into flat chunks of ``dtype`` on
-    the parameters' device, make every parameter a view into its chunk, and allocate this rank's fp32
-    master (a copy of the values before any cast, when ``separate_master``; else the owned elements of
-    the working buffer are the masters) and zero optimizer state ``families`` on ``master_device``.
-    Padding is zero."""
+    the parameters' device, make every parameter a view into its chunk, and allocate this rank's
+    master (``master_dtype``: fp32, or bf16 for bf16 parameters that are their own masters; a copy of the
+    values before any cast, when ``separate_master``; else the owned elements of the working buffer are the
+    masters) and zero fp32 optimizer state ``families`` (one element per element of the shard) on
+    ``master_device``. Padding is zero."""
     entries = [(g, p) for g, params in enumerate(groups) for p in params]
     numels = [p.numel() for _, p in entries]
     keys = [g for g, _ in entries]
@@ -129,7 +131,7 @@ def build_partition(groups: list[list[nn.Parameter]], dtype: torch.dtype, world:
     for n, (members, numel) in enumerate(zip(packed, chunk_sizes(packed, numels, keys, chunk_numel, world))):
         device = entries[members[0]][1].device
         flat = torch.zeros(numel, dtype=dtype, device=device)
-        exact = torch.zeros(numel, dtype=torch.float32, device=device) if separate_master else None
+        exact = torch.zeros(numel, dtype=master_dtype, device=device) if separate_master else None
         chunk = FlatChunk(n, entries[members[0]][0], numel, world, rank, flat)
         offset = 0
         for i in members:

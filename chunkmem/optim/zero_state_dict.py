@@ -5,8 +5,9 @@ then applied, writing only this rank's elements, with no collective).
 * :func:`optimizer_state_dict` / :func:`prepare_optimizer_load`: the format of :mod:`chunkmem.optim.state_dict`
   (torch's, shared with :class:`~chunkmem.ShardedOptimizerV2`: each loads the others' over the same parameters,
   at any world size): Adam's ``step``, ``exp_avg`` and ``exp_avg_sq`` per parameter, or another optimizer's own
-  keys with its scalar state (``step``, ...) per parameter as torch keeps it; the param groups and the loss
-  scaler.
+  keys with its scalar state (``step``, ...) per parameter as torch keeps it, or an 8-bit Adam's entries as its
+  rule writes and reads them (:mod:`chunkmem.optim.zero_low_bit`: torchao's, or HybridAdam's plain tensors); the
+  param groups and the loss scaler.
 * :func:`model_state_dict` / :func:`prepare_model_load`: ``module.state_dict()`` with the fp32 masters in place
   of the parameters the optimizer trains; loading writes the working parameters and this rank's masters.
 
@@ -31,11 +32,14 @@ def optimizer_state_dict(optim: Any, rank0_only: bool) -> dict[str, Any]:
     """The full optimizer state (``LowLevelZeroOptimizer.state_dict``): gathered, every rank calls it; with
     ``rank0_only`` the others get ``{}``."""
     check_type("rank0_only", rank0_only, bool, "True or False")
-    layout = optim.state_layout
+    layout, rule = optim.state_layout, optim.update_rule
     groups, _ = export_param_groups(optim)
     state: dict[int, dict[str, torch.Tensor]] = {}
     for chunk in optim.chunks:
         if not chunk.stepped:
+            continue
+        if rule.state_dict_form is not None:  # an 8-bit Adam's (collectives, in chunk order)
+            state.update(rule.state_entries(chunk))
             continue
         gathered = {family: optim.gather_shards(chunk, shard) for family, shard in chunk.state.items()}
         for slot in chunk.slots:
@@ -63,8 +67,12 @@ def prepare_optimizer_load(optim: Any, state_dict: Mapping[str, Any]) -> Callabl
     for key in ("state", "param_groups"):
         if key not in state_dict:
             raise InvalidArgumentError("state_dict", f"a dict without {key!r}", allowed)
-    layout = optim.state_layout
-    plan = prepare_hyper_load(optim, state_dict["param_groups"], state_dict.get("loss_scaler"), adam=layout is None)
+    layout, rule = optim.state_layout, optim.update_rule
+    low_bit = rule.state_dict_form is not None
+    plan = prepare_hyper_load(optim, state_dict["param_groups"], state_dict.get("loss_scaler"),
+                              adam=layout is None and not low_bit)
+    if low_bit:
+        rule.check_groups(plan.groups)
     state = state_dict["state"]
     check_type("state_dict['state']", state, Mapping, "a mapping from parameter index to its optimizer state")
     total = len(optim.params)
@@ -72,28 +80,18 @@ def prepare_optimizer_load(optim: Any, state_dict: Mapping[str, Any]) -> Callabl
         if not isinstance(index, int) or not 0 <= index < total:
             raise InvalidArgumentError("state_dict['state']", f"a state for index {index!r}",
                                        f"indices of the param_groups' 'params' ({total} parameters)")
-    writes: list[tuple[FlatChunk, dict[int, int], list[tuple[FlatSlot, Mapping[str, Any]]]]] = []
-    for chunk in optim.chunks:
-        steps, entries = {}, []
-        for slot in chunk.slots:
-            entry = state.get(slot.index)
-            if entry is None:
-                step = 0
-            elif layout is None:
-                step = check_entry(slot.index, f"index {slot.index}", entry, slot)
-            else:
-                step = check_entry(slot.index, f"index {slot.index}", entry, slot, chunk.state_families,
-                                   counts_steps=False, whole=layout.whole)
-            if step:
-                steps[slot.index] = step
-            if entry is not None and step > 0:
-                entries.append((slot, entry))
-        writes.append((chunk, steps, entries))
+    writes = [(chunk, *_checked_entries(optim, chunk, state)) for chunk in optim.chunks]
+    low_bit_families = [rule.loaded_families(chunk, entries) for chunk, _, entries in writes] if low_bit else None
 
     def apply() -> None:
         plan.apply()
         with torch.no_grad():
-            for chunk, step, entries in writes:
+            for n, (chunk, step, entries) in enumerate(writes):
+                chunk.steps = dict(step)
+                if low_bit_families is not None:
+                    for family, values in low_bit_families[n].items():
+                        chunk.state[family].copy_(values)
+                    continue
                 for shard in chunk.state.values():
                     shard.zero_()
                 chunk.scalars.clear()
@@ -105,8 +103,32 @@ def prepare_optimizer_load(optim: Any, state_dict: Mapping[str, Any]) -> Callabl
                         chunk.whole_state[slot.index] = scalar_copy(entry)
                     elif layout is not None:  # its own (older state dicts hold the group's in each)
                         chunk.scalars[slot.index] = scalar_copy(entry, chunk.state_families)
-                chunk.steps = dict(step)
     return apply
+
+
+def _checked_entries(optim: Any, chunk: FlatChunk, state: Mapping[Any, Any]
+                     ) -> tuple[dict[int, int], list[tuple[FlatSlot, Mapping[str, Any]]]]:
+    """The step counts (by param index, those > 0) and the entries to load of ``chunk``'s parameters from a state
+    dict's ``state``, each entry checked as the optimizer's form asks (raises naming it)."""
+    layout, rule = optim.state_layout, optim.update_rule
+    steps, entries = {}, []
+    for slot in chunk.slots:
+        entry = state.get(slot.index)
+        name = f"index {slot.index}"
+        if entry is None:
+            step = 0
+        elif rule.state_dict_form is not None:
+            step = rule.check_entry(slot.index, name, entry, slot)
+        elif layout is None:
+            step = check_entry(slot.index, name, entry, slot)
+        else:
+            step = check_entry(slot.index, name, entry, slot, chunk.state_families, counts_steps=False,
+                               whole=layout.whole)
+        if step:
+            steps[slot.index] = step
+        if entry is not None and step > 0:
+            entries.append((slot, entry))
+    return steps, entries
 
 
 def write_own(slot: FlatSlot, shard: torch.Tensor, value: torch.Tensor) -> None:

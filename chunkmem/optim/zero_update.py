@@ -1,13 +1,15 @@
 """How a :class:`~chunkmem.LowLevelZeroOptimizer` updates this rank's shard of a flat chunk: the update rule,
-chosen once when the optimizer is built (:func:`choose_update`), as
+chosen once when the optimizer is built (:func:`chunkmem.optim.zero_builder.choose_update`), as
 :mod:`chunkmem.optim.update_rule` is for :class:`~chunkmem.ShardedOptimizerV2`'s chunks.
 
 * :class:`AdamUpdate`: chunkmem's Adam kernel over the runs of the shard (``HybridAdam``, ``CPUAdam``, plain
   ``torch.optim.Adam`` / ``AdamW``), its moments the chunk's ``exp_avg`` and ``exp_avg_sq``;
 * :class:`AnyOptimizerUpdate`: the wrapped optimizer's own step on stand-ins for the parameters
-  (:mod:`chunkmem.optim.any_optimizer`), its per-element state the chunk's families named as its keys.
+  (:mod:`chunkmem.optim.any_optimizer`), its per-element state the chunk's families named as its keys;
+* the 8-bit Adams (torchao's ``AdamW8bit`` / ``Adam8bit``, ``HybridAdam(state_dtype="8bit")``):
+  :class:`chunkmem.optim.zero_low_bit.LowBitUpdate`, a :class:`ZeroUpdate` of its own module.
 
-Either updates the parameters that require grad and were given a gradient since the last step
+Each updates the parameters that require grad and were given a gradient since the last step
 (:func:`stepped`), advances their step counts, and copies the new masters into the working shard where they are
 separate; the rest of the shard (frozen or unused parameters, padding) is left alone.
 """
@@ -20,7 +22,7 @@ import torch
 from ..core.layout import join_runs
 from .adam import hyper_of_group
 from .adam_kernels import adam_update_, param_spans
-from .any_optimizer import ParamView, StateLayout, step_parameters
+from .any_optimizer import LayoutWatch, ParamView, StateLayout, step_parameters
 from .zero_gradient_store import GradientStores
 from .zero_partition import FlatChunk, FlatSlot
 
@@ -46,14 +48,31 @@ def ranges(chunk: FlatChunk) -> list[tuple[int, int, int]]:
 
 
 class ZeroUpdate:
-    """What both rules share. ``optimizer``: the wrapped torch optimizer (its param groups hold the
+    """What every rule shares. ``optimizer``: the wrapped torch optimizer (its param groups hold the
     hyper-parameters, read at every step); ``stores``: the gradient stores the updates read; ``separate_master``:
-    the masters are not the working shard."""
+    the masters are not the working shard.
+
+    A step calls :meth:`check_unchanged` before anything changes, then, once it updates, :meth:`begin_step`,
+    :meth:`update` for every chunk in order and :meth:`end_step`."""
+
+    state_dict_form: str | None = None
+    """How the full state dict writes the per-parameter state where its keys are not the chunk families cut by
+    parameter (``"torchao-8bit"`` or ``"plain-8bit"``: :mod:`chunkmem.optim.zero_low_bit`), else ``None``."""
 
     def __init__(self, optimizer: Any, stores: GradientStores, separate_master: bool) -> None:
         self.optimizer = optimizer
         self.stores = stores
         self.separate_master = separate_master
+
+    def check_unchanged(self) -> None:
+        """Raise, with nothing changed, where the wrapped optimizer's hyper-parameters now ask for what this rule
+        cannot run (before each step)."""
+
+    def begin_step(self) -> None:
+        """The step updates now: every chunk's gradients are reduced, and which parameters it steps is agreed."""
+
+    def end_step(self) -> None:
+        """The step updated every chunk."""
 
     def update(self, chunk: FlatChunk, multiplier: float) -> None:
         """Update this rank's shard of ``chunk`` from its gradient store times ``multiplier`` (what unscales and
@@ -87,11 +106,18 @@ class AnyOptimizerUpdate(ZeroUpdate):
     """The wrapped optimizer's own step over this rank's shard on stand-ins (views of the masters, shaped where
     the rank owns a parameter whole; a stepped parameter none of whose elements the rank owns advances its scalar
     state on a one-element stand-in: :mod:`chunkmem.optim.any_optimizer`). The scalar state is per parameter
-    (``chunk.scalars`` by its index), as torch keeps it. ``layout``: what the optimizer keeps per parameter."""
+    (``chunk.scalars`` by its index), as torch keeps it. ``layout``: what the optimizer keeps per parameter, held
+    to by a :class:`~chunkmem.optim.any_optimizer.LayoutWatch` before each step (``owner``: the optimizer's name,
+    for its error)."""
 
-    def __init__(self, optimizer: Any, stores: GradientStores, separate_master: bool, layout: StateLayout) -> None:
+    def __init__(self, optimizer: Any, stores: GradientStores, separate_master: bool, layout: StateLayout,
+                 owner: str) -> None:
         super().__init__(optimizer, stores, separate_master)
         self.layout = layout
+        self._watch = LayoutWatch(optimizer, layout, owner)
+
+    def check_unchanged(self) -> None:
+        self._watch.check()
 
     def update(self, chunk: FlatChunk, multiplier: float) -> None:
         slots = stepped(chunk)
@@ -107,10 +133,3 @@ class AnyOptimizerUpdate(ZeroUpdate):
             for a, b, _ in ranges(chunk):
                 own[a:b].copy_(chunk.master[a:b])
 
-
-def choose_update(optimizer: Any, layout: StateLayout | None, stores: GradientStores,
-                  separate_master: bool) -> ZeroUpdate:
-    """The rule for ``optimizer``: the Adam kernel where it runs it (``layout`` ``None``), else its own step."""
-    if layout is None:
-        return AdamUpdate(optimizer, stores, separate_master)
-    return AnyOptimizerUpdate(optimizer, stores, separate_master, layout)
