@@ -248,21 +248,9 @@ class LowBitAdamRule(UpdateRule):
 
     def _store_cut(self, chunk: Chunk, moments: Moments,
                    cut: list[tuple[StatePiece, Segment, tuple[torch.Tensor, torch.Tensor]]]) -> None:
-        """Quantize the cut blocks' parts stepped here with their whole blocks' scales: the largest magnitudes of
-        the new moments over every rank's part (an all-reduce of every cut block of ``chunk``, on every rank,
-        whether or not its parameter stepped here; :func:`largest_over`)."""
-        layout = self._layouts[chunk.index]
-        if not layout.cut_blocks:
-            return
-        largest = torch.zeros(2, len(layout.cut_blocks), dtype=torch.float32, device=moments.scales_m.device)
-        for piece, segment, new in cut:
-            index = layout.cut_index(piece, segment)
-            for row, values in enumerate(new):
-                largest[row, index] = values.abs().amax()
-        largest = largest_over(chunk.shards, largest, f"the cut blocks' 8-bit scales of {chunk.name}")
-        for piece, segment, new in cut:
-            index = layout.cut_index(piece, segment)
-            store_cut_segment_(moments, segment, new, (largest[0, index], largest[1, index]))
+        """Quantize ``chunk``'s cut blocks (:func:`~chunkmem.optim.low_bit_rule.store_cut_blocks`)."""
+        store_cut_blocks(self._layouts[chunk.index], chunk.shards, moments, cut,
+                         f"the cut blocks' 8-bit scales of {chunk.name}")
 
     def _streamed(self, chunk: Chunk, multiplier: float) -> tuple[list, "StreamedLowBitUpdate"]:
         in_memory = {family: chunk.optim[family].tensor for family in self.in_memory_families}
@@ -342,6 +330,25 @@ class StreamedLowBitUpdate:
         families = {**state, **self.in_memory}
         moments = Moments(*(families[family] for family in LOW_BIT_FAMILIES))
         update_segments_(master, grad, moments, self.segments, self.multiplier, None, self.random())
+
+
+def store_cut_blocks(layout: ChunkStateLayout, shards: Any, moments: Moments,
+                     cut: list[tuple[StatePiece, Segment, tuple[torch.Tensor, torch.Tensor]]], what: str) -> None:
+    """Quantize the parts of ``layout``'s cut blocks stepped on this rank (``cut``: each with its new moments, from
+    :func:`~chunkmem.optim.low_bit_adam.step_cut_segment_`) with their whole blocks' scales: the largest magnitude
+    of each block's new moments over every rank's part, agreed over ``shards`` (:func:`largest_over`, named
+    ``what``; every rank calls it for every cut block of the chunk, whether or not its parameter stepped)."""
+    if not layout.cut_blocks:
+        return
+    largest = torch.zeros(2, len(layout.cut_blocks), dtype=torch.float32, device=moments.scales_m.device)
+    for piece, segment, new in cut:
+        index = layout.cut_index(piece, segment)
+        for row, values in enumerate(new):
+            largest[row, index] = values.abs().amax()
+    largest = largest_over(shards, largest, what)
+    for piece, segment, new in cut:
+        index = layout.cut_index(piece, segment)
+        store_cut_segment_(moments, segment, new, (largest[0, index], largest[1, index]))
 
 
 def state_entry(step: int, held: WholeMoments, shape: Sequence[int], plain_state: bool) -> dict[str, Any]:

@@ -35,10 +35,10 @@ import torch
 from ..distributed.collectives import ShardGroup
 from ..distributed.gathers import gather_whole
 from ..errors import InvalidArgumentError
-from .low_bit_adam import LowBitHyper, Moments, Segment, step_cut_segment_, store_cut_segment_, update_segments_
+from .low_bit_adam import LowBitHyper, Moments, Segment, step_cut_segment_, update_segments_
 from .low_bit_layout import ChunkStateLayout, StatePiece
 from .low_bit_rule import (LOW_BIT_FAMILIES, check_low_bit_entry, cut_families, entry_moments, family_buffers,
-                           gathered_state, largest_over, state_entry, whole_moments)
+                           gathered_state, largest_over, state_entry, store_cut_blocks, whole_moments)
 from .rounding_draws import DrawSequence, default_generator
 from .zero_gradient_store import GradientStores
 from .zero_partition import FlatChunk, FlatSlot
@@ -149,21 +149,9 @@ class LowBitUpdate(ZeroUpdate):
 
     def _store_cut(self, chunk: FlatChunk, moments: Moments,
                    cut: list[tuple[StatePiece, Segment, tuple[torch.Tensor, torch.Tensor]]]) -> None:
-        """Quantize the cut blocks' parts stepped here with their whole blocks' scales: the largest magnitudes of
-        the new moments over every rank's part (an all-reduce of every cut block of ``chunk``, on every rank,
-        whether or not its parameter stepped; a NaN on any rank stays a NaN, as in torchao's block)."""
-        layout = self._layouts[chunk.index]
-        if not layout.cut_blocks:
-            return
-        largest = torch.zeros(2, len(layout.cut_blocks), dtype=torch.float32, device=moments.scales_m.device)
-        for piece, segment, new in cut:
-            index = layout.cut_index(piece, segment)
-            for row, values in enumerate(new):
-                largest[row, index] = values.abs().amax()
-        largest = largest_over(self.shards, largest, f"the cut blocks' 8-bit scales of chunk {chunk.index}")
-        for piece, segment, new in cut:
-            index = layout.cut_index(piece, segment)
-            store_cut_segment_(moments, segment, new, (largest[0, index], largest[1, index]))
+        """Quantize ``chunk``'s cut blocks (:func:`~chunkmem.optim.low_bit_rule.store_cut_blocks`)."""
+        store_cut_blocks(self._layouts[chunk.index], self.shards, moments, cut,
+                         f"the cut blocks' 8-bit scales of chunk {chunk.index}")
 
     # ---- state dicts ---------------------------------------------------------------------------------------
 

@@ -138,6 +138,8 @@ class Scheduler:
         self._periods_changed = False
         self._to_close: list[IterationTrace] = []
         self._staging: list[int] = []  # per period, gradient staging buffers alive at most (prefetch reserve)
+        self._used_in_phase: dict[str, set[int]] = {}  # a trace's chunks used so far, by phase (guess_prefetch)
+        self._peak_so_far = 0  # the largest non-model peak of a trace's closed periods so far (guess_prefetch)
         self._param_bytes = 0
 
     @property
@@ -207,6 +209,7 @@ class Scheduler:
             self.signature = signature
             self.trace = IterationTrace(self.device, lambda: self.ledger.tier_bytes(Tier.DEVICE))
             self.traces += 1
+            self._used_in_phase, self._peak_so_far = {}, 0  # what guess_prefetch has seen of this trace
             return False
         self._enter(IterationMode.FOLLOWING, *starts_from)
         self.state.following = True
@@ -283,10 +286,12 @@ class Scheduler:
         the next chunk not used yet in this phase fetched ahead (``guessed``), keeping room for the largest
         non-model peak traced so far. A wrong guess costs one fetch, freed at the next period boundary
         unless that period needs it."""
+        closed = self.trace.periods[-2:-1]  # the period just closed (its peak is known now)
+        self._peak_so_far = max([self._peak_so_far] + [period.non_model_peak for period in closed])
         if not chunks:
             return
-        traced = self.trace.periods
-        used = {c for period in traced if period.phase == phase for c in period.needed}
+        used = self._used_in_phase.setdefault(phase, set())
+        used.update(chunks)  # (the chunks of a period are all used in it)
         step = 1 if phase == "forward" else -1
         guess = max(chunks) + 1 if step == 1 else min(chunks) - 1
         while 0 <= guess < self.chunk_count and guess in used:
@@ -296,7 +301,7 @@ class Scheduler:
         orders.prefetch, orders.guessed = [guess], True
         orders.keep.append(guess)
         orders.needed = list(chunks)
-        orders.reserve = max(period.non_model_peak for period in traced)
+        orders.reserve = self._peak_so_far
 
     def _next_new_chunks(self, index: int) -> list[int]:
         """The chunks of the first period after ``index`` (within :data:`PREFETCH_LOOKAHEAD` periods of the same
@@ -319,6 +324,8 @@ class Scheduler:
         left the schedule (the manager then evicts every unused chunk outside the margin)."""
         if self._mode is IterationMode.TRACING:
             self.trace.need(chunk_index)
+            if self.trace.current is not None:
+                self._used_in_phase.setdefault(self.trace.current.phase, set()).add(chunk_index)
         elif self._mode is IterationMode.FOLLOWING:
             current = self.periods[self.index - 1] if self.index else None
             if current is None or chunk_index not in current.needed_set:
