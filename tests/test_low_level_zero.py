@@ -1,7 +1,6 @@
 """LowLevelZeroOptimizer (ZeRO-1/2) against independent references: plain PyTorch AdamW on one process
 with the doubled batch (fp32), a hand-written 16-bit loop that reduces the two ranks' gradients as the
 collectives do (fp16/bf16), exact byte counts, and torch's AdamW state layout."""
-import copy
 import itertools
 
 import pytest
@@ -374,7 +373,6 @@ def test_unscaled_fp16_backward_is_refused():
 def test_clip_grad_norm_clips_by_the_global_norm():
     model, ref = make_model(), make_model()
     optim = cm.LowLevelZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), clip_grad_norm=0.05)
-    ref_optim = torch.optim.SGD(ref.parameters(), lr=1.0)
     x, y = data(1)[0]
     optim.backward(loss_fn(model(x), y))
     loss_fn(ref(x), y).backward()

@@ -242,7 +242,7 @@ def test_non_reentrant_checkpoint_early_stop_leaves_nothing_held(policy):
             assert set(model.tier_bytes()["device"]) <= {"grad_staging"} or model.tier_bytes()["device"] == {}
         optim.step()
         optim.zero_grad()
-    plain, plain_losses = copy.deepcopy(reference), []
+    plain = copy.deepcopy(reference)
     plain_optim = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
     for x in batches(4):
         loss = lm_loss(plain(x), x)

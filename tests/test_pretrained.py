@@ -2,7 +2,6 @@
 against transformers' own loading and plain PyTorch training."""
 from __future__ import annotations
 
-import copy
 import json
 import os
 import weakref
