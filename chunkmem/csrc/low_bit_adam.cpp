@@ -20,8 +20,9 @@
 //
 // Segments of a chunk whose state is too small to quantize keep fp32 moments and skip the (de)quantization.
 // The square root is the instruction set's, or the library function torch's Tensor.sqrt calls (MKL VML),
-// handed in as a function pointer and applied to each block. Compiled with -ffp-contract=off: the only
-// fused multiply-adds are the lerp's, written out as torch's vectorized kernel computes them.
+// handed in as a function pointer and applied to each tile of kTile elements. Compiled with -ffp-contract=off:
+// the only fused multiply-adds are the lerp's, written out as torch's vectorized kernel computes them. The tiles
+// are spread over torch's OpenMP threads (parallel_range.h).
 #include <immintrin.h>
 
 #include <algorithm>
