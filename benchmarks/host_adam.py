@@ -172,6 +172,13 @@ def instruction_sets_comparison(kernel: host_adam_ext.HostAdamKernel, hyper: Ada
         print(f"  {label:<13} AVX2 {speeds[False]:.2f}, AVX-512 {speeds[True]:.2f} ({speeds[True] / speeds[False]:.2f}x)")
 
 
+def low_bit_state(n: int) -> tuple[low_bit_adam.Moments, low_bit_adam.LowBitHyper]:
+    """Zero 8-bit moments of ``n`` parameters, all quantized, and the hyper-parameters the 8-bit rows step with."""
+    moments = low_bit_adam.Moments(torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8),
+                                   torch.zeros(n // 256), torch.zeros(n // 256), torch.zeros(1), torch.zeros(1))
+    return moments, low_bit_adam.LowBitHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True)
+
+
 def low_bit_rows(n: int, grad: torch.Tensor, out: torch.Tensor, with_torchao: bool) -> dict[str, tuple]:
     """The 8-bit rows (issue 40): chunkmem's one-pass kernel (bf16 gradient in, fp32 master, 8-bit moments with
     their block scales, bf16 copy out) and torchao's ``AdamW8bit`` step (``single_param_adam`` compiled as its
@@ -183,9 +190,7 @@ def low_bit_rows(n: int, grad: torch.Tensor, out: torch.Tensor, with_torchao: bo
         return {}
     gen = torch.Generator().manual_seed(1)
     master = torch.randn(n, generator=gen)
-    moments = low_bit_adam.Moments(torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8),
-                                   torch.zeros(n // 256), torch.zeros(n // 256), torch.zeros(1), torch.zeros(1))
-    hyper = low_bit_adam.LowBitHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True)
+    moments, hyper = low_bit_state(n)
     step = [0]
 
     def ours():
@@ -228,9 +233,7 @@ def low_bit_from_cache(bound_gbs: float) -> str | None:
     gen = torch.Generator().manual_seed(2)
     master, grad = torch.randn(n, generator=gen), torch.randn(n, generator=gen).bfloat16()
     out = torch.empty(n, dtype=torch.bfloat16)
-    moments = low_bit_adam.Moments(torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8),
-                                   torch.zeros(n // 256), torch.zeros(n // 256), torch.zeros(1), torch.zeros(1))
-    hyper = low_bit_adam.LowBitHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True)
+    moments, hyper = low_bit_state(n)
     best = float("inf")
     for step in range(1, 501):
         segments = [low_bit_adam.Segment(0, n, True, 0, hyper, 1 + step % 4)]  # the step scalars cached

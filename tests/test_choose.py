@@ -40,6 +40,12 @@ def real_run(candidate: cm.Candidate, batch: torch.Tensor, nvme_path: str, steps
     moves and disk traffic)."""
     model = cm.ShardedModelV2(build(), cm.TensorShardStrategy(), **candidate.model_config(nvme_path))
     optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-3), initial_scale=2**8)
+    return counted_training(model, optim, batch, steps)
+
+
+def counted_training(model: cm.ShardedModelV2, optim: cm.ShardedOptimizerV2, batch: torch.Tensor, steps: int) -> dict:
+    """Train ``steps`` steps; what the ledger counted: the bytes per tier, the last step's moves and disk traffic,
+    the disk files and the host peak."""
     ledger = model.runtime.ledger
     for _ in range(steps):
         before = (ledger.moved_to_device, ledger.moved_to_host, ledger.read_from_disk, ledger.written_to_disk)

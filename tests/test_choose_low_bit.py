@@ -16,7 +16,7 @@ from chunkmem.plan.cost_model import step_time
 from chunkmem.plan.machine_profile import MachineProfile
 from distributed import run_ranks
 from models import TinyGPT, lm_loss
-from test_choose import CHUNK, IO, build, planned, profile
+from test_choose import CHUNK, IO, build, counted_training, planned, profile
 
 DISK = dict(disk_memory=2**30, chunk_size=CHUNK, buffer_count=2, buffer_size=IO)
 
@@ -35,16 +35,7 @@ def real_run(candidate: cm.Candidate, batch: torch.Tensor, nvme_path: str, steps
     module = build()
     model, optim = cm.initialize(module, _optimizer(module, candidate.optimizer_state), plan=candidate,
                                  nvme_path=nvme_path if candidate.uses_disk else None)
-    ledger = model.runtime.ledger
-    for _ in range(steps):
-        before = (ledger.moved_to_device, ledger.moved_to_host, ledger.read_from_disk, ledger.written_to_disk)
-        optim.backward(model(batch).float().mean())
-        optim.step()
-        optim.zero_grad()
-    after = (ledger.moved_to_device, ledger.moved_to_host, ledger.read_from_disk, ledger.written_to_disk)
-    return {"tier_bytes": model.tier_bytes(), "moved": tuple(a - b for a, b in zip(after, before)),
-            "files": model.disk_file_bytes(), "host_peak": ledger.peak_host_bytes,
-            "usage": optim.get_memory_usage(with_disk=True)}
+    return {**counted_training(model, optim, batch, steps), "usage": optim.get_memory_usage(with_disk=True)}
 
 
 def planned_usage(c: cm.Candidate) -> tuple[int, int, int]:

@@ -22,7 +22,7 @@ from models import TinyGPT, batches, lm_loss
 
 torchao_optim = pytest.importorskip("torchao.optim")
 from torchao.optim.subclass_8bit import OptimState8bit  # noqa: E402
-from test_low_bit_ranks import CHUNK_ELEMENTS, _cut_blocks, _seeded_step  # noqa: E402
+from test_low_bit_ranks import CHUNK_ELEMENTS, _cut_blocks, _seeded_step, _train  # noqa: E402
 from torchao_reference import eager_step  # noqa: E402
 
 FIRST, THEN = batches(2, seed=20), batches(2, seed=21)  # before the save, after the load
@@ -50,13 +50,6 @@ def _wrapped(case, chunk_elements, **model_options):
     model = cm.ShardedModelV2(module, cm.TensorShardStrategy(), tensor_placement_policy="cpu", dtype=dtype,
                               chunk_size=chunk_elements * dtype.itemsize, **model_options)
     return model, cm.ShardedOptimizerV2(model, make(module.parameters()))
-
-
-def _train(model, optim, data, first=0):
-    for n, x in enumerate(data, first):
-        optim.backward(lm_loss(model(x), x))
-        _seeded_step(optim.step, n)
-        optim.zero_grad()
 
 
 def _save(case, directory, world, chunk_elements):
@@ -247,6 +240,14 @@ def _damage_a_cut_blocks_scale(payload):
     raise AssertionError("no cut block at the start of rank 1's shards")
 
 
+def _refused_by_load_and_consolidation(directory, match):
+    """Both readers of a sharded checkpoint refuse ``directory`` with a :class:`~chunkmem.CheckpointError` matching
+    ``match``, and loading it changes nothing."""
+    _refused_with_nothing_changed(directory, cm.CheckpointError, match)
+    with pytest.raises(cm.CheckpointError, match=match):
+        cm.consolidate_checkpoint(directory)
+
+
 def _refused_with_nothing_changed(directory, error, match):
     model, optim = _wrapped("adamw8bit", 20000)
     _train(model, optim, batches(1, seed=30))
@@ -266,9 +267,7 @@ def test_a_cut_blocks_scales_that_differ_between_ranks_are_refused(saved, tmp_pa
     directory = _rewritten(os.path.join(saved, "adamw8bit-2"), tmp_path, 1, _damage_a_cut_blocks_scale)
     match = r"rank1-of-2\.pt: model\.chunks\[\d+\]\['state'\]: the scales of block \d+ of '.*', cut by a shard " \
             r"boundary, differ from those in .*rank0-of-2\.pt"
-    _refused_with_nothing_changed(directory, cm.CheckpointError, match)
-    with pytest.raises(cm.CheckpointError, match=match):
-        cm.consolidate_checkpoint(directory)
+    _refused_by_load_and_consolidation(directory, match)
 
 
 def test_a_family_of_the_wrong_dtype_is_refused_naming_it(saved, tmp_path):
@@ -278,9 +277,7 @@ def test_a_family_of_the_wrong_dtype_is_refused_naming_it(saved, tmp_path):
     directory = _rewritten(os.path.join(saved, "adamw8bit-2"), tmp_path, 0, change)
     match = r"rank0-of-2\.pt: model\.chunks\[0\]\['state'\]\['exp_avg_codes'\] is a torch\.float32 tensor of \d+ " \
             r"elements, expected a torch\.uint8 tensor"
-    _refused_with_nothing_changed(directory, cm.CheckpointError, match)
-    with pytest.raises(cm.CheckpointError, match=match):
-        cm.consolidate_checkpoint(directory)
+    _refused_by_load_and_consolidation(directory, match)
 
 
 def test_a_checkpoint_without_its_state_dicts_form_loads_but_does_not_consolidate(saved, tmp_path):

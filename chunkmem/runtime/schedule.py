@@ -290,8 +290,7 @@ class Scheduler:
         self._peak_so_far = max([self._peak_so_far] + [period.non_model_peak for period in closed])
         if not chunks:
             return
-        used = self._used_in_phase.setdefault(phase, set())
-        used.update(chunks)  # (the chunks of a period are all used in it)
+        used = self._used_in_phase.get(phase, set())
         step = 1 if phase == "forward" else -1
         guess = max(chunks) + 1 if step == 1 else min(chunks) - 1
         while 0 <= guess < self.chunk_count and guess in used:
