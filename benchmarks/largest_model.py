@@ -134,7 +134,8 @@ def estimate(cfg: GPTConfig, batch: int, placement: str, capacity: int, element_
     """Peak host memory of the run, in bytes, by parts (see the module docstring), and the bytes of the
     disk tier's files (``disk``: ``offload_param``, ``atomic_step``, ``buffer_count``, ``buffer_size``).
     With the parameters on disk the 16-bit bytes on the host are their gradients: all of them after the
-    backward, or a few chunks' with ``step_in_backward`` in place (each freed once its update is computed).
+    backward, or a few chunks' with ``step_in_backward`` in place (each freed once its update is computed, as
+    are the values of parameters that are their own masters, kept from the backward for the update).
     ``optimizer`` and ``rounding``: the state's families (:func:`state_families`); the 8-bit Adam's streamed
     update takes each chunk whole, so its I/O buffers hold a chunk of the widest family streamed."""
     chunk_numel, n_chunks, padding = chunk_layout(cfg, element_size, chunk_size)
@@ -152,7 +153,9 @@ def estimate(cfg: GPTConfig, batch: int, placement: str, capacity: int, element_
             buffer_size = max(buffer_size, aligned_nbytes(widest * chunk_numel))
         io = disk["buffer_count"] * families * buffer_size + 2 * disk["buffer_size"]  # + the in-line and fetch buffers
         if disk["offload_param"] and step_in_backward and not disk["atomic_step"]:
-            params = min(n_chunks, GRADIENTS_AHEAD_OF_THE_DISK_STEP + 2) * chunk_param_bytes
+            in_flight = min(n_chunks, GRADIENTS_AHEAD_OF_THE_DISK_STEP + 2) * chunk_param_bytes
+            # their gradients and, parameters that are their own masters, their values kept for the disk step
+            params = in_flight * (2 if element_size == 4 or rounding else 1)
         host_state = 0
         if placement == "auto" and host_capacity is not None:  # what fits the host capacity stays there
             host_state = max(0, min(state, host_capacity - params - io))

@@ -652,3 +652,28 @@ def test_auto_keeps_the_parameters_that_fit_the_host_capacity_on_the_host(tmp_pa
     _same_state(a, oa, b, ob)
     assert [c.param.shard.on_disk for c in b.chunks] == [False] * 3 + [True] * (len(chunks) - 3)
     assert b.tier_bytes()["host"]["param"] == 3 * shard
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_step_in_backward_updates_parameters_resting_on_disk_from_the_values_the_backward_read(tmp_path, dtype):
+    """Parameters on disk that are their own masters (fp32), updated in place in the backward: the update takes
+    their values from the copy the backward computed with instead of reading them from disk again, so each step
+    reads exactly their bytes less, and trains bitwise as the step after the backward. bf16 parameters with fp32
+    masters read the masters, not the parameters: the same bytes either way."""
+    reference, data = _reference(), batches(3)
+    runs = {}
+    for in_backward in (False, True):
+        (tmp_path / str(in_backward)).mkdir()
+        model = cm.ShardedModelV2(copy.deepcopy(reference), cm.TensorShardStrategy(), tensor_placement_policy="cpu",
+                                  dtype=dtype, chunk_size=4096 * dtype.itemsize,  # the largest parameter
+                                  **_on_disk(tmp_path / str(in_backward), atomic_step=False, offload_param="disk"))
+        optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-2, weight_decay=0.01),
+                                      step_in_backward=in_backward)
+        _train(model, optim, data)
+        runs[in_backward] = model, optim, model.runtime.ledger.read_from_disk
+    (a, oa, reads_after), (b, ob, reads_in_backward) = runs[False], runs[True]
+    _same_state(a, oa, b, ob)
+    param_bytes = sum(c.param.shard.nbytes for c in b.chunks if c.trainable)
+    saved = len(data) * param_bytes if dtype == torch.float32 else 0
+    assert reads_after - reads_in_backward == saved
+    assert b.tier_bytes()["host"].get("disk_io", 0) == a.tier_bytes()["host"].get("disk_io", 0)  # copies released

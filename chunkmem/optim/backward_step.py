@@ -212,7 +212,8 @@ class BackwardStep:
             disk = self.runtime.memory.disk
             on_disk = [c for c in self.runtime.trainable_chunks() if self.runtime.optim_tier(c) is Tier.DISK]
             shape = stream_shape(on_disk, self.rule.streams_whole_chunks, disk)
-            step = self.in_flight = StreamedStep(disk, self.mixed.any_rank, shape)
+            step = self.in_flight = StreamedStep(disk, self.mixed.any_rank, shape,
+                                                 self.runtime.release_copy_of_resting_values)
             step.start()
         elif any(update.chunk is chunk for update in step.updates):
             raise GradientAccumulationError(
@@ -221,12 +222,19 @@ class BackwardStep:
                 f"after each backward")
         # As if nothing overflowed and nothing is clipped: step() checks both and redoes the step otherwise.
         self.speculated[chunk.index] = self.key(chunk)
-        step.add(self.rule.disk_update(chunk, 1.0 / self.mixed.loss_scale))
-        if self.gradients_used_once():
+        update = self.rule.disk_update(chunk, 1.0 / self.mixed.loss_scale)
+        used_once = self.gradients_used_once()
+        if used_once:  # the stream is at most a few chunks behind: those chunks' values may wait for it in memory
+            update.resting_values = self.runtime.copy_of_resting_values(chunk)
+        step.add(update)
+        if used_once:
             for update in step.wait_until_computed(GRADIENTS_AHEAD_OF_THE_DISK_STEP):
                 if update.grad is not None:
                     self.runtime.release_gradients(update.chunk)
                     update.grad = None
+                if update.resting_values is not None:
+                    self.runtime.release_copy_of_resting_values(update.resting_values)
+                    update.resting_values = None
 
     def gradients_used_once(self) -> bool:
         """Whether a disk chunk's gradient is read by its update in the backward and by nothing after: the

@@ -77,6 +77,9 @@ class ChunkUpdate:
     multiplier: float
     rule: PieceRule | None = None
     whole: bool = False  # one piece: the whole shard (``rule`` must not see a piece boundary; see whole_piece_nbytes)
+    # parameters resting on disk that are their own masters: their values already in host memory (taken from the
+    # copy the backward computed with), streamed from here instead of read from disk again
+    resting_values: torch.Tensor | None = None
     updated_to: int = 0  # elements [0, updated_to) were updated (pieces run in order)
 
     @property
@@ -182,11 +185,14 @@ class _Piece:
 class StreamedStep:
     """Runs one step over chunks whose optimizer state rests on ``disk``; see the module docstring.
     ``agree(failed)`` returns whether any data-parallel rank failed (a collective); ``shape``: the most
-    I/O buffers one piece holds and their bytes (:func:`stream_shape` of the chunks to come)."""
+    I/O buffers one piece holds and their bytes (:func:`stream_shape` of the chunks to come); ``release_values``
+    is called, on the caller's thread once the stream has ended, with each update's ``resting_values`` still held."""
 
-    def __init__(self, disk: DiskTier, agree: Callable[[bool], bool], shape: tuple[int, int]) -> None:
+    def __init__(self, disk: DiskTier, agree: Callable[[bool], bool], shape: tuple[int, int],
+                 release_values: Callable[[torch.Tensor], None] = lambda values: None) -> None:
         self.disk = disk
         self.agree = agree
+        self.release_values = release_values
         self.updates: list[ChunkUpdate] = []  # every update handed over so far, in order
         self._families, self._buffer_nbytes = shape
         self._incoming: queue.SimpleQueue[ChunkUpdate | None] = queue.SimpleQueue()
@@ -258,6 +264,10 @@ class StreamedStep:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        for update in self.updates:
+            if update.resting_values is not None:
+                self.release_values(update.resting_values)
+                update.resting_values = None
 
     def _stream_on_thread(self) -> None:
         try:
@@ -331,8 +341,8 @@ class StreamedStep:
                 write_slot[id(update)] = [(1 - b.disk_slot) if self.disk.atomic_step else b.disk_slot
                                           for b in update.writes]
             buffers = [pool.take() for _ in update.writes]
-            reads = [self.disk.read_piece(buf.region, buf.disk_slot, start, end, raw)
-                     for buf, raw in zip(update.reads, buffers)]
+            reads = [self._read(update, buf, start, end, raw) for buf, raw in zip(update.reads, buffers)]
+            reads = [handle for handle in reads if handle is not None]
             piece = _Piece(update, start, end, buffers, reads)
             if self._journals(update):
                 piece.journal = pool.take()
@@ -367,6 +377,14 @@ class StreamedStep:
             writing.append((piece.held, []))
         while writing:
             reclaim(block=True)
+
+    def _read(self, update: ChunkUpdate, buf: FlatBuffer, start: int, end: int, raw: torch.Tensor) -> IOHandle | None:
+        """Start reading elements ``[start, end)`` of ``buf`` into the I/O buffer ``raw``; the parameters whose
+        values the update holds already are copied there instead (``None``: nothing to wait for)."""
+        if update.resting_values is not None and buf is update.chunk.param.shard:
+            typed_view(raw, buf.dtype, end - start).copy_(update.resting_values[start:end])
+            return None
+        return self.disk.read_piece(buf.region, buf.disk_slot, start, end, raw)
 
     def _wait(self, handles: list[IOHandle]) -> bool:
         """Wait for every handle; remember the first error. Returns whether all succeeded."""

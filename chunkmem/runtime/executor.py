@@ -17,10 +17,11 @@ import torch
 
 from ..core.chunk import MASTER, Chunk, gather_together
 from ..core.copy_engine import nothing_to_wait_for
+from ..core.disk_tier import DISK_IO_FAMILY
 from ..errors import GradientAccumulationError
 from ..core.memory import TierMemory
 from ..core.states import ChunkStateError, CopyState
-from ..core.tiers import Tier
+from ..core.tiers import Tier, device_of_tier
 from .placement import PlacementPolicy, PlacementState
 from .schedule import PeriodOrders
 
@@ -361,6 +362,30 @@ class ChunkExecutor:
         if buf.shard.on_disk:  # back to the disk when the chunk settles after the update
             buf.shard.move_to(Tier.HOST)
         return buf.shard.tensor, buf.shard.host_write_wait()
+
+    def copy_of_resting_values(self, chunk: Chunk) -> torch.Tensor | None:
+        """A host copy of this rank's parameter values of ``chunk``, whose parameters rest on disk and are their
+        own masters, taken from the device copy the forward or backward fetched, or ``None`` where that copy
+        is gone or does not hold them exactly (dequantized from a quantized gather; gradients in its memory).
+        The streamed disk step then updates from it instead of reading the same bytes from disk again."""
+        buf = chunk.param
+        if chunk.has_master or not buf.shard.on_disk:
+            return None
+        buf.wait()
+        if not buf.device_valid or buf.approximate or buf.holds_grads:
+            return None
+        ledger = self.memory.ledger
+        nbytes = buf.shard.nbytes
+        if ledger.host_capacity is not None and ledger.tier_bytes(Tier.HOST) + nbytes > ledger.host_capacity:
+            return None
+        ledger.reserve(Tier.HOST, DISK_IO_FAMILY, nbytes, f"{chunk.name}'s parameters for the disk step")
+        values = torch.empty(buf.shard_numel, dtype=buf.dtype, device=device_of_tier(Tier.HOST))
+        values.copy_(buf.own_slice(buf.device))
+        return values
+
+    def release_copy_of_resting_values(self, values: torch.Tensor) -> None:
+        """The disk step took :meth:`copy_of_resting_values`' copy: its bytes leave the host ledger."""
+        self.memory.ledger.release(Tier.HOST, DISK_IO_FAMILY, values.nbytes)
 
     def mark_updated(self, chunk: Chunk, tier: Tier) -> None:
         """The second half of :meth:`updating`: the copy on ``tier`` (the shard when sharded; ``DISK``: the

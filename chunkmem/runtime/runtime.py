@@ -449,6 +449,17 @@ class ChunkRuntime:
         return self.executor.update_target(chunk, tier)
 
     @_untraced
+    def copy_of_resting_values(self, chunk: Chunk) -> torch.Tensor | None:
+        """A host copy of this rank's values of ``chunk``'s parameters, resting on disk as their own masters,
+        from the copy the backward computed with (``None`` where there is none: see
+        :meth:`~chunkmem.runtime.executor.ChunkExecutor.copy_of_resting_values`); on the host ledger until
+        :meth:`release_copy_of_resting_values`."""
+        return self.executor.copy_of_resting_values(chunk)
+
+    def release_copy_of_resting_values(self, values: torch.Tensor) -> None:
+        self.executor.release_copy_of_resting_values(values)
+
+    @_untraced
     def update_target_waiting_later(self, chunk: Chunk, tier: Tier) -> tuple[torch.Tensor, Callable[[], None]]:
         """:meth:`update_target` and the wait for the copies still reading that copy, for the caller to run
         before it writes (on the thread that runs the update)."""
