@@ -658,15 +658,24 @@ def test_auto_keeps_the_parameters_that_fit_the_host_capacity_on_the_host(tmp_pa
 def test_step_in_backward_updates_parameters_resting_on_disk_from_the_values_the_backward_read(tmp_path, dtype):
     """Parameters on disk that are their own masters (fp32), updated in place in the backward: the update takes
     their values from the copy the backward computed with instead of reading them from disk again, so each step
-    reads exactly their bytes less, and trains bitwise as the step after the backward. bf16 parameters with fp32
-    masters read the masters, not the parameters: the same bytes either way."""
+    reads exactly their bytes less, and trains bitwise as the step after the backward, also under the copy engine
+    that completes copies only when waited on. bf16 parameters with fp32 masters read the masters, not the
+    parameters: the same bytes either way."""
+    from chunkmem.core import copy_engine
+
     reference, data = _reference(), batches(3)
     runs = {}
     for in_backward in (False, True):
         (tmp_path / str(in_backward)).mkdir()
-        model = cm.ShardedModelV2(copy.deepcopy(reference), cm.TensorShardStrategy(), tensor_placement_policy="cpu",
-                                  dtype=dtype, chunk_size=4096 * dtype.itemsize,  # the largest parameter
-                                  **_on_disk(tmp_path / str(in_backward), atomic_step=False, offload_param="disk"))
+        copy_engine.set_copy_engine("deferred" if in_backward else "plain")
+        try:
+            model = cm.ShardedModelV2(copy.deepcopy(reference), cm.TensorShardStrategy(),
+                                      tensor_placement_policy="cpu", dtype=dtype,
+                                      chunk_size=4096 * dtype.itemsize,  # the largest parameter
+                                      **_on_disk(tmp_path / str(in_backward), atomic_step=False,
+                                                 offload_param="disk"))
+        finally:
+            copy_engine.set_copy_engine(None)
         optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-2, weight_decay=0.01),
                                       step_in_backward=in_backward)
         _train(model, optim, data)

@@ -380,7 +380,9 @@ class ChunkExecutor:
             return None
         ledger.reserve(Tier.HOST, DISK_IO_FAMILY, nbytes, f"{chunk.name}'s parameters for the disk step")
         values = torch.empty(buf.shard_numel, dtype=buf.dtype, device=device_of_tier(Tier.HOST))
-        values.copy_(buf.own_slice(buf.device))
+        # waited for here, in the backward: the device copy may be freed and its memory reused once this returns
+        # (on a GPU a copy into pageable memory waits anyway; the disk step, far slower, bounds this backward)
+        self.memory.copies.to_host(values, buf.own_slice(buf.device), "resting values for the disk step").wait()
         return values
 
     def release_copy_of_resting_values(self, values: torch.Tensor) -> None:
