@@ -235,6 +235,8 @@ def test_zero_init_context_refuses_integer_parameter_and_restores_classes():
     (dict(betas=(True, 0.9)), cm.ArgumentTypeError), (dict(betas=(0.9, 0.99, 0.5)), cm.InvalidArgumentError),
     (dict(lr=float("inf")), cm.InvalidArgumentError), (dict(eps=float("inf")), cm.InvalidArgumentError),
     (dict(weight_decay=float("inf")), cm.InvalidArgumentError), (dict(lr=float("nan")), cm.InvalidArgumentError),
+    (dict(bf16_stochastic_round=1), cm.ArgumentTypeError), (dict(bf16_stochastic_round=None), cm.ArgumentTypeError),
+    (dict(bf16_stochastic_round=True), cm.InvalidArgumentError),  # (with fp32 state: only with state_dtype="8bit")
 ])
 def test_hybrid_adam_refusals(kwargs, error):
     (argument, value), = kwargs.items()

@@ -184,26 +184,31 @@ def test_the_8bit_update_is_timed_at_its_own_rates():
 
 
 def test_initialize_takes_an_8bit_candidate_and_refuses_another_state(tmp_path):
-    """initialize(plan=) builds an 8-bit disk candidate with its optimizer; it refuses an optimizer that does not
-    keep the state planned: fp32 moments, fp32 masters for "8bit-bf16", bf16 masters for a bf16 "8bit"."""
+    """initialize(plan=) builds an 8-bit disk candidate with its optimizer (torchao's, and HybridAdam's with 8-bit
+    state, for "8bit-bf16" both with bf16_stochastic_round=True); it refuses an optimizer that does not keep the state
+    planned: fp32 moments, fp32 masters for "8bit-bf16", bf16 masters for a bf16 "8bit"."""
     torchao_optim = pytest.importorskip("torchao.optim")
     batch = torch.randn(4, 64)
     choice = cm.choose(build, batch, 10 * 2**20, dtype=torch.bfloat16, profile=profile(), policies=("cpu",),
                        reuse_fp16_shard=False, optimizer_states=("8bit", "8bit-bf16"), **DISK)
     by_name = {c.name: c for c in choice.candidates}
     c = by_name["cpu+optim@disk+8bit-bf16"]
-    module = build()
-    model, optim = cm.initialize(module, torchao_optim.AdamW8bit(module.parameters(), bf16_stochastic_round=True),
-                                 plan=c, nvme_path=str(tmp_path))
-    optim.backward(model(batch).float().mean())
-    optim.step()
-    assert model.tier_bytes() == c.tier_bytes and model.disk_file_bytes() == c.disk_file_bytes
+    for n, make in enumerate((lambda p: torchao_optim.AdamW8bit(p, bf16_stochastic_round=True),
+                              lambda p: cm.HybridAdam(p, state_dtype="8bit", bf16_stochastic_round=True))):
+        module = build()
+        (tmp_path / str(n)).mkdir()
+        model, optim = cm.initialize(module, make(module.parameters()), plan=c, nvme_path=str(tmp_path / str(n)))
+        optim.backward(model(batch).float().mean())
+        optim.step()
+        assert model.tier_bytes() == c.tier_bytes and model.disk_file_bytes() == c.disk_file_bytes
     refused = [(by_name["cpu+8bit-bf16"], lambda p: cm.HybridAdam(p), "optimizer.*bf16_stochastic_round=True"),
                (by_name["cpu+8bit-bf16"], lambda p: cm.HybridAdam(p, state_dtype="8bit"),
                 "bf16_stochastic_round.*True"),
                (by_name["cpu+8bit-bf16"], lambda p: torchao_optim.AdamW8bit(p), "bf16_stochastic_round.*True"),
                (by_name["cpu+8bit"], lambda p: torchao_optim.AdamW8bit(p, bf16_stochastic_round=True),
                 "bf16_stochastic_round.*False.*fp32 masters"),
+               (by_name["cpu+8bit"], lambda p: cm.HybridAdam(p, state_dtype="8bit", bf16_stochastic_round=True),
+                r"optimizer \(HybridAdam\).bf16_stochastic_round=True .*False.*fp32 masters"),
                (by_name["cpu+8bit"], lambda p: cm.HybridAdam(p), "optimizer.*8-bit")]
     for candidate, make, message in refused:
         module = build()

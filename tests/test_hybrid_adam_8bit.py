@@ -1,6 +1,7 @@
 """HybridAdam(state_dtype="8bit"): alone and in ShardedOptimizerV2 against torchao's AdamW8bit / Adam8bit run eagerly
 (bit for bit; skipped without torchao), alone against wrapped (no torchao needed), the plain state dict both ways,
-and what is refused with nothing changed."""
+bf16_stochastic_round (bf16 parameters their own masters, torchao's draws), and what is refused with nothing
+changed."""
 from __future__ import annotations
 
 import copy
@@ -28,7 +29,7 @@ def _train_alone(reference, data, **options):
 def _wrapped(reference, placement="cpu", model_options=None, step_in_backward=False, **options):
     module = copy.deepcopy(reference)
     model = cm.ShardedModelV2(module, cm.TensorShardStrategy(), tensor_placement_policy=placement,
-                              dtype=torch.float32, chunk_size=1 << 17, **(model_options or {}))
+                              **{"dtype": torch.float32, "chunk_size": 1 << 17, **(model_options or {})})
     return model, cm.ShardedOptimizerV2(model, cm.HybridAdam(module.parameters(), state_dtype="8bit", **options),
                                         step_in_backward=step_in_backward)
 
@@ -74,19 +75,22 @@ def _same_as_torchaos(ours, theirs):
             if hasattr(value, "codes"):
                 quantized += 1
                 assert torch.equal(mine[codes].cpu(), value.codes) and torch.equal(mine[scales].cpu(), value.scale)
-            else:
-                assert torch.equal(mine[key].cpu(), value), (index, key)
+            else:  # (fp32 in our plain form; torchao keeps a bf16 parameter's in bf16)
+                assert mine[key].dtype == torch.float32 and torch.equal(mine[key].cpu(), value.float()), (index, key)
     assert quantized > 0
 
 
+@pytest.mark.parametrize("rounding", [False, True])  # (bf16_stochastic_round on fp32 parameters: no effect, no draw)
 @pytest.mark.parametrize("adamw_mode", [True, False])
-def test_alone_equals_torchaos_eager_step_bit_for_bit(adamw_mode):
+def test_alone_equals_torchaos_eager_step_bit_for_bit(adamw_mode, rounding):
     torch.manual_seed(0)
     reference = TinyGPT(d=64)
     data = batches(3, seed=21)
-    options = dict(lr=1e-2, weight_decay=0.05, betas=(0.8, 0.99), eps=1e-7)
+    options = dict(lr=1e-2, weight_decay=0.05, betas=(0.8, 0.99), eps=1e-7, bf16_stochastic_round=rounding)
     theirs, their_optim = _torchao_eager(reference, data, adamw_mode, **options)
+    generator = torch.get_rng_state()
     ours, optim = _train_alone(reference, data, adamw_mode=adamw_mode, **options)
+    assert torch.equal(torch.get_rng_state(), generator)
     _same_params(dict(ours.named_parameters()), theirs)
     _same_as_torchaos(optim.state_dict(), their_optim.state_dict())
 
@@ -102,6 +106,109 @@ def test_wrapped_equals_torchaos_eager_step_bit_for_bit(adamw_mode, placement):
     train(model, optim, data)
     _same_params(model.state_dict(), theirs)
     _same_as_torchaos(optim.state_dict(), their_optim.state_dict())
+
+
+# ---- bf16_stochastic_round ------------------------------------------------------------------------------------
+
+ROUNDED = dict(lr=1e-2, weight_decay=0.05, bf16_stochastic_round=True)
+
+
+def _vectors_first(module):
+    """torchao's usual two param groups, the vectors (no weight decay) before the matrices: its draws follow the
+    groups' order, not the model's."""
+    params = list(module.parameters())
+    return [{"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+            {"params": [p for p in params if p.dim() >= 2]}]
+
+
+def _rounded_alone(reference, data, step, make):
+    """``make``'s optimizer over a copy of the bf16 ``reference`` (grouped vectors first), trained on ``data`` with
+    ``step`` from seed 1234; returns the module, the optimizer and the default generator's state after."""
+    module = copy.deepcopy(reference)
+    optimizer = make(_vectors_first(module))
+    torch.manual_seed(1234)
+    for x in data:
+        lm_loss(module(x), x).backward()
+        step(optimizer)
+        optimizer.zero_grad()
+    return module, optimizer, torch.get_rng_state()
+
+
+def _plain_form(state_dict):
+    """Each entry is HybridAdam's plain form (low_bit_param): codes and scales, or fp32 moments."""
+    for index, entry in state_dict["state"].items():
+        if CODES[0] in entry:
+            assert set(entry) == {"step", *CODES, *SCALES}, index
+            assert entry[CODES[0]].dtype == torch.uint8 and entry[SCALES[0]].dtype == torch.float32, index
+        else:
+            assert set(entry) == {"step", *PLAIN} and entry[PLAIN[0]].dtype == torch.float32, index
+            assert isinstance(entry[PLAIN[0]], torch.Tensor) and type(entry[PLAIN[0]]) is torch.Tensor, index
+
+
+@pytest.mark.parametrize("adamw_mode", [True, False])
+def test_bf16_stochastic_round_alone_equals_torchaos_bit_for_bit(adamw_mode):
+    """bf16 parameters rounded stochastically with torchao's numbers (groups out of the model's order), the small
+    parameters' moments rounded to bf16 as torchao keeps them, the generator left where torchao's step leaves it;
+    the state dict in HybridAdam's plain form."""
+    torchao_optim = pytest.importorskip("torchao.optim")
+    torch.manual_seed(0)
+    reference = TinyGPT(d=64).bfloat16()
+    data = batches(3, seed=31)
+    cls = torchao_optim.AdamW8bit if adamw_mode else torchao_optim.Adam8bit
+    theirs, their_optim, their_generator = _rounded_alone(reference, data, eager_step, lambda p: cls(p, **ROUNDED))
+    ours, optim, generator = _rounded_alone(reference, data, lambda o: o.step(), lambda p: cm.HybridAdam(
+        p, adamw_mode=adamw_mode, state_dtype="8bit", **ROUNDED))
+    assert torch.equal(generator, their_generator)
+    _same_params(dict(ours.named_parameters()), theirs)
+    _same_as_torchaos(optim.state_dict(), their_optim.state_dict())
+    _plain_form(optim.state_dict())
+
+
+def test_bf16_stochastic_round_wrapped_equals_alone_and_keeps_the_plain_state_dict():
+    """In ShardedOptimizerV2 over a bf16 model: no fp32 master, the same parameters, generator and plain state dict
+    as alone (no torchao needed); that state dict loads alone and the two go on alike."""
+    torch.manual_seed(0)
+    reference = TinyGPT(d=64).bfloat16()
+    first, then = batches(2, seed=32), batches(1, seed=33)
+    make = lambda p: cm.HybridAdam(p, state_dtype="8bit", **ROUNDED)  # noqa: E731
+    alone, alone_optim, alone_generator = _rounded_alone(reference, first + then, lambda o: o.step(), make)
+    module = copy.deepcopy(reference)
+    model = cm.ShardedModelV2(module, cm.TensorShardStrategy(), tensor_placement_policy="cpu", dtype=torch.bfloat16,
+                              chunk_size=1 << 16)
+    optim = cm.ShardedOptimizerV2(model, make(_vectors_first(module)))
+    torch.manual_seed(1234)
+    train(model, optim, first)
+    assert optim.update_rule.stochastic_round and "master" not in model.tier_bytes()["host"]
+    saved, saved_params, saved_generator = optim.state_dict(), model.state_dict(), torch.get_rng_state()
+    _plain_form(saved)
+    train(model, optim, then)
+    _same_params(model.state_dict(), alone)
+    assert torch.equal(torch.get_rng_state(), alone_generator)
+    _same_state(optim.state_dict(), alone_optim.state_dict())
+    moved = copy.deepcopy(reference)
+    moved.load_state_dict(saved_params)  # (fp32 copies of bf16 values: exact)
+    moved_optim = make(_vectors_first(moved))
+    moved_optim.load_state_dict(saved)
+    torch.set_rng_state(saved_generator)
+    for x in then:
+        lm_loss(moved(x), x).backward()
+        moved_optim.step()
+    _same_params(dict(moved.named_parameters()), alone)
+    _same_state(moved_optim.state_dict(), alone_optim.state_dict())
+
+
+@pytest.mark.parametrize("options,error,match", [
+    (dict(bf16_stochastic_round=1, state_dtype="8bit"), cm.ArgumentTypeError,
+     r"bf16_stochastic_round=1 .*True or False"),
+    (dict(bf16_stochastic_round="yes"), cm.ArgumentTypeError, r"bf16_stochastic_round='yes' .*True or False"),
+    (dict(bf16_stochastic_round=True), cm.InvalidArgumentError,
+     r"bf16_stochastic_round=True .*False with state_dtype=torch.float32 \(True only with state_dtype='8bit'"),
+])
+def test_a_bad_bf16_stochastic_round_is_named(options, error, match):
+    p = torch.nn.Parameter(torch.ones(64, 64, dtype=torch.bfloat16))
+    with pytest.raises(error, match=match):
+        cm.HybridAdam([p], **options)
+    assert torch.equal(p, torch.ones(64, 64, dtype=torch.bfloat16)) and p.grad is None
 
 
 # ---- without torchao ----------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""torchao's 8-bit Adams over the disk tier and with ``step_in_backward`` (chunkmem.optim.low_bit_rule,
+"""torchao's 8-bit Adams (and HybridAdam(state_dtype="8bit", bf16_stochastic_round=True)) over the disk tier and with
+``step_in_backward`` (chunkmem.optim.low_bit_rule,
 disk_step, rounding_draws): the codes streamed from disk a whole chunk at a time, the block scales in memory, an
 atomic step all or nothing, the backward's updates kept or redone, and stochastic rounding's numbers drawn where
 torchao's step draws them whatever order the chunks are updated in. Every run is compared bit for bit with torchao's
@@ -18,6 +19,7 @@ from torchao_reference import eager_step as _eager_step
 
 torchao_optim = pytest.importorskip("torchao.optim")
 from torchao.optim.subclass_8bit import OptimState8bit  # noqa: E402
+from test_low_bit_state import _same_as_plain_form  # noqa: E402
 
 CHUNK_NUMEL = 1 << 15  # elements: several chunks
 
@@ -85,6 +87,9 @@ def _assert_same(chunked, plain):
     assert sorted(ours) == sorted(theirs)
     for index, entry in theirs.items():
         assert torch.equal(ours[index]["step"], entry["step"])
+        if optim.update_rule.plain_state:  # HybridAdam's
+            _same_as_plain_form(ours[index], entry, index)
+            continue
         for key in ("exp_avg", "exp_avg_sq"):
             a, b = ours[index][key], entry[key]
             assert type(a) is type(b), (index, key)
@@ -98,6 +103,12 @@ def _assert_same(chunked, plain):
 def _make(rounding: bool, decoupled: bool = True):
     cls = torchao_optim.AdamW8bit if decoupled else torchao_optim.Adam8bit
     return lambda params: cls(params, lr=1e-2, weight_decay=0.05, bf16_stochastic_round=rounding)
+
+
+def _make_hybrid(rounding: bool, decoupled: bool = True):
+    """HybridAdam with 8-bit state, as :func:`_make`'s torchao optimizer steps."""
+    return lambda params: cm.HybridAdam(params, lr=1e-2, weight_decay=0.05, adamw_mode=decoupled, state_dtype="8bit",
+                                        bf16_stochastic_round=rounding)
 
 
 def test_the_chunk_size_cuts_the_quantized_parameters_into_several_chunks():
@@ -123,6 +134,35 @@ def test_step_in_backward_in_memory_equals_torchao(dtype, rounding):
     plain = _plain_run(reference, _make(rounding), data, grouped=True, masters=dtype != torch.float32 and not rounding)
     chunked = _chunked_run(reference, _make(rounding), data, dtype, grouped=True, step_in_backward=True)
     assert chunked[1].kept_backward_updates > 0  # the backward's updates stood
+    _assert_same(chunked, plain)
+
+
+HYBRID_CASES = {  # step_in_backward, the model's options, AdamW's weight decay (else Adam's)
+    "in the backward, in memory": (True, {}, True),
+    "parameters on disk, in place": (False, dict(offload_optimizer="disk", offload_param="disk", atomic_step=False),
+                                     False),
+    "in the backward, parameters in memory, atomic": (True, dict(offload_optimizer="disk", atomic_step=True), True),
+}
+
+
+@pytest.mark.parametrize("case", list(HYBRID_CASES))
+def test_hybridadam_with_bf16_stochastic_round_equals_torchao_in_the_backward_and_on_disk(tmp_path, case):
+    """HybridAdam(state_dtype="8bit", bf16_stochastic_round=True) draws torchao's numbers whatever order the chunks
+    are updated in (the backward's, the disk step's), leaves the generator where torchao's step does, and keeps its
+    plain state dict."""
+    step_in_backward, model_options, decoupled = HYBRID_CASES[case]
+    if "offload_optimizer" in model_options:
+        model_options = dict(model_options, nvme_path=str(tmp_path), buffer_size=8192)
+    reference, data = _reference(torch.bfloat16), batches(3, seed=27)
+    plain = _plain_run(reference, _make(True, decoupled), data, grouped=True)
+    chunked = _chunked_run(reference, _make_hybrid(True, decoupled), data, torch.bfloat16, grouped=True,
+                           step_in_backward=step_in_backward, **model_options)
+    model, optim = chunked[0], chunked[1]
+    assert optim.update_rule.stochastic_round and "master" not in model.tier_bytes()["host"]
+    if step_in_backward:
+        assert optim.kept_backward_updates > 0
+    if "offload_optimizer" in model_options:
+        assert model.tier_bytes()["disk"]["exp_avg_codes"] == sum(c.shard_numel for c in model.chunks if c.trainable)
     _assert_same(chunked, plain)
 
 

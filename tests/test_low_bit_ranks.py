@@ -1,9 +1,9 @@
-"""torchao's 8-bit Adams in ShardedOptimizerV2 on several ranks (chunkmem.optim.low_bit_layout, low_bit_rule):
-chunks whose shard boundaries cut quantized parameters in the middle of a block train bit for bit as torchao's
-step run eagerly on the unsharded model, the state dict gathered is torchao's, a sharded checkpoint resumes bit for
-bit, and what is not supported (the disk tier or step_in_backward on several ranks) is refused. Sharded
-checkpoints loaded into another layout and consolidated: test_low_bit_resharding.py; ZeRO-1/2
-(LowLevelZeroOptimizer): test_low_bit_zero12.py."""
+"""torchao's 8-bit Adams (and HybridAdam(state_dtype="8bit", bf16_stochastic_round=True)) in ShardedOptimizerV2 on
+several ranks (chunkmem.optim.low_bit_layout, low_bit_rule): chunks whose shard boundaries cut quantized parameters
+in the middle of a block train bit for bit as torchao's step run eagerly on the unsharded model, the state dict
+gathered is torchao's, a sharded checkpoint resumes bit for bit, and what is not supported (the disk tier or
+step_in_backward on several ranks) is refused. Sharded checkpoints loaded into another layout and consolidated:
+test_low_bit_resharding.py; ZeRO-1/2 (LowLevelZeroOptimizer): test_low_bit_zero12.py."""
 from __future__ import annotations
 
 import copy
@@ -30,7 +30,11 @@ CASES = {
     "adam8bit": (lambda p: torchao_optim.Adam8bit(p, lr=1e-2, weight_decay=0.05), torch.float32),
     "adamw8bit-bf16-stochastic": (lambda p: torchao_optim.AdamW8bit(p, lr=1e-2, bf16_stochastic_round=True),
                                   torch.bfloat16),
+    "hybridadam-8bit-bf16-stochastic": (lambda p: cm.HybridAdam(p, lr=1e-2, weight_decay=0.01, state_dtype="8bit",
+                                                                bf16_stochastic_round=True), torch.bfloat16),
 }
+# the torchao optimizer that steps as HybridAdam's case does (torchao's cases: their own)
+TORCHAO = {"hybridadam-8bit-bf16-stochastic": lambda p: torchao_optim.AdamW8bit(p, lr=1e-2, bf16_stochastic_round=True)}
 
 
 def _wrapped(reference, make, dtype, world):
@@ -82,17 +86,20 @@ def _training_worker(rank, world, case):
     torch.manual_seed(0)
     reference = TinyGPT(d=64).to(dtype)
     data = batches(3, seed=5)
-    plain, plain_optim = _plain_on_ranks(reference, make, data, world)
+    plain, plain_optim = _plain_on_ranks(reference, TORCHAO.get(case, make), data, world)
+    their_generator = torch.get_rng_state()
     model, optim = _wrapped(reference, make, dtype, world)
     _train(model, optim, data)
     state = model.state_dict()
     differ = [key for key, p in plain.named_parameters() if not torch.equal(state[key], p.detach().float())]
-    _same_state(optim.state_dict(), plain_optim.state_dict())
+    if not torch.equal(torch.get_rng_state(), their_generator):
+        differ.append("the default generator")
+    _same_state(optim.state_dict(), plain_optim.state_dict(), plain_form=case in TORCHAO)
     return {"cut": _cut_blocks(model), "differ": differ}
 
 
 @pytest.mark.parametrize("world,case", [(2, "adamw8bit"), (2, "adam8bit"), (2, "adamw8bit-bf16-stochastic"),
-                                        (3, "adamw8bit")])
+                                        (2, "hybridadam-8bit-bf16-stochastic"), (3, "adamw8bit")])
 def test_training_on_several_ranks_equals_torchaos_step_on_the_whole_model(world, case):
     for rank in run_ranks(_training_worker, world, case):
         assert rank["cut"] >= world - 1  # the test is not vacuous: boundaries cut blocks of quantized parameters

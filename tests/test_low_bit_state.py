@@ -47,10 +47,14 @@ def _train(model, optim, data):
         optim.zero_grad()
 
 
-def _same_state(ours, theirs):
+def _same_state(ours, theirs, plain_form=False):
+    """``ours`` holds what torchao's ``theirs`` holds, in torchao's form or (``plain_form``) HybridAdam's."""
     assert sorted(ours["state"]) == sorted(theirs["state"])
     for index, entry in theirs["state"].items():
         assert torch.equal(ours["state"][index]["step"], entry["step"])
+        if plain_form:
+            _same_as_plain_form(ours["state"][index], entry, index)
+            continue
         for key in ("exp_avg", "exp_avg_sq"):
             a, b = ours["state"][index][key], entry[key]
             assert type(a) is type(b), (index, key)
@@ -59,6 +63,19 @@ def _same_state(ours, theirs):
                 assert a.signed == b.signed and a.block_size == b.block_size
             else:
                 assert torch.equal(a, b), (index, key)
+
+
+def _same_as_plain_form(mine, entry, index):
+    """HybridAdam's plain entry (chunkmem.optim.low_bit_param) holds what torchao's ``entry`` holds: the codes and
+    scales of an OptimState8bit, or its plain moments as fp32 tensors."""
+    for key in ("exp_avg", "exp_avg_sq"):
+        value = entry[key]
+        if isinstance(value, OptimState8bit):
+            assert torch.equal(mine[f"{key}_codes"], value.codes) and torch.equal(mine[f"{key}_scales"], value.scale), \
+                (index, key)
+        else:
+            assert set(mine) == {"step", "exp_avg", "exp_avg_sq"}, index
+            assert mine[key].dtype == torch.float32 and torch.equal(mine[key], value.float()), (index, key)
 
 
 def test_the_map_codes_and_scales_are_torchaos():
@@ -277,16 +294,19 @@ def test_the_families_are_counted_exactly():
 
 def test_what_is_not_supported_yet_is_refused_with_nothing_changed(tmp_path):
     module = TinyGPT(d=64)
+    hybrid = lambda p, **options: cm.HybridAdam(p, state_dtype="8bit", **options)  # noqa: E731
     cases = [
         (dict(block_size=128), {}, {}, "block_size"),
-        (dict(bf16_stochastic_round=True), dict(dtype=torch.float16), {}, "bf16_stochastic_round"),
         (dict(amsgrad=True), {}, {}, "amsgrad"),
-        (dict(bf16_stochastic_round=True), dict(dtype=torch.bfloat16, reuse_fp16_shard=True), {}, "reuse_fp16_shard"),
-    ]
+    ] + [(dict(bf16_stochastic_round=True, make=make), model_kwargs, {}, word)
+         for make in (torchao_optim.AdamW8bit, hybrid)
+         for model_kwargs, word in ((dict(dtype=torch.float16), r"bf16_stochastic_round=True\) over an fp16 model"),
+                                    (dict(dtype=torch.bfloat16, reuse_fp16_shard=True), "reuse_fp16_shard=True"))]
     for options, model_kwargs, optim_kwargs, word in cases:
         model = cm.ShardedModelV2(copy.deepcopy(module), cm.TensorShardStrategy(), tensor_placement_policy="cpu",
                                   **{"dtype": torch.float32, **model_kwargs})
-        optimizer = torchao_optim.AdamW8bit(model.module.parameters(), **options)
+        options = dict(options)
+        optimizer = options.pop("make", torchao_optim.AdamW8bit)(model.module.parameters(), **options)
         with pytest.raises(cm.ChunkmemError, match=word):
             cm.ShardedOptimizerV2(model, optimizer, **optim_kwargs)
         assert not model.optimizer_attached and not optimizer.state
@@ -312,17 +332,29 @@ def test_the_planner_counts_the_8bit_families_as_a_real_run_holds_them(dtype):
         assert plans[placement].tier_bytes == model.tier_bytes(), placement
 
 
-def test_bf16_parameters_as_their_own_masters_round_stochastically_as_torchao_does():
+ROUNDING = {  # chunkmem's optimizer, torchao's reference
+    "adamw8bit": (lambda p: torchao_optim.AdamW8bit(p, lr=1e-2, bf16_stochastic_round=True),) * 2,
+    "hybridadam-adamw": (lambda p: cm.HybridAdam(p, lr=1e-2, weight_decay=0.01, state_dtype="8bit",
+                                                 bf16_stochastic_round=True),  # (torchao's default weight decay)
+                         lambda p: torchao_optim.AdamW8bit(p, lr=1e-2, bf16_stochastic_round=True)),
+    "hybridadam-adam": (lambda p: cm.HybridAdam(p, lr=1e-2, weight_decay=0.05, adamw_mode=False, state_dtype="8bit",
+                                                bf16_stochastic_round=True),
+                        lambda p: torchao_optim.Adam8bit(p, lr=1e-2, weight_decay=0.05, bf16_stochastic_round=True)),
+}
+
+
+@pytest.mark.parametrize("case", list(ROUNDING))
+def test_bf16_parameters_as_their_own_masters_round_stochastically_as_torchao_does(case):
     """``bf16_stochastic_round=True`` on a bf16 model: no fp32 master; each step's result rounded to bf16 with random
     numbers from the default generator, drawn per parameter in the model's order: bit for bit torchao's eager
-    step under the same seed."""
+    step under the same seed (HybridAdam's state dict in its plain form)."""
     torch.manual_seed(0)
     reference = TinyGPT(d=64).to(torch.bfloat16)
     data = batches(3, seed=12)
-    make = lambda p: torchao_optim.AdamW8bit(p, lr=1e-2, bf16_stochastic_round=True)  # noqa: E731
+    make, make_reference = ROUNDING[case]
 
     plain = copy.deepcopy(reference)
-    plain_optim = make(plain.parameters())
+    plain_optim = make_reference(plain.parameters())
     module = copy.deepcopy(reference)
     model = cm.ShardedModelV2(module, cm.TensorShardStrategy(), tensor_placement_policy="cpu", dtype=torch.bfloat16,
                               chunk_size=1 << 16)
@@ -339,7 +371,7 @@ def test_bf16_parameters_as_their_own_masters_round_stochastically_as_torchao_do
     state = model.state_dict()
     for key, p in plain.named_parameters():
         assert torch.equal(state[key], p.detach().float()), key
-    _same_state(optim.state_dict(), plain_optim.state_dict())
+    _same_state(optim.state_dict(), plain_optim.state_dict(), plain_form=case.startswith("hybridadam"))
     host = model.tier_bytes()["host"]
     assert "master" not in host and host["param"] == sum(2 * c.shard_numel for c in model.chunks)
 

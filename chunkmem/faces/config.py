@@ -110,7 +110,8 @@ def _check_planned_optimizer(plan: Any, optimizer: torch.optim.Optimizer) -> Non
         return
     name = type(optimizer).__name__
     if low_bit_decoupled(optimizer) is None:
-        allowed = ("torchao's AdamW8bit or Adam8bit with bf16_stochastic_round=True" if state == "8bit-bf16" else
+        allowed = ("an 8-bit Adam with bf16_stochastic_round=True (chunkmem.HybridAdam(..., state_dtype='8bit', "
+                   "bf16_stochastic_round=True), torchao's AdamW8bit or Adam8bit)" if state == "8bit-bf16" else
                    "an 8-bit Adam (chunkmem.HybridAdam(..., state_dtype='8bit'), torchao's AdamW8bit or Adam8bit)")
         raise InvalidArgumentError("optimizer", name, f"{allowed}: candidate {plan.name} was planned with 8-bit state")
     rounding = stochastic_rounding(optimizer, plan.settings.get("dtype", torch.float32))

@@ -42,6 +42,17 @@ class HybridAdam(Optimizer):
             runs eagerly, without torchao installed; ``bias_correction`` must be ``True`` (torchao always corrects
             the bias). The state layout is :mod:`chunkmem.optim.low_bit_param`'s, in ``state`` and in
             ``state_dict()`` alike, whether used alone or in :class:`~chunkmem.ShardedOptimizerV2`.
+        bf16_stochastic_round: torchao's option of the same name (a bool, default ``False``), allowed ``True`` only
+            with ``state_dtype="8bit"``: each step's result for a bf16 parameter is rounded to bf16 stochastically
+            (away from zero with the probability of the 16 bits cut off, as a fraction of 2**16), so that the bf16
+            parameters are their own masters, with the random numbers torchao's ``AdamW8bit`` / ``Adam8bit`` draw: one
+            ``torch.randint(0, 2**16)`` int32 per element of each parameter stepped, from the default generator of its
+            device, in the order of the param groups and their parameters. The small parameters' moments are rounded
+            to bf16 after each step, as torchao keeps them in the parameter's dtype (the state dict still holds them
+            as fp32 tensors). Parameters of another dtype are rounded to nearest, as without it. Wrapped, a bf16
+            model keeps no fp32 master (:mod:`chunkmem.optim.low_bit_rule`; refused over an fp16 model and with
+            ``reuse_fp16_shard=True``). With fp32 state ``True`` is refused: the fp32 update is
+            ``torch.optim.AdamW``'s arithmetic, not torchao's, so it could not be torchao's bit for bit.
 
     A value of the wrong type raises :class:`~chunkmem.ArgumentTypeError` (a ``TypeError``), a value
     out of range :class:`~chunkmem.InvalidArgumentError`.
@@ -49,7 +60,8 @@ class HybridAdam(Optimizer):
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 adamw_mode: bool = True, state_dtype: torch.dtype | str = torch.float32) -> None:
+                 adamw_mode: bool = True, state_dtype: torch.dtype | str = torch.float32,
+                 bf16_stochastic_round: bool = False) -> None:
         check_number("lr", lr, low=0.0, finite=True)
         check_number("eps", eps, low=0.0, finite=True)
         check_number("weight_decay", weight_decay, low=0.0, finite=True)
@@ -57,7 +69,9 @@ class HybridAdam(Optimizer):
         check_type("bias_correction", bias_correction, bool, "True or False")
         check_type("adamw_mode", adamw_mode, bool, "True or False")
         check_choice("state_dtype", state_dtype, STATE_DTYPES)
+        check_stochastic_round(bf16_stochastic_round, state_dtype)
         self.state_dtype = state_dtype
+        self.bf16_stochastic_round = bf16_stochastic_round
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, adamw_mode=adamw_mode)
         super().__init__(params, defaults)
@@ -110,7 +124,8 @@ class HybridAdam(Optimizer):
                 low_bit_hyper = LowBitHyper.of_group(group, group["adamw_mode"])
                 for p in group["params"]:
                     if p.grad is not None:
-                        low_bit_param.update_parameter_(p, p.grad, self.state[p] or self._new_state(p), low_bit_hyper)
+                        low_bit_param.update_parameter_(p, p.grad, self.state[p] or self._new_state(p), low_bit_hyper,
+                                                        self._rounds_stochastically(p))
                 continue
             hyper = hyper_of_group(group)
             device_batch: tuple[list, list, list, list, list] = ([], [], [], [], [])
@@ -136,6 +151,9 @@ class HybridAdam(Optimizer):
                 fused_device_adam_(*device_batch, hyper=hyper)
         return loss
 
+    def _rounds_stochastically(self, param: torch.Tensor) -> bool:
+        return self.bf16_stochastic_round and param.dtype == torch.bfloat16
+
     def _new_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         self.state[param] = low_bit_param.new_state(param)
         return self.state[param]
@@ -150,6 +168,15 @@ class CPUAdam(HybridAdam):
 
     Host tensors use the host kernel; CUDA tensors still work (device kernel).
     """
+
+
+def check_stochastic_round(bf16_stochastic_round: Any, state_dtype: torch.dtype | str) -> None:
+    """Raise unless ``bf16_stochastic_round`` is a bool, ``True`` only with ``state_dtype="8bit"``."""
+    check_type("bf16_stochastic_round", bf16_stochastic_round, bool, "True or False")
+    if bf16_stochastic_round and state_dtype != "8bit":
+        raise InvalidArgumentError("bf16_stochastic_round", bf16_stochastic_round,
+                                   f"False with state_dtype={state_dtype!r} (True only with state_dtype='8bit': the "
+                                   "fp32-state update is torch's AdamW arithmetic, not torchao's)")
 
 
 def check_betas(betas: Any) -> None:

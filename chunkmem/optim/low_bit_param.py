@@ -10,7 +10,8 @@ the state dict holds the same entries, so a run moves between the two both ways.
   shaped like the parameter (one code per element), and ``"exp_avg_scales"`` and ``"exp_avg_sq_scales"``, flat
   fp32 tensors of one scale per block of 256 elements (:mod:`chunkmem.optim.blockwise`, torchao's format);
 * any other parameter: ``"exp_avg"`` and ``"exp_avg_sq"``, fp32 tensors shaped like the parameter, as
-  ``torch.optim.Adam`` keeps them.
+  ``torch.optim.Adam`` keeps them (a bf16 parameter under ``bf16_stochastic_round=True``: fp32 tensors holding
+  bf16 values, torchao's bf16 state).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from ..errors import InvalidArgumentError, check_type
 from ..state_dicts import check_tensor_data
 from .blockwise import BLOCK_SIZE, quantizes
 from .low_bit_adam import LowBitHyper, Moments, Segment, update_segments_
+from .rounding_draws import ROUNDING_RANGE
 from .state_dict import check_entry as check_step_entry
 
 CODES = ("exp_avg_codes", "exp_avg_sq_codes")
@@ -71,27 +73,44 @@ def exported(held: tuple[Any, Any], shape: torch.Size) -> dict[str, torch.Tensor
 
 
 def update_parameter_(param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor],
-                      hyper: LowBitHyper) -> None:
+                      hyper: LowBitHyper, stochastic_round: bool = False) -> None:
     """One step of ``param`` (any float dtype; a 16-bit one is updated in fp32 and rounded back to nearest) and of
     its ``state`` (:func:`new_state`'s layout) with ``grad``: one segment of :func:`update_segments_`, the update
-    of the chunk families. Counts the step."""
+    of the chunk families. Counts the step.
+
+    ``stochastic_round`` (a bf16 ``param`` only): the parameter is its own master, rounded to bf16 stochastically
+    with numbers drawn here from its device's default generator as torchao's step draws them, and plain moments
+    are rounded to bf16, as torchao keeps a small bf16 parameter's, while ``state`` holds them in fp32."""
     state["step"] += 1
     quantized = CODES[0] in state
-    device = param.device
-    none8, none32 = torch.empty(0, dtype=torch.uint8, device=device), torch.empty(0, device=device)
-    held = moments_of(state)
-    if quantized:
-        moments = Moments(held[0][0], held[1][0], held[0][1], held[1][1], none32, none32)
-    else:
-        moments = Moments(none8, none8, none32, none32, held[0], held[1])
     target = param.detach() if param.is_contiguous() else param.detach().contiguous()
     flat = target.view(-1)
-    master = flat if flat.dtype == torch.float32 else flat.float()
+    random = None
+    if stochastic_round:
+        random = torch.randint(0, ROUNDING_RANGE, param.shape, device=param.device, dtype=torch.int32).view(-1)
+    master = flat if flat.dtype == torch.float32 or stochastic_round else flat.float()
+    moments = _moments(state, quantized, torch.bfloat16 if stochastic_round else torch.float32, param.device)
     segment = Segment(0, flat.numel(), quantized, 0, hyper, int(state["step"].item()))
     update_segments_(master, grad.detach().reshape(-1).contiguous(), moments, [segment],
-                     param_out=None if master is flat else flat)
+                     param_out=None if master is flat else flat, random=random)
+    if not quantized and stochastic_round:
+        for key, values in zip(PLAIN, (moments.plain_m, moments.plain_v)):
+            state[key].copy_(values.view(state[key].shape))
     if target is not param.detach():
         param.detach().copy_(target)
+
+
+def _moments(state: dict[str, torch.Tensor], quantized: bool, plain_dtype: torch.dtype,
+             device: torch.device) -> Moments:
+    """``state``'s moments as the update reads them: views of its codes and scales, or its plain moments (views
+    where ``plain_dtype`` is fp32, else copies in ``plain_dtype``); the kind it lacks empty."""
+    held = moments_of(state)
+    none8 = torch.empty(0, dtype=torch.uint8, device=device)
+    none_plain = torch.empty(0, dtype=plain_dtype, device=device)
+    if quantized:
+        return Moments(held[0][0], held[1][0], held[0][1], held[1][1], none_plain, none_plain)
+    none32 = torch.empty(0, device=device)
+    return Moments(none8, none8, none32, none32, held[0].to(plain_dtype), held[1].to(plain_dtype))
 
 
 def check_entry(index: Any, name: str, entry: Any, numel: int, shape: tuple[int, ...]) -> int:

@@ -21,12 +21,12 @@ or as fp32 tensors for the small ones, so a run moves between chunkmem and the p
 choosing the weight decay, and its state dict holds plain tensors instead (:mod:`chunkmem.optim.low_bit_param`):
 no torchao needed.
 
-**16-bit masters.** With ``bf16_stochastic_round=True`` on a bf16 model the parameters are their own masters,
-as in torchao: no fp32 master family (2 bytes a parameter instead of 6), each step's result rounded to bf16
-stochastically with each parameter's random numbers where torchao's step draws them from the default generator
-(:mod:`chunkmem.optim.rounding_draws`: whatever order the chunks are updated in, and the generator left where
-torchao leaves it). Without it a 16-bit model keeps fp32 masters, as under every optimizer chunkmem runs (torchao
-on a plain bf16 model rounds each step's result to the nearest bf16 and keeps no master).
+**16-bit masters.** With ``bf16_stochastic_round=True`` (torchao's, or ``HybridAdam``'s with 8-bit state) on a bf16
+model the parameters are their own masters, as in torchao: no fp32 master family (2 bytes a parameter instead of 6),
+each step's result rounded to bf16 stochastically with each parameter's random numbers where torchao's step draws
+them from the default generator (:mod:`chunkmem.optim.rounding_draws`: whatever order the chunks are updated in, and
+the generator left where torchao leaves it). Without it a 16-bit model keeps fp32 masters, as under every optimizer
+chunkmem runs (torchao on a plain bf16 model rounds each step's result to the nearest bf16 and keeps no master).
 
 **The disk tier.** With ``offload_optimizer="disk"`` the codes rest on disk and the streamed step
 (:mod:`chunkmem.optim.disk_step`) hands each chunk's shard to the update as one piece, so that no block is cut

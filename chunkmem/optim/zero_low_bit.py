@@ -14,12 +14,13 @@ chunk and step, for the chunks with such blocks, in chunk order on every rank), 
 eagerly; its ``lr``, ``betas``, ``eps`` and ``weight_decay`` are read from the param groups at every step.
 
 **Masters.** A 16-bit model keeps fp32 masters (as under every optimizer a ``LowLevelZeroOptimizer`` runs; the
-update writes the master and rounds it to the 16-bit parameter). With ``bf16_stochastic_round=True`` over a bf16
-model the bf16 parameters are their own masters, as in torchao (no fp32 master; with ``cpu_offload`` a bf16 copy on
-the host), and each step's result is rounded stochastically with the numbers torchao's step draws for each
-parameter from the default generator of the parameters' device, in torchao's order (the param groups, then each
-group's parameters: :class:`~chunkmem.optim.rounding_draws.DrawSequence`); each rank uses its part's numbers of
-each draw, and every generator is left where torchao's step leaves it.
+update writes the master and rounds it to the 16-bit parameter). With ``bf16_stochastic_round=True`` (torchao's, or
+``HybridAdam``'s with 8-bit state) over a bf16 model the bf16 parameters are their own masters, as in torchao (no
+fp32 master; with ``cpu_offload`` a bf16 copy on the host), and each step's result is rounded stochastically with
+the numbers torchao's step draws for each parameter from the default generator of the parameters' device, in
+torchao's order (the param groups, then each group's parameters:
+:class:`~chunkmem.optim.rounding_draws.DrawSequence`); each rank uses its part's numbers of each draw, and every
+generator is left where torchao's step leaves it.
 
 **State dicts.** ``state_dict()`` gathers torchao's (per parameter a float ``step`` and ``exp_avg`` /
 ``exp_avg_sq`` as ``OptimState8bit`` or fp32 tensors for the small parameters), or ``HybridAdam``'s plain tensors

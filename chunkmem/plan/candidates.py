@@ -56,8 +56,8 @@ class Candidate(PolicyPlan):
     bytes, collective bytes: :func:`chunkmem.plan.cost_model.step_time`'s arguments), all per step, i.e. over its
     ``gradient_accumulation_steps`` forward/backward passes. ``optimizer_state``: the optimizer state it was
     planned with (:func:`~chunkmem.plan.plan`'s ``optimizer_state``): ``"fp32"``, ``"8bit"`` (train it with
-    ``HybridAdam(..., state_dtype="8bit")`` or torchao's ``AdamW8bit`` / ``Adam8bit``) or ``"8bit-bf16"`` (torchao's
-    ``AdamW8bit`` / ``Adam8bit`` with ``bf16_stochastic_round=True``); ``chunkmem.initialize(..., plan=)`` refuses
+    ``HybridAdam(..., state_dtype="8bit")`` or torchao's ``AdamW8bit`` / ``Adam8bit``) or ``"8bit-bf16"`` (the same
+    optimizers with ``bf16_stochastic_round=True``); ``chunkmem.initialize(..., plan=)`` refuses
     an optimizer that does not keep that state.
     """
 

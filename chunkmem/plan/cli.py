@@ -43,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--optimizer-states", default="fp32",
                    help="the optimizer state planned: fp32 (Adam's moments, the default), 8bit (8-bit moments: "
                         "HybridAdam(state_dtype='8bit'), torchao's AdamW8bit) or 8bit-bf16 (8-bit moments over bf16 "
-                        "parameters that are their own masters: AdamW8bit(bf16_stochastic_round=True)); with "
+                        "parameters that are their own masters: bf16_stochastic_round=True); with "
                         "--candidates, several comma-separated (e.g. fp32,8bit)")
     p.add_argument("--candidates", action="store_true",
                    help="plan every candidate (placements, static fractions, the disk tier, reuse_fp16_shard) with "

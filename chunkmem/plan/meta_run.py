@@ -49,8 +49,9 @@ ITERATIONS = 3  # traced, planned, followed: the last one is measured (each: the
 OPTIMIZER_STATES = ("fp32", "8bit", "8bit-bf16")
 """The optimizer states the planner counts: Adam's fp32 moments; 8-bit ones (:mod:`chunkmem.optim.low_bit_rule`'s
 families) beside fp32 masters (of a 16-bit model); 8-bit ones over bf16 parameters that are their own masters
-(torchao's ``AdamW8bit(bf16_stochastic_round=True)`` on a bf16 model: no master family, the small parameters'
-moments in bf16)."""
+(``HybridAdam(state_dtype="8bit", bf16_stochastic_round=True)`` or torchao's
+``AdamW8bit(bf16_stochastic_round=True)`` on a bf16 model: no master family, the small parameters' moments in
+bf16)."""
 
 
 @dataclass
@@ -131,7 +132,7 @@ def plan(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: An
         optimizer_state: ``"fp32"`` (Adam's fp32 moments: ``HybridAdam``, torch's Adam), ``"8bit"``
             (``HybridAdam(state_dtype="8bit")``, torchao's ``AdamW8bit`` / ``Adam8bit``: 8-bit codes, block scales
             and the small parameters' fp32 moments, laid out as :mod:`chunkmem.optim.low_bit_rule` lays them out;
-            fp32 masters for a 16-bit model) or ``"8bit-bf16"`` (torchao's ``AdamW8bit`` / ``Adam8bit`` with
+            fp32 masters for a 16-bit model) or ``"8bit-bf16"`` (the same optimizers with
             ``bf16_stochastic_round=True``: the same codes and scales, the small parameters' moments in bf16, and
             no fp32 master, the bf16 parameters being their own: 4 bytes a parameter fewer; needs
             ``dtype=torch.bfloat16`` and ``reuse_fp16_shard=False``).
