@@ -382,3 +382,27 @@ def test_in_low_level_zero_it_equals_alone_and_keeps_the_same_state_dict():
         lm_loss(moved(x), x).backward()
         moved_optim.step()
     _same_params(dict(moved.named_parameters()), alone)
+
+
+
+def test_a_deep_copy_keeps_the_state_dtype_and_the_rounding():
+    """``copy.deepcopy`` (and pickling) keep ``state_dtype`` and ``bf16_stochastic_round`` (torch's optimizer keeps
+    only its defaults, state and groups): a copy of the module and optimizer after a step goes on as they do."""
+    torch.manual_seed(0)
+    first, second = batches(2, seed=32)
+    module = TinyGPT(d=64).bfloat16()
+    optim = cm.HybridAdam(_vectors_first(module), state_dtype="8bit", **ROUNDED)
+    lm_loss(module(first), first).backward()
+    optim.step()
+    optim.zero_grad()
+    twin_module, twin_optim = copy.deepcopy((module, optim))
+    assert (twin_optim.state_dtype, twin_optim.bf16_stochastic_round) == ("8bit", True)
+    generators = []
+    for m, o in ((module, optim), (twin_module, twin_optim)):
+        torch.manual_seed(99)
+        lm_loss(m(second), second).backward()
+        o.step()
+        generators.append(torch.get_rng_state())
+    assert torch.equal(*generators)
+    _same_params(dict(twin_module.named_parameters()), module)
+    _plain_form(twin_optim.state_dict())

@@ -76,6 +76,12 @@ class HybridAdam(Optimizer):
                         weight_decay=weight_decay, adamw_mode=adamw_mode)
         super().__init__(params, defaults)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's optimizer state for pickling and ``copy.deepcopy``, with the settings kept outside the
+        defaults (torch keeps only ``defaults``, ``state`` and ``param_groups``)."""
+        return {**super().__getstate__(), "state_dtype": self.state_dtype,
+                "bf16_stochastic_round": self.bf16_stochastic_round}
+
     @property
     def quantized_state(self) -> bool:
         """Whether the moments are kept in 8 bits (``state_dtype="8bit"``)."""

@@ -83,7 +83,8 @@ def update_parameter_(param: torch.Tensor, grad: torch.Tensor, state: dict[str, 
     are rounded to bf16, as torchao keeps a small bf16 parameter's, while ``state`` holds them in fp32."""
     state["step"] += 1
     quantized = CODES[0] in state
-    target = param.detach() if param.is_contiguous() else param.detach().contiguous()
+    in_place = param.is_contiguous()
+    target = param.detach() if in_place else param.detach().contiguous()
     flat = target.view(-1)
     random = None
     if stochastic_round:
@@ -96,7 +97,7 @@ def update_parameter_(param: torch.Tensor, grad: torch.Tensor, state: dict[str, 
     if not quantized and stochastic_round:
         for key, values in zip(PLAIN, (moments.plain_m, moments.plain_v)):
             state[key].copy_(values.view(state[key].shape))
-    if target is not param.detach():
+    if not in_place:
         param.detach().copy_(target)
 
 
