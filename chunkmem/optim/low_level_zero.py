@@ -26,6 +26,7 @@ import torch.nn as nn
 from ..distributed.agreement import HYPER_PARAMETERS_FIELD, agree_on_point, held_on_any_rank, hyper_parameter_digest
 from ..distributed.collectives import start_all_gather
 from ..errors import InvalidArgumentError, UnscaledBackwardError, UnsupportedOperationError, check_type, warn_renamed
+from ..runtime.hooks import watch_gradients
 from . import zero_builder, zero_state_dict
 from .any_optimizer import StateLayout
 from .closure import run_closure
@@ -160,9 +161,9 @@ class LowLevelZeroOptimizer:
                                       overlap_communication)
         self.buckets = self._backward.buckets
         self._rule = zero_builder.choose_update(optimizer, parts, self._stores)
-        # the hooks call this optimizer (not its parts): a parameter keeps its optimizer alive, as optimizer_of says
-        self._hooks = [slot.param.register_post_accumulate_grad_hook(self._on_grad)
-                       for slot in self._slot_of.values()]
+        # the runtime's gradient hooks, calling this optimizer (not its parts): a parameter keeps its optimizer
+        # alive, as optimizer_of says
+        self._hooks = watch_gradients([slot.param for slot in self._slot_of.values()], self._on_grad)
         for slot in self._slot_of.values():
             _OPTIMIZER_OF[id(slot.param)] = (weakref.ref(slot.param), weakref.ref(self))
 
@@ -250,7 +251,7 @@ class LowLevelZeroOptimizer:
         """Inside, backward passes accumulate the local gradients in ``param.grad`` without any
         collective; the first backward outside reduces their sum with its own gradients (as DDP's
         ``no_sync``). Every rank must use it alike."""
-        with self._backward.no_sync():
+        with self._backward.no_sync.scope():
             yield
 
     # ---- the step ----------------------------------------------------------------------------------
