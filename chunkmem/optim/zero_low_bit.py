@@ -117,12 +117,9 @@ class LowBitUpdate(ZeroUpdate):
                     for piece in (layout.pieces.get(self._positions[slot.index]),) if piece is not None
                     for segment in piece.segments(hyper, chunk.step_of(slot) + 1)]
         master = chunk.master
-        grad = self.stores.own(chunk)
-        if grad.device != master.device:
-            grad = grad.to(master.device)
+        grad = self.gradient_by_master(chunk)
         own = chunk.own(chunk.param)
-        same_device = own.device == master.device
-        out = own if self.separate_master and same_device else None
+        out = own if self.separate_master and own.device == master.device else None  # the update writes it
         moments = Moments(*(chunk.state[family] for family in LOW_BIT_FAMILIES))
         random = self._random(chunk, slots, master.device)
         cut = [(piece, s, step_cut_segment_(master, grad, moments, s, multiplier, out, _part(random, s)))
@@ -130,9 +127,8 @@ class LowBitUpdate(ZeroUpdate):
         update_segments_(master, grad, moments, [s for _, s in segments if not s.cut], multiplier, out, random)
         self._store_cut(chunk, moments, cut)
         chunk.advance_steps(slots)
-        if self.separate_master and not same_device:
-            for _, s in segments:
-                own[s.start:s.start + s.numel].copy_(master[s.start:s.start + s.numel])
+        if out is None:
+            self.write_working(chunk, [(s.start, s.start + s.numel) for _, s in segments])
 
     def _random(self, chunk: FlatChunk, slots: list[FlatSlot], device: torch.device) -> torch.Tensor | None:
         """The stochastic rounding's numbers of this rank's shard of ``chunk`` (int32 on ``device``, indexed like
