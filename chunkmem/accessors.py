@@ -185,11 +185,10 @@ def _zero12(param: Any, family: str, full: bool) -> tuple[bool, torch.Tensor | N
     shard, multiplier = found
     if full:
         return True, _to_fp32_cpu(slot.view(optimizer.gather_shards(slot.chunk, shard)), multiplier)
-    part = slot.owned()
-    if part is None:
+    run = slot.chunk.own_run(slot)
+    if run is None:
         return True, _to_fp32_cpu(shard[:0])
-    start = slot.offset + part[0] - slot.chunk.own_start
-    return True, _to_fp32_cpu(shard[start:start + part[1] - part[0]], multiplier)
+    return True, _to_fp32_cpu(shard[run[0]:run[1]], multiplier)
 
 
 def _refuse_zero12_setter(param: Any) -> None:

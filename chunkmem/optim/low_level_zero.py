@@ -323,10 +323,10 @@ class LowLevelZeroOptimizer:
     def _agree_on_gradients(self) -> None:
         """With several ranks, a parameter has a gradient in this step when any rank produced one (as under
         DDP): one small all-reduce of which parameters got one."""
-        flags = iter(held_on_any_rank(self.shards, [s.index in c.slots_with_grads for c in self.chunks for s in c.slots],
-                                      "the parameters given a gradient in this step"))
+        given = [s.index_in_chunk in c.slots_with_grads for c in self.chunks for s in c.slots]
+        flags = iter(held_on_any_rank(self.shards, given, "the parameters given a gradient in this step"))
         for chunk in self.chunks:
-            chunk.slots_with_grads = {slot.index for slot in chunk.slots if next(flags)}
+            chunk.slots_with_grads = {slot.index_in_chunk for slot in chunk.slots if next(flags)}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop (``set_to_none``) or zero the reduced gradients, and drop gradients accumulated inside

@@ -76,7 +76,7 @@ class ZeroBackward:
             return
         if self.stores.mixed.scaler is not None and not self.in_backward:
             self.unscaled = True
-        slot.chunk.slots_with_grads.add(slot.index)
+        slot.chunk.slots_with_grads.add(slot.index_in_chunk)
         self.buckets.add(slot, grad)
         self.views.install(slot)
         self.pending = True

@@ -76,12 +76,10 @@ class LowBitUpdate(ZeroUpdate):
         self.stochastic_round = stochastic_round
         self.plain_state = plain_state
         self._layouts: dict[int, ChunkStateLayout] = {}
-        self._positions: dict[int, int] = {}  # param index -> its position in its chunk (the layout's key)
         for chunk in self.chunks:
-            layout = ChunkStateLayout.of_shard([(s.offset, s.numel) for s in chunk.slots], chunk.own_start,
+            layout = ChunkStateLayout.of_shard([(s.offset, s.numel) for s in chunk.slots], chunk.shard_offset,
                                                chunk.shard_numel, chunk.world)
             self._layouts[chunk.index] = layout
-            self._positions.update((slot.index, n) for n, slot in enumerate(chunk.slots))
             chunk.state = {family: torch.zeros(numel, dtype=dtype, device=chunk.master.device) for family, (numel, dtype)
                            in family_buffers(layout, chunk.shard_numel, stochastic_round).items()}
         self._hyper: list[LowBitHyper] = []
@@ -114,7 +112,7 @@ class LowBitUpdate(ZeroUpdate):
         layout, hyper = self._layouts[chunk.index], self._hyper[chunk.group]
         slots = stepped(chunk)
         segments = [(piece, segment) for slot in slots
-                    for piece in (layout.pieces.get(self._positions[slot.index]),) if piece is not None
+                    for piece in (layout.pieces.get(slot.index_in_chunk),) if piece is not None
                     for segment in piece.segments(hyper, chunk.step_of(slot) + 1)]
         master = chunk.master
         grad = self.gradient_by_master(chunk)
@@ -137,10 +135,10 @@ class LowBitUpdate(ZeroUpdate):
             return None
         shard = torch.empty(chunk.shard_numel, dtype=torch.int32, device=self._draws.device)
         for slot in slots:
-            part = slot.owned()
-            if part is not None:
-                start = slot.offset + part[0] - chunk.own_start
-                self._draws.draw(slot.index, part, shard[start:start + part[1] - part[0]])
+            run = chunk.own_run(slot)
+            if run is not None:
+                start, end, first = run
+                self._draws.draw(slot.index, (first, first + end - start), shard[start:end])
         return shard.to(device)
 
     def _store_cut(self, chunk: FlatChunk, moments: Moments,
@@ -184,7 +182,7 @@ class LowBitUpdate(ZeroUpdate):
         parameters without one: zero)."""
         buffers = {family: (value.numel(), value.dtype) for family, value in chunk.state.items()}
         return cut_families(self._layouts[chunk.index], buffers,
-                            ((self._positions[slot.index], entry_moments(entry, slot.numel, self.plain_state))
+                            ((slot.index_in_chunk, entry_moments(entry, slot.numel, self.plain_state))
                              for slot, entry in entries))
 
 

@@ -35,21 +35,15 @@ from .zero_partition import FlatChunk, FlatSlot
 def stepped(chunk: FlatChunk) -> list[FlatSlot]:
     """The parameters of ``chunk`` the step updates: trainable now and given a gradient since the last step
     (torch skips a parameter whose ``.grad`` is None: its state and step count stay)."""
-    return [slot for slot in chunk.slots if slot.param.requires_grad and slot.index in chunk.slots_with_grads]
+    return [slot for slot in chunk.slots if slot.param.requires_grad and slot.index_in_chunk in chunk.slots_with_grads]
 
 
 def ranges(chunk: FlatChunk) -> list[tuple[int, int, int]]:
     """``(start, end, step)``: the runs of this rank's shard of ``chunk`` (elements from the shard's start)
     whose parameters the step updates (:func:`stepped`) and have taken the same number of steps, with the
     step number after this update; the rest (frozen or unused parameters, padding) is not updated."""
-    pieces = []
-    for slot in stepped(chunk):
-        part = slot.owned()
-        if part is None:
-            continue
-        start = slot.offset + part[0] - chunk.own_start
-        pieces.append((start, start + part[1] - part[0], chunk.step_of(slot) + 1))
-    return join_runs(pieces)
+    return join_runs([(run[0], run[1], chunk.step_of(slot) + 1)
+                      for slot in stepped(chunk) for run in (chunk.own_run(slot),) if run is not None])
 
 
 class ZeroUpdate:
@@ -122,7 +116,7 @@ class AdamUpdate(ZeroUpdate):
         grad = self.gradient_by_master(chunk)
         own = chunk.own(chunk.param)
         in_place = self.separate_master and own.device == chunk.master.device  # the kernel writes the working copy
-        spans = param_spans(chunk.slots, chunk.own_start)
+        spans = param_spans(chunk.slots, chunk.shard_offset)
         exp_avg, exp_avg_sq = chunk.state["exp_avg"], chunk.state["exp_avg_sq"]
         runs = ranges(chunk)
         for a, b, step in runs:
@@ -154,7 +148,8 @@ class AnyOptimizerUpdate(ZeroUpdate):
     def update(self, chunk: FlatChunk, multiplier: float) -> None:
         slots = stepped(chunk)
         views = [ParamView.elsewhere(chunk.group, slot.index) if part is None else
-                 ParamView.of_part(slot.offset, slot.numel, slot.shape, part, chunk.own_start, chunk.group, slot.index)
+                 ParamView.of_part(slot.offset, slot.numel, slot.shape, part, chunk.shard_offset, chunk.group,
+                                   slot.index)
                  for slot in slots for part in (slot.owned(),)]
         grad = self.gradient_by_master(chunk).to(dtype=torch.float32, copy=True).mul_(multiplier)
         step_parameters(self.optimizer, self.layout, views, chunk.master, grad, chunk.state, chunk.scalars,
