@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from ..distributed.agreement import HYPER_PARAMETERS_FIELD, agree_on_point, held_on_any_rank, hyper_parameter_digest
 from ..distributed.collectives import start_all_gather
+from ..distributed.gathers import gather_whole
 from ..errors import InvalidArgumentError, UnscaledBackwardError, UnsupportedOperationError, check_type, warn_renamed
 from ..runtime.hooks import watch_gradients
 from . import zero_builder, zero_state_dict
@@ -356,7 +357,7 @@ class LowLevelZeroOptimizer:
         slot = self._slot_of.get(id(param))
         if slot is None:
             raise InvalidArgumentError("param", tuple(param.shape), "a trainable parameter of this optimizer")
-        return slot.view(self._gather(slot.chunk, slot.chunk.master)).clone()
+        return slot.view(self.gather_shards(slot.chunk, slot.chunk.master)).clone()
 
     def slot_of(self, param: nn.Parameter) -> FlatSlot | None:
         """Where ``param`` lives in this optimizer's flat chunks (``None``: not one of its trainable ones)."""
@@ -383,12 +384,7 @@ class LowLevelZeroOptimizer:
 
     def gather_shards(self, chunk: FlatChunk, shard: torch.Tensor) -> torch.Tensor:
         """The whole chunk (fp32, CPU) from every rank's ``shard`` (a collective when sharded)."""
-        return self._gather(chunk, shard)
-
-    def _gather(self, chunk: FlatChunk, shard: torch.Tensor) -> torch.Tensor:
-        full = torch.empty(chunk.numel, dtype=torch.float32, device="cpu")
-        self.shards.all_gather(full, shard.detach().to("cpu", torch.float32), what=f"chunk{chunk.index} state")
-        return full
+        return gather_whole(self.shards, shard.detach().to("cpu", torch.float32), f"chunk{chunk.index} state")
 
     # ---- checkpoints (chunkmem.optim.zero_state_dict) ---------------------------------------------------
 
