@@ -1,11 +1,8 @@
-"""What every chunk knows of its parameters, whatever holds its memory: the slots, this rank's shard of the
-layout, which parameters were given a gradient since the last step and how many steps each took.
-
-Two kinds of chunk share it: :class:`~chunkmem.core.chunk.Chunk` (the chunk runtime's, its families in tiers) and
-:class:`~chunkmem.optim.zero_partition.FlatChunk` (:class:`~chunkmem.LowLevelZeroOptimizer`'s: the parameters
-replicated on every rank, the optimizer families sharded). Either way a parameter is one :class:`ParamSlot`
-``(chunk, offset, numel)`` in every family, rank ``r`` keeps elements ``[r * shard_numel, (r + 1) * shard_numel)``
-of the per-shard families, and steps are counted per parameter, as torch counts them.
+"""What every chunk knows of its parameters, whatever holds its memory: the slots (a parameter is one
+:class:`ParamSlot` ``(chunk, offset, numel)`` in every family), this rank's shard of them, which were given a
+gradient since the last step and how many steps each took (per parameter, as torch counts them). Both kinds of
+chunk are :class:`ChunkSlots`: :class:`~chunkmem.core.chunk.Chunk` (the runtime's, its families in tiers) and
+:class:`~chunkmem.optim.zero_partition.FlatChunk` (:class:`~chunkmem.LowLevelZeroOptimizer`'s).
 """
 from __future__ import annotations
 
@@ -37,17 +34,15 @@ class ParamSlot:
 
 
 class ChunkSlots:
-    """The parameter side of a chunk (module docstring). A subclass gives ``shard_numel`` and ``shard_offset``
-    (this rank's elements and where they start) and fills ``slots``."""
+    """The parameter side of a chunk; a subclass gives ``shard_numel`` and ``shard_offset`` and fills ``slots``."""
 
     shard_numel: int
     shard_offset: int
 
     def __init__(self) -> None:
         self.slots: list[ParamSlot] = []
-        # the slots (index_in_chunk) whose parameters received a gradient since the gradients were last dropped
-        # (a step updates only those, as torch skips a parameter whose .grad is None), and per slot the optimizer
-        # steps applied to it (Adam's bias correction counts them per parameter, as torch does)
+        # by index_in_chunk: the parameters given a gradient since the gradients were last dropped (a step updates
+        # only those, as torch skips a parameter whose .grad is None), and the optimizer steps each one took
         self.slots_with_grads: set[int] = set()
         self.steps: dict[int, int] = {}  # a slot not in it has taken none
 

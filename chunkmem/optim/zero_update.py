@@ -63,7 +63,7 @@ class ZeroUpdate:
         self.stores = stores
         self.separate_master = separate_master
         self.copies = engine_for_new_model()
-        self._pinned = PinnedHostMemory() if self.copies.pins_host else None
+        self._host = PinnedHostMemory(pin=self.copies.pins_host)  # exact-size blocks kept by size
         self._host_grads: dict[int, torch.Tensor] = {}  # chunk index -> its gradient shard's host buffer
 
     def gradient_by_master(self, chunk: FlatChunk) -> torch.Tensor:
@@ -75,11 +75,9 @@ class ZeroUpdate:
             return grad
         kept = self._host_grads.get(chunk.index)
         if kept is None or kept.dtype != grad.dtype:  # first step, or the store was widened for accumulation
-            if kept is not None and self._pinned is not None:
-                self._pinned.give_back(kept)
-            kept = (self._pinned.empty(grad.numel(), grad.dtype) if self._pinned is not None else
-                    torch.empty(grad.numel(), dtype=grad.dtype, device=chunk.master.device))
-            self._host_grads[chunk.index] = kept
+            if kept is not None:
+                self._host.give_back(kept)
+            kept = self._host_grads[chunk.index] = self._host.empty(grad.numel(), grad.dtype)
         self.copies.to_host(kept, grad, "grad read").wait()
         return kept
 

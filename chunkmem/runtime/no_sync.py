@@ -1,9 +1,6 @@
-"""``no_sync()``: the scope inside which backward passes keep their gradients local, unreduced, as under DDP.
-
-Both gradient owners keep one :class:`NoSync`: the chunk runtime's gradient landing (a sharded chunk's gradients
-accumulate in its staging buffer) and :class:`~chunkmem.LowLevelZeroOptimizer`'s backward (the local gradients
-accumulate in ``param.grad``). What stays local is each owner's; the scope, its refusal of a nested one and the
-flag the backward reads are this class's. The first backward outside the scope reduces the sum.
+"""``no_sync()``: the scope inside which backward passes keep their gradients local, unreduced, as under DDP;
+the first backward outside reduces the sum. The chunk runtime's gradient landing (a sharded chunk's staging
+buffer) and :class:`~chunkmem.LowLevelZeroOptimizer`'s backward (``param.grad``) each keep one :class:`NoSync`.
 """
 from __future__ import annotations
 
