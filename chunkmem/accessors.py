@@ -114,21 +114,8 @@ def _write_family(chunk: Chunk, family: str, start: int, values: torch.Tensor) -
 
 def _local_part(slot: ParamSlot, shard: torch.Tensor) -> torch.Tensor:
     """The parameter's elements within this rank's shard of a chunk buffer (``shard_numel`` elements)."""
-    part = slot.chunk.own_range(slot)
-    if part is None:
-        return shard[:0]
-    begin, end = part
-    start = slot.offset + begin - slot.chunk.shard_offset
-    return shard[start:start + end - begin]
-
-
-def _own_start(slot: ParamSlot) -> tuple[int, int] | None:
-    """``(start in this rank's shard, element count)`` of the parameter's local part, or ``None``."""
-    part = slot.chunk.own_range(slot)
-    if part is None:
-        return None
-    begin, end = part
-    return slot.offset + begin - slot.chunk.shard_offset, end - begin
+    run = slot.chunk.own_run(slot)
+    return shard[:0] if run is None else shard[run[0]:run[1]]
 
 
 def _fp32_shard(slot: ParamSlot) -> torch.Tensor | None:
@@ -185,11 +172,10 @@ def _zero12(param: Any, family: str, full: bool) -> tuple[bool, torch.Tensor | N
     shard, multiplier = found
     if full:
         return True, _to_fp32_cpu(slot.view(optimizer.gather_shards(slot.chunk, shard)), multiplier)
-    part = slot.owned()
-    if part is None:
+    run = slot.chunk.own_run(slot)
+    if run is None:
         return True, _to_fp32_cpu(shard[:0])
-    start = slot.offset + part[0] - slot.chunk.own_start
-    return True, _to_fp32_cpu(shard[start:start + part[1] - part[0]], multiplier)
+    return True, _to_fp32_cpu(shard[run[0]:run[1]], multiplier)
 
 
 def _refuse_zero12_setter(param: Any) -> None:
@@ -282,8 +268,8 @@ def _check_value(slot: ParamSlot, value: Any, numel: int, shape: tuple[int, ...]
 
 
 def _local_numel(slot: ParamSlot) -> int:
-    own = _own_start(slot)
-    return 0 if own is None else own[1]
+    run = slot.chunk.own_run(slot)
+    return 0 if run is None else run[1] - run[0]
 
 
 def _set_fp32(slot: ParamSlot, local: torch.Tensor) -> None:
@@ -293,15 +279,15 @@ def _set_fp32(slot: ParamSlot, local: torch.Tensor) -> None:
         raise UnsupportedOperationError(
             f"setting parameter {slot.name!r}: its memory holds the gradients of the last backward "
             f"(reuse_fp16_shard=True); call optim.step() or optim.zero_grad() first")
-    own = _own_start(slot)
-    if own is None:
+    run = chunk.own_run(slot)
+    if run is None:
         return
-    start, count = own
+    start, end, _ = run
     with torch.no_grad():
         if chunk.has_master and _read_family(chunk, MASTER) is not None:
             _write_family(chunk, MASTER, start, local.to(torch.float32))
         values = chunk.param.local().clone()
-        values[start:start + count].copy_(local.to(torch.float32).to(chunk.dtype))
+        values[start:end].copy_(local.to(torch.float32).to(chunk.dtype))
         chunk.host.write_params(chunk, values)
     bump_versions([slot.param])
 
@@ -311,10 +297,10 @@ def _set_state(slot: ParamSlot, key: str, local: torch.Tensor) -> None:
         raise UnsupportedOperationError(
             f"setting {key!r} of parameter {slot.name!r}: it has no optimizer state before its first "
             f"optim.step() (torch.optim.Adam creates it there)")
-    own = _own_start(slot)
-    if own is not None:
+    run = slot.chunk.own_run(slot)
+    if run is not None:
         with torch.no_grad():
-            _write_family(slot.chunk, key, own[0], local)
+            _write_family(slot.chunk, key, run[0], local)
 
 
 def safe_set_full_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:

@@ -39,16 +39,16 @@ from __future__ import annotations
 import enum
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn as nn
 
 from ..distributed.collectives import SINGLE_PROCESS, ShardGroup
 from ..distributed.gathers import FlatGather, GatherStarted, ParamGather, gather_joined, gather_whole
+from .chunk_slots import ChunkSlots, ParamSlot
 from .copy_engine import nothing_to_wait_for
 from .disk_tier import DiskRegion
-from .layout import part_in_shard
 from .memory import TierMemory
 from .states import ChunkStateError, Contents, CopyLife, CopyState
 from .tiers import Tier, device_of_tier
@@ -71,23 +71,6 @@ class ChunkKey:
     (a frozen chunk has no gradient or optimizer state)."""
 
     trainable: bool
-
-
-@dataclass(eq=False)
-class ParamSlot:
-    """Where one parameter lives: ``numel`` elements from ``offset`` (elements) in ``chunk``."""
-
-    param: nn.Parameter
-    name: str
-    chunk: "Chunk"
-    offset: int
-    numel: int
-    shape: torch.Size
-    index_in_chunk: int = 0
-
-    def view(self, flat: torch.Tensor) -> torch.Tensor:
-        """This parameter's slice of a flat buffer of the chunk, shaped like the parameter."""
-        return flat[self.offset:self.offset + self.numel].view(self.shape)
 
 
 class ChunkHost(Protocol):
@@ -675,13 +658,15 @@ class _Use(enum.Enum):
     USED = "used"
 
 
-class Chunk:
-    """A fixed number of elements (``numel``) holding whole parameters of one :class:`ChunkKey`."""
+class Chunk(ChunkSlots):
+    """A fixed number of elements (``numel``) holding whole parameters of one :class:`ChunkKey`; its slots, shard
+    and per-parameter steps are :class:`~chunkmem.core.chunk_slots.ChunkSlots`'."""
 
     def __init__(self, index: int, numel: int, dtype: torch.dtype, key: ChunkKey, memory: TierMemory,
                  shards: ShardGroup = SINGLE_PROCESS) -> None:
         if numel % shards.world:
             raise ValueError(f"chunk of {numel} elements cannot be split into {shards.world} equal shards")
+        super().__init__()
         self.index = index
         self.numel = numel
         self.shards = shards
@@ -689,7 +674,6 @@ class Chunk:
         self.key = key
         self.memory = memory
         self.name = f"chunk{index}"
-        self.slots: list[ParamSlot] = []
         self.used_numel = 0
         self.size_was_given = False
         self.built_with: list["Chunk"] = [self]  # the chunks built together with this one
@@ -716,33 +700,12 @@ class Chunk:
         self.accumulator_fresh = False
         self._users = 0  # modules computing with the chunk now
         self._held = False  # kept on the device until its gradients of this backward are finished
-        # Per step: the slots whose parameters received a gradient since the gradients were last dropped (the
-        # step updates only those, as torch skips a parameter whose .grad is None), and per parameter the
-        # optimizer steps applied to it (Adam's bias correction counts them per parameter, as torch does).
-        self.slots_with_grads: set[int] = set()
-        self.steps: dict[int, int] = {}  # slot index -> steps; a slot not in it has taken none
         # persistent parameters (ShardedModelV2's persistence_threshold): the chunk is whole on every rank
         # of this group (its own ``shards`` are one process) and its gradients are all-reduced over it
         self.replicas: ShardGroup | None = None
         # a 16-bit chunk whose optimizer keeps no fp32 master: its parameters are their own masters (torchao's
         # 8-bit Adams with bf16_stochastic_round)
         self.masters_in_params = False
-
-    # ---- optimizer steps per parameter ---------------------------------------------------------------------
-
-    def step_of(self, slot: ParamSlot) -> int:
-        """Optimizer steps applied to ``slot``'s parameter so far."""
-        return self.steps.get(slot.index_in_chunk, 0)
-
-    @property
-    def stepped(self) -> bool:
-        """Whether any parameter of the chunk has taken an optimizer step (it then has optimizer state)."""
-        return any(self.steps.values())
-
-    def advance_steps(self, slots: "Iterable[ParamSlot]") -> None:
-        """One more step for each of ``slots`` (the parameters a step updated)."""
-        for slot in slots:
-            self.steps[slot.index_in_chunk] = self.steps.get(slot.index_in_chunk, 0) + 1
 
     def leave_device_memory_to_viewers(self) -> None:
         """See :meth:`ParamBuffer.leave_device_memory_to_viewers`; the parameters view the new device copy."""
@@ -880,20 +843,6 @@ class Chunk:
         every gradient of a backward)."""
         with torch._C.DisableTorchFunctionSubclass():
             return [s for s in self.slots if s.param.requires_grad]
-
-    def own_range(self, slot: ParamSlot) -> tuple[int, int] | None:
-        """The elements ``(start, end)`` of ``slot``'s parameter (0 = its first element) that lie in this
-        rank's shard, or ``None`` when none do."""
-        return part_in_shard(slot.offset, slot.numel, self.shard_offset, self.shard_numel)
-
-    def write_own_part(self, slot: ParamSlot, local: torch.Tensor, value: torch.Tensor) -> None:
-        """Copy this rank's part of ``value`` (``slot``'s whole parameter) into ``local``, a buffer of
-        ``shard_numel`` elements of this chunk."""
-        part = self.own_range(slot)
-        if part is not None:
-            begin, end = part
-            start = slot.offset + begin - self.shard_offset
-            local[start:start + end - begin].copy_(value.reshape(-1)[begin:end])
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """A new full-length tensor from every rank's ``local`` shard (a collective when sharded: every

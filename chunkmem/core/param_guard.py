@@ -281,10 +281,9 @@ def _set_gradient(slot: ParamSlot, value: Any, func: Any, args: tuple) -> None:
             "written by backward; torch.nn.utils.clip_grad_norm_ and clip_grad_value_ clip them where they are")
     host = slot.chunk.host
     grad = host.grad_of(slot.chunk) if host is not None else None
-    part = slot.chunk.own_range(slot)
-    if grad is not None and part is not None:  # no 'no gradient' state per parameter: zero its part
-        start = slot.offset + part[0] - slot.chunk.shard_offset
-        grad[start:start + part[1] - part[0]].zero_()
+    run = slot.chunk.own_run(slot)
+    if grad is not None and run is not None:  # no 'no gradient' state per parameter: zero its part
+        grad[run[0]:run[1]].zero_()
     plain_call(func, args, {})
 
 

@@ -242,11 +242,8 @@ def _is_order(p: Any) -> bool:
 
 def _local_part(slot: ParamSlot, shard: torch.Tensor) -> torch.Tensor | None:
     """The parameter's elements in this rank's shard of the chunk's gradient, or ``None``."""
-    part = slot.chunk.own_range(slot)
-    if part is None:
-        return None
-    start = slot.offset + part[0] - slot.chunk.shard_offset
-    return shard[start:start + part[1] - part[0]]
+    run = slot.chunk.own_run(slot)
+    return None if run is None else shard[run[0]:run[1]]
 
 
 def _local_power_sum(runtime: ChunkRuntime, slot: ParamSlot, p: float) -> float | torch.Tensor:

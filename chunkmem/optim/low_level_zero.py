@@ -25,7 +25,9 @@ import torch.nn as nn
 
 from ..distributed.agreement import HYPER_PARAMETERS_FIELD, agree_on_point, held_on_any_rank, hyper_parameter_digest
 from ..distributed.collectives import start_all_gather
+from ..distributed.gathers import gather_whole
 from ..errors import InvalidArgumentError, UnscaledBackwardError, UnsupportedOperationError, check_type, warn_renamed
+from ..runtime.hooks import watch_gradients
 from . import zero_builder, zero_state_dict
 from .any_optimizer import StateLayout
 from .closure import run_closure
@@ -160,9 +162,9 @@ class LowLevelZeroOptimizer:
                                       overlap_communication)
         self.buckets = self._backward.buckets
         self._rule = zero_builder.choose_update(optimizer, parts, self._stores)
-        # the hooks call this optimizer (not its parts): a parameter keeps its optimizer alive, as optimizer_of says
-        self._hooks = [slot.param.register_post_accumulate_grad_hook(self._on_grad)
-                       for slot in self._slot_of.values()]
+        # the runtime's gradient hooks, calling this optimizer (not its parts): a parameter keeps its optimizer
+        # alive, as optimizer_of says
+        self._hooks = watch_gradients([slot.param for slot in self._slot_of.values()], self._on_grad)
         for slot in self._slot_of.values():
             _OPTIMIZER_OF[id(slot.param)] = (weakref.ref(slot.param), weakref.ref(self))
 
@@ -250,7 +252,7 @@ class LowLevelZeroOptimizer:
         """Inside, backward passes accumulate the local gradients in ``param.grad`` without any
         collective; the first backward outside reduces their sum with its own gradients (as DDP's
         ``no_sync``). Every rank must use it alike."""
-        with self._backward.no_sync():
+        with self._backward.no_sync.scope():
             yield
 
     # ---- the step ----------------------------------------------------------------------------------
@@ -322,10 +324,10 @@ class LowLevelZeroOptimizer:
     def _agree_on_gradients(self) -> None:
         """With several ranks, a parameter has a gradient in this step when any rank produced one (as under
         DDP): one small all-reduce of which parameters got one."""
-        flags = iter(held_on_any_rank(self.shards, [s.index in c.slots_with_grads for c in self.chunks for s in c.slots],
-                                      "the parameters given a gradient in this step"))
+        given = [s.index_in_chunk in c.slots_with_grads for c in self.chunks for s in c.slots]
+        flags = iter(held_on_any_rank(self.shards, given, "the parameters given a gradient in this step"))
         for chunk in self.chunks:
-            chunk.slots_with_grads = {slot.index for slot in chunk.slots if next(flags)}
+            chunk.slots_with_grads = {slot.index_in_chunk for slot in chunk.slots if next(flags)}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop (``set_to_none``) or zero the reduced gradients, and drop gradients accumulated inside
@@ -355,7 +357,7 @@ class LowLevelZeroOptimizer:
         slot = self._slot_of.get(id(param))
         if slot is None:
             raise InvalidArgumentError("param", tuple(param.shape), "a trainable parameter of this optimizer")
-        return slot.view(self._gather(slot.chunk, slot.chunk.master)).clone()
+        return slot.view(self.gather_shards(slot.chunk, slot.chunk.master)).clone()
 
     def slot_of(self, param: nn.Parameter) -> FlatSlot | None:
         """Where ``param`` lives in this optimizer's flat chunks (``None``: not one of its trainable ones)."""
@@ -382,12 +384,7 @@ class LowLevelZeroOptimizer:
 
     def gather_shards(self, chunk: FlatChunk, shard: torch.Tensor) -> torch.Tensor:
         """The whole chunk (fp32, CPU) from every rank's ``shard`` (a collective when sharded)."""
-        return self._gather(chunk, shard)
-
-    def _gather(self, chunk: FlatChunk, shard: torch.Tensor) -> torch.Tensor:
-        full = torch.empty(chunk.numel, dtype=torch.float32, device="cpu")
-        self.shards.all_gather(full, shard.detach().to("cpu", torch.float32), what=f"chunk{chunk.index} state")
-        return full
+        return gather_whole(self.shards, shard.detach().to("cpu", torch.float32), f"chunk{chunk.index} state")
 
     # ---- checkpoints (chunkmem.optim.zero_state_dict) ---------------------------------------------------
 

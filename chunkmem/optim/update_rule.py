@@ -242,11 +242,8 @@ class AdamRule(UpdateRule):
         """``(start, end, hyper, step)``: the runs of this rank's shard of ``chunk`` (elements) whose parameters
         the step updates, are in one param group and have taken the same number of steps, with that group's
         current hyper-parameters and the step number after this update."""
-        pieces = []
-        for slot, group, part in self.stepped_slots(chunk):
-            if part is not None:
-                start = slot.offset + part[0] - chunk.shard_offset
-                pieces.append((start, start + part[1] - part[0], (group, chunk.step_of(slot) + 1)))
+        pieces = [(run[0], run[1], (group, chunk.step_of(slot) + 1)) for slot, group, _ in self.stepped_slots(chunk)
+                  for run in (chunk.own_run(slot),) if run is not None]
         return [(a, b, hyper_of_group(self.optimizer.param_groups[g]), step) for a, b, (g, step) in join_runs(pieces)]
 
     def update(self, chunk: Chunk, multiplier: float) -> None:

@@ -11,14 +11,12 @@ backwards and steps the ranks have run (what they agree on); ``zero_grad`` drops
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
 import torch
 import torch.nn as nn
 
 from ..distributed.agreement import agree_on_point
-from ..errors import InvalidArgumentError
+from ..runtime.hooks import at_backward_end
+from ..runtime.no_sync import NoSync
 from .zero_buckets import GradientBuckets
 from .zero_gradient_store import GradientStores
 from .zero_gradient_view import GradientViews
@@ -42,7 +40,7 @@ class ZeroBackward:
         self.buckets = GradientBuckets(stores.shards, stores.partition_grad, communication_dtype, reduce_bucket_size,
                                        overlap_communication, stores.store)
         self.views = GradientViews(stores)  # param.grad: stand-ins for the gradients in the stores
-        self.deferring = False  # inside no_sync()
+        self.no_sync = NoSync()  # the chunk runtime's no_sync() scope; inside, the gradients stay in param.grad
         self.in_backward = False  # inside optim.backward()
         self.unscaled = False  # a backward of fp16 parameters bypassed the loss scaler
         self.pending = False  # gradients reduced (or deferred) since the last step or zero_grad
@@ -56,10 +54,10 @@ class ZeroBackward:
         if not self._agreed:
             self._agreed = True
             self.stores.begin_backward()
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+            at_backward_end(self._backward_ended)
             agree_on_point(self.stores.shards, "backward", "LowLevelZeroOptimizer's backward",
                            [("backward passes so far", self.backwards), ("optimizer steps so far", self.steps),
-                            ("inside no_sync", self.deferring)])
+                            ("inside no_sync", self.no_sync.active)])
         self.take(param)
 
     def _backward_ended(self) -> None:
@@ -73,12 +71,12 @@ class ZeroBackward:
         """Send ``param``'s local gradient (what autograd left in ``param.grad``, or added to its stand-in)
         to the buckets and leave the stand-in in ``param.grad``; inside ``no_sync`` it stays local."""
         slot = self.slot_of[id(param)]
-        grad = self.views.settle(slot, take=not self.deferring)
+        grad = self.views.settle(slot, take=not self.no_sync.active)
         if grad is None:
             return
         if self.stores.mixed.scaler is not None and not self.in_backward:
             self.unscaled = True
-        slot.chunk.slots_with_grads.add(slot.index)
+        slot.chunk.slots_with_grads.add(slot.index_in_chunk)
         self.buckets.add(slot, grad)
         self.views.install(slot)
         self.pending = True
@@ -87,7 +85,7 @@ class ZeroBackward:
         """Take gradients autograd left in ``param.grad`` (accumulated inside ``no_sync`` and not
         touched since; a ``param.grad`` the user set), then reduce what is left and wait for every
         collective in flight."""
-        if self.deferring:
+        if self.no_sync.active:
             return
         for slot in self.slot_of.values():
             self.take(slot.param)
@@ -103,17 +101,6 @@ class ZeroBackward:
         finally:
             self.in_backward = False
         self.finish()
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Keep the gradients local inside (``optim.no_sync``); refuses a nested one."""
-        if self.deferring:
-            raise InvalidArgumentError("no_sync", "a nested no_sync()", "one no_sync() at a time")
-        self.deferring = True
-        try:
-            yield
-        finally:
-            self.deferring = False
 
     def zero_grad(self, set_to_none: bool) -> None:
         """Drop (``set_to_none``) or zero the reduced gradients, and drop gradients accumulated inside

@@ -115,13 +115,12 @@ class GradientBuckets:
                 if not self.partition_grad:
                     target, source = store[slot.offset:slot.offset + numel], flat[position:position + numel]
                 else:  # ZeRO-2 over an all-reduce: keep the part this rank owns
-                    part = slot.owned()
-                    if part is None:
+                    run = slot.chunk.own_run(slot)
+                    if run is None:
                         position += numel
                         continue
-                    a, b = part
-                    start = slot.offset + a - slot.chunk.own_start
-                    target, source = store[start:start + b - a], flat[position + a:position + b]
+                    start, end, first = run
+                    target, source = store[start:end], flat[position + first:position + first + end - start]
                 target.add_(source.to(target.device, target.dtype))
                 position += numel
         return pending, finish
@@ -157,7 +156,7 @@ class GradientBuckets:
             position = 0
             for slot, a, b in mine:
                 store = self.store_of(slot.chunk)
-                start = slot.offset + a - slot.chunk.own_start
+                start = slot.offset + a - slot.chunk.shard_offset
                 store[start:start + b - a].add_(out[position:position + b - a].to(store.device, store.dtype))
                 position += b - a
             self.scratch.give(block)  # only now: the collective reads ``joined`` until it is done

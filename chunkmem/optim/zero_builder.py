@@ -104,18 +104,12 @@ def build_parts(optimizer: Any, initial_scale: float, min_scale: float, growth_f
     separate = (dtype != torch.float32 and not stochastic) or master_device != device
     seal_param_groups(optimizer, OWNER)
     families = () if low_bit is not None else ADAM_STATE if layout is None else layout.families  # 8-bit: the rule's
-    chunks = build_partition(groups, dtype, shards.world, shards.rank, master_device, separate, families,
-                             dtype if stochastic else torch.float32)
+    params = [p for group in optimizer.param_groups for p in group["params"]]  # index order (each once)
+    chunks = build_partition(groups, {id(p): i for i, p in enumerate(params)}, dtype, shards.world, shards.rank,
+                             master_device, separate, families, dtype if stochastic else torch.float32)
     if layout is not None or low_bit is not None:
         optimizer.state.clear()  # what its constructor made (Adagrad's sums): the chunks keep the state
     slots = {id(s.param): s for c in chunks for s in c.slots}
-    index_of: dict[int, int] = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            index_of.setdefault(id(p), len(index_of))
-    for slot in slots.values():
-        slot.index = index_of[id(slot.param)]
-    params = [p for group in optimizer.param_groups for p in group["params"]]  # index order
     not_packed = [(i, p) for i, p in enumerate(params) if id(p) not in slots]
     return ZeroParts(scaler, shards, dtype, layout, low_bit, stochastic, separate, chunks, params, slots, not_packed)
 

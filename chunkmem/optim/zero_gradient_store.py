@@ -88,11 +88,8 @@ class GradientStores:
             return None
         if not self.partition_grad:
             return store[slot.offset:slot.offset + slot.numel]
-        part = slot.owned()
-        if part is None:
-            return store[:0]
-        start = slot.offset + part[0] - slot.chunk.own_start
-        return store[start:start + part[1] - part[0]]
+        run = slot.chunk.own_run(slot)
+        return store[:0] if run is None else store[run[0]:run[1]]
 
     def release(self, set_to_none: bool) -> None:
         """Drop (``set_to_none``: no parameter has a gradient any more; the store's memory is kept for the next

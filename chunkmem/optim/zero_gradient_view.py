@@ -189,7 +189,7 @@ class GradientViews:
         part = self._stores.grad_part(slot)
         if part is not None:
             part.zero_()
-        slot.chunk.slots_with_grads.discard(slot.index)
+        slot.chunk.slots_with_grads.discard(slot.index_in_chunk)
         self._current.pop(slot.index, None)
         self.changed()
 
@@ -384,7 +384,7 @@ class GradientViews:
         if self._norms is not None and self._norms[0] == key:
             return self._norms[1]
         stores = self._stores
-        slots = [s for c in stores.chunks for s in c.slots if s.index in c.slots_with_grads]
+        slots = [s for c in stores.chunks for s in c.slots if s.index_in_chunk in c.slots_with_grads]
         device = stores.chunks[0].param.device
         norms = []
         for slot in slots:

@@ -77,12 +77,10 @@ class LowBitUpdate(ZeroUpdate):
         self.stochastic_round = stochastic_round
         self.plain_state = plain_state
         self._layouts: dict[int, ChunkStateLayout] = {}
-        self._positions: dict[int, int] = {}  # param index -> its position in its chunk (the layout's key)
         for chunk in self.chunks:
-            layout = ChunkStateLayout.of_shard([(s.offset, s.numel) for s in chunk.slots], chunk.own_start,
+            layout = ChunkStateLayout.of_shard([(s.offset, s.numel) for s in chunk.slots], chunk.shard_offset,
                                                chunk.shard_numel, chunk.world)
             self._layouts[chunk.index] = layout
-            self._positions.update((slot.index, n) for n, slot in enumerate(chunk.slots))
             chunk.state = {family: torch.zeros(numel, dtype=dtype, device=chunk.master.device) for family, (numel, dtype)
                            in family_buffers(layout, chunk.shard_numel, stochastic_round).items()}
         self._hyper: list[LowBitHyper] = []
@@ -115,15 +113,12 @@ class LowBitUpdate(ZeroUpdate):
         layout, hyper = self._layouts[chunk.index], self._hyper[chunk.group]
         slots = stepped(chunk)
         segments = [(piece, segment) for slot in slots
-                    for piece in (layout.pieces.get(self._positions[slot.index]),) if piece is not None
+                    for piece in (layout.pieces.get(slot.index_in_chunk),) if piece is not None
                     for segment in piece.segments(hyper, chunk.step_of(slot) + 1)]
         master = chunk.master
-        grad = self.stores.own(chunk)
-        if grad.device != master.device:
-            grad = grad.to(master.device)
+        grad = self.gradient_by_master(chunk)
         own = chunk.own(chunk.param)
-        same_device = own.device == master.device
-        out = own if self.separate_master and same_device else None
+        out = own if self.separate_master and own.device == master.device else None  # the update writes it
         moments = Moments(*(chunk.state[family] for family in LOW_BIT_FAMILIES))
         random = self._random(chunk, slots, master.device)
         cut = [(piece, s, step_cut_segment_(master, grad, moments, s, multiplier, out, _part(random, s)))
@@ -131,9 +126,8 @@ class LowBitUpdate(ZeroUpdate):
         update_segments_(master, grad, moments, [s for _, s in segments if not s.cut], multiplier, out, random)
         self._store_cut(chunk, moments, cut)
         chunk.advance_steps(slots)
-        if self.separate_master and not same_device:
-            for _, s in segments:
-                own[s.start:s.start + s.numel].copy_(master[s.start:s.start + s.numel])
+        if out is None:
+            self.write_working(chunk, [(s.start, s.start + s.numel) for _, s in segments])
 
     def _random(self, chunk: FlatChunk, slots: list[FlatSlot], device: torch.device) -> torch.Tensor | None:
         """The stochastic rounding's numbers of this rank's shard of ``chunk`` (int32 on ``device``, indexed like
@@ -142,10 +136,10 @@ class LowBitUpdate(ZeroUpdate):
             return None
         shard = torch.empty(chunk.shard_numel, dtype=torch.int32, device=self._draws.device)
         for slot in slots:
-            part = slot.owned()
-            if part is not None:
-                start = slot.offset + part[0] - chunk.own_start
-                self._draws.draw(slot.index, part, shard[start:start + part[1] - part[0]])
+            run = chunk.own_run(slot)
+            if run is not None:
+                start, end, first = run
+                self._draws.draw(slot.index, (first, first + end - start), shard[start:end])
         return shard.to(device)
 
     def _store_cut(self, chunk: FlatChunk, moments: Moments,
@@ -189,7 +183,7 @@ class LowBitUpdate(ZeroUpdate):
         parameters without one: zero)."""
         buffers = {family: (value.numel(), value.dtype) for family, value in chunk.state.items()}
         return cut_families(self._layouts[chunk.index], buffers,
-                            ((self._positions[slot.index], entry_moments(entry, slot.numel, self.plain_state))
+                            ((slot.index_in_chunk, entry_moments(entry, slot.numel, self.plain_state))
                              for slot, entry in entries))
 
 

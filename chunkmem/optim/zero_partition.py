@@ -11,35 +11,28 @@ the optimizer's per-element state (Adam's moments, or another optimizer's own: s
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from ..core.chunk import ADAM_STATE
+from ..core.chunk_slots import ChunkSlots, ParamSlot
 from ..core.layout import aligned_numel, chunk_sizes, pack, part_in_shard, search_chunk_numel
 
 
 @dataclass(eq=False)
-class FlatSlot:
-    """Where one parameter lives in its chunk: ``offset`` and ``numel`` in elements."""
+class FlatSlot(ParamSlot):
+    """Where one parameter lives in its flat chunk (the shared :class:`~chunkmem.core.chunk_slots.ParamSlot`), and
+    ``index``: torch's numbering of it, its position over the optimizer's param groups."""
 
-    param: nn.Parameter
-    index: int  # torch's numbering: position over the optimizer's param groups, in order
-    chunk: "FlatChunk"
-    offset: int
-    numel: int
-    shape: tuple[int, ...]
-
-    def view(self, flat: torch.Tensor) -> torch.Tensor:
-        """This parameter's elements of a full-chunk flat tensor, shaped like the parameter."""
-        return flat[self.offset:self.offset + self.numel].view(self.shape)
+    index: int = -1
 
     def owned(self) -> tuple[int, int] | None:
         """The part of this parameter (element range within it) that lies in this rank's shard, or
         ``None`` when it has none."""
-        return self.part_of_rank(self.chunk.rank)
+        return self.chunk.own_range(self)
 
     def part_of_rank(self, rank: int) -> tuple[int, int] | None:
         """The element range within this parameter that lies in ``rank``'s shard, or ``None``."""
@@ -47,75 +40,45 @@ class FlatSlot:
         return part_in_shard(self.offset, self.numel, rank * shard_numel, shard_numel)
 
 
-@dataclass(eq=False)
-class FlatChunk:
-    """One chunk: the full working ``param`` buffer (``numel`` elements, every rank), this rank's
-    ``master`` and per-element optimizer ``state`` by family (``exp_avg``, ``exp_avg_sq`` for Adam;
-    ``shard_numel`` fp32 elements each), another optimizer's ``scalars`` (``{param index: {key: value}}``, each
-    parameter that has stepped its own ``step``, ..., as torch keeps them; also on a rank that holds none of the
-    parameter's elements) or whole-parameter state (``whole_state``, by the parameter's index:
-    :mod:`chunkmem.optim.any_optimizer`),
-    the finished gradient store ``grad`` (``None`` until a backward reduced into it; after ``zero_grad``
-    its memory is kept in ``spare_grad`` for the next backward, as DDP keeps its buckets), the parameters given a
-    gradient since the last step and each parameter's step count (torch's semantics: a parameter without a
-    gradient is not stepped)."""
+class FlatChunk(ChunkSlots):
+    """One chunk (its slots, shard and per-parameter steps: :class:`~chunkmem.core.chunk_slots.ChunkSlots`): the
+    full working ``param`` buffer (``numel`` elements, every rank), this rank's ``master`` and per-element
+    optimizer ``state`` by family (``exp_avg``, ``exp_avg_sq`` for Adam; ``shard_numel`` fp32 elements each),
+    another optimizer's ``scalars`` (``{param index: {key: value}}``, each parameter that has stepped its own
+    ``step``, ..., as torch keeps them; also on a rank that holds none of the parameter's elements) or
+    whole-parameter state (``whole_state``, by the parameter's index: :mod:`chunkmem.optim.any_optimizer`), and
+    the finished gradient store ``grad`` (``None`` until a backward reduced into it; after ``zero_grad`` its memory
+    is kept in ``spare_grad`` for the next backward, as DDP keeps its buckets)."""
 
-    index: int
-    group: int
-    numel: int
-    world: int
-    rank: int
-    param: torch.Tensor
-    slots: list[FlatSlot] = field(default_factory=list)
-    master: torch.Tensor | None = None
-    state: dict[str, torch.Tensor] = field(default_factory=dict)
-    scalars: dict[int, dict[str, Any]] = field(default_factory=dict)  # param index -> its scalar state
-    whole_state: dict[int, dict[str, Any]] = field(default_factory=dict)
-    grad: torch.Tensor | None = None
-    spare_grad: torch.Tensor | None = None
-    grad_backward: int = -1  # which backward (the optimizer's count of those begun) last added to ``grad``
-    slots_with_grads: set[int] = field(default_factory=set)  # param indices given a gradient since the last step
-    steps: dict[int, int] = field(default_factory=dict)  # param index -> optimizer steps it took (torch's count)
-
-    def step_of(self, slot: FlatSlot) -> int:
-        """Optimizer steps ``slot``'s parameter took so far."""
-        return self.steps.get(slot.index, 0)
-
-    @property
-    def stepped(self) -> bool:
-        """Whether any parameter of the chunk has taken a step (it then has optimizer state)."""
-        return any(self.steps.values())
-
-    def advance_steps(self, slots: list[FlatSlot]) -> None:
-        """One more step for each of ``slots`` (the parameters a step updated)."""
-        for slot in slots:
-            self.steps[slot.index] = self.steps.get(slot.index, 0) + 1
-
-    @property
-    def shard_numel(self) -> int:
-        """Elements each rank owns."""
-        return self.numel // self.world
+    def __init__(self, index: int, group: int, numel: int, world: int, rank: int, param: torch.Tensor) -> None:
+        super().__init__()
+        self.index, self.group, self.numel, self.world, self.rank, self.param = index, group, numel, world, rank, param
+        self.shard_numel = numel // world
+        self.shard_offset = rank * self.shard_numel
+        self.master: torch.Tensor | None = None
+        self.state: dict[str, torch.Tensor] = {}
+        self.scalars: dict[int, dict[str, Any]] = {}  # param index -> its scalar state
+        self.whole_state: dict[int, dict[str, Any]] = {}
+        self.grad: torch.Tensor | None = None
+        self.spare_grad: torch.Tensor | None = None
+        self.grad_backward = -1  # which backward (the optimizer's count of those begun) last added to ``grad``
 
     @property
     def state_families(self) -> tuple[str, ...]:
         """The per-element optimizer state's family names."""
         return tuple(self.state)
 
-    @property
-    def own_start(self) -> int:
-        """The first element of this rank's shard."""
-        return self.rank * self.shard_numel
-
     def own(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a full-chunk flat tensor (a view)."""
-        return flat[self.own_start:self.own_start + self.shard_numel]
+        return flat[self.shard_offset:self.shard_offset + self.shard_numel]
 
 
-def build_partition(groups: list[list[nn.Parameter]], dtype: torch.dtype, world: int, rank: int,
-                    master_device: torch.device, separate_master: bool,
+def build_partition(groups: list[list[nn.Parameter]], index_of: dict[int, int], dtype: torch.dtype, world: int,
+                    rank: int, master_device: torch.device, separate_master: bool,
                     families: tuple[str, ...] = ADAM_STATE, master_dtype: torch.dtype = torch.float32
                     ) -> list[FlatChunk]:
-    """Pack the parameters of ``groups`` (chunks never mix groups) into flat chunks of ``dtype`` on
+    """Pack the parameters of ``groups`` (chunks never mix groups; ``index_of``: ``id(parameter)`` -> torch's
+    index of it) into flat chunks of ``dtype`` on
     the parameters' device, make every parameter a view into its chunk, and allocate this rank's
     master (``master_dtype``: fp32, or bf16 for bf16 parameters that are their own masters; a copy of the
     values before any cast, when ``separate_master``; else the owned elements of the working buffer are the
@@ -136,7 +99,9 @@ def build_partition(groups: list[list[nn.Parameter]], dtype: torch.dtype, world:
         offset = 0
         for i in members:
             param = entries[i][1]
-            slot = FlatSlot(param, i, chunk, offset, param.numel(), tuple(param.shape))
+            index = index_of[id(param)]
+            slot = FlatSlot(param, f"parameter {index}", chunk, offset, param.numel(), tuple(param.shape),
+                            len(chunk.slots), index)
             with torch.no_grad():
                 slot.view(flat).copy_(param.data)
                 if exact is not None:

@@ -98,7 +98,7 @@ def prepare_optimizer_load(optim: Any, state_dict: Mapping[str, Any]) -> Callabl
                 chunk.whole_state.clear()
                 for slot, entry in entries:
                     for family, shard in chunk.state.items():
-                        write_own(slot, shard, entry[family])
+                        chunk.write_own_part(slot, shard, entry[family].detach())
                     if layout is not None and layout.whole:
                         chunk.whole_state[slot.index] = scalar_copy(entry)
                     elif layout is not None:  # its own (older state dicts hold the group's in each)
@@ -108,8 +108,8 @@ def prepare_optimizer_load(optim: Any, state_dict: Mapping[str, Any]) -> Callabl
 
 def _checked_entries(optim: Any, chunk: FlatChunk, state: Mapping[Any, Any]
                      ) -> tuple[dict[int, int], list[tuple[FlatSlot, Mapping[str, Any]]]]:
-    """The step counts (by param index, those > 0) and the entries to load of ``chunk``'s parameters from a state
-    dict's ``state``, each entry checked as the optimizer's form asks (raises naming it)."""
+    """The step counts (by the slots' positions in the chunk, those > 0) and the entries to load of ``chunk``'s
+    parameters from a state dict's ``state``, each entry checked as the optimizer's form asks (raises naming it)."""
     layout, rule = optim.state_layout, optim.update_rule
     steps, entries = {}, []
     for slot in chunk.slots:
@@ -125,20 +125,10 @@ def _checked_entries(optim: Any, chunk: FlatChunk, state: Mapping[Any, Any]
             step = check_entry(slot.index, name, entry, slot, chunk.state_families, counts_steps=False,
                                whole=layout.whole)
         if step:
-            steps[slot.index] = step
+            steps[slot.index_in_chunk] = step
         if entry is not None and step > 0:
             entries.append((slot, entry))
     return steps, entries
-
-
-def write_own(slot: FlatSlot, shard: torch.Tensor, value: torch.Tensor) -> None:
-    """Write the part of a parameter-shaped ``value`` this rank owns into ``shard``."""
-    part = slot.owned()
-    if part is None:
-        return
-    a, b = part
-    start = slot.offset + a - slot.chunk.own_start
-    shard[start:start + b - a].copy_(value.detach().reshape(-1)[a:b])
 
 
 def check_module(optim: Any, module: Any, argument: str) -> None:
@@ -188,5 +178,5 @@ def prepare_model_load(optim: Any, module: nn.Module, state_dict: Mapping[str, A
                 slot = optim.slot_of(target)
                 target.copy_(state_dict[key])
                 if slot is not None and optim.separate_master:
-                    write_own(slot, slot.chunk.master, state_dict[key].float())
+                    slot.chunk.write_own_part(slot, slot.chunk.master, state_dict[key].float())
     return apply

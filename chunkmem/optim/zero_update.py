@@ -11,7 +11,10 @@ chosen once when the optimizer is built (:func:`chunkmem.optim.zero_builder.choo
 
 Each updates the parameters that require grad and were given a gradient since the last step
 (:func:`stepped`), advances their step counts, and copies the new masters into the working shard where they are
-separate; the rest of the shard (frozen or unused parameters, padding) is left alone.
+separate; the rest of the shard (frozen or unused parameters, padding) is left alone. With ``cpu_offload`` on a GPU
+both moves of a step cross PCIe through the chunk runtime's copy engine (:mod:`chunkmem.core.copy_engine`, chosen
+when the optimizer is built): this rank's gradient shard into a host buffer kept from step to step (pinned), the
+updated masters into the working shard (:meth:`ZeroUpdate.gradient_by_master`, :meth:`ZeroUpdate.write_working`).
 """
 from __future__ import annotations
 
@@ -19,7 +22,9 @@ from typing import Any
 
 import torch
 
+from ..core.copy_engine import engine_for_new_model
 from ..core.layout import join_runs
+from ..core.pinned import PinnedHostMemory
 from .adam import hyper_of_group
 from .adam_kernels import adam_update_, param_spans
 from .any_optimizer import LayoutWatch, ParamView, StateLayout, step_parameters
@@ -30,21 +35,15 @@ from .zero_partition import FlatChunk, FlatSlot
 def stepped(chunk: FlatChunk) -> list[FlatSlot]:
     """The parameters of ``chunk`` the step updates: trainable now and given a gradient since the last step
     (torch skips a parameter whose ``.grad`` is None: its state and step count stay)."""
-    return [slot for slot in chunk.slots if slot.param.requires_grad and slot.index in chunk.slots_with_grads]
+    return [slot for slot in chunk.slots if slot.param.requires_grad and slot.index_in_chunk in chunk.slots_with_grads]
 
 
 def ranges(chunk: FlatChunk) -> list[tuple[int, int, int]]:
     """``(start, end, step)``: the runs of this rank's shard of ``chunk`` (elements from the shard's start)
     whose parameters the step updates (:func:`stepped`) and have taken the same number of steps, with the
     step number after this update; the rest (frozen or unused parameters, padding) is not updated."""
-    pieces = []
-    for slot in stepped(chunk):
-        part = slot.owned()
-        if part is None:
-            continue
-        start = slot.offset + part[0] - chunk.own_start
-        pieces.append((start, start + part[1] - part[0], chunk.step_of(slot) + 1))
-    return join_runs(pieces)
+    return join_runs([(run[0], run[1], chunk.step_of(slot) + 1)
+                      for slot in stepped(chunk) for run in (chunk.own_run(slot),) if run is not None])
 
 
 class ZeroUpdate:
@@ -63,6 +62,33 @@ class ZeroUpdate:
         self.optimizer = optimizer
         self.stores = stores
         self.separate_master = separate_master
+        self.copies = engine_for_new_model()
+        self._host = PinnedHostMemory(pin=self.copies.pins_host)  # exact-size blocks kept by size
+        self._host_grads: dict[int, torch.Tensor] = {}  # chunk index -> its gradient shard's host buffer
+
+    def gradient_by_master(self, chunk: FlatChunk) -> torch.Tensor:
+        """This rank's shard of ``chunk``'s gradient store where the masters are: the store itself, or (masters on
+        the host, ``cpu_offload``) a host buffer kept for the chunk from step to step, copied into by the copy
+        engine and waited for."""
+        grad = self.stores.own(chunk)
+        if grad.device == chunk.master.device:
+            return grad
+        kept = self._host_grads.get(chunk.index)
+        if kept is None or kept.dtype != grad.dtype:  # first step, or the store was widened for accumulation
+            if kept is not None:
+                self._host.give_back(kept)
+            kept = self._host_grads[chunk.index] = self._host.empty(grad.numel(), grad.dtype)
+        self.copies.to_host(kept, grad, "grad read").wait()
+        return kept
+
+    def write_working(self, chunk: FlatChunk, runs: list[tuple[int, int]]) -> None:
+        """Copy the new masters of ``runs`` (``(start, end)`` in this rank's shard) into the working shard, where
+        they are separate, through the copy engine (the all-gather after the step reads the working chunk)."""
+        if not self.separate_master:
+            return
+        own = chunk.own(chunk.param)
+        for transfer in [self.copies.to_device(own[a:b], chunk.master[a:b]) for a, b in runs]:
+            transfer.wait()
 
     def check_unchanged(self) -> None:
         """Raise, with nothing changed, where the wrapped optimizer's hyper-parameters now ask for what this rule
@@ -85,20 +111,18 @@ class AdamUpdate(ZeroUpdate):
 
     def update(self, chunk: FlatChunk, multiplier: float) -> None:
         hyper = hyper_of_group(self.optimizer.param_groups[chunk.group])
-        grad = self.stores.own(chunk)
-        if grad.device != chunk.master.device:
-            grad = grad.to(chunk.master.device)
+        grad = self.gradient_by_master(chunk)
         own = chunk.own(chunk.param)
-        same_device = own.device == chunk.master.device
-        spans = param_spans(chunk.slots, chunk.own_start)
+        in_place = self.separate_master and own.device == chunk.master.device  # the kernel writes the working copy
+        spans = param_spans(chunk.slots, chunk.shard_offset)
         exp_avg, exp_avg_sq = chunk.state["exp_avg"], chunk.state["exp_avg_sq"]
-        for a, b, step in ranges(chunk):
+        runs = ranges(chunk)
+        for a, b, step in runs:
             adam_update_(chunk.master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], step, hyper,
-                         grad_multiplier=multiplier,
-                         param_out=own[a:b] if self.separate_master and same_device else None,
+                         grad_multiplier=multiplier, param_out=own[a:b] if in_place else None,
                          param_spans=[(s - a, e - a) for s, e in spans])
-            if self.separate_master and not same_device:
-                own[a:b].copy_(chunk.master[a:b], non_blocking=False)
+        if not in_place:
+            self.write_working(chunk, [(a, b) for a, b, _ in runs])
         chunk.advance_steps(stepped(chunk))
 
 
@@ -122,14 +146,12 @@ class AnyOptimizerUpdate(ZeroUpdate):
     def update(self, chunk: FlatChunk, multiplier: float) -> None:
         slots = stepped(chunk)
         views = [ParamView.elsewhere(chunk.group, slot.index) if part is None else
-                 ParamView.of_part(slot.offset, slot.numel, slot.shape, part, chunk.own_start, chunk.group, slot.index)
+                 ParamView.of_part(slot.offset, slot.numel, slot.shape, part, chunk.shard_offset, chunk.group,
+                                   slot.index)
                  for slot in slots for part in (slot.owned(),)]
-        grad = self.stores.own(chunk).to(device=chunk.master.device, dtype=torch.float32, copy=True).mul_(multiplier)
+        grad = self.gradient_by_master(chunk).to(dtype=torch.float32, copy=True).mul_(multiplier)
         step_parameters(self.optimizer, self.layout, views, chunk.master, grad, chunk.state, chunk.scalars,
                         whole_state=chunk.whole_state)
         chunk.advance_steps(slots)
-        if self.separate_master:
-            own = chunk.own(chunk.param)
-            for a, b, _ in ranges(chunk):
-                own[a:b].copy_(chunk.master[a:b])
+        self.write_working(chunk, [(a, b) for a, b, _ in ranges(chunk)])
 

@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
 from ..core.chunk import Chunk, ParamSlot
-from ..errors import GradientAccumulationError, InvalidArgumentError
+from ..errors import GradientAccumulationError
 from .executor import ChunkExecutor
 from .gradients import GradientStore
+from .no_sync import NoSync
 from .optimizer_link import OptimizerLink
 from .schedule import Scheduler
 
@@ -41,7 +42,7 @@ class GradientLanding:
         self._hold_for_backward = hold_for_backward
         self.reductions_in_flight = reductions_in_flight  # the bound (see ShardedModelV2's argument)
         self.grads_pending = False  # a backward left gradients no step or zero_grad consumed yet
-        self.no_sync = False  # inside model.no_sync(): sharded gradients accumulate unreduced
+        self.no_sync = NoSync()  # model.no_sync(): sharded gradients accumulate unreduced inside
         self._reducing: deque[Chunk] = deque()  # chunks whose gradient reductions run, oldest first
         self._final_order: dict[Chunk, None] = {}  # chunks whose gradients became final since they were dropped
 
@@ -76,7 +77,7 @@ class GradientLanding:
         """The chunk's gradients of this backward are complete: reduce them over the ranks (sharded; left
         running when reductions may be in flight), let the parameters go back to their resting tier, and,
         once the reduction is done, let the gradients rest where the update runs and tell the optimizer."""
-        deferred = self.no_sync and chunk.param.sharded
+        deferred = self.no_sync.active and chunk.param.sharded
         self.hold_where_gradients_land(chunk)
         running = self.gradients.finish(chunk, deferred, overlap=self.reductions_in_flight > 0)
         chunk.grad_slots_received.clear()
@@ -104,7 +105,7 @@ class GradientLanding:
         self._final_order.setdefault(chunk)
         self._executor.settle(chunk)
         optimizer = self._optimizer.listener()
-        if optimizer is not None and not self.no_sync:
+        if optimizer is not None and not self.no_sync.active:
             optimizer.on_grads_final(chunk)
 
     def in_landing_order(self, trainable: list[Chunk]) -> list[Chunk]:
@@ -137,14 +138,6 @@ class GradientLanding:
             self.drop(set_to_none=True)
         self.grads_pending = False
 
-    @contextlib.contextmanager
-    def deferring(self) -> Any:
+    def deferring(self) -> contextlib.AbstractContextManager[None]:
         """``model.no_sync()``: sharded gradients accumulate locally, unreduced, inside."""
-        self.gradients.check_can_defer()
-        if self.no_sync:
-            raise InvalidArgumentError("no_sync", "a nested no_sync()", "one no_sync() at a time")
-        self.no_sync = True
-        try:
-            yield
-        finally:
-            self.no_sync = False
+        return self.no_sync.scope(self.gradients.check_can_defer)

@@ -7,7 +7,8 @@
 * that output hook: :meth:`~chunkmem.runtime.runtime.ChunkRuntime.pre_backward` (``first`` for the
   first output gradient of that forward call);
 * a trainable parameter's post-accumulate-grad hook:
-  :meth:`~chunkmem.runtime.runtime.ChunkRuntime.gradient_ready`;
+  :meth:`~chunkmem.runtime.runtime.ChunkRuntime.gradient_ready` (:func:`watch_gradients`, which
+  :class:`~chunkmem.LowLevelZeroOptimizer` uses too, as it does :func:`at_backward_end`);
 * for a module that uses frozen chunks (no gradient tells when their backward is over), a post hook on
   every autograd node its forward call created (:class:`FrozenBackward`):
   :meth:`~chunkmem.runtime.runtime.ChunkRuntime.frozen_backward_done` once all of them ran.
@@ -17,7 +18,7 @@ Which modules are watched, and what each call does, is the runtime's business.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 import torch
 import torch.nn as nn
@@ -85,9 +86,7 @@ class ModelHooks:
             if live is not None:
                 live.gradient_ready(param)
 
-        with DisableTorchFunctionSubclass():
-            for param in params:
-                self._handles.append(param.register_post_accumulate_grad_hook(gradient_ready))
+        self._handles.extend(watch_gradients(params, gradient_ready))
 
     def remove(self) -> None:
         """Remove every hook (the model is being unwrapped)."""
@@ -95,6 +94,20 @@ class ModelHooks:
             handle.remove()
         self._handles.clear()
         self._watched.clear()
+
+
+def watch_gradients(params: Iterable[nn.Parameter], gradient_ready: Callable[[nn.Parameter], None]) -> list[Any]:
+    """Give each parameter a post-accumulate-grad hook calling ``gradient_ready(param)`` once autograd has
+    accumulated its gradient in a backward; returns the hooks' handles. The chunk runtime's hooks
+    (:meth:`ModelHooks.watch_gradients`) and :class:`~chunkmem.LowLevelZeroOptimizer`'s are these."""
+    with DisableTorchFunctionSubclass():  # past the parameter guard of chunk-managed parameters
+        return [param.register_post_accumulate_grad_hook(gradient_ready) for param in params]
+
+
+def at_backward_end(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the running backward ends (autograd's final callback), however it was started
+    (``loss.backward()``, ``torch.autograd.backward``, an optimizer's ``backward``)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def _watch_outputs(runtime: StepEdges, module: nn.Module, output: Any, tracker: "FrozenBackward | None") -> None:

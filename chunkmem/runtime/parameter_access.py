@@ -133,12 +133,11 @@ def _write_back(host: ChunkHost, chunk: Chunk, slots: list[ParamSlot], new_value
         for slot in slots:
             full = new_values[id(slot)]
             chunk.write_own_part(slot, values, full)
-            part = chunk.own_range(slot)
-            if master is not None and part is not None:
-                begin, end = part
-                start = slot.offset + begin - chunk.shard_offset
-                own_master = master[start:start + end - begin]
-                new = full.reshape(-1)[begin:end]
+            run = chunk.own_run(slot)
+            if master is not None and run is not None:
+                start, end, first = run
+                own_master = master[start:end]
+                new = full.reshape(-1)[first:first + end - start]
                 changed = own_master.to(chunk.dtype) != new
                 own_master[changed] = new[changed].float()
         if master_buf is not None:

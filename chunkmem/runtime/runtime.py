@@ -64,7 +64,7 @@ from .executor import ChunkExecutor
 from .frozen_chunks import FrozenHolds, refuse_unfrozen, unfrozen_since_wrapping
 from .gradient_landing import GradientLanding
 from .gradients import gradient_store
-from .hooks import ModelHooks
+from .hooks import ModelHooks, at_backward_end
 from .module_chunks import ModuleChunks
 from .open_chunks import OpenChunks
 from .optimizer_link import OptimizerLink, OptimizerListener
@@ -185,7 +185,7 @@ class ChunkRuntime:
     @property
     def no_sync(self) -> bool:
         """Whether backward passes accumulate sharded gradients unreduced now (``model.no_sync()``)."""
-        return self.landing.no_sync
+        return self.landing.no_sync.active
 
     @property
     def grads_pending(self) -> bool:
@@ -268,7 +268,7 @@ class ChunkRuntime:
         self._backward_began = True
         if module is self.root and not self._end_of_backward_queued:
             self._end_of_backward_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.post_backward)
+            at_backward_end(self.post_backward)
         if not first:
             return
         chunks = self.module_chunks[module]
