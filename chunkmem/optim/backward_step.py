@@ -212,7 +212,7 @@ class BackwardStep:
             disk = self.runtime.memory.disk
             on_disk = [c for c in self.runtime.trainable_chunks() if self.runtime.optim_tier(c) is Tier.DISK]
             shape = stream_shape(on_disk, self.rule.streams_whole_chunks, disk)
-            step = self.in_flight = StreamedStep(disk, self.mixed.any_rank, shape,
+            step = self.in_flight = StreamedStep(disk, self.mixed.any_rank, shape, self.rule.streamed_settle(),
                                                  self.runtime.release_copy_of_resting_values)
             step.start()
         elif any(update.chunk is chunk for update in step.updates):
@@ -248,14 +248,15 @@ class BackwardStep:
 
     def _update_in_memory(self, chunk: Chunk) -> None:
         """Update ``chunk``, whose optimizer state is in memory, in this backward after taking its undo copy;
-        without room on the host for the copy (or with the gradients in the parameters' memory) it is left
+        without room on the host for the copy (or with the gradients in the parameters' memory, or where the rule
+        leaves it to the step: :meth:`~chunkmem.optim.update_rule.UpdateRule.updates_in_backward`) it is left
         for ``step()``."""
         if chunk in self.undo:
             raise GradientAccumulationError(
                 f"step_in_backward=True: {chunk.name} received gradients again before optim.step(), but it was "
                 f"already updated (a second backward, e.g. loss.backward() called twice); call optim.step() "
                 f"after each backward")
-        if self.runtime.gradients.overwritten_by_update:
+        if self.runtime.gradients.overwritten_by_update or not self.rule.updates_in_backward(chunk):
             return
         multiplier = 1.0 / self.mixed.loss_scale
         off_thread = self.rule.updates_off_thread(chunk)

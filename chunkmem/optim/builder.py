@@ -93,7 +93,7 @@ def build_parts(model: ShardedModelV2, optimizer: Any, settings: OptimizerSettin
                                        "a ShardedModelV2 without an optimizer")
         scaler = DynamicGradScaler.from_settings(settings.scaler)
         group_of = _groups_of(model, optimizer)
-        rule = choose_update_rule(model, optimizer, group_of, settings)
+        rule = choose_update_rule(model, optimizer, group_of)
         check_capacity(model, rule)
         check_undo_room(model, rule, settings)
     except ChunkmemError as refused:
@@ -107,17 +107,14 @@ def build_parts(model: ShardedModelV2, optimizer: Any, settings: OptimizerSettin
     return OptimizerParts(scaler, norm_ranks.group if norm_ranks.sharded else None, rule, kept_on_host)
 
 
-def choose_update_rule(model: ShardedModelV2, optimizer: Any, group_of: dict[int, int],
-                       settings: OptimizerSettings) -> UpdateRule:
+def choose_update_rule(model: ShardedModelV2, optimizer: Any, group_of: dict[int, int]) -> UpdateRule:
     """The chunk update rule for ``optimizer``: the Adam kernel where it runs it, the 8-bit one for torchao's 8-bit
     Adams and ``HybridAdam(state_dtype="8bit")``, else the optimizer's own step (refusing, before anything changes,
     what chunkmem cannot run: see
     :mod:`chunkmem.optim.any_optimizer` and :mod:`chunkmem.optim.low_bit_rule`)."""
     decoupled = low_bit_decoupled(optimizer)
     if decoupled is not None:
-        check_low_bit_optimizer(optimizer, dtype=model.dtype, several_ranks=model.data_parallel.world > 1,
-                                disk=model.runtime.memory.disk is not None, step_in_backward=settings.step_in_backward,
-                                reuse_fp16_shard=model.reuse_fp16_shard)
+        check_low_bit_optimizer(optimizer, dtype=model.dtype, reuse_fp16_shard=model.reuse_fp16_shard)
         return LowBitAdamRule(optimizer, model.runtime, group_of, decoupled, stochastic_rounding(optimizer, model.dtype),
                               plain_state=isinstance(optimizer, HybridAdam))
     if runs_adam_kernel(optimizer):

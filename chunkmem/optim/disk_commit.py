@@ -59,7 +59,7 @@ class DiskCommit:
         kept = 0 if step is None else len(step.updates)
         if step is None:
             step = StreamedStep.over(self.runtime.memory.disk, [self.rule.disk_update(c, multiplier) for c in chunks],
-                                     self.mixed.any_rank)
+                                     self.mixed.any_rank, self.rule.streamed_settle())
             finish = step.run
         else:
             started = {id(update.chunk) for update in step.updates}
@@ -70,12 +70,13 @@ class DiskCommit:
         updates = step.updates
         try:
             finish()
-        except DiskStepError as exc:
-            if not exc.undone:
+        except BaseException as exc:  # an I/O error (DiskStepError), or a crash, which an atomic step undid too
+            undone = exc.undone if isinstance(exc, DiskStepError) else self.runtime.memory.disk.atomic_step
+            if isinstance(exc, DiskStepError) and not undone:
                 self.broken_by = exc
-            elif self.runtime.gradients.overwritten_by_update:
+            elif undone and self.runtime.gradients.overwritten_by_update:
                 self.accounting.discard_gradients()  # the update overwrote them in place
-            else:
+            elif undone:
                 for update in updates:
                     if update.updated_to and update.param is not None:
                         self.runtime.mark_updated(update.chunk, Tier.HOST)

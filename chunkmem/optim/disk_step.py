@@ -9,7 +9,9 @@ circulate: while piece k is updated, pieces k+1... are being read and k−1... w
 ``pipeline_read`` / ``pipeline_write``, always on). A rule whose state is laid out in blocks (the 8-bit Adams:
 :attr:`ChunkUpdate.whole`) gets each chunk's shard as one piece, in buffers of at least one shard of the widest
 family streamed (:func:`whole_piece_nbytes`); the families it keeps in memory (``Chunk.in_memory_families``) are
-not streamed.
+not streamed. What a rule must complete once every chunk was streamed, with collectives that every rank runs in
+the same order (the 8-bit Adams' blocks cut by a shard boundary), is its ``settle`` (:data:`Settle`), run before
+the commit on the caller's thread, also by a rank whose stream failed; the elements it returns are written again.
 
 All or nothing (``atomic_step``, the default). New state goes to the chunk's *other* slot; the step
 commits, switching every buffer's slot, only when every piece of every chunk was written and every
@@ -19,7 +21,9 @@ overwritten are restored (16-bit: the rounding of the old master, read back from
 values, which were first written to a journal file), the chunks' step counts are restored, and
 :class:`DiskStepError` is raised naming the file and the chunk. Gradients are kept for another
 ``step()``, except with ``reuse_fp16_shard``, where the update overwrote them in place: they are then
-dropped, as by ``zero_grad()``.
+dropped, as by ``zero_grad()``. An exception other than an I/O error inside the stream (a crash) is re-raised
+after the same: the I/O in flight drained, the other ranks told that this one failed (they raise
+:class:`DiskStepError`), the parameters put back.
 
 Without ``atomic_step`` the disk holds one slot (half the files), the state is written in place, and
 a failed step leaves the chunks before the failure updated: the optimizer then refuses to step until a
@@ -80,7 +84,7 @@ class ChunkUpdate:
     # parameters resting on disk that are their own masters: their values already in host memory (taken from the
     # copy the backward computed with), streamed from here instead of read from disk again
     resting_values: torch.Tensor | None = None
-    updated_to: int = 0  # elements [0, updated_to) were updated (pieces run in order)
+    updated_to: int = 0  # elements [0, updated_to) were updated, or after a crash written to (pieces run in order)
 
     @property
     def computed(self) -> bool:
@@ -182,16 +186,32 @@ class _Piece:
         return self.buffers + ([self.journal] if self.journal is not None else [])
 
 
+LateWrite = tuple[ChunkUpdate, str, int, torch.Tensor]
+"""``(update, family, start, values)``: elements of a state family that rests on disk, written again once every
+chunk was streamed (:class:`StreamedStep`'s ``settle``): ``values`` from element ``start`` (a multiple of the I/O
+alignment) to a multiple of it or to the end of the shard."""
+
+Settle = Callable[[list[ChunkUpdate], bool], list[LateWrite]]
+"""``settle(updates, failed)``: what completes the streamed ``updates`` once all of them were computed, on every
+data-parallel rank in the same order (it may run collectives), whether this rank's stream ``failed`` or not; it
+returns the elements to write again (nothing where ``failed``)."""
+
+
 class StreamedStep:
     """Runs one step over chunks whose optimizer state rests on ``disk``; see the module docstring.
     ``agree(failed)`` returns whether any data-parallel rank failed (a collective); ``shape``: the most
-    I/O buffers one piece holds and their bytes (:func:`stream_shape` of the chunks to come); ``release_values``
-    is called, on the caller's thread once the stream has ended, with each update's ``resting_values`` still held."""
+    I/O buffers one piece holds and their bytes (:func:`stream_shape` of the chunks to come); ``settle``: what
+    completes the updates before the commit (:data:`Settle`: the 8-bit Adams' blocks cut by a shard boundary),
+    on the caller's thread, also on a rank whose stream failed, so that every rank meets the same collectives;
+    ``release_values`` is called, on the caller's thread once the stream has ended, with each update's
+    ``resting_values`` still held."""
 
     def __init__(self, disk: DiskTier, agree: Callable[[bool], bool], shape: tuple[int, int],
+                 settle: Settle | None = None,
                  release_values: Callable[[torch.Tensor], None] = lambda values: None) -> None:
         self.disk = disk
         self.agree = agree
+        self.settle = settle
         self.release_values = release_values
         self.updates: list[ChunkUpdate] = []  # every update handed over so far, in order
         self._families, self._buffer_nbytes = shape
@@ -206,9 +226,11 @@ class StreamedStep:
         self._stopped = False  # the thread ended (every update done, an I/O error or a crash)
 
     @classmethod
-    def over(cls, disk: DiskTier, updates: list[ChunkUpdate], agree: Callable[[bool], bool]) -> "StreamedStep":
+    def over(cls, disk: DiskTier, updates: list[ChunkUpdate], agree: Callable[[bool], bool],
+             settle: Settle | None = None) -> "StreamedStep":
         """A step over ``updates``, all known now."""
-        step = cls(disk, agree, stream_shape([u.chunk for u in updates], any(u.whole for u in updates), disk))
+        step = cls(disk, agree, stream_shape([u.chunk for u in updates], any(u.whole for u in updates), disk),
+                   settle)
         for update in updates:
             step.add(update)
         return step
@@ -224,8 +246,12 @@ class StreamedStep:
         """Update every chunk handed over on this thread and commit, or undo and raise
         :class:`DiskStepError`."""
         self._close()
-        if self.updates:
-            self._stream()
+        try:
+            if self.updates:
+                self._stream()
+        except BaseException as crash:
+            self._after_crash(crash)
+            raise
         self._commit()
 
     def start(self) -> None:
@@ -239,6 +265,7 @@ class StreamedStep:
         and raise :class:`DiskStepError`."""
         self._close_and_join()
         if self._crash is not None:
+            self._after_crash(self._crash)
             raise self._crash
         self._commit()
 
@@ -289,12 +316,52 @@ class StreamedStep:
         return [u for u in self.updates if u.computed]
 
     def _commit(self) -> None:
+        failed = self._error is not None
+        if self.settle is not None:  # (every rank settles, also one whose stream failed: it may run collectives)
+            late = self.settle(self.updates, failed)
+            if not failed:
+                self._write_late(late)
         if self.agree(self._error is not None):  # (every rank agrees, also one without chunks on disk)
             self._fail()
         if self.disk.atomic_step:
             for update in self.updates:
                 for buf in update.writes:
                     buf.switch_disk_slot()
+
+    def _after_crash(self, crash: BaseException) -> None:
+        """The stream raised ``crash``, something other than an I/O error (re-raised by the caller): take part in
+        the collectives the other ranks' commits run, as a rank that failed, so that none of them waits forever
+        (where that fails too, the crash says so in a note); an atomic step puts back the parameters it overwrote
+        (no slot was switched: the state is as before the step)."""
+        try:
+            if self.settle is not None:
+                self.settle(self.updates, True)
+            self.agree(True)
+        except Exception as exc:
+            crash.add_note(f"chunkmem: telling the other data-parallel ranks that this rank's disk step failed "
+                           f"failed too: {exc!r}")
+        if self.disk.atomic_step:
+            for update in self.updates:
+                if update.updated_to and update.param is not None:
+                    self._restore_params(update)
+
+    def _write_late(self, late: list[LateWrite]) -> None:
+        """Write ``late``'s elements (:data:`LateWrite`) where the stream wrote the pieces they lie in (the other
+        slot of an atomic step, else in place); a failure is remembered in ``_error``, as the stream's."""
+        if not late:
+            return
+        pool = self.disk.buffers(self._families, self._buffer_nbytes)
+        staging = pool.take()
+        try:
+            for update, family, start, values in late:
+                buf = update.chunk.optim[family]
+                slot = (1 - buf.disk_slot) if self.disk.atomic_step else buf.disk_slot
+                end = start + values.numel()
+                typed_view(staging, buf.dtype, end - start).copy_(values)
+                if not self._wait([self.disk.write_piece(buf.region, slot, start, end, staging)]):
+                    return
+        finally:
+            pool.give_back(staging)
 
     def _next_piece(self, block: bool) -> tuple[ChunkUpdate, int, int] | None:
         """The next piece to read: of the current chunk, else of the next one handed over (waiting for it
@@ -352,31 +419,38 @@ class StreamedStep:
                     f"{update.chunk.name}.{JOURNAL}"))
             reading.append(piece)
 
-        while self._error is None:
-            while len(reading) < most_reading and self._error is None:
-                upcoming = self._next_piece(block=not reading)  # wait for a chunk only with nothing to do
-                if upcoming is None:
+        updating: list[_Piece] = []  # the piece being updated: its buffers are in neither queue
+        try:
+            while self._error is None:
+                while len(reading) < most_reading and self._error is None:
+                    upcoming = self._next_piece(block=not reading)  # wait for a chunk only with nothing to do
+                    if upcoming is None:
+                        break
+                    issue(*upcoming)
+                if self._error is not None or not reading:
                     break
-                issue(*upcoming)
-            if self._error is not None or not reading:
-                break
-            piece = reading.popleft()
-            if not self._wait(piece.reads):
+                piece = reading.popleft()
+                if not self._wait(piece.reads):
+                    writing.append((piece.held, []))
+                    break
+                updating.append(piece)
+                self._update(piece)
+                if piece.update.computed:
+                    with self._progress:
+                        self._progress.notify_all()
+                handles = [self.disk.write_piece(buf.region, slot, piece.start, piece.end, raw) for buf, raw, slot
+                           in zip(piece.update.writes, piece.buffers, write_slot[id(piece.update)])]
+                writing.append((updating.pop().held, handles))
+                reclaim(block=False)
+        finally:  # drained after a failure, or an exception (a crash): every buffer is given back
+            for piece in updating:  # it may have written part of the parameters: put back as if updated
+                piece.update.updated_to = piece.end
                 writing.append((piece.held, []))
-                break
-            self._update(piece)
-            if piece.update.computed:
-                with self._progress:
-                    self._progress.notify_all()
-            handles = [self.disk.write_piece(buf.region, slot, piece.start, piece.end, raw)
-                       for buf, raw, slot in zip(piece.update.writes, piece.buffers, write_slot[id(piece.update)])]
-            writing.append((piece.held, handles))
-            reclaim(block=False)
-        for piece in reading:  # drained after a failure
-            self._wait(piece.reads)
-            writing.append((piece.held, []))
-        while writing:
-            reclaim(block=True)
+            for piece in reading:
+                self._wait(piece.reads)
+                writing.append((piece.held, []))
+            while writing:
+                reclaim(block=True)
 
     def _read(self, update: ChunkUpdate, buf: FlatBuffer, start: int, end: int, raw: torch.Tensor) -> IOHandle | None:
         """Start reading elements ``[start, end)`` of ``buf`` into the I/O buffer ``raw``; the parameters whose

@@ -24,6 +24,13 @@ from ..core.layout import part_in_shard
 from .blockwise import BLOCK_SIZE, quantizes
 from .low_bit_adam import LowBitHyper, Segment
 
+CODES_M, CODES_V = "exp_avg_codes", "exp_avg_sq_codes"
+SCALES_M, SCALES_V = "exp_avg_scales", "exp_avg_sq_scales"
+PLAIN_M, PLAIN_V = "exp_avg_fp32", "exp_avg_sq_fp32"
+LOW_BIT_FAMILIES = (CODES_M, CODES_V, SCALES_M, SCALES_V, PLAIN_M, PLAIN_V)
+"""The state families of a chunk under an 8-bit Adam: the codes (one per element of the shard), the block scales
+and the plain moments, of ``exp_avg`` and ``exp_avg_sq`` (:mod:`chunkmem.optim.low_bit_rule`)."""
+
 Span = tuple[int, int, bool, int]
 """``(start, numel, cut, state_base)``: a run of a piece updated in one go: whole blocks, or one cut block's part."""
 

@@ -40,19 +40,23 @@ per 256 elements); an atomic step writes their new values into copies that repla
 quantized-or-not and the blocks are the whole parameter's, and a block cut by a shard boundary is stepped in two
 halves, its parts on each rank, then quantized with the scale the ranks agree on (an all-reduce of its largest
 magnitudes per chunk and step, in chunk order on every rank). With stochastic rounding each rank takes its part's
-numbers of each parameter's draw. The state dict is gathered (collectives in chunk order). A sharded checkpoint
+numbers of each parameter's draw. The streamed disk step quantizes the cut blocks once every chunk was streamed,
+on the thread of ``step()``, in one all-reduce over all the chunks (:mod:`chunkmem.optim.low_bit_streamed`, also
+with ``step_in_backward``, whose stream runs on a thread of its own during the backward); with the state in memory
+``step_in_backward`` leaves the chunks with cut blocks to ``step()`` (:meth:`LowBitAdamRule.updates_in_backward`).
+The state dict is gathered (collectives in chunk order). A sharded checkpoint
 holds each rank's shard as it lies; into another layout it is loaded, and consolidated, through each parameter's
 whole state (:mod:`chunkmem.io.low_bit_resharding`: its codes, each block's scale once, its plain moments), cut
 again for the loading shard by :meth:`LowBitAdamRule.families_of_moments` or written as the full state dict
 writes it by :func:`state_entry`.
 
-Not yet: several ranks with the disk tier or ``step_in_backward`` (the cut blocks' agreement would be a collective
-off the step's thread or inside the backward), ``amsgrad``, another ``block_size``, and ``bf16_stochastic_round``
-over an fp16 model or with ``reuse_fp16_shard=True`` are refused when the optimizer is wrapped
-(:func:`check_low_bit_optimizer`).
+Not yet: ``amsgrad``, another ``block_size``, and ``bf16_stochastic_round`` over an fp16 model or with
+``reuse_fp16_shard=True`` are refused when the optimizer is wrapped (:func:`check_low_bit_optimizer`; before
+2026-11-27 also several ranks with the disk tier or ``step_in_backward``).
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -60,24 +64,19 @@ from torch.optim import Optimizer
 
 from ..core.chunk import MASTER, Chunk, ParamSlot
 from ..core.tiers import Tier, device_of_tier
-from ..distributed.collectives import ShardGroup, reduce_over_groups
 from ..errors import InvalidArgumentError, UnsupportedOperationError
 from ..runtime.runtime import ChunkRuntime
 from . import low_bit_param
 from .adam import HybridAdam
 from .blockwise import BLOCK_SIZE, dynamic_map, quantizes
-from .disk_step import ChunkUpdate, gaps
+from .disk_step import ChunkUpdate, Settle, gaps
 from .low_bit_adam import LowBitHyper, Moments, Segment, step_cut_segment_, store_cut_segment_, update_segments_
-from .low_bit_layout import ChunkStateLayout, StatePiece
+from .low_bit_layout import (CODES_M, CODES_V, LOW_BIT_FAMILIES, PLAIN_M, PLAIN_V, SCALES_M, SCALES_V,  # noqa: F401
+                             ChunkStateLayout, StatePiece)
+from .low_bit_streamed import StreamedLowBitUpdate, largest_over, random_part, rewritten_nbytes, settle_cut_blocks
 from .rounding_draws import StepDraws
 from .state_dict import check_entry as check_plain_entry
 from .update_rule import KeptState, UpdateRule
-
-CODES_M, CODES_V = "exp_avg_codes", "exp_avg_sq_codes"
-SCALES_M, SCALES_V = "exp_avg_scales", "exp_avg_sq_scales"
-PLAIN_M, PLAIN_V = "exp_avg_fp32", "exp_avg_sq_fp32"
-LOW_BIT_FAMILIES = (CODES_M, CODES_V, SCALES_M, SCALES_V, PLAIN_M, PLAIN_V)
-"""The state families of a chunk under an 8-bit Adam (module docstring)."""
 
 _Moment = tuple[torch.Tensor, torch.Tensor] | torch.Tensor
 WholeMoments = tuple[_Moment, _Moment]
@@ -107,8 +106,7 @@ def stochastic_rounding(optimizer: Any, dtype: torch.dtype) -> bool:
     return bool(getattr(optimizer, "bf16_stochastic_round", False)) and dtype == torch.bfloat16
 
 
-def check_low_bit_optimizer(optimizer: Any, *, dtype: torch.dtype, several_ranks: bool, disk: bool,
-                            step_in_backward: bool, reuse_fp16_shard: bool = False) -> None:
+def check_low_bit_optimizer(optimizer: Any, *, dtype: torch.dtype, reuse_fp16_shard: bool = False) -> None:
     """Refuse, naming what is asked and what is allowed, an 8-bit Adam with what chunkmem does not run yet."""
     name = type(optimizer).__name__
     if getattr(optimizer, "block_size", BLOCK_SIZE) != BLOCK_SIZE:
@@ -124,11 +122,6 @@ def check_low_bit_optimizer(optimizer: Any, *, dtype: torch.dtype, several_ranks
     for index, group in enumerate(optimizer.param_groups):
         if group.get("amsgrad"):
             raise InvalidArgumentError(f"optimizer.param_groups[{index}]['amsgrad']", True, "False")
-    for asked, what in ((disk, "with the disk tier"), (step_in_backward, "with step_in_backward=True")):
-        if asked and several_ranks:
-            raise UnsupportedOperationError(f"{name} in ShardedOptimizerV2 on several ranks {what}: not supported "
-                                            "yet (on several ranks the state on the device or the host, updated in "
-                                            "step(); in one process both work)")
 
 
 class LowBitAdamRule(UpdateRule):
@@ -165,6 +158,12 @@ class LowBitAdamRule(UpdateRule):
         chunk may have no quantized or no plain parameter); the plain moments are bf16 beside bf16 parameters
         that are their own masters, as torchao keeps a small bf16 tensor's state."""
         return family_buffers(ChunkStateLayout.of(chunk), chunk.shard_numel, stochastic_round)
+
+    @staticmethod
+    def rewritten_nbytes(chunk: Chunk) -> int:
+        """Bytes of codes the streamed step over ``chunk``'s shard writes again when every parameter steps (its
+        cut blocks' pages, on several ranks: :func:`~chunkmem.optim.low_bit_streamed.rewritten_nbytes`)."""
+        return rewritten_nbytes(ChunkStateLayout.of(chunk), chunk.shard_numel) if chunk.shards.sharded else 0
 
     def keeps_master(self, chunk: Chunk) -> bool:
         return chunk.dtype != torch.float32 and not self.stochastic_round
@@ -237,7 +236,7 @@ class LowBitAdamRule(UpdateRule):
             grad = grad.to(target.device)
             moments = self.moments(chunk)
             random = self._random(chunk, target.device)()
-            cut = [(piece, s, step_cut_segment_(master, grad, moments, s, multiplier, out, _part(random, s)))
+            cut = [(piece, s, step_cut_segment_(master, grad, moments, s, multiplier, out, random_part(random, s)))
                    for piece, s in segments if s.cut]
             update_segments_(master, grad, moments, whole, multiplier, out, random)
             self._store_cut(chunk, moments, cut)
@@ -252,13 +251,30 @@ class LowBitAdamRule(UpdateRule):
         store_cut_blocks(self._layouts[chunk.index], chunk.shards, moments, cut,
                          f"the cut blocks' 8-bit scales of {chunk.name}")
 
-    def _streamed(self, chunk: Chunk, multiplier: float) -> tuple[list, "StreamedLowBitUpdate"]:
+    def _streamed(self, chunk: Chunk, multiplier: float) -> tuple[list, StreamedLowBitUpdate]:
         in_memory = {family: chunk.optim[family].tensor for family in self.in_memory_families}
         if self.runtime.memory.disk.atomic_step:  # the new values replace these when the step commits
             in_memory = {family: tensor.clone() for family, tensor in in_memory.items()}
-        segments = [segment for _, segment in self.segments(chunk)]
-        assert not any(segment.cut for segment in segments), "several ranks with the disk tier are refused"
-        return [], StreamedLowBitUpdate(segments, multiplier, in_memory, self._random(chunk, device_of_tier(Tier.HOST)))
+        layout = self._layouts[chunk.index]
+        segments = self.segments(chunk)
+        whole = [segment for _, segment in segments if not segment.cut]
+        cut = [(layout.cut_index(piece, segment), segment) for piece, segment in segments if segment.cut]
+        return [], StreamedLowBitUpdate(whole, cut, multiplier, in_memory,
+                                        self._random(chunk, device_of_tier(Tier.HOST)))
+
+    def streamed_settle(self) -> Settle | None:
+        """On several ranks, where shard boundaries cut blocks: :func:`~chunkmem.optim.low_bit_streamed.
+        settle_cut_blocks` over every trainable chunk with cut blocks, in chunk order (the same on every rank)."""
+        cut = [(chunk, len(self._layouts[chunk.index].cut_blocks))
+               for chunk in sorted(self.runtime.trainable_chunks(), key=lambda chunk: chunk.index)
+               if chunk.shards.sharded and self._layouts[chunk.index].cut_blocks]
+        return partial(settle_cut_blocks, cut) if cut else None
+
+    def updates_in_backward(self, chunk: Chunk) -> bool:
+        """Not a chunk whose state is in memory and whose shard boundaries cut blocks (several ranks): its update
+        all-reduces the cut blocks' scales, a collective that ``step()`` runs in chunk order on every rank, where
+        the backward could not promise the same order and the same chunks kept on every rank."""
+        return not (chunk.shards.sharded and self._layouts[chunk.index].cut_blocks)
 
     def completed(self, update: ChunkUpdate) -> None:
         super().completed(update)
@@ -310,28 +326,6 @@ class LowBitAdamRule(UpdateRule):
         """Nothing: the step count is the chunk's, the moments are in the families."""
 
 
-class StreamedLowBitUpdate:
-    """One chunk's 8-bit update inside the streamed disk step (one process): the codes come from disk as one piece
-    (the whole shard), the block scales and the small parameters' moments from ``in_memory`` (the chunk's own
-    buffers, or copies an atomic step fills and :meth:`LowBitAdamRule.completed` puts in place once the step
-    commits); ``random()``: the stochastic rounding's numbers, indexed like the shard (drawn on the disk step's
-    thread from this step's sequence)."""
-
-    def __init__(self, segments: list[Segment], multiplier: float, in_memory: dict[str, torch.Tensor],
-                 random: Callable[[], torch.Tensor | None]) -> None:
-        self.segments = segments
-        self.multiplier = multiplier
-        self.in_memory = in_memory
-        self.random = random
-
-    def __call__(self, master: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], start: int,
-                 end: int) -> None:
-        assert start == 0 and end == master.numel(), "the 8-bit update streams each chunk as one piece"
-        families = {**state, **self.in_memory}
-        moments = Moments(*(families[family] for family in LOW_BIT_FAMILIES))
-        update_segments_(master, grad, moments, self.segments, self.multiplier, None, self.random())
-
-
 def store_cut_blocks(layout: ChunkStateLayout, shards: Any, moments: Moments,
                      cut: list[tuple[StatePiece, Segment, tuple[torch.Tensor, torch.Tensor]]], what: str) -> None:
     """Quantize the parts of ``layout``'s cut blocks stepped on this rank (``cut``: each with its new moments, from
@@ -365,13 +359,6 @@ def state_entry(step: int, held: WholeMoments, shape: Sequence[int], plain_state
         entry[key] = (_quantized_state(value[0].view(tuple(shape)), value[1], dynamic_map(row == 0), row == 0)
                       if isinstance(value, tuple) else value.to("cpu", copy=True).view(tuple(shape)))
     return entry
-
-
-def largest_over(shards: ShardGroup, values: torch.Tensor, what: str) -> torch.Tensor:
-    """``values``' elementwise maximum over the ``shards`` ranks, returned (``what``: for the error): a NaN on any
-    rank stays a NaN, as torchao's ``amax`` of a whole block keeps it (gloo's MAX drops a NaN that another rank
-    meets with a number; :func:`~chunkmem.distributed.collectives.reduce_over_groups` carries it as a count)."""
-    return reduce_over_groups([shards.group] if shards.sharded else [], values, True, what)
 
 
 def family_buffers(layout: ChunkStateLayout, shard_numel: int,
@@ -493,9 +480,3 @@ def _quantized_state(codes: torch.Tensor, scales: torch.Tensor, qmap: torch.Tens
 
     codes, scales = (t.detach().to("cpu", copy=True) for t in (codes, scales))
     return OptimState8bit(codes, scales, qmap.clone(), signed, dtype=torch.float32)
-
-
-def _part(random: torch.Tensor | None, segment: Segment) -> torch.Tensor | None:
-    """``segment``'s random numbers from a shard's (``None``: no stochastic rounding)."""
-    return None if random is None else random[segment.start:segment.start + segment.numel]
-

@@ -30,7 +30,7 @@ from .adam import hyper_of_group
 from .adam_kernels import adam_update_, adam_update_pieces_, param_spans
 from .adam_math import AdamHyper
 from .any_optimizer import LayoutWatch, ParamView, PieceStep, StateLayout, step_parameters
-from .disk_step import ChunkUpdate, gaps
+from .disk_step import ChunkUpdate, Settle, gaps
 from .host_updates import HostUpdates
 from .speculation import UndoCopies, UndoCopy
 from .state_dict import adam_entry, any_entry, check_entry, scalar_copy
@@ -187,6 +187,16 @@ class UpdateRule:
     def _streamed(self, chunk: Chunk, multiplier: float) -> tuple[list[tuple[int, int, AdamHyper, int]], Any]:
         """The disk step's ``(ranges, rule)`` for ``chunk``: Adam's runs, or another optimizer's pieces."""
         raise NotImplementedError
+
+    def streamed_settle(self) -> Settle | None:
+        """What completes the streamed step's updates before it commits, on every rank
+        (:data:`~chunkmem.optim.disk_step.Settle`; ``None``: nothing, each update is complete when streamed)."""
+        return None
+
+    def updates_in_backward(self, chunk: Chunk) -> bool:
+        """Whether ``step_in_backward`` may update ``chunk``, whose state is in memory, in the backward (else
+        ``step()`` does)."""
+        return True
 
     def completed(self, update: ChunkUpdate) -> None:
         """The streamed step wrote ``update``: its chunk's step counts (and kept state) are the new ones."""

@@ -160,8 +160,7 @@ def check_arguments(optimizer: Any, initial_scale: float, min_scale: float, grow
                                        f"fp32), or the parameters' dtype {dtype} (summed in it)")
         layout = None
         if low_bit_decoupled(optimizer) is not None:  # an 8-bit Adam: its own rule, on any number of ranks
-            check_low_bit_optimizer(optimizer, dtype=dtype, several_ranks=shards.sharded, disk=False,
-                                    step_in_backward=False)
+            check_low_bit_optimizer(optimizer, dtype=dtype)
         elif not runs_adam_kernel(optimizer):
             layout = probe_state(optimizer)
             if shards.sharded:

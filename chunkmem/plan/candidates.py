@@ -26,7 +26,7 @@ from ..errors import check_choice, check_number
 from ..core.disk_tier import DEFAULT_BUFFER_COUNT, DEFAULT_BUFFER_SIZE, check_disk_arguments
 from .machine_profile import MachineProfile, dtype_name
 from .cost_model import StepTime, missing_figure, step_time, trace_compute
-from .disk_accounting import DiskSettings, disk_file_bytes, disk_traffic, host_peak, place_bytes
+from .disk_accounting import DiskSettings, bytes_per_rank, disk_file_bytes, disk_traffic, host_peak, place_bytes
 from ..settings import check_chunk_size, check_dtype
 from ..core.tiers import parse_size
 from .meta_run import (OPTIMIZER_STATES, PolicyPlan, _meta_inputs, _meta_model, _plan_policy, check_accumulation,
@@ -206,9 +206,8 @@ def choose(model_or_builder: nn.Module | Callable[[], nn.Module], sample_batch: 
         optimizer_states: among :func:`plan`'s ``optimizer_state`` values: ``"fp32"`` (the default), ``"8bit"``,
             ``"8bit-bf16"`` (``dtype=torch.bfloat16`` only; no ``reuse_fp16_shard`` candidate). The 8-bit ones are
             another optimizer, so they are planned only when asked for: every placement and disk variant with
-            each (names ending in ``+8bit`` / ``+8bit-bf16``), but no disk variant on several ranks (refused there
-            by ShardedOptimizerV2); their update timed at the profile's 8-bit rates, the disk step's I/O from the
-            bytes of their families on disk.
+            each (names ending in ``+8bit`` / ``+8bit-bf16``), on any number of ranks; their update timed at the
+            profile's 8-bit rates, the disk step's I/O from the bytes of their families on disk.
     """
     device_capacity = parse_size(device_memory, "device_memory")
     host_capacity = None if host_memory is None else parse_size(host_memory, "host_memory")
@@ -254,9 +253,8 @@ def _plan_candidates(template: nn.Module, args: Any, loss_fn: Any, device_capaci
                      bases: list[tuple[str, dict[str, float]]], optimizer_states: tuple[str, ...],
                      shared: "_Shared") -> list[Candidate]:
     """Every candidate: one meta run per optimizer state, ``reuse_fp16_shard`` option and placement (on a stand-in
-    process group with several ranks), then each of its disk variants (none with 8-bit state on several ranks; no
-    ``reuse_fp16_shard`` with ``"8bit-bf16"``: both refused by ShardedOptimizerV2). The device capacity setting is
-    restored after."""
+    process group with several ranks), then each of its disk variants (no ``reuse_fp16_shard`` with ``"8bit-bf16"``:
+    refused by ShardedOptimizerV2). The device capacity setting is restored after."""
     saved_capacity = tiers.device_memory_capacity_setting()
     candidates: list[Candidate] = []
     try:
@@ -267,8 +265,8 @@ def _plan_candidates(template: nn.Module, args: Any, loss_fn: Any, device_capaci
                         base = _plan_policy(policy, template, args, loss_fn, device_capacity, None, shared.dtype,
                                             shared.chunk_size, reuse, gradient_accumulation_steps,
                                             shared.grad_accum_dtype, optimizer_state=state, **fractions)
-                        with_disk = shared.disk_capacity is not None and (state == "fp32" or shared.ranks == 1)
-                        for optim_disk, param_disk in _disk_variants(policy, base, reuse, with_disk):
+                        for optim_disk, param_disk in _disk_variants(policy, base, reuse,
+                                                                     shared.disk_capacity is not None):
                             candidates.append(_candidate(base, policy, fractions, reuse, optim_disk, param_disk,
                                                          shared, state))
     finally:
@@ -442,8 +440,7 @@ def _candidate(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse
     time = step_time(shared.profile, shared.compute_seconds * steps, shared.dtype, **cost_inputs)
     missing = missing_figure(shared.profile, shared.dtype, **cost_inputs) if time is None else None
     fits, reason = _verdict(base, peak, shared.host_capacity, files, shared.disk_capacity, missing)
-    per_rank = base.tier_bytes_per_rank if not (optim_disk or param_disk) else \
-        [{tier: dict(families) for tier, families in placed.tier_bytes.items()} for _ in range(shared.ranks)]
+    per_rank = bytes_per_rank(base, placed, shared.ranks) if optim_disk or param_disk else base.tier_bytes_per_rank
     return Candidate(policy, fits, reason, placed.tier_bytes, base.non_model_peak, base.chunk_bytes, base.num_chunks,
                      moved_to_device, moved_to_host, base.device_peak_bytes, dict(ex), name=name, settings=settings,
                      ranks=shared.ranks, host_peak_bytes=peak, disk_file_bytes=files,

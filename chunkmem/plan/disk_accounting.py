@@ -21,7 +21,7 @@ from ..optim.disk_step import streamed_count
 from ..storage.disk_io import aligned_nbytes
 from .meta_run import PolicyPlan
 
-__all__ = ["DiskSettings", "Placed", "place_bytes", "disk_file_bytes", "disk_traffic", "host_peak"]
+__all__ = ["DiskSettings", "Placed", "place_bytes", "bytes_per_rank", "disk_file_bytes", "disk_traffic", "host_peak"]
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,25 @@ def place_bytes(base: PolicyPlan, policy: str, reuse: bool, optim_disk: bool, pa
                   optim_disk_bytes)
 
 
+def bytes_per_rank(base: PolicyPlan, placed: Placed, world: int) -> list[dict[str, dict[str, int]]]:
+    """Each of the ``world`` ranks' ``tier_bytes`` of a disk variant (``placed``: rank 0's). The ranks' shards
+    differ only in the families kept in memory (an 8-bit Adam's block scales and small parameters' moments: where
+    the shard boundaries fall), which stay where the meta run ``base`` counted them: each rank's are rank 0's plus
+    its difference there (none where the meta run counted one rank's)."""
+    families = base.extra["in_memory_families"]
+    ranks = base.tier_bytes_per_rank or [base.tier_bytes] * world
+    out = []
+    for rank in ranks:
+        tiers = {tier: dict(held) for tier, held in placed.tier_bytes.items()}
+        for tier in ("device", "host"):
+            for family in families:
+                value = tiers[tier].get(family, 0) + rank[tier].get(family, 0) - ranks[0][tier].get(family, 0)
+                if value:
+                    tiers[tier][family] = value
+        out.append({tier: dict(sorted(held.items())) for tier, held in tiers.items()})
+    return out
+
+
 def _state_to_disk(base: PolicyPlan, tier_bytes: dict[str, dict[str, int]], kept: int) -> tuple[set[int], int]:
     """Move the optimizer families of the chunks off the device, but the first ``kept``, from the host to disk in
     ``tier_bytes`` (those kept in memory stay on the host); returns those chunks (by trainable position) and the
@@ -204,7 +223,7 @@ def disk_traffic(base: PolicyPlan, param_disk: bool, placed: Placed) -> tuple[in
         read_compute = sum(b for i, b in enumerate(fetched) if i not in param_kept)
         moved_to_device = sum(b for i, b in enumerate(fetched) if i in param_kept)
     read += placed.optim_disk_bytes  # the streamed step: the families on disk, read and written
-    written += placed.optim_disk_bytes
+    written += placed.optim_disk_bytes + sum(ex["rewritten"][k] for k in optim_on_disk)  # (and cut blocks' pages)
     # parameter chunks on disk: the step writes each back; it reads it too, except where the streamed
     # step (the chunk's optimizer state on disk) writes 16-bit parameters as its output; one updated
     # outside the streamed step is read into host memory first
@@ -223,10 +242,9 @@ def host_peak(base: PolicyPlan, placed: Placed, param_disk: bool, optim_disk: bo
     updates."""
     ex = base.extra
     families = {family for state in ex["optim_families"] for family in state}
-    state_on_host = sum(n for f, n in placed.tier_bytes["host"].items() if f in families)
-    if not (optim_disk or param_disk):  # (the disk variants are planned for one rank or ranks alike)
-        state_on_host = max(sum(n for f, n in rank["host"].items() if f in families)
-                            for rank in base.tier_bytes_per_rank or [placed.tier_bytes])
+    ranks = bytes_per_rank(base, placed, 1) if optim_disk or param_disk else \
+        base.tier_bytes_per_rank or [placed.tier_bytes]
+    state_on_host = max(sum(n for f, n in rank["host"].items() if f in families) for rank in ranks)  # the largest
     peak = ex["host_peak_meta"] - (placed.param_host - placed.kept_param_bytes if param_disk else 0) + \
         state_on_host + placed.disk_io
     peak += max(loaded, default=0)

@@ -361,7 +361,9 @@ def _probe_layout(name: str, template: nn.Module, dtype: torch.dtype, chunk_size
     bytes per tier of each rank, the chunk bytes, the chunk count, and the candidates' ``extra`` facts of the
     layout (``optim_families``: each trainable chunk's optimizer families, ``{family: (elements, bytes per
     element)}`` of rank 0's shard, the master included; ``in_memory_families``: those that stay in host memory when
-    the chunk's state rests on disk; ``whole_chunks``: whether the disk step streams each chunk whole)."""
+    the chunk's state rests on disk; ``whole_chunks``: whether the disk step streams each chunk whole;
+    ``rewritten``: each trainable chunk's bytes the disk step writes again, rank 0's: an 8-bit Adam's pages of
+    codes around the blocks its shard boundaries cut)."""
     tiers.set_device_memory_capacity(2**62)
     probe = ShardedModelV2(copy.deepcopy(template), TensorShardStrategy(), tensor_placement_policy=name, dtype=dtype,
                            chunk_size=chunk_size, reuse_fp16_shard=reuse_fp16_shard,
@@ -383,6 +385,7 @@ def _probe_layout(name: str, template: nn.Module, dtype: torch.dtype, chunk_size
                            for c in trainable],
         "in_memory_families": () if optimizer_state == "fp32" else LowBitAdamRule.in_memory_families,
         "whole_chunks": optimizer_state != "fp32" and LowBitAdamRule.streams_whole_chunks,
+        "rewritten": [0 if optimizer_state == "fp32" else LowBitAdamRule.rewritten_nbytes(c) for c in trainable],
     }
     return optim, probe.layout.chunk_bytes, num_chunks, extra
 
