@@ -369,3 +369,33 @@ def test_a_nan_in_a_cut_block_on_disk_is_torchaos(tmp_path):
         assert rank["nan"] == 1, rank
         for step_in_backward in (False, True):
             assert rank[step_in_backward]["cut"] and rank[step_in_backward]["differ"] == [], rank
+
+
+def _drawing_on_one_rank_worker(rank, world, directory):
+    """Rank 1 draws a random number between a backward (whose disk updates, written in place, drew the stochastic
+    rounding's numbers) and the step."""
+    make, dtype = CASES["adamw8bit-bf16-stochastic"]
+    torch.manual_seed(0)
+    reference = TinyGPT(d=64).to(dtype)
+    data = batches(2, seed=5)
+    model, optim = _on_disk(reference, make, dtype, world, directory, True, atomic_step=False)
+    _train_seeded_before_backward(model, optim, data[:1])
+    optim.backward(lm_loss(model(data[1]), data[1]))
+    if rank == 1:
+        torch.rand(3)
+    found = {}
+    for attempt in ("the step", "another step"):
+        try:
+            optim.step()
+            found[attempt] = "stepped"
+        except cm.UnsupportedOperationError as exc:
+            found[attempt] = "on one rank at least" in str(exc) and "random generator" in str(exc)
+    return found
+
+
+def test_numbers_drawn_on_one_rank_after_a_backward_written_in_place_are_refused_on_every_rank(tmp_path):
+    """The backward's updates (atomic_step=False) cannot be redone and one rank's generator moved before step():
+    the ranks agree, so both raise and both refuse to step again (not one rank going on while the other is
+    broken)."""
+    for found in run_ranks(_drawing_on_one_rank_worker, 2, str(tmp_path)):
+        assert found == {"the step": True, "another step": True}, found  # refused, and broken until a load

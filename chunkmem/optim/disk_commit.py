@@ -50,7 +50,10 @@ class DiskCommit:
         if not self.runtime.policy.optimizer_on_disk:
             return  # (with a disk tier every rank runs the step below, even with no chunk on disk: it agrees)
         backward = self.backward
-        if backward.in_flight is not None and not backward.holds(multiplier):
+        stale = backward.in_flight is not None and not backward.holds(multiplier)
+        if backward.settings.step_in_backward:  # every rank keeps, redoes or refuses the backward's updates alike
+            stale = self.mixed.any_rank(stale)
+        if stale:
             reason = backward.no_speculation
             if reason is not None:  # (fp16 and clipping were refused: the hyper-parameters changed)
                 self._refuse_redo(reason)
@@ -96,7 +99,7 @@ class DiskCommit:
         the updates can be undone, else the optimizer broken until a state is loaded (as a failed step)."""
         message = ("optim.step() after a backward with step_in_backward=True: the hyper-parameters, the "
                    "trainable parameters or (stochastic rounding) the default random generator's state changed "
-                   "between the backward and the step, but the backward's updates of the chunks on disk used the "
+                   "between the backward and the step (on one rank at least), but the backward's updates of the chunks on disk used the "
                    f"old ones and with {reason} they cannot be redone; change hyper-parameters after optim.step(), "
                    "as LR schedulers do, and draw no random numbers between the backward and the step. ")
         if self.runtime.memory.disk.atomic_step:
