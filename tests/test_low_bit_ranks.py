@@ -192,14 +192,20 @@ def _differences(model, optim, plain, plain_optim, plain_rng):
             "generator": torch.equal(torch.get_rng_state(), plain_rng)}
 
 
-def _disk_worker(rank, world, directory, case):
+def _disk_case(case, world):
+    """A disk case's optimizer maker, dtype and disk arguments, the reference model, the data, and torchao's eager
+    training on it over ``world`` ranks (plain model, its optimizer, the generator's state after)."""
     optimizer, disk = DISK_CASES[case]
     make, dtype = CASES[optimizer]
     torch.manual_seed(0)
     reference = TinyGPT(d=64).to(dtype)
     data = batches(3, seed=5)
     plain, plain_optim = _plain_on_ranks(reference, make, data, world)
-    plain_rng = torch.get_rng_state()
+    return make, dtype, disk, reference, data, (plain, plain_optim, torch.get_rng_state())
+
+
+def _disk_worker(rank, world, directory, case):
+    make, dtype, disk, reference, data, (plain, plain_optim, plain_rng) = _disk_case(case, world)
     found = {}
     for step_in_backward in (False, True):
         model, optim = _on_disk(reference, make, dtype, world, os.path.join(directory, str(step_in_backward)),
@@ -279,13 +285,7 @@ def _faults_on(rank, fault):
 
 
 def _failing_worker(rank, world, directory, case, fault, step_in_backward):
-    optimizer, disk = DISK_CASES[case]
-    make, dtype = CASES[optimizer]
-    torch.manual_seed(0)
-    reference = TinyGPT(d=64).to(dtype)
-    data = batches(3, seed=5)
-    plain, plain_optim = _plain_on_ranks(reference, make, data, world)
-    plain_rng = torch.get_rng_state()
+    make, dtype, disk, reference, data, (plain, plain_optim, plain_rng) = _disk_case(case, world)
     model, optim = _on_disk(reference, make, dtype, world, directory, step_in_backward, **disk)
     _train_seeded_before_backward(model, optim, data[:1])
     before, before_state = copy.deepcopy(model.state_dict()), optim.state_dict()

@@ -21,9 +21,12 @@ from .tiers import Tier, empty_on_tier
 PINNED_FAMILIES = ("param", "grad")
 """The host-tier families that cross PCIe every step: pinned on a GPU machine (the parameter shard, read by
 each fetch; the gradient, written by each backward). Optimizer state is read where it rests."""
-REUSED_FAMILIES = ("undo",)
-"""Host-tier families taken and given back every step (``step_in_backward``'s undo copies): on a GPU machine,
-where no block pool serves the host tier, kept by size for reuse (pageable)."""
+RESTING_FAMILY = "resting"
+"""The host copies of parameters resting on disk as their own masters that the backward hands its disk updates
+(:meth:`~chunkmem.runtime.executor.ChunkExecutor.copy_of_resting_values`)."""
+REUSED_FAMILIES = ("undo", RESTING_FAMILY)
+"""Host-tier families taken and given back every step (``step_in_backward``'s undo copies and resting values): on
+a GPU machine, where no block pool serves the host tier, kept by size for reuse (pageable)."""
 
 
 class TierMemory:

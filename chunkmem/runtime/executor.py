@@ -17,11 +17,10 @@ import torch
 
 from ..core.chunk import MASTER, Chunk, gather_together
 from ..core.copy_engine import nothing_to_wait_for
-from ..core.disk_tier import DISK_IO_FAMILY
 from ..errors import GradientAccumulationError
-from ..core.memory import TierMemory
+from ..core.memory import RESTING_FAMILY, TierMemory
 from ..core.states import ChunkStateError, CopyState
-from ..core.tiers import Tier, device_of_tier
+from ..core.tiers import Tier
 from .placement import PlacementPolicy, PlacementState
 from .schedule import PeriodOrders
 
@@ -375,19 +374,18 @@ class ChunkExecutor:
         if not buf.device_valid or buf.approximate or buf.holds_grads:
             return None
         ledger = self.memory.ledger
-        nbytes = buf.shard.nbytes
-        if ledger.host_capacity is not None and ledger.tier_bytes(Tier.HOST) + nbytes > ledger.host_capacity:
+        if ledger.host_capacity is not None and ledger.tier_bytes(Tier.HOST) + buf.shard.nbytes > ledger.host_capacity:
             return None
-        ledger.reserve(Tier.HOST, DISK_IO_FAMILY, nbytes, f"{chunk.name}'s parameters for the disk step")
-        values = torch.empty(buf.shard_numel, dtype=buf.dtype, device=device_of_tier(Tier.HOST))
+        values = self.memory.take(Tier.HOST, RESTING_FAMILY, buf.shard_numel, buf.dtype,
+                                  f"{chunk.name}'s parameters for the disk step")
         # waited for here, in the backward: the device copy may be freed and its memory reused once this returns
         # (on a GPU a copy into pageable memory waits anyway; the disk step, far slower, bounds this backward)
         self.memory.copies.to_host(values, buf.own_slice(buf.device), "resting values for the disk step").wait()
         return values
 
     def release_copy_of_resting_values(self, values: torch.Tensor) -> None:
-        """The disk step took :meth:`copy_of_resting_values`' copy: its bytes leave the host ledger."""
-        self.memory.ledger.release(Tier.HOST, DISK_IO_FAMILY, values.nbytes)
+        """The disk step took :meth:`copy_of_resting_values`' copy: its memory goes back."""
+        self.memory.give_back(Tier.HOST, RESTING_FAMILY, values.nbytes, values)
 
     def mark_updated(self, chunk: Chunk, tier: Tier) -> None:
         """The second half of :meth:`updating`: the copy on ``tier`` (the shard when sharded; ``DISK``: the
