@@ -279,3 +279,32 @@ def test_numbers_drawn_after_a_backward_whose_disk_updates_cannot_be_undone_are_
         _chunked_run(reference, _make(True), data, torch.bfloat16, between=lambda: torch.rand(3),
                      step_in_backward=True, offload_optimizer="disk", offload_param="disk", atomic_step=False,
                      nvme_path=str(tmp_path))
+
+
+def test_a_chunks_numbers_buffer_is_reused_only_when_nothing_holds_it():
+    """The host buffer a chunk's numbers are drawn into is the thread's last one when its size matches and neither
+    it nor a view of it is held any more; never one a caller or another thread still holds."""
+    import threading
+
+    from chunkmem.optim import rounding_draws
+
+    cpu = torch.device("cpu")
+    first = rounding_draws._numbers_buffer(10, cpu)
+    address = first.data_ptr()
+    held = rounding_draws._numbers_buffer(10, cpu)
+    assert held.data_ptr() != address  # the first is still held
+    address = held.data_ptr()
+    del first, held
+    again = rounding_draws._numbers_buffer(10, cpu)
+    assert again.data_ptr() == address  # nothing holds it: reused
+    view = again[2:5]
+    del again
+    assert rounding_draws._numbers_buffer(10, cpu).data_ptr() != address  # a view still reads it
+    del view
+    assert rounding_draws._numbers_buffer(12, cpu).numel() == 12
+    mine = rounding_draws._numbers_buffer(12, cpu)
+    theirs = []
+    thread = threading.Thread(target=lambda: theirs.append(rounding_draws._numbers_buffer(12, cpu).data_ptr()))
+    thread.start()
+    thread.join()
+    assert theirs[0] != mine.data_ptr()

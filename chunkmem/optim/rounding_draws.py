@@ -28,6 +28,7 @@ gradient after all), the updates made with it were not the step's: the optimizer
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 from typing import Any, Callable, Hashable, Sequence
 
@@ -134,6 +135,25 @@ def _matches_torch(lib: ctypes.CDLL) -> bool:
 
 _HOST_DRAWS = LoadedOnce(_load_host_draws, "chunkmem: the C++ CPU generator for stochastic rounding is unavailable, "
                                            "torch draws the numbers instead ({error})")
+
+
+_kept = threading.local()  # per thread: the last host buffer of a chunk's numbers
+
+
+def _numbers_buffer(numel: int, device: torch.device) -> torch.Tensor:
+    """An int32 buffer of ``numel`` elements on ``device`` (contents undefined). On the host, the one this thread
+    drew a chunk's numbers into last time, where its size is the same and nothing views it any more: a chunk's
+    numbers take hundreds of MB, and new pages cost their zeroing and a fault each, a tenth of the update's time."""
+    if device.type != "cpu":
+        return torch.empty(numel, dtype=torch.int32, device=device)  # (the device's caching allocator reuses)
+    kept = getattr(_kept, "buffer", None)
+    # held by nothing else: the tensor by _kept, this name and getrefcount's argument; its memory by the tensor and
+    # the untyped_storage() object (a view would add one)
+    free = (kept is not None and kept.numel() == numel and sys.getrefcount(kept) == 3
+            and torch._C._storage_Use_Count(kept.untyped_storage()._cdata) == 2)
+    if not free:
+        kept = _kept.buffer = torch.empty(numel, dtype=torch.int32)
+    return kept
 
 
 def draws_from(device: torch.device, state: torch.Tensor) -> TorchDraws | HostDraws:
@@ -261,7 +281,7 @@ class StepDraws:
         parts = [(slot, part) for slot, part in stepped if part is not None]
 
         def draw() -> torch.Tensor:
-            shard = torch.empty(chunk.shard_numel, dtype=torch.int32, device=device)  # (elements no part covers: unread)
+            shard = _numbers_buffer(chunk.shard_numel, device)  # (elements no part covers: unread)
             for slot, (a, b) in parts:
                 start = slot.offset + a - chunk.shard_offset
                 sequence.draw(id(slot.param), (a, b), shard[start:start + b - a])
