@@ -228,13 +228,13 @@ class BackwardStep:
             update.resting_values = self.runtime.copy_of_resting_values(chunk)
         step.add(update)
         if used_once:
-            for update in step.wait_until_computed(GRADIENTS_AHEAD_OF_THE_DISK_STEP):
-                if update.grad is not None:
-                    self.runtime.release_gradients(update.chunk)
-                    update.grad = None
-                if update.resting_values is not None:
-                    self.runtime.release_copy_of_resting_values(update.resting_values)
-                    update.resting_values = None
+            for computed in step.wait_until_computed(GRADIENTS_AHEAD_OF_THE_DISK_STEP):
+                if computed.grad is not None:
+                    self.runtime.release_gradients(computed.chunk)
+                    computed.grad = None
+                if computed.resting_values is not None:
+                    self.runtime.release_copy_of_resting_values(computed.resting_values)
+                    computed.resting_values = None
 
     def gradients_used_once(self) -> bool:
         """Whether a disk chunk's gradient is read by its update in the backward and by nothing after: the

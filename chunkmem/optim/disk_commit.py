@@ -99,8 +99,8 @@ class DiskCommit:
         the updates can be undone, else the optimizer broken until a state is loaded (as a failed step)."""
         message = ("optim.step() after a backward with step_in_backward=True: the hyper-parameters, the "
                    "trainable parameters or (stochastic rounding) the default random generator's state changed "
-                   "between the backward and the step (on one rank at least), but the backward's updates of the chunks on disk used the "
-                   f"old ones and with {reason} they cannot be redone; change hyper-parameters after optim.step(), "
+                   "between the backward and the step (on one rank at least), but the backward's updates of the "
+                   f"chunks on disk used the old ones and with {reason} they cannot be redone; change hyper-parameters after optim.step(), "
                    "as LR schedulers do, and draw no random numbers between the backward and the step. ")
         if self.runtime.memory.disk.atomic_step:
             self.backward.abandon_in_flight()
