@@ -289,22 +289,22 @@ def test_a_chunks_numbers_buffer_is_reused_only_when_nothing_holds_it():
     from chunkmem.optim import rounding_draws
 
     cpu = torch.device("cpu")
-    first = rounding_draws._numbers_buffer(10, cpu)
+    first = rounding_draws.numbers_buffer(10, cpu)
     address = first.data_ptr()
-    held = rounding_draws._numbers_buffer(10, cpu)
+    held = rounding_draws.numbers_buffer(10, cpu)
     assert held.data_ptr() != address  # the first is still held
     address = held.data_ptr()
     del first, held
-    again = rounding_draws._numbers_buffer(10, cpu)
+    again = rounding_draws.numbers_buffer(10, cpu)
     assert again.data_ptr() == address  # nothing holds it: reused
     view = again[2:5]
     del again
-    assert rounding_draws._numbers_buffer(10, cpu).data_ptr() != address  # a view still reads it
+    assert rounding_draws.numbers_buffer(10, cpu).data_ptr() != address  # a view still reads it
     del view
-    assert rounding_draws._numbers_buffer(12, cpu).numel() == 12
-    mine = rounding_draws._numbers_buffer(12, cpu)
+    assert rounding_draws.numbers_buffer(12, cpu).numel() == 12
+    mine = rounding_draws.numbers_buffer(12, cpu)
     theirs = []
-    thread = threading.Thread(target=lambda: theirs.append(rounding_draws._numbers_buffer(12, cpu).data_ptr()))
+    thread = threading.Thread(target=lambda: theirs.append(rounding_draws.numbers_buffer(12, cpu).data_ptr()))
     thread.start()
     thread.join()
     assert theirs[0] != mine.data_ptr()

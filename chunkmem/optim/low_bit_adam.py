@@ -118,6 +118,11 @@ class Segment:
         return 1 if self.cut else self.numel // BLOCK_SIZE
 
 
+def random_part(random: torch.Tensor | None, segment: Segment) -> torch.Tensor | None:
+    """``segment``'s stochastic-rounding numbers from its shard's (``None``: no stochastic rounding)."""
+    return None if random is None else random[segment.start:segment.start + segment.numel]
+
+
 @dataclass
 class Moments:
     """A chunk's moments (this rank's shard): ``codes_*`` ``uint8`` per element, ``scales_*`` fp32 per block of the

@@ -70,10 +70,11 @@ from . import low_bit_param
 from .adam import HybridAdam
 from .blockwise import BLOCK_SIZE, dynamic_map, quantizes
 from .disk_step import ChunkUpdate, Settle, gaps
-from .low_bit_adam import LowBitHyper, Moments, Segment, step_cut_segment_, store_cut_segment_, update_segments_
+from .low_bit_adam import (LowBitHyper, Moments, Segment, random_part, step_cut_segment_, store_cut_segment_,
+                           update_segments_)
 from .low_bit_layout import (CODES_M, CODES_V, LOW_BIT_FAMILIES, PLAIN_M, PLAIN_V, SCALES_M, SCALES_V,  # noqa: F401
                              ChunkStateLayout, StatePiece)
-from .low_bit_streamed import StreamedLowBitUpdate, largest_over, random_part, rewritten_nbytes, settle_cut_blocks
+from .low_bit_streamed import StreamedLowBitUpdate, largest_over, rewritten_nbytes, settle_cut_blocks
 from .rounding_draws import StepDraws
 from .state_dict import check_entry as check_plain_entry
 from .update_rule import KeptState, UpdateRule

@@ -28,7 +28,7 @@ from ..core.chunk import Chunk
 from ..distributed.collectives import ShardGroup, reduce_over_groups
 from ..storage.disk_io import ALIGNMENT
 from .disk_step import ChunkUpdate, LateWrite
-from .low_bit_adam import Moments, Segment, step_cut_segment_, store_cut_segment_, update_segments_
+from .low_bit_adam import Moments, Segment, random_part, step_cut_segment_, store_cut_segment_, update_segments_
 from .low_bit_layout import CODES_M, CODES_V, LOW_BIT_FAMILIES, PLAIN_M, PLAIN_V, SCALES_M, SCALES_V, ChunkStateLayout
 
 CutSegment = tuple[int, Segment]
@@ -142,8 +142,3 @@ def largest_over(shards: ShardGroup, values: torch.Tensor, what: str) -> torch.T
     rank stays a NaN, as torchao's ``amax`` of a whole block keeps it (gloo's MAX drops a NaN that another rank
     meets with a number; :func:`~chunkmem.distributed.collectives.reduce_over_groups` carries it as a count)."""
     return reduce_over_groups([shards.group] if shards.sharded else [], values, True, what)
-
-
-def random_part(random: torch.Tensor | None, segment: Segment) -> torch.Tensor | None:
-    """``segment``'s random numbers from a shard's (``None``: no stochastic rounding)."""
-    return None if random is None else random[segment.start:segment.start + segment.numel]

@@ -140,7 +140,7 @@ _HOST_DRAWS = LoadedOnce(_load_host_draws, "chunkmem: the C++ CPU generator for 
 _kept = threading.local()  # per thread: the last host buffer of a chunk's numbers
 
 
-def _numbers_buffer(numel: int, device: torch.device) -> torch.Tensor:
+def numbers_buffer(numel: int, device: torch.device) -> torch.Tensor:
     """An int32 buffer of ``numel`` elements on ``device`` (contents undefined). On the host, the one this thread
     drew a chunk's numbers into last time, where its size is the same and nothing views it any more: a chunk's
     numbers take hundreds of MB, and new pages cost their zeroing and a fault each, a tenth of the update's time."""
@@ -281,7 +281,7 @@ class StepDraws:
         parts = [(slot, part) for slot, part in stepped if part is not None]
 
         def draw() -> torch.Tensor:
-            shard = _numbers_buffer(chunk.shard_numel, device)  # (elements no part covers: unread)
+            shard = numbers_buffer(chunk.shard_numel, device)  # (elements no part covers: unread)
             for slot, (a, b) in parts:
                 start = slot.offset + a - chunk.shard_offset
                 sequence.draw(id(slot.param), (a, b), shard[start:start + b - a])

@@ -36,11 +36,11 @@ import torch
 from ..distributed.collectives import ShardGroup
 from ..distributed.gathers import gather_whole
 from ..errors import InvalidArgumentError
-from .low_bit_adam import LowBitHyper, Moments, Segment, step_cut_segment_, update_segments_
+from .low_bit_adam import LowBitHyper, Moments, Segment, random_part, step_cut_segment_, update_segments_
 from .low_bit_layout import ChunkStateLayout, StatePiece
 from .low_bit_rule import (LOW_BIT_FAMILIES, check_low_bit_entry, cut_families, entry_moments, family_buffers,
                            gathered_state, largest_over, state_entry, store_cut_blocks, whole_moments)
-from .rounding_draws import DrawSequence, default_generator
+from .rounding_draws import DrawSequence, default_generator, numbers_buffer
 from .zero_gradient_store import GradientStores
 from .zero_partition import FlatChunk, FlatSlot
 from .zero_update import ZeroUpdate, stepped
@@ -121,7 +121,7 @@ class LowBitUpdate(ZeroUpdate):
         out = own if self.separate_master and own.device == master.device else None  # the update writes it
         moments = Moments(*(chunk.state[family] for family in LOW_BIT_FAMILIES))
         random = self._random(chunk, slots, master.device)
-        cut = [(piece, s, step_cut_segment_(master, grad, moments, s, multiplier, out, _part(random, s)))
+        cut = [(piece, s, step_cut_segment_(master, grad, moments, s, multiplier, out, random_part(random, s)))
                for piece, s in segments if s.cut]
         update_segments_(master, grad, moments, [s for _, s in segments if not s.cut], multiplier, out, random)
         self._store_cut(chunk, moments, cut)
@@ -134,7 +134,7 @@ class LowBitUpdate(ZeroUpdate):
         the shard; elements no stepped parameter covers are not read), or ``None`` without stochastic rounding."""
         if self._draws is None:
             return None
-        shard = torch.empty(chunk.shard_numel, dtype=torch.int32, device=self._draws.device)
+        shard = numbers_buffer(chunk.shard_numel, self._draws.device)
         for slot in slots:
             run = chunk.own_run(slot)
             if run is not None:
@@ -207,8 +207,3 @@ def hyper_of_groups(groups: Sequence[Mapping[str, Any]], decoupled: bool, where:
         except (TypeError, ValueError) as unreadable:
             raise InvalidArgumentError(at, f"a group with an unreadable hyper-parameter ({unreadable})", _GROUP) from None
     return hyper
-
-
-def _part(random: torch.Tensor | None, segment: Segment) -> torch.Tensor | None:
-    """``segment``'s random numbers from a shard's (``None``: no stochastic rounding)."""
-    return None if random is None else random[segment.start:segment.start + segment.numel]

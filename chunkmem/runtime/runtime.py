@@ -457,6 +457,7 @@ class ChunkRuntime:
         return self.executor.copy_of_resting_values(chunk)
 
     def release_copy_of_resting_values(self, values: torch.Tensor) -> None:
+        """Give back a copy :meth:`copy_of_resting_values` made, once the disk step no longer reads it."""
         self.executor.release_copy_of_resting_values(values)
 
     @_untraced
