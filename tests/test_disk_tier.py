@@ -161,6 +161,39 @@ def test_without_atomic_steps_a_failure_asks_for_a_checkpoint(tmp_path):
     assert _step(model, optim, data[1])
 
 
+def test_without_atomic_steps_a_crash_in_the_update_asks_for_a_checkpoint(tmp_path, monkeypatch):
+    """The update of the second chunk raises (not an I/O error) after the first chunk was written in place: the
+    step raises the crash, the next one refuses instead of training on half-updated chunks, and a checkpoint
+    loaded trains as a model that never failed."""
+    import chunkmem.optim.disk_step as disk_step
+    reference, data = _reference(), batches(2)
+    (tmp_path / "disk").mkdir()
+    model, optim = _build(reference, torch.float16, **_on_disk(tmp_path / "disk", atomic_step=False))
+    _train(model, optim, data[:1])
+    cm.save_checkpoint(tmp_path / "ckpt.pt", model, optim)
+    update, chunks = disk_step.adam_update_, set()
+
+    def crashing(*args, **kwargs):
+        update(*args, **kwargs)
+        chunks.add(args[0].data_ptr() // CHUNK_BYTES)  # (any key that differs between chunks)
+        if len(chunks) == 2:
+            raise RuntimeError("a crash inside the update")
+    monkeypatch.setattr(disk_step, "adam_update_", crashing)
+    with pytest.raises(RuntimeError, match="a crash inside the update"):
+        _step(model, optim, data[1])
+    monkeypatch.setattr(disk_step, "adam_update_", update)
+    with pytest.raises(cm.UnsupportedOperationError, match="RuntimeError.*atomic_step=False.*load a checkpoint"):
+        optim.step()
+    cm.load_checkpoint(tmp_path / "ckpt.pt", model, optim)
+    optim.zero_grad()  # (the failed step's gradients, as torch keeps them across a load)
+    assert _step(model, optim, data[1])
+    optim.zero_grad()
+    (tmp_path / "fresh").mkdir()
+    fresh, fresh_optim = _build(reference, torch.float16, **_on_disk(tmp_path / "fresh", atomic_step=False))
+    _train(fresh, fresh_optim, data)
+    _same_state(model, optim, fresh, fresh_optim)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("sharded", [False, True])
 def test_a_checkpoint_saved_from_disk_state_resumes_bitwise(nvme, dtype, sharded, monkeypatch):

@@ -75,8 +75,8 @@ class DiskCommit:
             finish()
         except BaseException as exc:  # an I/O error (DiskStepError), or a crash, which an atomic step undid too
             undone = exc.undone if isinstance(exc, DiskStepError) else self.runtime.memory.disk.atomic_step
-            if isinstance(exc, DiskStepError) and not undone:
-                self.broken_by = exc
+            if not undone:
+                self.broken_by = exc if isinstance(exc, DiskStepError) else _broken_by_crash(exc)
             elif undone and self.runtime.gradients.overwritten_by_update:
                 self.accounting.discard_gradients()  # the update overwrote them in place
             elif undone:
@@ -135,3 +135,14 @@ class DiskCommit:
             self.backward.undo_in_memory()
             self.accounting.discard_gradients()
         return True
+
+
+def _broken_by_crash(crash: BaseException) -> UnsupportedOperationError:
+    """What the next step raises after ``crash`` (an exception other than an I/O error) interrupted a streamed
+    step writing the chunks on disk in place: some chunks were updated, the others not."""
+    error = UnsupportedOperationError(
+        f"an earlier optim.step() raised {type(crash).__name__} ({crash}) while it updated the chunks on disk in "
+        "place (atomic_step=False): the chunks before it were updated, the others not, and that cannot be undone; "
+        "load a checkpoint (chunkmem.load_checkpoint) or a state dict to step again")
+    error.__cause__ = crash
+    return error
