@@ -3,8 +3,9 @@ the new families"): every 8-bit candidate, on the device, the host and the disk 
 optimizer it is planned for (HybridAdam(state_dtype="8bit"); torchao's AdamW8bit(bf16_stochastic_round=True) for
 "8bit-bf16", whose bf16 parameters are their own masters): bytes per tier and family, files, bytes moved, read and
 written per step, the host peak, the optimizer's get_memory_usage; auto's split of the state between the host and
-the disk under a host capacity; two gloo ranks, each rank's bytes; the update's time at the profile's 8-bit rates;
-initialize(plan=) and what it refuses; the arguments refused. Times come from test_choose's fixed profile."""
+the disk under a host capacity; two gloo ranks, each rank's bytes and disk traffic; the update's time at the
+profile's 8-bit rates; initialize(plan=) and what it refuses; the arguments refused. Times come from test_choose's
+fixed profile."""
 from __future__ import annotations
 
 import os

@@ -1,4 +1,4 @@
-"""torchao's 8-bit Adams (and HybridAdam(state_dtype="8bit", bf16_stochastic_round=True)) in
+"""torchao's 8-bit Adams (and HybridAdam(state_dtype="8bit"), bf16_stochastic_round=True or not) in
 ShardedOptimizerV2 on several ranks (chunkmem.optim.low_bit_layout, low_bit_rule,
 low_bit_streamed): chunks whose shard boundaries cut quantized parameters in the middle of a block train bit for bit
 as torchao's step run eagerly on the unsharded model, with the state in memory or on the disk tier, updated in
