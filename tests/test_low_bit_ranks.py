@@ -1,4 +1,4 @@
-"""torchao's 8-bit Adams (and HybridAdam(state_dtype="8bit", bf16_stochastic_round=True)) in
+"""torchao's 8-bit Adams (and HybridAdam(state_dtype="8bit"), bf16_stochastic_round=True or not) in
 ShardedOptimizerV2 on several ranks (chunkmem.optim.low_bit_layout, low_bit_rule,
 low_bit_streamed): chunks whose shard boundaries cut quantized parameters in the middle of a block train bit for bit
 as torchao's step run eagerly on the unsharded model, with the state in memory or on the disk tier, updated in
@@ -37,11 +37,13 @@ CASES = {
     "adam8bit": (lambda p: torchao_optim.Adam8bit(p, lr=1e-2, weight_decay=0.05), torch.float32),
     "adamw8bit-bf16-stochastic": (lambda p: torchao_optim.AdamW8bit(p, lr=1e-2, bf16_stochastic_round=True),
                                   torch.bfloat16),
+    "hybridadam-8bit": (lambda p: cm.HybridAdam(p, lr=1e-2, weight_decay=0.05, state_dtype="8bit"), torch.float32),
     "hybridadam-8bit-bf16-stochastic": (lambda p: cm.HybridAdam(p, lr=1e-2, weight_decay=0.01, state_dtype="8bit",
                                                                 bf16_stochastic_round=True), torch.bfloat16),
 }
-# the torchao optimizer that steps as HybridAdam's case does (torchao's cases: their own)
-TORCHAO = {"hybridadam-8bit-bf16-stochastic": lambda p: torchao_optim.AdamW8bit(p, lr=1e-2, bf16_stochastic_round=True)}
+# the torchao optimizer that steps as a HybridAdam case does (torchao's cases: their own)
+TORCHAO = {"hybridadam-8bit": lambda p: torchao_optim.AdamW8bit(p, lr=1e-2, weight_decay=0.05),
+           "hybridadam-8bit-bf16-stochastic": lambda p: torchao_optim.AdamW8bit(p, lr=1e-2, bf16_stochastic_round=True)}
 
 
 def _wrapped(reference, make, dtype, world):
@@ -158,6 +160,8 @@ DISK_CASES = {  # (the optimizer and dtype of CASES, the disk tier's settings)
     "fp32 in place": ("adam8bit", dict(atomic_step=False)),
     "bf16 rounded, parameters on disk": ("adamw8bit-bf16-stochastic", dict(offload_param="disk")),
     "bf16 rounded, parameters in memory": ("adamw8bit-bf16-stochastic", dict(atomic_step=True)),
+    "HybridAdam fp32 atomic": ("hybridadam-8bit", dict(atomic_step=True)),
+    "HybridAdam bf16 rounded, parameters on disk": ("hybridadam-8bit-bf16-stochastic", dict(offload_param="disk")),
 }
 
 
@@ -183,11 +187,11 @@ def _train_seeded_before_backward(model, optim, data, first=0):
         optim.zero_grad()
 
 
-def _differences(model, optim, plain, plain_optim, plain_rng):
-    """The parameters differing from torchao's (state: asserted equal), and whether the generator is where
-    torchao's step left it."""
+def _differences(model, optim, plain, plain_optim, plain_rng, plain_form=False):
+    """The parameters differing from torchao's (state: asserted equal, in HybridAdam's form if ``plain_form``),
+    and whether the generator is where torchao's step left it."""
     state = model.state_dict()
-    _same_state(optim.state_dict(), plain_optim.state_dict())
+    _same_state(optim.state_dict(), plain_optim.state_dict(), plain_form=plain_form)
     return {"differ": [key for key, p in plain.named_parameters() if not torch.equal(state[key], p.detach().float())],
             "generator": torch.equal(torch.get_rng_state(), plain_rng)}
 
@@ -200,8 +204,13 @@ def _disk_case(case, world):
     torch.manual_seed(0)
     reference = TinyGPT(d=64).to(dtype)
     data = batches(3, seed=5)
-    plain, plain_optim = _plain_on_ranks(reference, make, data, world)
+    plain, plain_optim = _plain_on_ranks(reference, TORCHAO.get(optimizer, make), data, world)
     return make, dtype, disk, reference, data, (plain, plain_optim, torch.get_rng_state())
+
+
+def _hybrid(case):
+    """Whether a disk case's optimizer is HybridAdam (its state dict in HybridAdam's form, torchao's in TORCHAO)."""
+    return DISK_CASES[case][0] in TORCHAO
 
 
 def _disk_worker(rank, world, directory, case):
@@ -212,7 +221,7 @@ def _disk_worker(rank, world, directory, case):
                                 step_in_backward, **disk)
         _train_seeded_before_backward(model, optim, data)
         tiers = model.tier_bytes()
-        found[step_in_backward] = {**_differences(model, optim, plain, plain_optim, plain_rng),
+        found[step_in_backward] = {**_differences(model, optim, plain, plain_optim, plain_rng, _hybrid(case)),
                                    "cut": _cut_blocks(model), "kept": optim.kept_backward_updates,
                                    "codes on disk": tiers["disk"]["exp_avg_codes"] == sum(
                                        c.shard_numel for c in model.chunks if c.trainable)}
@@ -307,7 +316,7 @@ def _failing_worker(rank, world, directory, case, fault, step_in_backward):
     optim.step()  # the gradients were kept: the step again
     optim.zero_grad()
     _train_seeded_before_backward(model, optim, data[2:], first=2)
-    return {**found, **_differences(model, optim, plain, plain_optim, plain_rng)}
+    return {**found, **_differences(model, optim, plain, plain_optim, plain_rng, _hybrid(case))}
 
 
 @pytest.mark.parametrize("case,fault,step_in_backward", [

@@ -37,8 +37,8 @@ from .meta_run import (OPTIMIZER_STATES, PolicyPlan, _meta_inputs, _meta_model, 
 class Candidate(PolicyPlan):
     """One configuration the planner considered: a :class:`PolicyPlan` (bytes per tier, now with
     ``"disk"``; with ``ranks`` > 1 every figure is one rank's: ``tier_bytes`` rank 0's, ``tier_bytes_per_rank``
-    each rank's, which differ only by the 8-bit state's block scales and small parameters' moments, the peaks the
-    largest rank's) and more.
+    each rank's, which differ only by the 8-bit state's block scales and small parameters' moments, the peaks and
+    the disk writes the largest rank's) and more.
 
     ``name``: a short label (``"static(0.5,0.5)+optim@disk"``). ``settings``: the keyword arguments of
     :class:`~chunkmem.ShardedModelV2` it stands for (``nvme_path`` left out: see :meth:`model_config`;
@@ -48,10 +48,13 @@ class Candidate(PolicyPlan):
     included): what a host capacity must allow.
     ``disk_file_bytes``: what the disk tier's files occupy (preallocated, both slots of an atomic step):
     what the disk budget must allow. ``disk_read_per_step`` / ``disk_written_per_step``: bytes the disk
-    tier reads and writes in one step (forward, backward and optimizer step). ``collective_bytes_per_step``:
-    bytes this rank sends in the training collectives of one step (ring implementation). ``time``: the
-    predicted :class:`~chunkmem.plan.cost_model.StepTime` in seconds (``None`` when the profile lacks a figure
-    it needs, e.g. no disk bandwidth). ``recommended``: the one :func:`choose` recommends.
+    tier reads and writes in one step (forward, backward and optimizer step), the writes the largest rank's
+    (the ranks wait for the slowest); ``disk_written_per_rank``: each rank's writes (rank ``r`` at index ``r``),
+    which differ with 8-bit state on disk by the pages of codes around the blocks the rank's shard boundaries cut,
+    written again. ``collective_bytes_per_step``: bytes this rank sends in the training collectives of one step
+    (ring implementation). ``time``: the predicted :class:`~chunkmem.plan.cost_model.StepTime` in seconds
+    (``None`` when the profile lacks a figure it needs, e.g. no disk bandwidth).
+    ``recommended``: the one :func:`choose` recommends.
     ``cost_inputs``: what the cost model was given besides the compute (bytes copied, Adam elements, disk
     bytes, collective bytes: :func:`chunkmem.plan.cost_model.step_time`'s arguments), all per step, i.e. over its
     ``gradient_accumulation_steps`` forward/backward passes. ``optimizer_state``: the optimizer state it was
@@ -67,6 +70,7 @@ class Candidate(PolicyPlan):
     disk_file_bytes: int = 0
     disk_read_per_step: int = 0
     disk_written_per_step: int = 0
+    disk_written_per_rank: list[int] = field(default_factory=list)
     collective_bytes_per_step: float = 0.0
     time: StepTime | None = None
     recommended: bool = False
@@ -430,7 +434,8 @@ def _candidate(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse
     placed = place_bytes(base, policy, reuse, optim_disk, param_disk, shared.disk, shared.dtype, shared.host_capacity)
     files = disk_file_bytes(base, shared.disk, param_disk, len(placed.param_kept), placed.optim_on_disk)
     moved_to_host = base.moved_to_host_per_step
-    read, written, read_compute, moved_to_device, loaded = disk_traffic(base, param_disk, placed)
+    read, written_per_rank, read_compute, moved_to_device, loaded = disk_traffic(base, param_disk, placed)
+    written = max(written_per_rank)
     peak = host_peak(base, placed, param_disk, optim_disk, loaded)
     cost_inputs = dict(moved_bytes=moved_to_device + moved_to_host, adam_elements=sum(ex["trainable_shard_numels"]),
                        disk_adam_elements=placed.on_disk_numel, disk_read_step=read, disk_written_step=written,
@@ -445,6 +450,7 @@ def _candidate(base: PolicyPlan, policy: str, fractions: dict[str, float], reuse
                      moved_to_device, moved_to_host, base.device_peak_bytes, dict(ex), name=name, settings=settings,
                      ranks=shared.ranks, host_peak_bytes=peak, disk_file_bytes=files,
                      disk_read_per_step=read + read_compute, disk_written_per_step=written,
+                     disk_written_per_rank=written_per_rank,
                      collective_bytes_per_step=ex["collective_bytes_sent"], time=time,
                      cost_inputs=cost_inputs, gradient_accumulation_steps=steps, optimizer_state=optimizer_state,
                      tier_bytes_per_rank=per_rank)

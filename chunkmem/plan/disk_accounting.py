@@ -209,10 +209,13 @@ def disk_file_bytes(base: PolicyPlan, disk: DiskSettings, param_disk: bool, para
     return files
 
 
-def disk_traffic(base: PolicyPlan, param_disk: bool, placed: Placed) -> tuple[int, int, int, int, list[int]]:
-    """A step's disk traffic: bytes the step reads and writes, bytes the forward and backward read (the
-    parameters resting on disk), bytes still moved to the device from the host (those kept there), and the
-    parameter bytes of each chunk the step loads into host memory to update it outside the streamed step."""
+def disk_traffic(base: PolicyPlan, param_disk: bool, placed: Placed
+                 ) -> tuple[int, list[int], int, int, list[int]]:
+    """A step's disk traffic: bytes the step reads, bytes it writes on each rank (rank ``r`` at index ``r``: they
+    differ by the 8-bit codes' pages around the blocks the rank's shard boundaries cut, which it writes again),
+    bytes the forward and backward read (the parameters resting on disk), bytes still moved to the device from the
+    host (those kept there), and the parameter bytes of each chunk the step loads into host memory to update it
+    outside the streamed step."""
     ex = base.extra
     shard_bytes = ex["param_shard_bytes"]
     param_kept, optim_on_disk = placed.param_kept, placed.optim_on_disk
@@ -223,7 +226,7 @@ def disk_traffic(base: PolicyPlan, param_disk: bool, placed: Placed) -> tuple[in
         read_compute = sum(b for i, b in enumerate(fetched) if i not in param_kept)
         moved_to_device = sum(b for i, b in enumerate(fetched) if i in param_kept)
     read += placed.optim_disk_bytes  # the streamed step: the families on disk, read and written
-    written += placed.optim_disk_bytes + sum(ex["rewritten"][k] for k in optim_on_disk)  # (and cut blocks' pages)
+    written += placed.optim_disk_bytes
     # parameter chunks on disk: the step writes each back; it reads it too, except where the streamed
     # step (the chunk's optimizer state on disk) writes 16-bit parameters as its output; one updated
     # outside the streamed step is read into host memory first
@@ -232,7 +235,8 @@ def disk_traffic(base: PolicyPlan, param_disk: bool, placed: Placed) -> tuple[in
     written += sum(shard_bytes[i] for _, i in param_chunks)
     read += sum(shard_bytes[i] for k, i in param_chunks if not (ex["has_master"] and k in optim_on_disk))
     loaded = [shard_bytes[i] for k, i in param_chunks if k not in optim_on_disk]
-    return read, written, read_compute, moved_to_device, loaded
+    written_per_rank = [written + sum(rewritten[k] for k in optim_on_disk) for rewritten in ex["rewritten_per_rank"]]
+    return read, written_per_rank, read_compute, moved_to_device, loaded
 
 
 def host_peak(base: PolicyPlan, placed: Placed, param_disk: bool, optim_disk: bool, loaded: list[int]) -> int:

@@ -222,6 +222,12 @@ class _RankView:
         return part_in_shard(slot.offset, slot.numel, self.shard_offset, self.shard_numel)
 
 
+def _rank_view(chunk: Any, rank: int, own_rank: int) -> Any:
+    """``chunk`` as rank ``rank`` of its shard group holds it: the chunk itself where that is this process's rank
+    (``own_rank``)."""
+    return chunk if rank == own_rank else _RankView(chunk, rank)
+
+
 def _meta_model(model_or_builder: Any) -> nn.Module:
     if isinstance(model_or_builder, nn.Module):
         if any(slot_of(p) is not None for p in model_or_builder.parameters()):
@@ -269,7 +275,7 @@ def _optimizer_bytes(policy: Any, model: ShardedModelV2, optimizer_state: str = 
         out: dict[str, dict[str, int]] = {"device": {}, "host": {}}
         for position, chunk in enumerate(trainable):
             tier = "device" if policy.optim_on_device(position, len(trainable)) else "host"
-            view = chunk if rank == model.shards.rank else _RankView(chunk, rank)
+            view = _rank_view(chunk, rank, model.shards.rank)
             for family, (numel, dtype) in optimizer_families(view, optimizer_state).items():
                 out[tier][family] = out[tier].get(family, 0) + numel * dtype.itemsize
         per_rank.append(out)
@@ -362,8 +368,9 @@ def _probe_layout(name: str, template: nn.Module, dtype: torch.dtype, chunk_size
     layout (``optim_families``: each trainable chunk's optimizer families, ``{family: (elements, bytes per
     element)}`` of rank 0's shard, the master included; ``in_memory_families``: those that stay in host memory when
     the chunk's state rests on disk; ``whole_chunks``: whether the disk step streams each chunk whole;
-    ``rewritten``: each trainable chunk's bytes the disk step writes again, rank 0's: an 8-bit Adam's pages of
-    codes around the blocks its shard boundaries cut)."""
+    ``rewritten_per_rank``: for each rank of the shard group (rank ``r`` at index ``r``), each trainable chunk's
+    bytes the disk step writes again: an 8-bit Adam's pages of codes around the blocks the shard boundaries cut,
+    which depend on where the rank's shard begins and ends)."""
     tiers.set_device_memory_capacity(2**62)
     probe = ShardedModelV2(copy.deepcopy(template), TensorShardStrategy(), tensor_placement_policy=name, dtype=dtype,
                            chunk_size=chunk_size, reuse_fp16_shard=reuse_fp16_shard,
@@ -385,7 +392,9 @@ def _probe_layout(name: str, template: nn.Module, dtype: torch.dtype, chunk_size
                            for c in trainable],
         "in_memory_families": () if optimizer_state == "fp32" else LowBitAdamRule.in_memory_families,
         "whole_chunks": optimizer_state != "fp32" and LowBitAdamRule.streams_whole_chunks,
-        "rewritten": [0 if optimizer_state == "fp32" else LowBitAdamRule.rewritten_nbytes(c) for c in trainable],
+        "rewritten_per_rank": [[0 if optimizer_state == "fp32" else
+                                LowBitAdamRule.rewritten_nbytes(_rank_view(c, rank, probe.shards.rank))
+                                for c in trainable] for rank in range(probe.shards.world)],
     }
     return optim, probe.layout.chunk_bytes, num_chunks, extra
 
