@@ -83,6 +83,7 @@ import argparse
 import gc
 import hashlib
 import json
+import resource
 import shutil
 import statistics
 import sys
@@ -475,6 +476,7 @@ def main() -> int:
         tokens = torch.randint(0, cfg.vocab, (args.batch, cfg.seq + 1), generator=gen)
         timer.reset()
         read0, written0 = ledger.read_from_disk, ledger.written_to_disk
+        usage0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))
@@ -484,6 +486,7 @@ def main() -> int:
         updated = optim.step()
         optim.zero_grad()
         t3 = time.perf_counter()
+        usage = resource.getrusage(resource.RUSAGE_SELF)
         del logits
         totals = model.memory_stats()["totals"]
         device_peak = max(device_peak, totals["peak_device_bytes"])
@@ -496,7 +499,9 @@ def main() -> int:
               f"{'updated' if updated else 'SKIPPED (overflow)'}, loss scale {optim.loss_scale:g}; peak RSS "
               f"{gib(peak_rss_bytes())}, RSS {gib(rss_bytes())}; moved to device {mib(totals['moved_to_device_bytes'])}, "
               f"to host {mib(totals['moved_to_host_bytes'])}, device-tier peak {mib(totals['peak_device_bytes'])}"
-              + ("" if disk is None else f"; disk read {gib(steps[-1]['read'])}, written {gib(steps[-1]['written'])}"),
+              + ("" if disk is None else f"; disk read {gib(steps[-1]['read'])}, written {gib(steps[-1]['written'])}")
+              + f"; CPU {usage.ru_utime - usage0.ru_utime:.1f} s user, {usage.ru_stime - usage0.ru_stime:.1f} s "
+              f"system, {usage.ru_minflt - usage0.ru_minflt:,} page faults",
               flush=True)
 
     tiers = model.tier_bytes()

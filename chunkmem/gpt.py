@@ -8,6 +8,7 @@ module; built under ``torch.device("meta")`` it costs no memory and gives the ex
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -41,15 +42,41 @@ def params_per_layer(d_model: int) -> int:
     return 12 * d_model * d_model + 13 * d_model
 
 
+class _Fp32Scratch(threading.local):
+    """The host fp32 buffers :class:`UpcastLinear` reuses for its weight-sized transient tensors (the upcast
+    weight, the fp32 weight gradient), one per role and thread, grown to the largest weight seen. A fresh
+    buffer each time costs a page fault every 4 KiB: on a 10B GPT that is most of the step's system time.
+    CUDA tensors are left to the caching allocator."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, role: str, like: torch.Tensor) -> torch.Tensor:
+        """An uninitialised fp32 tensor of ``like``'s shape for ``role``, valid until the next ``take`` of that
+        role on this thread (CUDA: a new tensor)."""
+        if like.device.type != "cpu":
+            return torch.empty(like.shape, dtype=torch.float32, device=like.device)
+        buffer = self.buffers.get(role)
+        if buffer is None or buffer.numel() < like.numel():
+            self.buffers.pop(role, None)  # (freed before the larger one is allocated)
+            buffer = self.buffers[role] = torch.empty(like.numel(), dtype=torch.float32)
+        return buffer[:like.numel()].view(like.shape)
+
+
+_scratch = _Fp32Scratch()
+
+
 class _UpcastLinearFn(torch.autograd.Function):
     """``F.linear`` on 16-bit tensors computed in fp32: it saves the 16-bit input and weight (not fp32
-    copies, which would hold 4 bytes a parameter until the backward) and upcasts them again there."""
+    copies, which would hold 4 bytes a parameter until the backward) and upcasts them again there, into
+    reused buffers (:class:`_Fp32Scratch`)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        weight32 = _scratch.take("weight", weight).copy_(weight)
+        out = F.linear(x.float(), weight32, None if bias is None else bias.float())
         return out.to(x.dtype)
 
     @staticmethod
@@ -58,9 +85,11 @@ class _UpcastLinearFn(torch.autograd.Function):
         g = grad.float().reshape(-1, grad.shape[-1])
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = (g @ weight.float()).to(x.dtype).reshape(x.shape)
+            weight32 = _scratch.take("weight", weight).copy_(weight)
+            grad_x = (g @ weight32).to(x.dtype).reshape(x.shape)
         if ctx.needs_input_grad[1]:
-            grad_w = (g.t() @ x.float().reshape(-1, x.shape[-1])).to(weight.dtype)
+            grad_w32 = torch.mm(g.t(), x.float().reshape(-1, x.shape[-1]), out=_scratch.take("weight grad", weight))
+            grad_w = grad_w32.to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0).to(weight.dtype)
         return grad_x, grad_w, grad_b
@@ -70,7 +99,8 @@ class UpcastLinear(nn.Linear):
     """``nn.Linear`` whose matmuls run in fp32 on 16-bit parameters and inputs (the result cast back to
     the input's dtype; the gradients reach the parameters in their own dtype). On a CPU without native
     16-bit matmuls (AVX2: no AVX512-BF16/FP16) torch's bf16/fp16 backward matmuls are 50-100x slower than
-    fp32 ones; the fp32 copies are transient (made again in the backward)."""
+    fp32 ones. The fp32 copies of the weight are made again in the backward; on the host they go into buffers
+    each thread reuses across layers (two of the largest weight seen, in fp32, kept for the thread's life)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == torch.float32:
