@@ -3,12 +3,11 @@ are kept between the backward and the step.
 
 A chunk's store holds what the bucketed reduction delivered to it (:meth:`GradientStores.add_mean`, called by
 :mod:`chunkmem.distributed.bucketed_reduction`: the mean over the ranks, in the store's units, times the loss scale
-with fp16): the whole chunk (stage 1) or only this rank's
-shard (stage 2, ``partition_grad``). It is made at a backward's first gradient for the chunk, from the memory
-``zero_grad`` kept when there is some (as DDP keeps its buckets); a 16-bit store holding an earlier backward's
-sum is widened to fp32 before the next backward adds to it (gradient accumulation summed in fp32), unless
-``grad_accum_dtype`` is the parameters' dtype. The step, the ``.grad`` stand-ins
-(:mod:`chunkmem.optim.zero_gradient_view`) and the accessors read this rank's part of it
+with fp16): the whole chunk (stage 1) or only this rank's shard (stage 2, ``partition_grad``). It is made at a
+backward's first gradient for the chunk, from the memory ``zero_grad`` kept when there is some (as DDP keeps its
+buckets); a 16-bit store holding an earlier backward's sum is widened to fp32 before the next backward adds to it
+(gradient accumulation summed in fp32), unless ``grad_accum_dtype`` is the parameters' dtype. The step, the
+``.grad`` stand-ins (:mod:`chunkmem.optim.zero_gradient_view`) and the accessors read this rank's part of it
 (:meth:`GradientStores.own`, :meth:`GradientStores.grad_part`).
 """
 from __future__ import annotations
