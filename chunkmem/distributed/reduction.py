@@ -1,5 +1,6 @@
 """How finished gradients of a sharded chunk are reduce-scattered over the data-parallel ranks (ZeRO-3), and
-those of a chunk whole on every rank (persistent parameters) all-reduced."""
+those of a chunk whole on every rank (persistent parameters) all-reduced. ZeRO-1/2 reduces the same way a
+bucket of parameters at a time (:mod:`chunkmem.distributed.bucketed_reduction`)."""
 from __future__ import annotations
 
 from typing import Callable, Iterator
@@ -117,6 +118,15 @@ class GradientReduction:
     def _post_divisor(self) -> float:
         """What the summed shard is divided by to give the mean (the predivision done)."""
         return self.data_parallel_world / self.predivide_factor
+
+    def predivide_(self, local: torch.Tensor) -> torch.Tensor:
+        """``local`` (a collective's input, in the reduction dtype) divided in place by ``predivide_factor``."""
+        return local.div_(self.predivide_factor) if self.predivide_factor != 1.0 else local
+
+    def mean_(self, summed: torch.Tensor, what: str) -> torch.Tensor:
+        """The mean over the data-parallel ranks from ``summed`` (a predivided input summed over the shard
+        group; overwritten), in ``summed``'s dtype: summed over the replica group, then divided."""
+        return _mean(summed, self.replicas, what, self._post_divisor, summed.dtype)
 
     def all_reduce_mean_(self, full: torch.Tensor, what: str) -> torch.Tensor:
         """``full`` (a chunk's whole gradient on every rank) replaced by its mean over the ranks, in place,

@@ -1,5 +1,5 @@
-"""What the training collectives move: every parameter gather and gradient reduction of a ZeRO-3 model,
-counted as it is issued.
+"""What the training collectives move: every parameter gather and gradient reduction of a ZeRO-3 model, and
+the gradient buckets of ZeRO-1/2 (:mod:`chunkmem.distributed.bucketed_reduction`), counted as it is issued.
 
 Each count is keyed by ``(what, collective, group size)`` (``what``: ``"parameters"`` or ``"gradients"``;
 ``collective``: ``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"`` or ``"all_to_all"``) and holds the calls and the

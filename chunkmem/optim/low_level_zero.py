@@ -9,9 +9,10 @@ This module is the optimizer's face and its step (the ranks' agreement, the loss
 updated, the parameters all-gathered). The rest lives with its concept: the checks, the agreement and the flat
 chunks it is built from, :mod:`chunkmem.optim.zero_builder` (layout: :mod:`chunkmem.optim.zero_partition`); the
 gradient stores, :mod:`chunkmem.optim.zero_gradient_store`, filled by the backward
-(:mod:`chunkmem.optim.zero_backward`) through the buckets' reduction (:mod:`chunkmem.optim.zero_buckets`) and
-read through ``param.grad``'s stand-ins (:mod:`chunkmem.optim.zero_gradient_view`); how a chunk is updated,
-:mod:`chunkmem.optim.zero_update`; the state dicts, :mod:`chunkmem.optim.zero_state_dict`.
+(:mod:`chunkmem.optim.zero_backward`) through the runtime's gradient reduction in its bucketed mode
+(:mod:`chunkmem.distributed.bucketed_reduction`) and read through ``param.grad``'s stand-ins
+(:mod:`chunkmem.optim.zero_gradient_view`); how a chunk is updated, :mod:`chunkmem.optim.zero_update`; the state
+dicts, :mod:`chunkmem.optim.zero_state_dict`.
 """
 from __future__ import annotations
 

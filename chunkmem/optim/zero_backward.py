@@ -1,13 +1,14 @@
 """The backward side of a :class:`~chunkmem.LowLevelZeroOptimizer`: each gradient taken as autograd finishes it,
 reduced into the gradient stores, and the account of the backwards the step relies on.
 
-Autograd's hook on each trainable parameter (:meth:`ZeroBackward.on_grad`) hands its gradient to the buckets
-(:mod:`chunkmem.optim.zero_buckets`) and leaves the ``.grad`` stand-in (:mod:`chunkmem.optim.zero_gradient_view`)
-in its place; the first gradient of a backward runs the ranks' agreement and queues the backward's end, where the
-reductions complete (:meth:`ZeroBackward.finish`), whether the backward went through ``optim.backward`` or not.
-Inside ``no_sync`` the gradients stay local in ``param.grad`` until the first backward outside. The account says
-whether gradients are pending, whether a backward of fp16 parameters bypassed the loss scaler, and how many
-backwards and steps the ranks have run (what they agree on); ``zero_grad`` drops or zeroes it all.
+Autograd's hook on each trainable parameter (:meth:`ZeroBackward.on_grad`) hands its gradient to the bucketed mode
+of the runtime's gradient reduction (:mod:`chunkmem.distributed.bucketed_reduction`), which delivers the means into
+the stores, and leaves the ``.grad`` stand-in (:mod:`chunkmem.optim.zero_gradient_view`) in its place; the first
+gradient of a backward runs the ranks' agreement and queues the backward's end, where the reductions complete
+(:meth:`ZeroBackward.finish`), whether the backward went through ``optim.backward`` or not. Inside ``no_sync`` the
+gradients stay local in ``param.grad`` until the first backward outside. The account says whether gradients are
+pending, whether a backward of fp16 parameters bypassed the loss scaler, and how many backwards and steps the ranks
+have run (what they agree on); ``zero_grad`` drops or zeroes it all.
 """
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ import torch
 import torch.nn as nn
 
 from ..distributed.agreement import agree_on_point
+from ..distributed.bucketed_reduction import BucketedReduction
+from ..distributed.reduction import GradientReduction
 from ..runtime.hooks import at_backward_end
 from ..runtime.no_sync import NoSync
-from .zero_buckets import GradientBuckets
 from .zero_gradient_store import GradientStores
 from .zero_gradient_view import GradientViews
 from .zero_partition import FlatSlot
@@ -29,16 +31,16 @@ class ZeroBackward:
     Args:
         stores: the chunks' gradient stores.
         slot_of: ``id(parameter)`` -> its place in the chunks, for each trainable parameter.
-        communication_dtype, reduce_bucket_size, overlap_communication: the reduction's
-            (:class:`~chunkmem.optim.zero_buckets.GradientBuckets`).
+        communication_dtype, reduce_bucket_size, overlap_communication: the reduction's dtype, bucket size
+            (elements) and overlap (:class:`~chunkmem.distributed.bucketed_reduction.BucketedReduction`).
     """
 
     def __init__(self, stores: GradientStores, slot_of: dict[int, FlatSlot], communication_dtype: torch.dtype,
                  reduce_bucket_size: int, overlap_communication: bool) -> None:
         self.stores = stores
         self.slot_of = slot_of
-        self.buckets = GradientBuckets(stores.shards, stores.partition_grad, communication_dtype, reduce_bucket_size,
-                                       overlap_communication, stores.store)
+        self.buckets = BucketedReduction(GradientReduction(stores.shards), communication_dtype, reduce_bucket_size,
+                                         overlap_communication, stores.partition_grad, stores.add_mean)
         self.views = GradientViews(stores)  # param.grad: stand-ins for the gradients in the stores
         self.no_sync = NoSync()  # the chunk runtime's no_sync() scope; inside, the gradients stay in param.grad
         self.in_backward = False  # inside optim.backward()

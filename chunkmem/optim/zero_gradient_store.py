@@ -1,13 +1,13 @@
 """The gradient stores of a :class:`~chunkmem.LowLevelZeroOptimizer`: where each flat chunk's reduced gradients
 are kept between the backward and the step.
 
-A chunk's store holds what the buckets reduced into it (:mod:`chunkmem.optim.zero_buckets`: the mean over the
-ranks, in the store's units, times the loss scale with fp16): the whole chunk (stage 1) or only this rank's
-shard (stage 2, ``partition_grad``). It is made at a backward's first gradient for the chunk, from the memory
-``zero_grad`` kept when there is some (as DDP keeps its buckets); a 16-bit store holding an earlier backward's
-sum is widened to fp32 before the next backward adds to it (gradient accumulation summed in fp32), unless
-``grad_accum_dtype`` is the parameters' dtype. The step, the ``.grad`` stand-ins
-(:mod:`chunkmem.optim.zero_gradient_view`) and the accessors read this rank's part of it
+A chunk's store holds what the bucketed reduction delivered to it (:meth:`GradientStores.add_mean`, called by
+:mod:`chunkmem.distributed.bucketed_reduction`: the mean over the ranks, in the store's units, times the loss scale
+with fp16): the whole chunk (stage 1) or only this rank's shard (stage 2, ``partition_grad``). It is made at a
+backward's first gradient for the chunk, from the memory ``zero_grad`` kept when there is some (as DDP keeps its
+buckets); a 16-bit store holding an earlier backward's sum is widened to fp32 before the next backward adds to it
+(gradient accumulation summed in fp32), unless ``grad_accum_dtype`` is the parameters' dtype. The step, the
+``.grad`` stand-ins (:mod:`chunkmem.optim.zero_gradient_view`) and the accessors read this rank's part of it
 (:meth:`GradientStores.own`, :meth:`GradientStores.grad_part`).
 """
 from __future__ import annotations
@@ -73,6 +73,17 @@ class GradientStores:
             chunk.grad = chunk.grad.float()
         chunk.grad_backward = self.backwards_begun
         return chunk.grad
+
+    def add_mean(self, slot: FlatSlot, kept: tuple[int, int] | None, mean: torch.Tensor) -> None:
+        """Add ``mean`` (the mean over the ranks of ``slot``'s gradient elements ``kept``, in the reduction
+        dtype) into ``slot``'s chunk's store, made or widened first (:meth:`store`) even when this rank keeps
+        none of the gradient (``kept`` ``None``)."""
+        store = self.store(slot.chunk)
+        if kept is None:
+            return
+        start = slot.offset + kept[0] - (slot.chunk.shard_offset if self.partition_grad else 0)
+        target = store[start:start + kept[1] - kept[0]]
+        target.add_(mean.to(target.device, target.dtype))
 
     def own(self, chunk: FlatChunk) -> torch.Tensor:
         """This rank's shard of ``chunk``'s store (made zeroed when it has none)."""
