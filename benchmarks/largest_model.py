@@ -45,7 +45,8 @@ step writes the new state to a second slot, so the files are twice the state; a 
 ``--host-memory SIZE`` sets the host tier's capacity (``chunkmem.set_host_memory_capacity``): under
 ``--placement auto`` the optimizer state that fits it stays in host memory, the rest rests on disk.
 The estimate then counts host bytes (16-bit parameters, host-resident state, the I/O buffers) and disk
-bytes (the files, checked against the free space of DIR); it prints the bytes per tier after each step,
+bytes (the files, checked against the free space of DIR); it prints the bytes per tier after each step
+(and each step's CPU seconds and page faults),
 the bytes read from and written to disk by the step (the ledger's counters) and, at the end, a SHA-256
 of every parameter's 16-bit values (chunk by chunk under ``chunkmem.GatheredParameters``) and the
 losses in hex. ``--results FILE`` writes them as JSON; ``--compare-to FILE`` compares them with another
@@ -56,7 +57,7 @@ equal.
 ``--matmul fp32`` (unless given), the fewest layers giving >= 4B parameters, ``--nvme-path`` required,
 and a step (forward + backward + optimizer) of at most ``--max-step-seconds`` (180) in every step.
 ``--matmul fp32`` builds the GPT with ``_gpt.UpcastLinear``: parameters, activations and gradients stay
-16-bit, the matmuls run in fp32 on transient fp32 copies (this AVX2 CPU has no native bf16/fp16 matmul:
+16-bit, the matmuls run in fp32 on fp32 copies in reused buffers (this AVX2 CPU has no native bf16/fp16 matmul:
 torch's bf16 backward matmuls run at a few GFLOP/s, 50-100x slower than fp32 ones). On disk runs the
 searched chunk size is given to ``ZeroInitContext`` too, so that the wrap keeps the context's chunks.
 ``--tiny``: a ~0.13M-parameter GPT in 128 KiB chunks with 64 KiB I/O buffers, to check the script and
