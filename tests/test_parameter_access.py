@@ -367,3 +367,40 @@ def test_the_guard_finds_the_parameters_torch_s_argument_tree_holds():
     found = _guarded_in(args, [])
     _guarded_in(kwargs.values(), found)
     assert [id(p) for p in found] == [id(p) for p in expected] and len(found) == 6
+
+
+def _upcast_by_autograd(model: nn.Module) -> nn.Module:
+    """``model``'s ``UpcastLinear`` layers computing the same fp32 linear through autograd's own nodes."""
+    from chunkmem.gpt import UpcastLinear
+    for module in model.modules():
+        if isinstance(module, UpcastLinear):
+            module.forward = (lambda m: lambda x: F.linear(
+                x.float(), m.weight.float(), None if m.bias is None else m.bias.float()).to(x.dtype))(module)
+    return model
+
+
+@pytest.mark.parametrize("policy,reuse", [("cpu", False), ("cpu", True), ("cuda", False), ("auto", True)])
+def test_a_custom_functions_backward_reads_the_held_parameter_itself(policy, reuse, monkeypatch):
+    """The reference GPT's ``UpcastLinear`` (a custom autograd Function whose backward reads its saved weight)
+    trains bitwise like the same model upcasting through autograd's nodes, and its backward's reads make no
+    copy of the chunk's values: the backward holds the chunk on the device."""
+    import chunkmem.core.param_guard as param_guard
+    from chunkmem.gpt import GPT, GPTConfig
+    cfg = GPTConfig(vocab=64, d_model=32, layers=2, heads=4, seq=16)
+    torch.manual_seed(0)
+    reference = GPT(cfg, upcast=True)
+    copies, current_values = [], param_guard._current_values
+    monkeypatch.setattr(param_guard, "_current_values", lambda slot: copies.append(slot.name) or current_values(slot))
+    states = []
+    for module in (copy.deepcopy(reference), _upcast_by_autograd(copy.deepcopy(reference))):
+        model = cm.ShardedModelV2(module, cm.TensorShardStrategy(), tensor_placement_policy=policy,
+                                  dtype=torch.bfloat16, reuse_fp16_shard=reuse, chunk_size=8192)
+        optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-2), initial_scale=1)
+        for tokens in batches(3, vocab=64, seq=17):
+            optim.backward(F.cross_entropy(model(tokens[:, :-1]).float().reshape(-1, 64), tokens[:, 1:].reshape(-1)))
+            optim.step()
+            optim.zero_grad()
+        states.append(model.state_dict())
+    assert copies == []
+    for key, value in states[0].items():
+        assert torch.equal(value, states[1][key]), key

@@ -13,6 +13,8 @@ where the use happens             reads (print, sum, detach, clone,  in-place wr
 inside a forward of its model     the parameter itself (a module     the parameter itself (as before)
                                   using another module's parameter
                                   fetches that chunk first)
+inside the backward, while it     the parameter itself (a custom     as anywhere else
+holds the chunk on the device     autograd Function's backward)
 inside ``GatheredParameters``     the gathered parameter             the gathered parameter; with
                                                                      ``modifier_rank`` written back on exit
 anywhere else, one rank           a copy of the current values;      written into the chunk if it has no
@@ -244,7 +246,17 @@ def _passes(param: ChunkParameter, written: bool) -> bool:
     if host.in_forward:
         host.use_in_forward(param)
         return True
+    if not written and _held_by_the_backward(slot.chunk):
+        return True
     return host.is_open(slot.chunk, for_writing=written)
+
+
+def _held_by_the_backward(chunk: Any) -> bool:
+    """Whether the backward holds ``chunk`` on the device with its parameters' values: a read there (a custom
+    autograd Function's backward reading its saved weight) runs on the parameter itself, as autograd's own
+    nodes read it, instead of on a copy of the chunk's values made for each use."""
+    buf = chunk.param
+    return chunk.held_for_backward and buf.device_valid and not buf.holds_grads
 
 
 def _attribute_access(param: ChunkParameter, attribute: tuple[str, str], func: Any, args: tuple,
