@@ -83,3 +83,14 @@ def train(model, optim, data, loss_fn=None) -> list[float]:
         optim.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def upcast_by_autograd(model: nn.Module) -> nn.Module:
+    """``model`` (the reference GPT built with ``upcast=True``) with its ``UpcastLinear`` layers computing the
+    same fp32 linear through autograd's own nodes (``F.linear`` on upcast copies, cast back)."""
+    from chunkmem.gpt import UpcastLinear
+    for module in model.modules():
+        if isinstance(module, UpcastLinear):
+            module.forward = (lambda m: lambda x: F.linear(
+                x.float(), m.weight.float(), None if m.bias is None else m.bias.float()).to(x.dtype))(module)
+    return model

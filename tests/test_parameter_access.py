@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import chunkmem as cm
 from chunkmem.core.param_guard import ChunkParameter
 from distributed import run_ranks
-from models import TinyGPT, batches, build_sharded, lm_loss, train
+from models import TinyGPT, batches, build_sharded, lm_loss, train, upcast_by_autograd
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 DATA = batches(3)
@@ -369,15 +369,6 @@ def test_the_guard_finds_the_parameters_torch_s_argument_tree_holds():
     assert [id(p) for p in found] == [id(p) for p in expected] and len(found) == 6
 
 
-def _upcast_by_autograd(model: nn.Module) -> nn.Module:
-    """``model``'s ``UpcastLinear`` layers computing the same fp32 linear through autograd's own nodes."""
-    from chunkmem.gpt import UpcastLinear
-    for module in model.modules():
-        if isinstance(module, UpcastLinear):
-            module.forward = (lambda m: lambda x: F.linear(
-                x.float(), m.weight.float(), None if m.bias is None else m.bias.float()).to(x.dtype))(module)
-    return model
-
 
 @pytest.mark.parametrize("policy,reuse", [("cpu", False), ("cpu", True), ("cuda", False), ("auto", True)])
 def test_a_custom_functions_backward_reads_the_held_parameter_itself(policy, reuse, monkeypatch):
@@ -392,7 +383,7 @@ def test_a_custom_functions_backward_reads_the_held_parameter_itself(policy, reu
     copies, current_values = [], param_guard._current_values
     monkeypatch.setattr(param_guard, "_current_values", lambda slot: copies.append(slot.name) or current_values(slot))
     states = []
-    for module in (copy.deepcopy(reference), _upcast_by_autograd(copy.deepcopy(reference))):
+    for module in (copy.deepcopy(reference), upcast_by_autograd(copy.deepcopy(reference))):
         model = cm.ShardedModelV2(module, cm.TensorShardStrategy(), tensor_placement_policy=policy,
                                   dtype=torch.bfloat16, reuse_fp16_shard=reuse, chunk_size=8192)
         optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-2), initial_scale=1)

@@ -1,5 +1,6 @@
 """The reference GPT's ``UpcastLinear``: fp32 matmuls on 16-bit tensors, through reused host buffers, give
 the bits of autograd's own fp32 linear on upcast copies."""
+import copy
 import threading
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from chunkmem.gpt import GPT, GPTConfig, UpcastLinear
+from tests.models import upcast_by_autograd
 
 
 def _autograd_reference(layer: UpcastLinear, x: torch.Tensor, grad: torch.Tensor):
@@ -70,12 +72,7 @@ def test_the_upcast_gpt_trains_as_the_gpt_on_fp32_copies():
     cfg = GPTConfig(vocab=64, d_model=32, layers=2, heads=4, seq=8)
     torch.manual_seed(2)
     upcast = GPT(cfg, upcast=True).to(torch.bfloat16)
-    plain = GPT(cfg).to(torch.bfloat16)
-    plain.load_state_dict(upcast.state_dict())
-    for module in plain.modules():
-        if isinstance(module, torch.nn.Linear):
-            module.forward = (lambda m: lambda x: F.linear(
-                x.float(), m.weight.float(), None if m.bias is None else m.bias.float()).to(x.dtype))(module)
+    plain = upcast_by_autograd(copy.deepcopy(upcast))
     tokens = torch.randint(0, 64, (2, 9))
     for model in (upcast, plain):
         logits = model(tokens[:, :-1])
