@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import chunkmem as cm
-from chunkmem.core.chunk import Chunk, ChunkKey
+from chunkmem.core.chunk import Chunk, ChunkKey, ParamBuffer
 from chunkmem.core.ledger import TierLedger
 from chunkmem.core.memory import TierMemory
 from chunkmem.runtime.placement import AutoPlacement, HostPlacement, PlacementState
@@ -15,6 +15,7 @@ from chunkmem.runtime.schedule import IterationMode, Scheduler
 from chunkmem.core.states import ChunkStateError, Contents, CopyLife, CopyState
 from chunkmem.core.tiers import Tier
 from chunkmem.core.copy_engine import start_copy
+from chunkmem.distributed.collectives import ShardGroup
 from chunkmem.core.transfer import PinnedStagingPool, Transfer
 
 S = CopyState
@@ -108,6 +109,22 @@ def test_param_buffer_states_through_a_fetch_an_update_and_a_free():
         buf.start_fetch()
     buf.free_device()  # a copy in flight is waited on, then freed
     assert buf.device_state is S.FREED
+
+
+def test_replicated_resident_param_buffer_is_whole_current_and_never_freed():
+    """ZeRO-1/2's working chunk: whole on the device given, zero, counted once, this rank's shard a view."""
+    memory = TierMemory(TierLedger(capacity=10**6))
+    buf = ParamBuffer.replicated_resident(8, torch.float16, memory, "flat chunk 3", ShardGroup(None, 1, 2),
+                                          torch.device("cpu"))
+    assert (buf.device_state, buf.shard_state) == (S.CURRENT, S.FREED) and buf.gather is None
+    assert buf.device.device == torch.device("cpu") and torch.equal(buf.device, torch.zeros(8, dtype=torch.float16))
+    assert memory.breakdown() == {"device": {"param": 8 * 2}, "host": {}}
+    own = buf.local()
+    assert own.data_ptr() == buf.device.data_ptr() + 4 * 2 and own.numel() == 4  # rank 1's half, a view
+    with pytest.raises(ChunkStateError, match="flat chunk 3.param device copy is CURRENT; be freed "
+                                              r"\(replicated-resident"):
+        buf.free_device()
+    assert buf.device_state is S.CURRENT and memory.ledger.tier_bytes(Tier.DEVICE) == 8 * 2
 
 
 def test_contents_values_to_grads_and_back():

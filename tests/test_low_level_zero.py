@@ -207,6 +207,9 @@ def _bytes_of(rank: int, world: int) -> dict:
         optim = cm.LowLevelZeroOptimizer(torch.optim.Adam(model.parameters()), partition_grad=partition)
         optim.backward(model(torch.ones(2, 16, dtype=dtype)).float().sum())
         out[(partition, dtype)] = optim.model_state_bytes()
+        # the working chunks are the shared chunk memory's: counted once by the ledger, this rank's shard a view
+        assert optim.memory.breakdown() == {"device": {"param": 256 * dtype.itemsize}, "host": {}}
+        assert all(c.own(c.param).data_ptr() == c.param_buffer.local().data_ptr() for c in optim.chunks)
     return out
 
 

@@ -286,11 +286,12 @@ class ParamBuffer:
     gradients. When sharded, parameters change only through the shard, so the shard is always current
     and the full copy is either a gathered copy of it or stale. How it is gathered is ``gather``, a strategy
     of :mod:`chunkmem.distributed.gathers` the builder chooses once; the buffer is its
-    :class:`~chunkmem.distributed.gathers.GatherSource` and keeps the copy states.
+    :class:`~chunkmem.distributed.gathers.GatherSource` and keeps the copy states. ZeRO-1/2's working chunk is
+    a third mode, :meth:`replicated_resident`: the full copy on every rank, never freed, its shard a view of it.
     """
 
     def __init__(self, numel: int, dtype: torch.dtype, memory: TierMemory, owner: str,
-                 shards: ShardGroup = SINGLE_PROCESS, index: int = 0) -> None:
+                 shards: ShardGroup = SINGLE_PROCESS, index: int = 0, device: torch.device | None = None) -> None:
         self.numel = numel
         self.dtype = dtype
         self.memory = memory
@@ -299,8 +300,9 @@ class ParamBuffer:
         self.shard_numel = numel // shards.world
         self.shard_offset = shards.rank * self.shard_numel
         self.nbytes = numel * dtype.itemsize
-        self.device = torch.empty(numel, dtype=dtype, device=device_of_tier(Tier.DEVICE))
+        self.device = torch.empty(numel, dtype=dtype, device=device or device_of_tier(Tier.DEVICE))
         self.device.untyped_storage().resize_(0)
+        self.resident = False  # replicated-resident (:meth:`replicated_resident`): the device copy is never freed
         self._lent: torch.Tensor | None = None  # with a block pool: holds the 0 bytes while memory is lent
         self._device_life = CopyLife(f"{owner}.param device copy", shards.rank)
         self._transfer: Transfer | None = None
@@ -310,6 +312,22 @@ class ParamBuffer:
         # rank: the device copy is a copy of the shard
         self.gather: ParamGather | None = FlatGather(shards) if shards.sharded else None
         self._approximate = False  # the device copy came from a quantized gather
+
+    @classmethod
+    def replicated_resident(cls, numel: int, dtype: torch.dtype, memory: TierMemory, owner: str, shards: ShardGroup,
+                            device: torch.device, index: int = 0) -> "ParamBuffer":
+        """ZeRO-1/2's working chunk: all ``numel`` elements on ``device`` (the parameters' own device, which may be
+        the CPU on a CUDA machine) on every rank, allocated here zero-filled, CURRENT and never freed. This rank's
+        shard is a view of it (:meth:`local`), with no memory of its own, so the ledger counts the chunk once
+        (``numel`` elements, on the device tier). Nothing gathers it: its owner writes every rank's updated part
+        into it in place."""
+        buffer = cls(numel, dtype, memory, owner, shards, index, device)
+        buffer.gather = None
+        buffer.resident = True
+        buffer.allocate_device()
+        buffer.device.zero_()
+        buffer._device_life.written()
+        return buffer
 
     # ---- state (read-only views of the two machines) --------------------------------------------------
 
@@ -517,6 +535,9 @@ class ParamBuffer:
 
     def _drop_device(self) -> None:
         """Free the device copy's memory whatever it holds (-> FREED)."""
+        if self.resident:
+            raise ChunkStateError(f"{self.owner}.param device copy", "be freed (replicated-resident: the working "
+                                  "chunk stays whole on every rank)", self.device_state, (), self.shards.rank)
         self.wait()
         self.memory.empty_storage(self.device.untyped_storage(), PARAM, self.nbytes, self._lent)
         self._lent = None

@@ -5,7 +5,9 @@ chunk size from :func:`chunkmem.core.layout.search_chunk_numel`, rounded to whol
 rank; the last chunk of each param group holds only its parameters, :func:`~chunkmem.core.layout.chunk_sizes`):
 each chunk is one flat working buffer that every rank holds in full (the parameters become views
 into it, so the module stays a plain module), and rank ``r`` owns elements ``[r * shard_numel,
-(r + 1) * shard_numel)`` of it, as a sharded :class:`~chunkmem.core.chunk.Chunk` does. The fp32 master,
+(r + 1) * shard_numel)`` of it, as a sharded :class:`~chunkmem.core.chunk.Chunk` does. The working buffer is the
+shared chunk memory's :class:`~chunkmem.core.chunk.ParamBuffer` in its replicated-resident mode, its bytes counted by
+the optimizer's :class:`~chunkmem.core.memory.TierMemory` (:func:`partition_memory`). The fp32 master,
 the optimizer's per-element state (Adam's moments, or another optimizer's own: see
 :mod:`chunkmem.optim.any_optimizer`) and (ZeRO-2) the gradient exist only for the owned elements.
 """
@@ -17,9 +19,15 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..core.chunk import ADAM_STATE
+import sys
+
+from ..core.chunk import ADAM_STATE, ParamBuffer
 from ..core.chunk_slots import ChunkSlots, ParamSlot
+from ..core.copy_engine import engine_for_new_model
 from ..core.layout import aligned_numel, chunk_sizes, pack, part_in_shard, search_chunk_numel
+from ..core.ledger import TierLedger
+from ..core.memory import TierMemory
+from ..distributed.collectives import ShardGroup
 
 
 @dataclass(eq=False)
@@ -42,7 +50,8 @@ class FlatSlot(ParamSlot):
 
 class FlatChunk(ChunkSlots):
     """One chunk (its slots, shard and per-parameter steps: :class:`~chunkmem.core.chunk_slots.ChunkSlots`): the
-    full working ``param`` buffer (``numel`` elements, every rank), this rank's ``master`` and per-element
+    full working ``param`` buffer (``numel`` elements, every rank: the device copy of ``param_buffer``, a
+    replicated-resident :class:`~chunkmem.core.chunk.ParamBuffer`), this rank's ``master`` and per-element
     optimizer ``state`` by family (``exp_avg``, ``exp_avg_sq`` for Adam; ``shard_numel`` fp32 elements each),
     another optimizer's ``scalars`` (``{param index: {key: value}}``, each parameter that has stepped its own
     ``step``, ..., as torch keeps them; also on a rank that holds none of the parameter's elements) or
@@ -50,11 +59,11 @@ class FlatChunk(ChunkSlots):
     the finished gradient store ``grad`` (``None`` until a backward reduced into it; after ``zero_grad`` its memory
     is kept in ``spare_grad`` for the next backward, as DDP keeps its buckets)."""
 
-    def __init__(self, index: int, group: int, numel: int, world: int, rank: int, param: torch.Tensor) -> None:
+    def __init__(self, index: int, group: int, param_buffer: ParamBuffer) -> None:
         super().__init__()
-        self.index, self.group, self.numel, self.world, self.rank, self.param = index, group, numel, world, rank, param
-        self.shard_numel = numel // world
-        self.shard_offset = rank * self.shard_numel
+        self.index, self.group, self.param_buffer = index, group, param_buffer
+        self.numel, self.world, self.rank = param_buffer.numel, param_buffer.shards.world, param_buffer.shards.rank
+        self.shard_numel, self.shard_offset = param_buffer.shard_numel, param_buffer.shard_offset
         self.master: torch.Tensor | None = None
         self.state: dict[str, torch.Tensor] = {}
         self.scalars: dict[int, dict[str, Any]] = {}  # param index -> its scalar state
@@ -62,6 +71,11 @@ class FlatChunk(ChunkSlots):
         self.grad: torch.Tensor | None = None
         self.spare_grad: torch.Tensor | None = None
         self.grad_backward = -1  # which backward (the optimizer's count of those begun) last added to ``grad``
+
+    @property
+    def param(self) -> torch.Tensor:
+        """The working chunk: all ``numel`` elements, which the parameters view (resident, never freed)."""
+        return self.param_buffer.device
 
     @property
     def state_families(self) -> tuple[str, ...]:
@@ -73,13 +87,22 @@ class FlatChunk(ChunkSlots):
         return flat[self.shard_offset:self.shard_offset + self.shard_numel]
 
 
-def build_partition(groups: list[list[nn.Parameter]], index_of: dict[int, int], dtype: torch.dtype, world: int,
-                    rank: int, master_device: torch.device, separate_master: bool,
+def partition_memory() -> TierMemory:
+    """The memory of one optimizer's flat chunks: a ledger that counts (bytes per tier and family) without bounding
+    (the optimizer has no capacity argument; its working chunks are allocated once, as the model's parameters were),
+    torch's allocators (no block pool: the chunks are never given back, so pooling would only round them up) and
+    the copy engine a model wrapped now uses."""
+    return TierMemory(TierLedger(sys.maxsize), copies=engine_for_new_model())
+
+
+def build_partition(groups: list[list[nn.Parameter]], index_of: dict[int, int], dtype: torch.dtype,
+                    shards: ShardGroup, memory: TierMemory, master_device: torch.device, separate_master: bool,
                     families: tuple[str, ...] = ADAM_STATE, master_dtype: torch.dtype = torch.float32
                     ) -> list[FlatChunk]:
     """Pack the parameters of ``groups`` (chunks never mix groups; ``index_of``: ``id(parameter)`` -> torch's
-    index of it) into flat chunks of ``dtype`` on
-    the parameters' device, make every parameter a view into its chunk, and allocate this rank's
+    index of it) into flat chunks of ``dtype`` on the parameters' device (replicated-resident
+    :class:`~chunkmem.core.chunk.ParamBuffer` s of ``memory``, one per chunk, over ``shards``), make every
+    parameter a view into its chunk, and allocate this rank's
     master (``master_dtype``: fp32, or bf16 for bf16 parameters that are their own masters; a copy of the
     values before any cast, when ``separate_master``; else the owned elements of the working buffer are the
     masters) and zero fp32 optimizer state ``families`` (one element per element of the shard) on
@@ -88,14 +111,15 @@ def build_partition(groups: list[list[nn.Parameter]], index_of: dict[int, int], 
     numels = [p.numel() for _, p in entries]
     keys = [g for g, _ in entries]
     element_size = dtype.itemsize
-    chunk_numel = aligned_numel(search_chunk_numel(numels, keys, element_size), world)
+    chunk_numel = aligned_numel(search_chunk_numel(numels, keys, element_size), shards.world)
     packed = pack(numels, keys, chunk_numel)
     chunks = []
-    for n, (members, numel) in enumerate(zip(packed, chunk_sizes(packed, numels, keys, chunk_numel, world))):
+    for n, (members, numel) in enumerate(zip(packed, chunk_sizes(packed, numels, keys, chunk_numel, shards.world))):
         device = entries[members[0]][1].device
-        flat = torch.zeros(numel, dtype=dtype, device=device)
+        working = ParamBuffer.replicated_resident(numel, dtype, memory, f"flat chunk {n}", shards, device, n)
+        flat = working.device
         exact = torch.zeros(numel, dtype=master_dtype, device=device) if separate_master else None
-        chunk = FlatChunk(n, entries[members[0]][0], numel, world, rank, flat)
+        chunk = FlatChunk(n, entries[members[0]][0], working)
         offset = 0
         for i in members:
             param = entries[i][1]
