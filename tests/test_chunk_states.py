@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import chunkmem as cm
-from chunkmem.core.chunk import Chunk, ChunkKey, ParamBuffer
+from chunkmem.core.chunk import Chunk, ChunkKey, FlatBuffer, ParamBuffer
 from chunkmem.core.ledger import TierLedger
 from chunkmem.core.memory import TierMemory
 from chunkmem.runtime.placement import AutoPlacement, HostPlacement, PlacementState
@@ -125,6 +125,18 @@ def test_replicated_resident_param_buffer_is_whole_current_and_never_freed():
                                               r"\(replicated-resident"):
         buf.free_device()
     assert buf.device_state is S.CURRENT and memory.ledger.tier_bytes(Tier.DEVICE) == 8 * 2
+
+
+def test_a_flat_buffer_fixed_to_a_device_is_counted_on_its_tier_and_never_moved():
+    """ZeRO-1/2's masters and state: allocated on the device given, counted on the tier named."""
+    memory = TierMemory(TierLedger(capacity=10**6))
+    buf = FlatBuffer("exp_avg", 4, torch.float32, memory, "flat chunk 0", device=torch.device("cpu"))
+    assert torch.equal(buf.allocate(Tier.HOST, zero=True), torch.zeros(4)) and buf.state is S.CURRENT
+    assert memory.breakdown() == {"device": {}, "host": {"exp_avg": 16}}
+    with pytest.raises(ValueError, match="flat chunk 0.exp_avg is kept on cpu, not moved between tiers"):
+        buf.move_to(Tier.DEVICE)
+    buf.free()
+    assert memory.breakdown() == {"device": {}, "host": {}}
 
 
 def test_contents_values_to_grads_and_back():

@@ -128,11 +128,13 @@ class FlatBuffer:
     """One state family of one chunk: a flat buffer on one tier at a time, its memory from ``memory``.
 
     ``life`` is the buffer's :class:`~chunkmem.core.states.CopyLife` (read it; only this class's methods
-    change it). ``region`` is where it lies in the disk tier's files when it rests there.
+    change it). ``region`` is where it lies in the disk tier's files when it rests there. ``device`` (``None``:
+    the tier's own device) pins the buffer to one device (ZeRO-1/2's masters and state, beside the parameters):
+    allocated and widened there, never moved to another tier.
     """
 
     def __init__(self, family: str, numel: int, dtype: torch.dtype, memory: TierMemory, owner: str,
-                 rank: int = 0, index: int = 0) -> None:
+                 rank: int = 0, index: int = 0, device: torch.device | None = None) -> None:
         self.family = family
         self.numel = numel
         self.dtype = dtype
@@ -144,6 +146,7 @@ class FlatBuffer:
         self.tier: Tier | None = None
         self.disk_slot = 0  # on the disk tier: which of the chunk's regions holds the current contents
         self.life = CopyLife(f"{owner}.{family}", rank)
+        self.device = device
 
     @property
     def element_size(self) -> int:
@@ -205,7 +208,7 @@ class FlatBuffer:
         ``None`` on the disk tier (its region in the file; see :meth:`write`)."""
         self.life.check("allocate", CopyState.FREED)
         self.dtype = dtype or self.base_dtype
-        self.tensor = self.memory.take(tier, self.family, self.numel, self.dtype, self.region.label)
+        self.tensor = self.memory.take(tier, self.family, self.numel, self.dtype, self.region.label, self.device)
         self.tier = tier
         if tier is Tier.DISK:
             self.disk_slot = 0
@@ -233,6 +236,8 @@ class FlatBuffer:
         self.life.check("move to another tier", CopyState.CURRENT, CopyState.STALE)
         if tier is self.tier:
             return
+        if self.device is not None:
+            raise ValueError(f"internal error: {self.region.label} is kept on {self.device}, not moved between tiers")
         old, old_tier, old_slot = self.tensor, self.tier, self.disk_slot
         new = self.memory.take(tier, self.family, self.numel, self.dtype, self.region.label)
         try:
@@ -258,7 +263,7 @@ class FlatBuffer:
         self.life.check("be widened", CopyState.CURRENT, CopyState.STALE)
         if dtype == self.dtype or self.tier is Tier.DISK:
             return
-        wide = self.memory.take(self.tier, self.family, self.numel, dtype, self.region.label)
+        wide = self.memory.take(self.tier, self.family, self.numel, dtype, self.region.label, self.device)
         wide.copy_(self.tensor)
         self.memory.give_back(self.tier, self.family, self.nbytes, self.tensor)
         self.tensor, self.dtype = wide, dtype

@@ -13,20 +13,20 @@ the optimizer's per-element state (Adam's moments, or another optimizer's own: s
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-import sys
-
-from ..core.chunk import ADAM_STATE, ParamBuffer
+from ..core.chunk import ADAM_STATE, MASTER, FlatBuffer, ParamBuffer
 from ..core.chunk_slots import ChunkSlots, ParamSlot
 from ..core.copy_engine import engine_for_new_model
 from ..core.layout import aligned_numel, chunk_sizes, pack, part_in_shard, search_chunk_numel
 from ..core.ledger import TierLedger
 from ..core.memory import TierMemory
+from ..core.tiers import Tier
 from ..distributed.collectives import ShardGroup
 
 
@@ -57,15 +57,21 @@ class FlatChunk(ChunkSlots):
     ``step``, ..., as torch keeps them; also on a rank that holds none of the parameter's elements) or
     whole-parameter state (``whole_state``, by the parameter's index: :mod:`chunkmem.optim.any_optimizer`), and
     the finished gradient store ``grad`` (``None`` until a backward reduced into it; after ``zero_grad`` its memory
-    is kept in ``spare_grad`` for the next backward, as DDP keeps its buckets)."""
+    is kept in ``spare_grad`` for the next backward, as DDP keeps its buckets).
 
-    def __init__(self, index: int, group: int, param_buffer: ParamBuffer) -> None:
+    The master and the state families are :class:`~chunkmem.core.chunk.FlatBuffer` s of the param buffer's memory
+    in ``optim`` (by family; no ``master`` entry when the working shard is its own master), fixed to
+    ``optim_device`` and counted on ``optim_tier`` (the host tier when they sit apart from the parameters:
+    ``cpu_offload`` on a GPU; else the device tier)."""
+
+    def __init__(self, index: int, group: int, param_buffer: ParamBuffer, optim_device: torch.device,
+                 optim_tier: Tier) -> None:
         super().__init__()
         self.index, self.group, self.param_buffer = index, group, param_buffer
         self.numel, self.world, self.rank = param_buffer.numel, param_buffer.shards.world, param_buffer.shards.rank
         self.shard_numel, self.shard_offset = param_buffer.shard_numel, param_buffer.shard_offset
-        self.master: torch.Tensor | None = None
-        self.state: dict[str, torch.Tensor] = {}
+        self.optim_device, self.optim_tier = optim_device, optim_tier
+        self.optim: dict[str, FlatBuffer] = {}
         self.scalars: dict[int, dict[str, Any]] = {}  # param index -> its scalar state
         self.whole_state: dict[int, dict[str, Any]] = {}
         self.grad: torch.Tensor | None = None
@@ -78,13 +84,45 @@ class FlatChunk(ChunkSlots):
         return self.param_buffer.device
 
     @property
+    def master(self) -> torch.Tensor:
+        """This rank's ``shard_numel`` masters: their own buffer, or the working shard (a view) when it is its own
+        master."""
+        buffer = self.optim.get(MASTER)
+        return self.own(self.param) if buffer is None else buffer.tensor
+
+    @property
+    def state(self) -> dict[str, torch.Tensor]:
+        """The per-element optimizer state by family (a new dict of the buffers' tensors; write into them)."""
+        return {family: buffer.tensor for family, buffer in self.optim.items() if family != MASTER}
+
+    @property
     def state_families(self) -> tuple[str, ...]:
         """The per-element optimizer state's family names."""
-        return tuple(self.state)
+        return tuple(family for family in self.optim if family != MASTER)
 
     def own(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a full-chunk flat tensor (a view)."""
         return flat[self.shard_offset:self.shard_offset + self.shard_numel]
+
+    def keep_master(self, values: torch.Tensor, dtype: torch.dtype) -> None:
+        """Give the chunk masters of their own in ``dtype``, holding ``values`` (this rank's ``shard_numel``)."""
+        buffer = self._optim_buffer(MASTER, self.shard_numel, dtype)
+        buffer.allocate(self.optim_tier).copy_(values)
+        buffer.mark_written()
+
+    def use_state_buffers(self, buffers: dict[str, tuple[int, torch.dtype]]) -> None:
+        """Make ``buffers`` (family -> elements and dtype of this rank's buffer) the optimizer state, zero, in place
+        of the families the chunk had (their memory given back)."""
+        for family in self.state_families:
+            self.optim.pop(family).free()
+        for family, (numel, dtype) in buffers.items():
+            self._optim_buffer(family, numel, dtype).allocate(self.optim_tier, zero=True)
+
+    def _optim_buffer(self, family: str, numel: int, dtype: torch.dtype) -> FlatBuffer:
+        buffer = FlatBuffer(family, numel, dtype, self.param_buffer.memory, self.param_buffer.owner, self.rank,
+                            self.index, self.optim_device)
+        self.optim[family] = buffer
+        return buffer
 
 
 def partition_memory() -> TierMemory:
@@ -119,7 +157,8 @@ def build_partition(groups: list[list[nn.Parameter]], index_of: dict[int, int], 
         working = ParamBuffer.replicated_resident(numel, dtype, memory, f"flat chunk {n}", shards, device, n)
         flat = working.device
         exact = torch.zeros(numel, dtype=master_dtype, device=device) if separate_master else None
-        chunk = FlatChunk(n, entries[members[0]][0], working)
+        chunk = FlatChunk(n, entries[members[0]][0], working, master_device,
+                          Tier.DEVICE if master_device == device else Tier.HOST)
         offset = 0
         for i in members:
             param = entries[i][1]
@@ -134,10 +173,7 @@ def build_partition(groups: list[list[nn.Parameter]], index_of: dict[int, int], 
             chunk.slots.append(slot)
             offset += param.numel()
         if exact is not None:
-            chunk.master = chunk.own(exact).to(master_device, copy=True)
-        else:
-            chunk.master = chunk.own(flat)
-        chunk.state = {family: torch.zeros(chunk.shard_numel, dtype=torch.float32, device=master_device)
-                       for family in families}
+            chunk.keep_master(chunk.own(exact), master_dtype)
+        chunk.use_state_buffers({family: (chunk.shard_numel, torch.float32) for family in families})
         chunks.append(chunk)
     return chunks
