@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import chunkmem as cm
-from chunkmem.core.chunk import Chunk, ChunkKey
+from chunkmem.core.chunk import Chunk, ChunkKey, FlatBuffer, ParamBuffer
 from chunkmem.core.ledger import TierLedger
 from chunkmem.core.memory import TierMemory
 from chunkmem.runtime.placement import AutoPlacement, HostPlacement, PlacementState
@@ -15,6 +15,7 @@ from chunkmem.runtime.schedule import IterationMode, Scheduler
 from chunkmem.core.states import ChunkStateError, Contents, CopyLife, CopyState
 from chunkmem.core.tiers import Tier
 from chunkmem.core.copy_engine import start_copy
+from chunkmem.distributed.collectives import ShardGroup
 from chunkmem.core.transfer import PinnedStagingPool, Transfer
 
 S = CopyState
@@ -108,6 +109,34 @@ def test_param_buffer_states_through_a_fetch_an_update_and_a_free():
         buf.start_fetch()
     buf.free_device()  # a copy in flight is waited on, then freed
     assert buf.device_state is S.FREED
+
+
+def test_replicated_resident_param_buffer_is_whole_current_and_never_freed():
+    """ZeRO-1/2's working chunk: whole on the device given, zero, counted once, this rank's shard a view."""
+    memory = TierMemory(TierLedger(capacity=10**6))
+    buf = ParamBuffer.replicated_resident(8, torch.float16, memory, "flat chunk 3", ShardGroup(None, 1, 2),
+                                          torch.device("cpu"))
+    assert (buf.device_state, buf.shard_state) == (S.CURRENT, S.FREED) and buf.gather is None
+    assert buf.device.device == torch.device("cpu") and torch.equal(buf.device, torch.zeros(8, dtype=torch.float16))
+    assert memory.breakdown() == {"device": {"param": 8 * 2}, "host": {}}
+    own = buf.local()
+    assert own.data_ptr() == buf.device.data_ptr() + 4 * 2 and own.numel() == 4  # rank 1's half, a view
+    with pytest.raises(ChunkStateError, match="flat chunk 3.param device copy is CURRENT; be freed "
+                                              r"\(replicated-resident"):
+        buf.free_device()
+    assert buf.device_state is S.CURRENT and memory.ledger.tier_bytes(Tier.DEVICE) == 8 * 2
+
+
+def test_a_flat_buffer_fixed_to_a_device_is_counted_on_its_tier_and_never_moved():
+    """ZeRO-1/2's masters and state: allocated on the device given, counted on the tier named."""
+    memory = TierMemory(TierLedger(capacity=10**6))
+    buf = FlatBuffer("exp_avg", 4, torch.float32, memory, "flat chunk 0", device=torch.device("cpu"))
+    assert torch.equal(buf.allocate(Tier.HOST, zero=True), torch.zeros(4)) and buf.state is S.CURRENT
+    assert memory.breakdown() == {"device": {}, "host": {"exp_avg": 16}}
+    with pytest.raises(ValueError, match="flat chunk 0.exp_avg is kept on cpu, not moved between tiers"):
+        buf.move_to(Tier.DEVICE)
+    buf.free()
+    assert memory.breakdown() == {"device": {}, "host": {}}
 
 
 def test_contents_values_to_grads_and_back():

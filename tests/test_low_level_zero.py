@@ -207,6 +207,12 @@ def _bytes_of(rank: int, world: int) -> dict:
         optim = cm.LowLevelZeroOptimizer(torch.optim.Adam(model.parameters()), partition_grad=partition)
         optim.backward(model(torch.ones(2, 16, dtype=dtype)).float().sum())
         out[(partition, dtype)] = optim.model_state_bytes()
+        # the chunks' memory is the shared one: each buffer counted once by the ledger (nothing on the host here),
+        # this rank's shard of the working chunk a view of it
+        counted = {"param": 256 * dtype.itemsize, "exp_avg": 1024 // world, "exp_avg_sq": 1024 // world}
+        assert optim.memory.breakdown() == {"device": {**counted, **({"master": 1024 // world} if dtype == torch.float16
+                                                                     else {})}, "host": {}}
+        assert all(c.own(c.param).data_ptr() == c.param_buffer.local().data_ptr() for c in optim.chunks)
     return out
 
 

@@ -128,11 +128,13 @@ class FlatBuffer:
     """One state family of one chunk: a flat buffer on one tier at a time, its memory from ``memory``.
 
     ``life`` is the buffer's :class:`~chunkmem.core.states.CopyLife` (read it; only this class's methods
-    change it). ``region`` is where it lies in the disk tier's files when it rests there.
+    change it). ``region`` is where it lies in the disk tier's files when it rests there. ``device`` (``None``:
+    the tier's own device) pins the buffer to one device (ZeRO-1/2's masters and state, beside the parameters):
+    allocated and widened there, never moved to another tier.
     """
 
     def __init__(self, family: str, numel: int, dtype: torch.dtype, memory: TierMemory, owner: str,
-                 rank: int = 0, index: int = 0) -> None:
+                 rank: int = 0, index: int = 0, device: torch.device | None = None) -> None:
         self.family = family
         self.numel = numel
         self.dtype = dtype
@@ -144,6 +146,7 @@ class FlatBuffer:
         self.tier: Tier | None = None
         self.disk_slot = 0  # on the disk tier: which of the chunk's regions holds the current contents
         self.life = CopyLife(f"{owner}.{family}", rank)
+        self.device = device
 
     @property
     def element_size(self) -> int:
@@ -205,7 +208,7 @@ class FlatBuffer:
         ``None`` on the disk tier (its region in the file; see :meth:`write`)."""
         self.life.check("allocate", CopyState.FREED)
         self.dtype = dtype or self.base_dtype
-        self.tensor = self.memory.take(tier, self.family, self.numel, self.dtype, self.region.label)
+        self.tensor = self.memory.take(tier, self.family, self.numel, self.dtype, self.region.label, self.device)
         self.tier = tier
         if tier is Tier.DISK:
             self.disk_slot = 0
@@ -233,6 +236,8 @@ class FlatBuffer:
         self.life.check("move to another tier", CopyState.CURRENT, CopyState.STALE)
         if tier is self.tier:
             return
+        if self.device is not None:
+            raise ValueError(f"internal error: {self.region.label} is kept on {self.device}, not moved between tiers")
         old, old_tier, old_slot = self.tensor, self.tier, self.disk_slot
         new = self.memory.take(tier, self.family, self.numel, self.dtype, self.region.label)
         try:
@@ -258,7 +263,7 @@ class FlatBuffer:
         self.life.check("be widened", CopyState.CURRENT, CopyState.STALE)
         if dtype == self.dtype or self.tier is Tier.DISK:
             return
-        wide = self.memory.take(self.tier, self.family, self.numel, dtype, self.region.label)
+        wide = self.memory.take(self.tier, self.family, self.numel, dtype, self.region.label, self.device)
         wide.copy_(self.tensor)
         self.memory.give_back(self.tier, self.family, self.nbytes, self.tensor)
         self.tensor, self.dtype = wide, dtype
@@ -286,11 +291,12 @@ class ParamBuffer:
     gradients. When sharded, parameters change only through the shard, so the shard is always current
     and the full copy is either a gathered copy of it or stale. How it is gathered is ``gather``, a strategy
     of :mod:`chunkmem.distributed.gathers` the builder chooses once; the buffer is its
-    :class:`~chunkmem.distributed.gathers.GatherSource` and keeps the copy states.
+    :class:`~chunkmem.distributed.gathers.GatherSource` and keeps the copy states. ZeRO-1/2's working chunk is
+    a third mode, :meth:`replicated_resident`: the full copy on every rank, never freed, its shard a view of it.
     """
 
     def __init__(self, numel: int, dtype: torch.dtype, memory: TierMemory, owner: str,
-                 shards: ShardGroup = SINGLE_PROCESS, index: int = 0) -> None:
+                 shards: ShardGroup = SINGLE_PROCESS, index: int = 0, device: torch.device | None = None) -> None:
         self.numel = numel
         self.dtype = dtype
         self.memory = memory
@@ -299,8 +305,9 @@ class ParamBuffer:
         self.shard_numel = numel // shards.world
         self.shard_offset = shards.rank * self.shard_numel
         self.nbytes = numel * dtype.itemsize
-        self.device = torch.empty(numel, dtype=dtype, device=device_of_tier(Tier.DEVICE))
+        self.device = torch.empty(numel, dtype=dtype, device=device or device_of_tier(Tier.DEVICE))
         self.device.untyped_storage().resize_(0)
+        self.resident = False  # replicated-resident (:meth:`replicated_resident`): the device copy is never freed
         self._lent: torch.Tensor | None = None  # with a block pool: holds the 0 bytes while memory is lent
         self._device_life = CopyLife(f"{owner}.param device copy", shards.rank)
         self._transfer: Transfer | None = None
@@ -310,6 +317,22 @@ class ParamBuffer:
         # rank: the device copy is a copy of the shard
         self.gather: ParamGather | None = FlatGather(shards) if shards.sharded else None
         self._approximate = False  # the device copy came from a quantized gather
+
+    @classmethod
+    def replicated_resident(cls, numel: int, dtype: torch.dtype, memory: TierMemory, owner: str, shards: ShardGroup,
+                            device: torch.device, index: int = 0) -> "ParamBuffer":
+        """ZeRO-1/2's working chunk: all ``numel`` elements on ``device`` (the parameters' own device, which may be
+        the CPU on a CUDA machine) on every rank, allocated here zero-filled, CURRENT and never freed. This rank's
+        shard is a view of it (:meth:`local`), with no memory of its own, so the ledger counts the chunk once
+        (``numel`` elements, on the device tier). Nothing gathers it: its owner writes every rank's updated part
+        into it in place."""
+        buffer = cls(numel, dtype, memory, owner, shards, index, device)
+        buffer.gather = None
+        buffer.resident = True
+        buffer.allocate_device()
+        buffer.device.zero_()
+        buffer._device_life.written()
+        return buffer
 
     # ---- state (read-only views of the two machines) --------------------------------------------------
 
@@ -517,6 +540,9 @@ class ParamBuffer:
 
     def _drop_device(self) -> None:
         """Free the device copy's memory whatever it holds (-> FREED)."""
+        if self.resident:
+            raise ChunkStateError(f"{self.owner}.param device copy", "be freed (replicated-resident: the working "
+                                  "chunk stays whole on every rank)", self.device_state, (), self.shards.rank)
         self.wait()
         self.memory.empty_storage(self.device.untyped_storage(), PARAM, self.nbytes, self._lent)
         self._lent = None

@@ -61,15 +61,20 @@ class TierMemory:
         """A new ledger with the given capacities (bytes), the machine's block pool, no disk tier."""
         return TierMemory(TierLedger(capacity, host_capacity), pool_for_this_machine())
 
-    def take(self, tier: Tier, family: str, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor | None:
+    def take(self, tier: Tier, family: str, numel: int, dtype: torch.dtype, what: str,
+             device: torch.device | None = None) -> torch.Tensor | None:
         """Count, then allocate, a flat buffer of ``numel`` elements of ``family`` on ``tier`` (contents
         undefined); on the disk tier nothing is allocated here (the buffer is a file region) and ``None``
-        is returned. Past the tier's capacity the ledger raises and nothing changes."""
+        is returned. Past the tier's capacity the ledger raises and nothing changes. ``device``: allocate on
+        that device with torch's allocator (a buffer that must sit beside tensors of the caller's: ZeRO-1/2's
+        masters and state, on the parameters' device), counted on ``tier`` all the same."""
         nbytes = numel * dtype.itemsize
         self.ledger.reserve(tier, family, nbytes, what)
         if tier is Tier.DISK:
             return None
         try:
+            if device is not None:
+                return torch.empty(numel, dtype=dtype, device=device)
             if self.pinned is not None and tier is Tier.HOST and family in PINNED_FAMILIES:
                 return self.pinned.empty(numel, dtype)
             if self.reused is not None and tier is Tier.HOST and family in REUSED_FAMILIES:

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from ..core.chunk import ADAM_STATE
+from ..core.memory import TierMemory
 from ..core.param_guard import slot_of
 from ..distributed.agreement import ARGUMENTS, LayoutDescription, ParamRecord, agree, refuse_together
 from ..distributed.collectives import ShardGroup
@@ -29,7 +30,7 @@ from .low_bit_rule import check_low_bit_optimizer, low_bit_decoupled, stochastic
 from .sealed import seal_param_groups
 from .zero_gradient_store import GradientStores
 from .zero_low_bit import LowBitUpdate
-from .zero_partition import FlatChunk, FlatSlot, build_partition
+from .zero_partition import FlatChunk, FlatSlot, build_partition, partition_memory
 from .zero_update import AdamUpdate, AnyOptimizerUpdate, ZeroUpdate
 
 OWNER = "LowLevelZeroOptimizer"
@@ -54,6 +55,7 @@ class ZeroParts:
         separate_master: whether the masters are separate from the working parameters (fp32 masters of 16-bit
             parameters, or the masters on the host).
         chunks: the flat chunks of the trainable parameters.
+        memory: the chunks' memory and its ledger (:func:`~chunkmem.optim.zero_partition.partition_memory`).
         params: every parameter of the wrapped optimizer's param groups, in index order (torch's numbering).
         slot_of: ``id(parameter)`` -> its place in the chunks, for each trainable one.
         not_packed: ``(index, parameter)`` of the parameters frozen when the optimizer was built (no place in
@@ -68,6 +70,7 @@ class ZeroParts:
     stochastic_round: bool
     separate_master: bool
     chunks: list[FlatChunk]
+    memory: TierMemory
     params: list[nn.Parameter]
     slot_of: dict[int, FlatSlot]
     not_packed: list[tuple[int, nn.Parameter]]
@@ -105,13 +108,15 @@ def build_parts(optimizer: Any, initial_scale: float, min_scale: float, growth_f
     seal_param_groups(optimizer, OWNER)
     families = () if low_bit is not None else ADAM_STATE if layout is None else layout.families  # 8-bit: the rule's
     params = [p for group in optimizer.param_groups for p in group["params"]]  # index order (each once)
-    chunks = build_partition(groups, {id(p): i for i, p in enumerate(params)}, dtype, shards.world, shards.rank,
+    memory = partition_memory()
+    chunks = build_partition(groups, {id(p): i for i, p in enumerate(params)}, dtype, shards, memory,
                              master_device, separate, families, dtype if stochastic else torch.float32)
     if layout is not None or low_bit is not None:
         optimizer.state.clear()  # what its constructor made (Adagrad's sums): the chunks keep the state
     slots = {id(s.param): s for c in chunks for s in c.slots}
     not_packed = [(i, p) for i, p in enumerate(params) if id(p) not in slots]
-    return ZeroParts(scaler, shards, dtype, layout, low_bit, stochastic, separate, chunks, params, slots, not_packed)
+    return ZeroParts(scaler, shards, dtype, layout, low_bit, stochastic, separate, chunks, memory, params, slots,
+                     not_packed)
 
 
 def choose_update(optimizer: Any, parts: ZeroParts, stores: GradientStores) -> ZeroUpdate:

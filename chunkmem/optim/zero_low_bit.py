@@ -81,8 +81,7 @@ class LowBitUpdate(ZeroUpdate):
             layout = ChunkStateLayout.of_shard([(s.offset, s.numel) for s in chunk.slots], chunk.shard_offset,
                                                chunk.shard_numel, chunk.world)
             self._layouts[chunk.index] = layout
-            chunk.state = {family: torch.zeros(numel, dtype=dtype, device=chunk.master.device) for family, (numel, dtype)
-                           in family_buffers(layout, chunk.shard_numel, stochastic_round).items()}
+            chunk.use_state_buffers(family_buffers(layout, chunk.shard_numel, stochastic_round))
         self._hyper: list[LowBitHyper] = []
         self._draws: DrawSequence | None = None
 
