@@ -46,21 +46,28 @@ class _Fp32Scratch(threading.local):
     """The host fp32 buffers :class:`UpcastLinear` reuses for its weight-sized transient tensors (the upcast
     weight, the fp32 weight gradient), one per role and thread, grown to the largest weight seen. A fresh
     buffer each time costs a page fault every 4 KiB: on a 10B GPT that is most of the step's system time.
-    CUDA tensors are left to the caching allocator."""
+    CUDA tensors are left to the caching allocator, and a backward that autograd records (``create_graph``)
+    gets new tensors."""
 
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
 
+    def reused(self, like: torch.Tensor) -> bool:
+        """Whether a tensor like ``like`` goes into a reused buffer here (on the host, autograd not recording)."""
+        return like.device.type == "cpu" and not torch.is_grad_enabled()
+
     def take(self, role: str, like: torch.Tensor) -> torch.Tensor:
-        """An uninitialised fp32 tensor of ``like``'s shape for ``role``, valid until the next ``take`` of that
-        role on this thread (CUDA: a new tensor)."""
-        if like.device.type != "cpu":
-            return torch.empty(like.shape, dtype=torch.float32, device=like.device)
+        """An uninitialised host fp32 tensor of ``like``'s shape for ``role``, valid until the next ``take`` of
+        that role on this thread."""
         buffer = self.buffers.get(role)
         if buffer is None or buffer.numel() < like.numel():
             self.buffers.pop(role, None)  # (freed before the larger one is allocated)
             buffer = self.buffers[role] = torch.empty(like.numel(), dtype=torch.float32)
         return buffer[:like.numel()].view(like.shape)
+
+    def upcast(self, role: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` in fp32: in the buffer of ``role`` where :meth:`reused`, else a new tensor."""
+        return self.take(role, tensor).copy_(tensor) if self.reused(tensor) else tensor.float()
 
 
 _scratch = _Fp32Scratch()
@@ -75,8 +82,7 @@ class _UpcastLinearFn(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        weight32 = _scratch.take("weight", weight).copy_(weight)
-        out = F.linear(x.float(), weight32, None if bias is None else bias.float())
+        out = F.linear(x.float(), _scratch.upcast("weight", weight), None if bias is None else bias.float())
         return out.to(x.dtype)
 
     @staticmethod
@@ -85,11 +91,11 @@ class _UpcastLinearFn(torch.autograd.Function):
         g = grad.float().reshape(-1, grad.shape[-1])
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            weight32 = _scratch.take("weight", weight).copy_(weight)
-            grad_x = (g @ weight32).to(x.dtype).reshape(x.shape)
+            grad_x = (g @ _scratch.upcast("weight", weight)).to(x.dtype).reshape(x.shape)
         if ctx.needs_input_grad[1]:
-            grad_w32 = torch.mm(g.t(), x.float().reshape(-1, x.shape[-1]), out=_scratch.take("weight grad", weight))
-            grad_w = grad_w32.to(weight.dtype)
+            x32 = x.float().reshape(-1, x.shape[-1])
+            out = _scratch.take("weight grad", weight) if _scratch.reused(weight) else None
+            grad_w = (g.t() @ x32 if out is None else torch.mm(g.t(), x32, out=out)).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0).to(weight.dtype)
         return grad_x, grad_w, grad_b

@@ -79,3 +79,18 @@ def test_the_upcast_gpt_trains_as_the_gpt_on_fp32_copies():
         F.cross_entropy(logits.float().reshape(-1, 64), tokens[:, 1:].reshape(-1)).backward()
     for (name, a), b in zip(upcast.named_parameters(), plain.parameters()):
         assert torch.equal(a.grad, b.grad), name
+
+
+def test_upcast_linear_under_create_graph_takes_new_tensors():
+    """A backward autograd records (``create_graph=True``: a gradient penalty) gets the same first gradients and
+    can be differentiated again; the reused buffers would be written under autograd's saved tensors."""
+    torch.manual_seed(3)
+    layer = UpcastLinear(16, 8).to(torch.bfloat16)
+    x = torch.randn(4, 16, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(4, 8, dtype=torch.bfloat16)
+    _, ref_x, ref_w, _ = _autograd_reference(layer, x, grad)
+    out = layer(x)
+    grad_x, grad_w = torch.autograd.grad(out, [x, layer.weight], grad, create_graph=True)
+    assert torch.equal(grad_x, ref_x) and torch.equal(grad_w, ref_w)
+    penalty, = torch.autograd.grad(grad_w.float().pow(2).sum(), [x])
+    assert penalty.shape == x.shape and torch.isfinite(penalty).all()

@@ -77,9 +77,9 @@ class DiskCommit:
             undone = exc.undone if isinstance(exc, DiskStepError) else self.runtime.memory.disk.atomic_step
             if not undone:
                 self.broken_by = exc if isinstance(exc, DiskStepError) else _broken_by_crash(exc)
-            elif undone and self.runtime.gradients.overwritten_by_update:
+            elif self.runtime.gradients.overwritten_by_update:
                 self.accounting.discard_gradients()  # the update overwrote them in place
-            elif undone:
+            else:
                 for update in updates:
                     if update.updated_to and update.param is not None:
                         self.runtime.mark_updated(update.chunk, Tier.HOST)
