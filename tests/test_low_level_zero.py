@@ -208,8 +208,10 @@ def _bytes_of(rank: int, world: int) -> dict:
         optim.backward(model(torch.ones(2, 16, dtype=dtype)).float().sum())
         out[(partition, dtype)] = optim.model_state_bytes()
         # the chunks' memory is the shared one: each buffer counted once by the ledger (nothing on the host here),
-        # this rank's shard of the working chunk a view of it
-        counted = {"param": 256 * dtype.itemsize, "exp_avg": 1024 // world, "exp_avg_sq": 1024 // world}
+        # this rank's shard of the working chunk a view of it; the gradient store in the parameters' dtype after
+        # one backward, the whole chunk (stage 1) or this rank's shard (stage 2)
+        counted = {"param": 256 * dtype.itemsize, "exp_avg": 1024 // world, "exp_avg_sq": 1024 // world,
+                   "grad": (256 // world if partition else 256) * dtype.itemsize}
         assert optim.memory.breakdown() == {"device": {**counted, **({"master": 1024 // world} if dtype == torch.float16
                                                                      else {})}, "host": {}}
         assert all(c.own(c.param).data_ptr() == c.param_buffer.local().data_ptr() for c in optim.chunks)
@@ -245,6 +247,34 @@ def _overflow_on_rank1(rank: int, world: int) -> dict:
     masters_equal = all(torch.equal(optim.master_of(p), b.float()) for p, b in zip(model.parameters(), before))
     return dict(stepped=stepped, unchanged=unchanged, moments_zero=moments_zero, masters=masters_equal,
                 scale=optim.loss_scale, dropped=all(c.grad is None for c in optim.chunks))
+
+
+def test_gradient_stores_are_counted_widened_and_kept_over_zero_grad():
+    model = nn.Sequential(nn.Linear(16, 8, bias=False), nn.Linear(8, 16, bias=False)).to(torch.bfloat16)
+    optim = cm.LowLevelZeroOptimizer(torch.optim.Adam(model.parameters()))
+    (chunk,) = optim.chunks
+
+    def backward() -> None:
+        optim.backward(model(torch.ones(2, 16, dtype=torch.bfloat16)).float().sum())
+
+    def grad_bytes() -> int:
+        assert optim.model_state_bytes()["grads"] == optim.memory.breakdown()["device"].get("grad", 0)
+        return optim.model_state_bytes()["grads"]
+    assert grad_bytes() == 0 and chunk.grad is None  # no store before a backward
+    backward()
+    assert grad_bytes() == 256 * 2 and chunk.grad.dtype == torch.bfloat16
+    backward()  # accumulating: summed in fp32
+    assert grad_bytes() == 256 * 4 and chunk.grad.dtype == torch.float32
+    optim.zero_grad()  # the widened store is given back: the next backward's is 16-bit
+    assert grad_bytes() == 0 and chunk.grad is None
+    backward()
+    kept = chunk.grad.data_ptr()
+    optim.zero_grad()  # kept for the next backward, still counted
+    assert grad_bytes() == 256 * 2 and chunk.grad is None
+    backward()
+    assert chunk.grad.data_ptr() == kept and grad_bytes() == 256 * 2
+    optim.zero_grad(set_to_none=False)
+    assert not chunk.grad.any() and grad_bytes() == 256 * 2
 
 
 def test_an_overflow_on_one_rank_skips_the_step_on_both(two_ranks):

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 import torch.nn as nn
 
-from ..core.chunk import MASTER, PARAM
+from ..core.chunk import GRAD, MASTER, PARAM
 from ..distributed.agreement import HYPER_PARAMETERS_FIELD, agree_on_point, held_on_any_rank, hyper_parameter_digest
 from ..distributed.collectives import start_all_gather
 from ..distributed.gathers import gather_whole
@@ -155,7 +155,7 @@ class LowLevelZeroOptimizer:
         self.separate_master = parts.separate_master
         self._layout = parts.layout  # None: the Adam kernel or an 8-bit Adam; else any_optimizer's stand-in step
         self.chunks = parts.chunks
-        self.memory = parts.memory  # the chunks' memory: its ledger counts the working chunks (family "param")
+        self.memory = parts.memory  # the chunks' memory: its ledger counts every family (model_state_bytes)
         self._slot_of = parts.slot_of
         self.params = parts.params  # every parameter of the param groups, in index order (torch's numbering)
         self._not_packed = parts.not_packed  # frozen when built: no place in the chunks, no master
@@ -345,17 +345,15 @@ class LowLevelZeroOptimizer:
         gradient stores allocated now, the ones kept for the next backward after ``zero_grad`` included),
         ``"master"`` (separate fp32 masters; 0 when the fp32 working shard is its own master) and each per-element
         optimizer state family (``"exp_avg"``, ``"exp_avg_sq"`` for Adam; another optimizer's keys, e.g.
-        ``"momentum_buffer"``); all but the gradients as the chunks' ledger counts them (:attr:`memory`). Not
+        ``"momentum_buffer"``); as the chunks' ledger counts them (:attr:`memory`). Not
         counted: the reduction's scratch buffers (a few buckets) and another optimizer's scalar state (a few
         numbers per parameter)."""
-        def size(t: torch.Tensor | None) -> int:
-            return 0 if t is None else t.numel() * t.element_size()
         counted = self.memory.ledger.breakdown().values()
 
         def total(family: str) -> int:
             return sum(by_family.get(family, 0) for by_family in counted)
         return {"params": total(PARAM),
-                "grads": sum(size(c.grad if c.grad is not None else c.spare_grad) for c in self.chunks),
+                "grads": total(GRAD),
                 "master": total(MASTER), **{family: total(family) for family in self.chunks[0].state_families}}
 
     def master_of(self, param: nn.Parameter) -> torch.Tensor:

@@ -3,10 +3,12 @@ are kept between the backward and the step.
 
 A chunk's store holds what the bucketed reduction delivered to it (:meth:`GradientStores.add_mean`, called by
 :mod:`chunkmem.distributed.bucketed_reduction`: the mean over the ranks, in the store's units, times the loss scale
-with fp16): the whole chunk (stage 1) or only this rank's shard (stage 2, ``partition_grad``). It is made at a
-backward's first gradient for the chunk, from the memory ``zero_grad`` kept when there is some (as DDP keeps its
-buckets); a 16-bit store holding an earlier backward's sum is widened to fp32 before the next backward adds to it
-(gradient accumulation summed in fp32), unless ``grad_accum_dtype`` is the parameters' dtype. The step, the
+with fp16): the whole chunk (stage 1) or only this rank's shard (stage 2, ``partition_grad``). Its memory is the
+chunk's ``grad_buffer``, a :class:`~chunkmem.core.chunk.FlatBuffer` of the chunks' shared memory (family ``grad``,
+counted by its ledger on the device tier, on the working chunk's device), allocated zero-filled at a backward's
+first gradient for the chunk unless ``zero_grad`` kept it (as DDP keeps its buckets: STALE, zeroed then); a 16-bit
+store holding an earlier backward's sum is widened to fp32 before the next backward adds to it (gradient
+accumulation summed in fp32), unless ``grad_accum_dtype`` is the parameters' dtype. The step, the
 ``.grad`` stand-ins (:mod:`chunkmem.optim.zero_gradient_view`) and the accessors read this rank's part of it
 (:meth:`GradientStores.own`, :meth:`GradientStores.grad_part`).
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core.tiers import Tier
 from ..distributed.collectives import ShardGroup
 from .mixed_precision import MixedPrecisionStep
 from .zero_partition import FlatChunk, FlatSlot
@@ -23,7 +26,8 @@ class GradientStores:
     """The gradient stores of one optimizer's chunks (see the module docstring).
 
     Args:
-        chunks: the optimizer's flat chunks (each keeps its store in ``grad``, the kept memory in ``spare_grad``).
+        chunks: the optimizer's flat chunks (each is given its store's buffer here, ``grad_buffer``; ``grad`` reads
+            it).
         shards: the data-parallel ranks.
         mixed: the optimizer's mixed-precision step (the loss scale the stores are multiplied by; the groups a
             norm over sharded stores sums over).
@@ -43,6 +47,8 @@ class GradientStores:
         # backwards begun so far: a store last added to in an earlier one holds that backward's sum (the reductions
         # of one backward may complete after it ends, with overlap_communication)
         self.backwards_begun = 0
+        for chunk in chunks:
+            chunk.make_grad_buffer(chunk.shard_numel if partition_grad else chunk.numel, dtype)
 
     @property
     def grads_sharded(self) -> bool:
@@ -62,17 +68,17 @@ class GradientStores:
         """Where ``chunk``'s reduced gradients of this backward are added: a 16-bit store holding an earlier
         backward's sum is widened to fp32 first (gradient accumulation summed in fp32, unless
         ``grad_accum_dtype`` is the parameters' dtype)."""
-        if chunk.grad is None:
-            if chunk.spare_grad is not None:  # memory already touched: no page faults, no allocator call
-                chunk.grad, chunk.spare_grad = chunk.spare_grad.zero_(), None
-            else:
-                numel = chunk.shard_numel if self.partition_grad else chunk.numel
-                chunk.grad = torch.zeros(numel, dtype=self.dtype, device=chunk.param.device)
+        buffer = chunk.grad_buffer
+        if not buffer.allocated:
+            buffer.allocate(Tier.DEVICE, zero=True)
+        elif chunk.grad is None:  # the memory zero_grad kept: already touched, no page faults, no allocator call
+            buffer.tensor.zero_()
+            buffer.mark_written()
         elif (self.accumulate_in_fp32 and chunk.grad_backward != self.backwards_begun
-              and chunk.grad.dtype != torch.float32):
-            chunk.grad = chunk.grad.float()
+              and buffer.dtype != torch.float32):
+            buffer.widen(torch.float32)
         chunk.grad_backward = self.backwards_begun
-        return chunk.grad
+        return buffer.tensor
 
     def add_mean(self, slot: FlatSlot, kept: tuple[int, int] | None, mean: torch.Tensor) -> None:
         """Add ``mean`` (the mean over the ranks of ``slot``'s gradient elements ``kept``, in the reduction
@@ -108,8 +114,12 @@ class GradientStores:
         for chunk in self.chunks:
             if set_to_none:  # zeroed gradients still count: torch steps a parameter whose .grad is zeros
                 chunk.slots_with_grads.clear()
-            if chunk.grad is not None:
-                if set_to_none:
-                    chunk.grad, chunk.spare_grad = None, chunk.grad if chunk.grad.dtype == self.dtype else None
-                else:
-                    chunk.grad.zero_()
+            buffer = chunk.grad_buffer
+            if chunk.grad is None:
+                continue
+            if not set_to_none:
+                buffer.tensor.zero_()
+            elif buffer.dtype == buffer.base_dtype:
+                buffer.mark_outdated()  # kept (STALE) for the next backward
+            else:
+                buffer.free()

@@ -20,12 +20,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..core.chunk import ADAM_STATE, MASTER, FlatBuffer, ParamBuffer
+from ..core.chunk import ADAM_STATE, GRAD, MASTER, FlatBuffer, ParamBuffer
 from ..core.chunk_slots import ChunkSlots, ParamSlot
 from ..core.copy_engine import engine_for_new_model
 from ..core.layout import aligned_numel, chunk_sizes, pack, part_in_shard, search_chunk_numel
 from ..core.ledger import TierLedger
 from ..core.memory import TierMemory
+from ..core.states import CopyState
 from ..core.tiers import Tier
 from ..distributed.collectives import ShardGroup
 
@@ -57,12 +58,15 @@ class FlatChunk(ChunkSlots):
     ``step``, ..., as torch keeps them; also on a rank that holds none of the parameter's elements) or
     whole-parameter state (``whole_state``, by the parameter's index: :mod:`chunkmem.optim.any_optimizer`), and
     the finished gradient store ``grad`` (``None`` until a backward reduced into it; after ``zero_grad`` its memory
-    is kept in ``spare_grad`` for the next backward, as DDP keeps its buckets).
+    is kept for the next backward, as DDP keeps its buckets).
 
     The master and the state families are :class:`~chunkmem.core.chunk.FlatBuffer` s of the param buffer's memory
     in ``optim`` (by family; no ``master`` entry when the working shard is its own master), fixed to
     ``optim_device`` and counted on ``optim_tier`` (the host tier when they sit apart from the parameters:
-    ``cpu_offload`` on a GPU; else the device tier)."""
+    ``cpu_offload`` on a GPU; else the device tier). The gradient store is the :class:`~chunkmem.core.chunk.FlatBuffer`
+    ``grad_buffer`` of the same memory (family ``grad``; its size and dtype the gradient stores' choice,
+    :meth:`make_grad_buffer`), fixed to the working chunk's device and counted on the device tier as the working
+    chunk is."""
 
     def __init__(self, index: int, group: int, param_buffer: ParamBuffer, optim_device: torch.device,
                  optim_tier: Tier) -> None:
@@ -74,14 +78,20 @@ class FlatChunk(ChunkSlots):
         self.optim: dict[str, FlatBuffer] = {}
         self.scalars: dict[int, dict[str, Any]] = {}  # param index -> its scalar state
         self.whole_state: dict[int, dict[str, Any]] = {}
-        self.grad: torch.Tensor | None = None
-        self.spare_grad: torch.Tensor | None = None
+        self.grad_buffer: FlatBuffer | None = None  # made by the gradient stores (:meth:`make_grad_buffer`)
         self.grad_backward = -1  # which backward (the optimizer's count of those begun) last added to ``grad``
 
     @property
     def param(self) -> torch.Tensor:
         """The working chunk: all ``numel`` elements, which the parameters view (resident, never freed)."""
         return self.param_buffer.device
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        """The finished gradient store (CURRENT ``grad_buffer``); ``None`` before a backward reduced into it and
+        after ``zero_grad`` dropped it (its memory then kept, STALE, for the next backward)."""
+        buffer = self.grad_buffer
+        return buffer.tensor if buffer is not None and buffer.state is CopyState.CURRENT else None
 
     @property
     def master(self) -> torch.Tensor:
@@ -118,11 +128,20 @@ class FlatChunk(ChunkSlots):
         for family, (numel, dtype) in buffers.items():
             self._optim_buffer(family, numel, dtype).allocate(self.optim_tier, zero=True)
 
+    def make_grad_buffer(self, numel: int, dtype: torch.dtype) -> FlatBuffer:
+        """Give the chunk its gradient store's buffer (``numel`` elements of ``dtype``; not allocated yet) on the
+        working chunk's device."""
+        self.grad_buffer = self._flat_buffer(GRAD, numel, dtype, self.param.device)
+        return self.grad_buffer
+
     def _optim_buffer(self, family: str, numel: int, dtype: torch.dtype) -> FlatBuffer:
-        buffer = FlatBuffer(family, numel, dtype, self.param_buffer.memory, self.param_buffer.owner, self.rank,
-                            self.index, self.optim_device)
+        buffer = self._flat_buffer(family, numel, dtype, self.optim_device)
         self.optim[family] = buffer
         return buffer
+
+    def _flat_buffer(self, family: str, numel: int, dtype: torch.dtype, device: torch.device) -> FlatBuffer:
+        return FlatBuffer(family, numel, dtype, self.param_buffer.memory, self.param_buffer.owner, self.rank,
+                          self.index, device)
 
 
 def partition_memory() -> TierMemory:
