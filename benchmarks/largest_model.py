@@ -45,10 +45,9 @@ step writes the new state to a second slot, so the files are twice the state; a 
 ``--host-memory SIZE`` sets the host tier's capacity (``chunkmem.set_host_memory_capacity``): under
 ``--placement auto`` the optimizer state that fits it stays in host memory, the rest rests on disk.
 The estimate then counts host bytes (16-bit parameters, host-resident state, the I/O buffers) and disk
-bytes (the files, checked against the free space of DIR); it prints the bytes per tier after each step
-(and each step's CPU seconds and page faults),
-the bytes read from and written to disk by the step (the ledger's counters) and, at the end, a SHA-256
-of every parameter's 16-bit values (chunk by chunk under ``chunkmem.GatheredParameters``) and the
+bytes (the files, checked against the free space of DIR); it prints the bytes per tier after each step,
+each step's CPU seconds and page faults, the bytes read from and written to disk by the step (the ledger's
+counters) and, at the end, a SHA-256 of every parameter's 16-bit values (chunk by chunk under ``chunkmem.GatheredParameters``) and the
 losses in hex. ``--results FILE`` writes them as JSON; ``--compare-to FILE`` compares them with another
 run's (exit status 1 when they differ): the all-on-disk run against the ``auto`` run must be bitwise
 equal.

@@ -171,17 +171,17 @@ def test_without_atomic_steps_a_crash_in_the_update_asks_for_a_checkpoint(tmp_pa
     model, optim = _build(reference, torch.float16, **_on_disk(tmp_path / "disk", atomic_step=False))
     _train(model, optim, data[:1])
     cm.save_checkpoint(tmp_path / "ckpt.pt", model, optim)
-    update, chunks = disk_step.adam_update_, set()
+    update, chunks = disk_step.StreamedStep._update, set()
 
-    def crashing(*args, **kwargs):
-        update(*args, **kwargs)
-        chunks.add(args[0].data_ptr() // CHUNK_BYTES)  # (any key that differs between chunks)
-        if len(chunks) == 2:
+    def crashing(self, piece):
+        update(self, piece)
+        chunks.add(piece.update.chunk.index)
+        if len(chunks) == 2:  # the second chunk's first piece is updated: the first chunk's were written
             raise RuntimeError("a crash inside the update")
-    monkeypatch.setattr(disk_step, "adam_update_", crashing)
+    monkeypatch.setattr(disk_step.StreamedStep, "_update", crashing)
     with pytest.raises(RuntimeError, match="a crash inside the update"):
         _step(model, optim, data[1])
-    monkeypatch.setattr(disk_step, "adam_update_", update)
+    monkeypatch.setattr(disk_step.StreamedStep, "_update", update)
     with pytest.raises(cm.UnsupportedOperationError, match="RuntimeError.*atomic_step=False.*load a checkpoint"):
         optim.step()
     cm.load_checkpoint(tmp_path / "ckpt.pt", model, optim)
