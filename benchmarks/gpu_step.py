@@ -62,6 +62,7 @@ import time
 SCRIPT_START = time.perf_counter()  # before torch's import: --total-limit counts it
 
 import _gpt  # noqa: E402
+import _step_profile  # noqa: E402
 
 RESULT_TAG = "GPU_STEP_RESULT "
 SIZES = {
@@ -87,6 +88,9 @@ PLANS = {
                 "cm-auto:bf16:sib", "cm-cuda:fp32:sib", "cm-cuda:bf16:sib"],
 }
 DEFAULT_PLAN = {"50m": "small", "350m": "targets"}
+# rows profiled by default: the bf16 rows whose forward took longer in `cuda` placement (43.9 ms) than in `cpu`
+# placement (29.9 ms) on the H200, their baseline, and the fp32 `cpu` row the first target names
+PROFILED = ("plain:bf16", "cm-cuda:bf16", "cm-cpu:bf16", "cm-cpu:fp32")
 AUTO_CAPACITY_BYTES_PER_PARAM = 8
 INITIAL_SCALE = 2.0**16  # torch.amp.GradScaler's
 LR, WEIGHT_DECAY = 1e-3, 0.01
@@ -152,7 +156,7 @@ def free_port() -> int:
 # ---- the child: one row ----------------------------------------------------------------------------------
 
 def child(row: str, size: str, warmup: int, steps: int, limit: float, margin: float,
-          auto_bytes_per_param: float = AUTO_CAPACITY_BYTES_PER_PARAM) -> dict:
+          auto_bytes_per_param: float = AUTO_CAPACITY_BYTES_PER_PARAM, profile: bool = False) -> dict:
     import faulthandler
 
     import torch
@@ -314,6 +318,15 @@ def child(row: str, size: str, warmup: int, steps: int, limit: float, margin: fl
             marks.append(time.perf_counter())
         out["phases_ms"] = {p: round((b - a) * 1e3, 1) for p, a, b in zip(("forward", "backward", "step"),
                                                                           marks, marks[1:])}
+    if profile:  # one more step under torch's profiler (_step_profile)
+        tokens, held = data[1], {}
+        if model is not None:
+            phases = [("forward", lambda: held.update(loss=lossf(model(tokens[:, :-1]), tokens[:, 1:]))),
+                      ("backward", lambda: optim.backward(held["loss"])),
+                      ("step", lambda: (optim.step(), optim.zero_grad(set_to_none=True)))]
+        else:
+            phases = [("step", lambda: train_step(tokens[:, :-1], tokens[:, 1:]))]
+        out["profile"] = _step_profile.profile_step(phases, row)
     out.update(times=times, skipped=skipped, loss=float(loss.detach()),
                peak_gpu_bytes=torch.cuda.max_memory_allocated(), torch=torch.__version__,
                gpu=torch.cuda.get_device_name(), to_device=None, to_host=None, host_waits_per_step=None,
@@ -462,7 +475,7 @@ def run_child(row: str, size: str, args: argparse.Namespace, time_left: float) -
     limit = max(1.0, min(args.limit, time_left - 2))
     cmd = [sys.executable, os.path.abspath(__file__), "--child", row, "--size", size, "--warmup", str(args.warmup),
            "--steps", str(args.steps), "--limit", str(limit), "--margin", str(args.margin),
-           "--auto-bytes-per-param", str(args.auto_bytes_per_param)]
+           "--auto-bytes-per-param", str(args.auto_bytes_per_param)] + (["--profile-this"] if row in args.profile else [])
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(1.0, time_left))
@@ -527,6 +540,8 @@ def print_row(row: dict) -> None:
           f"{fmt(row['x_bound'], '.3f', 8)} {row['peak_gpu_gib']:13.2f} {fmt(row['to_device_mib'], '.1f', 11)} "
           f"{fmt(row['to_host_mib'], '.1f', 12)} {fmt(row['host_waits_per_step'], '.1f', 10)} {row['loss']:8.4f} "
           f"{row['skipped']:>8}" + (" " + str(row["phases_ms"]) if row.get("phases_ms") else ""), flush=True)
+    if row.get("profile"):
+        print(f"{'':<22} " + _step_profile.format_summary(row["profile"]), flush=True)
     timeline = row.get("host_timeline_ms")
     if timeline:
         spans = [(u[1], u[2]) for u in timeline["updates"]] + [(j[2], j[3]) for j in timeline.get("backward jobs", [])]
@@ -574,12 +589,17 @@ def main() -> int:
                              "a copy goes to $OUT/gpu_step.json where $OUT is a directory)")
     parser.add_argument("--exactness", action="store_true",
                         help="first check the asynchronous copy engine bitwise against the synchronous one")
+    parser.add_argument("--profile", default=",".join(PROFILED), type=lambda text: [r for r in text.split(",") if r],
+                        help="comma-separated rows (as --configs) that run one more step under torch's profiler "
+                             "(benchmarks/_step_profile.py; the summary in the row's JSON, the trace under $OUT); "
+                             f"default {','.join(PROFILED)}; '' for none")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--profile-this", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--size", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(RESULT_TAG + json.dumps(child(args.child, args.size, args.warmup, args.steps, args.limit,
-                                            args.margin, args.auto_bytes_per_param)), flush=True)
+                                            args.margin, args.auto_bytes_per_param, args.profile_this)), flush=True)
         return 0
     sizes = args.sizes.split(",")
     for size in sizes:

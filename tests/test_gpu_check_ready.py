@@ -53,3 +53,32 @@ def test_a_chunkmem_row_runs_and_reports_its_host_timeline(gpu_step, row):
     table_row = gpu_step.make_row(config, dtype, sib, "tiny", result, plain, None, 1.0)
     assert table_row["host_timeline_ms"] == timeline and table_row["ratio"] is not None
     gpu_step.print_row(table_row)
+
+
+@pytest.mark.parametrize("row", ["cm-cpu:bf16", "plain:fp32"])
+def test_a_profiled_row_reports_where_its_step_went(gpu_step, row, tmp_path, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    result = gpu_step.child(row, "tiny", warmup=1, steps=1, limit=600, margin=0.0, profile=True)
+    summary = result["profile"]
+    assert "error" not in summary, summary
+    expected = ["forward", "backward", "step"] if row.startswith("cm-") else ["step"]
+    assert list(summary["phases"]) == expected
+    assert all(p["host_ms"] > 0 and p["device_ms"] == 0 for p in summary["phases"].values())  # no GPU here
+    assert sum(p["host_ms"] for p in summary["phases"].values()) <= summary["wall_ms"] * 1.01
+    assert summary["device_busy_ms"] == 0 and summary["copies"]["count"] == 0
+    assert summary["top_host_ops"] and all(op["self_ms"] >= 0 for op in summary["top_host_ops"])
+    assert Path(summary["trace"]).stat().st_size > 0
+    assert "wall" in gpu_step._step_profile.format_summary(summary)
+
+
+def test_the_profile_counts_overlapping_device_intervals_once(gpu_step):
+    class Range:
+        def __init__(self, start, end):
+            self.start, self.end = start, end
+
+    class Event:
+        def __init__(self, start, end):
+            self.time_range = Range(start, end)
+
+    events = [Event(0, 1000), Event(500, 1500), Event(600, 700), Event(3000, 3250)]  # microseconds
+    assert gpu_step._step_profile._union_ms(events) == 1.75
