@@ -339,7 +339,8 @@ def child(row: str, size: str, warmup: int, steps: int, limit: float, margin: fl
         stats = model.memory_stats()
         totals = stats["totals"]
         out.update(to_device=totals["moved_to_device_bytes"], to_host=totals["moved_to_host_bytes"],
-                   chunks=len(model.chunks), chunk_bytes=model.layout.chunk_bytes)
+                   chunks=len(model.chunks), chunk_bytes=model.layout.chunk_bytes,
+                   traces=f"{stats['traces']} of {stats['iterations']} iterations traced")
         engine = stats.get("copy_engine")
         if engine is not None:
             out["host_waits_per_step"] = sum(engine.get("host_waits", {}).values()) / (warmup + steps)

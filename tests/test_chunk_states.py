@@ -177,21 +177,21 @@ def test_iteration_mode_transitions():
     assert s.mode is IterationMode.UNTRACED
     s.begin_iteration(("shape",), training=True)
     assert s.mode is IterationMode.TRACING
-    s.begin_period("m", "forward", [0], [])
+    s.begin_period("m", "forward", [0], list)
     s.need(0)
     assert s.end_iteration() is True and s.mode is IterationMode.IDLE
     s.close_finished_traces()
     s.begin_iteration(("shape",), training=True)
     assert s.mode is IterationMode.FOLLOWING
-    s.begin_period("m", "forward", [0], [])
+    s.begin_period("m", "forward", [0], list)
     assert s.end_iteration() is False and s.mode is IterationMode.IDLE
     s.begin_iteration(("shape",), training=True)
     s.begin_iteration(("shape",), training=True)  # a forward without backward: its schedule stays valid
     assert s.mode is IterationMode.FOLLOWING and s.traces == 1
-    s.begin_period("m", "forward", [0], [])
+    s.begin_period("m", "forward", [0], list)
     s.end_iteration()
     s.begin_iteration(("shape",), training=True)
-    s.begin_period("other", "forward", [0], [])  # not in the schedule
+    s.begin_period("other", "forward", [0], list)  # not in the schedule
     assert s.mode is IterationMode.DIVERGED
     s.end_iteration()
     assert s.mode is IterationMode.IDLE

@@ -39,6 +39,7 @@ def test_a_chunkmem_row_runs_and_reports_its_host_timeline(gpu_step, row):
     assert "error" not in result, result
     config, dtype, sib = gpu_step.parse_row(row)
     assert len(result["times"]) == 2 and result["copy_engine"]["engine"] == "deferred"
+    assert result["traces"].startswith("1 of ")  # traced once, then followed (a row that retraced every step says so)
     timeline = result["host_timeline_ms"]
     assert timeline["forward returned"] <= timeline["backward returned"] <= timeline["step returned"]
     if sib:  # the updates ran in the backward, on the update thread, in the order the gradients landed

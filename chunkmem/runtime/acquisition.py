@@ -24,13 +24,15 @@ class ChunkAcquisition:
 
     def begin_period(self, module: nn.Module, phase: str, chunks: list[Chunk]) -> None:
         """``module``'s ``phase`` (forward or backward) begins a period using ``chunks``: carry out its orders."""
-        required = [c.index for c in self._executor.chunks if c.in_use]
         name = self._names[module]
-        orders = self._scheduler.begin_period(name, phase, [c.index for c in chunks], required)
+        orders = self._scheduler.begin_period(name, phase, [c.index for c in chunks], self._in_use)
         period = self._scheduler.index - 1
         self._executor.memory.ledger.context = f"period {period} ({name} {phase})"
         self._executor.log_event("period", period, name, phase)
         self._executor.execute(orders)
+
+    def _in_use(self) -> list[int]:
+        return [c.index for c in self._executor.chunks if c.in_use]
 
     def _need(self, chunks: list[Chunk]) -> None:
         for chunk in chunks:

@@ -207,14 +207,16 @@ class ChunkExecutor:
         """Carry out what the scheduler ordered at a period's start (see
         :class:`~chunkmem.runtime.schedule.PeriodOrders`); the prefetch waits until the period's own
         chunks are on the device (:meth:`acquire` / :meth:`hold_for_backward`)."""
-        self.flush_stale(keep=[self.chunks[i] for i in orders.keep])
+        if self.stale:
+            self.flush_stale(keep=[self.chunks[i] for i in orders.keep])
         if orders.evict_unpinned:
             self.evict_unpinned()
         for index in orders.evict:
             chunk = self.chunks[index]
             if not chunk.in_use:
                 chunk.param.free_device()
-        self.fetch([self.chunks[i] for i in orders.fetch])
+        if orders.fetch:
+            self.fetch([self.chunks[i] for i in orders.fetch])
         self.memory.ledger.peak_device_bytes = self.memory.ledger.tier_bytes(Tier.DEVICE)
         # sharded, a prefetch is a gather every rank starts alike: the decision in _issue_prefetch reads only
         # what agrees over the ranks (the chunks on the device and the agreed traced peaks)

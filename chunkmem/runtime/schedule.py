@@ -35,7 +35,7 @@ from __future__ import annotations
 import enum
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 import torch.distributed as dist
@@ -141,6 +141,8 @@ class Scheduler:
         self._used_in_phase: dict[str, set[int]] = {}  # a trace's chunks used so far, by phase (guess_prefetch)
         self._peak_so_far = 0  # the largest non-model peak of a trace's closed periods so far (guess_prefetch)
         self._param_bytes = 0
+        # per period index: the call's chunks, what the orders were made from, the orders (_followed_orders)
+        self._orders_made: dict[int, tuple[tuple[int, ...], tuple, PeriodOrders]] = {}
 
     @property
     def mode(self) -> IterationMode:
@@ -246,20 +248,37 @@ class Scheduler:
 
     # ---- periods -----------------------------------------------------------------------------------
 
-    def begin_period(self, name: str, phase: str, chunks: Sequence[int], required: Sequence[int]) -> PeriodOrders:
-        """A period starts (``chunks``: the module's; ``required``: chunks in use or held now)."""
+    def begin_period(self, name: str, phase: str, chunks: Sequence[int],
+                     required: Callable[[], Sequence[int]]) -> PeriodOrders:
+        """A period starts (``chunks``: the module's; ``required()``: the chunks in use or held now, asked only
+        while tracing). The orders returned are the caller's to read, not to change: following a schedule,
+        the same period's orders are one object from iteration to iteration."""
         self._close_stats()
-        orders = PeriodOrders(keep=list(chunks))
-        if self._mode is IterationMode.TRACING:
-            self.trace.begin_period(name, phase, list(required) + list(chunks))
-            self.guess_prefetch(orders, phase, chunks)
-        elif self._mode is IterationMode.FOLLOWING:
-            if self.index >= len(self.periods) or self.periods[self.index].key() != (name, phase):
+        if self._mode is IterationMode.FOLLOWING and self.index < len(self.periods) \
+                and self.periods[self.index].key() == (name, phase):
+            orders = self._followed_orders(self.index, tuple(chunks))
+        else:
+            orders = PeriodOrders(keep=list(chunks))
+            if self._mode is IterationMode.TRACING:
+                self.trace.begin_period(name, phase, list(required()) + list(chunks))
+                self.guess_prefetch(orders, phase, chunks)
+            elif self._mode is IterationMode.FOLLOWING:
                 orders.evict_unpinned = self.diverge()
-            else:
-                self._fill_orders(orders, self.index)
         self.stats.append(PeriodStats(name, phase))
         self.index += 1
+        return orders
+
+    def _followed_orders(self, index: int, chunks: tuple[int, ...]) -> PeriodOrders:
+        """The orders of the schedule's period ``index`` for a call using ``chunks``, made once per schedule
+        (they depend on nothing else: the periods, the moves, the lookahead and the staging counts, all
+        replaced, never changed in place, when a new schedule is made)."""
+        inputs = (self.periods, self.state.moves, self._lookahead, self._staging, self._param_bytes)
+        cached = self._orders_made.get(index)
+        if cached is not None and cached[0] == chunks and all(a is b for a, b in zip(cached[1], inputs)):
+            return cached[2]
+        orders = PeriodOrders(keep=list(chunks))
+        self._fill_orders(orders, index)
+        self._orders_made[index] = (chunks, inputs, orders)
         return orders
 
     def _fill_orders(self, orders: PeriodOrders, index: int) -> None:
