@@ -30,6 +30,7 @@ Usage::
     python benchmarks/wrapper_overhead.py                 # ~23M-parameter GPT, about 2-3 minutes on 2 cores
     python benchmarks/wrapper_overhead.py --size 50m      # ~49M parameters: the issue's figure, about 5 minutes
     python benchmarks/wrapper_overhead.py --interleaved   # hand-written attention, functional tied head: 1 minute
+    python benchmarks/wrapper_overhead.py --host-bound    # the wrapper's host time per module, tiny widths: 10 seconds
 
 The interleaved mode (``--interleaved``) measures another way, on the kind of model users bring: a GPT with
 attention written by hand and its lm head used through ``F.linear(x, wte.weight)``, plain and chunkmem
@@ -257,6 +258,71 @@ def interleaved(args: argparse.Namespace) -> int:
     return 0 if ok or args.no_fail else 1
 
 
+# ---- the host-bound mode: the wrapper's own host time, where compute is negligible ----------------------
+
+HOST_BOUND_SHAPE = dict(vocab=512, d=64, layers=24, heads=4, seq=16, batch=1)  # the 336M GPT's modules, tiny widths
+
+
+def host_bound(args: argparse.Namespace) -> int:
+    """The GPU check's 336M GPT has 24 layers and 149 modules with parameters; with bf16 on a GPU its kernels are
+    short enough that the host's launching can bound the step. Here the same modules at width 64 (seq 16, batch
+    1, fp32, one torch thread: the compute is a few microseconds an operator) run plain (``AdamW(foreach=True)``),
+    under chunkmem ``cuda`` placement and under ``cpu`` placement, their steps alternating in this process. Times
+    are the thread's CPU time (``time.thread_time``: a process descheduled by a shared machine does not count),
+    medians over ``--steps`` rounds after ``--warmup``. The table gives each phase and what chunkmem's forward and
+    backward add to plain's, in all and per module with parameters (each has one period in the forward and one in
+    the backward). A report, no target."""
+    import torch
+    import torch.nn.functional as F
+
+    import chunkmem as cm
+
+    torch.set_num_threads(1)
+    shape = HOST_BOUND_SHAPE
+    vocab = shape["vocab"]
+
+    def build(config: str):
+        torch.manual_seed(0)
+        net = _gpt.GPT(_gpt.GPTConfig(vocab, shape["d"], shape["layers"], shape["heads"], shape["seq"]))
+        if config == "plain":
+            optim = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
+            return net, lambda loss: loss.backward(), optim
+        model = cm.ShardedModelV2(net, cm.TensorShardStrategy(), tensor_placement_policy=config.split("-")[1],
+                                  dtype=torch.float32)
+        optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY))
+        return model, optim.backward, optim
+
+    configs = {name: build(name) for name in ("plain", "cm-cuda", "cm-cpu")}
+    modules = sum(1 for m in configs["plain"][0].modules() if any(True for _ in m.parameters(recurse=False)))
+    tokens = torch.randint(0, vocab, (shape["batch"], shape["seq"] + 1), generator=torch.Generator().manual_seed(1))
+    phases: dict[str, list[tuple[float, float, float]]] = {name: [] for name in configs}
+    for i in range(args.warmup + args.steps):
+        for name in (list(configs) if i % 2 == 0 else list(reversed(configs))):
+            net, backward, optim = configs[name]
+            t0 = time.thread_time()
+            loss = F.cross_entropy(net(tokens[:, :-1]).reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+            t1 = time.thread_time()
+            backward(loss)
+            t2 = time.thread_time()
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+            if i >= args.warmup:
+                phases[name].append((t1 - t0, t2 - t1, time.thread_time() - t2))
+    print(_gpt.machine_header())
+    print(f"host-bound: the reference GPT at vocab {vocab}, d {shape['d']}, {shape['layers']} layers, seq "
+          f"{shape['seq']}, batch {shape['batch']}, fp32, one torch thread, {modules} modules with parameters; "
+          f"thread CPU time, medians of {args.steps} rounds after {args.warmup}")
+    print()
+    print(f"{'':<8} {'fwd ms':>7} {'bwd ms':>7} {'step ms':>8} {'fwd+bwd added ms':>17} {'added us/module':>16}")
+    medians = {name: [statistics.median(r[j] for r in rows) for j in range(3)] for name, rows in phases.items()}
+    base = medians["plain"][0] + medians["plain"][1]
+    for name, (fwd, bwd, step) in medians.items():
+        added = fwd + bwd - base
+        extra = "" if name == "plain" else f" {added * 1e3:17.2f} {added / modules * 1e6:16.1f}"
+        print(f"{name:<8} {fwd * 1e3:7.2f} {bwd * 1e3:7.2f} {step * 1e3:8.2f}{extra}")
+    return 0
+
+
 # ---- the driver (parent side) -----------------------------------------------------------------------
 
 def run_child(config: str, args: argparse.Namespace) -> dict:
@@ -294,10 +360,15 @@ def main() -> int:
     parser.add_argument("--interleaved", action="store_true",
                         help="the interleaved mode: a GPT with hand-written attention and a functional tied "
                              "head, plain and chunkmem steps alternating in one process (--steps pairs)")
+    parser.add_argument("--host-bound", action="store_true",
+                        help="the host-bound mode: the wrapper's own host time per module, on the GPU check's "
+                             "GPT at width 64 (--steps rounds, default 40); a report, no target")
     parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.steps is None:
-        args.steps = 20 if args.interleaved else 10
+        args.steps = 40 if args.host_bound else 20 if args.interleaved else 10
+    if args.host_bound:
+        return host_bound(args)
     if args.interleaved:
         return interleaved(args)
     if args.time_budget is None:

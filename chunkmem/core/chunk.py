@@ -87,6 +87,10 @@ class ChunkHost(Protocol):
     def grads_pending(self) -> bool:
         """Whether a backward left gradients that no step or ``zero_grad`` consumed yet."""
 
+    steady: bool
+    """Whether the running iteration follows its schedule with every chunk resident on the device throughout
+    (its modules' calls fetch, hold and release nothing)."""
+
     @property
     def data_parallel(self) -> ShardGroup:
         """Every rank the model trains on (a chunk's own ``shards`` may be fewer: shard groups, or one

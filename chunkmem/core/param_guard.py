@@ -254,9 +254,13 @@ def _passes(param: ChunkParameter, written: bool) -> bool:
 def _held_by_the_backward(chunk: Any) -> bool:
     """Whether the backward holds ``chunk`` on the device with its parameters' values: a read there (a custom
     autograd Function's backward reading its saved weight) runs on the parameter itself, as autograd's own
-    nodes read it, instead of on a copy of the chunk's values made for each use."""
+    nodes read it, instead of on a copy of the chunk's values made for each use. A steady iteration holds
+    nothing for its backward: every chunk stays on the device throughout, so inside autograd's execution
+    each one is held."""
     buf = chunk.param
-    return chunk.held_for_backward and buf.device_valid and not buf.holds_grads
+    if not buf.device_valid or buf.holds_grads:
+        return False
+    return chunk.held_for_backward or (chunk.host.steady and torch._C._current_graph_task_id() != -1)
 
 
 def _attribute_access(param: ChunkParameter, attribute: tuple[str, str], func: Any, args: tuple,

@@ -98,6 +98,22 @@ class ChunkExecutor:
         for chunk in self.chunks:
             chunk.bind_views(chunk.param.device)
 
+    def resident_throughout(self, moves: Any, gradients_in_param_memory: bool) -> bool:
+        """Whether an iteration that follows the schedule would move nothing: every chunk unsharded, its full
+        device copy current, resting on the device (or, under a plan, ``moves``, none of whose periods evicts,
+        fetches or falls back), and the gradients outside the parameters' memory (which the backward holds)."""
+        if gradients_in_param_memory:
+            return False
+        if moves is not None and any(p.evict or p.fetch or p.fallback for p in moves.periods):
+            return False
+        for chunk in self.chunks:
+            rest = self.rest_tier(chunk)
+            if chunk.param.sharded or not chunk.param.device_valid or rest is Tier.HOST or rest is Tier.DISK:
+                return False
+            if rest is None and moves is None:
+                return False
+        return True
+
     def settle(self, chunk: Chunk) -> None:
         """Put an unused chunk's parameters where the policy rests them. Gradients held in parameter
         memory go to the host when the chunk's Adam runs there. A clean device copy that is not kept

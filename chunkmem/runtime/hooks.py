@@ -29,6 +29,9 @@ from torch.utils._pytree import tree_leaves
 class StepEdges(Protocol):
     """What the hooks call (:class:`~chunkmem.runtime.runtime.ChunkRuntime` implements it)."""
 
+    root: nn.Module
+    steady: bool  # the running iteration follows its schedule with nothing to move: only the root's hooks act
+
     def pre_forward(self, module: nn.Module) -> None: ...
 
     def post_forward(self, module: nn.Module) -> bool: ...
@@ -62,13 +65,18 @@ class ModelHooks:
         self._watched.add(module)
         runtime = self._runtime()
         marks: list[int] = []  # one per running call of this module that tracks its frozen chunks' backward
+        root = module is runtime.root
 
         def pre_forward(module: nn.Module, args: Any) -> None:
+            if runtime.steady and not root:
+                return
             if torch.is_grad_enabled() and runtime.uses_frozen_chunks(module):
                 marks.append(_sequence_mark())  # first: the post hook runs even if what follows raises
             runtime.pre_forward(module)
 
         def post_forward(module: nn.Module, args: Any, output: Any) -> None:
+            if runtime.steady and not root:
+                return
             mark = marks.pop() if marks else None
             if runtime.post_forward(module) and output is not None and torch.is_grad_enabled():
                 tracker = FrozenBackward(runtime, module, output, mark) if mark is not None else None

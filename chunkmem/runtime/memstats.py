@@ -3,7 +3,9 @@
 Schema ``chunkmem.memstats/1`` (every size in bytes, chunk ids are chunk indices):
 
 * ``schema``, ``rank``, ``world_size``, ``policy`` (placement name), ``capacity_bytes`` (device tier),
-  ``iterations`` (training iterations begun), ``traces`` (of them traced), ``last_iteration_mode``
+  ``iterations`` (training iterations begun), ``traces`` (of them traced), ``steady_iterations`` (of them
+  followed with every chunk resident throughout: their periods were not walked, see ``last_iteration``),
+  ``last_iteration_mode``
   (``tracing``, ``following``, ``diverged``, ``untraced``, ``idle``, or ``interrupted``: the last
   iteration stopped on an error, and what it held was released).
 * ``chunks``: ``count``, ``numel`` (elements of the largest chunk: the chunk size), ``shard_numel`` (of it,
@@ -20,7 +22,8 @@ Schema ``chunkmem.memstats/1`` (every size in bytes, chunk ids are chunk indices
   it runs as under ``cpu``).
 * ``last_iteration``: the same per-period figures for every period the last iteration ran (also when
   it left the schedule): ``name``, ``phase``, ``device_model_bytes``, ``host_model_bytes``,
-  ``moved_to_device_bytes``, ``moved_to_host_bytes``.
+  ``moved_to_device_bytes``, ``moved_to_host_bytes``. A steady iteration walks no period (nothing can move:
+  ``cuda`` placement, or a plan that moves nothing), so after one these are the last walked iteration's.
 * ``totals``: ``moved_to_device_bytes`` and ``moved_to_host_bytes`` of the last iteration,
   ``peak_device_bytes`` (chunk bytes, largest over its periods), ``peak_device_with_non_model_bytes``.
 * ``tiers``: chunk bytes now, ``{"device": {family: bytes}, "host": {...}}``, and ``"disk": {...}`` when
@@ -97,6 +100,7 @@ def collect(runtime: Any, rank: int = 0, world_size: int = 1) -> dict[str, Any]:
         "capacity_bytes": ledger.capacity,
         "iterations": scheduler.iterations,
         "traces": scheduler.traces,
+        "steady_iterations": scheduler.steady_iterations,
         "last_iteration_mode": scheduler.mode.value,
         "chunks": {
             "count": len(chunks),

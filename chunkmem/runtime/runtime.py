@@ -70,7 +70,7 @@ from .open_chunks import OpenChunks
 from .optimizer_link import OptimizerLink, OptimizerListener
 from .placement import PlacementPolicy, PlacementState
 from .recovery import recover_interrupted, refuse_after_failed_collective
-from .schedule import Scheduler
+from .schedule import IterationMode, Scheduler
 from .traced_moves import schedule_traced_moves
 
 __all__ = ["ChunkRuntime", "OptimizerListener"]
@@ -125,6 +125,9 @@ class ChunkRuntime:
         self.step_count = 0  # optimizer steps begun so far (skipped ones too)
         self.group_failed: CollectiveError | None = None  # the collective error that ended an iteration
         self._stack: list[_Running] = []
+        # this iteration follows the schedule with every chunk resident throughout: the modules' hooks, but the
+        # root's, do nothing and no period begins (read by the hooks on every module call: an attribute)
+        self.steady = False
         self._end_of_backward_queued = False
         self._backward_began = False  # a backward of this iteration reached the model (cleared at its end)
         self._open = OpenChunks()
@@ -222,11 +225,17 @@ class ChunkRuntime:
         self.executor.drop_secondaries()
         if self.scheduler.begin_iteration(_shapes_of(inputs), training):
             self.executor.evict_unpinned()
+        self.steady = (self.scheduler.mode is IterationMode.FOLLOWING
+                       and self.executor.resident_throughout(self.scheduler.moves, self.gradients.in_param_memory))
+        if self.steady:
+            self.scheduler.follow_steadily()
 
     @_untraced
     def pre_forward(self, module: nn.Module) -> None:
         running = _Running(module)
         self._stack.append(running)  # first: the post hook runs even if what follows raises
+        if self.steady:  # (the root's call: the others' hooks return at once)
+            return
         chunks = list(self.module_chunks[module])
         if chunks:
             self.acquisition.begin_period(module, "forward", chunks)
@@ -237,6 +246,8 @@ class ChunkRuntime:
     def use_in_forward(self, param: nn.Parameter) -> None:
         """``param`` is used while the innermost running module does not hold its chunk: fetch it for that
         module now and from then on (a parameter of another module: a tied head, ``F.linear(x, w)``)."""
+        if self.steady:
+            return
         running = self._stack[-1]
         chunk = slot_of(param).chunk
         if chunk in running.chunks:
@@ -269,7 +280,7 @@ class ChunkRuntime:
         if module is self.root and not self._end_of_backward_queued:
             self._end_of_backward_queued = True
             at_backward_end(self.post_backward)
-        if not first:
+        if not first or self.steady:
             return
         chunks = self.module_chunks[module]
         if chunks:
@@ -319,6 +330,7 @@ class ChunkRuntime:
             chunk.grads_finished = False
         self.executor.flush_stale()
         self.backward_count += 1
+        self.steady = False
         if self.scheduler.end_iteration():
             schedule_traced_moves(self.scheduler, self.executor, self.gradients, self.reduction, self.data_parallel)
         self.memory.ledger.context = ""
@@ -332,6 +344,7 @@ class ChunkRuntime:
         After a failed collective the process group is unusable and a chunk's gather may still be in
         flight in it: nothing is released (nothing can be), the tracer's mode is left, and the next
         forward raises a :class:`~chunkmem.CollectiveError` that names the first failure."""
+        self.steady = False
         if isinstance(error, CollectiveError):
             self.group_failed = self.group_failed or error
         elif self.scheduler.running:
@@ -529,6 +542,7 @@ class ChunkRuntime:
         """The last iteration stopped on an error (e.g. :class:`~chunkmem.DeviceCapacityError` in its
         backward): put it behind (:func:`~chunkmem.runtime.recovery.recover_interrupted`)."""
         failed_backward, self._backward_began = self._backward_began, False
+        self.steady = False
         recover_interrupted(self.executor, self.landing, self._optimizer, self.frozen, failed_backward)
 
 

@@ -141,6 +141,9 @@ class Scheduler:
         self._used_in_phase: dict[str, set[int]] = {}  # a trace's chunks used so far, by phase (guess_prefetch)
         self._peak_so_far = 0  # the largest non-model peak of a trace's closed periods so far (guess_prefetch)
         self._param_bytes = 0
+        self._steady = False  # the running iteration follows the schedule without walking it (follow_steadily)
+        self.steady_iterations = 0
+        self._walked_stats: list[PeriodStats] = []  # the stats of the last iteration that walked its periods
         # per period index: the call's chunks, what the orders were made from, the orders (_followed_orders)
         self._orders_made: dict[int, tuple[tuple[int, ...], tuple, PeriodOrders]] = {}
 
@@ -189,7 +192,8 @@ class Scheduler:
             self.retrace = True
         self._enter(IterationMode.INTERRUPTED, *RUNNING)
         self.state.following = False
-        self._close_stats()
+        if not self._steady:
+            self._close_stats()
 
     def begin_iteration(self, signature: Any, training: bool) -> bool:
         """Start an iteration; returns whether the manager is to evict every unused chunk outside the
@@ -199,6 +203,9 @@ class Scheduler:
         self.close_finished_traces()
         self.state.following = False
         self.index = 0
+        if not self._steady:
+            self._walked_stats = self.stats
+        self._steady = False
         self.stats = []
         self._mark_moves()
         starts_from = (IterationMode.IDLE, IterationMode.UNTRACED, IterationMode.INTERRUPTED)
@@ -217,9 +224,22 @@ class Scheduler:
         self.state.following = True
         return self.policy.plans_from_trace
 
+    def follow_steadily(self) -> None:
+        """The followed iteration just begun has nothing to move (the runtime found every chunk resident
+        throughout: :meth:`~chunkmem.runtime.executor.ChunkExecutor.resident_throughout`), so its periods are
+        not walked: the modules' hooks do nothing, no period begins, and the statistics of the last iteration
+        stay those of the last iteration that walked its periods."""
+        self._steady = True
+        self.steady_iterations += 1
+        self.stats = self._walked_stats
+
     def end_iteration(self) -> bool:
         """After backward: close the iteration. Returns ``True`` when a finished trace became the new
         schedule: the manager then calls :meth:`schedule_moves`."""
+        if self._steady:
+            self.state.following = False
+            self._enter(IterationMode.IDLE, *RUNNING)
+            return False
         self._close_stats()
         self.state.following = False
         if self._mode is IterationMode.TRACING:
