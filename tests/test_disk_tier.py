@@ -253,6 +253,44 @@ def test_scratch_files_are_removed_when_the_process_ends(tmp_path, ending):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("ending", ["normal exit", "exception"])
+def test_a_process_that_ends_while_the_backward_s_disk_step_streams_exits_cleanly(tmp_path, ending):
+    """A script that stops after a backward with ``step_in_backward`` and the optimizer state on disk (no
+    ``step()``: the user's code ended, or raised). The backward's streamed step was still running on its thread,
+    here held inside a torch operation (a matmul before the first piece's update) when the interpreter ended.
+    Before (found by tests/test_deferred_reads_fuzz.py) the thread was a daemon nothing waited for, and the
+    interpreter's finalization ended it by unwinding torch's native frames: the process aborted ("terminate
+    called without an active exception", status -6), without the matmul about one run in three. Now the stream
+    is closed and joined at exit: the process ends with its own status and its scratch files are removed."""
+    script = textwrap.dedent(f"""
+        import torch, chunkmem as cm
+        from chunkmem.optim import disk_step
+        from tests.models import TinyGPT, batches, lm_loss
+        update, busy = disk_step.adam_update_, []
+        def slow_update(*args, **kwargs):
+            if not busy:  # the first piece: the thread is in native code when the main thread ends
+                busy.append(print("streaming", flush=True))
+                torch.ones(2000, 2000) @ torch.ones(2000, 2000)
+            return update(*args, **kwargs)
+        disk_step.adam_update_ = slow_update
+        model = cm.ShardedModelV2(TinyGPT(), cm.TensorShardStrategy(), tensor_placement_policy="cpu",
+                                  dtype=torch.bfloat16, chunk_size=16384, offload_optimizer="disk",
+                                  nvme_path={str(tmp_path)!r}, buffer_size=8192)
+        optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters()), step_in_backward=True)
+        x = batches(1)[0]
+        optim.backward(lm_loss(model(x), x))
+        while not busy:
+            pass
+        if {ending == "exception"}:
+            raise RuntimeError("the user's code failed")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == (1 if ending == "exception" else 0), done.stderr
+    assert "terminate called" not in done.stderr and done.stdout == "streaming\n"
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(offload_optimizer="nvme", nvme_path="."), r"^offload_optimizer='nvme' is not allowed: expected None or 'disk'"),
     (dict(offload_optimizer="disk"), r"^nvme_path=None is not allowed"),

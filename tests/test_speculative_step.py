@@ -305,6 +305,31 @@ def test_zero_grad_before_step_undoes_the_backward_updates():
     assert optim.state_dict()["state"] == {}  # no step happened: no state, as torch
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_zero_grad_after_a_forward_between_backward_and_step_reads_the_values_put_back(tmp_path, dtype):
+    """A forward between the backward and ``step()`` whose output is dropped (an evaluation, or the forward of a
+    second backward that ``step_in_backward`` refuses) fetches the parameters of the disk chunks while the
+    backward's update has overwritten them in host memory (documented: values part-way through it; here the
+    stream is waited for, so all of them), and keeps that copy. ``zero_grad()`` then undoes the update and puts
+    the host values back. Before (found by tests/test_deferred_reads_fuzz.py) the fetched copy stayed current: a
+    parameter read after ``zero_grad()`` (``p.detach()``, ``print(p)``) showed the undone update's values, where
+    ``model.state_dict()`` showed the restored ones."""
+    _, (model, optim) = _pair(_reference(), tmp_path, dtype)
+    with torch.no_grad():
+        before = {name: p.detach().clone() for name, p in model.module.named_parameters()}
+    x, y = batches(2)
+    optim.backward(lm_loss(model(x), x))
+    optim._backward.in_flight.wait_until_computed(0)  # every disk chunk's parameters hold the update now
+    model(y)  # (its output dropped: no backward)
+    optim.zero_grad()
+    with torch.no_grad():
+        after = {name: p.detach().clone() for name, p in model.module.named_parameters()}
+    state = model.state_dict()
+    for name, value in before.items():
+        assert torch.equal(after[name], value), name
+        assert torch.equal(state[name], value), name
+
+
 def test_no_room_on_the_host_for_the_undo_copies_is_refused_before_anything_changes():
     cm.set_host_memory_capacity("600KiB")
     try:

@@ -331,7 +331,15 @@ class BackwardStep:
 
     def abandon_in_flight(self) -> None:
         """Undo the disk updates the backward started (their slots were never committed; the parameters they
-        overwrote in host memory are put back bitwise), if any."""
+        overwrote in host memory are put back bitwise), if any. The host copy each put back is then the
+        parameters' current one: a device copy fetched from it meanwhile (a forward between the backward and the
+        step) held the undone update's values, and a read after ``zero_grad()`` showed them."""
         step = self.take_in_flight()
-        if step is not None:
+        if step is None:
+            return
+        try:
             step.abandon()
+        finally:
+            for update in step.updates:
+                if update.updated_to and update.param is not None:
+                    self.runtime.mark_updated(update.chunk, Tier.HOST)

@@ -36,6 +36,7 @@ for it and commits or undoes exactly as :meth:`StreamedStep.run` does.
 """
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 from collections import deque
@@ -259,6 +260,12 @@ class StreamedStep:
         self.disk.buffers(self._families, self._buffer_nbytes)  # here: the host ledger is not changed from two threads
         self._thread = threading.Thread(target=self._stream_on_thread, name="chunkmem-disk-step", daemon=True)
         self._thread.start()
+        # A process that ends before step() (a script that stops after a backward, an uncaught error) must not
+        # finalize the interpreter while the thread is inside torch's or the kernel's native code: a daemon
+        # thread that wants the interpreter back then is ended by unwinding native frames, which aborts the
+        # process ("terminate called without an active exception"). So the stream is closed and joined at exit,
+        # before the disk tier's files are removed (whose exit handlers were registered earlier: run later).
+        atexit.register(self._close_and_join)
 
     def finish(self) -> None:
         """No more chunks: wait for the thread to update every chunk handed over, then commit, or undo
@@ -291,6 +298,7 @@ class StreamedStep:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+            atexit.unregister(self._close_and_join)
         for update in self.updates:
             if update.resting_values is not None:
                 self.release_values(update.resting_values)
