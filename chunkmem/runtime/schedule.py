@@ -144,8 +144,8 @@ class Scheduler:
         self._steady = False  # the running iteration follows the schedule without walking it (follow_steadily)
         self.steady_iterations = 0
         self._walked_stats: list[PeriodStats] = []  # the stats of the last iteration that walked its periods
-        # per period index: the call's chunks, what the orders were made from, the orders (_followed_orders)
-        self._orders_made: dict[int, tuple[tuple[int, ...], tuple, PeriodOrders]] = {}
+        # per period index: the call's chunks, what the orders were made from, a chunk's bytes, the orders
+        self._orders_made: dict[int, tuple[tuple[int, ...], tuple, int, PeriodOrders]] = {}  # (_followed_orders)
 
     @property
     def mode(self) -> IterationMode:
@@ -289,16 +289,18 @@ class Scheduler:
         return orders
 
     def _followed_orders(self, index: int, chunks: tuple[int, ...]) -> PeriodOrders:
-        """The orders of the schedule's period ``index`` for a call using ``chunks``, made once per schedule
-        (they depend on nothing else: the periods, the moves, the lookahead and the staging counts, all
-        replaced, never changed in place, when a new schedule is made)."""
-        inputs = (self.periods, self.state.moves, self._lookahead, self._staging, self._param_bytes)
+        """The orders of the schedule's period ``index`` for a call using ``chunks``, made once per schedule.
+        They depend on nothing else than the periods, the moves, the lookahead, the staging counts (each a new
+        object for a new schedule: :meth:`schedule_moves` makes new staging counts before it sets the periods'
+        agreed peaks) and a chunk's bytes."""
+        made_from = (self.periods, self.state.moves, self._lookahead, self._staging)
         cached = self._orders_made.get(index)
-        if cached is not None and cached[0] == chunks and all(a is b for a, b in zip(cached[1], inputs)):
-            return cached[2]
+        if (cached is not None and cached[0] == chunks and cached[2] == self._param_bytes
+                and all(a is b for a, b in zip(cached[1], made_from))):
+            return cached[3]
         orders = PeriodOrders(keep=list(chunks))
         self._fill_orders(orders, index)
-        self._orders_made[index] = (chunks, inputs, orders)
+        self._orders_made[index] = (chunks, made_from, self._param_bytes, orders)
         return orders
 
     def _fill_orders(self, orders: PeriodOrders, index: int) -> None:
