@@ -40,7 +40,6 @@ import math
 from typing import Any
 
 import torch
-from torch._C import DisableTorchFunctionSubclass
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ..core.chunk import Chunk, ParamSlot
@@ -87,16 +86,11 @@ class GradientIdioms:
         factors = mixed.factors
         if not factors:
             return 1.0
-        if mixed.factors_since != self._runtime.backward_count:
-            raise UnsupportedOperationError(
-                "optim.step() after a backward that added gradients to gradients already scaled in place "
-                "(clip_grad_norm_ or .grad.mul_ before that backward): torch would have scaled only the earlier "
-                "ones, which the chunks cannot tell apart. Clip after the last backward of the step; call "
-                "optim.zero_grad() to drop these gradients")
+        self.check_scaled_last("optim.step()")
         # (a non-finite factor is one: clip_grad_norm_ of gradients that overflowed gives inf / inf, a NaN per
         # parameter, and the step then skips the update as torch's GradScaler would)
         seen = {_finite_or_nan(factors.get(id(slot), 1.0)) for chunk in chunks for slot in chunk.slots
-                if slot.index_in_chunk in chunk.slots_with_grads and _requires_grad(slot)}
+                if slot.index_in_chunk in chunk.slots_with_grads}
         if len(seen) > 1 and any(math.isnan(f) for f in seen):
             seen = {f for f in seen if math.isnan(f)}
         if len(seen) > 1:
@@ -107,12 +101,25 @@ class GradientIdioms:
                 "(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)) or use optim.clip_grad_norm(max_norm)")
         return seen.pop() if seen else 1.0
 
+    def check_scaled_last(self, action: str) -> None:
+        """Raise :class:`~chunkmem.UnsupportedOperationError` (``action``: what is refused) if a backward added
+        gradients to gradients already scaled in place: the factors recorded apply to the earlier ones only,
+        so neither the step, a norm, a read nor another scaling can be what torch gives."""
+        mixed = self._mixed
+        if mixed.factors and mixed.factors_since != self._runtime.backward_count:
+            raise UnsupportedOperationError(
+                f"{action} after a backward that added gradients to gradients already scaled in place "
+                "(clip_grad_norm_ or .grad.mul_ before that backward): torch would have scaled only the earlier "
+                "ones, which the chunks cannot tell apart. Clip after the last backward of the step; call "
+                "optim.zero_grad() to drop these gradients")
+
     # ---- the stand-ins ------------------------------------------------------------------------------
 
     def run(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """What ``func(*args, **kwargs)`` does when some argument is a stand-in (module docstring)."""
         name = getattr(func, "__name__", "")
         stand_ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, ChunkGradient)]
+        self.check_scaled_last(f"{name} of the gradient of {stand_ins[0].slot.name!r}" if stand_ins else name)
         if name in _NORMS:
             return self._norm(name, args, kwargs)
         if name in _SCALINGS and isinstance(args[0], (ChunkGradient, list, tuple)) and len(args) == 2:
@@ -159,17 +166,21 @@ class GradientIdioms:
         return out if name == "_foreach_norm" else out[0]
 
     def _slot_norms(self, p: float) -> dict[int, float]:
-        """Every trainable parameter's unscaled gradient norm of order ``p`` over the ranks (one all-reduce)."""
+        """Every trainable parameter's unscaled gradient norm of order ``p`` over the ranks (one all-reduce).
+
+        In one process without a loss scale, an fp32 gradient's norm is the one torch computes of ``p.grad``
+        (:func:`_torch_norm`), bit for bit, so that ``clip_grad_norm_`` clips by torch's coefficient."""
         runtime = self._runtime
         key = (runtime.backward_count, runtime.step_count, p)
         if key not in self._norms:
             self._norms.clear()
             slots = [s for c in runtime.trainable_chunks() for s in c.slots]
-            sums = [_local_power_sum(runtime, slot, p) for slot in slots]
-            local = torch.tensor([v if isinstance(v, float) else 0.0 for v in sums], dtype=torch.float64)
-            on_device = [i for i, v in enumerate(sums) if isinstance(v, torch.Tensor)]
-            if on_device:  # one copy to the host for all of them, not one wait per parameter
-                local[on_device] = torch.stack([sums[i] for i in on_device]).cpu()
+            if not self._mixed.groups and self._mixed.loss_scale == 1.0 and all(
+                    c.dtype == torch.float32 for c in runtime.trainable_chunks()):
+                norms = [_torch_norm(runtime, slot, p) for slot in slots]
+                self._norms[key] = {id(s): v for s, v in zip(slots, _on_host(norms).tolist())}
+                return self._norms[key]
+            local = _on_host([_local_power_sum(runtime, slot, p) for slot in slots])
             maximum = math.isinf(p)
             local = reduce_over_groups(self._mixed.groups, local, maximum, "the gradient norms of clip_grad_norm_")
             totals = local if maximum else local.pow(1 / p)
@@ -231,11 +242,6 @@ def _finite_or_nan(factor: float) -> float:
     return factor if math.isfinite(factor) else math.nan
 
 
-def _requires_grad(slot: ParamSlot) -> bool:
-    with DisableTorchFunctionSubclass():
-        return slot.param.requires_grad
-
-
 def _is_order(p: Any) -> bool:
     return isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0
 
@@ -246,13 +252,41 @@ def _local_part(slot: ParamSlot, shard: torch.Tensor) -> torch.Tensor | None:
     return None if run is None else shard[run[0]:run[1]]
 
 
+def _on_host(values: list[float | torch.Tensor]) -> torch.Tensor:
+    """``values`` (numbers, and 0-d tensors where the gradients rest) as one float64 CPU tensor: one copy to
+    the host for the tensors of each device, not one wait per parameter."""
+    local = torch.tensor([v if isinstance(v, float) else 0.0 for v in values], dtype=torch.float64)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor):
+            by_device.setdefault(v.device, []).append(i)
+    for indices in by_device.values():
+        local[indices] = torch.stack([values[i] for i in indices]).cpu().double()
+    return local
+
+
+def _torch_norm(runtime: ChunkRuntime, slot: ParamSlot, p: float) -> float | torch.Tensor:
+    """The parameter's gradient norm of order ``p`` as torch's ``clip_grad_norm_`` takes it of ``p.grad``
+    (``torch.linalg.vector_norm`` in the gradient's dtype, so rounded as torch rounds it), where the rank holds
+    the whole chunk and no loss scale multiplies it: a 0-d tensor where the gradient rests, or 0.0 for a
+    parameter without a gradient."""
+    chunk = slot.chunk
+    if slot.index_in_chunk not in chunk.slots_with_grads:
+        return 0.0
+    grad = runtime.grad_of(chunk)
+    part = None if grad is None else _local_part(slot, grad)
+    if part is None or part.numel() == 0:
+        return 0.0
+    return torch.linalg.vector_norm(part, p)
+
+
 def _local_power_sum(runtime: ChunkRuntime, slot: ParamSlot, p: float) -> float | torch.Tensor:
     """This rank's share of ``sum |g|**p`` (the max of ``|g|`` for p = inf) of the parameter's raw gradient,
     counted once over the ranks that hold the same copy (a replicated chunk on its first replica): a number,
     or a 0-d float64 tensor on the device where the gradient rests. A 2-norm of host gradients comes from
     :func:`~chunkmem.optim.norms.sum_of_squares` (exact squares, at the memory bandwidth)."""
     chunk = slot.chunk
-    if slot.index_in_chunk not in chunk.slots_with_grads or not _requires_grad(slot):
+    if slot.index_in_chunk not in chunk.slots_with_grads:
         return 0.0
     if chunk.replicas is not None and chunk.replicas.rank != 0:
         return 0.0
