@@ -373,3 +373,23 @@ def test_setting_grad_to_none_drops_the_gradient_as_in_torch():
     for key, value in plain.state_dict().items():
         assert torch.equal(ours[key], value), key
     assert sorted(optim.state_dict()["state"]) == sorted(plain_optim.state_dict()["state"])
+
+
+def test_clipping_twice_trains_like_plain_torch_bit_for_bit():
+    """torch rounds each in-place scaling of .grad: the second clip_grad_norm_ takes the norm of the rounded scaled
+    gradients and scales those again. Before 2026-11-28 chunkmem multiplied the two factors and the norms (the
+    last bit off torch's); a second scaling now folds the first into the gradients, as torch's does."""
+    plain, plain_optim, model, optim = _pair(_adamw)
+    for x in batches(3, seed=5):
+        for net in (model, plain):
+            lm_loss(net(x), x).backward()
+        for clip in (0.5, 0.05, 0.01):
+            norms = [torch.nn.utils.clip_grad_norm_(net.parameters(), clip) for net in (model, plain)]
+            assert torch.equal(*norms), clip
+        optim.step()
+        plain_optim.step()
+        optim.zero_grad()
+        plain_optim.zero_grad()
+        ours = model.state_dict()
+        for key, value in plain.state_dict().items():
+            assert torch.equal(ours[key], value), key

@@ -160,10 +160,22 @@ class GradientIdioms:
             raise ParameterAccessError(
                 f"{name} of chunk-managed gradients with these arguments: the norm over every element (an order "
                 "p in (0, inf], no dim) of each gradient is supported, as torch.nn.utils.clip_grad_norm_ takes it")
-        norms = self._slot_norms(2.0 if p == "fro" else float(p))
-        out = [torch.tensor(norms[id(g.slot)] * abs(self.factor_of(g.slot)), dtype=torch.float32, device=g.device)
-               for g in grads]
+        order = 2.0 if p == "fro" else float(p)
+        norms = self._slot_norms(order)
+        out = []
+        for g in grads:
+            factor = self.factor_of(g.slot)
+            if factor != 1.0 and self._as_torch():  # the norm of the scaled gradient, as torch rounds it
+                norm = float(_torch_norm(self._runtime, g.slot, order, factor))
+                out.append(torch.tensor(norm, dtype=torch.float32, device=g.device))
+            else:
+                out.append(torch.tensor(norms[id(g.slot)] * abs(factor), dtype=torch.float32, device=g.device))
         return out if name == "_foreach_norm" else out[0]
+
+    def _as_torch(self) -> bool:
+        """Whether norms and scalings can be torch's bit for bit: one process, no loss scale, fp32 gradients."""
+        return not self._mixed.groups and self._mixed.loss_scale == 1.0 and all(
+            c.dtype == torch.float32 for c in self._runtime.trainable_chunks())
 
     def _slot_norms(self, p: float) -> dict[int, float]:
         """Every trainable parameter's unscaled gradient norm of order ``p`` over the ranks (one all-reduce).
@@ -175,8 +187,7 @@ class GradientIdioms:
         if key not in self._norms:
             self._norms.clear()
             slots = [s for c in runtime.trainable_chunks() for s in c.slots]
-            if not self._mixed.groups and self._mixed.loss_scale == 1.0 and all(
-                    c.dtype == torch.float32 for c in runtime.trainable_chunks()):
+            if self._as_torch():
                 norms = [_torch_norm(runtime, slot, p) for slot in slots]
                 self._norms[key] = {id(s): v for s, v in zip(slots, _on_host(norms).tolist())}
                 return self._norms[key]
@@ -200,11 +211,26 @@ class GradientIdioms:
         self._backward.check_can_rescale("scaling gradients in place (clip_grad_norm_, .grad.mul_)")
         value = float(factor.item() if isinstance(factor, torch.Tensor) else factor)
         mixed = self._mixed
+        as_torch = self._as_torch()
         for g in grads:
-            mixed.factors[id(g.slot)] = mixed.factors.get(id(g.slot), 1.0) * value
+            earlier = mixed.factors.get(id(g.slot), 1.0)
+            if earlier != 1.0 and as_torch:  # a second scaling: the first into the gradient, rounded as torch's
+                self._fold(g.slot, earlier)
+                earlier = 1.0
+            mixed.factors[id(g.slot)] = earlier * value
         if mixed.factors_since is None:
             mixed.factors_since = self._runtime.backward_count
         return None if isinstance(target, (list, tuple)) else target
+
+    def _fold(self, slot: ParamSlot, factor: float) -> None:
+        """Multiply ``slot``'s gradient in its chunk by ``factor`` (recorded for it until now): torch rounds each
+        in-place scaling of ``.grad`` to fp32, so a second one applies to the rounded product of the first."""
+        grad = self._runtime.grad_of(slot.chunk)
+        part = _local_part(slot, grad) if grad is not None else None
+        if part is not None:
+            part.mul_(factor)
+        self._mixed.factors[id(slot)] = 1.0
+        self._norms.clear()
 
     def _clamp(self, name: str, args: tuple, kwargs: dict) -> Any:
         grads = args[0] if name.startswith("_foreach") else [args[0]]
@@ -265,11 +291,12 @@ def _on_host(values: list[float | torch.Tensor]) -> torch.Tensor:
     return local
 
 
-def _torch_norm(runtime: ChunkRuntime, slot: ParamSlot, p: float) -> float | torch.Tensor:
+def _torch_norm(runtime: ChunkRuntime, slot: ParamSlot, p: float, factor: float = 1.0) -> float | torch.Tensor:
     """The parameter's gradient norm of order ``p`` as torch's ``clip_grad_norm_`` takes it of ``p.grad``
-    (``torch.linalg.vector_norm`` in the gradient's dtype, so rounded as torch rounds it), where the rank holds
-    the whole chunk and no loss scale multiplies it: a 0-d tensor where the gradient rests, or 0.0 for a
-    parameter without a gradient."""
+    (``torch.linalg.vector_norm`` in the gradient's dtype, so rounded as torch rounds it; of the gradient times
+    ``factor``, the product rounded as torch's in-place scaling rounds it), where the rank holds the whole chunk
+    and no loss scale multiplies it: a 0-d tensor where the gradient rests, or 0.0 for a parameter without a
+    gradient."""
     chunk = slot.chunk
     if slot.index_in_chunk not in chunk.slots_with_grads:
         return 0.0
@@ -277,7 +304,7 @@ def _torch_norm(runtime: ChunkRuntime, slot: ParamSlot, p: float) -> float | tor
     part = None if grad is None else _local_part(slot, grad)
     if part is None or part.numel() == 0:
         return 0.0
-    return torch.linalg.vector_norm(part, p)
+    return torch.linalg.vector_norm(part if factor == 1.0 else part * factor, p)
 
 
 def _local_power_sum(runtime: ChunkRuntime, slot: ParamSlot, p: float) -> float | torch.Tensor:
