@@ -316,3 +316,80 @@ def test_the_norm_of_gradients_that_overflowed_is_torch_s(stage, norm_type):
     theirs = float(torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0, norm_type=norm_type))
     assert not math.isfinite(theirs)
     assert (math.isnan(ours), math.isinf(ours)) == (math.isnan(theirs), math.isinf(theirs))
+
+
+def test_per_parameter_gradient_norms_are_torch_s_bit_for_bit():
+    """clip_grad_norm_ takes torch.linalg.vector_norm of each .grad and the norm of those: in one process
+    without a loss scale each stand-in gives torch's fp32 norm of the same gradient, so the total norm, the
+    clipping coefficient and the step are plain torch's bit for bit. Before 2026-11-28 they came from a float64
+    sum of squares, rounded: the last bit differed for some parameters, so the total norm and the weights could."""
+    plain, plain_optim, model, optim = _pair(_adamw)
+    for x in batches(3, seed=4):
+        for net in (model, plain):
+            lm_loss(net(x), x).backward()
+        for (name, ours), theirs in zip(model.module.named_parameters(), plain.parameters()):
+            assert torch.equal(torch.linalg.vector_norm(ours.grad), torch.linalg.vector_norm(theirs.grad)), name
+        norms = [torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05) for net in (model, plain)]
+        assert torch.equal(*norms)
+        optim.step()
+        plain_optim.step()
+        optim.zero_grad()
+        plain_optim.zero_grad()
+    ours = model.state_dict()
+    for key, value in plain.state_dict().items():
+        assert torch.equal(ours[key], value), key
+
+
+def test_a_norm_or_read_after_a_backward_that_added_to_clipped_gradients_is_refused():
+    """torch's second clip_grad_norm_ sees c * g1 + g2; the chunks hold g1 + g2 and one factor c. Before
+    2026-11-28 the norm returned was (|g1 + g2|) * c, silently, and only the step refused."""
+    plain, plain_optim, model, optim = _pair(_adamw)
+    x = batches(1)[0]
+    lm_loss(model(x), x).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    lm_loss(model(x), x).backward()
+    with pytest.raises(cm.UnsupportedOperationError, match="added gradients to gradients already scaled"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(cm.UnsupportedOperationError, match="added gradients to gradients already scaled"):
+        next(model.parameters()).grad.clone()
+    optim.zero_grad()
+    lm_loss(model(x), x).backward()
+    assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)) > 0
+    assert optim.step()
+
+
+def test_setting_grad_to_none_drops_the_gradient_as_in_torch():
+    """torch's step skips a parameter whose .grad is None. Before 2026-11-28 ``p.grad = None`` zeroed the gradient
+    in its chunk and the step still updated the parameter (weight decay, Adam's moments: state torch has none of)."""
+    plain, plain_optim, model, optim = _pair(_adamw)
+    x = batches(1)[0]
+    for net in (model, plain):
+        lm_loss(net(x), x).backward()
+        net.blocks[0].fc1.weight.grad = None
+    assert model.module.blocks[0].fc1.weight.grad is None
+    optim.step()
+    plain_optim.step()
+    ours = model.state_dict()
+    for key, value in plain.state_dict().items():
+        assert torch.equal(ours[key], value), key
+    assert sorted(optim.state_dict()["state"]) == sorted(plain_optim.state_dict()["state"])
+
+
+def test_clipping_twice_trains_like_plain_torch_bit_for_bit():
+    """torch rounds each in-place scaling of .grad: the second clip_grad_norm_ takes the norm of the rounded scaled
+    gradients and scales those again. Before 2026-11-28 chunkmem multiplied the two factors and the norms (the
+    last bit off torch's); a second scaling now folds the first into the gradients, as torch's does."""
+    plain, plain_optim, model, optim = _pair(_adamw)
+    for x in batches(3, seed=5):
+        for net in (model, plain):
+            lm_loss(net(x), x).backward()
+        for clip in (0.5, 0.05, 0.01):
+            norms = [torch.nn.utils.clip_grad_norm_(net.parameters(), clip) for net in (model, plain)]
+            assert torch.equal(*norms), clip
+        optim.step()
+        plain_optim.step()
+        optim.zero_grad()
+        plain_optim.zero_grad()
+        ours = model.state_dict()
+        for key, value in plain.state_dict().items():
+            assert torch.equal(ours[key], value), key

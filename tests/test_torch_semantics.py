@@ -622,3 +622,90 @@ def test_low_level_zero_on_two_ranks_steps_each_parameter_as_torch():
             torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5)
     for name in ranks[0][0]:
         assert torch.equal(ranks[0][0][name], ranks[1][0][name]), name
+
+
+# ---- a gradient set is a gradient stepped: zeroed ones, and those of a parameter frozen since ---------------------
+# torch's optimizers step every parameter whose .grad is not None, whatever its requires_grad. Before 2026-11-28 a
+# step after zero_grad(set_to_none=False) with no backward since updated nothing (and .grad read None where torch
+# reads zeros; weight decay and momentum move such a parameter in torch), and a parameter frozen between its backward
+# and the step was left alone.
+
+def _pair_of_sides(placement):
+    reference = _reference()
+    plain = copy.deepcopy(reference)
+    plain_optim = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=WD, fused=True)
+    model = cm.ShardedModelV2(copy.deepcopy(reference), cm.TensorShardStrategy(), tensor_placement_policy=placement,
+                              dtype=torch.float32, chunk_size=16384)
+    optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=LR, weight_decay=WD))
+    return model, optim, plain, plain_optim
+
+
+def _step_both(model, optim, plain, plain_optim):
+    optim.step()
+    plain_optim.step()
+    plain_optim.zero_grad()  # (chunkmem's step releases the gradients it used, as the reference's does)
+    _assert_equal_to_plain(model, plain)
+    _assert_steps_like_torch(optim, plain_optim)
+
+
+@pytest.mark.parametrize("placement", ["cpu", "cuda"])
+def test_gradients_zeroed_without_a_backward_since_are_stepped_as_in_torch(placement):
+    model, optim, plain, plain_optim = _pair_of_sides(placement)
+    x, y = batches(2, seed=3)
+    for net in (model, plain):
+        lm_loss(net(x), x).backward()
+    _step_both(model, optim, plain, plain_optim)
+    for net in (model, plain):
+        lm_loss(net(y), y).backward()
+    optim.zero_grad(set_to_none=False)
+    plain_optim.zero_grad(set_to_none=False)
+    for ours, theirs in zip(model.parameters(), plain.parameters()):
+        assert (ours.grad is None) == (theirs.grad is None)
+        assert theirs.grad is None or torch.equal(ours.grad.clone(), theirs.grad)
+    _step_both(model, optim, plain, plain_optim)  # weight decay and Adam's moments move them
+
+
+@pytest.mark.parametrize("placement", ["cpu", "cuda"])
+def test_a_parameter_frozen_after_its_backward_is_stepped_as_in_torch(placement):
+    model, optim, plain, plain_optim = _pair_of_sides(placement)
+    data = batches(3, seed=3)
+    for step, x in enumerate(data):
+        for net in (model, plain):
+            lm_loss(net(x), x).backward()
+        frozen = f"blocks.{step % 2}."
+        for net in (model.module, plain):
+            for name, p in net.named_parameters():
+                p.requires_grad_(not name.startswith(frozen))
+        if step == 2:  # a zeroed gradient of a frozen parameter is stepped too
+            optim.zero_grad(set_to_none=False)
+            plain_optim.zero_grad(set_to_none=False)
+        assert next(p for n, p in model.module.named_parameters() if n.startswith(frozen)).grad is not None
+        _step_both(model, optim, plain, plain_optim)
+        for net in (model.module, plain):
+            net.requires_grad_(True)
+
+
+@pytest.mark.parametrize("partition_grad", [False, True], ids=["stage1", "stage2"])
+def test_low_level_zero_steps_zeroed_gradients_and_those_of_a_parameter_frozen_since(partition_grad):
+    """The same under LowLevelZeroOptimizer: before 2026-11-28 its step after zero_grad(set_to_none=False) updated
+    nothing, and it left a parameter frozen after its backward alone."""
+    reference = _reference()
+    plain = copy.deepcopy(reference)
+    plain_optim = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=WD, fused=True)
+    module = copy.deepcopy(reference)
+    optim = cm.LowLevelZeroOptimizer(cm.HybridAdam(module.parameters(), lr=LR, weight_decay=WD),
+                                     partition_grad=partition_grad)
+    for step, x in enumerate(batches(3, seed=3)):
+        optim.backward(lm_loss(module(x), x))
+        lm_loss(plain(x), x).backward()
+        if step == 1:
+            optim.zero_grad(set_to_none=False)
+            plain_optim.zero_grad(set_to_none=False)
+        if step == 2:
+            module.blocks[0].requires_grad_(False)
+            plain.blocks[0].requires_grad_(False)
+        assert optim.step()
+        plain_optim.step()
+        plain_optim.zero_grad()
+        _assert_module_equal(module, plain)
+        _assert_steps_like_torch(optim, plain_optim)

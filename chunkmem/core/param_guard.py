@@ -282,11 +282,9 @@ def _attribute_access(param: ChunkParameter, attribute: tuple[str, str], func: A
 
 def _gradient_stand_in(param: ChunkParameter, slot: ParamSlot) -> Any:
     host = slot.chunk.host
-    with DisableTorchFunctionSubclass():
-        requires_grad = param.requires_grad
-    if (host is None or not host.grads_pending or not requires_grad or not slot.chunk.trainable
+    if (host is None or not host.grads_pending or not slot.chunk.trainable
             or slot.index_in_chunk not in slot.chunk.slots_with_grads):
-        return None  # (torch's .grad is None for a parameter no backward reached)
+        return None  # (torch's .grad is None for a parameter no backward reached; a frozen one keeps its own)
     return ChunkGradient(slot, slot.chunk.param.device.device)
 
 
@@ -298,8 +296,9 @@ def _set_gradient(slot: ParamSlot, value: Any, func: Any, args: tuple) -> None:
     host = slot.chunk.host
     grad = host.grad_of(slot.chunk) if host is not None else None
     run = slot.chunk.own_run(slot)
-    if grad is not None and run is not None:  # no 'no gradient' state per parameter: zero its part
+    if grad is not None and run is not None:  # its part zeroed for a later backward to add to
         grad[run[0]:run[1]].zero_()
+    slot.chunk.slots_with_grads.discard(slot.index_in_chunk)  # no gradient: .grad reads None, the step skips it
     plain_call(func, args, {})
 
 

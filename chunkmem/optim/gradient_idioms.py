@@ -40,7 +40,6 @@ import math
 from typing import Any
 
 import torch
-from torch._C import DisableTorchFunctionSubclass
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ..core.chunk import Chunk, ParamSlot
@@ -87,16 +86,11 @@ class GradientIdioms:
         factors = mixed.factors
         if not factors:
             return 1.0
-        if mixed.factors_since != self._runtime.backward_count:
-            raise UnsupportedOperationError(
-                "optim.step() after a backward that added gradients to gradients already scaled in place "
-                "(clip_grad_norm_ or .grad.mul_ before that backward): torch would have scaled only the earlier "
-                "ones, which the chunks cannot tell apart. Clip after the last backward of the step; call "
-                "optim.zero_grad() to drop these gradients")
+        self.check_scaled_last("optim.step()")
         # (a non-finite factor is one: clip_grad_norm_ of gradients that overflowed gives inf / inf, a NaN per
         # parameter, and the step then skips the update as torch's GradScaler would)
         seen = {_finite_or_nan(factors.get(id(slot), 1.0)) for chunk in chunks for slot in chunk.slots
-                if slot.index_in_chunk in chunk.slots_with_grads and _requires_grad(slot)}
+                if slot.index_in_chunk in chunk.slots_with_grads}
         if len(seen) > 1 and any(math.isnan(f) for f in seen):
             seen = {f for f in seen if math.isnan(f)}
         if len(seen) > 1:
@@ -107,12 +101,25 @@ class GradientIdioms:
                 "(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)) or use optim.clip_grad_norm(max_norm)")
         return seen.pop() if seen else 1.0
 
+    def check_scaled_last(self, action: str) -> None:
+        """Raise :class:`~chunkmem.UnsupportedOperationError` (``action``: what is refused) if a backward added
+        gradients to gradients already scaled in place: the factors recorded apply to the earlier ones only,
+        so neither the step, a norm, a read nor another scaling can be what torch gives."""
+        mixed = self._mixed
+        if mixed.factors and mixed.factors_since != self._runtime.backward_count:
+            raise UnsupportedOperationError(
+                f"{action} after a backward that added gradients to gradients already scaled in place "
+                "(clip_grad_norm_ or .grad.mul_ before that backward): torch would have scaled only the earlier "
+                "ones, which the chunks cannot tell apart. Clip after the last backward of the step; call "
+                "optim.zero_grad() to drop these gradients")
+
     # ---- the stand-ins ------------------------------------------------------------------------------
 
     def run(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """What ``func(*args, **kwargs)`` does when some argument is a stand-in (module docstring)."""
         name = getattr(func, "__name__", "")
         stand_ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, ChunkGradient)]
+        self.check_scaled_last(f"{name} of the gradient of {stand_ins[0].slot.name!r}" if stand_ins else name)
         if name in _NORMS:
             return self._norm(name, args, kwargs)
         if name in _SCALINGS and isinstance(args[0], (ChunkGradient, list, tuple)) and len(args) == 2:
@@ -153,23 +160,38 @@ class GradientIdioms:
             raise ParameterAccessError(
                 f"{name} of chunk-managed gradients with these arguments: the norm over every element (an order "
                 "p in (0, inf], no dim) of each gradient is supported, as torch.nn.utils.clip_grad_norm_ takes it")
-        norms = self._slot_norms(2.0 if p == "fro" else float(p))
-        out = [torch.tensor(norms[id(g.slot)] * abs(self.factor_of(g.slot)), dtype=torch.float32, device=g.device)
-               for g in grads]
+        order = 2.0 if p == "fro" else float(p)
+        norms = self._slot_norms(order)
+        out = []
+        for g in grads:
+            factor = self.factor_of(g.slot)
+            if factor != 1.0 and self._as_torch():  # the norm of the scaled gradient, as torch rounds it
+                norm = float(_torch_norm(self._runtime, g.slot, order, factor))
+                out.append(torch.tensor(norm, dtype=torch.float32, device=g.device))
+            else:
+                out.append(torch.tensor(norms[id(g.slot)] * abs(factor), dtype=torch.float32, device=g.device))
         return out if name == "_foreach_norm" else out[0]
 
+    def _as_torch(self) -> bool:
+        """Whether norms and scalings can be torch's bit for bit: one process, no loss scale, fp32 gradients."""
+        return not self._mixed.groups and self._mixed.loss_scale == 1.0 and all(
+            c.dtype == torch.float32 for c in self._runtime.trainable_chunks())
+
     def _slot_norms(self, p: float) -> dict[int, float]:
-        """Every trainable parameter's unscaled gradient norm of order ``p`` over the ranks (one all-reduce)."""
+        """Every trainable parameter's unscaled gradient norm of order ``p`` over the ranks (one all-reduce).
+
+        In one process without a loss scale, an fp32 gradient's norm is the one torch computes of ``p.grad``
+        (:func:`_torch_norm`), bit for bit, so that ``clip_grad_norm_`` clips by torch's coefficient."""
         runtime = self._runtime
         key = (runtime.backward_count, runtime.step_count, p)
         if key not in self._norms:
             self._norms.clear()
             slots = [s for c in runtime.trainable_chunks() for s in c.slots]
-            sums = [_local_power_sum(runtime, slot, p) for slot in slots]
-            local = torch.tensor([v if isinstance(v, float) else 0.0 for v in sums], dtype=torch.float64)
-            on_device = [i for i, v in enumerate(sums) if isinstance(v, torch.Tensor)]
-            if on_device:  # one copy to the host for all of them, not one wait per parameter
-                local[on_device] = torch.stack([sums[i] for i in on_device]).cpu()
+            if self._as_torch():
+                norms = [_torch_norm(runtime, slot, p) for slot in slots]
+                self._norms[key] = {id(s): v for s, v in zip(slots, _on_host(norms).tolist())}
+                return self._norms[key]
+            local = _on_host([_local_power_sum(runtime, slot, p) for slot in slots])
             maximum = math.isinf(p)
             local = reduce_over_groups(self._mixed.groups, local, maximum, "the gradient norms of clip_grad_norm_")
             totals = local if maximum else local.pow(1 / p)
@@ -189,11 +211,26 @@ class GradientIdioms:
         self._backward.check_can_rescale("scaling gradients in place (clip_grad_norm_, .grad.mul_)")
         value = float(factor.item() if isinstance(factor, torch.Tensor) else factor)
         mixed = self._mixed
+        as_torch = self._as_torch()
         for g in grads:
-            mixed.factors[id(g.slot)] = mixed.factors.get(id(g.slot), 1.0) * value
+            earlier = mixed.factors.get(id(g.slot), 1.0)
+            if earlier != 1.0 and as_torch:  # a second scaling: the first into the gradient, rounded as torch's
+                self._fold(g.slot, earlier)
+                earlier = 1.0
+            mixed.factors[id(g.slot)] = earlier * value
         if mixed.factors_since is None:
             mixed.factors_since = self._runtime.backward_count
         return None if isinstance(target, (list, tuple)) else target
+
+    def _fold(self, slot: ParamSlot, factor: float) -> None:
+        """Multiply ``slot``'s gradient in its chunk by ``factor`` (recorded for it until now): torch rounds each
+        in-place scaling of ``.grad`` to fp32, so a second one applies to the rounded product of the first."""
+        grad = self._runtime.grad_of(slot.chunk)
+        part = _local_part(slot, grad) if grad is not None else None
+        if part is not None:
+            part.mul_(factor)
+        self._mixed.factors[id(slot)] = 1.0
+        self._norms.clear()
 
     def _clamp(self, name: str, args: tuple, kwargs: dict) -> Any:
         grads = args[0] if name.startswith("_foreach") else [args[0]]
@@ -231,11 +268,6 @@ def _finite_or_nan(factor: float) -> float:
     return factor if math.isfinite(factor) else math.nan
 
 
-def _requires_grad(slot: ParamSlot) -> bool:
-    with DisableTorchFunctionSubclass():
-        return slot.param.requires_grad
-
-
 def _is_order(p: Any) -> bool:
     return isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0
 
@@ -246,13 +278,42 @@ def _local_part(slot: ParamSlot, shard: torch.Tensor) -> torch.Tensor | None:
     return None if run is None else shard[run[0]:run[1]]
 
 
+def _on_host(values: list[float | torch.Tensor]) -> torch.Tensor:
+    """``values`` (numbers, and 0-d tensors where the gradients rest) as one float64 CPU tensor: one copy to
+    the host for the tensors of each device, not one wait per parameter."""
+    local = torch.tensor([v if isinstance(v, float) else 0.0 for v in values], dtype=torch.float64)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor):
+            by_device.setdefault(v.device, []).append(i)
+    for indices in by_device.values():
+        local[indices] = torch.stack([values[i] for i in indices]).cpu().double()
+    return local
+
+
+def _torch_norm(runtime: ChunkRuntime, slot: ParamSlot, p: float, factor: float = 1.0) -> float | torch.Tensor:
+    """The parameter's gradient norm of order ``p`` as torch's ``clip_grad_norm_`` takes it of ``p.grad``
+    (``torch.linalg.vector_norm`` in the gradient's dtype, so rounded as torch rounds it; of the gradient times
+    ``factor``, the product rounded as torch's in-place scaling rounds it), where the rank holds the whole chunk
+    and no loss scale multiplies it: a 0-d tensor where the gradient rests, or 0.0 for a parameter without a
+    gradient."""
+    chunk = slot.chunk
+    if slot.index_in_chunk not in chunk.slots_with_grads:
+        return 0.0
+    grad = runtime.grad_of(chunk)
+    part = None if grad is None else _local_part(slot, grad)
+    if part is None or part.numel() == 0:
+        return 0.0
+    return torch.linalg.vector_norm(part if factor == 1.0 else part * factor, p)
+
+
 def _local_power_sum(runtime: ChunkRuntime, slot: ParamSlot, p: float) -> float | torch.Tensor:
     """This rank's share of ``sum |g|**p`` (the max of ``|g|`` for p = inf) of the parameter's raw gradient,
     counted once over the ranks that hold the same copy (a replicated chunk on its first replica): a number,
     or a 0-d float64 tensor on the device where the gradient rests. A 2-norm of host gradients comes from
     :func:`~chunkmem.optim.norms.sum_of_squares` (exact squares, at the memory bandwidth)."""
     chunk = slot.chunk
-    if slot.index_in_chunk not in chunk.slots_with_grads or not _requires_grad(slot):
+    if slot.index_in_chunk not in chunk.slots_with_grads:
         return 0.0
     if chunk.replicas is not None and chunk.replicas.rank != 0:
         return 0.0

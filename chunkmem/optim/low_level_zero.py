@@ -72,10 +72,11 @@ class LowLevelZeroOptimizer:
     stand-in for the gradient in the store, on which torch's idioms work
     (``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` returns the unscaled norm and clips what the
     step applies, ``clip_grad_value_``, reads; ``None`` where torch's ``.grad`` is ``None``):
-    :mod:`chunkmem.optim.zero_gradient_view`. A step updates the parameters that require grad and were given
-    a gradient since the last step (on any rank); one without (a branch not taken) or whose ``requires_grad``
-    is ``False`` at the step is left alone (no weight decay, no moment update, as torch's optimizers leave a
-    parameter without a gradient): its step count, and another optimizer's scalar state (NAdam's
+    :mod:`chunkmem.optim.zero_gradient_view`. A step updates the parameters given a gradient since the last
+    step or ``zero_grad()`` (on any rank; zeros after ``zero_grad(set_to_none=False)``, and also when frozen
+    since, as torch's optimizers step every parameter whose ``.grad`` is set); one without (a branch not taken)
+    is left alone (no weight decay, no moment update, as torch's optimizers leave a parameter without a
+    gradient): its step count, and another optimizer's scalar state (NAdam's
     ``mu_product``, ...), stay, both per parameter as torch keeps them. A parameter frozen when the optimizer
     is built has no master and cannot be trained: if it requires grad at a step, :meth:`step` raises
     :class:`~chunkmem.UnsupportedOperationError`. All ranks must run the same backward graph (the buckets are

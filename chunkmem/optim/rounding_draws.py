@@ -249,10 +249,9 @@ class StepDraws:
             for group in self._groups:
                 for param in group["params"]:
                     slot = slot_of(param)
-                    if not param.requires_grad:
-                        continue
                     chunk = slot.chunk
-                    if (self._in_step or chunk.grads_finished) and slot.index_in_chunk not in chunk.slots_with_grads:
+                    given = slot.index_in_chunk in chunk.slots_with_grads  # stepped even if frozen since
+                    if not given and (not param.requires_grad or self._in_step or chunk.grads_finished):
                         continue
                     order.append((id(param), slot.numel))
         return order

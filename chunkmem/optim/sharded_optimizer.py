@@ -103,8 +103,10 @@ class ShardedOptimizerV2(WrappingOptimizer):
             ``gradient_clipping`` maps to.
 
     Param groups may share a chunk: each chunk is updated per contiguous range of one group, with that
-    group's hyper-parameters. A parameter whose ``requires_grad`` is ``False`` at the step is not updated
-    (no weight decay, no moment update), as torch's optimizers skip a parameter without a gradient.
+    group's hyper-parameters. A parameter given no gradient since the last step (or ``zero_grad()``) is
+    not updated (no weight decay, no moment update), as torch's optimizers skip a parameter whose ``.grad`` is
+    ``None``; one given a gradient is updated as torch's are, also when it was frozen (``requires_grad_(False)``)
+    after its backward, and with a zero gradient after ``zero_grad(set_to_none=False)``.
 
     ``update_rule`` is the chunk update rule chosen when it is built (:mod:`chunkmem.optim.update_rule`: the
     Adam kernel or the wrapped optimizer's own step); state dicts, checkpoints and resharding ask it.

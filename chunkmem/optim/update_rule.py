@@ -107,15 +107,14 @@ class UpdateRule:
         return self._group_of.get(id(param))
 
     def stepped_slots(self, chunk: Chunk) -> list[Stepped]:
-        """The parameters of ``chunk`` the step updates (in a param group, trainable now, and given a gradient
-        since the last step: torch skips a parameter whose ``.grad`` is None, its state and step count
-        unchanged)."""
+        """The parameters of ``chunk`` the step updates (in a param group and given a gradient since the last
+        step: torch skips a parameter whose ``.grad`` is None, its state and step count unchanged, and updates
+        one whose ``.grad`` is set, also when it was frozen since, or zeroed by ``zero_grad(set_to_none=False)``)."""
         stepped = []
-        with torch._C.DisableTorchFunctionSubclass():  # requires_grad of a chunk-managed parameter
-            for slot in chunk.slots:
-                group = self._group_of.get(id(slot.param))
-                if group is not None and slot.param.requires_grad and slot.index_in_chunk in chunk.slots_with_grads:
-                    stepped.append((slot, group, chunk.own_range(slot)))
+        for slot in chunk.slots:
+            group = self._group_of.get(id(slot.param))
+            if group is not None and slot.index_in_chunk in chunk.slots_with_grads:
+                stepped.append((slot, group, chunk.own_range(slot)))
         return stepped
 
     def assumptions(self, chunk: Chunk) -> tuple[Any, ...]:

@@ -116,5 +116,6 @@ class ZeroBackward:
         self.views.clear(keep=not set_to_none)
         for slot in self.slot_of.values():  # zeroed: the stand-ins stay (reading zeros), as torch's zeroed .grad
             slot.param.grad = None if set_to_none else self.views.current(slot)
-        self.pending = False
+        # zeroed gradients are still gradients: the next step updates those parameters, as torch's does
+        self.pending = not set_to_none and any(chunk.slots_with_grads for chunk in self.stores.chunks)
         self.unscaled = False

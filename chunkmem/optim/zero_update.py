@@ -33,9 +33,10 @@ from .zero_partition import FlatChunk, FlatSlot
 
 
 def stepped(chunk: FlatChunk) -> list[FlatSlot]:
-    """The parameters of ``chunk`` the step updates: trainable now and given a gradient since the last step
-    (torch skips a parameter whose ``.grad`` is None: its state and step count stay)."""
-    return [slot for slot in chunk.slots if slot.param.requires_grad and slot.index_in_chunk in chunk.slots_with_grads]
+    """The parameters of ``chunk`` the step updates: given a gradient since the last step (torch skips a
+    parameter whose ``.grad`` is None, its state and step count unchanged, and updates one whose ``.grad`` is
+    set, also when it was frozen since, or zeroed by ``zero_grad(set_to_none=False)``)."""
+    return [slot for slot in chunk.slots if slot.index_in_chunk in chunk.slots_with_grads]
 
 
 def ranges(chunk: FlatChunk) -> list[tuple[int, int, int]]:

@@ -120,12 +120,16 @@ class GradientLanding:
         chunk.grads_finished = False
 
     def drop(self, set_to_none: bool) -> None:
-        """Drop (``set_to_none``) or zero every finished gradient, and what ``no_sync`` accumulated."""
+        """Drop (``set_to_none``) or zero every finished gradient, and what ``no_sync`` accumulated. Zeroed
+        gradients are still pending: the next step updates each parameter that had one with a zero gradient,
+        as torch steps a parameter whose ``.grad`` is a zero tensor (gradients in the parameters' memory are
+        gone once zeroed: nothing stays pending)."""
         self.gradients.drop(set_to_none)
         if set_to_none:
             for chunk in self._executor.chunks:
                 chunk.slots_with_grads.clear()
-        self.grads_pending = False
+        self.grads_pending = not set_to_none and not self.gradients.in_param_memory and any(
+            chunk.slots_with_grads for chunk in self._executor.chunks if chunk.trainable)
         self._final_order.clear()
 
     def drop_after_failed_backward(self) -> None:
