@@ -348,3 +348,27 @@ def test_random_user_operations_train_as_plain_torch(placement, optimizer, engin
         cm.set_device_memory_capacity(AUTO_CAPACITY)
     for seed in SEEDS:
         Sequence(seed, optimizer, placement, check_every_op=seed % 2 == 0).run(engine)
+
+
+@pytest.mark.parametrize("placement", ["auto", "cpu"])
+def test_a_chunk_frozen_since_wrapping_leaves_the_device_after_its_backward(placement):
+    """Every parameter of a trainable chunk frozen after wrapping (as chunkmem's own error advises): no gradient
+    of the backward says when it is done with the chunk, which before 2026-11-28 stayed on the device to the end
+    of the backward and filled it ("device tier full during period 17 (blocks.0.fc2 backward)", the pending
+    gradients dropped). It now leaves as a chunk laid out frozen does, and training is torch's, bit for bit."""
+    cm.set_device_memory_capacity(AUTO_CAPACITY)
+    model, optim, plain, plain_optim = _sides("hybrid", placement)
+    assert [slot.name for slot in model.chunks[5].slots] == ["blocks.1.fc1.weight"]  # a chunk of its own
+    for i, x in enumerate(batches(5, seed=3)):
+        if i == 2:
+            model.module.blocks[1].fc1.weight.requires_grad_(False)
+            plain.blocks[1].fc1.weight.requires_grad_(False)
+        model.module.taken = plain.taken = i < 2  # the branch not taken: the case that overfilled the device
+        optim.backward(lm_loss(model(x), x))
+        optim.step()
+        optim.zero_grad()
+        lm_loss(plain(x), x).backward()
+        plain_optim.step()
+        plain_optim.zero_grad()
+    ours, theirs = model.state_dict(), plain.state_dict()
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)

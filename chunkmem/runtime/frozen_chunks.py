@@ -1,7 +1,9 @@
 """Chunks laid out frozen (no trainable parameter: a LoRA base): how long a backward holds them, and the
 parameters of theirs that require grad again, which cannot train.
 
-No gradient of a frozen chunk says when the backward is done with it. A module call tracked by
+No gradient of a frozen chunk says when the backward is done with it. The same holds for a trainable chunk all
+of whose parameters were frozen after wrapping (``requires_grad_(False)``, which keeps their optimizer state):
+for the iteration it is a frozen chunk (:meth:`FrozenHolds.begin_iteration`). A module call tracked by
 :class:`~chunkmem.runtime.hooks.FrozenBackward` says it for itself; :class:`FrozenHolds` counts, per frozen
 chunk, the calls whose backward runs and still use it, and the chunks a call without a tracker uses (kept
 to the end of the backward), so a chunk leaves the device once none needs it.
@@ -23,11 +25,24 @@ class FrozenHolds:
     def __init__(self) -> None:
         self._users: Counter[Chunk] = Counter()  # module calls whose backward runs and use the chunk
         self._kept: set[Chunk] = set()  # used by a call without a tracker: kept to the end of the backward
+        self._frozen_since_wrapping: frozenset[Chunk] = frozenset()  # trainable, every parameter frozen now
+
+    def begin_iteration(self, chunks: Iterable[Chunk]) -> None:
+        """An iteration begins: the trainable ``chunks`` none of whose parameters requires grad now get no
+        gradient in its backward, so they are held as frozen chunks are (read once an iteration: the forward
+        records which tensors require grad as it runs)."""
+        with DisableTorchFunctionSubclass():  # requires_grad of a chunk-managed parameter
+            self._frozen_since_wrapping = frozenset(
+                c for c in chunks if c.trainable and not any(slot.param.requires_grad for slot in c.slots))
+
+    def frozen(self, chunk: Chunk) -> bool:
+        """Whether no gradient of this iteration's backward will tell when it is done with ``chunk``."""
+        return not chunk.trainable or chunk in self._frozen_since_wrapping
 
     def held(self, chunks: Iterable[Chunk], tracked: bool) -> None:
         """A module call's backward begins with ``chunks`` held (``tracked``: it will say when it is over)."""
         for chunk in chunks:
-            if not chunk.trainable:
+            if self.frozen(chunk):
                 if tracked:
                     self._users[chunk] += 1
                 else:
@@ -37,7 +52,7 @@ class FrozenHolds:
         """A tracked call's backward is over: ``release`` each of its frozen ``chunks`` no other call whose
         backward runs uses."""
         for chunk in chunks:
-            if chunk.trainable or self._users[chunk] == 0:
+            if not self.frozen(chunk) or self._users[chunk] == 0:
                 continue
             self._users[chunk] -= 1
             if self._users[chunk] == 0 and chunk not in self._kept and chunk.held_for_backward:

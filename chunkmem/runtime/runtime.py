@@ -222,6 +222,7 @@ class ChunkRuntime:
                                                       ("parameters unfrozen since wrapping", len(unfrozen))])
         self.refuse_unfrozen("the model's forward", unfrozen)
         self.forward_count += 1
+        self.frozen.begin_iteration(self.chunks)
         self.executor.drop_secondaries()
         if self.scheduler.begin_iteration(_shapes_of(inputs), training):
             self.executor.evict_unpinned()
@@ -289,8 +290,9 @@ class ChunkRuntime:
         self.frozen.held(chunks, tracked)
 
     def uses_frozen_chunks(self, module: nn.Module) -> bool:
-        """Whether ``module``'s forward uses a chunk without trainable parameters."""
-        return any(not c.trainable for c in self.module_chunks.get(module, ()))
+        """Whether ``module``'s forward uses a chunk without trainable parameters (laid out frozen, or all of
+        them frozen since wrapping: :meth:`FrozenHolds.frozen`)."""
+        return any(self.frozen.frozen(c) for c in self.module_chunks.get(module, ()))
 
     @_untraced
     def frozen_backward_done(self, module: nn.Module) -> None:
