@@ -275,6 +275,7 @@ def _local_numel(slot: ParamSlot) -> int:
 def _set_fp32(slot: ParamSlot, local: torch.Tensor) -> None:
     """Write this rank's part (``local``: its elements, flat) as the new fp32 value of the parameter."""
     chunk = slot.chunk
+    chunk.host.check_no_step_in_flight(f"setting parameter {slot.name!r}")
     if chunk.param.holds_grads:
         raise UnsupportedOperationError(
             f"setting parameter {slot.name!r}: its memory holds the gradients of the last backward "
@@ -293,6 +294,7 @@ def _set_fp32(slot: ParamSlot, local: torch.Tensor) -> None:
 
 
 def _set_state(slot: ParamSlot, key: str, local: torch.Tensor) -> None:
+    slot.chunk.host.check_no_step_in_flight(f"setting {key!r} of parameter {slot.name!r}")
     if _state_shard(slot, key) is None:
         raise UnsupportedOperationError(
             f"setting {key!r} of parameter {slot.name!r}: it has no optimizer state before its first "

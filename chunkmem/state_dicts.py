@@ -179,6 +179,7 @@ def plan_model_load(model: Any, state_dict: Any, strict: bool) -> ModelLoad:
     check_type("strict", strict, bool, "True or False")
     refuse_grads_in_param_memory(model, "load_state_dict")
     refuse_chunks_in_use(model, "load_state_dict")
+    model.runtime.check_no_step_in_flight("model.load_state_dict()")
     own = model.module.state_dict(keep_vars=True)
     missing = [k for k in own if k not in state_dict]
     unexpected = [k for k in state_dict if k not in own]

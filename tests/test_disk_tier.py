@@ -695,6 +695,29 @@ def test_step_in_backward_in_place_frees_each_gradient_once_its_update_is_comput
     assert b.tier_bytes()["host"].get("grad", 0) == 0
 
 
+def test_a_gradient_freed_by_its_update_in_the_backward_is_none_in_p_grad(tmp_path, monkeypatch):
+    """atomic_step=False, step_in_backward: the backward frees a disk chunk's gradient once its update is
+    computed, and ``safe_get_full_grad`` of its parameters is ``None`` from then on; ``p.grad`` is ``None`` too.
+    Before 2026-11-28 it was a stand-in that read zeros (``p.grad.clone()``, norms): a gradient that was never
+    there. After the step, the next backward's gradients show again."""
+    import chunkmem.optim.backward_step as backward_step
+    monkeypatch.setattr(backward_step, "GRADIENTS_AHEAD_OF_THE_DISK_STEP", 0)  # free each as soon as computed
+    model = cm.ShardedModelV2(copy.deepcopy(_reference()), cm.TensorShardStrategy(), tensor_placement_policy="cpu",
+                              dtype=torch.bfloat16, chunk_size=CHUNK_BYTES, **_on_disk(tmp_path, atomic_step=False))
+    optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-2), step_in_backward=True)
+    x = batches(1)[0]
+    optim.backward(lm_loss(model(x), x))
+    params = list(model.module.parameters())
+    freed = [p for p in params if cm.utils.safe_get_full_grad(p) is None]
+    assert freed and all(p.grad is None for p in freed)
+    assert all(p.grad is not None for p in params if all(p is not q for q in freed))
+    assert optim.step()
+    optim.zero_grad()
+    with optim.accumulating():  # no update starts: every gradient is kept
+        optim.backward(lm_loss(model(x), x))
+    assert all(p.grad is not None and cm.utils.safe_get_full_grad(p) is not None for p in params)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_auto_keeps_the_parameters_that_fit_the_host_capacity_on_the_host(tmp_path, dtype):
     """auto, parameters and optimizer state on disk, a host capacity with room for three chunks' parameters

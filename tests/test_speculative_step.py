@@ -446,3 +446,42 @@ def test_engine_accumulation_with_step_in_backward_is_bitwise_the_plain_engine()
         return engine.sharded_model, engine.optimizer
 
     _same(run(False), run(True))
+
+
+@pytest.mark.parametrize("policy, offload_param", PLACES)
+def test_writes_between_the_backward_and_the_step_are_refused_and_change_nothing(tmp_path, policy, offload_param):
+    """The setters of chunkmem.utils, ``model.load_state_dict``, ``GatheredParameters(modifier_rank=0)`` and an
+    in-place write on an fp32 parameter, between a backward that started the step's updates and ``step()``, are
+    refused: ``step()`` keeps the updates (computed from the values before the write) or puts back the values
+    from before the backward, so the write would be lost or overwritten. Before 2026-11-28 they were accepted
+    and the step then silently trained differently from the same loop without ``step_in_backward``. After
+    ``step()`` they work; the training is bitwise the plain step's."""
+    from chunkmem import utils
+    data = batches(3)
+    pair = _pair(_reference(), tmp_path, torch.float32, policy, offload_param, max_norm=0.05)
+    if offload_param is None:  # the state in memory: the step in the backward without the disk tier
+        model = cm.ShardedModelV2(copy.deepcopy(_reference()), cm.TensorShardStrategy(),
+                                  tensor_placement_policy=policy, dtype=torch.float32, chunk_size=CHUNK_BYTES)
+        pair = (pair[0], (model, cm.ShardedOptimizerV2(
+            model, cm.HybridAdam(model.parameters(), lr=1e-2, weight_decay=0.01), max_norm=0.05,
+            step_in_backward=True)))
+    (model, optim), earlier = pair[1], pair[1][0].state_dict()
+    params = list(model.module.parameters())
+    writes = [lambda: utils.safe_set_full_fp32_param(params[0], torch.zeros(params[0].shape)),
+              lambda: utils.safe_set_full_optimizer_state(params[0], torch.zeros(params[0].shape), "exp_avg"),
+              lambda: model.load_state_dict(earlier),
+              lambda: cm.GatheredParameters(params[:1], modifier_rank=0).__enter__(),
+              lambda: params[1].data.mul_(2.0)]
+    for step, x in enumerate(data):
+        for m, o in pair:
+            o.backward(lm_loss(m(x), x))
+        assert optim.backward_updates > 0
+        for write in writes if step > 0 else writes[2:]:  # no optimizer state before the first step
+            with pytest.raises(cm.UnsupportedOperationError, match="call optim.step"):
+                write()
+        for m, o in pair:
+            o.step()
+            o.zero_grad()
+    _same(*pair)
+    utils.safe_set_full_fp32_param(params[0], torch.zeros(params[0].shape))  # after the step: allowed
+    assert torch.equal(utils.safe_get_full_fp32_param(params[0]), torch.zeros(params[0].shape))

@@ -114,8 +114,17 @@ class ChunkHost(Protocol):
     def write_params(self, chunk: "Chunk", local: torch.Tensor) -> None:
         """Make ``local`` (this rank's elements) the chunk's parameter values."""
 
+    def check_no_step_in_flight(self, action: str) -> None:
+        """Raise :class:`~chunkmem.UnsupportedOperationError` while updates that a backward started
+        (``step_in_backward``) wait for ``optim.step()`` to keep or redo them: ``action`` (a write of parameters
+        or optimizer state) would be overwritten or lost by that decision."""
+
     def grad_of(self, chunk: "Chunk") -> torch.Tensor | None:
         """This rank's shard of the chunk's finished gradient, or ``None``."""
+
+    def gradient_released(self, chunk: "Chunk") -> bool:
+        """Whether the chunk's finished gradient was freed by its update before the step (``step_in_backward``
+        with ``atomic_step=False``): its parameters' ``.grad`` is ``None`` from then on."""
 
     def grad_multiplier(self, slot: "ParamSlot | None" = None) -> float:
         """What the next step multiplies the gradients by (unscaling and clipping; 1 without optimizer;

@@ -283,8 +283,9 @@ def _attribute_access(param: ChunkParameter, attribute: tuple[str, str], func: A
 def _gradient_stand_in(param: ChunkParameter, slot: ParamSlot) -> Any:
     host = slot.chunk.host
     if (host is None or not host.grads_pending or not slot.chunk.trainable
-            or slot.index_in_chunk not in slot.chunk.slots_with_grads):
-        return None  # (torch's .grad is None for a parameter no backward reached; a frozen one keeps its own)
+            or slot.index_in_chunk not in slot.chunk.slots_with_grads or host.gradient_released(slot.chunk)):
+        return None  # (torch's .grad is None for a parameter no backward reached; a frozen one keeps its own;
+        # and here where the update in the backward freed it, as safe_get_full_grad says)
     return ChunkGradient(slot, slot.chunk.param.device.device)
 
 
@@ -362,6 +363,8 @@ def _write_outside_compute(param: ChunkParameter, func: Any, args: tuple, kwargs
         raise ParameterAccessError(
             f"{getattr(func, '__name__', func)} would change the chunk-managed parameter {slot.name!r} outside the "
             f"model's forward, and {why}: {WRITE_HELP}")
+    if chunk.host is not None:
+        chunk.host.check_no_step_in_flight(f"{getattr(func, '__name__', func)} on the parameter {slot.name!r}")
     with torch.no_grad():
         current = buf.current()
         view = slot.view(current)

@@ -100,6 +100,11 @@ class GradientStore:
         read it again (the disk step of ``step_in_backward`` without a redo, see
         :class:`~chunkmem.ShardedOptimizerV2`). Nothing to free where it lives in the parameters' memory."""
 
+    def released(self, chunk: Chunk) -> bool:
+        """Whether :meth:`release` freed ``chunk``'s finished gradient since the last :meth:`drop`: its parameters
+        have no gradient to show any more (``.grad`` is ``None``, as ``safe_get_full_grad`` is)."""
+        return False
+
     def abandon(self, chunk: Chunk) -> None:
         """An interrupted backward: forget what it left unfinished in ``chunk``."""
         raise NotImplementedError
@@ -142,6 +147,7 @@ class StagedGradients(GradientStore):
         self._kept: dict[Chunk, dict[int, torch.Tensor]] = {}  # chunk -> slot index -> its gradient
         self._reducing: dict[Chunk, PendingReduction] = {}  # reductions left running by finish(overlap=True)
         self._landing: dict[Chunk, Transfer] = {}  # chunk -> the copy of its gradient to the host, in flight
+        self._released: set[Chunk] = set()  # chunks whose gradient release() freed before the step (released())
 
     def _landed(self, chunk: Chunk) -> None:
         """Wait for the copy of the chunk's gradient to the host, if one is in flight: the host reads,
@@ -241,6 +247,7 @@ class StagedGradients(GradientStore):
         ``owned``: ``finished`` is the staging buffer freed here; otherwise it is the reduction's output
         buffer, which the next chunk's reduction overwrites, so a copy that completes later reads a
         private copy of it."""
+        self._released.discard(chunk)
         if chunk.grad.allocated:
             self._landed(chunk)
             if self.accumulate_in_fp32:
@@ -309,6 +316,7 @@ class StagedGradients(GradientStore):
             _uncount_grad_buffer(chunk)
 
     def drop(self, set_to_none: bool) -> None:
+        self._released.clear()
         for chunk in self.executor.chunks:
             self._landed(chunk)
             if chunk.grad_staging.allocated and not chunk.grad_slots_received:
@@ -330,6 +338,10 @@ class StagedGradients(GradientStore):
         self._forget_kept(chunk)
         if chunk.grad.allocated:
             chunk.grad.free()
+        self._released.add(chunk)
+
+    def released(self, chunk: Chunk) -> bool:
+        return chunk in self._released
 
     def abandon(self, chunk: Chunk) -> None:
         """Drop the gradients of an unfinished chunk that this backward began (a buffer or kept tensors

@@ -34,6 +34,9 @@ class OptimizerListener(Protocol):
     def on_backward_end(self) -> None:
         """The backward is over: finish the updates it started off autograd's thread (raising what failed)."""
 
+    def check_no_step_in_flight(self, action: str) -> None:
+        """Refuse ``action`` while updates a backward started wait for the step (``step_in_backward``)."""
+
 
 class OptimizerLink:
     """The weak link from a runtime to its model's optimizer (see the module docstring)."""
@@ -58,6 +61,11 @@ class OptimizerLink:
     def grad_multiplier(self, slot: ParamSlot | None = None) -> float:
         optimizer = self.listener()
         return 1.0 if optimizer is None else optimizer.grad_multiplier(slot)
+
+    def check_no_step_in_flight(self, action: str) -> None:
+        optimizer = self.listener()
+        if optimizer is not None:
+            optimizer.check_no_step_in_flight(action)
 
     def run_gradient_idiom(self, func: Any, args: tuple, kwargs: dict) -> Any:
         optimizer = self.listener()

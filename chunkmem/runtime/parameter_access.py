@@ -82,6 +82,8 @@ class GatheredParameters:
         for chunk in self.chunks:
             if chunk.host.in_forward:
                 raise ParameterAccessError("GatheredParameters inside the model's forward: use it outside")
+            if self.modifier_rank is not None:
+                chunk.host.check_no_step_in_flight("GatheredParameters(modifier_rank=...)")
         for host, chunks in _by_host(self.chunks):
             host.open_chunks(chunks, for_writing=self.modifier_rank is not None)
         self._users = {id(chunk): chunk.param.storage_users() for chunk in self.chunks}

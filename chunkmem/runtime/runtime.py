@@ -422,6 +422,13 @@ class ChunkRuntime:
     def grad_multiplier(self, slot: ParamSlot | None = None) -> float:
         return self._optimizer.grad_multiplier(slot)
 
+    def check_no_step_in_flight(self, action: str) -> None:
+        """Refuse ``action`` (a write of parameters or optimizer state from outside: the accessors' setters,
+        ``load_state_dict``, ``GatheredParameters(modifier_rank=...)``, an in-place write) while the updates a
+        backward started with ``step_in_backward`` wait for ``step()``, which keeps them or puts back what was
+        there before the backward and redoes them: either way the write would be lost or overwritten."""
+        self._optimizer.check_no_step_in_flight(action)
+
     def run_gradient_idiom(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """A torch function on ``.grad`` stand-ins of this model's parameters: the optimizer's to serve."""
         return self._optimizer.run_gradient_idiom(func, args, kwargs)
@@ -490,6 +497,10 @@ class ChunkRuntime:
     def release_gradients(self, chunk: Chunk) -> None:
         """Free ``chunk``'s finished gradient now: its update used it and no step will read it again."""
         self.gradients.release(chunk)
+
+    def gradient_released(self, chunk: Chunk) -> bool:
+        """Whether ``chunk``'s finished gradient was freed by its update before the step (:meth:`release_gradients`)."""
+        return self.gradients.released(chunk)
 
     @_untraced
     def drop_gradients(self, set_to_none: bool) -> None:
