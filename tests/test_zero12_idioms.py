@@ -237,6 +237,27 @@ def test_in_place_changes_reach_what_the_step_applies():
     assert_weights_close(runs[1], runs[0])
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_grad_without_set_to_none_zeroes_a_gradient_the_user_set(stage):
+    """``p.grad = tensor`` then ``zero_grad(set_to_none=False)``: torch zeroes that tensor in place and the next step
+    applies zeros to ``p`` (Adam's moments move it). Before 2026-11-28 the optimizer dropped it: ``p.grad`` read
+    ``None`` and ``p`` was not stepped (found by tests/test_zero12_semantics_fuzz.py)."""
+    plain, ref = plain_pair()
+    model, optim = zero_pair(stage)
+    for m, o in ((model, optim), (plain, ref)):
+        for x, y in data(2):
+            loss_fn(m(x), y).backward()
+            assigned = m.body[2].bias.grad = torch.ones(8)
+            o.zero_grad(set_to_none=False)
+            assert m.body[2].bias.grad is assigned and torch.equal(assigned, torch.zeros(8))
+            o.step()
+            o.zero_grad()
+    for (name, ours), theirs in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(ours, theirs), name
+    steps = {i: int(e["step"]) for i, e in optim.state_dict()["state"].items()}
+    assert steps == {i: int(e["step"]) for i, e in ref.state_dict()["state"].items()} and steps[3] == 2
+
+
 # ---- fp16 with a loss scaler -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -109,13 +109,29 @@ class ZeroBackward:
         ``no_sync`` and collectives in flight (``optim.zero_grad``)."""
         if not self.buckets.idle:  # the collectives every rank started must complete on every rank
             self.buckets.finish()
+        assigned: set[int] = set()  # slot.index: a tensor the user set as .grad, zeroed in place as torch does
         if not set_to_none:  # a gradient whose .grad the user set to None is gone, not zeroed
             for slot in self.slot_of.values():
                 self.views.settle(slot, take=False)
+                if slot.param.grad is not None and slot.param.grad is not self.views.current(slot):
+                    assigned.add(slot.index)
         self.stores.release(set_to_none)
         self.views.clear(keep=not set_to_none)
         for slot in self.slot_of.values():  # zeroed: the stand-ins stay (reading zeros), as torch's zeroed .grad
-            slot.param.grad = None if set_to_none else self.views.current(slot)
+            if slot.index in assigned:
+                _zero_in_place(slot.param.grad)  # the next step takes it, a zero gradient, as any set .grad
+            else:
+                slot.param.grad = None if set_to_none else self.views.current(slot)
         # zeroed gradients are still gradients: the next step updates those parameters, as torch's does
-        self.pending = not set_to_none and any(chunk.slots_with_grads for chunk in self.stores.chunks)
+        self.pending = not set_to_none and (bool(assigned) or any(c.slots_with_grads for c in self.stores.chunks))
         self.unscaled = False
+
+
+def _zero_in_place(grad: torch.Tensor) -> None:
+    """Zero a ``.grad`` tensor the user set, as ``torch.optim.Optimizer.zero_grad(set_to_none=False)`` zeroes
+    one: out of any autograd graph first, then in place (the same tensor object stays ``param.grad``)."""
+    if grad.grad_fn is not None:
+        grad.detach_()
+    else:
+        grad.requires_grad_(False)
+    grad.zero_()
