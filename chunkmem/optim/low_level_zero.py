@@ -255,7 +255,8 @@ class LowLevelZeroOptimizer:
     def no_sync(self) -> Iterator[None]:
         """Inside, backward passes accumulate the local gradients in ``param.grad`` without any
         collective; the first backward outside reduces their sum with its own gradients (as DDP's
-        ``no_sync``). Every rank must use it alike."""
+        ``no_sync``). Every rank must use it alike. With one rank there is nothing to defer: the gradients
+        go to the stores as outside, summed in the order torch sums ``.grad``."""
         with self._backward.no_sync.scope():
             yield
 

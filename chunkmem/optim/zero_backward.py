@@ -50,6 +50,14 @@ class ZeroBackward:
         self.steps = 0  # step() calls so far (the optimizer counts them)
         self._agreed = False  # the running backward's agreement ran
 
+    @property
+    def deferring(self) -> bool:
+        """Whether gradients stay local in ``param.grad`` now: inside ``no_sync`` over several ranks. With one
+        rank there is no collective to defer, and a gradient added at once to the store is summed in the order
+        autograd sums torch's ``.grad`` (a sum kept local and added at the end would be reassociated:
+        ``g1 + (g2 + g3)`` instead of ``(g1 + g2) + g3``, off in the last bits)."""
+        return self.no_sync.active and self.stores.shards.sharded
+
     def on_grad(self, param: nn.Parameter) -> None:
         """A parameter's gradient is final in this backward (autograd's hook): the first of a backward
         runs the ranks' agreement first, then the gradient goes to the buckets."""
@@ -73,7 +81,7 @@ class ZeroBackward:
         """Send ``param``'s local gradient (what autograd left in ``param.grad``, or added to its stand-in)
         to the buckets and leave the stand-in in ``param.grad``; inside ``no_sync`` it stays local."""
         slot = self.slot_of[id(param)]
-        grad = self.views.settle(slot, take=not self.no_sync.active)
+        grad = self.views.settle(slot, take=not self.deferring)
         if grad is None:
             return
         if self.stores.mixed.scaler is not None and not self.in_backward:
@@ -87,7 +95,7 @@ class ZeroBackward:
         """Take gradients autograd left in ``param.grad`` (accumulated inside ``no_sync`` and not
         touched since; a ``param.grad`` the user set), then reduce what is left and wait for every
         collective in flight."""
-        if self.no_sync.active:
+        if self.deferring:
             return
         for slot in self.slot_of.values():
             self.take(slot.param)
