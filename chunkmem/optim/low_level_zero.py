@@ -247,7 +247,7 @@ class LowLevelZeroOptimizer:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` times the loss scale; the gradients are reduced over the ranks into the
-        stores (inside :meth:`no_sync`: left to accumulate locally in ``param.grad``)."""
+        stores (inside :meth:`no_sync` over several ranks: left to accumulate locally in ``param.grad``)."""
         check_type("loss", loss, torch.Tensor, "a scalar torch.Tensor")
         self._backward.run(loss)
 
