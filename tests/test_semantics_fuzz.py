@@ -107,7 +107,8 @@ class Sequence:
 
     def __init__(self, seed: int, optimizer: str, placement: str, check_every_op: bool) -> None:
         self.rng = random.Random(seed)
-        self.model, self.optim, self.plain, self.plain_optim = _sides(optimizer, placement)
+        self.model, self.optim, self.plain, self.plain_optim = self.build(optimizer, placement)
+        self.module = getattr(self.model, "module", self.model)  # the nn.Module trained (chunkmem's side)
         self.names = [n for n, _ in self.plain.named_parameters()]
         self.data = batches(OPS_PER_SEQUENCE * 2, seed=100 + seed)
         self.batch = 0
@@ -115,10 +116,14 @@ class Sequence:
         self.history: list[str] = []
         self.moved = 0  # bytes the chunks moved between the tiers in the iterations seen (of a forward)
 
+    def build(self, optimizer: str, placement: str):
+        """chunkmem's model and optimizer and torch's, built from the same module (a subclass's sides)."""
+        return _sides(optimizer, placement)
+
     # ---- the two sides' parameters ----------------------------------------------------------------------------
 
     def _ours(self):
-        return dict(self.model.module.named_parameters())
+        return dict(self.module.named_parameters())
 
     def _theirs(self):
         return dict(self.plain.named_parameters())
@@ -217,17 +222,21 @@ class Sequence:
         x = self._next_batch()
         backward = "loss.backward()" if plain_backward else "optim.backward(loss)"
         self.history.append(f"forward_backward(taken={taken}, {backward})")
-        self.model.module.taken = self.plain.taken = taken
+        self.module.taken = self.plain.taken = taken
         ours_loss = lm_loss(self.model(x), x)
         theirs_loss = lm_loss(self.plain(x), x)
         if not torch.equal(ours_loss.detach(), theirs_loss.detach()):
             self.fail(f"loss {ours_loss.item()!r} != {theirs_loss.item()!r}")
         self.on_both("backward", (ours_loss.backward if plain_backward else lambda: self.optim.backward(ours_loss)),
                      theirs_loss.backward)
+        self.note_moves()
+        self.check(False)
+
+    def note_moves(self) -> None:
+        """Record whether the chunks moved between the tiers (once they have, the placement was exercised)."""
         if not self.moved:
             totals = self.model.memory_stats()["totals"]
             self.moved = totals["moved_to_device_bytes"] + totals["moved_to_host_bytes"]
-        self.check(False)
 
     def op_step(self) -> None:
         self.history.append("step()")
@@ -323,7 +332,7 @@ class Sequence:
         taken = self.rng.random() < 0.5
         x = self._next_batch()
         self.history.append(f"eval forward under no_grad(taken={taken})")
-        self.model.module.taken = self.plain.taken = taken
+        self.module.taken = self.plain.taken = taken
         self.model.eval()
         self.plain.eval()
         with torch.no_grad():

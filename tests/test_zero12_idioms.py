@@ -237,6 +237,27 @@ def test_in_place_changes_reach_what_the_step_applies():
     assert_weights_close(runs[1], runs[0])
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_grad_without_set_to_none_zeroes_a_gradient_the_user_set(stage):
+    """``p.grad = tensor`` then ``zero_grad(set_to_none=False)``: torch zeroes that tensor in place and the next step
+    applies zeros to ``p`` (Adam's moments move it). Before 2026-11-28 the optimizer dropped it: ``p.grad`` read
+    ``None`` and ``p`` was not stepped (found by tests/test_zero12_semantics_fuzz.py)."""
+    plain, ref = plain_pair()
+    model, optim = zero_pair(stage)
+    for m, o in ((model, optim), (plain, ref)):
+        for x, y in data(2):
+            loss_fn(m(x), y).backward()
+            assigned = m.body[2].bias.grad = torch.ones(8)
+            o.zero_grad(set_to_none=False)
+            assert m.body[2].bias.grad is assigned and torch.equal(assigned, torch.zeros(8))
+            o.step()
+            o.zero_grad()
+    for (name, ours), theirs in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(ours, theirs), name
+    steps = {i: int(e["step"]) for i, e in optim.state_dict()["state"].items()}
+    assert steps == {i: int(e["step"]) for i, e in ref.state_dict()["state"].items()} and steps[3] == 2
+
+
 # ---- fp16 with a loss scaler -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -280,25 +301,58 @@ def test_fp16_overflow_still_skips_after_clip_grad_value():
 
 # ---- what cannot be exact is refused, naming the alternative ----------------------------------------------
 
-def test_sync_then_no_sync_reads_the_sum_and_refuses_clipping():
-    plain, _ = plain_pair()
+def _sync_then_no_sync(rank: int = 0, world: int = 1) -> dict:
+    """A backward, one inside ``no_sync`` and ``clip_grad_norm_`` / ``clip_grad_value_`` then, then a backward
+    outside and ``clip_grad_norm_``: what each returned or the refusal's message; the ``.grad`` reads and the
+    parameters after the step."""
     model, optim = zero_pair(1)
-    (x, y), (x2, y2) = data(2)
-    for m in (model, plain):
-        loss_fn(m(x), y).backward()
+    out: dict = {}
+    batches = [(x[rank::world], y[rank::world]) for x, y in data(3)]
+    loss_fn(model(batches[0][0]), batches[0][1]).backward()
     with optim.no_sync():
-        loss_fn(model(x2), y2).backward()
-    loss_fn(plain(x2), y2).backward()
-    for ours, theirs in zip(model.body.parameters(), plain.body.parameters()):
-        assert torch.equal(ours.grad.clone(), theirs.grad)  # the reduced gradient plus the local one, as DDP's
-    with pytest.raises(cm.UnsupportedOperationError, match="no_sync.*clip_grad_norm=max_norm"):
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-    with pytest.raises(cm.UnsupportedOperationError, match="no_sync"):
-        torch.nn.utils.clip_grad_value_(model.parameters(), CLIP)
-    loss_fn(model(x), y).backward()  # outside no_sync: reduced; clipping works again
-    loss_fn(plain(x), y).backward()
-    torch.testing.assert_close(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP),
-                               torch.nn.utils.clip_grad_norm_(plain.parameters(), CLIP), rtol=1e-5, atol=0)
+        loss_fn(model(batches[1][0]), batches[1][1]).backward()
+    for name, clip in (("norm", torch.nn.utils.clip_grad_norm_), ("value", torch.nn.utils.clip_grad_value_)):
+        try:
+            out[name] = clip(model.parameters(), 100.0)
+        except cm.UnsupportedOperationError as error:
+            out[name] = str(error)
+    loss_fn(model(batches[2][0]), batches[2][1]).backward()
+    out["read"] = [p.grad.clone() for p in model.body.parameters()]
+    out["after"] = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    optim.step()
+    out["params"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+def test_sync_then_no_sync_in_one_process_sums_in_torchs_order():
+    """One rank: no_sync has nothing to defer; the gradients are summed as autograd sums torch's ``.grad``, bit for
+    bit (before 2026-11-28 the local sum was added to the reduced gradient at the end, ``g1 + (g2 + g3)``, off
+    torch's ``(g1 + g2) + g3`` in the last bits: found by tests/test_zero12_semantics_fuzz.py), and clipping works
+    inside it."""
+    plain, ref = plain_pair()
+    (x, y), (x2, y2), (x3, y3) = data(3)
+    for xs, ys in ((x, y), (x2, y2)):
+        loss_fn(plain(xs), ys).backward()
+    norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 100.0)
+    torch.nn.utils.clip_grad_value_(plain.parameters(), 100.0)
+    loss_fn(plain(x3), y3).backward()
+    read = [p.grad.clone() for p in plain.body.parameters()]
+    after = torch.nn.utils.clip_grad_norm_(plain.parameters(), CLIP)
+    ref.step()
+    ours = _sync_then_no_sync()
+    assert all(torch.equal(a, b) for a, b in zip(ours["read"], read))
+    for (name, _), a, b in zip(plain.named_parameters(), ours["params"], plain.parameters()):
+        assert torch.equal(a, b), name
+    assert torch.equal(ours["norm"], norm) and torch.equal(ours["after"], after)
+
+
+def test_sync_then_no_sync_over_two_ranks_reads_the_sum_and_refuses_clipping(two_ranks):
+    """Two ranks: inside no_sync ``.grad`` is the reduced gradient plus the local one (as DDP's), and clipping it
+    is refused (its norm is not the norm of any gradient torch would hold); outside, clipping works again."""
+    for result in two_ranks:
+        refused = result["no_sync_clip"]
+        assert "no_sync" in refused["norm"] and "clip_grad_norm=max_norm" in refused["norm"]
+        assert "no_sync" in refused["value"] and isinstance(refused["after"], torch.Tensor)
 
 
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
@@ -339,6 +393,7 @@ def _two_rank_scenarios(rank: int, world: int) -> dict:
                 out[("read", stage)] = "read"
             except cm.UnsupportedOperationError as error:
                 out[("read", stage)] = str(error)
+    out["no_sync_clip"] = _sync_then_no_sync(rank, world)
     return out
 
 

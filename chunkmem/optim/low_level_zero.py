@@ -247,7 +247,7 @@ class LowLevelZeroOptimizer:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` times the loss scale; the gradients are reduced over the ranks into the
-        stores (inside :meth:`no_sync`: left to accumulate locally in ``param.grad``)."""
+        stores (inside :meth:`no_sync` over several ranks: left to accumulate locally in ``param.grad``)."""
         check_type("loss", loss, torch.Tensor, "a scalar torch.Tensor")
         self._backward.run(loss)
 
@@ -255,7 +255,8 @@ class LowLevelZeroOptimizer:
     def no_sync(self) -> Iterator[None]:
         """Inside, backward passes accumulate the local gradients in ``param.grad`` without any
         collective; the first backward outside reduces their sum with its own gradients (as DDP's
-        ``no_sync``). Every rank must use it alike."""
+        ``no_sync``). Every rank must use it alike. With one rank there is nothing to defer: the gradients
+        go to the stores as outside, summed in the order torch sums ``.grad``."""
         with self._backward.no_sync.scope():
             yield
 

@@ -50,6 +50,14 @@ class ZeroBackward:
         self.steps = 0  # step() calls so far (the optimizer counts them)
         self._agreed = False  # the running backward's agreement ran
 
+    @property
+    def deferring(self) -> bool:
+        """Whether gradients stay local in ``param.grad`` now: inside ``no_sync`` over several ranks. With one
+        rank there is no collective to defer, and a gradient added at once to the store is summed in the order
+        autograd sums torch's ``.grad`` (a sum kept local and added at the end would be reassociated:
+        ``g1 + (g2 + g3)`` instead of ``(g1 + g2) + g3``, off in the last bits)."""
+        return self.no_sync.active and self.stores.shards.sharded
+
     def on_grad(self, param: nn.Parameter) -> None:
         """A parameter's gradient is final in this backward (autograd's hook): the first of a backward
         runs the ranks' agreement first, then the gradient goes to the buckets."""
@@ -73,7 +81,7 @@ class ZeroBackward:
         """Send ``param``'s local gradient (what autograd left in ``param.grad``, or added to its stand-in)
         to the buckets and leave the stand-in in ``param.grad``; inside ``no_sync`` it stays local."""
         slot = self.slot_of[id(param)]
-        grad = self.views.settle(slot, take=not self.no_sync.active)
+        grad = self.views.settle(slot, take=not self.deferring)
         if grad is None:
             return
         if self.stores.mixed.scaler is not None and not self.in_backward:
@@ -87,7 +95,7 @@ class ZeroBackward:
         """Take gradients autograd left in ``param.grad`` (accumulated inside ``no_sync`` and not
         touched since; a ``param.grad`` the user set), then reduce what is left and wait for every
         collective in flight."""
-        if self.no_sync.active:
+        if self.deferring:
             return
         for slot in self.slot_of.values():
             self.take(slot.param)
@@ -109,13 +117,29 @@ class ZeroBackward:
         ``no_sync`` and collectives in flight (``optim.zero_grad``)."""
         if not self.buckets.idle:  # the collectives every rank started must complete on every rank
             self.buckets.finish()
+        assigned: set[int] = set()  # slot.index: a tensor the user set as .grad, zeroed in place as torch does
         if not set_to_none:  # a gradient whose .grad the user set to None is gone, not zeroed
             for slot in self.slot_of.values():
                 self.views.settle(slot, take=False)
+                if slot.param.grad is not None and slot.param.grad is not self.views.current(slot):
+                    assigned.add(slot.index)
         self.stores.release(set_to_none)
         self.views.clear(keep=not set_to_none)
         for slot in self.slot_of.values():  # zeroed: the stand-ins stay (reading zeros), as torch's zeroed .grad
-            slot.param.grad = None if set_to_none else self.views.current(slot)
+            if slot.index in assigned:
+                _zero_in_place(slot.param.grad)  # the next step takes it, a zero gradient, as any set .grad
+            else:
+                slot.param.grad = None if set_to_none else self.views.current(slot)
         # zeroed gradients are still gradients: the next step updates those parameters, as torch's does
-        self.pending = not set_to_none and any(chunk.slots_with_grads for chunk in self.stores.chunks)
+        self.pending = not set_to_none and (bool(assigned) or any(c.slots_with_grads for c in self.stores.chunks))
         self.unscaled = False
+
+
+def _zero_in_place(grad: torch.Tensor) -> None:
+    """Zero a ``.grad`` tensor the user set, as ``torch.optim.Optimizer.zero_grad(set_to_none=False)`` zeroes
+    one: out of any autograd graph first, then in place (the same tensor object stays ``param.grad``)."""
+    if grad.grad_fn is not None:
+        grad.detach_()
+    else:
+        grad.requires_grad_(False)
+    grad.zero_()

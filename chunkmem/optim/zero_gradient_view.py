@@ -47,12 +47,13 @@ releases the gradients it used, as the reference does) sets it to ``None`` again
 False)`` keeps it, reading zeros. Setting ``param.grad = None`` (``model.zero_grad()``) drops that
 parameter's gradient from the store, as in torch; assigning a tensor replaces it. A later backward
 accumulates into the stand-in as autograd always does (its ``+=`` reaches ``__torch_dispatch__``, which
-hands the new gradient to the optimizer): gradient accumulation is torch's sum. Inside ``no_sync()`` the
-local gradients accumulate in ``param.grad`` as plain tensors (as under DDP); a parameter that already
-has a reduced gradient keeps its stand-in, which then reads as the reduced gradient plus the local sum
-(DDP's ``p.grad``), and norms, clamps and other in-place changes of it are refused until the backward
-outside ``no_sync`` reduces the sum (clip after the last backward of the step). A stand-in kept past the
-gradient it stood for (after ``zero_grad``, ``step`` or a new ``param.grad``) refuses every use.
+hands the new gradient to the optimizer): gradient accumulation is torch's sum. Inside ``no_sync()`` over
+several ranks (with one it defers nothing: ``ZeroBackward.deferring``) the local gradients accumulate in
+``param.grad`` as plain tensors (as under DDP); a parameter that already has a reduced gradient keeps its
+stand-in, which then reads as the reduced gradient plus the local sum (DDP's ``p.grad``), and norms, clamps
+and other in-place changes of it are refused until the backward outside ``no_sync`` reduces the sum (clip
+after the last backward of the step). A stand-in kept past the gradient it stood for (after ``zero_grad``,
+``step`` or a new ``param.grad``) refuses every use.
 
 The reductions of a backward are complete when it ends (the optimizer waits for them in the backward's
 final callback, ``overlap_communication`` included), so the stand-ins read finished stores.
