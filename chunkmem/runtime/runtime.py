@@ -70,7 +70,7 @@ from .open_chunks import OpenChunks
 from .optimizer_link import OptimizerLink, OptimizerListener
 from .placement import PlacementPolicy, PlacementState
 from .recovery import recover_interrupted, refuse_after_failed_collective
-from .schedule import IterationMode, Scheduler
+from .schedule import Scheduler
 from .traced_moves import schedule_traced_moves
 
 __all__ = ["ChunkRuntime", "OptimizerListener"]
@@ -125,9 +125,7 @@ class ChunkRuntime:
         self.step_count = 0  # optimizer steps begun so far (skipped ones too)
         self.group_failed: CollectiveError | None = None  # the collective error that ended an iteration
         self._stack: list[_Running] = []
-        # this iteration follows the schedule with every chunk resident throughout: the modules' hooks, but the
-        # root's, do nothing and no period begins (read by the hooks on every module call: an attribute)
-        self.steady = False
+        self.steady = False  # every chunk resident throughout: only the root's hooks act (read by every module call)
         self._end_of_backward_queued = False
         self._backward_began = False  # a backward of this iteration reached the model (cleared at its end)
         self._open = OpenChunks()
@@ -226,10 +224,8 @@ class ChunkRuntime:
         self.executor.drop_secondaries()
         if self.scheduler.begin_iteration(_shapes_of(inputs), training):
             self.executor.evict_unpinned()
-        self.steady = (self.scheduler.mode is IterationMode.FOLLOWING
-                       and self.executor.resident_throughout(self.scheduler.moves, self.gradients.in_param_memory))
-        if self.steady:
-            self.scheduler.follow_steadily()
+        self.steady = self.scheduler.follow_steadily(
+            self.executor.resident_throughout(self.scheduler.moves, self.gradients.in_param_memory))
 
     @_untraced
     def pre_forward(self, module: nn.Module) -> None:
@@ -247,11 +243,9 @@ class ChunkRuntime:
     def use_in_forward(self, param: nn.Parameter) -> None:
         """``param`` is used while the innermost running module does not hold its chunk: fetch it for that
         module now and from then on (a parameter of another module: a tied head, ``F.linear(x, w)``)."""
-        if self.steady:
-            return
         running = self._stack[-1]
         chunk = slot_of(param).chunk
-        if chunk in running.chunks:
+        if self.steady or chunk in running.chunks:  # (steady: every chunk is on the device throughout)
             return
         self.watched.check_capacity_with(running.module, param, "found in a forward")
         self.acquisition.acquire([chunk])  # refuses a chunk whose memory holds gradients (reuse_fp16_shard)
@@ -290,8 +284,7 @@ class ChunkRuntime:
         self.frozen.held(chunks, tracked)
 
     def uses_frozen_chunks(self, module: nn.Module) -> bool:
-        """Whether ``module``'s forward uses a chunk without trainable parameters (laid out frozen, or all of
-        them frozen since wrapping: :meth:`FrozenHolds.frozen`)."""
+        """Whether ``module``'s forward uses a chunk without trainable parameters (:meth:`FrozenHolds.frozen`)."""
         return any(self.frozen.frozen(c) for c in self.module_chunks.get(module, ()))
 
     @_untraced
@@ -423,10 +416,8 @@ class ChunkRuntime:
         return self._optimizer.grad_multiplier(slot)
 
     def check_no_step_in_flight(self, action: str) -> None:
-        """Refuse ``action`` (a write of parameters or optimizer state from outside: the accessors' setters,
-        ``load_state_dict``, ``GatheredParameters(modifier_rank=...)``, an in-place write) while the updates a
-        backward started with ``step_in_backward`` wait for ``step()``, which keeps them or puts back what was
-        there before the backward and redoes them: either way the write would be lost or overwritten."""
+        """Refuse ``action`` (a write from outside: a setter, ``load_state_dict``, a writing ``GatheredParameters``)
+        while ``step_in_backward``'s updates wait for ``step()``, which would lose the write or overwrite it."""
         self._optimizer.check_no_step_in_flight(action)
 
     def run_gradient_idiom(self, func: Any, args: tuple, kwargs: dict) -> Any:

@@ -224,14 +224,18 @@ class Scheduler:
         self.state.following = True
         return self.policy.plans_from_trace
 
-    def follow_steadily(self) -> None:
-        """The followed iteration just begun has nothing to move (the runtime found every chunk resident
-        throughout: :meth:`~chunkmem.runtime.executor.ChunkExecutor.resident_throughout`), so its periods are
-        not walked: the modules' hooks do nothing, no period begins, and the statistics of the last iteration
-        stay those of the last iteration that walked its periods."""
+    def follow_steadily(self, resident: bool) -> bool:
+        """Whether the iteration just begun is steady: it follows the schedule and has nothing to move
+        (``resident``: every chunk resident throughout, as
+        :meth:`~chunkmem.runtime.executor.ChunkExecutor.resident_throughout` finds). Then its periods are not
+        walked: the modules' hooks do nothing, no period begins, and the statistics of the last iteration stay
+        those of the last iteration that walked its periods."""
+        if self._mode is not IterationMode.FOLLOWING or not resident:
+            return False
         self._steady = True
         self.steady_iterations += 1
         self.stats = self._walked_stats
+        return True
 
     def end_iteration(self) -> bool:
         """After backward: close the iteration. Returns ``True`` when a finished trace became the new
