@@ -105,6 +105,8 @@ class Mismatch(AssertionError):
 class Sequence:
     """One random sequence of operations on both sides; ``history`` lists what was done."""
 
+    ops = OPS  # operation name -> weight of its draw (a subclass adds its own)
+
     def __init__(self, seed: int, optimizer: str, placement: str, check_every_op: bool) -> None:
         self.rng = random.Random(seed)
         self.model, self.optim, self.plain, self.plain_optim = self.build(optimizer, placement)
@@ -201,15 +203,22 @@ class Sequence:
 
     def run(self, engine: str) -> None:
         assert self.model.memory_stats()["copy_engine"]["engine"] == engine
-        ops, weights = zip(*OPS.items())
+        self.play()
+        if self.model.memory_stats()["policy"] == "auto":
+            assert self.moved, "the chunks never moved between the tiers"
+
+    def play(self) -> None:
+        """The drawn operations, a last step, and the final comparisons."""
+        ops, weights = zip(*self.ops.items())
         for _ in range(OPS_PER_SEQUENCE):
             getattr(self, "op_" + self.rng.choices(ops, weights)[0])()
         self.op_step()
+        self.final_checks()
+
+    def final_checks(self) -> None:
         self.compare_params()
         self.compare_state_dicts()
         self.compare_optimizer_state()
-        if self.model.memory_stats()["policy"] == "auto":
-            assert self.moved, "the chunks never moved between the tiers"
 
     def _next_batch(self) -> torch.Tensor:
         x = self.data[self.batch % len(self.data)]
