@@ -53,6 +53,8 @@ def counted_training(model: cm.ShardedModelV2, optim: cm.ShardedOptimizerV2, bat
         optim.step()
         optim.zero_grad()
     after = (ledger.moved_to_device, ledger.moved_to_host, ledger.read_from_disk, ledger.written_to_disk)
+    # what the step fetched ahead for the next forward is freed unless that forward uses it: not resting bytes
+    model.runtime.executor.flush_stale()
     return {"tier_bytes": model.tier_bytes(), "moved": tuple(a - b for a, b in zip(after, before)),
             "files": model.disk_file_bytes(), "host_peak": ledger.peak_host_bytes}
 

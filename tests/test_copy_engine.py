@@ -306,13 +306,19 @@ def test_offloaded_optimizer_keeps_the_host_copy_its_update_writes(dtype):
     given back after each step's upload and taken again the next step, with an fp32 chunk's parameters copied back
     from the device first (on a GPU: 1.3 GB pinned, unpinned and copied down a step for a 336M GPT, 4.45x plain
     fp32 on the H200). Now a step moves only the gradients to the host, and trains bitwise as the plain engine,
-    also with ``step_in_backward`` (the host updates off autograd's thread, clipping that triggers redone)."""
+    also with ``step_in_backward`` (the host updates off autograd's thread, clipping that triggers redone), with the
+    updated parameters' copies to the device left in flight after the step."""
     waits, model, _ = _compare("static", dtype, offload_optim_frac=1.0)
     trainable = [c for c in model.chunks if c.trainable]
     assert trainable and all(c.param.shard.allocated and c.param.shard_valid for c in trainable)
     grad_bytes = sum(c.param.nbytes for c in trainable)  # the gradients have the parameters' dtype
     assert model.memory_stats()["totals"]["moved_to_host_bytes"] == grad_bytes
     assert waits == {"grad landing": len(trainable)}
+    # the updated parameters' copies back to the device are left in flight by the step (its Adam of the next chunk
+    # runs meanwhile; until 2026-11-28 each was waited for before the next chunk's update); their readers wait
+    assert all(c.param.fetching for c in trainable)
+    assert model.runtime.scheduler.steady_iterations > 0  # waited for when the next iteration begins: still steady
     waits, model, optim = _compare("static", dtype, offload_optim_frac=1.0, step_in_backward=True, max_norm=0.05)
     assert not [site for site in waits if site.endswith("in backward")], waits
     assert optim._backward.host_updates.pending == 0
+    assert all(c.param.fetching for c in model.chunks if c.trainable)

@@ -40,7 +40,9 @@ def test_bytes_by_hand(policy, dtype, reuse):
     grads = {} if reuse else {"grad": CHUNKS * NUMEL * size}
     assert model.tier_bytes() == {rest: {**expected, **grads}, other: {}}
     optim.step()  # releases the gradients it consumed (the reference's step semantics)
-    assert model.tier_bytes() == {rest: expected, other: {}}
+    # under cpu the next forward's first chunk is on its way to the device (fetched after the step)
+    ahead = {"device": {"param": NUMEL * size}} if policy == "cpu" else {}
+    assert model.tier_bytes() == {rest: expected, other: {}, **ahead}
     optim.backward(model(x).float().pow(2).sum())
     optim.zero_grad(set_to_none=False)
     assert model.tier_bytes() == {rest: {**expected, **grads}, other: {}}
@@ -59,7 +61,37 @@ def test_cpu_placement_device_peak_is_one_module_at_a_time():
     # each Linear lives in its own chunk; forward holds one at a time, backward holds a chunk until
     # its gradients are done, so at most both 16-bit chunks are on the device at once
     assert 0 < ledger.peak_device_bytes <= CHUNKS * NUMEL * 2
-    assert model.tier_bytes()["device"] == {}
+    assert model.tier_bytes()["device"] == {"param": NUMEL * 2}  # the next forward's first chunk, fetched ahead
+
+
+def test_after_the_step_only_the_first_period_is_fetched_ahead_and_prefetch_numel_0_fetches_nothing():
+    """Under ``cpu`` the step ends by fetching the chunks the next forward's first period needs (here the
+    first Linear's), so that their copies run while the caller prepares the next batch; the forward then
+    fetches none of them on demand. ``prefetch_numel=0`` (no prefetch) leaves the device empty after the
+    step, and both train alike, bit for bit."""
+    results = []
+    for prefetch_numel in (None, 0):
+        model = cm.ShardedModelV2(two_linears(), cm.TensorShardStrategy(), tensor_placement_policy="cpu",
+                                  dtype=torch.float32, chunk_size=NUMEL * 4, prefetch_numel=prefetch_numel)
+        optim = cm.ShardedOptimizerV2(model, cm.HybridAdam(model.parameters(), lr=1e-2))
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+        device_after_step = []
+        for _ in range(3):
+            model.runtime.executor.events = []
+            optim.backward(model(x).pow(2).sum())
+            optim.step()
+            device_after_step.append(model.tier_bytes()["device"])
+        events = model.runtime.executor.events
+        after_step = [e[1] for e in events if e[0] == "fetch" and e[2] == "after step"]
+        if prefetch_numel is None:
+            assert device_after_step == [{"param": NUMEL * 4}] * 3  # (the traced backward left a schedule)
+            assert after_step == [0]
+            first_period = events.index(next(e for e in events if e[0] == "period"))
+            assert not [e for e in events[first_period:] if e[0] == "fetch" and e[1] == 0 and e[2] == "demand"]
+        else:
+            assert device_after_step == [{}, {}, {}] and after_step == []
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 def test_capacity_below_one_module_raises_and_changes_nothing():

@@ -485,3 +485,29 @@ def test_writes_between_the_backward_and_the_step_are_refused_and_change_nothing
     _same(*pair)
     utils.safe_set_full_fp32_param(params[0], torch.zeros(params[0].shape))  # after the step: allowed
     assert torch.equal(utils.safe_get_full_fp32_param(params[0]), torch.zeros(params[0].shape))
+
+
+@pytest.mark.parametrize("policy, offload_param", [("cpu", None), ("cpu", "disk")])
+def test_model_state_dict_between_the_backward_and_the_step_is_refused(tmp_path, policy, offload_param):
+    """Between a backward that started the step's updates and ``step()``, the parameters hold those speculative
+    updates; with clipping that triggers (here) ``step()`` puts them back and updates again, so a
+    ``model.state_dict()`` taken then would hold values the model never has. It is refused, nothing changed, as
+    ``optim.state_dict()`` is (before 2026-11-28 it returned them); after ``step()`` it is the plain step's."""
+    data = batches(2)
+    if offload_param is None:
+        pair = _pair_in_memory(_reference(), torch.float32, policy, max_norm=0.05)
+    else:
+        pair = _pair(_reference(), tmp_path, torch.float32, policy, offload_param, max_norm=0.05)
+    (model, optim) = pair[1]
+    for x in data:
+        for m, o in pair:
+            o.backward(lm_loss(m(x), x))
+        assert optim.backward_updates > 0
+        for read in (model.state_dict, lambda: model.state_dict(trainable_only=True), optim.state_dict):
+            with pytest.raises(cm.UnsupportedOperationError, match=r"state_dict\(\) between a backward"):
+                read()
+        for m, o in pair:
+            o.step()
+            o.zero_grad()
+        assert optim.kept_backward_updates == 0  # the clipping triggered: every update was redone
+    _same(*pair)

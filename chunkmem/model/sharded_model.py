@@ -71,8 +71,8 @@ class ShardedModelV2(nn.Module):
             fails half-way then asks for a checkpoint to be loaded.
         prefetch_numel: (chunkmem addition) at most this many parameter elements are fetched ahead of
             their use, in whole chunks (rounded down to a multiple of the chunk's elements; ``0``: no
-            prefetch); ``None`` (default): as many chunks of the next period as the device capacity
-            allows. DeepSpeed's ``stage3_prefetch_bucket_size`` and ``stage3_max_live_parameters`` map
+            prefetch, also none after the step); ``None`` (default): as many chunks of the next period (after
+            ``step()``: of the next forward's first) as the device capacity allows. DeepSpeed's ``stage3_prefetch_bucket_size`` and ``stage3_max_live_parameters`` map
             onto it (:mod:`chunkmem.configs.deepspeed`).
         persistence_threshold: (addition; DeepSpeed's ``stage3_param_persistence_threshold``) on several
             ranks, parameters of fewer elements are persistent: packed into chunks of their own that stay
@@ -428,9 +428,11 @@ class ShardedModelV2(nn.Module):
         ``trainable_only=True`` (an addition): only the parameters that required grad when the model was
         wrapped (the ones the optimizer can train; no buffers), gathering only their chunks: a LoRA
         adapter's weights without reading the frozen base, for ``PeftModel.save_pretrained(directory,
-        state_dict=...)``."""
+        state_dict=...)``. Refused between a ``step_in_backward`` backward and ``optim.step()``: the parameters
+        then hold the backward's speculative updates, which the step may still undo and redo."""
         check_type("rank0_only", rank0_only, bool, "True or False")
         check_type("trainable_only", trainable_only, bool, "True or False")
+        self.runtime.check_no_step_in_flight("model.state_dict()")
         return full_state_dict(self, destination, prefix, rank0_only, trainable_only)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:

@@ -50,6 +50,7 @@ class ChunkExecutor:
         self.events: list[tuple] | None = None
         self.stale: dict[Chunk, None] = {}
         self._pending_prefetch: PeriodOrders | None = None
+        self._ahead: set[Chunk] = set()  # fetched after the step for the next iteration's first period
         self.chunks = chunks
 
     @property
@@ -108,6 +109,8 @@ class ChunkExecutor:
             return False
         for chunk in self.chunks:
             rest = self.rest_tier(chunk)
+            if rest is Tier.DEVICE and not chunk.param.sharded:
+                chunk.param.wait()  # the copy back of a host update (settle): no hook waits in a steady iteration
             if chunk.param.sharded or not chunk.param.device_valid or rest is Tier.HOST or rest is Tier.DISK:
                 return False
             if rest is None and moves is None:
@@ -129,12 +132,16 @@ class ChunkExecutor:
         if buf.holds_grads and self.grad_tier(chunk) is Tier.HOST:
             tier = Tier.HOST
         if tier is Tier.DEVICE:
-            buf.fetch_to_device()
-            if not (chunk.trainable and self.compute_tier(chunk) is Tier.HOST):
+            if chunk.trainable and self.compute_tier(chunk) is Tier.HOST:
+                # the shard stays, current: the host update writes it every step (offloaded optimizer state), and
+                # giving it back would pin and unpin its memory and copy it back from the device at every step.
+                # So the copy back of an update is not waited for here: the step updates the next chunk
+                # meanwhile, and the next reader of the device copy waits (resident_throughout, a fetch, a read)
+                if not buf.device_valid and not buf.fetching:
+                    buf.start_fetch()
+            else:
+                buf.fetch_to_device()
                 buf.free_shard()
-            # else the shard stays, current: the host update writes it every step (offloaded optimizer
-            # state), and giving it back would pin and unpin its memory and copy it back from the device
-            # at every step
         elif tier in (Tier.HOST, Tier.DISK):
             buf.wait()
             if not buf.shard_valid:
@@ -181,11 +188,12 @@ class ChunkExecutor:
                 chunk.param.free_device()
 
     def evict_unpinned(self) -> None:
-        """Under ``auto``: free the device copy of every unused chunk outside the margin."""
+        """Under ``auto``: free the device copy of every unused chunk outside the margin, except those fetched
+        after the step for the first period (:meth:`prefetch_next_forward`)."""
         if not self.policy.plans_from_trace:
             return
         for chunk in self.chunks:
-            if chunk.index not in self.state.margin_chunks and not chunk.in_use:
+            if chunk.index not in self.state.margin_chunks and not chunk.in_use and chunk not in self._ahead:
                 chunk.param.free_device()
 
     def place_optimizer_state(self, chunk: Chunk) -> None:
@@ -232,7 +240,11 @@ class ChunkExecutor:
             if not chunk.in_use:
                 chunk.param.free_device()
         if orders.fetch:
-            self.fetch([self.chunks[i] for i in orders.fetch])
+            fetched = [self.chunks[i] for i in orders.fetch]
+            for chunk in self._ahead.intersection(fetched):  # the plan keeps what it fetches, ahead or not
+                self.stale.pop(chunk, None)
+            self.fetch(fetched)
+        self._ahead.clear()
         self.memory.ledger.peak_device_bytes = self.memory.ledger.tier_bytes(Tier.DEVICE)
         # sharded, a prefetch is a gather every rank starts alike: the decision in _issue_prefetch reads only
         # what agrees over the ranks (the chunks on the device and the agreed traced peaks)
@@ -264,6 +276,36 @@ class ChunkExecutor:
             self.log_event("fetch", chunk.index, "prefetch")
             if to_host or orders.guessed:  # freed at the next period boundary unless that period needs it
                 self.stale[chunk] = None
+
+    def prefetch_next_forward(self, start: tuple[list[int], int] | None) -> int:
+        """After a step: start fetching the chunks the next iteration's first period fetches (``start``, from
+        :meth:`~chunkmem.runtime.schedule.Scheduler.next_forward_start`: their indexes and the bytes that period
+        keeps free), as many as fit in the capacity less the device bytes in use and that reserve, and at most
+        ``prefetch_chunks``. On a GPU their copies then run while the caller prepares the next batch, instead of
+        after the forward has begun. Each is marked stale: the first period keeps it, anything else frees it
+        at its start, as a prefetch that turned out unused. Only unsharded chunks whose parameters rest in
+        host memory (a gather is a collective, which every rank would have to start here alike; a read from
+        disk takes the disk tier's thread). Returns the bytes whose copies started."""
+        if start is None or not self.prefetch:
+            return 0
+        indexes, reserve = start
+        ahead = [c for c in (self.chunks[i] for i in indexes) if not c.in_use and not c.param.sharded
+                 and not c.param.device_allocated and not c.param.holds_grads and c.param.shard_valid
+                 and not c.param.shard.on_disk]
+        if not ahead:
+            return 0
+        ledger = self.memory.ledger
+        count = max(ledger.capacity - ledger.tier_bytes(Tier.DEVICE) - reserve, 0) // ahead[0].param.nbytes
+        if self.prefetch_chunks is not None:
+            count = min(count, self.prefetch_chunks)
+        moved = ledger.moved_to_device
+        for chunk in ahead[:count]:
+            chunk.param.start_fetch(exact=False)
+            self.prefetched += 1
+            self.log_event("fetch", chunk.index, "after step")
+            self.stale[chunk] = None
+            self._ahead.add(chunk)
+        return ledger.moved_to_device - moved
 
     # ---- forward and backward use ------------------------------------------------------------------
 

@@ -375,11 +375,12 @@ class ChunkRuntime:
 
     @_untraced
     def end_step(self, release_gradients: bool) -> None:
-        """The optimizer's step is over: free what it left stale on the device and, when it consumed the
-        gradients (applied or skipped), release them."""
+        """The optimizer's step is over: free what it left stale on the device, when it consumed the
+        gradients (applied or skipped) release them, and start fetching the next forward's first chunks."""
         self.executor.flush_stale()
         if release_gradients:
             self.drop_gradients(set_to_none=True)
+        self.scheduler.fetched_ahead(self.executor.prefetch_next_forward(self.scheduler.next_forward_start()))
 
     def refuse_unfrozen(self, where: str, unfrozen: list[str] | None = None) -> None:
         """Raise :class:`~chunkmem.UnsupportedOperationError` (``where`` names the call refused) if a parameter

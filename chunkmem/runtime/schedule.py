@@ -141,6 +141,7 @@ class Scheduler:
         self._used_in_phase: dict[str, set[int]] = {}  # a trace's chunks used so far, by phase (guess_prefetch)
         self._peak_so_far = 0  # the largest non-model peak of a trace's closed periods so far (guess_prefetch)
         self._param_bytes = 0
+        self._moved_ahead = 0  # bytes fetched after the last step for the next iteration (fetched_ahead)
         self._steady = False  # the running iteration follows the schedule without walking it (follow_steadily)
         self.steady_iterations = 0
         self._walked_stats: list[PeriodStats] = []  # the stats of the last iteration that walked its periods
@@ -325,6 +326,23 @@ class Scheduler:
         staging = self._staging[index] if index < len(self._staging) else 0
         orders.reserve = period.non_model_peak + staging * self._param_bytes
 
+    def next_forward_start(self) -> tuple[list[int], int] | None:
+        """After a step: the chunks the first period of an iteration that follows the schedule fetches (all it
+        needs; under a plan, its fetch orders) and the device bytes that period keeps free (its traced
+        non-model peak and gradient staging); ``None`` while an iteration runs, without a schedule, or when
+        the next iteration is to be traced again."""
+        if self.running or self.retrace or not self.periods or self.periods[0].phase != "forward":
+            return None
+        first, moves = self.periods[0], self.state.moves
+        chunks = list(moves.periods[0].fetch) if moves is not None else list(first.needed)
+        staging = self._staging[0] if self._staging else 0
+        return chunks, first.non_model_peak + staging * self._param_bytes
+
+    def fetched_ahead(self, nbytes: int) -> None:
+        """``nbytes`` moved to the device after the step for the next iteration's first period
+        (:meth:`next_forward_start`): the statistics count them in that period, as a fetch there."""
+        self._moved_ahead += nbytes
+
     def guess_prefetch(self, orders: PeriodOrders, phase: str, chunks: Sequence[int]) -> None:
         """A traced iteration has no schedule to prefetch from: guess that the chunks are used in the order
         they were packed (the modules' order: ascending in the forward, descending in the backward) and order
@@ -457,8 +475,10 @@ class Scheduler:
         self._moved_mark = (self.ledger.moved_to_device, self.ledger.moved_to_host)
 
     def _close_stats(self) -> None:
-        if not self.stats:
+        if not self.stats:  # an iteration's first period begins: what was fetched for it after the step counts
             self._mark_moves()
+            self._moved_mark = (self._moved_mark[0] - self._moved_ahead, self._moved_mark[1])
+            self._moved_ahead = 0
             return
         ledger = self.ledger
         last = self.stats[-1]
