@@ -3,11 +3,13 @@ its torch reference, both within double rounding of an exact (``math.fsum``) ora
 clipped step the same with the kernel disabled."""
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
 import torch
 
+import chunkmem as cm
 from chunkmem.optim import host_adam_ext, norms
 from tests.models import TinyGPT, batches, build_sharded, lm_loss
 
@@ -97,3 +99,20 @@ def test_clip_grad_norm_is_the_exact_norm_of_the_gradients():
     model, optim = build_sharded(reference, "cpu", torch.float32)
     optim.backward(lm_loss(model(x), x))
     assert optim.clip_grad_norm(1e9) == pytest.approx(oracle, rel=1e-6)
+
+
+@pytest.mark.parametrize("optimizer", ["ShardedOptimizerV2", "LowLevelZeroOptimizer"])
+def test_a_step_without_gradients_reports_no_norm(optimizer):
+    """``global_grad_norm`` is the norm the last step computed, or ``None`` when it computed none: a step with no
+    gradients since the last one computes none (before 2026-11-28 it still reported the previous step's norm)."""
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    if optimizer == "ShardedOptimizerV2":
+        model, optim = build_sharded(reference, "cpu", torch.float32, max_norm=1.0)
+    else:
+        model = copy.deepcopy(reference)
+        optim = cm.LowLevelZeroOptimizer(cm.HybridAdam(model.parameters(), lr=1e-3), clip_grad_norm=1.0)
+    x = batches(1)[0]
+    optim.backward(lm_loss(model(x), x))
+    assert optim.step() is True and optim.global_grad_norm > 0
+    assert optim.step() is False and optim.global_grad_norm is None

@@ -97,7 +97,7 @@ class ZeroSequence(Sequence):
         ``max_norm / (norm + 1e-6)`` clamped to 1, multiplied into the gradients as torch's ``clip_grad_norm_``
         does."""
         grads = [p.grad for p in self.plain.parameters() if p.grad is not None]
-        if not grads:  # no step (chunkmem's global_grad_norm is still the last step's)
+        if not grads:  # no step
             return
         norm = self.optim.global_grad_norm
         theirs = torch.nn.utils.get_total_norm(grads).item()

@@ -294,6 +294,7 @@ class LowLevelZeroOptimizer:
         self._refuse_unfrozen()
         self._backward.finish()
         if not self.grads_pending:
+            self.mixed.nothing_to_step()
             return False
         multiplier = self.mixed.decide(lambda: [self._stores.own(c) for c in self.chunks], self.clip_grad_norm)
         if multiplier is None:

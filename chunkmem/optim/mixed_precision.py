@@ -121,6 +121,10 @@ class MixedPrecisionStep:
                 return None
         return self.multiplier
 
+    def nothing_to_step(self) -> None:
+        """A step found no gradients: it computed no norm (``last_norm`` is ``None``, not the last step's)."""
+        self.last_norm = None
+
     def stepped(self) -> None:
         """The update ran: the scaler counts a good step and the clipping is forgotten."""
         if self.scaler is not None:

@@ -344,6 +344,7 @@ class ShardedOptimizerV2(WrappingOptimizer):
         if refused is not None:
             raise refused
         if not self.runtime.grads_pending:
+            self.mixed.nothing_to_step()
             return False
         self.mixed.scaled_by = scaled_by
         self.runtime.refuse_unfrozen("ShardedOptimizerV2.step()")
