@@ -147,8 +147,48 @@ def test_the_step_waits_for_gradients_in_the_order_they_landed(monkeypatch, max_
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 def test_deferred_copies_with_clipping_that_triggers_overflow_and_accumulation(dtype):
-    _compare("cpu", dtype, steps=4, max_norm=0.05, overflow_at=1 if dtype == "fp16" else None, micro_batches=2)
-    _compare("auto", dtype, steps=4, clip=0.05)
+    """Bitwise the plain engine. Where copies complete late the norm's sums of squares are taken as the gradients
+    land (chunkmem/optim/squares_ahead.py), also for the second backward of an accumulation and, from the second
+    step, for an explicit ``clip_grad_norm``; the plain engine computes them in the step."""
+    _, _, optim = _compare("cpu", dtype, steps=4, max_norm=0.05, overflow_at=1 if dtype == "fp16" else None,
+                           micro_batches=2)
+    assert optim._squares.used > 0
+    _, _, optim = _compare("auto", dtype, steps=4, clip=0.05)
+    assert optim._squares.used > 0
+
+
+@pytest.mark.parametrize("writes", ["clamp", "zero_grad", "grad_none", "accumulate"])
+def test_gradients_written_after_their_squares_were_taken_are_summed_anew(writes):
+    """A sum of squares taken as a gradient landed stands for that gradient only until something writes it:
+    ``clip_grad_value_`` (a clamp in the chunks), ``zero_grad(set_to_none=False)``, ``p.grad = None`` (which zeroes
+    the parameter's part of its chunk's gradient), a second backward. The norm (here with clipping that triggers)
+    then sums the written gradients, bitwise as the plain engine, which takes every term in the step."""
+    def between(model, optim, x):
+        if writes == "clamp":
+            torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
+        elif writes == "zero_grad":
+            optim.zero_grad(set_to_none=False)
+        elif writes == "grad_none":
+            next(model.parameters()).grad = None
+        else:  # a second backward without accumulating(): every chunk's term is taken again
+            optim.backward(lm_loss(model(x.roll(1, 1)), x.roll(1, 1)))
+
+    reference, data = _reference(), batches(3)
+    runs = []
+    for engine in ("plain", "deferred"):
+        model, optim = _build(engine, reference, "cpu", torch.float32, max_norm=0.05)
+        norms = []
+        for x in data:
+            optim.backward(lm_loss(model(x), x))
+            between(model, optim, x)
+            optim.step()
+            norms.append(optim.global_grad_norm)
+        runs.append((norms, _state(model, optim), optim._squares.used))
+    (plain_norms, plain_state, plain_used), (norms, state, used) = runs
+    assert norms == plain_norms and plain_used == 0
+    _assert_same(plain_state, state)
+    if writes == "accumulate":
+        assert used > 0
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])

@@ -25,10 +25,12 @@ from .norms import SUMMED_DTYPES, sum_of_squares
 
 class KeyedGradient(NamedTuple):
     """A gradient for :meth:`MixedPrecisionStep.total_norm` with the place of its term in the norm's sums
-    (``key``: a tuple; terms are added in the order of their keys)."""
+    (``key``: a tuple; terms are added in the order of their keys) and, where it was taken ahead
+    (:mod:`chunkmem.optim.squares_ahead`), its sum of squares (the 2-norm's term of a CPU tensor)."""
 
     key: tuple[int, ...]
     tensor: torch.Tensor | None
+    squares: float | None = None
 
 
 class MixedPrecisionStep:
@@ -70,11 +72,12 @@ class MixedPrecisionStep:
         host_terms: list[tuple[Any, float]] = []  # the 2-norm's sums of squares of CPU gradients, exact squares
         device_terms: list[tuple[Any, torch.Tensor]] = []
         for position, item in enumerate(grads):
-            key, grad = (item.key, item.tensor) if isinstance(item, KeyedGradient) else ((position,), item)
+            item = item if isinstance(item, KeyedGradient) else KeyedGradient((position,), item)
+            key, grad = item.key, item.tensor
             if grad is None:
                 continue
             if norm_type == 2.0 and grad.device.type == "cpu" and grad.dtype in SUMMED_DTYPES:
-                host_terms.append((key, sum_of_squares(grad)))
+                host_terms.append((key, item.squares if item.squares is not None else sum_of_squares(grad)))
                 continue
             device_terms.append((key, torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32)))
         host_squares = 0.0
@@ -153,12 +156,19 @@ class MixedPrecisionStep:
         return float("nan") if pair[1].item() else pair[0].item()
 
 
-def landed_gradients(runtime: Any) -> Iterator[KeyedGradient]:
-    """This rank's gradients of ``runtime``'s chunks for the global norm: its shards, and a replicated chunk's whole
-    gradients on the first rank only (every rank holds the same; the norm sums over the ranks). Yielded in the
+def counts_in_norm(chunk: Any) -> bool:
+    """Whether this rank's gradients of ``chunk`` are terms of the global norm: its shard, or a replicated chunk's
+    whole gradients on the first rank only (every rank holds the same; the norm sums over the ranks)."""
+    return chunk.replicas is None or chunk.replicas.rank == 0
+
+
+def landed_gradients(runtime: Any, ahead: Any = None) -> Iterator[KeyedGradient]:
+    """This rank's gradients of ``runtime``'s chunks for the global norm (:func:`counts_in_norm`), yielded in the
     order they landed, each read only when the norm gets to it: the norm of the first to land is taken while the
-    backward still computes the last; keyed by packing order, in which the norm adds them."""
+    backward still computes the last; keyed by packing order, in which the norm adds them; with the sums of
+    squares ``ahead`` (a :class:`~chunkmem.optim.squares_ahead.SquaresAhead`) took of them."""
     for chunk in runtime.trainable_chunks_as_gradients_landed():
-        if chunk.replicas is None or chunk.replicas.rank == 0:
+        if counts_in_norm(chunk):
             for i, tensor in enumerate(runtime.grad_tensors(chunk)):
-                yield KeyedGradient((chunk.index, i), tensor)
+                key = (chunk.index, i)
+                yield KeyedGradient(key, tensor, None if ahead is None else ahead.squares(key, tensor))

@@ -33,8 +33,9 @@ from .closure import run_closure
 from .disk_commit import DiskCommit
 from .gradient_idioms import GradientIdioms
 from .loss_scaler import DynamicGradScaler
-from .mixed_precision import MixedPrecisionStep, landed_gradients
+from .mixed_precision import MixedPrecisionStep, counts_in_norm, landed_gradients
 from .sealed import seal_param_groups
+from .squares_ahead import SquaresAhead
 from .state_dict import optimizer_state_dict, prepare_optimizer_load
 from .torch_face import WrappingOptimizer
 from .update_rule import KeptState
@@ -152,8 +153,9 @@ class ShardedOptimizerV2(WrappingOptimizer):
         self._backward = BackwardStep(self.runtime, parts.rule, self.mixed, settings,
                                       sharded_model.settings)  # step_in_backward: what the backward started
         self._disk = DiskCommit(self.runtime, parts.rule, self._backward, self.mixed, self._accounting)
+        self._squares = SquaresAhead(self._backward.host_updates)  # the norm's terms, taken as gradients land
         # torch's idioms on the parameters' .grad stand-ins
-        self._idioms = GradientIdioms(self.runtime, self.mixed, self._backward)
+        self._idioms = GradientIdioms(self.runtime, self.mixed, self._backward, self._squares)
         self._init_optimizer_hooks()
         parts.rule.prepare_chunks()
         self.runtime.attach_optimizer(self, settings.gpu_margin_mem_ratio, parts.kept_on_host)
@@ -292,7 +294,8 @@ class ShardedOptimizerV2(WrappingOptimizer):
                            [("optimizer steps so far", self.runtime.step_count), ("max_norm", max_norm),
                             ("norm_type", norm_type)])
         self._accounting.check_scaled()
-        return self.mixed.clip(landed_gradients(self.runtime), max_norm, float(norm_type))
+        ahead = self._squares if norm_type == 2.0 else None
+        return self.mixed.clip(landed_gradients(self.runtime, ahead), max_norm, float(norm_type))
 
     def check_can_rescale(self, what: str) -> None:
         """Refuse ``what`` (a clipping decided after the backward) where the backward's updates could not be
@@ -351,7 +354,9 @@ class ShardedOptimizerV2(WrappingOptimizer):
         self.update_rule.check_unchanged()
         self._accounting.check_scaled()
         self._backward.kept = 0
-        multiplier = self.mixed.decide(partial(landed_gradients, self.runtime), self.max_norm, self.norm_type)
+        ahead = self._squares if self.norm_type == 2.0 or self.max_norm == 0 else None  # (the overflow check's: 2)
+        multiplier = self.mixed.decide(partial(landed_gradients, self.runtime, ahead), self.max_norm, self.norm_type)
+        self._squares.forget()  # (read: the step consumes or changes the gradients next)
         if multiplier is None:
             self._backward.abandon_in_flight()  # made as if nothing overflowed
             self._backward.undo_in_memory()
@@ -385,8 +390,25 @@ class ShardedOptimizerV2(WrappingOptimizer):
         and nothing is clipped (:meth:`chunkmem.optim.backward_step.BackwardStep.on_grads_final`; the
         runtime's :class:`~chunkmem.runtime.runtime.OptimizerListener` side). Nothing starts while a failed
         step leaves the optimizer broken."""
+        self._take_squares_ahead(chunk)  # (first: its job runs before an update job of the chunk on that thread)
         if self._disk.broken_by is None:
             self._backward.on_grads_final(chunk)
+
+    def _take_squares_ahead(self, chunk: Chunk) -> None:
+        """Where the next step will take the gradient norm (``max_norm``, fp16's overflow check, or an explicit
+        clipping last step) and the gradient's copy to the host completes late, have its sum of squares taken as
+        soon as it lands (:mod:`chunkmem.optim.squares_ahead`). Not for a gradient kept in pieces, one the disk
+        step reads on its own thread, nor inside ``accumulating()`` (a later backward changes it)."""
+        runtime = self.runtime
+        wanted = self.mixed.scaler is not None or (self.norm_type == 2.0 and self.max_norm > 0) \
+            or self.mixed.last_norm is not None
+        if not (wanted and runtime.memory.copies.asynchronous and chunk.trainable and counts_in_norm(chunk)
+                and not self._backward.accumulating and runtime.optim_tier(chunk) is not Tier.DISK
+                and runtime.grad_pieces(chunk) is None):
+            return
+        grad, landed = runtime.grad_landing(chunk)
+        if self._squares.takes(grad):
+            self._squares.submit((chunk.index, 0), grad, landed)
 
     @property
     def kept_backward_updates(self) -> int:
@@ -412,8 +434,10 @@ class ShardedOptimizerV2(WrappingOptimizer):
 
     def on_backward_end(self) -> None:
         """The backward is over (the runtime's :class:`~chunkmem.runtime.runtime.OptimizerListener` side):
-        complete the updates it handed off autograd's thread (:mod:`chunkmem.optim.host_updates`)."""
+        complete the updates it handed off autograd's thread (:mod:`chunkmem.optim.host_updates`) and keep the
+        sums of squares taken as its gradients landed."""
         self._backward.settle()
+        self._squares.join()
 
     def on_backward_failed(self) -> None:
         """A backward raised part-way (the runtime's :class:`~chunkmem.runtime.runtime.OptimizerListener`
@@ -422,6 +446,7 @@ class ShardedOptimizerV2(WrappingOptimizer):
         made in place on disk (``atomic_step=False``) cannot be undone: those it started are completed (its
         I/O buffers returned), and the optimizer refuses to step until a checkpoint or state dict is loaded, as
         after a failed step (before 2026-11-27 every later step spun on the stream's buffers forever)."""
+        self._squares.forget()
         if not self._disk.after_failed_backward():
             self.zero_grad(set_to_none=True)
 
@@ -433,6 +458,7 @@ class ShardedOptimizerV2(WrappingOptimizer):
         with nothing changed."""
         check_type("set_to_none", set_to_none, bool, "True or False")
         self._backward.undo_all()
+        self._squares.forget()
         self.runtime.drop_gradients(set_to_none)
         self.mixed.forget()
         self._accounting.forget()
