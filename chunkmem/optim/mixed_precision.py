@@ -124,6 +124,11 @@ class MixedPrecisionStep:
                 return None
         return self.multiplier
 
+    def takes_norm_next(self, max_norm: float, norm_type: float) -> bool:
+        """Whether the next step will likely take the 2-norm of the gradients: fp16's overflow check, clipping to
+        ``max_norm`` (of ``norm_type``), or an explicit clipping as the last step had."""
+        return self.scaler is not None or self.last_norm is not None or (norm_type == 2.0 and max_norm > 0)
+
     def nothing_to_step(self) -> None:
         """A step found no gradients: it computed no norm (``last_norm`` is ``None``, not the last step's)."""
         self.last_norm = None

@@ -33,7 +33,7 @@ from .closure import run_closure
 from .disk_commit import DiskCommit
 from .gradient_idioms import GradientIdioms
 from .loss_scaler import DynamicGradScaler
-from .mixed_precision import MixedPrecisionStep, counts_in_norm, landed_gradients
+from .mixed_precision import MixedPrecisionStep, landed_gradients
 from .sealed import seal_param_groups
 from .squares_ahead import SquaresAhead
 from .state_dict import optimizer_state_dict, prepare_optimizer_load
@@ -316,17 +316,15 @@ class ShardedOptimizerV2(WrappingOptimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Unscale, check for overflow, clip, and update every chunk where its optimizer state lives.
 
-        Returns ``True`` if the parameters were updated, ``False`` if the step was skipped (overflow,
-        or no gradients since the last step); with ``closure`` (torch's argument: it recomputes the loss,
-        run once before the update, :mod:`chunkmem.optim.closure`), what the closure returned. Either way the step releases the gradients it consumed,
-        as the reference does, so a loop without ``zero_grad()`` trains like one with it; several
-        backwards before one step accumulate. A skipped step leaves masters and optimizer state
-        untouched. With ``max_norm`` the gradients are clipped to that total norm inside the step (unless
-        :meth:`clip_grad_norm` was called since the backward: its clipping is the one applied). With
-        fp16, gradients from a backward that bypassed :meth:`backward` raise
-        :class:`~chunkmem.UnscaledBackwardError` and change nothing. Hooks registered with
-        ``register_step_pre_hook`` / ``register_step_post_hook`` run before and after.
-        """
+        Returns ``True`` if the parameters were updated, ``False`` if the step was skipped (overflow, or no
+        gradients since the last step); with ``closure`` (torch's argument: it recomputes the loss, run once
+        before the update, :mod:`chunkmem.optim.closure`), what the closure returned. Either way the step
+        releases the gradients it consumed, as the reference does, so a loop without ``zero_grad()`` trains like
+        one with it; several backwards before one step accumulate. A skipped step leaves masters and optimizer
+        state untouched. With ``max_norm`` the gradients are clipped to that total norm inside the step (unless
+        :meth:`clip_grad_norm` was called since the backward: its clipping is the one applied). With fp16,
+        gradients from a backward that bypassed :meth:`backward` raise :class:`~chunkmem.UnscaledBackwardError`
+        and change nothing. Torch's step pre- and post-hooks run before and after."""
         loss = run_closure(closure)
         applied = self._step()
         self.optim._opt_called = True  # a schedule built on the wrapped optimizer reads it: it stepped
@@ -386,29 +384,14 @@ class ShardedOptimizerV2(WrappingOptimizer):
     step.hooked = True  # type: ignore[attr-defined]  # tells torch not to wrap it again
 
     def on_grads_final(self, chunk: Chunk) -> None:
-        """``step_in_backward``: update ``chunk`` now that its gradients are final, as if nothing overflowed
-        and nothing is clipped (:meth:`chunkmem.optim.backward_step.BackwardStep.on_grads_final`; the
-        runtime's :class:`~chunkmem.runtime.runtime.OptimizerListener` side). Nothing starts while a failed
-        step leaves the optimizer broken."""
-        self._take_squares_ahead(chunk)  # (first: its job runs before an update job of the chunk on that thread)
+        """``chunk``'s gradients are final (the runtime's :class:`~chunkmem.runtime.runtime.OptimizerListener`
+        side): the norm's term is taken ahead (:mod:`chunkmem.optim.squares_ahead`), then, with
+        ``step_in_backward``, the chunk updated (:meth:`~chunkmem.optim.backward_step.BackwardStep.on_grads_final`),
+        unless a failed step left the optimizer broken."""
+        norm_next = self.mixed.takes_norm_next(self.max_norm, self.norm_type) and not self._backward.accumulating
+        self._squares.take(self.runtime, chunk, norm_next)  # (first: its job runs before the chunk's update job)
         if self._disk.broken_by is None:
             self._backward.on_grads_final(chunk)
-
-    def _take_squares_ahead(self, chunk: Chunk) -> None:
-        """Where the next step will take the gradient norm (``max_norm``, fp16's overflow check, or an explicit
-        clipping last step) and the gradient's copy to the host completes late, have its sum of squares taken as
-        soon as it lands (:mod:`chunkmem.optim.squares_ahead`). Not for a gradient kept in pieces, one the disk
-        step reads on its own thread, nor inside ``accumulating()`` (a later backward changes it)."""
-        runtime = self.runtime
-        wanted = self.mixed.scaler is not None or (self.norm_type == 2.0 and self.max_norm > 0) \
-            or self.mixed.last_norm is not None
-        if not (wanted and runtime.memory.copies.asynchronous and chunk.trainable and counts_in_norm(chunk)
-                and not self._backward.accumulating and runtime.optim_tier(chunk) is not Tier.DISK
-                and runtime.grad_pieces(chunk) is None):
-            return
-        grad, landed = runtime.grad_landing(chunk)
-        if self._squares.takes(grad):
-            self._squares.submit((chunk.index, 0), grad, landed)
 
     @property
     def kept_backward_updates(self) -> int:
@@ -445,7 +428,7 @@ class ShardedOptimizerV2(WrappingOptimizer):
         (``step_in_backward``) are undone, so the next :meth:`step` has nothing to apply. Updates the backward
         made in place on disk (``atomic_step=False``) cannot be undone: those it started are completed (its
         I/O buffers returned), and the optimizer refuses to step until a checkpoint or state dict is loaded, as
-        after a failed step (before 2026-11-27 every later step spun on the stream's buffers forever)."""
+        after a failed step."""
         self._squares.forget()
         if not self._disk.after_failed_backward():
             self.zero_grad(set_to_none=True)

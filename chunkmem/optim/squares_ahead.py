@@ -19,11 +19,14 @@ With plain copies (a CPU-only machine) nothing is taken ahead: the device and th
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
+from ..core.chunk import Chunk
+from ..core.tiers import Tier
 from .host_updates import HostUpdates
+from .mixed_precision import counts_in_norm
 from .norms import SUMMED_DTYPES, sum_of_squares
 
 
@@ -44,9 +47,16 @@ class SquaresAhead:
         in-place write through it or a view of it: ``p.grad = None`` zeroes its part of the chunk's gradient)."""
         return tensor.data_ptr(), tensor.numel(), tensor.dtype, tensor._version
 
-    def takes(self, tensor: torch.Tensor) -> bool:
-        """Whether a sum of squares of ``tensor`` can be taken ahead: a CPU tensor of a dtype the norm sums."""
-        return tensor.device.type == "cpu" and tensor.dtype in SUMMED_DTYPES
+    def take(self, runtime: Any, chunk: Chunk, norm_next: bool) -> None:
+        """``chunk``'s gradients are final: where the next step takes the norm (``norm_next``) and the gradient's
+        copy to the host completes late, have the sum of squares of its flat gradient taken as soon as it lands.
+        Not for a gradient kept in pieces, one on the device, nor one the disk step reads on its own thread."""
+        if not (norm_next and runtime.memory.copies.asynchronous and chunk.trainable and counts_in_norm(chunk)
+                and runtime.optim_tier(chunk) is not Tier.DISK and runtime.grad_pieces(chunk) is None):
+            return
+        grad, landed = runtime.grad_landing(chunk)
+        if grad.device.type == "cpu" and grad.dtype in SUMMED_DTYPES:
+            self.submit((chunk.index, 0), grad, landed)
 
     def submit(self, key: tuple[int, int], tensor: torch.Tensor, landed: Callable[[], None]) -> None:
         """Take the sum of squares of ``tensor`` (the norm's term ``key``) on the thread, once ``landed()`` (which
