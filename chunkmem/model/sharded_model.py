@@ -72,8 +72,9 @@ class ShardedModelV2(nn.Module):
         prefetch_numel: (chunkmem addition) at most this many parameter elements are fetched ahead of
             their use, in whole chunks (rounded down to a multiple of the chunk's elements; ``0``: no
             prefetch, also none after the step); ``None`` (default): as many chunks of the next period (after
-            ``step()``: of the next forward's first) as the device capacity allows. DeepSpeed's ``stage3_prefetch_bucket_size`` and ``stage3_max_live_parameters`` map
-            onto it (:mod:`chunkmem.configs.deepspeed`).
+            ``step()``: of the next forward's first) as the device capacity allows. DeepSpeed's
+            ``stage3_prefetch_bucket_size`` and ``stage3_max_live_parameters`` map onto it
+            (:mod:`chunkmem.configs.deepspeed`).
         persistence_threshold: (addition; DeepSpeed's ``stage3_param_persistence_threshold``) on several
             ranks, parameters of fewer elements are persistent: packed into chunks of their own that stay
             whole on every rank (never gathered; their gradients all-reduced instead of reduce-scattered;

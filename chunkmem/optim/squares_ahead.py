@@ -5,17 +5,18 @@ norm of every gradient before its first update. Taken in ``step()``, that is one
 gradient byte on the host (for a 336M model in fp32, 1.3 GB: tens of milliseconds) after the backward, while
 the GPU waits. Where a gradient's copy to the host completes after it is issued (the ``cuda`` copy engine,
 and the ``deferred`` test engine), :class:`SquaresAhead` instead hands each chunk's flat gradient, as soon as
-it is final, to a thread (a :class:`~chunkmem.optim.host_updates.HostUpdates`), which waits for
-the copy and computes its :func:`~chunkmem.optim.norms.sum_of_squares` (a job that fails leaves no term). The
-backward's end joins the jobs; ``step()`` then reads each term instead of computing it. The norm adds the terms in packing order
-whichever computed them (:meth:`~chunkmem.optim.mixed_precision.MixedPrecisionStep.total_norm`), and the sum
-of squares does not depend on the thread, so the bits are the same.
+it is final, to a thread (a :class:`~chunkmem.optim.host_updates.HostUpdates`), which waits for the copy and
+computes its :func:`~chunkmem.optim.norms.sum_of_squares` (a job that fails leaves no term). The backward's
+end joins the jobs; ``step()`` then reads each term instead of computing it. The norm adds the terms in
+packing order whichever computed them (:meth:`~chunkmem.optim.mixed_precision.MixedPrecisionStep.total_norm`),
+and the sum of squares does not depend on the thread, so the bits are the same.
 
 A term is used only for the tensor it was taken of (same memory, length and dtype, and the same version: no
 in-place write through it since) and only while nothing has changed the gradients since: a later backward
 reaching the chunk replaces it, and whatever else writes gradients (``zero_grad``, the step's read of the
-norm, a clamp or a folded scaling of ``.grad``, a failed backward) forgets them all (:meth:`SquaresAhead.forget`). A term that is missing is computed by the step as before.
-With plain copies (a CPU-only machine) nothing is taken ahead: the device and the host are the same cores.
+norm, a clamp or a folded scaling of ``.grad``, a failed backward) forgets them all
+(:meth:`SquaresAhead.forget`). A term that is missing is computed by the step as before. With plain copies (a
+CPU-only machine) nothing is taken ahead: the device and the host are the same cores.
 """
 from __future__ import annotations
 

@@ -60,9 +60,9 @@ class PolicyPlan:
 
     ``tier_bytes``: ``{"device"|"host": {family: bytes}}`` at rest between steps: as ``model.tier_bytes()``
     reports it after a step, less the chunks the step started fetching for the next forward's first period
-    (their device copies, which that period uses or frees). ``device_peak_bytes``: the most chunk bytes on the device at once (the meta
-    run's ledger peak, which restarts at each period: the largest it reads at the end of each pass of the
-    measured iteration and after its step, plus the optimizer state resting there).
+    (their device copies, which that period uses or frees). ``device_peak_bytes``: the most chunk bytes on the
+    device at once (the meta run's ledger peak, which restarts at each period: the largest it reads at the end
+    of each pass of the measured iteration and after its step, plus the optimizer state resting there).
     ``host_peak_bytes``: the most chunk bytes on the host at once (the meta run's ledger peak: the parameters
     and the gradients resting there before the step, plus the optimizer state resting there): what a host
     capacity must allow. Both peaks include, with ``gradient_accumulation_steps`` > 1, the 16-bit gradient
