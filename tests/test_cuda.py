@@ -118,7 +118,8 @@ def test_asynchronous_copies_train_bitwise_as_synchronous_ones(policy, dtype):
     """The cuda engine (gradients leave on the device-to-host stream into pinned buffers, parameters come
     from pinned shards) against cuda-sync (every copy on the compute stream, waited for at once): with
     clipping that triggers, an fp16 overflow and the step in the backward; no host wait inside the backward
-    when the step follows it."""
+    when the step follows it; the norm's sums of squares taken as the gradients landed (chunkmem/optim/squares_ahead.py)
+    under the cuda engine only."""
     from chunkmem.core import copy_engine
 
     reference = mlp()
@@ -147,11 +148,12 @@ def test_asynchronous_copies_train_bitwise_as_synchronous_ones(policy, dtype):
             optim.zero_grad()
             losses.append(loss.item())
         in_hooks = sum(v for k, v in engine_waits.items() if k.endswith("in backward")) - before
-        return losses, {k: v.clone() for k, v in model.state_dict().items()}, in_hooks
+        return losses, {k: v.clone() for k, v in model.state_dict().items()}, in_hooks, optim._squares.used
 
     for in_backward in (False, True):
-        sync_losses, sync_state, _ = run("cuda-sync", in_backward)
-        async_losses, async_state, in_hooks = run("cuda", in_backward)
+        sync_losses, sync_state, _, sync_ahead = run("cuda-sync", in_backward)
+        async_losses, async_state, in_hooks, ahead = run("cuda", in_backward)
+        assert sync_ahead == 0 and ahead > 0  # (no margin under auto here: every gradient lands on the host)
         assert async_losses == sync_losses
         for name, value in sync_state.items():
             assert torch.equal(value, async_state[name]), name
