@@ -94,3 +94,11 @@ def upcast_by_autograd(model: nn.Module) -> nn.Module:
             module.forward = (lambda m: lambda x: F.linear(
                 x.float(), m.weight.float(), None if m.bias is None else m.bias.float()).to(x.dtype))(module)
     return model
+
+
+def resting_tier_bytes(model) -> dict:
+    """``model.tier_bytes()`` at rest between steps: without the device copies the last step started for the next
+    forward's first period (``ChunkExecutor.prefetch_next_forward``), which are freed here as that period would free
+    them unused; what the planner's ``tier_bytes`` and the by-hand byte counts describe."""
+    model.runtime.executor.flush_stale()
+    return model.tier_bytes()

@@ -18,7 +18,7 @@ from chunkmem.plan import plan
 from chunkmem.plan.cost_model import step_time
 from chunkmem.plan.machine_profile import MachineProfile
 from distributed import run_ranks
-from models import TinyGPT, lm_loss
+from models import TinyGPT, lm_loss, resting_tier_bytes
 from test_choose import CHUNK, IO, build, counted_training, planned, profile
 
 DISK = dict(disk_memory=2**30, chunk_size=CHUNK, buffer_count=2, buffer_size=IO)
@@ -216,8 +216,7 @@ def test_initialize_takes_an_8bit_candidate_and_refuses_another_state(tmp_path):
         model, optim = cm.initialize(module, make(module.parameters()), plan=c, nvme_path=str(tmp_path / str(n)))
         optim.backward(model(batch).float().mean())
         optim.step()
-        model.runtime.executor.flush_stale()  # (the step's fetch for the next forward: not resting bytes)
-        assert model.tier_bytes() == c.tier_bytes and model.disk_file_bytes() == c.disk_file_bytes
+        assert resting_tier_bytes(model) == c.tier_bytes and model.disk_file_bytes() == c.disk_file_bytes
     refused = [(by_name["cpu+8bit-bf16"], lambda p: cm.HybridAdam(p), "optimizer.*bf16_stochastic_round=True"),
                (by_name["cpu+8bit-bf16"], lambda p: cm.HybridAdam(p, state_dtype="8bit"),
                 "bf16_stochastic_round.*True"),
@@ -254,8 +253,7 @@ def test_plan_counts_bf16_parameters_as_their_own_masters():
             optim.step()
             optim.zero_grad()
         p = plans[placement]
-        model.runtime.executor.flush_stale()  # (the step's fetch for the next forward: not resting bytes)
-        assert p.tier_bytes == model.tier_bytes(), placement
+        assert p.tier_bytes == resting_tier_bytes(model), placement
         tier = "device" if placement == "cuda" else "host"
         state = sum(n for f, n in p.tier_bytes[tier].items() if f.startswith("exp_avg"))
         own = state + p.tier_bytes[tier]["param"]  # the parameters are the masters

@@ -12,6 +12,7 @@ import torch.nn as nn
 
 import chunkmem as cm
 from chunkmem.plan import format_table, plan
+from models import resting_tier_bytes
 
 CHUNK = 64 * 256 * 4
 
@@ -35,7 +36,7 @@ def real_run(policy: str, dtype: torch.dtype, batch: torch.Tensor, builder=build
         o.step()
         o.zero_grad()
     traced_peak = max(p.non_model_peak for p in m.runtime.scheduler.periods)
-    return m.tier_bytes(), (ledger.moved_to_device - before[0], ledger.moved_to_host - before[1]), traced_peak
+    return resting_tier_bytes(m), (ledger.moved_to_device - before[0], ledger.moved_to_host - before[1]), traced_peak
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

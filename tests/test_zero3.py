@@ -16,7 +16,7 @@ from chunkmem.distributed.agreement import LayoutMismatchError
 from chunkmem.distributed.collectives import ShardGroup
 from chunkmem.distributed.reduction import GradientReduction
 from distributed import run_ranks
-from models import TinyGPT, batches, lm_loss
+from models import TinyGPT, batches, lm_loss, resting_tier_bytes
 
 POLICIES = ("cpu", "cuda", "auto")
 # bytes, by world size: less than the fp32 TinyGPT's chunks need with the activations of batch 4 (one
@@ -44,7 +44,7 @@ def run_training(policy: str, dtype: torch.dtype, data: list[torch.Tensor], *, r
         if clip is not None:
             norms.append(optim.clip_grad_norm(clip))
         assert optim.step()
-        at_rest = model.tier_bytes()
+        at_rest = resting_tier_bytes(model)
         optim.zero_grad()
         losses.append(loss.item())
     cm.set_device_memory_capacity(None)

@@ -422,15 +422,14 @@ def _did_not_fit(result: PolicyPlan, model: ShardedModelV2 | None, error: Device
 
 
 def _meta_step(model: ShardedModelV2) -> None:
-    """What a step leaves behind, on the meta run: the gradients released and, with
-    ``reuse_fp16_shard``, each chunk's parameter memory written by its update (there are no masters to
-    restore it from, as ``zero_grad`` would)."""
+    """What a step leaves behind, on the meta run: each trainable chunk's parameters written by its update where
+    it runs (a host update drops the device copy, which a chunk resting on the device fetches again; with
+    ``reuse_fp16_shard`` the parameter memory that held the gradients is written), the gradients released, and
+    the next forward's first chunks fetched."""
     runtime = model.runtime
-    if model.reuse_fp16_shard:
-        for chunk in runtime.trainable_chunks():
-            if chunk.param.holds_grads:
-                with runtime.updating(chunk, runtime.compute_tier(chunk)):
-                    pass
+    for chunk in runtime.trainable_chunks():
+        with runtime.updating(chunk, runtime.compute_tier(chunk)):
+            pass
     runtime.end_step(release_gradients=True)
 
 
