@@ -242,15 +242,18 @@ def _two_ranks(rank, world, engine):
     data = [x[rank::world] for x in batches(3, batch=4)]
     result = _train(model, optim, data)
     params, state = _state(model, optim)
-    return result, params, {k: v for k, v in state.items() if torch.is_tensor(v)}
+    return result, params, {k: v for k, v in state.items() if torch.is_tensor(v)}, optim._squares.used
 
 
 def test_deferred_copies_on_two_ranks():
+    """fp16 (the overflow check takes the norm every step) with the gradients sharded over two ranks: bitwise the
+    plain engine, the deferred one taking each rank's terms as its reduced shards land."""
     plain = run_ranks(_two_ranks, 2, "plain")
     deferred = run_ranks(_two_ranks, 2, "deferred")
-    for (ra, pa, sa), (rb, pb, sb) in zip(plain, deferred):
+    for (ra, pa, sa, used_plain), (rb, pb, sb, used) in zip(plain, deferred):
         assert ra == rb
         _assert_same((pa, sa), (pb, sb))
+        assert used_plain == 0 and used > 0
 
 
 def test_a_missing_wait_fails_under_the_deferred_engine(monkeypatch):
