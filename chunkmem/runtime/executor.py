@@ -261,21 +261,10 @@ class ChunkExecutor:
             return
         if orders.guessed and any(c.param.sharded for c in ahead):
             return  # a guess's reserve is this rank's trace so far: the ranks could decide unlike
-        chunk_bytes = ahead[0].param.nbytes
         missing = sum(1 for i in orders.needed if not self.chunks[i].param.device_allocated)
-        ledger = self.memory.ledger
-        free = ledger.capacity - ledger.tier_bytes(Tier.DEVICE) - orders.reserve - missing * chunk_bytes
-        count = max(free, 0) // chunk_bytes
-        if self.prefetch_chunks is not None:
-            count = min(count, self.prefetch_chunks)
-        rests_on_host = [self.rest_tier(c) is Tier.HOST for c in ahead]
-        for chunk, to_host in zip(ahead[:count], rests_on_host):
-            chunk.param.start_fetch(exact=False)
-            self.gathers += chunk.param.sharded
-            self.prefetched += 1
-            self.log_event("fetch", chunk.index, "prefetch")
-            if to_host or orders.guessed:  # freed at the next period boundary unless that period needs it
-                self.stale[chunk] = None
+        for chunk in self._fetch_ahead(ahead, orders.reserve + missing * ahead[0].param.nbytes, "prefetch"):
+            if self.rest_tier(chunk) is Tier.HOST or orders.guessed:
+                self.stale[chunk] = None  # freed at the next period boundary unless that period needs it
 
     def prefetch_next_forward(self, start: tuple[list[int], int] | None) -> int:
         """After a step: start fetching the chunks the next iteration's first period fetches (``start``, from
@@ -294,18 +283,26 @@ class ChunkExecutor:
                  and not c.param.shard.on_disk]
         if not ahead:
             return 0
-        ledger = self.memory.ledger
-        count = max(ledger.capacity - ledger.tier_bytes(Tier.DEVICE) - reserve, 0) // ahead[0].param.nbytes
-        if self.prefetch_chunks is not None:
-            count = min(count, self.prefetch_chunks)
-        moved = ledger.moved_to_device
-        for chunk in ahead[:count]:
-            chunk.param.start_fetch(exact=False)
-            self.prefetched += 1
-            self.log_event("fetch", chunk.index, "after step")
+        moved = self.memory.ledger.moved_to_device
+        for chunk in self._fetch_ahead(ahead, reserve, "after step"):
             self.stale[chunk] = None
             self._ahead.add(chunk)
-        return ledger.moved_to_device - moved
+        return self.memory.ledger.moved_to_device - moved
+
+    def _fetch_ahead(self, chunks: list[Chunk], keep_free: int, why: str) -> list[Chunk]:
+        """Start fetching the first of ``chunks`` (none on the device, all of one size) that fit in the capacity less
+        the device bytes in use and ``keep_free``, at most ``prefetch_chunks`` of them; ``why`` names the fetches in
+        :attr:`events`. Returns those started."""
+        ledger = self.memory.ledger
+        count = max(ledger.capacity - ledger.tier_bytes(Tier.DEVICE) - keep_free, 0) // chunks[0].param.nbytes
+        if self.prefetch_chunks is not None:
+            count = min(count, self.prefetch_chunks)
+        for chunk in chunks[:count]:
+            chunk.param.start_fetch(exact=False)
+            self.gathers += chunk.param.sharded
+            self.prefetched += 1
+            self.log_event("fetch", chunk.index, why)
+        return chunks[:count]
 
     # ---- forward and backward use ------------------------------------------------------------------
 
