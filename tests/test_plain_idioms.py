@@ -53,6 +53,12 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
 
 
+def _assert_weights_equal(model, plain):
+    ours = model.state_dict()
+    for key, value in plain.state_dict().items():
+        assert torch.equal(ours[key], value), key
+
+
 def _assert_weights_close(model, plain, rtol=1e-5):
     ours = model.state_dict()
     for key, value in plain.state_dict().items():
@@ -335,9 +341,7 @@ def test_per_parameter_gradient_norms_are_torch_s_bit_for_bit():
         plain_optim.step()
         optim.zero_grad()
         plain_optim.zero_grad()
-    ours = model.state_dict()
-    for key, value in plain.state_dict().items():
-        assert torch.equal(ours[key], value), key
+    _assert_weights_equal(model, plain)
 
 
 def test_a_norm_or_read_after_a_backward_that_added_to_clipped_gradients_is_refused():
@@ -369,9 +373,7 @@ def test_setting_grad_to_none_drops_the_gradient_as_in_torch():
     assert model.module.blocks[0].fc1.weight.grad is None
     optim.step()
     plain_optim.step()
-    ours = model.state_dict()
-    for key, value in plain.state_dict().items():
-        assert torch.equal(ours[key], value), key
+    _assert_weights_equal(model, plain)
     assert sorted(optim.state_dict()["state"]) == sorted(plain_optim.state_dict()["state"])
 
 
@@ -390,6 +392,4 @@ def test_clipping_twice_trains_like_plain_torch_bit_for_bit():
         plain_optim.step()
         optim.zero_grad()
         plain_optim.zero_grad()
-        ours = model.state_dict()
-        for key, value in plain.state_dict().items():
-            assert torch.equal(ours[key], value), key
+        _assert_weights_equal(model, plain)
