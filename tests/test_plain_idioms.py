@@ -189,12 +189,18 @@ def test_clipping_some_parameters_only_is_refused_at_the_step_with_nothing_chang
     assert optim.step()  # zero_grad dropped the factors with the gradients
 
 
-def test_a_backward_after_clipping_is_refused_at_the_step():
-    plain, plain_optim, model, optim = _pair(_adamw)
+def _a_backward_after_clipping():
+    """A chunkmem model and optimizer after a backward, torch's clip_grad_norm_, and a second backward; and the batch."""
+    _, _, model, optim = _pair(_adamw)
     x = batches(1)[0]
     lm_loss(model(x), x).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
     lm_loss(model(x), x).backward()
+    return model, optim, x
+
+
+def test_a_backward_after_clipping_is_refused_at_the_step():
+    model, optim, _ = _a_backward_after_clipping()
     with pytest.raises(cm.UnsupportedOperationError, match="added gradients to gradients already scaled"):
         optim.step()
 
@@ -347,11 +353,7 @@ def test_per_parameter_gradient_norms_are_torch_s_bit_for_bit():
 def test_a_norm_or_read_after_a_backward_that_added_to_clipped_gradients_is_refused():
     """torch's second clip_grad_norm_ sees c * g1 + g2; the chunks hold g1 + g2 and one factor c. Before
     2026-11-28 the norm returned was (|g1 + g2|) * c, silently, and only the step refused."""
-    plain, plain_optim, model, optim = _pair(_adamw)
-    x = batches(1)[0]
-    lm_loss(model(x), x).backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
-    lm_loss(model(x), x).backward()
+    model, optim, x = _a_backward_after_clipping()
     with pytest.raises(cm.UnsupportedOperationError, match="added gradients to gradients already scaled"):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     with pytest.raises(cm.UnsupportedOperationError, match="added gradients to gradients already scaled"):
