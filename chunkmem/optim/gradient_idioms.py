@@ -50,7 +50,6 @@ from ..runtime.runtime import ChunkRuntime
 from .backward_step import BackwardStep
 from .mixed_precision import MixedPrecisionStep
 from .norms import SUMMED_DTYPES, sum_of_squares
-from .squares_ahead import SquaresAhead
 
 _NORMS = {"linalg_vector_norm", "_foreach_norm", "norm"}
 _SCALINGS = {"mul_", "_foreach_mul_"}
@@ -66,15 +65,12 @@ class GradientIdioms:
             into it, the groups a norm sums over).
         backward: what the backward started under ``step_in_backward`` (which refuses a rescaling it could not
             redo).
-        squares: the sums of squares taken of the gradients as they landed, forgotten when a gradient is written.
     """
 
-    def __init__(self, runtime: ChunkRuntime, mixed: MixedPrecisionStep, backward: BackwardStep,
-                 squares: SquaresAhead) -> None:
+    def __init__(self, runtime: ChunkRuntime, mixed: MixedPrecisionStep, backward: BackwardStep) -> None:
         self._runtime = runtime
         self._mixed = mixed
         self._backward = backward
-        self._squares = squares
         self._norms: dict[tuple[int, int, float], dict[int, float]] = {}  # (backward, step, p) -> slot -> norm
 
     # ---- what the step and the accessors ask -------------------------------------------------------
@@ -232,7 +228,6 @@ class GradientIdioms:
         grad = self._runtime.grad_of(slot.chunk)
         part = _local_part(slot, grad) if grad is not None else None
         if part is not None:
-            self._squares.forget()
             part.mul_(factor)
         self._mixed.factors[id(slot)] = 1.0
         self._norms.clear()
@@ -264,7 +259,6 @@ class GradientIdioms:
             bounds = [None if b is None else float(b) / multiplier for b in (low, high)]
             if multiplier < 0:
                 bounds.reverse()
-            self._squares.forget()
             part.clamp_(*bounds)
         self._norms.clear()
         return None if name.startswith("_foreach") else grads[0]

@@ -155,7 +155,7 @@ class ShardedOptimizerV2(WrappingOptimizer):
         self._disk = DiskCommit(self.runtime, parts.rule, self._backward, self.mixed, self._accounting)
         self._squares = SquaresAhead(self._backward.host_updates)  # the norm's terms, taken as gradients land
         # torch's idioms on the parameters' .grad stand-ins
-        self._idioms = GradientIdioms(self.runtime, self.mixed, self._backward, self._squares)
+        self._idioms = GradientIdioms(self.runtime, self.mixed, self._backward)
         self._init_optimizer_hooks()
         parts.rule.prepare_chunks()
         self.runtime.attach_optimizer(self, settings.gpu_margin_mem_ratio, parts.kept_on_host)

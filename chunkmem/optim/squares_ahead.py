@@ -11,11 +11,11 @@ end joins the jobs; ``step()`` then reads each term instead of computing it. The
 packing order whichever computed them (:meth:`~chunkmem.optim.mixed_precision.MixedPrecisionStep.total_norm`),
 and the sum of squares does not depend on the thread, so the bits are the same.
 
-A term is used only for the tensor it was taken of (same memory, length and dtype, and the same version: no
-in-place write through it since) and only while nothing has changed the gradients since: a later backward
-reaching the chunk replaces it, and whatever else writes gradients (``zero_grad``, the step's read of the
-norm, a clamp or a folded scaling of ``.grad``, a failed backward) forgets them all
-(:meth:`SquaresAhead.forget`). A term that is missing is computed by the step as before. With plain copies (a
+A term is used only for the tensor it was taken of: the same memory, length and dtype, and the same version, so
+no in-place write through it or a view of it since (``clip_grad_value_``'s clamp, a folded scaling of ``.grad``,
+``p.grad = None`` zeroing its part). A later backward reaching the chunk replaces it, and where gradient memory
+may be freed and used again (``zero_grad``, the step once it has read the norm, a failed backward) every term is
+forgotten (:meth:`SquaresAhead.forget`). A term that is missing is computed by the step as before. With plain copies (a
 CPU-only machine) nothing is taken ahead: the device and the host are the same cores.
 """
 from __future__ import annotations
